@@ -1,0 +1,69 @@
+"""Page-aligned buffers and O_DIRECT helpers shared by the local tier and the fast path."""
+
+from __future__ import annotations
+
+import mmap
+import os
+import threading
+
+import numpy as np
+
+__all__ = ["ALIGN", "BouncePool", "address_of", "aligned_buffer", "is_aligned", "open_direct",
+           "round_up"]
+
+ALIGN = 4096
+
+
+def round_up(n: int, a: int = ALIGN) -> int:
+    return -(-n // a) * a
+
+
+def aligned_buffer(size: int) -> memoryview:
+    """A zero-filled, page-aligned, writable buffer (anonymous mmap) of ``size`` bytes."""
+    m = mmap.mmap(-1, max(size, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return memoryview(m)[:size]
+
+
+def address_of(buf: object) -> int:
+    """Address of a buffer's first byte (read-only buffers included)."""
+    return int(np.frombuffer(buf, dtype=np.uint8).ctypes.data) if len(memoryview(buf)) else 0  # type: ignore[call-overload]
+
+
+def is_aligned(buf: memoryview, a: int = ALIGN) -> bool:
+    return len(buf) % a == 0 and address_of(buf) % a == 0
+
+
+def open_direct(path: str | os.PathLike[str], flags: int, mode: int = 0o640,
+                direct: bool = True) -> tuple[int, bool]:
+    """Open with O_DIRECT where the filesystem allows it; returns (fd, is_direct).
+
+    tmpfs and some overlay filesystems refuse O_DIRECT with EINVAL: fall back to buffered I/O
+    there rather than fail, and let the caller know.
+    """
+    if direct and hasattr(os, "O_DIRECT"):
+        try:
+            return os.open(path, flags | os.O_DIRECT, mode), True
+        except OSError as e:
+            if e.errno != 22:  # EINVAL: no O_DIRECT on this filesystem
+                raise
+    return os.open(path, flags, mode), False
+
+
+class BouncePool:
+    """A bounded pool of aligned buffers for data whose source or target is not aligned."""
+
+    def __init__(self, size: int, count: int) -> None:
+        self.size = size
+        self._free = [aligned_buffer(size) for _ in range(count)]
+        self._cv = threading.Condition()
+
+    def take(self) -> memoryview:
+        with self._cv:
+            while not self._free:
+                self._cv.wait()
+            return self._free.pop()
+
+    def give(self, buf: memoryview) -> None:
+        with self._cv:
+            self._free.append(buf)
+            self._cv.notify()

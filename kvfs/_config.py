@@ -1,0 +1,85 @@
+"""Store configuration: one frozen dataclass with every default.
+
+The embedded default needs nothing: data in ``./kvfs-data`` and no cap beyond the disk.
+Loading from TOML / environment / flags builds on :meth:`StoreConfig.replace`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+__all__ = ["StoreConfig", "parse_size"]
+
+KiB = 1024
+MiB = 1024 * KiB
+GiB = 1024 * MiB
+ALIGN = 4096
+
+_UNITS = {"": 1, "b": 1, "k": KiB, "kb": 1000, "kib": KiB, "m": MiB, "mb": 1000**2,
+          "mib": MiB, "g": GiB, "gb": 1000**3, "gib": GiB, "t": 1024 * GiB,
+          "tb": 1000**4, "tib": 1024 * GiB}
+
+
+def parse_size(text: str | int) -> int:
+    """``"64MiB"`` -> 67108864. Accepts ints, decimal (kB, MB) and binary (KiB, MiB) units."""
+    if isinstance(text, int):
+        return text
+    s = text.strip().lower().replace(" ", "").replace("_", "")
+    num = s.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = s[len(num):]
+    if unit not in _UNITS or not num:
+        raise ValueError(f"not a size: {text!r} (examples: 4096, 64MiB, 2GB)")
+    return int(float(num) * _UNITS[unit])
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    """Everything a store needs to open. Every field has a default."""
+
+    #: One root directory per NVMe device; pages are striped across them.
+    data_dirs: tuple[Path, ...] = (Path("kvfs-data"),)
+    #: Hard cap on bytes the local tier holds on disk (headers and 4 KiB padding included).
+    #: 0 means "what the disks hold": the sum of the devices' free space at open.
+    capacity: int = 0
+    #: Stripe unit: pages larger than this are split round-robin across devices.
+    stripe_unit: int = 4 * MiB
+    #: Where the SQLite index lives; default: the first data dir.
+    index_dir: Path | None = None
+    #: Read and write with O_DIRECT where the buffers allow it.
+    direct_io: bool = True
+    #: fsync data and index before a put returns (off only for benchmarks of the page cache).
+    durable: bool = True
+    #: Worker threads for disk I/O and hashing.
+    io_threads: int = 8
+    #: Archive URL: ``file:///dir`` or ``s3://bucket/prefix``; empty = no archive tier.
+    archive_url: str = ""
+    #: Free-form per-subsystem settings (archive, daemon...) later issues read.
+    extra: dict[str, object] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        dirs = tuple(Path(d) for d in (self.data_dirs if not isinstance(self.data_dirs, (str, Path)) else [self.data_dirs]))
+        if not dirs:
+            raise ValueError("at least one data directory is needed")
+        if len({os.path.abspath(d) for d in dirs}) != len(dirs):
+            raise ValueError("data directories must be distinct")
+        object.__setattr__(self, "data_dirs", dirs)
+        if self.stripe_unit <= 0 or self.stripe_unit % ALIGN:
+            raise ValueError(f"stripe_unit must be a positive multiple of {ALIGN}")
+        if self.capacity < 0:
+            raise ValueError("capacity must be >= 0")
+        if self.io_threads < 1:
+            raise ValueError("io_threads must be >= 1")
+
+    @property
+    def index_path(self) -> Path:
+        return Path(self.index_dir or self.data_dirs[0]) / "kvfs-index.sqlite3"
+
+    @property
+    def lock_path(self) -> Path:
+        return Path(self.index_dir or self.data_dirs[0]) / "kvfs.lock"
+
+    def replace(self, **changes: object) -> StoreConfig:
+        return dataclasses.replace(self, **changes)  # type: ignore[arg-type]

@@ -1,0 +1,83 @@
+"""The kvfs error hierarchy.
+
+Every error kvfs raises on purpose is a :class:`KvfsError`. Each leaf also inherits the
+builtin exception a Python programmer would expect, so ``except FileNotFoundError`` keeps
+working for code that knows nothing about kvfs. Errors are mapped to errno in exactly one
+place (the FUSE layer) and to exit codes in exactly one place (the CLI).
+"""
+
+from __future__ import annotations
+
+import errno
+
+__all__ = [
+    "ArchiveUnavailable",
+    "CapacityExceeded",
+    "CorruptPage",
+    "InvalidKey",
+    "KvfsError",
+    "PageExists",
+    "PageNotFound",
+    "SessionNotFound",
+    "StoreClosed",
+    "StoreLocked",
+]
+
+
+class KvfsError(Exception):
+    """Root of every error kvfs raises deliberately."""
+
+    #: errno the FUSE layer answers with; EIO for anything not more specific.
+    errno: int = errno.EIO
+
+
+class InvalidKey(KvfsError, ValueError):
+    """A page key or path is malformed: empty part, ``..``, NUL, too long, reserved name."""
+
+    errno = errno.EINVAL
+
+
+class PageNotFound(KvfsError, FileNotFoundError):
+    """No page is stored under this key (in any tier)."""
+
+    errno = errno.ENOENT
+
+
+class SessionNotFound(KvfsError, FileNotFoundError):
+    """No session of this name holds any page."""
+
+    errno = errno.ENOENT
+
+
+class PageExists(KvfsError, FileExistsError):
+    """A page is already stored under this key and pages are write-once."""
+
+    errno = errno.EEXIST
+
+
+class CorruptPage(KvfsError, OSError):
+    """Stored bytes do not match the page's checksum. The data is never returned."""
+
+    errno = errno.EIO
+
+
+class CapacityExceeded(KvfsError, OSError):
+    """The page does not fit under the capacity cap even after evicting what may be evicted."""
+
+    errno = errno.ENOSPC
+
+
+class StoreLocked(KvfsError, BlockingIOError):
+    """Another process owns this data directory (the message names it)."""
+
+    errno = errno.EBUSY
+
+
+class StoreClosed(KvfsError, RuntimeError):
+    """The store was closed; no further calls are accepted."""
+
+
+class ArchiveUnavailable(KvfsError, ConnectionError):
+    """The archive tier cannot be reached or refused access; the cause is in ``__cause__``."""
+
+    errno = errno.EIO

@@ -1,0 +1,429 @@
+"""The page index: SQLite in WAL mode, the single source of truth for what exists.
+
+A page is visible exactly when its row is committed here. Data files are written and made
+durable first; the commit that inserts the page row is the one atomic step that publishes
+it. Everything on disk that no committed row points at is an orphan and is swept at the next
+start after an unclean shutdown.
+
+Tables:
+  blobs     one row per distinct content (checksum): size, leaf hashes, reference count,
+            local extents (NULL when the data is not held locally), archive state.
+  pages     one row per key: path, session directory, blob checksum, times, pinned, attrs.
+  sessions  one row per session directory: times, pinned, attrs (model id...).
+  meta      store identity and layout.
+
+One connection, one lock: every call is short (index lookups), so a mutex is simpler and
+faster than a connection per thread. Calls are made from worker threads, never the trio loop.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import threading
+import time
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import msgpack
+
+__all__ = ["BlobRow", "Index", "PageRow", "SessionRow"]
+
+SCHEMA_VERSION = 1
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (k TEXT PRIMARY KEY, v BLOB);
+CREATE TABLE IF NOT EXISTS blobs (
+    hash BLOB PRIMARY KEY,
+    size INTEGER NOT NULL,
+    leaves BLOB NOT NULL,
+    refs INTEGER NOT NULL,
+    extents BLOB,
+    disk_bytes INTEGER NOT NULL DEFAULT 0,
+    archived INTEGER NOT NULL DEFAULT 0,
+    created REAL NOT NULL,
+    atime REAL NOT NULL
+);
+CREATE INDEX IF NOT EXISTS blobs_lru ON blobs(atime) WHERE extents IS NOT NULL;
+CREATE TABLE IF NOT EXISTS pages (
+    path TEXT PRIMARY KEY,
+    session TEXT NOT NULL,
+    hash BLOB NOT NULL,
+    size INTEGER NOT NULL,
+    created REAL NOT NULL,
+    atime REAL NOT NULL,
+    pinned INTEGER NOT NULL DEFAULT 0,
+    attrs BLOB
+);
+CREATE INDEX IF NOT EXISTS pages_session ON pages(session, path);
+CREATE INDEX IF NOT EXISTS pages_hash ON pages(hash);
+CREATE TABLE IF NOT EXISTS sessions (
+    dir TEXT PRIMARY KEY,
+    created REAL NOT NULL,
+    atime REAL NOT NULL,
+    pinned INTEGER NOT NULL DEFAULT 0,
+    attrs BLOB
+);
+"""
+
+Extent = tuple[int, str, int, int]  # (device index, file relative to device root, offset, length)
+
+
+def _pack(obj: object) -> bytes:
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+def _unpack(b: bytes | None, default: object = None) -> object:
+    return default if b is None else msgpack.unpackb(b, raw=False, use_list=False)
+
+
+@dataclass(frozen=True, slots=True)
+class BlobRow:
+    hash: bytes
+    size: int
+    leaves: bytes
+    refs: int
+    extents: tuple[Extent, ...] | None
+    disk_bytes: int
+    archived: bool
+    created: float
+    atime: float
+
+    @property
+    def local(self) -> bool:
+        return self.extents is not None
+
+
+@dataclass(frozen=True, slots=True)
+class PageRow:
+    path: str
+    session: str
+    hash: bytes
+    size: int
+    created: float
+    atime: float
+    pinned: bool
+    attrs: dict[str, str]
+
+
+@dataclass(frozen=True, slots=True)
+class SessionRow:
+    dir: str
+    created: float
+    atime: float
+    pinned: bool
+    attrs: dict[str, str]
+
+
+_BLOB_COLS = "hash, size, leaves, refs, extents, disk_bytes, archived, created, atime"
+_PAGE_COLS = "path, session, hash, size, created, atime, pinned, attrs"
+
+
+def _blob(r: tuple) -> BlobRow:
+    ext = _unpack(r[4])
+    return BlobRow(r[0], r[1], r[2], r[3], tuple(tuple(e) for e in ext) if ext is not None else None,  # type: ignore[union-attr]
+                   r[5], bool(r[6]), r[7], r[8])
+
+
+def _page(r: tuple) -> PageRow:
+    return PageRow(r[0], r[1], r[2], r[3], r[4], r[5], bool(r[6]), dict(_unpack(r[7], {})))  # type: ignore[arg-type]
+
+
+class Index:
+    """Thread-safe wrapper around one SQLite connection. See the module docstring."""
+
+    def __init__(self, path: Path, *, durable: bool = True) -> None:
+        self.path = path
+        self._lock = threading.RLock()
+        self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None,
+                                   timeout=30)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        # FULL: a commit is on disk when put() returns. NORMAL keeps consistency, not the
+        # last commits, across power loss; only for page-cache benchmarks.
+        self._db.execute(f"PRAGMA synchronous={'FULL' if durable else 'NORMAL'}")
+        self._db.execute("PRAGMA foreign_keys=OFF")
+        with self.transaction() as db:
+            for stmt in _SCHEMA.strip().split(";"):
+                if stmt.strip():
+                    db.execute(stmt)
+            v = db.execute("SELECT v FROM meta WHERE k='schema'").fetchone()
+            if v is None:
+                db.execute("INSERT INTO meta VALUES ('schema', ?)", (_pack(SCHEMA_VERSION),))
+            elif _unpack(v[0]) != SCHEMA_VERSION:
+                raise RuntimeError(f"index {path} has schema {_unpack(v[0])}, "
+                                   f"this kvfs reads {SCHEMA_VERSION}")
+
+    def close(self) -> None:
+        with self._lock:
+            try:
+                self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+            finally:
+                self._db.close()
+
+    @contextmanager
+    def transaction(self) -> Iterator[sqlite3.Connection]:
+        """BEGIN IMMEDIATE ... COMMIT under the lock; ROLLBACK on any exception."""
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                yield self._db
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            else:
+                self._db.execute("COMMIT")
+
+    def _q(self, sql: str, args: Iterable[object] = ()) -> list[tuple]:
+        with self._lock:
+            return self._db.execute(sql, tuple(args)).fetchall()
+
+    # -- meta ---------------------------------------------------------------------------
+    def get_meta(self, k: str, default: object = None) -> object:
+        r = self._q("SELECT v FROM meta WHERE k=?", (k,))
+        return _unpack(r[0][0]) if r else default
+
+    def set_meta(self, k: str, v: object) -> None:
+        with self.transaction() as db:
+            db.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)", (k, _pack(v)))
+
+    # -- reads --------------------------------------------------------------------------
+    def page(self, path: str) -> PageRow | None:
+        r = self._q(f"SELECT {_PAGE_COLS} FROM pages WHERE path=?", (path,))
+        return _page(r[0]) if r else None
+
+    def blob(self, h: bytes) -> BlobRow | None:
+        r = self._q(f"SELECT {_BLOB_COLS} FROM blobs WHERE hash=?", (h,))
+        return _blob(r[0]) if r else None
+
+    def page_and_blob(self, path: str) -> tuple[PageRow, BlobRow] | None:
+        with self._lock:
+            p = self.page(path)
+            if p is None:
+                return None
+            b = self.blob(p.hash)
+            assert b is not None, f"index inconsistent: page {path} has no blob"
+            return p, b
+
+    def pages(self, *, session: str | None = None, path_prefix: str | None = None,
+              limit: int | None = None) -> list[PageRow]:
+        sql, args = f"SELECT {_PAGE_COLS} FROM pages", []
+        where = []
+        if session is not None:
+            where.append("session=?")
+            args.append(session)
+        if path_prefix:
+            # Range scan on the primary key: everything that starts with path_prefix.
+            where.append("path >= ? AND path < ?")
+            args += [path_prefix, path_prefix + "\U0010ffff"]
+        if where:
+            sql += " WHERE " + " AND ".join(where)
+        sql += " ORDER BY path"
+        if limit is not None:
+            sql += f" LIMIT {int(limit)}"
+        return [_page(r) for r in self._q(sql, args)]
+
+    def pages_of_blob(self, h: bytes) -> list[PageRow]:
+        return [_page(r) for r in self._q(f"SELECT {_PAGE_COLS} FROM pages WHERE hash=?", (h,))]
+
+    def session(self, d: str) -> SessionRow | None:
+        r = self._q("SELECT dir, created, atime, pinned, attrs FROM sessions WHERE dir=?", (d,))
+        if not r:
+            return None
+        x = r[0]
+        return SessionRow(x[0], x[1], x[2], bool(x[3]), dict(_unpack(x[4], {})))  # type: ignore[arg-type]
+
+    def sessions(self) -> list[SessionRow]:
+        rows = self._q("SELECT dir, created, atime, pinned, attrs FROM sessions ORDER BY dir")
+        return [SessionRow(x[0], x[1], x[2], bool(x[3]), dict(_unpack(x[4], {})))  # type: ignore[arg-type]
+                for x in rows]
+
+    def session_usage(self, d: str) -> dict[str, int]:
+        """Pages and logical bytes of a session, split by where the data is."""
+        r = self._q(
+            "SELECT COUNT(*), COALESCE(SUM(p.size),0),"
+            " COALESCE(SUM(CASE WHEN b.extents IS NOT NULL THEN p.size END),0),"
+            " COALESCE(SUM(CASE WHEN b.archived THEN p.size END),0)"
+            " FROM pages p JOIN blobs b ON b.hash=p.hash WHERE p.session=?", (d,))[0]
+        return {"pages": r[0], "bytes": r[1], "local_bytes": r[2], "archived_bytes": r[3]}
+
+    def local_disk_bytes(self) -> int:
+        return self._q("SELECT COALESCE(SUM(disk_bytes),0) FROM blobs WHERE extents IS NOT NULL")[0][0]
+
+    def counts(self) -> dict[str, int]:
+        with self._lock:
+            pages, logical = self._db.execute("SELECT COUNT(*), COALESCE(SUM(size),0) FROM pages").fetchone()
+            blobs, stored = self._db.execute(
+                "SELECT COUNT(*), COALESCE(SUM(size),0) FROM blobs WHERE extents IS NOT NULL").fetchone()
+            sessions = self._db.execute("SELECT COUNT(*) FROM sessions").fetchone()[0]
+        return {"pages": pages, "logical_bytes": logical, "local_blobs": blobs,
+                "local_bytes": stored, "sessions": sessions}
+
+    def all_extent_files(self) -> set[tuple[int, str]]:
+        out: set[tuple[int, str]] = set()
+        for (ext,) in self._q("SELECT extents FROM blobs WHERE extents IS NOT NULL"):
+            for e in _unpack(ext):  # type: ignore[union-attr]
+                out.add((e[0], e[1]))
+        return out
+
+    def local_blobs(self) -> list[BlobRow]:
+        return [_blob(r) for r in self._q(f"SELECT {_BLOB_COLS} FROM blobs WHERE extents IS NOT NULL")]
+
+    def eviction_candidates(self, limit: int) -> list[BlobRow]:
+        """Local blobs, least recently used first, that no pinned page or session holds."""
+        rows = self._q(
+            f"SELECT {_BLOB_COLS} FROM blobs b WHERE b.extents IS NOT NULL AND NOT EXISTS ("
+            " SELECT 1 FROM pages p LEFT JOIN sessions s ON s.dir=p.session"
+            " WHERE p.hash=b.hash AND (p.pinned=1 OR s.pinned=1))"
+            " ORDER BY b.atime LIMIT ?", (limit,))
+        return [_blob(r) for r in rows]
+
+    # -- writes -------------------------------------------------------------------------
+    def commit_page(self, *, path: str, session: str, h: bytes, size: int, leaves: bytes,
+                    extents: Iterable[Extent] | None, disk_bytes: int, attrs: dict[str, str],
+                    pinned: bool, replace: bool, session_attrs: dict[str, str],
+                    now: float | None = None) -> tuple[bool, BlobRow | None, PageRow | None]:
+        """Publish a page in one transaction.
+
+        Returns ``(used_new_data, freed_blob, replaced_page)``: ``used_new_data`` is False when
+        a blob with this checksum is already local (the caller's files are redundant and
+        must be removed); ``freed_blob`` is the blob whose last reference a replace dropped.
+        Raises ``FileExistsError`` (unwrapped sqlite) semantics via the return of the caller:
+        here, a :class:`KeyError` when the path exists and ``replace`` is False.
+        """
+        now = time.time() if now is None else now
+        with self.transaction() as db:
+            old = db.execute(f"SELECT {_PAGE_COLS} FROM pages WHERE path=?", (path,)).fetchone()
+            old_page = _page(old) if old else None
+            if old_page is not None and not replace:
+                raise KeyError(path)
+            existing = db.execute(f"SELECT {_BLOB_COLS} FROM blobs WHERE hash=?", (h,)).fetchone()
+            used_new = True
+            if extents is None and (existing is None or _blob(existing).extents is None):
+                raise LookupError("the data to share is no longer held locally")
+            if existing is None:
+                db.execute(
+                    f"INSERT INTO blobs ({_BLOB_COLS}) VALUES (?,?,?,?,?,?,?,?,?)",
+                    (h, size, leaves, 1, _pack(list(extents)) if extents is not None else None,
+                     disk_bytes if extents is not None else 0, 0, now, now))
+            else:
+                eb = _blob(existing)
+                if eb.local or extents is None:
+                    used_new = False
+                    db.execute("UPDATE blobs SET refs=refs+1, atime=? WHERE hash=?", (now, h))
+                else:  # known only in the archive: our fresh files become its local copy
+                    db.execute("UPDATE blobs SET refs=refs+1, atime=?, extents=?, disk_bytes=?"
+                               " WHERE hash=?", (now, _pack(list(extents)), disk_bytes, h))
+            freed = None
+            if old_page is not None:
+                db.execute("DELETE FROM pages WHERE path=?", (path,))
+                freed = self._unref(db, old_page.hash) if old_page.hash != h else None
+                if old_page.hash == h:
+                    db.execute("UPDATE blobs SET refs=refs-1 WHERE hash=?", (h,))
+            db.execute(f"INSERT INTO pages ({_PAGE_COLS}) VALUES (?,?,?,?,?,?,?,?)",
+                       (path, session, h, size, now, now, int(pinned), _pack(attrs)))
+            self._touch_session(db, session, now, session_attrs)
+        return used_new, freed, old_page
+
+    @staticmethod
+    def _touch_session(db: sqlite3.Connection, d: str, now: float,
+                       attrs: dict[str, str] | None = None) -> None:
+        row = db.execute("SELECT attrs FROM sessions WHERE dir=?", (d,)).fetchone()
+        if row is None:
+            db.execute("INSERT INTO sessions VALUES (?,?,?,0,?)", (d, now, now, _pack(attrs or {})))
+        else:
+            merged = dict(_unpack(row[0], {}))  # type: ignore[arg-type]
+            if attrs:
+                for k, v in attrs.items():
+                    merged.setdefault(k, v)
+            db.execute("UPDATE sessions SET atime=MAX(atime, ?), attrs=? WHERE dir=?",
+                       (now, _pack(merged), d))
+
+    @staticmethod
+    def _unref(db: sqlite3.Connection, h: bytes) -> BlobRow | None:
+        """Drop one reference; delete and return the blob row when it was the last."""
+        db.execute("UPDATE blobs SET refs=refs-1 WHERE hash=?", (h,))
+        r = db.execute(f"SELECT {_BLOB_COLS} FROM blobs WHERE hash=?", (h,)).fetchone()
+        if r is not None and r[3] <= 0:
+            db.execute("DELETE FROM blobs WHERE hash=?", (h,))
+            return _blob(r)
+        return None
+
+    def delete_pages(self, paths: Iterable[str]) -> tuple[list[PageRow], list[BlobRow]]:
+        """Delete pages; return the rows deleted and the blobs whose last reference went."""
+        gone: list[PageRow] = []
+        freed: list[BlobRow] = []
+        with self.transaction() as db:
+            for path in paths:
+                r = db.execute(f"SELECT {_PAGE_COLS} FROM pages WHERE path=?", (path,)).fetchone()
+                if r is None:
+                    continue
+                p = _page(r)
+                db.execute("DELETE FROM pages WHERE path=?", (path,))
+                gone.append(p)
+                b = self._unref(db, p.hash)
+                if b is not None:
+                    freed.append(b)
+        return gone, freed
+
+    def rename_page(self, src: str, dst: str, dst_session: str) -> tuple[PageRow, BlobRow | None]:
+        """Move a page to a new path atomically, replacing what was there (returns its freed blob)."""
+        with self.transaction() as db:
+            r = db.execute(f"SELECT {_PAGE_COLS} FROM pages WHERE path=?", (src,)).fetchone()
+            if r is None:
+                raise KeyError(src)
+            p = _page(r)
+            freed = None
+            old = db.execute("SELECT hash FROM pages WHERE path=?", (dst,)).fetchone()
+            if old is not None:
+                db.execute("DELETE FROM pages WHERE path=?", (dst,))
+                freed = self._unref(db, old[0])
+            db.execute("UPDATE pages SET path=?, session=? WHERE path=?", (dst, dst_session, src))
+            self._touch_session(db, dst_session, time.time())
+        return p, freed
+
+    def drop_local(self, h: bytes) -> BlobRow | None:
+        """Forget a blob's local copy (the archive holds it). Returns the row as it was."""
+        with self.transaction() as db:
+            r = db.execute(f"SELECT {_BLOB_COLS} FROM blobs WHERE hash=?", (h,)).fetchone()
+            if r is None or r[4] is None:
+                return None
+            db.execute("UPDATE blobs SET extents=NULL, disk_bytes=0 WHERE hash=?", (h,))
+            return _blob(r)
+
+    def set_page_pinned(self, path: str, pinned: bool) -> bool:
+        with self.transaction() as db:
+            return db.execute("UPDATE pages SET pinned=? WHERE path=?", (int(pinned), path)).rowcount > 0
+
+    def set_session_pinned(self, d: str, pinned: bool) -> None:
+        with self.transaction() as db:
+            self._touch_session(db, d, time.time())
+            db.execute("UPDATE sessions SET pinned=? WHERE dir=?", (int(pinned), d))
+
+    def set_session_attrs(self, d: str, attrs: dict[str, str]) -> None:
+        with self.transaction() as db:
+            self._touch_session(db, d, time.time())
+            row = db.execute("SELECT attrs FROM sessions WHERE dir=?", (d,)).fetchone()
+            merged = dict(_unpack(row[0], {}))  # type: ignore[arg-type]
+            merged.update(attrs)
+            db.execute("UPDATE sessions SET attrs=? WHERE dir=?", (_pack(merged), d))
+
+    def drop_session_if_empty(self, d: str) -> None:
+        with self.transaction() as db:
+            n = db.execute("SELECT COUNT(*) FROM pages WHERE session=?", (d,)).fetchone()[0]
+            pinned = db.execute("SELECT pinned FROM sessions WHERE dir=?", (d,)).fetchone()
+            if n == 0 and pinned is not None and not pinned[0]:
+                db.execute("DELETE FROM sessions WHERE dir=?", (d,))
+
+    def flush_atimes(self, pages: dict[str, float], blobs: dict[bytes, float],
+                     sessions: dict[str, float]) -> None:
+        """Write batched access times (reads do not each pay a transaction)."""
+        if not (pages or blobs or sessions):
+            return
+        with self.transaction() as db:
+            db.executemany("UPDATE pages SET atime=MAX(atime, ?) WHERE path=?",
+                           [(t, p) for p, t in pages.items()])
+            db.executemany("UPDATE blobs SET atime=MAX(atime, ?) WHERE hash=?",
+                           [(t, h) for h, t in blobs.items()])
+            db.executemany("UPDATE sessions SET atime=MAX(atime, ?) WHERE dir=?",
+                           [(t, d) for d, t in sessions.items()])

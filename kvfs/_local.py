@@ -1,0 +1,364 @@
+"""The striped local tier: N device directories, 4 KiB-aligned data files.
+
+Layout of one device root::
+
+    <root>/.kvfs-device           which store and which device index this directory is
+    <root>/blobs/<xx>/<nonce>     one data file per (blob, device) holding that blob's chunks
+
+A blob (the stored bytes of one or more identical pages) is cut into stripe units. Chunk
+``c`` lives on device ``(start + c) % N`` at file offset ``HEADER + (c // N) * stripe_unit``:
+a small blob is one chunk on one device, a large one is spread round-robin, and any page
+offset maps to a place without knowing the final size (the FUSE writer needs that). Every
+chunk starts 4 KiB aligned, so O_DIRECT and GPUDirect Storage can read extents as they are.
+The first 4 KiB of every file is a header (magic + msgpack) that fsck can read.
+
+This module only moves bytes; what exists is decided by the index (see ``_index``).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import uuid
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import msgpack
+
+from ._aligned import ALIGN, BouncePool, aligned_buffer, is_aligned, open_direct, round_up
+from ._errors import CapacityExceeded, KvfsError
+from ._index import Extent
+
+__all__ = ["HEADER", "BlobWriter", "LocalTier", "Piece"]
+
+HEADER = 4096
+MAGIC = b"KVFSBLB1"
+MAX_PIECE = 8 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class Piece:
+    """One contiguous read: ``n`` bytes of a device file into ``dest[dest_off:dest_off+n]``."""
+
+    dev: int
+    file: str
+    file_off: int
+    dest_off: int
+    n: int
+
+
+def merge_extents(extents: list[Extent]) -> list[Extent]:
+    out: list[Extent] = []
+    for e in extents:
+        if out and out[-1][0] == e[0] and out[-1][1] == e[1] and out[-1][2] + out[-1][3] == e[2]:
+            last = out[-1]
+            out[-1] = (last[0], last[1], last[2], last[3] + e[3])
+        else:
+            out.append(e)
+    return out
+
+
+class LocalTier:
+    """Byte movement for the striped local tier. Thread-safe; no knowledge of keys."""
+
+    def __init__(self, roots: tuple[Path, ...], stripe_unit: int, *, direct: bool,
+                 durable: bool, pool: ThreadPoolExecutor, bounce_buffers: int) -> None:
+        self.roots = tuple(Path(r) for r in roots)
+        self.n = len(self.roots)
+        self.unit = stripe_unit
+        self.piece = min(stripe_unit, MAX_PIECE)
+        self.direct = direct
+        self.durable = durable
+        self.pool = pool
+        self.bounce = BouncePool(self.piece, bounce_buffers)
+        self._rr = 0
+        self._rr_lock = threading.Lock()
+
+    # -- set-up -----------------------------------------------------------------------
+    def prepare(self, store_id: str) -> None:
+        """Create the device layout, or check that existing directories belong to this store."""
+        for i, root in enumerate(self.roots):
+            (root / "blobs").mkdir(parents=True, exist_ok=True)
+            marker = root / ".kvfs-device"
+            if marker.exists():
+                info = msgpack.unpackb(marker.read_bytes())
+                if info.get("store") != store_id or info.get("index") != i:
+                    raise KvfsError(
+                        f"{root} is device {info.get('index')} of store {info.get('store')}, "
+                        f"but is configured as device {i} of store {store_id}: keep the "
+                        "data directories in their original order")
+            else:
+                tmp = marker.with_suffix(".tmp")
+                tmp.write_bytes(msgpack.packb({"store": store_id, "index": i}))
+                os.replace(tmp, marker)
+
+    def free_bytes(self) -> list[int]:
+        out = []
+        for r in self.roots:
+            st = os.statvfs(r)
+            out.append(st.f_bavail * st.f_frsize)
+        return out
+
+    def abspath(self, dev: int, rel: str) -> str:
+        return os.path.join(self.roots[dev], rel)
+
+    # -- placement --------------------------------------------------------------------
+    def next_start(self) -> int:
+        with self._rr_lock:
+            self._rr = (self._rr + 1) % self.n
+            return self._rr
+
+    def locate(self, start: int, page_off: int) -> tuple[int, int]:
+        """(device, file offset) of a page offset for a blob placed at device ``start``."""
+        c, within = divmod(page_off, self.unit)
+        return (start + c) % self.n, HEADER + (c // self.n) * self.unit + within
+
+    def disk_bytes(self, size: int) -> int:
+        """Bytes on disk (headers and padding included) a blob of ``size`` occupies."""
+        chunks = max(1, -(-size // self.unit))
+        per_dev = [0] * min(self.n, chunks)
+        for c in range(chunks):
+            per_dev[c % len(per_dev)] += round_up(min(self.unit, size - c * self.unit))
+        return sum(HEADER + b for b in per_dev)
+
+    # -- writing ----------------------------------------------------------------------
+    def writer(self, start: int, *, direct: bool) -> BlobWriter:
+        return BlobWriter(self, start, direct=direct and self.direct)
+
+    # -- reading ----------------------------------------------------------------------
+    def pieces(self, extents: tuple[Extent, ...], off: int, n: int) -> Iterator[Piece]:
+        """Split page bytes ``[off, off+n)`` into per-file reads of at most MAX_PIECE."""
+        pos = 0
+        end = off + n
+        for dev, file, foff, length in extents:
+            lo, hi = max(off, pos), min(end, pos + length)
+            while lo < hi:
+                take = min(hi - lo, self.piece)
+                yield Piece(dev, file, foff + (lo - pos), lo - off, take)
+                lo += take
+            pos += length
+            if pos >= end:
+                break
+
+    def read_piece(self, p: Piece, dest: memoryview, direct: bool | None = None) -> None:
+        """Read one piece into ``dest[p.dest_off:...]``, O_DIRECT where the buffer allows."""
+        path = self.abspath(p.dev, p.file)
+        target = dest[p.dest_off:p.dest_off + p.n]
+        fd, direct = open_direct(path, os.O_RDONLY,
+                                 direct=self.direct if direct is None else direct)
+        try:
+            if not direct:
+                _pread_full(fd, target, p.file_off)
+                return
+            head = p.n - p.n % ALIGN if p.file_off % ALIGN == 0 else 0
+            if head and is_aligned(target[:head]):
+                _pread_full(fd, target[:head], p.file_off)
+                done = head
+            else:
+                done = 0
+            if done < p.n:  # unaligned buffer or tail: through a bounce buffer
+                b = self.bounce.take()
+                try:
+                    while done < p.n:
+                        fo = p.file_off + done
+                        base = fo - fo % ALIGN
+                        want = min(p.n - done, len(b) - (fo - base))
+                        span = round_up(fo - base + want)
+                        got = _pread_full(fd, b[:span], base, allow_short=True)
+                        if got < fo - base + want:
+                            raise CorruptedFile(path, "data file is shorter than its extents")
+                        target[done:done + want] = b[fo - base:fo - base + want]
+                        done += want
+                finally:
+                    self.bounce.give(b)
+        finally:
+            os.close(fd)
+
+    def unlink(self, extents: tuple[Extent, ...]) -> None:
+        for dev, file in {(e[0], e[1]) for e in extents}:
+            try:
+                os.unlink(self.abspath(dev, file))
+            except FileNotFoundError:
+                pass
+
+    # -- recovery ---------------------------------------------------------------------
+    def all_files(self) -> Iterator[tuple[int, str]]:
+        for dev, root in enumerate(self.roots):
+            blobs = root / "blobs"
+            if not blobs.is_dir():
+                continue
+            for sub in os.scandir(blobs):
+                if sub.is_dir(follow_symlinks=False):
+                    for f in os.scandir(sub.path):
+                        yield dev, f"blobs/{sub.name}/{f.name}"
+
+    def sweep(self, known: set[tuple[int, str]]) -> list[str]:
+        """Remove every data file the index does not reference. Returns what was removed."""
+        removed = []
+        for dev, rel in list(self.all_files()):
+            if (dev, rel) not in known:
+                path = self.abspath(dev, rel)
+                os.unlink(path)
+                removed.append(path)
+        return removed
+
+
+class CorruptedFile(KvfsError, OSError):
+    def __init__(self, path: str, why: str) -> None:
+        super().__init__(f"{path}: {why}")
+        self.path = path
+
+
+def _pread_full(fd: int, buf: memoryview, off: int, allow_short: bool = False) -> int:
+    done = 0
+    while done < len(buf):
+        n = os.preadv(fd, [buf[done:]], off + done)
+        if n == 0:
+            if allow_short:
+                return done
+            raise CorruptedFile(f"fd {fd}", "data file is shorter than its extents")
+        done += n
+    return done
+
+
+def _pwrite_full(fd: int, buf: memoryview, off: int) -> None:
+    done = 0
+    while done < len(buf):
+        done += os.pwrite(fd, buf[done:], off + done)
+
+
+class BlobWriter:
+    """Writes one blob's data files. Not visible to anyone until the index commits it.
+
+    ``direct`` writers take whole aligned pieces (a put of a buffer); the others take writes
+    of any size at any offset (the FUSE writer) through the page cache and fsync at the end.
+    On any failure call :meth:`abort`, which removes every file this writer created.
+    """
+
+    def __init__(self, tier: LocalTier, start: int, *, direct: bool) -> None:
+        self.tier = tier
+        self.start = start
+        self.direct = direct
+        self.nonce = uuid.uuid4().hex
+        self.rel = f"blobs/{self.nonce[:2]}/{self.nonce}"
+        self._fds: dict[int, tuple[int, bool]] = {}
+        self._lock = threading.Lock()
+        self.size = 0
+
+    def _fd(self, dev: int) -> tuple[int, bool]:
+        with self._lock:
+            if dev in self._fds:
+                return self._fds[dev]
+            path = self.tier.abspath(dev, self.rel)
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            fd, direct = open_direct(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o640,
+                                     direct=self.direct)
+            self._fds[dev] = (fd, direct)
+            hdr = aligned_buffer(HEADER)
+            meta = msgpack.packb({"v": 1, "nonce": self.nonce, "dev": dev, "start": self.start,
+                                  "ndev": self.tier.n, "unit": self.tier.unit})
+            hdr[:len(MAGIC)] = MAGIC
+            hdr[len(MAGIC):len(MAGIC) + 2] = len(meta).to_bytes(2, "little")
+            hdr[len(MAGIC) + 2:len(MAGIC) + 2 + len(meta)] = meta
+            _pwrite_full(fd, hdr, 0)
+            return fd, direct
+
+    def write(self, page_off: int, data: memoryview) -> None:
+        """Write ``data`` at ``page_off``, split at stripe boundaries. Thread-safe per range."""
+        unit = self.tier.unit
+        pos = 0
+        while pos < len(data):
+            o = page_off + pos
+            take = min(len(data) - pos, unit - o % unit)
+            dev, foff = self.tier.locate(self.start, o)
+            self._write_at(dev, foff, data[pos:pos + take])
+            pos += take
+        with self._lock:
+            self.size = max(self.size, page_off + len(data))
+
+    def _write_at(self, dev: int, foff: int, data: memoryview) -> None:
+        try:
+            fd, direct = self._fd(dev)
+            if not direct:
+                _pwrite_full(fd, data, foff)
+                return
+            # Direct writers are given whole pieces starting at stripe-aligned offsets; the
+            # last piece of a blob is padded with zeros to 4 KiB.
+            head = len(data) - len(data) % ALIGN
+            if head and is_aligned(data[:head]):
+                _pwrite_full(fd, data[:head], foff)
+                done = head
+            else:
+                done = 0
+            b = self.tier.bounce.take() if done < len(data) else None
+            try:
+                while done < len(data):
+                    assert b is not None
+                    take = min(len(data) - done, len(b))
+                    span = round_up(take)
+                    b[:take] = data[done:done + take]
+                    if span > take:
+                        b[take:span] = bytes(span - take)
+                    _pwrite_full(fd, b[:span], foff + done)
+                    done += take
+            finally:
+                if b is not None:
+                    self.tier.bounce.give(b)
+        except OSError as e:
+            if e.errno in (28, 122):  # ENOSPC, EDQUOT
+                raise CapacityExceeded(f"device {self.tier.roots[dev]} is full: {e.strerror}") from e
+            raise
+
+    def finish(self, size: int) -> tuple[tuple[Extent, ...], int]:
+        """Make the files durable; return the blob's extents and its bytes on disk."""
+        if not self._fds:
+            # A zero-length blob still gets its header file so the index has an extent.
+            self._fd(self.tier.locate(self.start, 0)[0])
+        futs: list[Future[None]] = []
+        for dev, (fd, _direct) in self._fds.items():
+            if self.tier.durable:
+                futs.append(self.tier.pool.submit(os.fsync, fd))
+        for f in futs:
+            f.result()
+        if self.tier.durable:
+            for dev in self._fds:
+                _fsync_dir(os.path.dirname(self.tier.abspath(dev, self.rel)))
+        unit = self.tier.unit
+        extents: list[Extent] = []
+        for c in range(max(1, -(-size // unit))):
+            dev, foff = self.tier.locate(self.start, c * unit)
+            extents.append((dev, self.rel, foff, min(unit, size - c * unit)))
+        self._close()
+        return tuple(merge_extents(extents)), self.tier.disk_bytes(size)
+
+    def _close(self) -> None:
+        with self._lock:
+            fds, self._fds = self._fds, {}
+        for fd, _ in fds.values():
+            os.close(fd)
+
+    def files(self) -> list[str]:
+        return [self.tier.abspath(dev, self.rel) for dev in self._fds]
+
+    def abort(self) -> None:
+        """Close and remove whatever this writer created. Never raises."""
+        devs = list(self._fds)
+        try:
+            self._close()
+        except OSError:
+            pass
+        for dev in devs or range(self.tier.n):
+            try:
+                os.unlink(self.tier.abspath(dev, self.rel))
+            except OSError:
+                pass
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,75 @@
+"""Tiering policy: what leaves the local tier when room is needed, and how.
+
+This is the one place that decides eviction. The base policy evicts least-recently-used
+blobs that no pinned page or pinned session holds and that no reader has leased; with no
+archive tier, evicting a blob deletes the pages that share it. The archive tier subclasses
+:class:`TieringPolicy` and overrides :meth:`evict_blob` to spill before dropping the local copy.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from ._index import BlobRow
+
+if TYPE_CHECKING:
+    from ._engine import Engine
+
+__all__ = ["TieringPolicy"]
+
+
+class TieringPolicy:
+    """LRU eviction of unpinned, unleased blobs. Subclass to change what evicting means."""
+
+    batch = 64
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    def make_room(self, need: int, reason: str = "capacity") -> int:
+        """Evict until ``need`` bytes are freed or nothing evictable is left. Returns bytes freed.
+
+        Called with the engine's eviction lock held, so victims are never chosen twice.
+        """
+        self.engine.flush_atimes()
+        freed = 0
+        skipped: set[bytes] = set()
+        while freed < need:
+            cands = [b for b in self.engine.index.eviction_candidates(self.batch + len(skipped))
+                     if b.hash not in skipped]
+            if not cands:
+                break
+            progress = False
+            for blob in cands:
+                if self.engine.is_leased(blob.hash):
+                    skipped.add(blob.hash)
+                    continue
+                got = self.evict_blob(blob, reason)
+                if got == 0:
+                    skipped.add(blob.hash)
+                    continue
+                freed += got
+                progress = True
+                if freed >= need:
+                    break
+            if not progress:
+                break
+        return freed
+
+    def evict_blob(self, blob: BlobRow, reason: str) -> int:
+        """Remove a blob's local copy; return the bytes freed (0 if it could not be evicted).
+
+        Without an archive tier the local copy is the only copy: its pages are deleted.
+        """
+        return self.engine.delete_blob_pages(blob, reason)
+
+    def forget_blob(self, blob: BlobRow) -> None:
+        """The last page referencing ``blob`` is gone (the archive tier deletes its copy)."""
+
+    def restore_blob(self, blob: BlobRow) -> BlobRow:
+        """Bring a blob that is not held locally back; without an archive there is nowhere to
+        bring it from."""
+        from ._errors import PageNotFound
+
+        raise PageNotFound(f"page data {blob.hash.hex()[:16]} is not held locally and no archive "
+                           "tier is configured")

@@ -1,0 +1,281 @@
+"""The object API: :class:`Store` (async, trio) and :class:`SyncStore` (a thin facade).
+
+Both call the same thread-safe :class:`~kvfs._engine.Engine`; the async store runs each call
+in a worker thread under a :class:`trio.CapacityLimiter`, so the trio loop never blocks on
+disk, hashing or SQLite.
+
+Cancellation: a call already running in its worker thread is finished before the
+cancellation is delivered (trio waits for the thread), so a cancelled ``put`` may still
+have stored the page; ``exists`` tells.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
+from contextlib import asynccontextmanager, contextmanager
+from typing import Any, TypeVar
+
+import trio
+
+from ._config import StoreConfig
+from ._engine import Engine, PageWriter
+from ._keys import PageKey
+from ._types import PageInfo, SessionInfo, StoreStatistics
+
+__all__ = ["Store", "SyncStore", "open_store", "open_store_sync"]
+
+T = TypeVar("T")
+KeyLike = PageKey | str
+
+
+class Store:
+    """Async page store. Get one with ``async with kvfs.open_store(config) as store``."""
+
+    def __init__(self, engine: Engine, limiter: trio.CapacityLimiter) -> None:
+        self._engine = engine
+        self._limiter = limiter
+
+    @property
+    def engine(self) -> Engine:
+        """The synchronous core (for the FUSE layer and fast paths that manage threads)."""
+        return self._engine
+
+    @property
+    def config(self) -> StoreConfig:
+        return self._engine.config
+
+    async def _run(self, fn: Callable[..., T], *args: Any, **kw: Any) -> T:
+        return await trio.to_thread.run_sync(functools.partial(fn, *args, **kw),
+                                             limiter=self._limiter)
+
+    async def put(self, key: KeyLike, data: object, *, attrs: dict[str, str] | None = None,
+                  pin: bool = False, replace: bool = False) -> PageInfo:
+        """Store a write-once page from any buffer. Returns its info.
+
+        Raises InvalidKey, PageExists (unless ``replace``), CapacityExceeded. Atomic: after an
+        error or a crash the page is either wholly there or not at all.
+        """
+        return await self._run(self._engine.put, key, data, attrs=attrs, pin=pin, replace=replace)
+
+    async def get(self, key: KeyLike, into: object | None = None) -> bytes | int:
+        """Read a page: bytes, or the count read into ``into`` (aligned buffers use O_DIRECT).
+
+        Raises PageNotFound, CorruptPage (never returns data that fails its checksum).
+        """
+        return await self._run(self._engine.get, key, into)
+
+    async def read_range(self, key: KeyLike, offset: int, size: int) -> bytes:
+        return await self._run(self._engine.read_range, key, offset, size)
+
+    async def stat(self, key: KeyLike) -> PageInfo:
+        return await self._run(self._engine.stat, key)
+
+    async def exists(self, key: KeyLike) -> bool:
+        return await self._run(self._engine.exists, key)
+
+    async def list(self, *, session: str | None = None, prefix: str | None = None,
+                   path_prefix: str | None = None) -> list[PageInfo]:
+        return await self._run(self._engine.list, session=session, prefix=prefix,
+                               path_prefix=path_prefix)
+
+    async def sessions(self) -> list[SessionInfo]:
+        return await self._run(self._engine.sessions)
+
+    async def session_info(self, session: str) -> SessionInfo:
+        return await self._run(self._engine.session_info, session)
+
+    async def set_session_attrs(self, session: str, attrs: dict[str, str]) -> None:
+        await self._run(self._engine.set_session_attrs, session, attrs)
+
+    async def delete(self, key: KeyLike) -> None:
+        await self._run(self._engine.delete, key)
+
+    async def delete_session(self, session: str) -> int:
+        return await self._run(self._engine.delete_session, session)
+
+    async def rename(self, src: KeyLike, dst: KeyLike) -> None:
+        await self._run(self._engine.rename, src, dst)
+
+    async def pin(self, key: KeyLike) -> None:
+        await self._run(self._engine.pin, key, True)
+
+    async def unpin(self, key: KeyLike) -> None:
+        await self._run(self._engine.pin, key, False)
+
+    async def pin_session(self, session: str) -> None:
+        await self._run(self._engine.pin_session, session, True)
+
+    async def unpin_session(self, session: str) -> None:
+        await self._run(self._engine.pin_session, session, False)
+
+    async def evict(self, key: KeyLike | None = None, *, session: str | None = None) -> int:
+        return await self._run(self._engine.evict, key, session=session)
+
+    async def fsck(self, *, repair: bool = False) -> dict[str, list[str]]:
+        return await self._run(self._engine.fsck, repair=repair)
+
+    async def begin_write(self, key: KeyLike) -> PageWriter:
+        return await self._run(self._engine.begin_write, key)
+
+    async def put_many(self, items: Iterable[tuple[KeyLike, object]], *,
+                       attrs: dict[str, str] | None = None, concurrency: int = 4) -> list[PageInfo]:
+        """Put several pages concurrently; results in input order. The first error cancels the rest
+        (pages already stored stay stored)."""
+        items = list(items)
+        return await self._gather([functools.partial(self.put, k, d, attrs=attrs)
+                                   for k, d in items], concurrency)
+
+    async def get_many(self, keys: Iterable[KeyLike], into: Iterable[object] | None = None, *,
+                       concurrency: int = 4) -> list[bytes | int]:
+        """Get several pages concurrently, optionally each into its own buffer."""
+        keys = list(keys)
+        bufs = list(into) if into is not None else [None] * len(keys)
+        if len(bufs) != len(keys):
+            raise ValueError("need one buffer per key")
+        return await self._gather([functools.partial(self.get, k, b)
+                                   for k, b in zip(keys, bufs, strict=True)], concurrency)
+
+    @staticmethod
+    async def _gather(calls: list[Callable[[], Awaitable[T]]], concurrency: int) -> list[T]:
+        results: list[Any] = [None] * len(calls)
+        sem = trio.Semaphore(concurrency)
+
+        async def one(i: int) -> None:
+            async with sem:
+                results[i] = await calls[i]()
+
+        async with trio.open_nursery() as n:
+            for i in range(len(calls)):
+                n.start_soon(one, i)
+        return results
+
+    async def statistics(self) -> StoreStatistics:
+        return await self._run(self._engine.statistics)
+
+    async def aclose(self) -> None:
+        """Close the store (idempotent). Waits for calls in flight."""
+        await trio.to_thread.run_sync(self._engine.close)
+
+
+@asynccontextmanager
+async def open_store(config: StoreConfig | None = None, **overrides: Any) -> AsyncIterator[Store]:
+    """Open (creating if needed) the store described by ``config``; close it on exit.
+
+    Raises StoreLocked when another process owns the data directories.
+    """
+    cfg = (config or StoreConfig()).replace(**overrides) if overrides else (config or StoreConfig())
+    engine = await trio.to_thread.run_sync(Engine, cfg)
+    store = Store(engine, trio.CapacityLimiter(max(4, cfg.io_threads * 2)))
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_flush_atimes_forever, engine)
+            try:
+                yield store
+            finally:
+                nursery.cancel_scope.cancel()
+    finally:
+        with trio.CancelScope(shield=True):
+            await store.aclose()
+
+
+async def _flush_atimes_forever(engine: Engine) -> None:
+    while True:
+        await trio.sleep(5)
+        await trio.to_thread.run_sync(engine.flush_atimes)
+
+
+class SyncStore:
+    """Blocking facade over the same core, for scripts: same methods, no ``await``."""
+
+    def __init__(self, engine: Engine) -> None:
+        self._engine = engine
+
+    @property
+    def engine(self) -> Engine:
+        return self._engine
+
+    @property
+    def config(self) -> StoreConfig:
+        return self._engine.config
+
+    def put(self, key: KeyLike, data: object, **kw: Any) -> PageInfo:
+        return self._engine.put(key, data, **kw)
+
+    def get(self, key: KeyLike, into: object | None = None) -> bytes | int:
+        return self._engine.get(key, into)
+
+    def read_range(self, key: KeyLike, offset: int, size: int) -> bytes:
+        return self._engine.read_range(key, offset, size)
+
+    def stat(self, key: KeyLike) -> PageInfo:
+        return self._engine.stat(key)
+
+    def exists(self, key: KeyLike) -> bool:
+        return self._engine.exists(key)
+
+    def list(self, **kw: Any) -> list[PageInfo]:
+        return self._engine.list(**kw)
+
+    def sessions(self) -> list[SessionInfo]:
+        return self._engine.sessions()
+
+    def session_info(self, session: str) -> SessionInfo:
+        return self._engine.session_info(session)
+
+    def set_session_attrs(self, session: str, attrs: dict[str, str]) -> None:
+        self._engine.set_session_attrs(session, attrs)
+
+    def delete(self, key: KeyLike) -> None:
+        self._engine.delete(key)
+
+    def delete_session(self, session: str) -> int:
+        return self._engine.delete_session(session)
+
+    def rename(self, src: KeyLike, dst: KeyLike) -> None:
+        self._engine.rename(src, dst)
+
+    def pin(self, key: KeyLike) -> None:
+        self._engine.pin(key, True)
+
+    def unpin(self, key: KeyLike) -> None:
+        self._engine.pin(key, False)
+
+    def pin_session(self, session: str) -> None:
+        self._engine.pin_session(session, True)
+
+    def unpin_session(self, session: str) -> None:
+        self._engine.pin_session(session, False)
+
+    def evict(self, key: KeyLike | None = None, *, session: str | None = None) -> int:
+        return self._engine.evict(key, session=session)
+
+    def fsck(self, *, repair: bool = False) -> dict[str, list[str]]:
+        return self._engine.fsck(repair=repair)
+
+    def begin_write(self, key: KeyLike) -> PageWriter:
+        return self._engine.begin_write(key)
+
+    def put_many(self, items: Iterable[tuple[KeyLike, object]], **kw: Any) -> list[PageInfo]:
+        return list(self._engine.io_pool.map(lambda kd: self._engine.put(kd[0], kd[1], **kw),
+                                             list(items)))
+
+    def get_many(self, keys: Iterable[KeyLike]) -> list[bytes | int]:
+        return [self._engine.get(k) for k in keys]
+
+    def statistics(self) -> StoreStatistics:
+        return self._engine.statistics()
+
+    def close(self) -> None:
+        self._engine.close()
+
+
+@contextmanager
+def open_store_sync(config: StoreConfig | None = None, **overrides: Any) -> Iterator[SyncStore]:
+    """Blocking counterpart of :func:`open_store`."""
+    cfg = (config or StoreConfig()).replace(**overrides) if overrides else (config or StoreConfig())
+    s = SyncStore(Engine(cfg))
+    try:
+        yield s
+    finally:
+        s.close()

@@ -1,0 +1,91 @@
+"""Frozen records the store hands out: page and session info, statistics."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+__all__ = ["DeviceStatistics", "Extent", "PageInfo", "SessionInfo", "StoreStatistics"]
+
+
+@dataclass(frozen=True, slots=True)
+class Extent:
+    """Where a run of page bytes lives: ``length`` bytes at ``offset`` in ``path``.
+
+    ``offset`` is always 4 KiB aligned, so O_DIRECT and cuFile can read it as it is. Extents are
+    listed in page order; concatenated they are the page.
+    """
+
+    device: int
+    path: str
+    offset: int
+    length: int
+
+
+@dataclass(frozen=True, slots=True)
+class PageInfo:
+    path: str
+    session: str
+    size: int
+    checksum: str
+    created: float
+    atime: float
+    pinned: bool
+    #: "local", "archive" or "local+archive"
+    tier: str
+    attrs: dict[str, str]
+    extents: tuple[Extent, ...] = ()
+
+    @property
+    def local(self) -> bool:
+        return self.tier.startswith("local")
+
+
+@dataclass(frozen=True, slots=True)
+class SessionInfo:
+    session: str
+    dir: str
+    created: float
+    atime: float
+    pinned: bool
+    attrs: dict[str, str]
+    pages: int
+    bytes: int
+    local_bytes: int
+    archived_bytes: int
+
+    @property
+    def model(self) -> str | None:
+        return self.attrs.get("model")
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceStatistics:
+    index: int
+    path: str
+    used_bytes: int
+    free_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class StoreStatistics:
+    capacity_bytes: int
+    used_bytes: int
+    reserved_bytes: int
+    pages: int
+    sessions: int
+    #: distinct stored contents held locally, and their bytes
+    local_blobs: int
+    local_bytes: int
+    #: sum of page sizes: what the store would hold without deduplication
+    logical_bytes: int
+    puts: int
+    dedup_puts: int
+    gets: int
+    hits: int
+    misses: int
+    corrupt_reads: int
+    bytes_written: int
+    bytes_read: int
+    evictions: dict[str, int] = field(default_factory=dict)
+    devices: tuple[DeviceStatistics, ...] = ()
+    extra: dict[str, object] = field(default_factory=dict)

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# One-shot set-up for a fresh machine: system packages for FUSE, then a local virtual
+# environment with kvfs and its dev tools. Safe to run again; it only adds what is missing.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${VENV:-.venv}
+PY=${PYTHON:-python3}
+
+need_apt=()
+command -v fusermount3 >/dev/null 2>&1 || need_apt+=(fuse3)
+pkg-config --exists fuse3 2>/dev/null || need_apt+=(libfuse3-dev pkg-config)
+command -v rsync >/dev/null 2>&1 || need_apt+=(rsync)
+if [ ${#need_apt[@]} -gt 0 ]; then
+    echo "bootstrap: installing system packages: ${need_apt[*]}"
+    SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO=sudo
+    $SUDO apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need_apt[@]}" >/dev/null
+fi
+
+if [ ! -x "$VENV/bin/python" ]; then
+    echo "bootstrap: creating $VENV"
+    "$PY" -m venv "$VENV"
+fi
+"$VENV/bin/python" -m pip install -q --upgrade pip >/dev/null 2>&1 || true
+echo "bootstrap: installing kvfs[${EXTRAS:-dev}] into $VENV"
+"$VENV/bin/python" -m pip install -q -e ".[${EXTRAS:-dev}]" 2>&1 | grep -vE '^(WARNING: Location|DEPRECATION)' || true
+"$VENV/bin/python" -c "import kvfs, pyfuse3, trio, blake3" 
+touch "$VENV/.bootstrapped"
