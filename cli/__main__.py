@@ -1,0 +1,53 @@
+"""The ``kvfs`` command. Each command group lives in its own module with a ``register``."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+from collections.abc import Sequence
+
+from ._util import EXIT, exit_code_for
+
+# Modules that each add subcommands with ``register(subparsers)``. A module listed here
+# that does not exist yet is an error, not a silent skip.
+COMMAND_MODULES = [
+    "cli._bench",
+    "cli._demo",
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="kvfs",
+        description="kvfs: a store for LLM KV-cache pages (striped NVMe, FUSE mount, S3 archive).")
+    p.add_argument("--debug", action="store_true", help="show tracebacks and debug logs")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name in COMMAND_MODULES:
+        importlib.import_module(name).register(sub)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.debug else logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        rc = args.func(args)
+        return int(rc or 0)
+    except KeyboardInterrupt:
+        print("kvfs: interrupted", file=sys.stderr)
+        return 130
+    except SystemExit:
+        raise
+    except BaseException as e:  # noqa: BLE001 - one clear line, or the traceback with --debug
+        if args.debug:
+            raise
+        print(f"kvfs {args.command}: {e}", file=sys.stderr)
+        return exit_code_for(e)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,147 @@
+"""Shared CLI plumbing: output as tables or JSON, progress bars, sizes, exit codes.
+
+Exit codes (documented in docs/cli.md) are decided here and only here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+import time
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import kvfs
+
+__all__ = ["EXIT", "Progress", "exit_code_for", "fmt_bytes", "fmt_time", "print_json",
+           "print_table", "to_jsonable"]
+
+#: Exit codes: 0 ok, 1 error, 2 bad usage, 3 not found, 4 no space, 5 corrupt data,
+#: 6 store busy/locked, 7 daemon not running, 8 archive unavailable, 9 refused (needs --force).
+EXIT = {"ok": 0, "error": 1, "usage": 2, "not_found": 3, "no_space": 4, "corrupt": 5,
+        "locked": 6, "no_daemon": 7, "archive": 8, "refused": 9}
+
+
+class Refused(kvfs.KvfsError):
+    """An operation that would lose data was refused; ``--force`` overrides."""
+
+
+class NoDaemon(kvfs.KvfsError, ConnectionError):
+    """No daemon answers on the control socket."""
+
+
+def exit_code_for(e: BaseException) -> int:
+    table: list[tuple[type[BaseException], str]] = [
+        (Refused, "refused"), (NoDaemon, "no_daemon"), (kvfs.InvalidKey, "usage"),
+        (kvfs.PageNotFound, "not_found"), (kvfs.SessionNotFound, "not_found"),
+        (kvfs.CapacityExceeded, "no_space"), (kvfs.CorruptPage, "corrupt"),
+        (kvfs.StoreLocked, "locked"), (kvfs.ArchiveUnavailable, "archive"),
+        (FileNotFoundError, "not_found"), (ValueError, "usage"),
+    ]
+    for typ, name in table:
+        if isinstance(e, typ):
+            return EXIT[name]
+    return EXIT["error"]
+
+
+def to_jsonable(obj: Any) -> Any:
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: to_jsonable(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, dict):
+        return {str(k): to_jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [to_jsonable(v) for v in obj]
+    if isinstance(obj, bytes):
+        return obj.hex()
+    return obj
+
+
+def print_json(obj: Any) -> None:
+    json.dump(to_jsonable(obj), sys.stdout, indent=2, sort_keys=False)
+    sys.stdout.write("\n")
+
+
+def fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def fmt_time(t: float) -> str:
+    if not t:
+        return "-"
+    age = time.time() - t
+    if age < 120:
+        return f"{age:.0f}s ago"
+    if age < 7200:
+        return f"{age / 60:.0f}m ago"
+    if age < 172800:
+        return f"{age / 3600:.0f}h ago"
+    return time.strftime("%Y-%m-%d %H:%M", time.localtime(t))
+
+
+def print_table(headers: Sequence[str], rows: Iterable[Sequence[Any]], *,
+                align: str | None = None, file: Any = None) -> None:
+    """A plain text table: columns padded, numbers right-aligned (or per ``align``: 'l'/'r')."""
+    out = file or sys.stdout
+    rows = [[("" if c is None else str(c)) for c in r] for r in rows]
+    widths = [len(h) for h in headers]
+    for r in rows:
+        for i, c in enumerate(r):
+            widths[i] = max(widths[i], len(c))
+    if align is None:
+        align = "".join("r" if rows and all(_numeric(r[i]) for r in rows) else "l"
+                        for i in range(len(headers)))
+
+    def line(cells: Sequence[str]) -> str:
+        return "  ".join(c.rjust(w) if a == "r" else c.ljust(w)
+                         for c, w, a in zip(cells, widths, align, strict=False)).rstrip()
+
+    print(line(list(headers)), file=out)
+    print("  ".join("-" * w for w in widths), file=out)
+    for r in rows:
+        print(line(r), file=out)
+
+
+def _numeric(s: str) -> bool:
+    s = s.split(" ")[0].rstrip("x%")
+    try:
+        float(s)
+        return True
+    except ValueError:
+        return s in ("-", "")
+
+
+class Progress:
+    """A one-line progress bar on stderr (only when stderr is a terminal, or when forced)."""
+
+    def __init__(self, label: str, total: int, *, enabled: bool | None = None,
+                 unit: str = "") -> None:
+        self.label, self.total, self.unit = label, max(total, 1), unit
+        self.enabled = sys.stderr.isatty() if enabled is None else enabled
+        self.done = 0
+        self._last = 0.0
+
+    def update(self, n: int = 1) -> None:
+        self.done += n
+        now = time.monotonic()
+        if self.enabled and (now - self._last > 0.1 or self.done >= self.total):
+            self._last = now
+            frac = min(1.0, self.done / self.total)
+            bar = "#" * int(frac * 30)
+            sys.stderr.write(f"\r{self.label} [{bar:<30}] {self.done}/{self.total}{self.unit}")
+            sys.stderr.flush()
+
+    def close(self) -> None:
+        if self.enabled:
+            sys.stderr.write("\n")
+            sys.stderr.flush()
+
+    def __enter__(self) -> Progress:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,32 @@
+"""Fixtures shared by every test module. Area-specific fixtures live beside their tests."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+import kvfs
+
+KiB = 1024
+MiB = 1024 * KiB
+
+
+@pytest.fixture
+def make_config(tmp_path: Path) -> Callable[..., kvfs.StoreConfig]:
+    """``make_config(ndev=3, stripe_unit=64*KiB, capacity=0, **kw)`` under tmp_path."""
+
+    def make(ndev: int = 3, stripe_unit: int = 64 * KiB, capacity: int = 0,
+             name: str = "store", **kw: object) -> kvfs.StoreConfig:
+        dirs = tuple(tmp_path / name / f"nvme{i}" for i in range(ndev))
+        return kvfs.StoreConfig(data_dirs=dirs, stripe_unit=stripe_unit, capacity=capacity,
+                                **kw)  # type: ignore[arg-type]
+
+    return make
+
+
+@pytest.fixture
+def sync_store(make_config: Callable[..., kvfs.StoreConfig]) -> Iterator[kvfs.SyncStore]:
+    with kvfs.open_store_sync(make_config()) as s:
+        yield s
