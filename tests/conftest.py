@@ -30,3 +30,13 @@ def make_config(tmp_path: Path) -> Callable[..., kvfs.StoreConfig]:
 def sync_store(make_config: Callable[..., kvfs.StoreConfig]) -> Iterator[kvfs.SyncStore]:
     with kvfs.open_store_sync(make_config()) as s:
         yield s
+
+
+# -- archive tier: a real S3 server (moto over HTTP on loopback) for the whole session ------
+@pytest.fixture(scope="session")
+def s3_server() -> Iterator[object]:
+    """``S3Server`` (tests/_s3.py): ``.endpoint``, ``.new_bucket()``, ``.keys(bucket)``."""
+    from _s3 import running_moto
+
+    with running_moto() as server:
+        yield server

@@ -1,0 +1,121 @@
+"""The object-store interface every archive backend implements.
+
+Contract (documented once, here; ``tests/test_objectstore.py`` checks every implementation):
+
+* Keys are ``/``-separated relative names (``blobs/ab12...``, ``manifests/x.msgpack``): no
+  leading ``/``, no empty, ``.`` or ``..`` component. Values are whole objects of bytes.
+* :meth:`put` is atomic: a reader sees the old object, the new one, or (for a new key)
+  nothing; never a torn write. With ``if_absent=True`` it is a conditional create: it
+  returns False, writing nothing, when the key already exists (two hosts racing to upload
+  the same content both succeed; one object results).
+* :meth:`get` raises :class:`ObjectNotFound` (a ``FileNotFoundError``) for a missing key.
+  With ``into`` the bytes land in the caller's buffer and the count is returned.
+* :meth:`delete` of a missing key is not an error (S3 semantics).
+* :meth:`list` yields every key starting with ``prefix``, in lexicographic order.
+* Temporary failures (connection refused, timeouts, 5xx, throttling) are retried inside
+  the store by the one helper in :mod:`objectstore._retry` until its deadline; what reaches
+  the caller is :class:`~kvfs.ArchiveUnavailable` (cause in ``__cause__``) for a store that
+  cannot be reached, does not exist or refuses access, and :class:`ObjectNotFound`.
+* Every method is a trio coroutine; blocking work runs in worker threads.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import AsyncIterator, Iterable
+
+import trio
+
+__all__ = ["ObjectNotFound", "ObjectStore", "check_key"]
+
+
+class ObjectNotFound(FileNotFoundError):
+    """No object is stored under this key."""
+
+
+def check_key(key: str) -> str:
+    """Validate an object key; raises ValueError."""
+    if not isinstance(key, str) or not key:
+        raise ValueError(f"object key must be a non-empty string, not {key!r}")
+    if key.startswith("/") or key.endswith("/"):
+        raise ValueError(f"object key {key!r} may not start or end with '/'")
+    for part in key.split("/"):
+        if part in ("", ".", "..") or "\x00" in part:
+            raise ValueError(f"object key {key!r} has an invalid component {part!r}")
+    return key
+
+
+class ObjectStore(abc.ABC):
+    """Abstract async object store. See the module docstring for the contract."""
+
+    #: Where the store points, for messages (never contains credentials).
+    url: str = ""
+
+    # -- the core every implementation provides ----------------------------------------
+    @abc.abstractmethod
+    async def get(self, key: str, *, into: memoryview | bytearray | None = None) -> bytes | int:
+        """The object's bytes (or the count written into ``into``).
+
+        Raises ObjectNotFound, ArchiveUnavailable, ValueError (``into`` too small)."""
+
+    @abc.abstractmethod
+    async def put(self, key: str, data: bytes | memoryview, *, if_absent: bool = False) -> bool:
+        """Store ``data`` under ``key`` atomically; True if written. With ``if_absent`` an
+        existing object is left alone and False is returned. Raises ArchiveUnavailable.
+        A crash or cancellation leaves the old object or the new one, never a mix (a file
+        store may leave a temporary file that the next put of the key does not see)."""
+
+    @abc.abstractmethod
+    async def exists(self, key: str) -> bool:
+        """Whether ``key`` holds an object. Raises ArchiveUnavailable."""
+
+    @abc.abstractmethod
+    async def delete(self, key: str) -> None:
+        """Remove ``key`` (no error when it is absent). Raises ArchiveUnavailable."""
+
+    @abc.abstractmethod
+    def list(self, prefix: str = "") -> AsyncIterator[str]:
+        """Every key starting with ``prefix``, in order. Raises ArchiveUnavailable."""
+
+    async def aclose(self) -> None:  # noqa: B027 - optional hook, default does nothing
+        """Release connections. Idempotent."""
+
+    # -- conveniences with default implementations --------------------------------------
+    async def list_all(self, prefix: str = "") -> list[str]:
+        """:meth:`list` collected into a list."""
+        return [k async for k in self.list(prefix)]
+
+    async def get_many(self, keys: Iterable[str], *, concurrency: int = 8) -> dict[str, bytes]:
+        """Fetch several objects concurrently; raises the first error (others are cancelled)."""
+        keys = list(keys)
+        out: dict[str, bytes] = {}
+        limit = trio.CapacityLimiter(concurrency)
+
+        async def one(k: str) -> None:
+            async with limit:
+                data = await self.get(k)
+                assert isinstance(data, bytes)
+                out[k] = data
+
+        async with trio.open_nursery() as n:
+            for k in keys:
+                n.start_soon(one, k)
+        return out
+
+    async def delete_many(self, keys: Iterable[str], *, concurrency: int = 8) -> None:
+        """Delete several keys concurrently."""
+        limit = trio.CapacityLimiter(concurrency)
+
+        async def one(k: str) -> None:
+            async with limit:
+                await self.delete(k)
+
+        async with trio.open_nursery() as n:
+            for k in keys:
+                n.start_soon(one, k)
+
+    async def __aenter__(self) -> ObjectStore:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()

@@ -1,0 +1,179 @@
+"""``file://DIR``: an object store in a local (or shared network) directory.
+
+Each object is a file at ``DIR/<key>``. A put writes a temporary file under
+``DIR/.objectstore-tmp/``, fsyncs it, then publishes it with ``rename`` (replace) or
+``link`` (conditional create: fails atomically if the key exists) and fsyncs the directory.
+A crash leaves at most a temporary file, which the store never lists and removes at open.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import uuid
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import TypeVar
+
+import trio
+
+from kvfs._errors import ArchiveUnavailable
+
+from ._abc import ObjectNotFound, ObjectStore, check_key
+from ._retry import Backoff, retry
+
+__all__ = ["FileStore"]
+
+TMP = ".objectstore-tmp"
+T = TypeVar("T")
+_TEMPORARY = {errno.EAGAIN, errno.EINTR, errno.ESTALE, errno.ETIMEDOUT, errno.EBUSY}
+
+
+def _is_temporary(e: BaseException) -> bool:
+    return isinstance(e, OSError) and e.errno in _TEMPORARY
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class FileStore(ObjectStore):
+    """Objects as files under one directory. Open with :meth:`open`."""
+
+    def __init__(self, root: Path, *, backoff: Backoff | None = None, durable: bool = True) -> None:
+        self.root = Path(root)
+        self.url = f"file://{self.root}"
+        self.backoff = backoff or Backoff(deadline=10.0)
+        self.durable = durable
+
+    @classmethod
+    async def open(cls, root: str | Path, *, create: bool = True, **kw: object) -> FileStore:
+        """Open (creating with ``create``) the directory. Raises ArchiveUnavailable."""
+        self = cls(Path(root), **kw)  # type: ignore[arg-type]
+
+        def prepare() -> None:
+            if create:
+                self.root.mkdir(parents=True, exist_ok=True)
+            if not self.root.is_dir():
+                raise FileNotFoundError(errno.ENOENT, "archive directory does not exist",
+                                        str(self.root))
+            tmp = self.root / TMP
+            tmp.mkdir(exist_ok=True)
+            for f in tmp.iterdir():  # leftovers of puts a crash interrupted
+                f.unlink(missing_ok=True)
+
+        await self._call(prepare, "open")
+        return self
+
+    def _path(self, key: str) -> Path:
+        check_key(key)
+        if key.split("/", 1)[0] == TMP:
+            raise ValueError(f"object key {key!r} uses the reserved name {TMP!r}")
+        return self.root / key
+
+    async def _call(self, fn: Callable[[], T], what: str) -> T:
+        async def attempt() -> T:
+            return await trio.to_thread.run_sync(fn)
+        try:
+            return await retry(attempt, is_temporary=_is_temporary, backoff=self.backoff,
+                               what=f"{what} on {self.url}")
+        except (ObjectNotFound, ArchiveUnavailable, ValueError):
+            raise
+        except OSError as e:
+            raise ArchiveUnavailable(f"{what} on {self.url} failed: {e.strerror or e}") from e
+
+    async def get(self, key: str, *, into: memoryview | bytearray | None = None) -> bytes | int:
+        path = self._path(key)
+
+        def read() -> bytes | int:
+            try:
+                f = open(path, "rb")  # noqa: SIM115 - closed below
+            except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+                raise ObjectNotFound(f"no object {key!r} in {self.url}") from None
+            with f:
+                if into is None:
+                    return f.read()
+                size = os.fstat(f.fileno()).st_size
+                dest = memoryview(into).cast("B")
+                if len(dest) < size:
+                    raise ValueError(f"buffer of {len(dest)} bytes is smaller than object "
+                                     f"{key!r} ({size} bytes)")
+                done = 0
+                while done < size:
+                    n = f.readinto(dest[done:size])
+                    if not n:
+                        break
+                    done += n
+                return done
+
+        return await self._call(read, f"get {key}")
+
+    async def put(self, key: str, data: bytes | memoryview, *, if_absent: bool = False) -> bool:
+        path = self._path(key)
+
+        def write() -> bool:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.root / TMP / uuid.uuid4().hex
+            try:
+                with open(tmp, "wb") as f:
+                    f.write(data)
+                    f.flush()
+                    if self.durable:
+                        os.fsync(f.fileno())
+                if if_absent:
+                    try:
+                        os.link(tmp, path)
+                    except FileExistsError:
+                        return False
+                else:
+                    os.replace(tmp, path)
+                if self.durable:
+                    _fsync_dir(path.parent)
+                return True
+            finally:
+                tmp.unlink(missing_ok=True)
+
+        return await self._call(write, f"put {key}")
+
+    async def exists(self, key: str) -> bool:
+        path = self._path(key)
+        return await self._call(path.is_file, f"exists {key}")
+
+    async def delete(self, key: str) -> None:
+        path = self._path(key)
+
+        def rm() -> None:
+            try:
+                path.unlink()
+            except (FileNotFoundError, NotADirectoryError):
+                return
+            # Drop directories the delete left empty (never the root).
+            parent = path.parent
+            while parent != self.root:
+                try:
+                    parent.rmdir()
+                except OSError:
+                    break
+                parent = parent.parent
+
+        await self._call(rm, f"delete {key}")
+
+    async def list(self, prefix: str = "") -> AsyncIterator[str]:  # type: ignore[override]
+        def walk() -> list[str]:
+            out = []
+            for dirpath, dirnames, filenames in os.walk(self.root):
+                rel = os.path.relpath(dirpath, self.root)
+                if rel == ".":
+                    dirnames[:] = [d for d in dirnames if d != TMP]
+                for name in filenames:
+                    key = name if rel == "." else f"{rel}/{name}"
+                    if key.startswith(prefix):
+                        out.append(key.replace(os.sep, "/"))
+            return sorted(out)
+
+        for k in await self._call(walk, f"list {prefix or '(all)'}"):
+            yield k

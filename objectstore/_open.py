@@ -1,0 +1,80 @@
+"""``open_objectstore(url, **opts)``: one entry point for every backend.
+
+URL forms::
+
+    file:///var/lib/kvfs-archive          a directory (created if missing)
+    s3://bucket                           AWS S3, region and credentials from the standard chain
+    s3://bucket/some/prefix?endpoint=http://127.0.0.1:9000&region=us-east-1&addressing=path
+
+Query parameters and keyword options are the same names (keywords win): ``endpoint`` (or
+``endpoint_url``), ``region``, ``addressing`` (auto/path/virtual), ``profile``,
+``deadline`` (seconds the retry helper keeps trying), ``open_deadline``,
+``multipart_threshold``, ``part_size``. Credentials never go in the URL.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+from urllib.parse import parse_qsl, unquote, urlsplit
+
+from ._abc import ObjectStore
+from ._file import FileStore
+from ._retry import Backoff
+from ._s3 import S3Store
+
+__all__ = ["open_objectstore", "parse_url"]
+
+_INT = {"multipart_threshold", "part_size", "max_connections"}
+_FLOAT = {"deadline", "open_deadline", "connect_timeout", "read_timeout"}
+
+
+def parse_url(url: str) -> tuple[str, str, dict[str, Any]]:
+    """``(scheme, location, options)`` of an archive URL. Raises ValueError."""
+    u = urlsplit(url)
+    if u.scheme == "file":
+        path = unquote(u.netloc + u.path)
+        if not path:
+            raise ValueError(f"{url!r}: file:// needs a directory")
+        return "file", path, dict(parse_qsl(u.query))
+    if u.scheme == "s3":
+        if u.username or u.password:
+            raise ValueError("credentials may not be given in the archive URL; use the "
+                             "standard chain (environment, ~/.aws, instance role)")
+        if not u.netloc:
+            raise ValueError(f"{url!r}: s3:// needs a bucket")
+        opts: dict[str, Any] = dict(parse_qsl(u.query))
+        if "endpoint" in opts:
+            opts["endpoint_url"] = opts.pop("endpoint")
+        opts["prefix"] = u.path.strip("/")
+        return "s3", u.netloc, opts
+    raise ValueError(f"unsupported archive URL {url!r}: use file:///DIR or s3://BUCKET[/PREFIX]")
+
+
+async def open_objectstore(url: str, **opts: Any) -> ObjectStore:
+    """Open the object store at ``url``; see the module docstring for URLs and options.
+
+    Raises ValueError (malformed URL or option) and ArchiveUnavailable (unreachable endpoint,
+    missing bucket or directory, access denied) with the cause named.
+    """
+    scheme, where, qopts = parse_url(url)
+    merged = {**qopts, **{k: v for k, v in opts.items() if v is not None}}
+    if "endpoint" in merged:
+        merged["endpoint_url"] = merged.pop("endpoint")
+    for k in list(merged):
+        if k in _INT:
+            merged[k] = int(merged[k])
+        elif k in _FLOAT:
+            merged[k] = float(merged[k])
+    deadline = merged.pop("deadline", None)
+    backoff = Backoff(deadline=deadline) if deadline is not None else None
+    if scheme == "file":
+        merged.pop("prefix", None)
+        return await FileStore.open(where, backoff=backoff,
+                                    **{k: v for k, v in merged.items() if k in ("create", "durable")})
+    known = {"prefix", "endpoint_url", "region", "addressing", "profile", "open_deadline",
+             "connect_timeout", "read_timeout", "multipart_threshold", "part_size",
+             "max_connections"}
+    unknown = set(merged) - known
+    if unknown:
+        raise ValueError(f"unknown S3 option(s): {', '.join(sorted(unknown))}")
+    return await S3Store.open(where, backoff=backoff, **merged)

@@ -1,0 +1,261 @@
+"""S3-compatible object store over boto3 (AWS, MinIO, Ceph RGW, moto...).
+
+Credentials come from boto3's standard chain (environment, shared config/credentials files
+and profiles, container and instance metadata); kvfs never reads, logs or prints them.
+botocore's own retries are switched off so that the one helper in :mod:`._retry` decides,
+with backoff, jitter and a deadline. Every boto3 call runs in a worker thread.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import AsyncIterator, Callable
+from typing import Any, TypeVar
+
+import boto3
+import botocore.config
+import botocore.exceptions as bce
+import trio
+
+from kvfs._errors import ArchiveUnavailable
+
+from ._abc import ObjectNotFound, ObjectStore, check_key
+from ._retry import Backoff, retry
+
+__all__ = ["S3Store"]
+
+T = TypeVar("T")
+MiB = 1 << 20
+_TEMP_CODES = {"InternalError", "ServiceUnavailable", "SlowDown", "Throttling",
+               "ThrottlingException", "RequestTimeout", "RequestTimeTooSkewed",
+               "ConditionalRequestConflict", "OperationAborted", "503", "500", "502", "504"}
+_DENIED = {"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "403",
+           "ExpiredToken", "InvalidToken", "AllAccessDisabled", "AccountProblem"}
+
+
+def _code(e: BaseException) -> str:
+    if isinstance(e, bce.ClientError):
+        return str(e.response.get("Error", {}).get("Code", ""))
+    return ""
+
+
+def _status(e: BaseException) -> int:
+    if isinstance(e, bce.ClientError):
+        return int(e.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
+    return 0
+
+
+def is_temporary(e: BaseException) -> bool:
+    """Connection trouble, timeouts, 5xx and throttling are temporary; the rest permanent."""
+    if isinstance(e, (bce.EndpointConnectionError, bce.ConnectionClosedError,
+                      bce.ConnectTimeoutError, bce.ReadTimeoutError, bce.HTTPClientError,
+                      ConnectionError, TimeoutError)):
+        return not isinstance(e, ArchiveUnavailable)
+    if isinstance(e, bce.ClientError):
+        return _code(e) in _TEMP_CODES or _status(e) >= 500 or _status(e) == 429
+    return False
+
+
+class S3Store(ObjectStore):
+    """Objects under ``s3://bucket/prefix``. Open with :meth:`open`."""
+
+    def __init__(self, client: Any, bucket: str, prefix: str, *, endpoint: str | None,
+                 backoff: Backoff, multipart_threshold: int, part_size: int) -> None:
+        self._client = client
+        self.bucket = bucket
+        self.prefix = prefix.strip("/") + "/" if prefix.strip("/") else ""
+        self.url = f"s3://{bucket}/{self.prefix}" + (f" at {endpoint}" if endpoint else "")
+        self.endpoint = endpoint
+        self.backoff = backoff
+        self.multipart_threshold = multipart_threshold
+        self.part_size = part_size
+
+    @classmethod
+    async def open(cls, bucket: str, prefix: str = "", *, endpoint_url: str | None = None,
+                   region: str | None = None, addressing: str = "auto",
+                   profile: str | None = None, backoff: Backoff | None = None,
+                   open_deadline: float = 15.0, connect_timeout: float = 5.0,
+                   read_timeout: float = 60.0, multipart_threshold: int = 64 * MiB,
+                   part_size: int = 16 * MiB, max_connections: int = 32) -> S3Store:
+        """Connect and check that the bucket exists and is accessible.
+
+        ``addressing`` is ``path``, ``virtual`` or ``auto``. Raises ArchiveUnavailable naming
+        the cause: unreachable endpoint, missing bucket, denied access, no credentials.
+        """
+        if addressing not in ("auto", "path", "virtual"):
+            raise ValueError(f"addressing must be auto, path or virtual, not {addressing!r}")
+        if part_size < 5 * MiB or multipart_threshold < part_size:
+            raise ValueError("part_size must be >= 5 MiB and multipart_threshold >= part_size")
+        cfg = botocore.config.Config(
+            s3={"addressing_style": addressing}, retries={"max_attempts": 1, "mode": "standard"},
+            connect_timeout=connect_timeout, read_timeout=read_timeout,
+            max_pool_connections=max_connections)
+
+        def make() -> Any:
+            session = boto3.session.Session(profile_name=profile, region_name=region)
+            return session.client("s3", endpoint_url=endpoint_url, config=cfg)
+
+        try:
+            client = await trio.to_thread.run_sync(make)
+        except (bce.ProfileNotFound, ValueError) as e:
+            raise ArchiveUnavailable(f"cannot configure S3 client: {e}") from e
+        self = cls(client, bucket, prefix, endpoint=endpoint_url,
+                   backoff=backoff or Backoff(deadline=60.0),
+                   multipart_threshold=multipart_threshold, part_size=part_size)
+        where = f"bucket {bucket!r}" + (f" at {endpoint_url}" if endpoint_url else "")
+        try:
+            await retry(lambda: self._thread(client.head_bucket, Bucket=bucket),
+                        is_temporary=is_temporary, what=f"checking {where}",
+                        backoff=Backoff(self.backoff.base, self.backoff.cap, open_deadline))
+        except ArchiveUnavailable as e:
+            raise ArchiveUnavailable(f"cannot reach the S3 endpoint for {where}: "
+                                     f"{e.__cause__}") from e.__cause__
+        except bce.NoCredentialsError as e:
+            raise ArchiveUnavailable(f"no credentials for {where}: none found in the standard "
+                                     "chain (environment, config files, instance role)") from e
+        except bce.ClientError as e:
+            raise self._permanent(e, f"checking {where}") from e
+        except bce.BotoCoreError as e:
+            raise ArchiveUnavailable(f"cannot use {where}: {e}") from e
+        return self
+
+    def _permanent(self, e: bce.ClientError, what: str) -> ArchiveUnavailable:
+        code, status = _code(e), _status(e)
+        if code in ("NoSuchBucket",) or (status == 404 and "bucket" in what.lower()):
+            why = f"bucket {self.bucket!r} does not exist"
+        elif code in _DENIED or status == 403:
+            why = f"access to bucket {self.bucket!r} denied ({code or status}); check credentials and policy"
+        else:
+            why = f"{code or status}: {e.response.get('Error', {}).get('Message', '')}".strip()
+        where = f" at {self.endpoint}" if self.endpoint else ""
+        return ArchiveUnavailable(f"{what}{where}: {why}")
+
+    @staticmethod
+    async def _thread(fn: Callable[..., T], *args: Any, **kw: Any) -> T:
+        return await trio.to_thread.run_sync(functools.partial(fn, *args, **kw))
+
+    async def _call(self, what: str, fn: Callable[..., T], *args: Any, **kw: Any) -> T:
+        try:
+            return await retry(lambda: self._thread(fn, *args, **kw), is_temporary=is_temporary,
+                               backoff=self.backoff, what=f"{what} on {self.url}")
+        except bce.NoCredentialsError as e:
+            raise ArchiveUnavailable(f"{what}: no credentials in the standard chain") from e
+        except bce.BotoCoreError as e:
+            raise ArchiveUnavailable(f"{what} on {self.url}: {e}") from e
+
+    def _key(self, key: str) -> str:
+        return self.prefix + check_key(key)
+
+    async def get(self, key: str, *, into: memoryview | bytearray | None = None) -> bytes | int:
+        def fetch() -> bytes:
+            r = self._client.get_object(Bucket=self.bucket, Key=self._key(key))
+            with r["Body"] as body:
+                return body.read()
+
+        try:
+            data = await self._call(f"get {key}", fetch)
+        except bce.ClientError as e:
+            if _code(e) in ("NoSuchKey", "404") or _status(e) == 404 and _code(e) != "NoSuchBucket":
+                raise ObjectNotFound(f"no object {key!r} in {self.url}") from None
+            raise self._permanent(e, f"get {key}") from e
+        if into is None:
+            return data
+        dest = memoryview(into).cast("B")
+        if len(dest) < len(data):
+            raise ValueError(f"buffer of {len(dest)} bytes is smaller than object {key!r} "
+                             f"({len(data)} bytes)")
+        dest[:len(data)] = data
+        return len(data)
+
+    async def put(self, key: str, data: bytes | memoryview, *, if_absent: bool = False) -> bool:
+        k = self._key(key)
+        cond = {"IfNoneMatch": "*"} if if_absent else {}
+        try:
+            if len(data) > self.multipart_threshold:
+                return await self._put_multipart(key, k, memoryview(data).cast("B"), cond)
+            await self._call(f"put {key}", self._client.put_object, Bucket=self.bucket, Key=k,
+                             Body=bytes(data), **cond)
+            return True
+        except bce.ClientError as e:
+            if if_absent and (_code(e) == "PreconditionFailed" or _status(e) == 412):
+                return False
+            raise self._permanent(e, f"put {key}") from e
+
+    async def _put_multipart(self, key: str, k: str, mv: memoryview, cond: dict) -> bool:
+        if cond and await self.exists(key):
+            return False
+        up = await self._call(f"start multipart {key}", self._client.create_multipart_upload,
+                              Bucket=self.bucket, Key=k)
+        uid = up["UploadId"]
+        parts: dict[int, str] = {}
+
+        async def one(n: int, off: int) -> None:
+            r = await self._call(f"put part {n} of {key}", self._client.upload_part,
+                                 Bucket=self.bucket, Key=k, UploadId=uid, PartNumber=n,
+                                 Body=bytes(mv[off:off + self.part_size]))
+            parts[n] = r["ETag"]
+
+        try:
+            limit = trio.CapacityLimiter(4)
+
+            async def limited(n: int, off: int) -> None:
+                async with limit:
+                    await one(n, off)
+
+            async with trio.open_nursery() as nursery:
+                for i, off in enumerate(range(0, len(mv), self.part_size)):
+                    nursery.start_soon(limited, i + 1, off)
+            await self._call(
+                f"complete multipart {key}", self._client.complete_multipart_upload,
+                Bucket=self.bucket, Key=k, UploadId=uid,
+                MultipartUpload={"Parts": [{"PartNumber": n, "ETag": parts[n]}
+                                           for n in sorted(parts)]}, **cond)
+            return True
+        except BaseException:
+            with trio.CancelScope(shield=True):
+                try:
+                    await self._thread(self._client.abort_multipart_upload, Bucket=self.bucket,
+                                       Key=k, UploadId=uid)
+                except Exception:  # noqa: S110 - the original error matters; lifecycle rules clean up
+                    pass
+            raise
+
+    async def exists(self, key: str) -> bool:
+        try:
+            await self._call(f"head {key}", self._client.head_object, Bucket=self.bucket,
+                             Key=self._key(key))
+            return True
+        except bce.ClientError as e:
+            if _status(e) == 404 or _code(e) in ("404", "NoSuchKey", "NotFound"):
+                return False
+            raise self._permanent(e, f"head {key}") from e
+
+    async def delete(self, key: str) -> None:
+        try:
+            await self._call(f"delete {key}", self._client.delete_object, Bucket=self.bucket,
+                             Key=self._key(key))
+        except bce.ClientError as e:
+            if _status(e) != 404:
+                raise self._permanent(e, f"delete {key}") from e
+
+    async def list(self, prefix: str = "") -> AsyncIterator[str]:  # type: ignore[override]
+        token: str | None = None
+        full = self.prefix + prefix
+        while True:
+            kw: dict[str, Any] = {"Bucket": self.bucket, "Prefix": full}
+            if token:
+                kw["ContinuationToken"] = token
+            try:
+                r = await self._call(f"list {prefix or '(all)'}", self._client.list_objects_v2, **kw)
+            except bce.ClientError as e:
+                raise self._permanent(e, f"list {prefix or '(all)'}") from e
+            for obj in r.get("Contents", ()):
+                yield obj["Key"][len(self.prefix):]
+            if not r.get("IsTruncated"):
+                return
+            token = r["NextContinuationToken"]
+
+    async def aclose(self) -> None:
+        client, self._client = self._client, None
+        if client is not None:
+            await trio.to_thread.run_sync(client.close)

@@ -1,0 +1,152 @@
+"""A real S3-compatible server for tests: moto's HTTP server on loopback, plus a TCP proxy
+in front of it that a test can take down (connections refused), bring back, or slow down.
+
+Used by the session fixture ``s3_server`` in conftest.py. Nothing here patches a client:
+every request the code under test makes is HTTP over a socket.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import boto3
+from moto.server import ThreadedMotoServer
+
+__all__ = ["S3Server", "TcpProxy", "running_moto"]
+
+#: Fake credentials moto accepts; set in the environment so the standard chain finds them.
+FAKE_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+            "AWS_DEFAULT_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true"}
+
+
+@dataclass
+class S3Server:
+    endpoint: str
+
+    def client(self, endpoint: str | None = None):  # noqa: ANN201 - boto3 client type
+        return boto3.client("s3", endpoint_url=endpoint or self.endpoint, region_name="us-east-1")
+
+    def new_bucket(self) -> str:
+        name = f"kvfs-test-{uuid.uuid4().hex[:16]}"
+        self.client().create_bucket(Bucket=name)
+        return name
+
+    def keys(self, bucket: str, prefix: str = "") -> list[str]:
+        out: list[str] = []
+        for page in self.client().get_paginator("list_objects_v2").paginate(Bucket=bucket,
+                                                                            Prefix=prefix):
+            out += [o["Key"] for o in page.get("Contents", ())]
+        return sorted(out)
+
+
+@contextmanager
+def running_moto() -> Iterator[S3Server]:
+    old = {k: os.environ.get(k) for k in FAKE_ENV}
+    os.environ.update(FAKE_ENV)
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    try:
+        host, port = server.get_host_and_port()
+        yield S3Server(f"http://{host}:{port}")
+    finally:
+        server.stop()
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+class TcpProxy:
+    """Forward 127.0.0.1:<port> to a target; ``down()`` refuses and cuts connections,
+    ``up()`` serves again on the same port, ``delay`` sleeps per forwarded chunk."""
+
+    def __init__(self, target: tuple[str, int], delay: float = 0.0) -> None:
+        self.target = target
+        self.delay = delay
+        self._lock = threading.Lock()
+        self._conns: list[socket.socket] = []
+        self._listener: socket.socket | None = None
+        probe = socket.socket()
+        probe.bind(("127.0.0.1", 0))
+        self.port = probe.getsockname()[1]
+        probe.close()
+        self.up()
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def up(self) -> None:
+        s = socket.socket()
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("127.0.0.1", self.port))
+        s.listen(64)
+        self._listener = s
+        threading.Thread(target=self._accept, args=(s,), daemon=True).start()
+
+    def down(self) -> None:
+        with self._lock:
+            s, self._listener = self._listener, None
+            conns, self._conns = self._conns, []
+        if s is not None:
+            s.close()
+        for c in conns:
+            try:
+                c.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            c.close()
+
+    def _accept(self, s: socket.socket) -> None:
+        while True:
+            try:
+                c, _ = s.accept()
+            except OSError:
+                return
+            try:
+                u = socket.create_connection(self.target)
+            except OSError:
+                c.close()
+                continue
+            with self._lock:
+                if self._listener is not s:
+                    c.close()
+                    u.close()
+                    return
+                self._conns += [c, u]
+            threading.Thread(target=self._pipe, args=(c, u), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(u, c), daemon=True).start()
+
+    def _pipe(self, a: socket.socket, b: socket.socket) -> None:
+        try:
+            while True:
+                data = a.recv(65536)
+                if not data:
+                    break
+                if self.delay:
+                    time.sleep(self.delay)
+                b.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for x in (a, b):
+                try:
+                    x.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+            # Each socket is the source of exactly one pipe: that pipe closes it.
+            a.close()
+            with self._lock:
+                if a in self._conns:
+                    self._conns.remove(a)
+
+    def close(self) -> None:
+        self.down()
