@@ -1,0 +1,201 @@
+"""Page sources: the one seam between engine integrations and where page bytes live.
+
+An integration names pages with :class:`~kvfs.PageKey` and asks a :class:`PageSource` to
+find, read and write them. Two sources exist now:
+
+* :class:`StorePages` goes through the object API (a :class:`~kvfs.SyncStore`, an async
+  :class:`~kvfs.Store` via its engine, or an :class:`~kvfs.Engine`): checksummed reads,
+  deduplicated writes, attrs kept in the index;
+* :class:`DirectoryPages` reads and writes plain files ``<root>/<key path>`` in any
+  directory, which is what the kvfs FUSE mount shows (``<mount>/sessions/<s>/<prefix>/
+  layer-NNN``). Writes go to a temporary name and are renamed into place, so a reader never
+  sees half a page.
+
+The fast path (``gds``) plugs in as a third source with the same four calls; a source that
+can fill device memory directly may add ``read_into`` support for device buffers, and the
+loader reads layer by layer so that such a source can overlap a layer's I/O with compute.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol, runtime_checkable
+
+from .._engine import Engine
+from .._errors import PageNotFound, SessionNotFound
+from .._keys import SESSIONS_DIR, PageKey
+from ._format import HEADER_READ, PageHeader, parse_header
+
+__all__ = ["DirectoryPages", "PageSource", "PageStat", "StorePages", "as_source"]
+
+
+@dataclass(frozen=True, slots=True)
+class PageStat:
+    """What a source knows about a page without reading it (attrs: None if not cheap)."""
+
+    size: int
+    attrs: dict[str, str] | None = None
+
+
+@runtime_checkable
+class PageSource(Protocol):
+    """Where pages live. Implementations must be safe to call from several threads."""
+
+    #: Short label for reports ("object API", "directory /mnt/kvfs"...).
+    label: str
+
+    def stat(self, key: PageKey) -> PageStat | None:
+        """Size (and attrs where cheap) of a page, or None if it does not exist."""
+        ...
+
+    def read_into(self, key: PageKey, buf: memoryview) -> int:
+        """Read the whole page into ``buf`` (at least its size); return its size.
+
+        Raises PageNotFound if it went away; CorruptPage if it fails verification.
+        """
+        ...
+
+    def write(self, key: PageKey, data: memoryview, attrs: dict[str, str]) -> bool:
+        """Store a page once: False (and nothing written) if it exists already."""
+        ...
+
+    def sample_attrs(self, session: str) -> dict[str, str] | None:
+        """The attrs (page metadata) of any one page of ``session``, or None if it has none."""
+        ...
+
+
+class StorePages:
+    """Pages through the kvfs object API. Thread-safe (the engine is)."""
+
+    def __init__(self, store: object) -> None:
+        engine = getattr(store, "engine", store)
+        if not isinstance(engine, Engine):
+            raise TypeError(f"expected a kvfs Store, SyncStore or Engine, not "
+                            f"{type(store).__name__}")
+        self.engine = engine
+        self.label = "object API"
+
+    def stat(self, key: PageKey) -> PageStat | None:
+        try:
+            info = self.engine.stat(key)
+        except PageNotFound:
+            return None
+        return PageStat(size=info.size, attrs=info.attrs)
+
+    def read_into(self, key: PageKey, buf: memoryview) -> int:
+        n = self.engine.get(key, into=buf)
+        assert isinstance(n, int)
+        return n
+
+    def write(self, key: PageKey, data: memoryview, attrs: dict[str, str]) -> bool:
+        if self.engine.exists(key):
+            return False
+        try:
+            self.engine.put(key, data, attrs=attrs)
+        except FileExistsError:
+            return False  # another writer won the race; pages are write-once
+        return True
+
+    def sample_attrs(self, session: str) -> dict[str, str] | None:
+        try:
+            pages = self.engine.list(session=session)
+        except SessionNotFound:
+            return None
+        return pages[0].attrs if pages else None
+
+
+class DirectoryPages:
+    """Pages as plain files under ``root`` (a kvfs mount, or any directory)."""
+
+    def __init__(self, root: str | os.PathLike[str], *, durable: bool = False) -> None:
+        self.root = Path(root)
+        if not self.root.is_dir():
+            raise FileNotFoundError(f"{self.root} is not a directory")
+        #: fsync each page before renaming it into place (a mount does its own durability).
+        self.durable = durable
+        self.label = f"directory {self.root}"
+
+    def path(self, key: PageKey) -> Path:
+        return self.root.joinpath(*key.parts)
+
+    def stat(self, key: PageKey) -> PageStat | None:
+        try:
+            return PageStat(size=os.stat(self.path(key)).st_size)
+        except FileNotFoundError:
+            return None
+
+    def read_into(self, key: PageKey, buf: memoryview) -> int:
+        try:
+            f = open(self.path(key), "rb", buffering=0)  # noqa: SIM115 - closed below
+        except FileNotFoundError as e:
+            raise PageNotFound(f"no page file {self.path(key)}") from e
+        with f:
+            size = os.fstat(f.fileno()).st_size
+            if len(buf) < size:
+                raise ValueError(f"buffer of {len(buf)} bytes is smaller than {size}")
+            done = 0
+            while done < size:
+                n = f.readinto(buf[done:size])
+                if not n:
+                    raise PageNotFound(f"{self.path(key)} shrank while being read")
+                done += n
+        return size
+
+    def write(self, key: PageKey, data: memoryview, attrs: dict[str, str]) -> bool:
+        # attrs are inside the page (safetensors metadata): plain files need nothing else.
+        dest = self.path(key)
+        if dest.exists():
+            return False
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        tmp = dest.with_name(f"{dest.name}.tmp-{uuid.uuid4().hex[:12]}")
+        try:
+            with open(tmp, "wb", buffering=0) as f:
+                view = memoryview(data)
+                while view:
+                    n = f.write(view)
+                    view = view[n:]
+                if self.durable:
+                    os.fsync(f.fileno())
+            os.replace(tmp, dest)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        return True
+
+    def sample_attrs(self, session: str) -> dict[str, str] | None:
+        sdir = self.root / SESSIONS_DIR / session
+        if not sdir.is_dir():
+            return None
+        for prefix in sorted(sdir.iterdir()):
+            for page in sorted(prefix.iterdir()) if prefix.is_dir() else ():
+                if ".tmp-" in page.name:
+                    continue
+                return dict(read_file_header(page).metadata)
+        return None
+
+
+def read_file_header(path: Path) -> PageHeader:
+    """Parse the header of a page file, reading only the header's bytes."""
+    with open(path, "rb") as f:
+        head = f.read(HEADER_READ)
+        if len(head) >= 8:
+            need = 8 + struct.unpack("<Q", head[:8])[0]
+            if len(head) < need <= 100_000_000:
+                head += f.read(need - len(head))
+    return parse_header(head, str(path))
+
+
+def as_source(target: object) -> PageSource:
+    """A PageSource for a store (object API), a directory path, or a PageSource itself."""
+    if isinstance(target, (str, os.PathLike)):
+        return DirectoryPages(target)
+    if isinstance(target, Engine) or isinstance(getattr(target, "engine", None), Engine):
+        return StorePages(target)
+    if isinstance(target, PageSource):
+        return target
+    raise TypeError(f"cannot read KV pages from a {type(target).__name__}: pass a kvfs store, "
+                    f"a directory, or a PageSource")

@@ -1,0 +1,331 @@
+"""Hugging Face transformers KV caches as kvfs pages.
+
+::
+
+    kv = TransformersKV(store, model, model_id="meta-llama/Llama-3.1-8B@main")
+    kv.save("agent-42", input_ids, out.past_key_values)          # after a prefill
+    hit = kv.load("agent-43", new_input_ids, max_tokens=len(new_input_ids) - 1)
+    out = model(input_ids=new_ids[hit.tokens:], past_key_values=hit.cache)
+
+A cache is cut into chunks of ``chunk_tokens`` tokens (256 by default); each (chunk, layer)
+is one page ``sessions/<session>/<chunk name>/layer-NNN`` in the ``kvfs-kv/1`` format
+(:mod:`kvfs.integrations._format`), where the chunk name is a hash chain over the tokens
+seeded by the model geometry (:mod:`kvfs.integrations._chain`). Only full chunks are
+stored. Every page is also published under a shared session (``prefix-cache`` unless told
+otherwise) so that another session with the same prefix finds it; kvfs deduplicates the
+identical bytes, so the second name costs an index row, not a copy.
+
+``store`` may be a kvfs store (object API), a directory (plain files: the kvfs mount or any
+directory), or any :class:`~kvfs.integrations.PageSource`. Batch size 1 and full-attention
+layers only (a sliding-window layer does not hold the whole prefix).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .._aligned import aligned_buffer, round_up
+from .._errors import CorruptPage, PageNotFound
+from .._keys import PageKey
+from ._chain import chunk_names
+from ._format import FORMAT, Geometry, GeometryMismatch, PageLayout, parse_header
+from ._sources import PageSource, as_source
+from ._tcache import build_cache, cache_tensors
+
+__all__ = ["LoadResult", "PrefillResult", "SaveResult", "TransformersKV", "geometry_of"]
+
+TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+SHARED_SESSION = "prefix-cache"
+
+
+def geometry_of(model: Any, model_id: str, chunk_tokens: int = 256) -> Geometry:
+    """The KV geometry of a transformers model (decoder config, parameter dtype)."""
+    cfg = model.config
+    cfg = cfg.get_text_config(decoder=True) if hasattr(cfg, "get_text_config") else cfg
+    heads = cfg.num_attention_heads
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    dtype = str(model.dtype).removeprefix("torch.")
+    return Geometry(model_id=model_id, layers=cfg.num_hidden_layers, kv_heads=kv_heads,
+                    head_dim=head_dim, dtype=dtype, chunk_tokens=chunk_tokens)
+
+
+@dataclass(frozen=True)
+class SaveResult:
+    chunks: int  #: full chunks in the cache
+    pages_written: int  #: new pages (session and shared names)
+    pages_present: int  #: pages that existed already (write-once: skipped)
+    bytes_written: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class LoadResult:
+    """The longest cached prefix: ``cache`` holds KV of ``tokens`` tokens (None if 0)."""
+
+    cache: Any
+    tokens: int
+    chunks: int
+    bytes_read: int
+    seconds: float
+    #: session each loaded chunk came from (own session or the shared one)
+    sources: tuple[str, ...] = ()
+    #: why loading stopped early at a page that was listed (gone, corrupt), if it did
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class PrefillResult:
+    logits: torch.Tensor  #: logits of the last input token, shape [vocab]
+    cache: Any
+    reused_tokens: int
+    computed_tokens: int
+    load_seconds: float
+    compute_seconds: float
+    save: SaveResult | None = None
+    sources: tuple[str, ...] = field(default=())
+
+
+class TransformersKV:
+    """Save and load one model's KV caches in kvfs. Thread-safe; reuse one per model."""
+
+    def __init__(self, store: object, model: Any, *, model_id: str, chunk_tokens: int = 256,
+                 shared_session: str | None = SHARED_SESSION, threads: int = 4) -> None:
+        self.source: PageSource = as_source(store)
+        self.model = model
+        self.geometry = geometry_of(model, model_id, chunk_tokens)
+        self.shared_session = shared_session
+        self.dtype = TORCH_DTYPES[self.geometry.dtype]
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="kvfs-kv")
+        self._local = threading.local()
+        build_cache(model.config, [])  # raises early on caches kvfs cannot hold (sliding window)
+
+    def close(self) -> None:
+        self._pool.shutdown()
+
+    def __enter__(self) -> TransformersKV:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- naming -----------------------------------------------------------------------
+    def _search_order(self, session: str) -> list[str]:
+        return [session] + ([self.shared_session] if self.shared_session not in
+                            (None, session) else [])  # type: ignore[list-item]
+
+    def _check_session(self, session: str) -> None:
+        """Refuse a session whose pages belong to another model or geometry."""
+        attrs = self.source.sample_attrs(session)
+        if attrs is None:
+            return
+        if attrs.get("format") != FORMAT:
+            raise GeometryMismatch(f"session {session!r} holds pages that are not {FORMAT} "
+                                   f"KV pages; use another session name")
+        Geometry.from_attrs(attrs).check_same(self.geometry, f"session {session!r}")
+
+    # -- save -------------------------------------------------------------------------
+    def save(self, session: str, tokens: Sequence[int] | torch.Tensor, cache: Any) -> SaveResult:
+        """Store the full chunks of ``cache``, which holds the KV of ``tokens`` (or of the
+        first ``cache length`` of them). Pages that exist already are skipped.
+
+        Raises GeometryMismatch if the cache or the session is of another geometry;
+        ValueError on a batch size other than 1 or a cache longer than ``tokens``.
+        Each page is atomic; a crash leaves some chunks stored, which later loads use.
+        """
+        t0 = time.perf_counter()
+        g = self.geometry
+        toks = _token_list(tokens)
+        kvs = cache_tensors(cache)
+        self._check_tensors(kvs)
+        length = kvs[0][0].shape[2]
+        if length > len(toks):
+            raise ValueError(f"the cache holds {length} tokens but only {len(toks)} token ids "
+                             f"were given")
+        names = chunk_names(toks[:length], g)
+        if names and self.source.stat(PageKey.semantic(session, names[0], 0)) is None:
+            self._check_session(session)
+        jobs = [(c, layer) for c in range(len(names)) for layer in range(g.layers)]
+
+        def one(job: tuple[int, int]) -> tuple[int, int, int]:
+            c, layer = job
+            meta = {**g.to_attrs(), "chunk": str(c), "prefix": names[c],
+                    "parent": names[c - 1] if c else "", "layer": str(layer),
+                    "token_start": str(c * g.chunk_tokens),
+                    "token_end": str((c + 1) * g.chunk_tokens)}
+            targets = [PageKey.semantic(s, names[c], layer) for s in self._search_order(session)]
+            missing = [k for k in targets if self.source.stat(k) is None]
+            if not missing:
+                return 0, len(targets), 0
+            lay = PageLayout.build(g, g.chunk_tokens, meta)
+            buf = lay.buffer()
+            sl = slice(c * g.chunk_tokens, (c + 1) * g.chunk_tokens)
+            k, v = kvs[layer]
+            self._view(buf, lay.key_offset).copy_(k[0, :, sl, :])
+            self._view(buf, lay.value_offset).copy_(v[0, :, sl, :])
+            wrote = sum(self.source.write(key, buf, meta) for key in missing)
+            return wrote, len(targets) - wrote, wrote * lay.size
+
+        done = list(self._pool.map(one, jobs))
+        return SaveResult(chunks=len(names), pages_written=sum(d[0] for d in done),
+                          pages_present=sum(d[1] for d in done),
+                          bytes_written=sum(d[2] for d in done),
+                          seconds=time.perf_counter() - t0)
+
+    def _check_tensors(self, kvs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        g = self.geometry
+        if len(kvs) != g.layers:
+            raise GeometryMismatch(f"the cache has {len(kvs)} layers; {g.describe()} has "
+                                   f"{g.layers}")
+        for i, (k, v) in enumerate(kvs):
+            want = (g.kv_heads, g.head_dim)
+            if k.dim() != 4 or k.shape != v.shape or (k.shape[1], k.shape[3]) != want:
+                raise GeometryMismatch(f"layer {i}: KV of shape {tuple(k.shape)} does not fit "
+                                       f"{g.describe()}")
+            if k.shape[0] != 1:
+                raise ValueError(f"batch size {k.shape[0]}: kvfs stores one sequence per cache")
+            if k.dtype != self.dtype or v.dtype != self.dtype:
+                raise GeometryMismatch(f"layer {i}: KV dtype {k.dtype}; {g.describe()}")
+            if k.shape[2] != kvs[0][0].shape[2]:
+                raise ValueError("layers hold different token counts (sliding window?)")
+
+    def _view(self, buf: memoryview, offset: int) -> torch.Tensor:
+        g = self.geometry
+        count = g.kv_heads * g.chunk_tokens * g.head_dim
+        return torch.frombuffer(buf, dtype=self.dtype, count=count, offset=offset).view(
+            g.kv_heads, g.chunk_tokens, g.head_dim)
+
+    # -- load -------------------------------------------------------------------------
+    def lookup(self, session: str, tokens: Sequence[int] | torch.Tensor) -> list[str]:
+        """Where each cached chunk of the longest cached prefix is (session names)."""
+        return [s for s, _sizes in self._plan(session, _token_list(tokens), None)]
+
+    def _plan(self, session: str, toks: list[int],
+              max_chunks: int | None) -> list[tuple[str, list[int]]]:
+        g = self.geometry
+        plan: list[tuple[str, list[int]]] = []
+        for name in chunk_names(toks, g, max_chunks):
+            for s in self._search_order(session):
+                stats = [self.source.stat(PageKey.semantic(s, name, layer))
+                         for layer in range(g.layers)]
+                if all(st is not None for st in stats):
+                    for st in stats:
+                        if st is not None and st.attrs is not None:
+                            Geometry.from_attrs(st.attrs).check_same(g, f"session {s!r}")
+                    plan.append((s, [st.size for st in stats if st is not None]))
+                    break
+            else:
+                break
+        if not plan:
+            self._check_session(session)
+        return plan
+
+    def load(self, session: str, tokens: Sequence[int] | torch.Tensor, *,
+             max_tokens: int | None = None) -> LoadResult:
+        """Load the longest cached prefix of ``tokens`` (at most ``max_tokens`` of them).
+
+        Looks in ``session``, then in the shared session. Returns a cache the model
+        continues from (``cache=None`` when nothing is cached). Raises GeometryMismatch if
+        ``session`` holds KV of another model or geometry, or a page's header disagrees with
+        this model. A page that vanished or failed its checksum between lookup and read
+        ends the prefix there (``note`` says so); corrupt data is never loaded.
+        """
+        t0 = time.perf_counter()
+        g, C = self.geometry, self.geometry.chunk_tokens
+        toks = _token_list(tokens)
+        limit = len(toks) if max_tokens is None else max(0, min(max_tokens, len(toks)))
+        plan = self._plan(session, toks, -(-limit // C))
+        names = chunk_names(toks, g, len(plan))
+        ntok = min(limit, len(plan) * C)
+        if ntok == 0:
+            return LoadResult(None, 0, 0, 0, time.perf_counter() - t0)
+        shape = (1, g.kv_heads, ntok, g.head_dim)
+        ks = [torch.empty(shape, dtype=self.dtype) for _ in range(g.layers)]
+        vs = [torch.empty(shape, dtype=self.dtype) for _ in range(g.layers)]
+        stage = round_up(max(max(sizes) for _s, sizes in plan))
+        jobs = [(layer, c) for layer in range(g.layers) for c in range(len(plan))]
+        # The caller's inference mode is per thread: copy it, or in-place writes into
+        # tensors created under it fail in the workers.
+        mode = torch.is_inference_mode_enabled()
+
+        def one(job: tuple[int, int]) -> int:
+            with torch.inference_mode(mode):
+                return read_one(*job)
+
+        def read_one(layer: int, c: int) -> int:
+            key = PageKey.semantic(plan[c][0], names[c], layer)
+            buf = getattr(self._local, "buf", None)
+            if buf is None or len(buf) < stage:
+                buf = self._local.buf = aligned_buffer(stage)
+            n = self.source.read_into(key, buf)
+            h = parse_header(buf[:n], key.path)
+            Geometry.from_attrs(h.metadata).check_same(g, key.path)
+            if (h.shape != (g.kv_heads, C, g.head_dim) or h.metadata.get("prefix") != names[c]
+                    or h.metadata.get("layer") != str(layer)):
+                raise CorruptPage(f"{key.path}: the page's header names another chunk or layer")
+            take = min(C, ntok - c * C)
+            dst = slice(c * C, c * C + take)
+            ks[layer][0, :, dst, :] = self._view(buf, h.key_offset)[:, :take, :]
+            vs[layer][0, :, dst, :] = self._view(buf, h.value_offset)[:, :take, :]
+            return n
+
+        futs = [(job, self._pool.submit(one, job)) for job in jobs]
+        bad_chunk, note, nbytes = len(plan), "", 0
+        for (layer, c), f in futs:
+            try:
+                nbytes += f.result()
+            except (PageNotFound, CorruptPage) as e:
+                if c < bad_chunk:
+                    bad_chunk, note = c, f"stopped at chunk {c} (layer {layer}): {e}"
+        if bad_chunk < len(plan):
+            ntok = min(ntok, bad_chunk * C)
+            if ntok == 0:
+                return LoadResult(None, 0, 0, 0, time.perf_counter() - t0, note=note)
+            ks = [k[:, :, :ntok].contiguous() for k in ks]
+            vs = [v[:, :, :ntok].contiguous() for v in vs]
+            plan = plan[:bad_chunk]
+        cache = build_cache(self.model.config, list(zip(ks, vs, strict=True)))
+        return LoadResult(cache=cache, tokens=ntok, chunks=len(plan), bytes_read=nbytes,
+                          seconds=time.perf_counter() - t0,
+                          sources=tuple(s for s, _ in plan), note=note)
+
+    # -- the whole step ---------------------------------------------------------------
+    @torch.inference_mode()
+    def prefill(self, session: str, input_ids: Sequence[int] | torch.Tensor, *,
+                save: bool = True) -> PrefillResult:
+        """Prefill ``input_ids`` reusing the longest cached prefix, then save the cache.
+
+        At least the last token is computed (its logits are the result). Returns the logits
+        of the last token and the cache, ready for decoding.
+        """
+        toks = _token_list(input_ids)
+        if not toks:
+            raise ValueError("nothing to prefill")
+        hit = self.load(session, toks, max_tokens=len(toks) - 1)
+        t0 = time.perf_counter()
+        cache = hit.cache if hit.cache is not None else build_cache(self.model.config, [])
+        ids = torch.tensor([toks[hit.tokens:]], dtype=torch.long)
+        out = self.model(input_ids=ids, past_key_values=cache, use_cache=True)
+        compute = time.perf_counter() - t0
+        saved = self.save(session, toks, out.past_key_values) if save else None
+        return PrefillResult(logits=out.logits[0, -1], cache=out.past_key_values,
+                             reused_tokens=hit.tokens, computed_tokens=len(toks) - hit.tokens,
+                             load_seconds=hit.seconds, compute_seconds=compute, save=saved,
+                             sources=hit.sources)
+
+
+def _token_list(tokens: Sequence[int] | torch.Tensor) -> list[int]:
+    if isinstance(tokens, torch.Tensor):
+        if tokens.dim() == 2:
+            if tokens.shape[0] != 1:
+                raise ValueError("batch size must be 1")
+            tokens = tokens[0]
+        return [int(t) for t in tokens.tolist()]
+    return [int(t) for t in tokens]
