@@ -1,0 +1,248 @@
+"""kvfs.integrations.transformers with real (randomly initialised) Llama-shaped models.
+
+Correctness is decided by decoding: greedy tokens from a cache restored from kvfs must be
+identical to those from the in-memory cache it was saved from, for several geometries and
+through each page source (object API, plain files as on the mount).
+
+Needs the ``engines`` extra (torch, transformers); skipped with that reason otherwise.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("torch", reason="needs the engines extra: pip install -e .[engines]")
+pytest.importorskip("transformers", reason="needs the engines extra: pip install -e .[engines]")
+
+import torch  # noqa: E402
+from safetensors.torch import load_file  # noqa: E402
+
+import kvfs  # noqa: E402
+from kvfs.integrations import GeometryMismatch, chunk_names  # noqa: E402
+from kvfs.integrations._models import ModelShape, greedy_decode, random_llama  # noqa: E402
+from kvfs.integrations._tcache import build_cache, cache_tensors  # noqa: E402
+from kvfs.integrations.transformers import TransformersKV  # noqa: E402
+
+CHUNK = 64
+STEPS = 12
+GEOMETRIES = {
+    "fp32-gqa-2layers": ModelShape(layers=2, hidden=128, heads=4, kv_heads=2, head_dim=32),
+    "bf16-mha-3layers": ModelShape(layers=3, hidden=128, heads=4, kv_heads=4, head_dim=32,
+                                   dtype="bfloat16"),
+    "fp32-gqa4-4layers": ModelShape(layers=4, hidden=256, heads=8, kv_heads=2, head_dim=32,
+                                    intermediate=512),
+}
+_MODELS: dict[ModelShape, Any] = {}
+
+
+def model_of(shape: ModelShape) -> Any:
+    if shape not in _MODELS:
+        _MODELS[shape] = random_llama(shape, max_positions=2048)
+    return _MODELS[shape]
+
+
+def tokens(n: int, seed: int, vocab: int = 1000) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (n,), generator=g).tolist()
+
+
+@torch.inference_mode()
+def prefill(model: Any, ids: list[int], cache: Any = None) -> tuple[int, Any]:
+    out = model(input_ids=torch.tensor([ids]), past_key_values=cache, use_cache=True)
+    return int(out.logits[0, -1].argmax()), out.past_key_values
+
+
+@pytest.fixture(params=["object-api", "directory"])
+def target(request: pytest.FixtureRequest, make_config: Callable[..., kvfs.StoreConfig],
+           tmp_path: Path) -> Any:
+    """Where pages go: a kvfs store (object API) or plain files (as on the mount)."""
+    if request.param == "object-api":
+        with kvfs.open_store_sync(make_config(ndev=2)) as store:
+            yield store
+    else:
+        d = tmp_path / "mount"
+        d.mkdir()
+        yield d
+
+
+@pytest.mark.parametrize("geom", list(GEOMETRIES), ids=list(GEOMETRIES))
+def test_restored_cache_decodes_identically(geom: str, target: Any) -> None:
+    shape = GEOMETRIES[geom]
+    model = model_of(shape)
+    ids = tokens(4 * CHUNK, seed=1)
+    first, cache = prefill(model, ids)
+    original = [(k.clone(), v.clone()) for k, v in cache_tensors(cache)]
+    with TransformersKV(target, model, model_id=shape.model_id, chunk_tokens=CHUNK) as kv:
+        saved = kv.save("chat-1", ids, cache)
+        assert (saved.chunks, saved.pages_written) == (4, 2 * 4 * shape.layers)
+        want = greedy_decode(model, first, cache, STEPS)
+        hit = kv.load("chat-1", ids)
+    assert (hit.tokens, hit.chunks, hit.sources) == (4 * CHUNK, 4, ("chat-1",) * 4)
+    for (k0, v0), (k1, v1) in zip(original, cache_tensors(hit.cache), strict=True):
+        assert k1.dtype == k0.dtype and torch.equal(k0, k1) and torch.equal(v0, v1)
+    assert greedy_decode(model, first, hit.cache, STEPS) == want
+
+
+@pytest.mark.parametrize("geom", ["fp32-gqa-2layers", "bf16-mha-3layers"])
+def test_longest_cached_prefix_is_reused(geom: str, target: Any) -> None:
+    shape = GEOMETRIES[geom]
+    model = model_of(shape)
+    old = tokens(4 * CHUNK + 20, seed=2)
+    _, cache = prefill(model, old)
+    # Same first 200 tokens, then another tail: chunks 0-2 (192 tokens) are shared.
+    new = old[:200] + tokens(90, seed=3)
+    with TransformersKV(target, model, model_id=shape.model_id, chunk_tokens=CHUNK) as kv:
+        assert kv.save("a", old, cache).chunks == 4  # the 20-token tail is not stored
+        assert kv.lookup("a", new) == ["a", "a", "a"]
+        hit = kv.load("a", new)
+        assert hit.tokens == 3 * CHUNK
+        first, restored = prefill(model, new[hit.tokens:], hit.cache)
+        # Reference: the in-memory cache cut to the same prefix, continued the same way.
+        ref_cache = build_cache(model.config, [(k[:, :, :hit.tokens].clone(),
+                                                v[:, :, :hit.tokens].clone())
+                                               for k, v in cache_tensors(cache)])
+        ref_first, ref_cache = prefill(model, new[hit.tokens:], ref_cache)
+        assert first == ref_first
+        assert greedy_decode(model, first, restored, STEPS) == greedy_decode(
+            model, ref_first, ref_cache, STEPS)
+        # max_tokens cuts inside a chunk, as a prefill that must compute the last token does.
+        part = kv.load("a", old, max_tokens=2 * CHUNK + 5)
+        assert part.tokens == 2 * CHUNK + 5 and part.chunks == 3
+        assert torch.equal(cache_tensors(part.cache)[0][1], cache_tensors(cache)[0][1][:, :, :133])
+
+
+def test_prefill_reuses_a_shared_prefix_across_sessions(
+        make_config: Callable[..., kvfs.StoreConfig]) -> None:
+    shape = GEOMETRIES["fp32-gqa-2layers"]
+    model = model_of(shape)
+    system = tokens(3 * CHUNK, seed=4)
+    a, b = system + tokens(40, seed=5), system + tokens(50, seed=6)
+    with kvfs.open_store_sync(make_config()) as store, \
+            TransformersKV(store, model, model_id=shape.model_id, chunk_tokens=CHUNK) as kv:
+        ra = kv.prefill("agent-a", a)
+        assert (ra.reused_tokens, ra.computed_tokens) == (0, len(a))
+        rb = kv.prefill("agent-b", b)
+        assert rb.reused_tokens == 3 * CHUNK and rb.sources == ("prefix-cache",) * 3
+        full_first, _ = prefill(model, b)
+        assert torch.allclose(rb.logits, prefill_logits(model, b), atol=1e-4)
+        assert int(rb.logits.argmax()) == full_first
+        st = store.statistics()
+        # agent-a, agent-b and prefix-cache each name the 3 shared chunks: one copy stored.
+        page = store.list(session="agent-a")[0].size
+        assert st.logical_bytes == 9 * shape.layers * page
+        assert st.local_bytes == 3 * shape.layers * page
+        isolated = TransformersKV(store, model, model_id=shape.model_id, chunk_tokens=CHUNK,
+                                  shared_session=None)
+        assert isolated.load("agent-c", b).tokens == 0
+
+
+@torch.inference_mode()
+def prefill_logits(model: Any, ids: list[int]) -> torch.Tensor:
+    return model(input_ids=torch.tensor([ids])).logits[0, -1]
+
+
+def test_other_geometry_is_refused(target: Any) -> None:
+    base = GEOMETRIES["fp32-gqa-2layers"]
+    ids = tokens(2 * CHUNK, seed=7)
+    _, cache = prefill(model_of(base), ids)
+    with TransformersKV(target, model_of(base), model_id=base.model_id,
+                        chunk_tokens=CHUNK) as kv:
+        kv.save("s", ids, cache)
+    others = {
+        "layers": ModelShape(layers=3, hidden=128, heads=4, kv_heads=2, head_dim=32),
+        "dtype": ModelShape(layers=2, hidden=128, heads=4, kv_heads=2, head_dim=32,
+                            dtype="bfloat16"),
+        "kv_heads": ModelShape(layers=2, hidden=128, heads=4, kv_heads=4, head_dim=32),
+        "model_id": ModelShape(layers=2, hidden=128, heads=4, kv_heads=2, head_dim=32, seed=1),
+    }
+    for field, shape in others.items():
+        with TransformersKV(target, model_of(shape), model_id=shape.model_id,
+                            chunk_tokens=CHUNK) as kv:
+            with pytest.raises(GeometryMismatch, match=field):
+                kv.load("s", ids)
+            other_ids = tokens(2 * CHUNK, seed=8)
+            _, other_cache = prefill(model_of(shape), other_ids)
+            with pytest.raises(GeometryMismatch, match=field):
+                kv.save("s", other_ids, other_cache)
+            # A cache of the first model handed to this one is refused too.
+            if field != "model_id":
+                with pytest.raises(GeometryMismatch):
+                    kv.save("fresh", ids, cache)
+
+
+def test_pages_are_aligned_safetensors(tmp_path: Path) -> None:
+    shape = GEOMETRIES["bf16-mha-3layers"]
+    model = model_of(shape)
+    ids = tokens(CHUNK + 10, seed=9)
+    _, cache = prefill(model, ids)
+    with TransformersKV(tmp_path, model, model_id=shape.model_id, chunk_tokens=CHUNK) as kv:
+        kv.save("s", ids, cache)
+    [name] = chunk_names(ids, kv.geometry)
+    for layer, (k, v) in enumerate(cache_tensors(cache)):
+        f = tmp_path / "sessions" / "s" / name / f"layer-{layer:03d}"
+        raw = f.read_bytes()
+        assert (8 + struct.unpack("<Q", raw[:8])[0]) % 4096 == 0
+        loaded = load_file(str(f))
+        assert torch.equal(loaded["key"], k[0, :, :CHUNK]) and loaded["key"].dtype == torch.bfloat16
+        assert torch.equal(loaded["value"], v[0, :, :CHUNK])
+
+
+def test_chunk_names_are_the_same_in_another_process() -> None:
+    shape = GEOMETRIES["fp32-gqa-2layers"]
+    with TransformersKV(os.getcwd(), model_of(shape), model_id=shape.model_id,
+                        chunk_tokens=CHUNK) as kv:
+        g = kv.geometry
+    ids = tokens(3 * CHUNK + 5, seed=10)
+    here = chunk_names(ids, g)
+    code = ("import sys, json; from kvfs.integrations import Geometry, chunk_names; "
+            "g = Geometry(**json.loads(sys.argv[1])); print(' '.join(chunk_names(json.loads("
+            "sys.argv[2]), g)))")
+    import json
+    geo = {f: getattr(g, f) for f in ("model_id", "layers", "kv_heads", "head_dim", "dtype",
+                                      "chunk_tokens")}
+    out = subprocess.run([sys.executable, "-c", code, json.dumps(geo), json.dumps(ids)],
+                         env={**os.environ, "PYTHONHASHSEED": "12345"}, check=True,
+                         capture_output=True, text=True).stdout.split()
+    assert out == here and len(here) == 3
+    assert chunk_names(ids, g.__class__(**{**geo, "head_dim": 64}))[0] != here[0]
+
+
+def test_corrupt_page_ends_the_prefix(make_config: Callable[..., kvfs.StoreConfig],
+                                      tmp_path: Path) -> None:
+    shape = GEOMETRIES["fp32-gqa-2layers"]
+    model = model_of(shape)
+    ids = tokens(3 * CHUNK, seed=11)
+    _, cache = prefill(model, ids)
+    names = None
+    with kvfs.open_store_sync(make_config(ndev=1)) as store, \
+            TransformersKV(store, model, model_id=shape.model_id, chunk_tokens=CHUNK,
+                           shared_session=None) as kv:
+        kv.save("s", ids, cache)
+        names = chunk_names(ids, kv.geometry)
+        ext = store.stat(f"sessions/s/{names[1]}/layer-001").extents[0]
+        with open(ext.path, "r+b") as f:  # flip a byte of the value tensor on disk
+            f.seek(ext.offset + ext.length - 100)
+            b = f.read(1)
+            f.seek(ext.offset + ext.length - 100)
+            f.write(bytes([b[0] ^ 0xFF]))
+        hit = kv.load("s", ids)
+        assert hit.tokens == CHUNK and "corrupt" in hit.note
+        assert torch.equal(cache_tensors(hit.cache)[1][1], cache_tensors(cache)[1][1][:, :, :CHUNK])
+
+
+def test_batched_cache_is_refused(tmp_path: Path) -> None:
+    shape = GEOMETRIES["fp32-gqa-2layers"]
+    model = model_of(shape)
+    with torch.inference_mode():
+        out = model(input_ids=torch.tensor([tokens(CHUNK, 12), tokens(CHUNK, 13)]))
+    with TransformersKV(tmp_path, model, model_id=shape.model_id, chunk_tokens=CHUNK) as kv, \
+            pytest.raises(ValueError, match="batch size 2"):
+        kv.save("s", tokens(CHUNK, 12), out.past_key_values)
