@@ -31,6 +31,7 @@ from ._aligned import aligned_buffer
 from ._checksum import DIGEST, LEAF, leaf_hash, tree_hash
 from ._config import StoreConfig
 from ._errors import (
+    ArchiveUnavailable,
     CapacityExceeded,
     CorruptPage,
     InvalidKey,
@@ -132,6 +133,17 @@ class Engine:
         self.reserved = 0
         self.capacity = cfg.capacity or (self.used + sum(self.tier.free_bytes()))
         self._closed = False
+        if cfg.archive_url:
+            from ._archive import ArchivingPolicy  # imports objectstore/boto3 only when used
+
+            try:
+                self.policy = ArchivingPolicy(self)
+            except BaseException:
+                self._closed = True
+                self.io_pool.shutdown()
+                self.hash_pool.shutdown()
+                self.index.close()
+                raise
 
     def _account(self, b: BlobRow, sign: int) -> None:
         """Track bytes on disk per device for a blob's local files (caller holds _cap_lock
@@ -152,6 +164,7 @@ class Engine:
         self._closed = True
         try:
             self.flush_atimes()
+            self.policy.close()
             with self._cap_lock:
                 deferred, self._deferred = self._deferred, {}
             for b in deferred.values():
@@ -557,6 +570,8 @@ class Engine:
             self.policy.forget_blob(b)
         for d in {p.session for p in gone}:
             self.index.drop_session_if_empty(d)
+        if gone:
+            self.policy.pages_removed(gone)
 
     def delete_blob_pages(self, blob: BlobRow, reason: str) -> int:
         """Evict by deletion (no archive): every page sharing this data goes. Returns bytes freed."""
@@ -621,6 +636,31 @@ class Engine:
                 freed += self.policy.evict_blob(b, reason)
         return freed
 
+    # -- archive tier (kvfs/_archive.py) ---------------------------------------------
+    def _archive(self):  # type: ignore[no-untyped-def]  # -> ArchivingPolicy
+        from ._archive import ArchivingPolicy
+
+        self._check_open()
+        if not isinstance(self.policy, ArchivingPolicy):
+            raise ArchiveUnavailable("no archive tier is configured (set archive_url)")
+        return self.policy
+
+    def spill(self, session: str) -> int:
+        """Upload the session's pages the archive lacks plus its manifest, then drop local
+        copies (pinned sessions too: this is the explicit request). Returns bytes uploaded.
+        Raises SessionNotFound, ArchiveUnavailable (then nothing local was dropped)."""
+        return int(self._archive().spill(session_dir(session)))
+
+    def restore(self, session: str) -> int:
+        """Bring a session back: import its manifest's pages this store lacks (from any host
+        sharing the archive) and prefetch every page. Returns bytes restored. Raises
+        SessionNotFound, ArchiveUnavailable, CorruptPage."""
+        return int(self._archive().restore_session(session_dir(session)))
+
+    def archived_sessions(self) -> list[dict[str, object]]:
+        """Sessions that have a manifest in the archive, from every host sharing it."""
+        return list(self._archive().archived_sessions())
+
     # -- statistics -------------------------------------------------------------------
     def statistics(self) -> StoreStatistics:
         self._check_open()
@@ -636,7 +676,7 @@ class Engine:
                 hits=k.get("hits", 0), misses=k.get("misses", 0),
                 corrupt_reads=k.get("corrupt_reads", 0),
                 bytes_written=k.get("bytes_written", 0), bytes_read=k.get("bytes_read", 0),
-                evictions=dict(self._evictions),
+                evictions=dict(self._evictions), extra=self.policy.statistics(),
                 devices=tuple(DeviceStatistics(i, str(r), self.dev_used[i], free[i])
                               for i, r in enumerate(self.tier.roots)))
 

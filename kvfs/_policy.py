@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ._index import BlobRow
+from ._index import BlobRow, PageRow
 
 if TYPE_CHECKING:
     from ._engine import Engine
@@ -65,6 +65,16 @@ class TieringPolicy:
 
     def forget_blob(self, blob: BlobRow) -> None:
         """The last page referencing ``blob`` is gone (the archive tier deletes its copy)."""
+
+    def pages_removed(self, pages: list[PageRow]) -> None:
+        """Pages were deleted (the archive tier rewrites the manifests that listed them)."""
+
+    def statistics(self) -> dict[str, object]:
+        """Policy figures merged into ``StoreStatistics.extra``."""
+        return {}
+
+    def close(self) -> None:
+        """Release what the policy holds (called by ``Engine.close``)."""
 
     def restore_blob(self, blob: BlobRow) -> BlobRow:
         """Bring a blob that is not held locally back; without an archive there is nowhere to

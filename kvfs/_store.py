@@ -153,6 +153,17 @@ class Store:
     async def statistics(self) -> StoreStatistics:
         return await self._run(self._engine.statistics)
 
+    async def spill(self, session: str) -> int:
+        """Spill a session to the archive now; bytes uploaded (see Engine.spill)."""
+        return await self._run(self._engine.spill, session)
+
+    async def restore(self, session: str) -> int:
+        """Import and prefetch a session from the archive; bytes restored (Engine.restore)."""
+        return await self._run(self._engine.restore, session)
+
+    async def archived_sessions(self) -> list[dict[str, object]]:
+        return await self._run(self._engine.archived_sessions)
+
     async def aclose(self) -> None:
         """Close the store (idempotent). Waits for calls in flight."""
         await trio.to_thread.run_sync(self._engine.close)
@@ -170,6 +181,9 @@ async def open_store(config: StoreConfig | None = None, **overrides: Any) -> Asy
     try:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(_flush_atimes_forever, engine)
+            background = getattr(engine.policy, "background", None)
+            if background is not None:  # the archive tier's spiller
+                nursery.start_soon(background)
             try:
                 yield store
             finally:
@@ -265,6 +279,15 @@ class SyncStore:
 
     def statistics(self) -> StoreStatistics:
         return self._engine.statistics()
+
+    def spill(self, session: str) -> int:
+        return self._engine.spill(session)
+
+    def restore(self, session: str) -> int:
+        return self._engine.restore(session)
+
+    def archived_sessions(self) -> list[dict[str, object]]:
+        return self._engine.archived_sessions()
 
     def close(self) -> None:
         self._engine.close()

@@ -1,0 +1,344 @@
+"""The archive tier: :class:`ArchivingPolicy` spills before it evicts and restores on access.
+
+Installed by the engine when ``StoreConfig.archive_url`` is set. Settings come from
+``StoreConfig.extra["archive"]`` (see :class:`ArchiveConfig` and docs/archive.md).
+
+The engine is synchronous and calls this policy from worker threads; the object stores are
+trio coroutines. :meth:`ArchivingPolicy.call` bridges the two: onto the store's trio loop
+when the background task runs there (``open_store``), else a short private ``trio.run``
+in the calling thread (``SyncStore``, scripts).
+
+Ordering that makes a crash harmless (what each step leaves behind):
+
+1. blob objects are uploaded (conditional put: identical content from any session or host
+   is stored once) and confirmed; a crash here leaves objects nothing references yet, and
+   the next spill finds them (HEAD) and does not upload them again;
+2. the blobs are marked ``archived`` in the index;
+3. the session's manifest is written (one PUT: the previous or the new one is visible);
+4. only then are local copies dropped (index first, then the files; files a crash leaves
+   are swept at the next start). Without step 3 confirmed nothing local is dropped.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from collections.abc import Awaitable, Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import trio
+
+from ._aligned import aligned_buffer
+from ._checksum import leaves_of, tree_hash
+from ._codec import decode, elem_size, encode
+from ._errors import ArchiveUnavailable, CorruptPage, PageNotFound
+from ._index import BlobRow, PageRow
+from ._manifest import ArchiveIndex, blob_key
+from ._policy import TieringPolicy
+from ._spill import Spiller
+
+if TYPE_CHECKING:
+    from ._engine import Engine
+
+__all__ = ["ArchiveConfig", "ArchivingPolicy"]
+
+T = TypeVar("T")
+log = logging.getLogger("kvfs.archive")
+
+
+@dataclass(frozen=True)
+class ArchiveConfig:
+    """Archive settings (``StoreConfig.extra["archive"]``, a dict of these names)."""
+
+    #: zstd level for spilled pages (1-19; 3 is fast and within a few % of higher levels on KV)
+    zstd_level: int = 3
+    #: auto (try byte-shuffle and plain zstd on a sample, keep the smaller), zstd, zstd+shuffle, raw
+    codec: str = "auto"
+    #: seconds untouched after which a session is cold and may be spilled by the background task
+    idle_seconds: float = 300.0
+    #: fraction of capacity above which cold sessions spill, and the level they spill down to
+    high_watermark: float = 0.90
+    low_watermark: float = 0.75
+    #: seconds between background passes (0 disables the background spiller)
+    interval: float = 1.0
+    #: objects uploaded/downloaded at once
+    concurrency: int = 8
+    #: seconds a deleted blob waits before its archive object is removed (other hosts' spills
+    #: that are just adding a reference finish first)
+    gc_grace: float = 0.0
+    #: options for open_objectstore (endpoint, region, addressing, deadline, ...)
+    store_options: dict | None = None
+
+    @classmethod
+    def from_extra(cls, extra: dict[str, object]) -> ArchiveConfig:
+        raw = dict(extra.get("archive") or {})  # type: ignore[call-overload]
+        names = {f.name for f in fields(cls)}
+        unknown = set(raw) - names
+        if unknown:
+            raise ValueError(f"unknown archive setting(s): {', '.join(sorted(unknown))}")
+        cfg = cls(**raw)
+        if not 0 < cfg.low_watermark <= cfg.high_watermark <= 1:
+            raise ValueError("archive watermarks need 0 < low_watermark <= high_watermark <= 1")
+        return cfg
+
+
+class ArchivingPolicy(TieringPolicy):
+    """LRU eviction that uploads before dropping, restores on access, and spills sessions."""
+
+    def __init__(self, engine: Engine) -> None:
+        super().__init__(engine)
+        from objectstore import open_objectstore  # here: objectstore imports kvfs._errors
+
+        self.cfg = ArchiveConfig.from_extra(engine.config.extra)
+        self.url = engine.config.archive_url
+        self.aindex = ArchiveIndex(engine.index)
+        self._token: trio.lowlevel.TrioToken | None = None
+        self.store = trio.run(lambda: open_objectstore(self.url, **(self.cfg.store_options or {})))
+        self._lock = threading.Lock()
+        self._inflight: dict[bytes, Future[BlobRow]] = {}
+        self._prefetch = ThreadPoolExecutor(self.cfg.concurrency, thread_name_prefix="kvfs-restore")
+        self.restore_latencies: collections.deque[float] = collections.deque(maxlen=1024)
+        self.counters: collections.Counter[str] = collections.Counter()
+        self.codecs: dict[bytes, str] = {}
+        self.spiller = Spiller(self)
+
+    # -- bridging sync callers to the async object store ----------------------------------
+    def call(self, afn: Callable[..., Awaitable[T]], *args: Any) -> T:
+        """Run ``afn(*args)`` to completion from a thread that is not the trio loop."""
+        tok = self._token
+        if tok is not None:
+            try:
+                return trio.from_thread.run(afn, *args, trio_token=tok)
+            except trio.RunFinishedError:
+                pass
+        return trio.run(afn, *args)
+
+    def count(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            self.counters[name] += n
+
+    # -- upload ---------------------------------------------------------------------------
+    def read_local(self, h: bytes) -> bytes | None:
+        """The verified bytes of a local blob (None if it is no longer local). Holds a lease so
+        a concurrent eviction cannot remove the files mid-read. Raises CorruptPage."""
+        eng = self.engine
+        with eng._cap_lock:
+            eng._leases[h] += 1
+        try:
+            b = eng.index.blob(h)
+            if b is None or b.extents is None:
+                return None
+            buf = aligned_buffer(b.size)
+            for p in eng.tier.pieces(b.extents, 0, b.size):
+                eng.tier.read_piece(p, buf)
+            if tree_hash(b.size, leaves_of(buf)) != h:
+                raise CorruptPage(f"local copy of {h.hex()[:16]} does not match its checksum; "
+                                  "not uploaded")
+            return bytes(buf)
+        finally:
+            eng._unlease(h)
+
+    def _dtype_of(self, h: bytes) -> str | None:
+        pages = self.engine.index.pages_of_blob(h)
+        return pages[0].attrs.get("dtype") if pages else None
+
+    async def upload_blob(self, h: bytes) -> int:
+        """Make sure ``blobs/<h>`` exists; mark the blob archived. Returns bytes uploaded
+        (0 when some session or host had already stored it). Raises ArchiveUnavailable."""
+        key = blob_key(h)
+        if await self.store.exists(key):
+            await trio.to_thread.run_sync(self.aindex.mark_archived, [h])
+            self.count("dedup_skipped")
+            return 0
+
+        def prepare() -> tuple[bytes, str] | None:
+            data = self.read_local(h)
+            if data is None:
+                return None
+            return encode(data, level=self.cfg.zstd_level, codec=self.cfg.codec,
+                          elem=elem_size(self._dtype_of(h)))
+
+        got = await trio.to_thread.run_sync(prepare)
+        if got is None:  # dropped meanwhile, so it was archived by someone else
+            b = self.engine.index.blob(h)
+            return 0 if b is None or b.archived else await self.upload_blob(h)
+        obj, codec = got
+        wrote = await self.store.put(key, obj, if_absent=True)
+        await trio.to_thread.run_sync(self.aindex.mark_archived, [h])
+        with self._lock:
+            self.codecs[h] = codec
+        if not wrote:
+            self.count("dedup_skipped")
+            return 0
+        self.count("bytes_spilled", len(obj))
+        return len(obj)
+
+    def drop_local(self, h: bytes, reason: str) -> int:
+        """Drop the local copy of an archived blob. Returns bytes freed."""
+        eng = self.engine
+        row = eng.index.drop_local(h)
+        if row is None:
+            return 0
+        eng._drop_files(row)
+        with eng._cap_lock:
+            eng._evictions[reason] += 1
+        return row.disk_bytes
+
+    # -- TieringPolicy overrides ------------------------------------------------------------
+    def evict_blob(self, blob: BlobRow, reason: str) -> int:
+        """Upload (if not archived yet), then drop the local copy. Returns 0 when the archive
+        cannot take it: the data stays local, nothing is lost."""
+        if not blob.archived:
+            try:
+                self.call(self.upload_blob, blob.hash)
+            except (ArchiveUnavailable, CorruptPage) as e:
+                log.warning("cannot evict %s: %s", blob.hash.hex()[:16], e)
+                return 0
+            # The sessions holding it need their manifests to list it (done in the background).
+            self.aindex.enqueue("manifest", self.aindex.sessions_of_blob(blob.hash))
+        return self.drop_local(blob.hash, reason)
+
+    def forget_blob(self, blob: BlobRow) -> None:
+        if blob.archived:
+            self.aindex.enqueue("forget", [blob.hash.hex()])
+
+    def pages_removed(self, pages: list[PageRow]) -> None:
+        self.aindex.enqueue("manifest", sorted({p.session for p in pages}))
+        if self._token is None and self.cfg.gc_grace <= 0:
+            try:  # no background task to do it: keep the archive in step now
+                self.call(self.spiller.flush_pending)
+            except ArchiveUnavailable as e:
+                log.warning("archive cleanup postponed: %s", e)
+
+    def restore_blob(self, blob: BlobRow) -> BlobRow:
+        """Download, verify and re-create the local copy of ``blob``; concurrent callers for
+        the same blob share one download. Raises CorruptPage (the object is missing or does
+        not match its checksum: nothing is served), ArchiveUnavailable, CapacityExceeded."""
+        h = blob.hash
+        with self._lock:
+            fut = self._inflight.get(h)
+            owner = fut is None
+            if owner:
+                fut = self._inflight[h] = Future()
+        assert fut is not None
+        if not owner:
+            self.count("restore_coalesced")
+            return fut.result()
+        try:
+            row = self._restore_one(blob)
+            fut.set_result(row)
+            return row
+        except BaseException as e:
+            fut.set_exception(e)
+            raise
+        finally:
+            with self._lock:
+                del self._inflight[h]
+
+    def _restore_one(self, blob: BlobRow) -> BlobRow:
+        eng = self.engine
+        cur = eng.index.blob(blob.hash)
+        if cur is None:
+            raise PageNotFound(f"page data {blob.hash.hex()[:16]} was deleted")
+        if cur.local:
+            return cur
+        t0 = time.monotonic()
+        what = f"archive object {blob_key(blob.hash)}"
+        from objectstore import ObjectNotFound
+
+        try:
+            obj = self.call(self.store.get, blob_key(blob.hash))
+        except ObjectNotFound:
+            eng._count("corrupt_reads")
+            raise CorruptPage(f"{what} is missing from {self.store.url}") from None
+        assert isinstance(obj, bytes)
+        try:
+            data = decode(obj, what)
+            if len(data) != blob.size or tree_hash(len(data), leaves_of(data)) != blob.hash:
+                raise CorruptPage(f"{what} does not match its checksum; not served")
+        except CorruptPage:
+            eng._count("corrupt_reads")
+            self.count("corrupt_objects")
+            raise
+        row = self._write_local(blob.hash, data)
+        self.restore_latencies.append(time.monotonic() - t0)
+        self.count("bytes_restored", len(data))
+        self.count("blobs_restored")
+        return row
+
+    def _write_local(self, h: bytes, data: bytes) -> BlobRow:
+        eng = self.engine
+        need = eng.tier.disk_bytes(len(data))
+        eng._reserve(need)
+        w = eng.tier.writer(eng.tier.next_start(), direct=True)
+        try:
+            mv = memoryview(data)
+            for o in range(0, len(mv), eng.tier.piece):
+                w.write(o, mv[o:o + eng.tier.piece])
+            extents, disk = w.finish(len(data))
+            row = self.aindex.adopt_local(h, extents, disk)
+        except BaseException:
+            w.abort()
+            eng._unreserve(need)
+            raise
+        with eng._cap_lock:
+            eng.reserved -= need
+            if row is not None:
+                eng._account(row, +1)
+        if row is None:  # deleted, or made local by a put, meanwhile
+            w.abort()
+            cur = eng.index.blob(h)
+            if cur is None:
+                raise PageNotFound(f"page data {h.hex()[:16]} was deleted during its restore")
+            return cur
+        return row
+
+    # -- sessions ---------------------------------------------------------------------------
+    def spill(self, d: str) -> int:
+        return self.call(self.spiller.spill_session, d, True)
+
+    def restore_session(self, d: str) -> int:
+        """Import the session's manifest (pages this host lacks) and prefetch every page.
+        Returns bytes restored. Raises SessionNotFound, ArchiveUnavailable, CorruptPage."""
+        self.call(self.spiller.import_session, d)
+        hashes = {p.hash for p in self.engine.index.pages(session=d)}
+        blobs = [b for h in hashes if (b := self.engine.index.blob(h)) is not None and not b.local]
+        return sum(r.size for r in self._prefetch.map(self.restore_blob, blobs))
+
+    def archived_sessions(self) -> list[dict[str, object]]:
+        return self.call(self.spiller.archived_sessions)
+
+    async def background(self) -> None:
+        """The background spiller; run it in the nursery of ``open_store``."""
+        self._token = trio.lowlevel.current_trio_token()
+        try:
+            await self.spiller.run()
+        finally:
+            self._token = None
+
+    def statistics(self) -> dict[str, object]:
+        lat = sorted(self.restore_latencies)
+
+        def pct(q: float) -> float | None:
+            return lat[min(len(lat) - 1, int(q * len(lat)))] if lat else None
+
+        with self._lock:
+            c = dict(self.counters)
+        return {"archive": {
+            "url": self.store.url, "spill_queue": self.spiller.queue_length(),
+            "bytes_spilled": c.get("bytes_spilled", 0), "bytes_restored": c.get("bytes_restored", 0),
+            "sessions_spilled": c.get("sessions_spilled", 0),
+            "blobs_restored": c.get("blobs_restored", 0),
+            "dedup_skipped": c.get("dedup_skipped", 0),
+            "restore_coalesced": c.get("restore_coalesced", 0),
+            "corrupt_objects": c.get("corrupt_objects", 0),
+            "errors": c.get("errors", 0),
+            "restore_p50_s": pct(0.5), "restore_p99_s": pct(0.99)}}
+
+    def close(self) -> None:
+        self._prefetch.shutdown(wait=True)
+        trio.run(self.store.aclose)

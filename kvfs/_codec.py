@@ -1,0 +1,117 @@
+"""How a page's bytes are stored as an archive object: a 16-byte header, then the payload.
+
+Header: ``b"KVA1"``, codec (1 byte), element size for the shuffle filter (1 byte), two zero
+bytes, the raw size (little-endian u64). The object describes itself, because the first
+host to upload a content wins the conditional put and its codec choice sticks for everyone.
+
+Codecs: ``raw``; ``zstd``; ``zstd+shuffle`` (byte-shuffle, then zstd): byte ``j`` of every
+``elem``-byte value is grouped together, so the sign/exponent bytes of fp16/bf16/fp32 KV
+values, which vary little, become long compressible runs. ``auto`` compresses a sample both
+ways and keeps what wins; data that zstd cannot shrink by 2% is stored raw (cheapest read).
+"""
+
+from __future__ import annotations
+
+import struct
+import threading
+
+import numpy as np
+import zstandard
+
+from ._errors import CorruptPage
+
+__all__ = ["CODECS", "decode", "elem_size", "encode"]
+
+MAGIC = b"KVA1"
+_HDR = struct.Struct("<4sBBxxQ")
+HEADER = _HDR.size
+CODECS = {"raw": 0, "zstd": 1, "zstd+shuffle": 2}
+_NAMES = {v: k for k, v in CODECS.items()}
+SAMPLE = 1 << 20
+_DTYPE_BYTES = {"fp16": 2, "float16": 2, "half": 2, "bf16": 2, "bfloat16": 2,
+                "fp32": 4, "float32": 4, "float": 4, "fp8": 1, "float8": 1, "int8": 1}
+_local = threading.local()
+
+
+def elem_size(dtype: str | None) -> int | None:
+    """Bytes per value for a page's ``dtype`` attribute (``fp16`` -> 2), None if unknown."""
+    if not dtype:
+        return None
+    d = dtype.lower().removeprefix("torch.")
+    return _DTYPE_BYTES.get(d)
+
+
+def shuffle(data: memoryview | bytes, elem: int) -> bytes:
+    mv = memoryview(data).cast("B")
+    n = len(mv) // elem
+    body = np.frombuffer(mv[:n * elem], dtype=np.uint8).reshape(n, elem).T.tobytes()
+    return body + bytes(mv[n * elem:])
+
+
+def unshuffle(data: bytes, elem: int) -> bytes:
+    n = len(data) // elem
+    body = np.frombuffer(data, dtype=np.uint8, count=n * elem).reshape(elem, n).T.tobytes()
+    return body + data[n * elem:]
+
+
+def _cctx(level: int) -> zstandard.ZstdCompressor:
+    cache = getattr(_local, "c", None)
+    if cache is None:
+        cache = _local.c = {}
+    if level not in cache:
+        cache[level] = zstandard.ZstdCompressor(level=level)
+    return cache[level]
+
+
+def _dctx() -> zstandard.ZstdDecompressor:
+    d = getattr(_local, "d", None)
+    if d is None:
+        d = _local.d = zstandard.ZstdDecompressor()
+    return d
+
+
+def encode(data: memoryview | bytes, *, level: int = 3, codec: str = "auto",
+           elem: int | None = None) -> tuple[bytes, str]:
+    """The object for ``data`` and the codec used. ``codec`` is auto, raw, zstd or
+    zstd+shuffle; ``elem`` is the value size for the shuffle (2 when unknown)."""
+    mv = memoryview(data).cast("B")
+    e = elem or 2
+    if codec == "auto":
+        sample = mv[:SAMPLE]
+        plain = len(_cctx(level).compress(sample))
+        shuf = len(_cctx(level).compress(shuffle(sample, e))) if e > 1 else plain + 1
+        codec = "zstd+shuffle" if shuf < plain else "zstd"
+        if min(plain, shuf) > 0.98 * len(sample) and len(sample):
+            codec = "raw"
+    if codec == "raw":
+        payload: bytes | memoryview = mv
+    elif codec == "zstd":
+        payload = _cctx(level).compress(mv)
+    elif codec == "zstd+shuffle":
+        payload = _cctx(level).compress(shuffle(mv, e))
+    else:
+        raise ValueError(f"unknown codec {codec!r}; use one of auto, {', '.join(CODECS)}")
+    hdr = _HDR.pack(MAGIC, CODECS[codec], e if codec == "zstd+shuffle" else 0, len(mv))
+    return hdr + bytes(payload), codec
+
+
+def decode(obj: bytes, what: str = "archive object") -> bytes:
+    """The raw bytes of an object made by :func:`encode`. Raises CorruptPage."""
+    if len(obj) < HEADER:
+        raise CorruptPage(f"{what} is truncated ({len(obj)} bytes)")
+    magic, cid, e, size = _HDR.unpack_from(obj)
+    if magic != MAGIC or cid not in _NAMES:
+        raise CorruptPage(f"{what} has no valid kvfs archive header")
+    body = memoryview(obj)[HEADER:]
+    try:
+        if cid == 0:
+            out = bytes(body)
+        else:
+            out = _dctx().decompress(body, max_output_size=size)
+            if cid == 2:
+                out = unshuffle(out, e)
+    except (zstandard.ZstdError, ValueError) as err:
+        raise CorruptPage(f"{what} does not decompress: {err}") from err
+    if len(out) != size:
+        raise CorruptPage(f"{what} holds {len(out)} bytes, its header says {size}")
+    return out

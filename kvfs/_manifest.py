@@ -1,0 +1,163 @@
+"""Archive layout and the index bookkeeping of the archive tier.
+
+Bucket (or directory) layout under the configured prefix::
+
+    blobs/<checksum hex>                 one object per distinct page content (see _codec)
+    manifests/<quoted session dir>       msgpack: the session and every archived page of it
+
+A manifest lists only pages whose content is in ``blobs/``; it is written after those
+objects are confirmed, in one PUT, so a reader sees the previous manifest or the new one.
+Its fields: ``v``, ``session`` (directory), ``name``, ``created``, ``atime``, ``pinned``,
+``attrs``, ``store_id`` and ``spilled_at`` of the host that wrote it, and ``pages``: a list
+of ``{path, size, hash, leaves, codec, created, pinned, attrs}``.
+
+The index keeps a small queue table, ``archive_pending``, of manifests to rewrite and blob
+objects to delete, so work that the archive could not take (endpoint down) or that a crash
+interrupted is done later, not forgotten.
+"""
+
+from __future__ import annotations
+
+import time
+from urllib.parse import quote, unquote
+
+import msgpack
+
+from ._index import _BLOB_COLS, BlobRow, Index, _blob, _pack
+
+__all__ = ["ArchiveIndex", "blob_key", "build_manifest", "manifest_key", "parse_manifest"]
+
+MANIFESTS = "manifests/"
+BLOBS = "blobs/"
+VERSION = 1
+
+
+def blob_key(h: bytes) -> str:
+    return BLOBS + h.hex()
+
+
+def manifest_key(session_dir: str) -> str:
+    return MANIFESTS + quote(session_dir, safe="")
+
+
+def session_of_manifest_key(key: str) -> str:
+    return unquote(key[len(MANIFESTS):])
+
+
+def parse_manifest(data: bytes) -> dict:
+    """Raises ValueError on anything that is not a manifest this kvfs reads."""
+    try:
+        m = msgpack.unpackb(data, raw=False)
+    except Exception as e:
+        raise ValueError(f"not a manifest: {e}") from e
+    if not isinstance(m, dict) or m.get("v") != VERSION or not isinstance(m.get("pages"), list):
+        raise ValueError("not a version-1 kvfs manifest")
+    return m
+
+
+class ArchiveIndex:
+    """The archive tier's SQL on the store's index (same database, its own small table)."""
+
+    def __init__(self, index: Index) -> None:
+        self.index = index
+        with index.transaction() as db:
+            db.execute("CREATE TABLE IF NOT EXISTS archive_pending ("
+                       " kind TEXT NOT NULL, k TEXT NOT NULL, since REAL NOT NULL,"
+                       " PRIMARY KEY (kind, k))")
+
+    # -- pending work -------------------------------------------------------------------
+    def enqueue(self, kind: str, keys: list[str]) -> None:
+        if keys:
+            with self.index.transaction() as db:
+                db.executemany("INSERT OR IGNORE INTO archive_pending VALUES (?,?,?)",
+                               [(kind, k, time.time()) for k in keys])
+
+    def pending(self, kind: str, older_than: float = 0.0) -> list[str]:
+        cutoff = time.time() - older_than
+        return [r[0] for r in self.index._q(
+            "SELECT k FROM archive_pending WHERE kind=? AND since<=? ORDER BY since",
+            (kind, cutoff))]
+
+    def done(self, kind: str, keys: list[str]) -> None:
+        if keys:
+            with self.index.transaction() as db:
+                db.executemany("DELETE FROM archive_pending WHERE kind=? AND k=?",
+                               [(kind, k) for k in keys])
+
+    # -- blob state ---------------------------------------------------------------------
+    def mark_archived(self, hashes: list[bytes]) -> None:
+        with self.index.transaction() as db:
+            db.executemany("UPDATE blobs SET archived=1 WHERE hash=?", [(h,) for h in hashes])
+
+    def adopt_local(self, h: bytes, extents: tuple, disk_bytes: int) -> BlobRow | None:
+        """Record restored files as the local copy of an archive-only blob; None when the
+        blob is gone or already local again (the caller removes its files)."""
+        with self.index.transaction() as db:
+            n = db.execute("UPDATE blobs SET extents=?, disk_bytes=? WHERE hash=? AND extents IS NULL",
+                           (_pack([list(e) for e in extents]), disk_bytes, h)).rowcount
+            if n == 0:
+                return None
+            r = db.execute(f"SELECT {_BLOB_COLS} FROM blobs WHERE hash=?", (h,)).fetchone()
+            return _blob(r)
+
+    def droppable(self, h: bytes, session: str | None) -> bool:
+        """No pinned page or pinned session holds ``h``, other than ``session`` (asked for)."""
+        r = self.index._q(
+            "SELECT COUNT(*) FROM pages p LEFT JOIN sessions s ON s.dir=p.session"
+            " WHERE p.hash=? AND (p.pinned=1 OR s.pinned=1) AND p.session IS NOT ?",
+            (h, session))
+        return r[0][0] == 0
+
+    def sessions_of_blob(self, h: bytes) -> list[str]:
+        return [r[0] for r in self.index._q("SELECT DISTINCT session FROM pages WHERE hash=?", (h,))]
+
+    # -- import from another host's manifest ---------------------------------------------
+    def import_manifest(self, m: dict) -> int:
+        """Add the manifest's pages that this index does not have, as archive-only data.
+        Returns the number of pages added. One transaction: all or nothing."""
+        d = m["session"]
+        now = time.time()
+        added = 0
+        with self.index.transaction() as db:
+            for p in m["pages"]:
+                if db.execute("SELECT 1 FROM pages WHERE path=?", (p["path"],)).fetchone():
+                    continue
+                h = bytes(p["hash"])
+                if db.execute("SELECT 1 FROM blobs WHERE hash=?", (h,)).fetchone():
+                    db.execute("UPDATE blobs SET refs=refs+1, archived=1 WHERE hash=?", (h,))
+                else:
+                    db.execute(f"INSERT INTO blobs ({_BLOB_COLS}) VALUES (?,?,?,?,?,?,?,?,?)",
+                               (h, p["size"], bytes(p["leaves"]), 1, None, 0, 1,
+                                p.get("created", now), m.get("atime", now)))
+                db.execute("INSERT INTO pages (path, session, hash, size, created, atime, pinned,"
+                           " attrs) VALUES (?,?,?,?,?,?,?,?)",
+                           (p["path"], d, h, p["size"], p.get("created", now),
+                            m.get("atime", now), int(p.get("pinned", False)),
+                            _pack(p.get("attrs", {}))))
+                added += 1
+            Index._touch_session(db, d, m.get("atime", now), m.get("attrs") or {})
+            if m.get("pinned"):
+                db.execute("UPDATE sessions SET pinned=1 WHERE dir=?", (d,))
+        return added
+
+
+def build_manifest(index: Index, d: str, store_id: str, codecs: dict[bytes, str]) -> dict | None:
+    """The manifest of session ``d`` from the index: its pages whose data is archived.
+    None when the session has no archived page (its manifest should be deleted)."""
+    s = index.session(d)
+    if s is None:
+        return None
+    pages = []
+    for p in index.pages(session=d):
+        b = index.blob(p.hash)
+        if b is None or not b.archived:
+            continue
+        pages.append({"path": p.path, "size": p.size, "hash": p.hash, "leaves": b.leaves,
+                      "codec": codecs.get(p.hash, "see-object"), "created": p.created,
+                      "pinned": p.pinned, "attrs": p.attrs})
+    if not pages:
+        return None
+    name = d.split("/", 1)[1] if d.startswith("sessions/") else d
+    return {"v": VERSION, "session": d, "name": name, "created": s.created, "atime": s.atime,
+            "pinned": s.pinned, "attrs": s.attrs, "store_id": store_id,
+            "spilled_at": time.time(), "pages": pages}

@@ -1,0 +1,214 @@
+"""Session spill, manifests, multi-host import and the background spiller (trio tasks).
+
+Everything here runs on a trio loop (the store's, or a private one for sync callers); index
+and disk work goes to worker threads.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+import msgpack
+import trio
+
+from ._errors import ArchiveUnavailable, CorruptPage, SessionNotFound
+from ._manifest import (
+    MANIFESTS,
+    blob_key,
+    build_manifest,
+    manifest_key,
+    parse_manifest,
+    session_of_manifest_key,
+)
+
+if TYPE_CHECKING:
+    from ._archive import ArchivingPolicy
+
+__all__ = ["Spiller"]
+
+log = logging.getLogger("kvfs.archive")
+
+
+async def _thread(fn, *args):  # type: ignore[no-untyped-def]
+    return await trio.to_thread.run_sync(lambda: fn(*args))
+
+
+class Spiller:
+    """Spills sessions and keeps manifests and blob objects in step with the index."""
+
+    def __init__(self, policy: ArchivingPolicy) -> None:
+        self.policy = policy
+        self.engine = policy.engine
+        self.store = policy.store
+        self.aindex = policy.aindex
+        self._active: set[str] = set()
+
+    def queue_length(self) -> int:
+        return len(self._active) + len(self.aindex.pending("manifest"))
+
+    # -- spill ----------------------------------------------------------------------------
+    async def spill_session(self, d: str, drop: bool = True) -> int:
+        """Upload the session's pages that the archive lacks, write its manifest, then (with
+        ``drop``) drop local copies no other pinned session needs. Returns bytes uploaded.
+
+        Raises SessionNotFound, ArchiveUnavailable (nothing local was dropped), CorruptPage
+        (a local copy failed its checksum: that page is not archived, nothing dropped).
+        """
+        idx = self.engine.index
+        if await _thread(idx.session, d) is None:
+            raise SessionNotFound(f"no session {d!r}")
+        self._active.add(d)
+        try:
+            pages = await trio.to_thread.run_sync(lambda: idx.pages(session=d))
+            hashes = sorted({p.hash for p in pages})
+            rows = [await _thread(idx.blob, h) for h in hashes]
+            todo = [b.hash for b in rows if b is not None and not b.archived]
+            uploaded = 0
+            limit = trio.CapacityLimiter(self.policy.cfg.concurrency)
+
+            async def one(h: bytes) -> None:
+                nonlocal uploaded
+                async with limit:
+                    got = await self.policy.upload_blob(h)
+                uploaded += got
+
+            async with trio.open_nursery() as n:
+                for h in todo:
+                    n.start_soon(one, h)
+            await self.write_manifest(d)
+            await self._verify_referenced(hashes)
+            if drop:
+                for h in hashes:
+                    b = await _thread(idx.blob, h)
+                    if b is not None and b.local and b.archived and not self.engine.is_leased(h) \
+                            and await _thread(self.aindex.droppable, h, d):
+                        await _thread(self.policy.drop_local, h, "spill")
+            self.policy.count("sessions_spilled")
+            return uploaded
+        finally:
+            self._active.discard(d)
+
+    async def _verify_referenced(self, hashes: list[bytes]) -> None:
+        """Every blob a fresh manifest names exists (another host may have collected one
+        between our HEAD and our manifest): re-upload what is missing before dropping."""
+        for h in hashes:
+            b = await _thread(self.engine.index.blob, h)
+            if b is not None and b.local and not await self.store.exists(blob_key(h)):
+                await self.store.put(blob_key(h), (await trio.to_thread.run_sync(
+                    self._encode_local, h)), if_absent=True)
+
+    def _encode_local(self, h: bytes) -> bytes:
+        from ._codec import encode
+
+        data = self.policy.read_local(h)
+        if data is None:
+            raise ArchiveUnavailable(f"blob {h.hex()[:16]} vanished from the archive and is "
+                                     "no longer local")
+        return encode(data, level=self.policy.cfg.zstd_level)[0]
+
+    async def write_manifest(self, d: str) -> None:
+        """Write (or delete, when nothing of it is archived) the manifest of session ``d``."""
+        with self.policy._lock:
+            codecs = dict(self.policy.codecs)
+        m = await trio.to_thread.run_sync(
+            lambda: build_manifest(self.engine.index, d, self.engine.store_id, codecs))
+        if m is None:
+            await self.store.delete(manifest_key(d))
+        else:
+            await self.store.put(manifest_key(d), msgpack.packb(m, use_bin_type=True))
+        await _thread(self.aindex.done, "manifest", [d])
+
+    # -- keeping the archive in step with deletes --------------------------------------------
+    async def flush_pending(self) -> None:
+        """Rewrite queued manifests, then delete queued blob objects that no manifest in the
+        archive references (manifests first: no manifest ever names a deleted object)."""
+        for d in await _thread(self.aindex.pending, "manifest"):
+            await self.write_manifest(d)
+        forget = await _thread(self.aindex.pending, "forget", self.policy.cfg.gc_grace)
+        if not forget:
+            return
+        referenced: set[str] = set()
+        async for key in self.store.list(MANIFESTS):
+            try:
+                m = parse_manifest(await self.store.get(key))  # type: ignore[arg-type]
+            except (ValueError, FileNotFoundError):
+                continue
+            referenced.update(bytes(p["hash"]).hex() for p in m["pages"])
+        gone = []
+        for hx in forget:
+            b = await _thread(self.engine.index.blob, bytes.fromhex(hx))
+            if b is None and hx not in referenced:
+                await self.store.delete(blob_key(bytes.fromhex(hx)))
+            gone.append(hx)
+        await _thread(self.aindex.done, "forget", gone)
+
+    # -- other hosts' sessions ------------------------------------------------------------
+    async def archived_sessions(self) -> list[dict[str, object]]:
+        """Every session with a manifest in the archive (from any host sharing it)."""
+        out = []
+        async for key in self.store.list(MANIFESTS):
+            try:
+                m = parse_manifest(await self.store.get(key))  # type: ignore[arg-type]
+            except (ValueError, FileNotFoundError):
+                continue
+            out.append({"session": m["name"], "dir": m["session"], "pages": len(m["pages"]),
+                        "bytes": sum(p["size"] for p in m["pages"]), "attrs": m["attrs"],
+                        "pinned": m["pinned"], "created": m["created"], "atime": m["atime"],
+                        "spilled_at": m["spilled_at"], "store_id": m["store_id"]})
+        return out
+
+    async def import_session(self, d: str) -> int:
+        """Add the pages of the session's manifest this index lacks (archive-only: they list
+        and restore on access). Returns pages added. Raises SessionNotFound when neither the
+        index nor the archive knows the session."""
+        from objectstore import ObjectNotFound
+
+        try:
+            raw = await self.store.get(manifest_key(d))
+        except ObjectNotFound:
+            if await _thread(self.engine.index.session, d) is None:
+                raise SessionNotFound(f"no session {d!r} here or in {self.store.url}") from None
+            return 0
+        try:
+            m = parse_manifest(raw)  # type: ignore[arg-type]
+        except ValueError as e:
+            raise CorruptPage(f"manifest of {d!r} in {self.store.url} is unreadable: {e}") from e
+        return await _thread(self.aindex.import_manifest, m)
+
+    # -- background -------------------------------------------------------------------------
+    async def run(self) -> None:
+        """Forever: keep the archive in step, and when local use passes the high watermark,
+        spill the coldest unpinned cold sessions until it is under the low watermark."""
+        cfg = self.policy.cfg
+        if cfg.interval <= 0:
+            await trio.sleep_forever()
+        while True:
+            await trio.sleep(cfg.interval)
+            try:
+                await self.flush_pending()
+                await self.relieve_pressure()
+            except (ArchiveUnavailable, CorruptPage) as e:
+                self.policy.count("errors")
+                log.warning("background spill pass failed (will retry): %s", e)
+
+    async def relieve_pressure(self) -> int:
+        """One watermark pass. Returns the number of sessions spilled."""
+        eng, cfg = self.engine, self.policy.cfg
+        if eng.used <= cfg.high_watermark * eng.capacity:
+            return 0
+        await _thread(eng.flush_atimes)
+        now = time.time()
+        cands = sorted((s for s in await _thread(eng.index.sessions)
+                        if not s.pinned and now - s.atime >= cfg.idle_seconds),
+                       key=lambda s: s.atime)
+        n = 0
+        for s in cands:
+            if eng.used <= cfg.low_watermark * eng.capacity:
+                break
+            if (await _thread(eng.index.session_usage, s.dir))["local_bytes"] == 0:
+                continue
+            await self.spill_session(s.dir, True)
+            n += 1
+        return n
