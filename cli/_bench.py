@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib
 
-BENCHMARKS = ["store"]
+BENCHMARKS = ["store", "ttft"]
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -1,0 +1,194 @@
+"""``kvfs bench ttft``: time to first token, full prefill vs the prefix loaded from kvfs.
+
+For each context length N, in one run and on one model:
+
+* **prefill**: the model computes all N tokens and picks the first output token;
+* **kvfs**: the KV of the prefix is loaded from a local kvfs store (object API, checksums
+  verified), then the model computes only the last token (its logits are needed) and picks
+  the first output token; ``load`` is the loading part alone;
+* **raw read**: the same page bytes read straight from the store's data files with
+  O_DIRECT, in parallel, with no checksum and no tensor assembly: the floor any loader
+  on this disk can reach.
+
+``--sharing`` runs the prefix-sharing scenario instead (:mod:`kvfs.bench._sharing`).
+The model is a randomly initialised Llama-shaped transformer (no download), by default the
+field notes' 8 layers x 1024 hidden x 8 KV heads of 128, fp32 (64 KiB of KV per token).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import shutil
+import statistics
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+__all__ = ["register", "run_ttft"]
+
+DEFAULT_TOKENS = "512,1024,2048,4096"
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("ttft", help="time to first token: full prefill vs prefix from kvfs",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tokens", default=DEFAULT_TOKENS,
+                   help=f"context lengths, comma-separated (default {DEFAULT_TOKENS})")
+    p.add_argument("--model", choices=["field", "small"], default="field",
+                   help="field: 8 layers/1024 hidden/fp32 (64 KiB/token); small: a quick check")
+    p.add_argument("--repeat", type=int, default=3,
+                   help="loads and raw reads per length; the best is reported (default 3)")
+    p.add_argument("--dir", type=Path, default=None,
+                   help="parent directory for the scratch store (default: the system temp dir)")
+    p.add_argument("--sharing", action="store_true",
+                   help="run the prefix-sharing scenario instead (many sessions, one system prompt)")
+    p.add_argument("--sessions", type=int, default=8, help="--sharing: sessions (default 8)")
+    p.add_argument("--system-tokens", type=int, default=1024,
+                   help="--sharing: common system prompt length (default 1024)")
+    p.add_argument("--user-tokens", type=int, default=256,
+                   help="--sharing: each session's own tokens (default 256)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.set_defaults(func=_main)
+
+
+def _main(args: argparse.Namespace) -> int:
+    from cli._util import print_json
+
+    try:
+        import torch  # noqa: F401
+        import transformers  # noqa: F401
+    except ImportError as e:
+        raise RuntimeError("kvfs bench ttft needs the engines extra: "
+                           "pip install -e .[engines] (torch==2.13.0 first)") from e
+    scratch = Path(tempfile.mkdtemp(prefix="kvfs-bench-ttft-", dir=args.dir))
+    try:
+        if args.sharing:
+            from ._sharing import print_sharing, run_sharing
+
+            res = run_sharing(scratch, model=args.model, sessions=args.sessions,
+                              system_tokens=args.system_tokens, user_tokens=args.user_tokens)
+            print_json(res) if args.json else print_sharing(res)
+        else:
+            lengths = [int(x) for x in args.tokens.split(",") if x.strip()]
+            res = run_ttft(scratch, lengths, model=args.model, repeat=args.repeat)
+            print_json(res) if args.json else print_ttft(res)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return 0
+
+
+def conditions(scratch: Path, model_desc: str) -> dict[str, Any]:
+    import torch
+
+    return {"model": model_desc, "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+            "torch": torch.__version__, "python": platform.python_version(),
+            "store": str(scratch), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+
+
+def load_model(which: str) -> tuple[Any, Any]:
+    from kvfs.integrations._models import BENCH_MODEL, ModelShape, random_llama
+
+    shape = BENCH_MODEL if which == "field" else ModelShape(layers=4, hidden=256, heads=4,
+                                                            kv_heads=4, head_dim=64,
+                                                            intermediate=704, vocab=32000)
+    return shape, random_llama(shape)
+
+
+def run_ttft(scratch: Path, lengths: list[int], *, model: str = "field",
+             repeat: int = 3) -> dict[str, Any]:
+    """Measure every length in ``lengths``; returns conditions and one row per length."""
+    import torch
+
+    import kvfs
+    from kvfs.integrations.transformers import TransformersKV
+
+    shape, m = load_model(model)
+    cfg = kvfs.StoreConfig(data_dirs=(scratch / "nvme0",))
+    rows = []
+    with torch.inference_mode(), kvfs.open_store_sync(cfg) as store, \
+            TransformersKV(store, m, model_id=shape.model_id) as kv:
+        g = kv.geometry
+        m(input_ids=torch.randint(0, shape.vocab, (1, 128)))  # warm up kernels and memory
+        for n in lengths:
+            ids = torch.randint(0, shape.vocab, (1, n), generator=torch.Generator().manual_seed(n))
+            t0 = time.perf_counter()
+            out = m(input_ids=ids, use_cache=True)
+            first = int(out.logits[0, -1].argmax())
+            prefill = time.perf_counter() - t0
+            session = f"ttft-{n}"
+            saved = kv.save(session, ids, out.past_key_values)
+            del out
+            extents = [e for p in store.list(session=session) for e in p.extents]
+            raws, loads, ttfts, same = [], [], [], True
+            for _ in range(max(1, repeat)):
+                raws.append(raw_read(extents))
+                t0 = time.perf_counter()
+                hit = kv.load(session, ids, max_tokens=n - 1)
+                loaded = time.perf_counter() - t0
+                res = m(input_ids=ids[:, hit.tokens:], past_key_values=hit.cache, use_cache=True)
+                tok = int(res.logits[0, -1].argmax())
+                ttfts.append(time.perf_counter() - t0)
+                loads.append(loaded)
+                same = same and tok == first and hit.tokens == n - 1
+                del hit, res
+            kv_bytes = sum(e.length for e in extents)
+            rows.append({"tokens": n, "kv_bytes": kv_bytes, "prefill_s": prefill,
+                         "kvfs_ttft_s": min(ttfts), "speedup": prefill / min(ttfts),
+                         "load_s": min(loads), "raw_read_s": min(raws),
+                         "load_over_raw": min(loads) / min(raws),
+                         "load_median_s": statistics.median(loads),
+                         "raw_median_s": statistics.median(raws),
+                         "save_s": saved.seconds, "same_first_token": same})
+    return {"benchmark": "ttft", "conditions": conditions(scratch, g.describe()),
+            "bytes_per_token": g.bytes_per_token, "rows": rows}
+
+
+def raw_read(extents: list[Any], threads: int = 8) -> float:
+    """Seconds to read ``extents`` with O_DIRECT into aligned buffers, ``threads`` at a time."""
+    import numpy as np
+
+    from kvfs._aligned import aligned_buffer, open_direct, round_up
+
+    biggest = round_up(max(e.length for e in extents))
+    bufs = [aligned_buffer(biggest) for _ in range(threads)]
+    for b in bufs:  # touch the memory first: fresh pages are slow to fault in on these VMs
+        np.frombuffer(b, dtype=np.uint8)[::4096] = 1
+    fds: dict[str, int] = {}
+    for e in extents:
+        if e.path not in fds:
+            fds[e.path] = open_direct(e.path, os.O_RDONLY)[0]
+
+    def one(i: int) -> int:
+        e = extents[i]
+        buf = bufs[i % threads]
+        return os.preadv(fds[e.path], [buf[:round_up(e.length)]], e.offset)
+
+    try:
+        t0 = time.perf_counter()
+        # Each worker takes every threads-th extent, so no two share a buffer at once.
+        with ThreadPoolExecutor(threads) as pool:
+            list(pool.map(lambda w: [one(i) for i in range(w, len(extents), threads)],
+                          range(threads)))
+        return time.perf_counter() - t0
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+
+
+def print_ttft(res: dict[str, Any]) -> None:
+    from cli._util import fmt_bytes, print_table
+
+    c = res["conditions"]
+    print(f"model: {c['model']} ({fmt_bytes(res['bytes_per_token'])} of KV per token)")
+    print(f"machine: {c['cpus']} CPUs, torch {c['torch']} ({c['torch_threads']} threads); "
+          f"store: one local directory, object API, checksums verified")
+    print_table(["tokens", "KV bytes", "prefill TTFT", "kvfs TTFT", "speedup", "kvfs load",
+                 "raw read", "load/raw", "same token"],
+                [[r["tokens"], fmt_bytes(r["kv_bytes"]), f"{r['prefill_s']:.3f} s",
+                  f"{r['kvfs_ttft_s']:.3f} s", f"{r['speedup']:.1f}x", f"{r['load_s']:.3f} s",
+                  f"{r['raw_read_s']:.3f} s", f"{r['load_over_raw']:.2f}x",
+                  "yes" if r["same_first_token"] else "NO"] for r in res["rows"]])
