@@ -1,0 +1,264 @@
+"""Archive tier through the object API: spill, restore on access, dedup, watermarks, pins,
+deletes, corruption, restart and a second host sharing the bucket. S3 is moto over HTTP."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+import trio
+
+import kvfs
+from kvfs import PageKey
+
+KiB = 1024
+
+
+def kv_page(seed: int, n: int = 48 * KiB) -> bytes:
+    """fp16 values shaped like a KV tensor (compressible, as real caches are)."""
+    rng = np.random.default_rng(seed)
+    return (rng.standard_normal(n // 2) * 0.5).astype(np.float16).tobytes()
+
+
+@pytest.fixture(params=["s3", "file"])
+def archive_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    if request.param == "file":
+        return f"file://{tmp_path / 'archive'}"
+    srv = request.getfixturevalue("s3_server")
+    return f"s3://{srv.new_bucket()}/kv?endpoint={srv.endpoint}&addressing=path"
+
+
+def archived_cfg(make_config: Callable[..., kvfs.StoreConfig], url: str, name: str = "store",
+                 **archive: object) -> kvfs.StoreConfig:
+    archive.setdefault("interval", 0)
+    return make_config(ndev=2, name=name, archive_url=url, extra={"archive": archive})
+
+
+def fill(s: kvfs.SyncStore, session: str, n: int, seed: int = 0) -> dict[PageKey, bytes]:
+    out = {}
+    for i in range(n):
+        k = PageKey.semantic(session, "p0", i)
+        out[k] = kv_page(seed * 1000 + i)
+        s.put(k, out[k], attrs={"dtype": "fp16"})
+    return out
+
+
+def test_spill_then_restore_on_access(make_config, archive_url: str) -> None:  # noqa: ANN001
+    with kvfs.open_store_sync(archived_cfg(make_config, archive_url)) as s:
+        data = fill(s, "agent", 6)
+        assert s.spill("agent") > 0
+        infos = s.list(session="agent")
+        assert [i.tier for i in infos] == ["archive"] * 6  # keeps its place in ls
+        assert s.statistics().used_bytes == 0
+        assert s.session_info("agent").archived_bytes == sum(map(len, data.values()))
+        for k, v in data.items():
+            assert s.get(k) == v
+        k0 = next(iter(data))
+        assert s.stat(k0).tier == "local+archive"
+        s.spill("agent")
+        assert s.read_range(k0, 1000, 5000) == data[k0][1000:6000]  # ranged read restores too
+        st = s.statistics().extra["archive"]
+        assert st["bytes_restored"] >= sum(map(len, data.values()))
+        assert st["restore_p50_s"] is not None
+        assert 0 < st["bytes_spilled"] < sum(map(len, data.values()))  # compressed
+
+
+async def test_async_store_spill_restore(make_config, archive_url: str) -> None:  # noqa: ANN001
+    cfg = archived_cfg(make_config, archive_url, interval=0.05, idle_seconds=3600)
+    async with kvfs.open_store(cfg) as s:
+        k = PageKey.semantic("a", "p", 0)
+        await s.put(k, kv_page(1))
+        assert await s.spill("a") > 0
+        assert (await s.stat(k)).tier == "archive"
+        assert await s.get(k) == kv_page(1)
+        await s.evict(session="a")
+        assert await s.restore("a") == len(kv_page(1))
+        assert (await s.stat(k)).tier == "local+archive"
+        names = [x["session"] for x in await s.archived_sessions()]
+        assert names == ["a"]
+
+
+def test_shared_prefix_is_stored_once(make_config, s3_server) -> None:  # noqa: ANN001
+    bucket = s3_server.new_bucket()
+    url = f"s3://{bucket}?endpoint={s3_server.endpoint}"
+    with kvfs.open_store_sync(archived_cfg(make_config, url)) as s:
+        system_prompt = [kv_page(100 + i) for i in range(4)]
+        for sess in ("a", "b", "c"):
+            for i, v in enumerate(system_prompt):
+                s.put(PageKey.semantic(sess, "sys", i), v)
+            s.put(PageKey.semantic(sess, "turn", 0), kv_page(hash(sess) % 1000))
+        first = s.spill("a")
+        assert first > 0
+        assert s.spill("b") < first  # only its own turn page is new
+        s.spill("c")
+        blobs = s3_server.keys(bucket, "blobs/")
+        assert len(blobs) == 4 + 3
+        assert len(s3_server.keys(bucket, "manifests/")) == 3
+        for sess in ("a", "b", "c"):
+            for i, v in enumerate(system_prompt):
+                assert s.get(PageKey.semantic(sess, "sys", i)) == v
+
+
+def test_concurrent_readers_trigger_one_download(make_config, archive_url: str) -> None:  # noqa: ANN001
+    with kvfs.open_store_sync(archived_cfg(make_config, archive_url)) as s:
+        k = PageKey.semantic("a", "p", 0)
+        big = kv_page(7, 4 << 20)
+        s.put(k, big)
+        s.spill("a")
+        barrier = threading.Barrier(8)
+        results: list[bytes] = []
+
+        def reader() -> None:
+            barrier.wait()
+            results.append(s.get(k))  # type: ignore[arg-type]
+
+        threads = [threading.Thread(target=reader) for _ in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert results == [big] * 8
+        st = s.statistics().extra["archive"]
+        assert st["blobs_restored"] == 1
+
+
+def test_corrupted_object_is_never_served(make_config, s3_server) -> None:  # noqa: ANN001
+    bucket = s3_server.new_bucket()
+    url = f"s3://{bucket}?endpoint={s3_server.endpoint}"
+    with kvfs.open_store_sync(archived_cfg(make_config, url)) as s:
+        good, bad, gone = (PageKey.semantic("a", "p", i) for i in range(3))
+        for i, k in enumerate((good, bad, gone)):
+            s.put(k, kv_page(i))
+        s.spill("a")
+        c = s3_server.client()
+        key = f"blobs/{s.stat(bad).checksum}"
+        obj = bytearray(c.get_object(Bucket=bucket, Key=key)["Body"].read())
+        from kvfs._codec import encode
+
+        forged, _ = encode(bytes(len(kv_page(1))), codec="zstd")  # valid object, wrong bytes
+        c.put_object(Bucket=bucket, Key=key, Body=forged)
+        c.delete_object(Bucket=bucket, Key=f"blobs/{s.stat(gone).checksum}")
+        with pytest.raises(kvfs.CorruptPage, match="checksum"):
+            s.get(bad)
+        obj[40] ^= 0xFF  # a flipped byte inside the zstd frame
+        c.put_object(Bucket=bucket, Key=key, Body=bytes(obj))
+        with pytest.raises(kvfs.CorruptPage):
+            s.get(bad)
+        with pytest.raises(kvfs.CorruptPage, match="missing"):
+            s.get(gone)
+        assert s.stat(bad).tier == "archive"  # nothing was adopted
+        assert s.get(good) == kv_page(0)
+        assert s.statistics().corrupt_reads >= 3
+
+
+def test_watermarks_spill_coldest_unpinned(make_config, archive_url: str) -> None:  # noqa: ANN001
+    page = 60 * KiB  # 64 KiB on disk with its header: 20 pages fill the cap
+    cfg = make_config(ndev=1, capacity=20 * 64 * KiB, archive_url=archive_url,
+                      extra={"archive": {"interval": 0.05, "idle_seconds": 0,
+                                         "high_watermark": 0.9, "low_watermark": 0.5}})
+
+    async def main() -> None:
+        async with kvfs.open_store(cfg) as s:
+            await s.pin_session("keep")
+            for base, (sess, n) in enumerate((("keep", 5), ("old", 7), ("new", 7))):
+                for i in range(n):
+                    await s.put(PageKey.semantic(sess, "p", i), kv_page(100 * base + i, page))
+                await trio.sleep(0.01)  # distinct access times: "old" is colder than "new"
+            with trio.fail_after(60):
+                while (await s.statistics()).used_bytes > 0.5 * cfg.capacity:
+                    await trio.sleep(0.05)
+            keep = await s.session_info("keep")
+            assert keep.local_bytes == keep.bytes  # pinned: never spilled by the watermark
+            old = await s.session_info("old")
+            assert old.local_bytes == 0 and old.archived_bytes == old.bytes
+            for i in range(7):
+                assert await s.get(PageKey.semantic("old", "p", i)) == kv_page(100 + i, page)
+            # asked explicitly, a pinned session spills
+            assert await s.spill("keep") > 0
+            assert (await s.session_info("keep")).local_bytes == 0
+
+    trio.run(main)
+
+
+def test_capacity_eviction_spills_instead_of_deleting(make_config, archive_url: str) -> None:  # noqa: ANN001
+    cfg = make_config(ndev=1, capacity=8 * 64 * KiB, archive_url=archive_url,
+                      extra={"archive": {"interval": 0}})
+    with kvfs.open_store_sync(cfg) as s:
+        data = fill(s, "a", 20)  # more than the cap holds: older pages go to the archive
+        assert s.statistics().pages == 20
+        for k, v in data.items():
+            assert s.get(k) == v
+
+
+def test_delete_removes_archived_copy_and_updates_manifest(make_config, s3_server) -> None:  # noqa: ANN001
+    bucket = s3_server.new_bucket()
+    url = f"s3://{bucket}?endpoint={s3_server.endpoint}"
+    with kvfs.open_store_sync(archived_cfg(make_config, url)) as s:
+        shared = kv_page(5)
+        s.put(PageKey.semantic("a", "p", 0), shared)
+        s.put(PageKey.semantic("a", "p", 1), kv_page(6))
+        s.put(PageKey.semantic("b", "p", 0), shared)
+        s.spill("a")
+        s.spill("b")
+        assert len(s3_server.keys(bucket, "blobs/")) == 2
+        s.delete(PageKey.semantic("a", "p", 1))
+        assert len(s3_server.keys(bucket, "blobs/")) == 1
+        m = [x for x in s.archived_sessions() if x["session"] == "a"][0]
+        assert m["pages"] == 1
+        s.delete_session("a")  # the shared blob is still referenced by b
+        assert len(s3_server.keys(bucket, "blobs/")) == 1
+        assert [x["session"] for x in s.archived_sessions()] == ["b"]
+        assert s.get(PageKey.semantic("b", "p", 0)) == shared
+        s.delete_session("b")
+        assert s3_server.keys(bucket) == []
+
+
+def test_archive_only_pages_survive_restart(make_config, archive_url: str) -> None:  # noqa: ANN001
+    cfg = archived_cfg(make_config, archive_url)
+    with kvfs.open_store_sync(cfg) as s:
+        data = fill(s, "agent", 3)
+        s.spill("agent")
+    with kvfs.open_store_sync(cfg) as s:
+        assert [i.tier for i in s.list(session="agent")] == ["archive"] * 3
+        for k, v in data.items():
+            assert s.get(k) == v
+
+
+def test_second_host_lists_and_restores(make_config, archive_url: str, tmp_path: Path) -> None:  # noqa: ANN001
+    with kvfs.open_store_sync(archived_cfg(make_config, archive_url, name="host-a")) as a:
+        data = fill(a, "agent-42", 4)
+        a.set_session_attrs("agent-42", {"model": "llama-test"})
+        a.pin_session("agent-42")
+        a.spill("agent-42")
+    import shutil
+
+    shutil.rmtree(tmp_path / "host-a")  # host A's local disks are lost
+    with kvfs.open_store_sync(archived_cfg(make_config, archive_url, name="host-b")) as b:
+        listed = b.archived_sessions()
+        assert [(x["session"], x["pages"], x["attrs"]) for x in listed] == \
+            [("agent-42", 4, {"model": "llama-test"})]
+        with pytest.raises(kvfs.SessionNotFound):
+            b.restore("never-spilled")
+        assert b.restore("agent-42") == sum(map(len, data.values()))
+        info = b.session_info("agent-42")
+        assert info.pinned and info.model == "llama-test" and info.local_bytes == info.bytes
+        for k, v in data.items():
+            assert b.get(k) == v
+        # B adds a turn and spills: A's manifest now lists it too (same session, same bucket)
+        b.put(PageKey.semantic("agent-42", "p1", 0), kv_page(99))
+        b.spill("agent-42")
+        assert [x["pages"] for x in b.archived_sessions()] == [5]
+
+
+def test_spill_without_archive_is_a_clear_error(sync_store: kvfs.SyncStore) -> None:
+    with pytest.raises(kvfs.ArchiveUnavailable, match="no archive"):
+        sync_store.spill("x")
+
+
+def test_unreachable_archive_fails_open_clearly(make_config) -> None:  # noqa: ANN001
+    url = "s3://b?endpoint=http://127.0.0.1:9&open_deadline=0.3"
+    with pytest.raises(kvfs.ArchiveUnavailable, match="cannot reach"):
+        kvfs.open_store_sync(make_config(archive_url=url)).__enter__()
