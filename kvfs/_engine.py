@@ -407,6 +407,31 @@ class Engine:
             self._read_verified(page, blob, buf, lo, hi - lo)
             return bytes(buf[offset - lo:end - lo])
 
+    def read_held(self, page: PageRow, blob: BlobRow, offset: int, size: int) -> memoryview:
+        """:meth:`read_range` for data held by :meth:`lease`: reads exactly the leased page even
+        if its key has since been replaced or deleted (an open file on the mount). Returns a
+        view of a fresh buffer (no extra copy). Raises CorruptPage, PageNotFound (data gone
+        from every tier)."""
+        self._check_open()
+        if offset >= blob.size or size <= 0:
+            return memoryview(b"")
+        if not blob.local:
+            blob = self._restore(blob, page)
+        end = min(blob.size, offset + size)
+        lo = offset - offset % LEAF
+        hi = min(blob.size, -(-end // LEAF) * LEAF)
+        buf = aligned_buffer(hi - lo)
+        self._read_verified(page, blob, buf, lo, hi - lo)
+        return buf[offset - lo:end - lo]
+
+    def set_page_attrs(self, key: PageKey | str, attrs: dict[str, str]) -> None:
+        """Merge ``attrs`` into a page's attributes (the mount keeps file modes here).
+        Raises PageNotFound, InvalidKey."""
+        self._check_open()
+        k = as_key(key)
+        if not self.index.update_page_attrs(k.path, _check_attrs(attrs)):
+            raise PageNotFound(f"no page {k.path!r}")
+
     def _restore(self, blob: BlobRow, page: PageRow) -> BlobRow:
         with self._cap_lock:
             self._counters["misses"] += 1

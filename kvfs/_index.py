@@ -391,6 +391,17 @@ class Index:
             db.execute("UPDATE blobs SET extents=NULL, disk_bytes=0 WHERE hash=?", (h,))
             return _blob(r)
 
+    def update_page_attrs(self, path: str, attrs: dict[str, str]) -> bool:
+        """Merge attrs into a page's attrs; False when there is no such page."""
+        with self.transaction() as db:
+            row = db.execute("SELECT attrs FROM pages WHERE path=?", (path,)).fetchone()
+            if row is None:
+                return False
+            merged = dict(_unpack(row[0], {}))  # type: ignore[arg-type]
+            merged.update(attrs)
+            db.execute("UPDATE pages SET attrs=? WHERE path=?", (_pack(merged), path))
+            return True
+
     def set_page_pinned(self, path: str, pinned: bool) -> bool:
         with self.transaction() as db:
             return db.execute("UPDATE pages SET pinned=? WHERE path=?", (int(pinned), path)).rowcount > 0
