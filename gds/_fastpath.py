@@ -1,0 +1,242 @@
+""":class:`FastPath`: page data straight from the striped backing files into a buffer.
+
+Backends (``backend=`` on the constructor or per call):
+
+* ``"host"``: O_DIRECT ``preadv`` into page-aligned host memory in parallel threads.
+  Never imports kvikio or cupy.
+* ``"kvikio"``: kvikio ``CuFile.pread`` into GPU memory (GPUDirect Storage where present,
+  kvikio's compatibility mode otherwise).
+* ``"staged"``: O_DIRECT into host staging, verify, copy to the GPU (cupy, no kvikio).
+* ``"auto"`` (default): ``host`` for host buffers; for GPU buffers ``kvikio`` if it imports,
+  else ``staged``. Deciding never imports a GPU library for a host buffer.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
+from typing import Any
+
+import trio
+
+from kvfs import PageInfo, PageKey
+from kvfs._aligned import BouncePool
+from kvfs._checksum import LEAF
+
+from ._gpu import BackendUnavailable, KvikioTarget, PinnedPool, StagedTarget, device_bytes
+from ._gpu import stage_to_host as _stage_to_host
+from ._host import HostTarget, UnalignedDestination, host_view, is_device_buffer
+from ._loader import LayerLoader, wait
+from ._read import PageRead, Target
+from ._source import DEFAULT_PIECE, PageSource, source_from_engine, source_from_mount
+
+__all__ = ["BACKENDS", "FastPath"]
+
+BACKENDS = ("auto", "host", "kvikio", "staged")
+KeyLike = PageKey | str
+
+
+class FastPath:
+    """Reads (and writes) pages bypassing the store's copy and the FUSE daemon.
+
+    ``store`` is a :class:`kvfs.Store`, :class:`kvfs.SyncStore` or :class:`kvfs.Engine`
+    (None for by-path reads only). The fast path owns an I/O pool (``threads`` readers:
+    each piece of a striped page is one request, so every device is read in parallel) and
+    a hash pool, unless pools are given. ``verify`` (default True) checks every byte against
+    the stored BLAKE3 leaves; turning it off is for benchmarks of the raw path.
+
+    Calls that return futures raise argument errors (TypeError, ValueError,
+    UnalignedDestination, BackendUnavailable) and lookup errors (PageNotFound) at once;
+    the future raises CorruptPage (checksum mismatch, missing or short data file) or OSError.
+    A future resolves only after every byte is in the destination, the data is verified,
+    and the lease is released. Futures cannot be cancelled once returned.
+    """
+
+    def __init__(self, store: Any = None, *, backend: str = "auto", threads: int = 8,
+                 hash_threads: int | None = None, verify: bool = True,
+                 max_piece: int = DEFAULT_PIECE, direct: bool = True,
+                 allow_unaligned: bool = False, io_pool: Executor | None = None,
+                 hash_pool: Executor | None = None) -> None:
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, not {backend!r}")
+        self.engine = getattr(store, "engine", store)
+        self.backend = backend
+        self.verify = verify
+        self.max_piece = max_piece
+        self.direct = direct
+        self.allow_unaligned = allow_unaligned
+        self._own: list[ThreadPoolExecutor] = []
+        self._io = io_pool or self._pool(threads, "kvfs-gds-io")
+        self._hash = hash_pool or self._pool(hash_threads or max(2, os.cpu_count() or 2),
+                                             "kvfs-gds-hash")
+        self._writer = self._pool(2, "kvfs-gds-write")
+        # Aligned destinations only bounce a page's last partial 4 KiB; unaligned ones
+        # (allow_unaligned) bounce every byte, at most this many MiB at a time.
+        self._bounce = BouncePool(LEAF, 4)
+        self._pinned = PinnedPool(LEAF, max(2, os.cpu_count() or 2))
+        self._closed = False
+
+    def _pool(self, n: int, name: str) -> ThreadPoolExecutor:
+        p = ThreadPoolExecutor(n, thread_name_prefix=name)
+        self._own.append(p)
+        return p
+
+    # -- choosing a backend -----------------------------------------------------------
+    def backend_for(self, dest: object, backend: str | None = None) -> str:
+        """The backend a read into ``dest`` would use. Raises BackendUnavailable, ValueError."""
+        b = backend or self.backend
+        if b not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, not {b!r}")
+        device = is_device_buffer(dest)
+        if b == "auto":
+            if not device:
+                return "host"
+            try:
+                import kvikio  # noqa: F401
+            except ImportError:
+                return "staged"
+            return "kvikio"
+        if b == "host" and device:
+            raise ValueError("the host backend reads into host memory; this destination is "
+                             "GPU memory (use backend='kvikio' or 'staged')")
+        if b in ("kvikio", "staged") and not device:
+            raise ValueError(f"the {b} backend reads into GPU memory; for host buffers use "
+                             "backend='host' (O_DIRECT, no GPU library involved)")
+        if b == "kvikio":
+            try:
+                import kvikio  # noqa: F401
+            except ImportError as e:
+                raise BackendUnavailable("backend 'kvikio' needs kvikio: pip install "
+                                         "'kvfs[gpu]' (CUDA 12) or 'kvfs[gpu-cu13]' (CUDA 13)"
+                                         ) from e
+        return b
+
+    def _target(self, b: str, dest: object, size: int, allow_unaligned: bool) -> Target:
+        if b == "host":
+            view = host_view(dest, size)
+            t = HostTarget(view[:size], direct=self.direct, bounce=self._bounce)
+            if not t.base_aligned and self.direct and not allow_unaligned:
+                raise UnalignedDestination(
+                    "destination is not 4 KiB aligned: allocate it with kvfs.aligned_buffer "
+                    "(or numpy over one), or pass allow_unaligned=True to read through "
+                    "bounce buffers")
+            return t
+        flat, dev = device_bytes(dest, size)
+        if b == "kvikio":
+            return KvikioTarget(flat[:size], dev, self._pinned)
+        return StagedTarget(flat[:size], dev, size, direct=self.direct,
+                            bounce=self._bounce)
+
+    # -- reads ------------------------------------------------------------------------
+    def _start(self, make_source: Callable[[], PageSource], into: object, backend: str | None,
+               verify: bool | None, allow_unaligned: bool | None) -> Future[int]:
+        if self._closed:
+            raise RuntimeError("this FastPath is closed")
+        b = self.backend_for(into, backend)
+        src = make_source()
+        try:
+            target = self._target(b, into, src.size, self.allow_unaligned
+                                  if allow_unaligned is None else allow_unaligned)
+        except BaseException:
+            src.release(False)
+            raise
+        read = PageRead(src, target, io_pool=self._io, hash_pool=self._hash,
+                        verify=self.verify if verify is None else verify,
+                        max_piece=self.max_piece)
+        return read.start()
+
+    def _need_engine(self) -> Any:
+        if self.engine is None:
+            raise ValueError("reads by key need a store: FastPath(store)")
+        return self.engine
+
+    def read(self, key: KeyLike, into: object, *, backend: str | None = None,
+             verify: bool | None = None, allow_unaligned: bool | None = None) -> Future[int]:
+        """Start reading page ``key`` into ``into``; the future gives the page size.
+
+        The page is leased before this returns and until the future resolves: eviction and
+        delete leave its files in place meanwhile. Raises PageNotFound now; the future
+        raises CorruptPage.
+        """
+        eng = self._need_engine()
+        return self._start(lambda: source_from_engine(eng, key), into, backend, verify,
+                           allow_unaligned)
+
+    def read_path(self, path: str | os.PathLike[str], into: object, *,
+                  backend: str | None = None, verify: bool | None = None,
+                  allow_unaligned: bool | None = None) -> Future[int]:
+        """Start reading a page file on a kvfs mount by its ``user.kvfs.extents`` xattr.
+
+        The file stays open (the daemon's lease) until the future resolves. Only the root
+        checksum is known by path, so corruption is reported once all bytes are in.
+        Raises FileNotFoundError, NotAKvfsPage now; the future raises CorruptPage.
+        """
+        return self._start(lambda: source_from_mount(path), into, backend, verify,
+                           allow_unaligned)
+
+    def read_many(self, keys: Sequence[KeyLike], intos: Sequence[object],
+                  **kw: Any) -> list[Future[int]]:
+        """Start reading many pages at once (all layers of a prefix); their pieces share the
+        pool in order, so the reads overlap and the first pages finish first. If a lookup
+        fails, the reads already started run on and the error is raised."""
+        if len(keys) != len(intos):
+            raise ValueError("need one destination per key")
+        return [self.read(k, d, **kw) for k, d in zip(keys, intos, strict=True)]
+
+    def load_layers(self, keys: Sequence[KeyLike], intos: Sequence[Any], *,
+                    ahead: int | None = None, **kw: Any) -> LayerLoader[Any]:
+        """A :class:`LayerLoader` over ``keys`` (in layer order), reading ``ahead`` layers
+        beyond the one being consumed (None: all at once)."""
+        if len(keys) != len(intos):
+            raise ValueError("need one destination per key")
+        return LayerLoader(lambda i: self.read(keys[i], intos[i], **kw), intos, ahead)
+
+    # -- writes -----------------------------------------------------------------------
+    def write(self, key: KeyLike, data: object, *, attrs: dict[str, str] | None = None,
+              pin: bool = False, replace: bool = False) -> Future[PageInfo]:
+        """Store ``data`` (host buffer or GPU memory) as a new page through the store.
+
+        GPU memory is first copied into page-aligned host memory; the store then writes the
+        striped files with O_DIRECT, computes the BLAKE3 leaves of exactly those bytes and
+        commits the index entry, so index and checksum are right by construction. The
+        source buffer may be reused once the future resolves. The future raises PageExists,
+        CapacityExceeded, InvalidKey as ``Store.put`` does.
+        """
+        eng = self._need_engine()
+        device = is_device_buffer(data)
+
+        def run() -> PageInfo:
+            host = _stage_to_host(data) if device else data
+            return eng.put(key, host, attrs=attrs, pin=pin, replace=replace)
+
+        return self._writer.submit(run)
+
+    # -- trio -------------------------------------------------------------------------
+    async def aread(self, key: KeyLike, into: object, **kw: Any) -> int:
+        """``await`` form of :meth:`read` for trio (lookup in a worker thread)."""
+        fut = await trio.to_thread.run_sync(lambda: self.read(key, into, **kw))
+        return await wait(fut)
+
+    async def aread_path(self, path: str | os.PathLike[str], into: object, **kw: Any) -> int:
+        fut = await trio.to_thread.run_sync(lambda: self.read_path(path, into, **kw))
+        return await wait(fut)
+
+    async def awrite(self, key: KeyLike, data: object, **kw: Any) -> PageInfo:
+        return await wait(self.write(key, data, **kw))
+
+    # -- lifecycle --------------------------------------------------------------------
+    def close(self) -> None:
+        """Wait for reads and writes in flight, then stop the pools it owns. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for p in (self._writer, self._io, self._hash):
+            if p in self._own:
+                p.shutdown(wait=True)
+
+    def __enter__(self) -> FastPath:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
