@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager, contextmanager
 from typing import Any, TypeVar
 
@@ -270,12 +271,28 @@ class SyncStore:
     def begin_write(self, key: KeyLike) -> PageWriter:
         return self._engine.begin_write(key)
 
-    def put_many(self, items: Iterable[tuple[KeyLike, object]], **kw: Any) -> list[PageInfo]:
-        return list(self._engine.io_pool.map(lambda kd: self._engine.put(kd[0], kd[1], **kw),
-                                             list(items)))
+    def put_many(self, items: Iterable[tuple[KeyLike, object]], *, concurrency: int = 4,
+                 **kw: Any) -> list[PageInfo]:
+        """Put several pages from ``concurrency`` threads; results in input order. The first
+        error is raised after the calls in flight finish (pages already stored stay stored)."""
+        # Not the engine's I/O pool: each put waits on that pool, so running puts on it
+        # deadlocks once every pool thread is a put waiting for its own writes.
+        items = list(items)
+        with ThreadPoolExecutor(max(1, min(concurrency, len(items) or 1)),
+                                thread_name_prefix="kvfs-put-many") as ex:
+            return list(ex.map(lambda kd: self._engine.put(kd[0], kd[1], **kw), items))
 
-    def get_many(self, keys: Iterable[KeyLike]) -> list[bytes | int]:
-        return [self._engine.get(k) for k in keys]
+    def get_many(self, keys: Iterable[KeyLike], into: Iterable[object] | None = None, *,
+                 concurrency: int = 4) -> list[bytes | int]:
+        """Get several pages (optionally each into its own buffer); results in input order."""
+        keys = list(keys)
+        bufs = list(into) if into is not None else [None] * len(keys)
+        if len(bufs) != len(keys):
+            raise ValueError("need one buffer per key")
+        with ThreadPoolExecutor(max(1, min(concurrency, len(keys) or 1)),
+                                thread_name_prefix="kvfs-get-many") as ex:
+            return list(ex.map(lambda kb: self._engine.get(kb[0], kb[1]),
+                               zip(keys, bufs, strict=True)))
 
     def statistics(self) -> StoreStatistics:
         return self._engine.statistics()

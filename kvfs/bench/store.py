@@ -1,0 +1,235 @@
+"""``kvfs bench store``: page put/get throughput beside raw O_DIRECT, in the same run.
+
+For every page size and client count, on the same directories and with the same bytes:
+
+* **raw put**: each client writes whole pages to new files with ``O_DIRECT`` (one
+  ``pwrite`` of the page from a 4 KiB-aligned buffer) and ``fsync``s each file, the same
+  durability a put gives; files go round-robin over the data directories;
+* **kvfs put**: each client calls ``SyncStore.put`` (checksums, striping, fsync, index
+  commit) from the same buffers; every page is distinct (a counter is stamped into it), so
+  nothing is deduplicated;
+* **raw get**: each client reads the raw files back with ``O_DIRECT`` into an aligned buffer;
+* **kvfs get**: each client calls ``SyncStore.get(key, into=aligned buffer)`` (O_DIRECT,
+  every leaf verified).
+
+Throughput is bytes moved / wall time for all clients together; the ratio is kvfs / raw.
+With ``--repeat N`` the phases alternate N times and the best of each is reported.
+``--index N`` measures the SQLite index instead (see :mod:`kvfs.bench._index_bench`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import kvfs
+from kvfs._aligned import aligned_buffer, open_direct
+
+__all__ = ["register", "run_store_bench"]
+
+MiB = 1 << 20
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("store", help="page put/get throughput vs raw O_DIRECT in the same run",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sizes", default="1,4,16,64", help="page sizes in MiB (default 1,4,16,64)")
+    p.add_argument("--clients", default="1,4", help="concurrent clients (default 1,4)")
+    p.add_argument("--total", type=int, default=256,
+                   help="MiB written per size and client count (default 256)")
+    p.add_argument("--data", default=None,
+                   help="comma-separated data directories, one per device (default: one "
+                        "scratch directory under the system temp dir)")
+    p.add_argument("--stripe-unit", type=int, default=4, help="stripe unit in MiB (default 4)")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="alternate raw and kvfs phases N times, report the best (default 1)")
+    p.add_argument("--no-durable", action="store_true",
+                   help="kvfs without fsync and with SQLite synchronous=NORMAL (raw still fsyncs)")
+    p.add_argument("--index", type=int, default=0, metavar="N",
+                   help="measure the SQLite index with N pages instead (commits/s, lookups/s, "
+                        "restart time)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.set_defaults(func=_main)
+
+
+def _log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _machine() -> dict[str, Any]:
+    return {"host": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version(),
+            "kernel": platform.release()}
+
+
+def _stamp(buf: memoryview, n: int) -> None:
+    """Make the page distinct: a counter in the first and last 8 bytes."""
+    b = n.to_bytes(8, "little")
+    buf[:8] = b
+    buf[len(buf) - 8:] = b
+
+
+def _timed(clients: int, work: Callable[[int], int]) -> float:
+    """Run ``work(client)`` on ``clients`` threads; returns seconds for all of them."""
+    with ThreadPoolExecutor(clients) as ex:
+        t0 = time.perf_counter()
+        total = sum(ex.map(work, range(clients)))
+        dt = time.perf_counter() - t0
+    assert total >= 0
+    return dt
+
+
+def _raw_write(path: str, buf: memoryview) -> None:
+    fd, _direct = open_direct(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o640)
+    try:
+        done = 0
+        while done < len(buf):
+            done += os.pwrite(fd, buf[done:], done)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _raw_read(path: str, buf: memoryview) -> None:
+    fd, _direct = open_direct(path, os.O_RDONLY)
+    try:
+        done = 0
+        while done < len(buf):
+            n = os.preadv(fd, [buf[done:]], done)
+            if n == 0:
+                raise OSError(f"{path} is short")
+            done += n
+    finally:
+        os.close(fd)
+
+
+def _cell(dirs: list[Path], size: int, clients: int, total: int, stripe: int, repeat: int,
+          durable: bool) -> dict[str, Any]:
+    per_client = max(1, total // (size * clients))
+    pages = per_client * clients
+    moved = pages * size
+    bufs = [aligned_buffer(size) for _ in range(clients)]
+    for b in bufs:
+        b[:] = os.urandom(min(size, 1 << 16)) * (size // min(size, 1 << 16))
+    raw_dirs = [d / "raw" for d in dirs]
+    store_dirs = tuple(d / "store" for d in dirs)
+    best = {"raw_put": 0.0, "kvfs_put": 0.0, "raw_get": 0.0, "kvfs_get": 0.0}
+
+    def gbps(dt: float) -> float:
+        return moved / dt / 1e9
+
+    for r in range(repeat):
+        for d in raw_dirs:
+            shutil.rmtree(d, ignore_errors=True)
+            d.mkdir(parents=True)
+        for d in store_dirs:
+            shutil.rmtree(d, ignore_errors=True)
+        cfg = kvfs.StoreConfig(data_dirs=store_dirs, stripe_unit=stripe, durable=durable)
+
+        def raw_put(c: int) -> int:
+            for i in range(per_client):
+                j = c * per_client + i
+                _stamp(bufs[c], j + 1)
+                _raw_write(str(raw_dirs[j % len(raw_dirs)] / f"p{j}"), bufs[c])
+            return per_client
+
+        def raw_get(c: int) -> int:
+            for i in range(per_client):
+                j = c * per_client + i
+                _raw_read(str(raw_dirs[j % len(raw_dirs)] / f"p{j}"), bufs[c])
+            return per_client
+
+        best["raw_put"] = max(best["raw_put"], gbps(_timed(clients, raw_put)))
+        with kvfs.open_store_sync(cfg) as store:
+            def kv_put(c: int) -> int:
+                for i in range(per_client):
+                    j = c * per_client + i
+                    _stamp(bufs[c], (1 << 40) + r * pages + j)
+                    store.put(f"bench/c{c}/p{i}", bufs[c])
+                return per_client
+
+            def kv_get(c: int) -> int:
+                for i in range(per_client):
+                    store.get(f"bench/c{c}/p{i}", into=bufs[c])
+                return per_client
+
+            best["kvfs_put"] = max(best["kvfs_put"], gbps(_timed(clients, kv_put)))
+            best["raw_get"] = max(best["raw_get"], gbps(_timed(clients, raw_get)))
+            best["kvfs_get"] = max(best["kvfs_get"], gbps(_timed(clients, kv_get)))
+            st = store.statistics()
+            if st.dedup_puts:
+                raise RuntimeError("benchmark pages were deduplicated: the figures would lie")
+        _log(f"  {size // MiB:>3} MiB x {clients} clients, round {r + 1}/{repeat}: "
+             f"put {best['kvfs_put']:.2f}/{best['raw_put']:.2f} GB/s, "
+             f"get {best['kvfs_get']:.2f}/{best['raw_get']:.2f} GB/s (kvfs/raw)")
+    for d in [*raw_dirs, *store_dirs]:
+        shutil.rmtree(d, ignore_errors=True)
+    return {"size_mib": size // MiB, "clients": clients, "pages": pages, "bytes": moved, **best,
+            "put_ratio": best["kvfs_put"] / best["raw_put"],
+            "get_ratio": best["kvfs_get"] / best["raw_get"]}
+
+
+def run_store_bench(dirs: list[Path], sizes_mib: list[int], clients: list[int], total_mib: int,
+                    *, stripe_mib: int = 4, repeat: int = 1, durable: bool = True
+                    ) -> dict[str, Any]:
+    """Run every (size, clients) cell; returns the figures (GB/s = 1e9 bytes/s)."""
+    rows = []
+    for size in sizes_mib:
+        for c in clients:
+            rows.append(_cell(dirs, size * MiB, c, total_mib * MiB, stripe_mib * MiB,
+                              max(1, repeat), durable))
+    return {"machine": _machine(), "data_dirs": [str(d) for d in dirs],
+            "stripe_unit_mib": stripe_mib, "durable": durable, "total_mib": total_mib,
+            "repeat": repeat, "rows": rows}
+
+
+def print_store_bench(res: dict[str, Any]) -> None:
+    from cli._util import print_table
+
+    print(f"kvfs bench store: {len(res['data_dirs'])} data dir(s), stripe unit "
+          f"{res['stripe_unit_mib']} MiB, durable={res['durable']}, best of {res['repeat']}; "
+          "GB/s (1e9 B/s)")
+    print_table(["page MiB", "clients", "raw put", "kvfs put", "put ratio", "raw get",
+                 "kvfs get", "get ratio"],
+                [(r["size_mib"], r["clients"], f"{r['raw_put']:.2f}", f"{r['kvfs_put']:.2f}",
+                  f"{r['put_ratio']:.2f}x", f"{r['raw_get']:.2f}", f"{r['kvfs_get']:.2f}",
+                  f"{r['get_ratio']:.2f}x") for r in res["rows"]])
+
+
+def _main(args: argparse.Namespace) -> int:
+    from cli._util import print_json
+
+    sizes = [int(x) for x in args.sizes.split(",") if x.strip()]
+    clients = [int(x) for x in args.clients.split(",") if x.strip()]
+    if not sizes or not clients or min(sizes) < 1 or min(clients) < 1 or args.total < 1:
+        raise ValueError("--sizes, --clients and --total must be positive integers")
+    scratch = None
+    if args.data:
+        dirs = [Path(d) / "kvfs-bench-store" for d in args.data.split(",") if d.strip()]
+    else:
+        scratch = Path(tempfile.mkdtemp(prefix="kvfs-bench-store-"))
+        dirs = [scratch]
+    try:
+        if args.index:
+            from ._index_bench import print_index_bench, run_index_bench
+
+            res = run_index_bench(dirs[0], args.index, progress=_log)
+            print_json(res) if args.json else print_index_bench(res)
+            return 0
+        res = run_store_bench(dirs, sizes, clients, args.total, stripe_mib=args.stripe_unit,
+                              repeat=args.repeat, durable=not args.no_durable)
+        print_json(res) if args.json else print_store_bench(res)
+    finally:
+        for d in dirs:
+            shutil.rmtree(d, ignore_errors=True)
+        if scratch is not None:
+            shutil.rmtree(scratch, ignore_errors=True)
+    return 0
