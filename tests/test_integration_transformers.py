@@ -246,3 +246,36 @@ def test_batched_cache_is_refused(tmp_path: Path) -> None:
     with TransformersKV(tmp_path, model, model_id=shape.model_id, chunk_tokens=CHUNK) as kv, \
             pytest.raises(ValueError, match="batch size 2"):
         kv.save("s", tokens(CHUNK, 12), out.past_key_values)
+
+
+def test_decodes_identically_after_spill_and_restore(
+        make_config: Callable[..., kvfs.StoreConfig], tmp_path: Path) -> None:
+    """The session goes to a file:// archive and comes back: on access on this host, and by
+    ``restore`` on a second host that shares only the archive."""
+    shape = GEOMETRIES["fp32-gqa-2layers"]
+    model = model_of(shape)
+    ids = tokens(3 * CHUNK, seed=14)
+    first, cache = prefill(model, ids)
+    url = f"file://{tmp_path / 'archive'}"
+
+    def cfg(name: str) -> kvfs.StoreConfig:
+        return make_config(ndev=2, name=name, archive_url=url, extra={"archive": {"interval": 0}})
+
+    with kvfs.open_store_sync(cfg("host-a")) as a, \
+            TransformersKV(a, model, model_id=shape.model_id, chunk_tokens=CHUNK,
+                           shared_session=None) as kv:
+        kv.save("agent", ids, cache)
+        want = greedy_decode(model, first, cache, STEPS)
+        assert a.spill("agent") > 0
+        assert {p.tier for p in a.list(session="agent")} == {"archive"}
+        hit = kv.load("agent", ids)
+        assert hit.tokens == 3 * CHUNK
+        assert greedy_decode(model, first, hit.cache, STEPS) == want
+    with kvfs.open_store_sync(cfg("host-b")) as b, \
+            TransformersKV(b, model, model_id=shape.model_id, chunk_tokens=CHUNK,
+                           shared_session=None) as kv:
+        assert kv.load("agent", ids).tokens == 0  # nothing here until restored
+        assert b.restore("agent") > 0
+        hit = kv.load("agent", ids)
+        assert hit.tokens == 3 * CHUNK
+        assert greedy_decode(model, first, hit.cache, STEPS) == want
