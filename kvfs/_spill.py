@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING
 import msgpack
 import trio
 
+from objectstore._abc import one_error_nursery
+
 from ._errors import ArchiveUnavailable, CorruptPage, SessionNotFound
 from ._manifest import (
     MANIFESTS,
@@ -74,7 +76,7 @@ class Spiller:
                     got = await self.policy.upload_blob(h)
                 uploaded += got
 
-            async with trio.open_nursery() as n:
+            async with one_error_nursery() as n:
                 for h in todo:
                     n.start_soon(one, h)
             await self.write_manifest(d)

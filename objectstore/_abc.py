@@ -22,11 +22,35 @@ Contract (documented once, here; ``tests/test_objectstore.py`` checks every impl
 from __future__ import annotations
 
 import abc
-from collections.abc import AsyncIterator, Iterable
+import sys
+from collections.abc import AsyncIterator, AsyncIterable, Iterable
+from contextlib import asynccontextmanager
 
 import trio
 
-__all__ = ["ObjectNotFound", "ObjectStore", "check_key"]
+if sys.version_info < (3, 11):
+    from exceptiongroup import BaseExceptionGroup
+
+__all__ = ["ObjectNotFound", "ObjectStore", "check_key", "one_error_nursery"]
+
+
+def _first_leaf(eg: BaseExceptionGroup) -> BaseException:
+    for e in eg.exceptions:
+        leaf = _first_leaf(e) if isinstance(e, BaseExceptionGroup) else e
+        if not isinstance(leaf, trio.Cancelled):
+            return leaf
+    return eg.exceptions[0]
+
+
+@asynccontextmanager
+async def one_error_nursery() -> AsyncIterable[trio.Nursery]:
+    """A nursery whose failure is raised as the first underlying error, not a group: callers
+    catch ArchiveUnavailable or ObjectNotFound as the contract documents."""
+    try:
+        async with trio.open_nursery() as n:
+            yield n
+    except BaseExceptionGroup as eg:
+        raise _first_leaf(eg) from None
 
 
 class ObjectNotFound(FileNotFoundError):
@@ -97,7 +121,7 @@ class ObjectStore(abc.ABC):
                 assert isinstance(data, bytes)
                 out[k] = data
 
-        async with trio.open_nursery() as n:
+        async with one_error_nursery() as n:
             for k in keys:
                 n.start_soon(one, k)
         return out
@@ -110,7 +134,7 @@ class ObjectStore(abc.ABC):
             async with limit:
                 await self.delete(k)
 
-        async with trio.open_nursery() as n:
+        async with one_error_nursery() as n:
             for k in keys:
                 n.start_soon(one, k)
 

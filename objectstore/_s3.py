@@ -19,7 +19,7 @@ import trio
 
 from kvfs._errors import ArchiveUnavailable
 
-from ._abc import ObjectNotFound, ObjectStore, check_key
+from ._abc import ObjectNotFound, ObjectStore, check_key, one_error_nursery
 from ._retry import Backoff, retry
 
 __all__ = ["S3Store"]
@@ -202,7 +202,7 @@ class S3Store(ObjectStore):
                 async with limit:
                     await one(n, off)
 
-            async with trio.open_nursery() as nursery:
+            async with one_error_nursery() as nursery:
                 for i, off in enumerate(range(0, len(mv), self.part_size)):
                     nursery.start_soon(limited, i + 1, off)
             await self._call(

@@ -1,0 +1,152 @@
+"""Archive faults: SIGKILL mid-spill then restart, and the endpoint going down during a spill.
+The S3 endpoint the store sees is a TCP proxy (tests/_s3.py) in front of moto."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import pytest
+
+import kvfs
+from kvfs import PageKey
+
+KiB = 1024
+CHILD = textwrap.dedent("""
+    import sys, numpy as np, kvfs
+    from kvfs import PageKey
+    dirs, url, n = sys.argv[1].split(","), sys.argv[2], int(sys.argv[3])
+    cfg = kvfs.StoreConfig(data_dirs=tuple(dirs), stripe_unit=64 * 1024, archive_url=url,
+                           extra={"archive": {"interval": 0, "concurrency": 2}})
+    with kvfs.open_store_sync(cfg) as s:
+        for i in range(n):
+            s.put(PageKey.semantic("victim", "p", i), np.random.default_rng(i).bytes(256 * 1024))
+        print("ready", flush=True)
+        s.spill("victim")
+        print("spilled", flush=True)
+""")
+
+
+def page(i: int) -> bytes:
+    import numpy as np
+
+    return np.random.default_rng(i).bytes(256 * KiB)
+
+
+@pytest.fixture
+def proxy(s3_server) -> Iterator[object]:  # noqa: ANN001
+    from _s3 import TcpProxy
+
+    u = urlsplit(s3_server.endpoint)
+    p = TcpProxy((u.hostname, u.port))
+    yield p
+    p.close()
+
+
+@pytest.mark.slow
+def test_sigkill_mid_spill_then_restart(s3_server, proxy, tmp_path: Path) -> None:  # noqa: ANN001
+    bucket = s3_server.new_bucket()
+    n = 24
+    dirs = [str(tmp_path / "nvme0"), str(tmp_path / "nvme1")]
+    slow_url = f"s3://{bucket}?endpoint={proxy.endpoint}&deadline=30"
+    proxy.delay = 0.004  # per forwarded chunk: the spill takes seconds, not milliseconds
+    child = subprocess.Popen([sys.executable, "-c", CHILD, ",".join(dirs), slow_url, str(n)],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None
+        assert child.stdout.readline().strip() == "ready"
+        deadline = time.monotonic() + 120
+        while not s3_server.keys(bucket, "blobs/"):
+            assert child.poll() is None, child.stderr.read() if child.stderr else ""
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+        for f in (child.stdout, child.stderr):
+            if f is not None:
+                f.close()
+    uploaded = s3_server.keys(bucket, "blobs/")
+    assert 0 < len(uploaded) < n, "the kill did not land mid-spill"
+    assert s3_server.keys(bucket, "manifests/") == []  # nothing half-visible
+    proxy.delay = 0
+    cfg = kvfs.StoreConfig(data_dirs=tuple(dirs), stripe_unit=64 * KiB,
+                           archive_url=f"s3://{bucket}?endpoint={s3_server.endpoint}",
+                           extra={"archive": {"interval": 0}})
+    with kvfs.open_store_sync(cfg) as s:
+        infos = s.list(session="victim")
+        assert len(infos) == n and all(i.local for i in infos)  # nothing lost locally
+        again = s.spill("victim")  # redo: what is already there is not uploaded again
+        assert 0 < again
+        assert len(s3_server.keys(bucket, "blobs/")) == n
+        assert s3_server.keys(bucket, "manifests/") == ["manifests/sessions%2Fvictim"]
+        assert s.statistics().extra["archive"]["dedup_skipped"] >= len(uploaded)
+        assert all(i.tier == "archive" for i in s.list(session="victim"))
+        for i in range(n):
+            assert s.get(PageKey.semantic("victim", "p", i)) == page(i)
+        assert s.fsck()["orphans"] == []
+
+
+@pytest.mark.slow
+def test_endpoint_down_during_spill(s3_server, proxy, make_config) -> None:  # noqa: ANN001
+    bucket = s3_server.new_bucket()
+    url = f"s3://{bucket}?endpoint={proxy.endpoint}&deadline=60&connect_timeout=1"
+    cfg = make_config(ndev=2, archive_url=url, extra={"archive": {"interval": 0}})
+    with kvfs.open_store_sync(cfg) as s:
+        for i in range(8):
+            s.put(PageKey.semantic("cold", "p", i), page(i))
+        proxy.down()
+        result: list[object] = []
+
+        def spill() -> None:
+            try:
+                result.append(s.spill("cold"))
+            except BaseException as e:  # noqa: BLE001 - reported by the assertion below
+                result.append(e)
+
+        t = threading.Thread(target=spill)
+        t.start()
+        # Foreground reads and writes keep working while the archive is unreachable.
+        for i in range(8):
+            s.put(PageKey.semantic("hot", "p", i), page(100 + i))
+            assert s.get(PageKey.semantic("hot", "p", i)) == page(100 + i)
+            assert s.get(PageKey.semantic("cold", "p", i)) == page(i)
+        assert not result, "the spill finished while the endpoint was down"
+        assert s.session_info("cold").local_bytes == s.session_info("cold").bytes
+        proxy.up()
+        t.join(timeout=120)
+        assert not t.is_alive()
+        assert isinstance(result[0], int) and result[0] > 0, result
+        assert s.session_info("cold").local_bytes == 0
+        for i in range(8):
+            assert s.get(PageKey.semantic("cold", "p", i)) == page(i)
+
+
+def test_endpoint_down_past_deadline_loses_nothing(s3_server, proxy, make_config) -> None:  # noqa: ANN001
+    bucket = s3_server.new_bucket()
+    url = f"s3://{bucket}?endpoint={proxy.endpoint}&deadline=0.5&connect_timeout=0.5"
+    cfg = make_config(ndev=1, archive_url=url, extra={"archive": {"interval": 0}})
+    with kvfs.open_store_sync(cfg) as s:
+        for i in range(3):
+            s.put(PageKey.semantic("a", "p", i), page(i))
+        proxy.down()
+        with pytest.raises(kvfs.ArchiveUnavailable):
+            s.spill("a")
+        assert all(i.tier == "local" for i in s.list(session="a"))
+        assert s.evict(session="a") == 0  # cannot upload, so nothing is dropped
+        for i in range(3):
+            assert s.get(PageKey.semantic("a", "p", i)) == page(i)
+        proxy.up()
+        assert s.spill("a") > 0
+    os.environ.get("AWS_ACCESS_KEY_ID")  # credentials stay in the environment, untouched
