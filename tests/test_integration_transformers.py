@@ -26,7 +26,7 @@ import torch  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
 import kvfs  # noqa: E402
-from kvfs.integrations import GeometryMismatch, chunk_names  # noqa: E402
+from kvfs.integrations import FastPathPages, GeometryMismatch, chunk_names  # noqa: E402
 from kvfs.integrations._models import ModelShape, greedy_decode, random_llama  # noqa: E402
 from kvfs.integrations._tcache import build_cache, cache_tensors  # noqa: E402
 from kvfs.integrations.transformers import TransformersKV  # noqa: E402
@@ -60,13 +60,21 @@ def prefill(model: Any, ids: list[int], cache: Any = None) -> tuple[int, Any]:
     return int(out.logits[0, -1].argmax()), out.past_key_values
 
 
-@pytest.fixture(params=["object-api", "directory"])
+@pytest.fixture(params=["object-api", "fast-path", "directory"])
 def target(request: pytest.FixtureRequest, make_config: Callable[..., kvfs.StoreConfig],
            tmp_path: Path) -> Any:
-    """Where pages go: a kvfs store (object API) or plain files (as on the mount)."""
+    """Where pages go: a kvfs store (object API, or reads by the fast path's O_DIRECT host
+    backend) or plain files (as on the mount)."""
     if request.param == "object-api":
         with kvfs.open_store_sync(make_config(ndev=2)) as store:
             yield store
+    elif request.param == "fast-path":
+        with kvfs.open_store_sync(make_config(ndev=2)) as store:
+            pages = FastPathPages(store)
+            try:
+                yield pages
+            finally:
+                pages.close()
     else:
         d = tmp_path / "mount"
         d.mkdir()

@@ -3,7 +3,8 @@
 The engine-neutral parts live here and need nothing beyond kvfs itself: the ``kvfs-kv/1``
 page format (:class:`Geometry`, :class:`PageLayout`, :func:`parse_header`), the prefix hash
 chain (:func:`chunk_names`) and the page sources (:class:`StorePages` for the object API,
-:class:`DirectoryPages` for the mount or any directory).
+:class:`DirectoryPages` for the mount or any directory, :class:`FastPathPages` for the
+``gds`` fast path).
 
 Engine modules import their engine and are imported explicitly:
 
@@ -22,6 +23,7 @@ from ._format import (
 )
 from ._sources import (
     DirectoryPages,
+    FastPathPages,
     PageSource,
     PageStat,
     StorePages,
@@ -32,6 +34,7 @@ from ._sources import (
 __all__ = [
     "FORMAT",
     "DirectoryPages",
+    "FastPathPages",
     "Geometry",
     "GeometryMismatch",
     "PageHeader",

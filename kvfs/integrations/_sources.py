@@ -1,7 +1,7 @@
 """Page sources: the one seam between engine integrations and where page bytes live.
 
 An integration names pages with :class:`~kvfs.PageKey` and asks a :class:`PageSource` to
-find, read and write them. Two sources exist now:
+find, read and write them. Three sources exist:
 
 * :class:`StorePages` goes through the object API (a :class:`~kvfs.SyncStore`, an async
   :class:`~kvfs.Store` via its engine, or an :class:`~kvfs.Engine`): checksummed reads,
@@ -11,9 +11,10 @@ find, read and write them. Two sources exist now:
   layer-NNN``). Writes go to a temporary name and are renamed into place, so a reader never
   sees half a page.
 
-The fast path (``gds``) plugs in as a third source with the same four calls; a source that
-can fill device memory directly may add ``read_into`` support for device buffers, and the
-loader reads layer by layer so that such a source can overlap a layer's I/O with compute.
+* :class:`FastPathPages` reads through the fast path (``gds.FastPath``): metadata from the
+  object API, data straight from the backing files with O_DIRECT.
+
+Any other object with the four calls of :class:`PageSource` plugs in the same way.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ from .._errors import PageNotFound, SessionNotFound
 from .._keys import SESSIONS_DIR, PageKey
 from ._format import HEADER_READ, PageHeader, parse_header
 
-__all__ = ["DirectoryPages", "PageSource", "PageStat", "StorePages", "as_source"]
+__all__ = ["DirectoryPages", "FastPathPages", "PageSource", "PageStat", "StorePages", "as_source",
+           "read_file_header"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,6 +180,35 @@ class DirectoryPages:
         return None
 
 
+class FastPathPages(StorePages):
+    """Pages read by the fast path (``gds``): metadata through the object API, data straight
+    from the backing files with O_DIRECT (checksums verified), bypassing the engine's copy.
+
+    Writes and lookups are the object API's. ``fast_path`` is a ``gds.FastPath``; one is
+    made (and closed by :meth:`close`) if not given.
+    """
+
+    def __init__(self, store: object, fast_path: object | None = None) -> None:
+        super().__init__(store)
+        if fast_path is None:
+            import gds
+
+            fast_path = gds.FastPath(self.engine)
+            self._own: object | None = fast_path
+        else:
+            self._own = None
+        self.fast_path = fast_path
+        self.label = "fast path"
+
+    def read_into(self, key: PageKey, buf: memoryview) -> int:
+        return int(self.fast_path.read(key, buf).result())  # type: ignore[attr-defined]
+
+    def close(self) -> None:
+        if self._own is not None:
+            self._own.close()  # type: ignore[attr-defined]
+            self._own = None
+
+
 def read_file_header(path: Path) -> PageHeader:
     """Parse the header of a page file, reading only the header's bytes."""
     with open(path, "rb") as f:
@@ -193,9 +224,9 @@ def as_source(target: object) -> PageSource:
     """A PageSource for a store (object API), a directory path, or a PageSource itself."""
     if isinstance(target, (str, os.PathLike)):
         return DirectoryPages(target)
-    if isinstance(target, Engine) or isinstance(getattr(target, "engine", None), Engine):
-        return StorePages(target)
     if isinstance(target, PageSource):
         return target
+    if isinstance(target, Engine) or isinstance(getattr(target, "engine", None), Engine):
+        return StorePages(target)
     raise TypeError(f"cannot read KV pages from a {type(target).__name__}: pass a kvfs store, "
                     f"a directory, or a PageSource")
