@@ -15,6 +15,7 @@ from ._util import EXIT, exit_code_for
 COMMAND_MODULES = [
     "cli._bench",
     "cli._demo",
+    "cli._mount_cmds",
 ]
 
 

@@ -1,0 +1,209 @@
+"""The kvfs daemon: one store, its FUSE mount and the services that share the store.
+
+``run_daemon`` is the async core (tests and embedding); ``main`` is what ``kvfs mount`` calls:
+in the foreground it runs until SIGTERM/SIGINT or an outside unmount; otherwise it starts
+itself again in the foreground, detached, and returns once the mount answers (or with the
+daemon's error). The daemon records its pid per mountpoint so ``kvfs umount`` can stop it
+and wait. A SIGKILLed daemon leaves no dead mount (``auto_unmount``) and no half-written
+page (the engine sweeps unreferenced files at the next start).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from ._config import StoreConfig
+from ._mount import MountError, MountOptions, serve_mount
+from ._store import Store, open_store
+
+__all__ = ["READY_FD_ENV", "Service", "main", "run_daemon", "state_path", "stop_daemon"]
+
+log = logging.getLogger("kvfs.daemon")
+
+#: ``async def service(store, *, task_status)``: started before the mount, cancelled at exit.
+Service = Callable[..., Awaitable[None]]
+#: The detached child tells its parent on this fd: ``ok`` or the error.
+READY_FD_ENV = "KVFS_READY_FD"
+
+
+def state_path(mountpoint: str | os.PathLike[str]) -> Path:
+    """Where the daemon serving ``mountpoint`` records its pid."""
+    base = Path(os.environ.get("XDG_RUNTIME_DIR") or f"/tmp/kvfs-{os.getuid()}")
+    if os.getuid() == 0 and os.path.isdir("/run"):
+        base = Path("/run")
+    digest = hashlib.sha1(os.path.abspath(mountpoint).encode()).hexdigest()[:16]
+    return base / "kvfs" / f"mount-{digest}.json"
+
+
+async def run_daemon(config: StoreConfig, mountpoint: str | os.PathLike[str],
+                     options: MountOptions | None = None, services: Sequence[Service] = (), *,
+                     task_status: trio.TaskStatus[Store] = trio.TASK_STATUS_IGNORED) -> None:
+    """Open the store, start each service, mount; run until SIGTERM/SIGINT, cancellation or an
+    outside unmount; then unmount and close the store. Reports the store once mounted.
+
+    Raises StoreLocked (another process owns the data), MountError. Writes still open at exit
+    are discarded; committed pages are durable.
+    """
+    async with open_store(config) as store, trio.open_nursery() as nursery:
+        nursery.start_soon(_stop_on_signal, nursery.cancel_scope)
+        for service in services:
+            await nursery.start(service, store)
+        await nursery.start(_mount_then_stop, store, mountpoint, options, nursery.cancel_scope)
+        task_status.started(store)
+
+
+async def _mount_then_stop(store: Store, mountpoint: str | os.PathLike[str],
+                           options: MountOptions | None, scope: trio.CancelScope, *,
+                           task_status: trio.TaskStatus[Path]) -> None:
+    try:
+        await serve_mount(store, mountpoint, options, task_status=task_status)
+    finally:
+        scope.cancel()
+
+
+async def _stop_on_signal(scope: trio.CancelScope) -> None:
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
+        async for sig in signals:
+            log.info("%s: unmounting", signal.Signals(sig).name)
+            scope.cancel()
+            return
+
+
+def main(config: StoreConfig, mountpoint: str | os.PathLike[str], options: MountOptions, *,
+         foreground: bool, child_argv: Sequence[str] | None = None,
+         services: Sequence[Service] = (), log_file: str | os.PathLike[str] | None = None) -> int:
+    """Run the daemon; returns an exit status (0: mounted and, in the foreground, stopped).
+
+    Detached (``foreground=False``): runs ``child_argv`` (the same command with
+    ``--foreground``) in a new session with its output in ``log_file`` and waits for its
+    readiness message. Errors are printed to stderr, one line.
+    """
+    if not foreground:
+        if child_argv is None:
+            raise ValueError("detaching needs the foreground command line (child_argv)")
+        return _detach(child_argv, log_file or _default_log(config))
+    ready = os.environ.pop(READY_FD_ENV, None)
+    ready_fd = int(ready) if ready else None
+    path = state_path(mountpoint)
+
+    async def serve() -> None:
+        async with trio.open_nursery() as n:
+            await n.start(run_daemon, config, mountpoint, options, services)
+            _write_state(path, mountpoint, config)
+            if ready_fd is not None:
+                _tell(ready_fd, b"ok\n")
+    try:
+        trio.run(serve)
+    except BaseException as e:  # noqa: BLE001 - the parent gets one clear line either way
+        msg = "; ".join(_describe(x) for x in _leaves(e))
+        if ready_fd is not None:
+            _tell(ready_fd, f"error: {msg}\n".encode())
+        if all(isinstance(x, KeyboardInterrupt) for x in _leaves(e)):
+            return 130
+        print(f"kvfs mount: {msg}", file=sys.stderr)
+        log.debug("daemon failed", exc_info=True)
+        return 1
+    finally:
+        with contextlib.suppress(OSError):
+            if json.loads(path.read_text()).get("pid") == os.getpid():
+                path.unlink()
+    return 0
+
+
+def _leaves(e: BaseException) -> list[BaseException]:
+    subs = getattr(e, "exceptions", None)
+    return [x for sub in subs for x in _leaves(sub)] if subs else [e]
+
+
+def _describe(e: BaseException) -> str:
+    from ._errors import KvfsError
+
+    return str(e) if isinstance(e, (MountError, OSError, KvfsError)) else f"{type(e).__name__}: {e}"
+
+
+def _tell(fd: int, msg: bytes) -> None:
+    with contextlib.suppress(OSError):
+        os.write(fd, msg)
+        os.close(fd)
+
+
+def _write_state(path: Path, mountpoint: str | os.PathLike[str], config: StoreConfig) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"pid": os.getpid(), "mountpoint": os.path.abspath(mountpoint),
+                               "data_dirs": [str(d) for d in config.data_dirs]}))
+    os.replace(tmp, path)
+
+
+def _default_log(config: StoreConfig) -> Path:
+    return Path(config.index_dir or config.data_dirs[0]) / "kvfs-daemon.log"
+
+
+def _detach(argv: Sequence[str], log_file: str | os.PathLike[str]) -> int:
+    r, w = os.pipe()
+    Path(log_file).parent.mkdir(parents=True, exist_ok=True)
+    with open(log_file, "ab") as logf, open(os.devnull, "rb") as null:
+        child = subprocess.Popen(list(argv), stdin=null, stdout=logf, stderr=logf,
+                                 pass_fds=(w,), start_new_session=True,
+                                 env={**os.environ, READY_FD_ENV: str(w)})
+    os.close(w)
+    with os.fdopen(r, "rb") as f:
+        msg = f.read().decode(errors="replace").strip()
+    if msg == "ok":
+        return 0
+    rc = child.wait()
+    print(f"kvfs mount: {msg.removeprefix('error: ') or f'the daemon exited ({rc})'} "
+          f"(log: {log_file})", file=sys.stderr)
+    return 1
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def _mounted(mountpoint: str) -> bool:
+    with open("/proc/self/mountinfo") as f:
+        return any(line.split()[4] == mountpoint for line in f)
+
+
+def stop_daemon(mountpoint: str | os.PathLike[str], *, timeout: float = 60.0) -> dict[str, Any]:
+    """Stop the daemon serving ``mountpoint`` (SIGTERM) and wait until it has exited and the
+    mount is gone. Without a live daemon, unmount a leftover kvfs mount. Raises
+    FileNotFoundError when nothing is mounted there, TimeoutError."""
+    mp = os.path.abspath(mountpoint)
+    path = state_path(mp)
+    pid = None
+    with contextlib.suppress(OSError, ValueError):
+        pid = int(json.loads(path.read_text())["pid"])
+    if pid is not None and _alive(pid):
+        os.kill(pid, signal.SIGTERM)
+    elif _mounted(mp):
+        subprocess.run(["fusermount3", "-u", "-z", mp], check=True)
+        pid = None
+    else:
+        raise FileNotFoundError(f"no kvfs mount at {mp}")
+    deadline = time.monotonic() + timeout
+    while (pid is not None and _alive(pid)) or _mounted(mp):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the daemon (pid {pid}) did not stop within {timeout:.0f}s")
+        time.sleep(0.05)
+    with contextlib.suppress(OSError):
+        path.unlink()
+    return {"mountpoint": mp, "pid": pid}

@@ -1,0 +1,200 @@
+"""Inodes and open files of the mount: plain state, no I/O (used by :mod:`kvfs._fuse`).
+
+An inode stands for one *content* under one name: a committed page (its checksum fixed), a
+file being written, a directory, or a session's metadata file. When a name starts to mean
+other content (a page replaced through the object API), lookup hands out a new inode, so
+the kernel's page cache of the old one (``keep_cache``) can never serve the new bytes.
+An inode lives while the kernel holds it (lookup count) or a file on it is open.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import stat
+import time
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
+
+import pyfuse3
+
+from ._engine import PageWriter
+from ._fuse_ns import ATTR_GID, ATTR_MTIME, ATTR_UID, DirRow, page_mode
+from ._index import BlobRow, PageRow
+
+__all__ = ["Handle", "Kind", "Node", "NodeTable", "Pending"]
+
+
+class Kind(enum.Enum):
+    DIR = "dir"
+    PAGE = "page"
+    PENDING = "pending"
+    META = "meta"
+
+
+@dataclass(eq=False)
+class Pending:
+    """A file being written: the engine's streaming writer plus the POSIX metadata it will be
+    committed with. ``unlinked``: its name was removed, so closing it discards the bytes."""
+
+    writer: PageWriter
+    mode: int
+    uid: int
+    gid: int
+    mtime_ns: int
+    unlinked: bool = False
+
+    def commit_attrs(self) -> dict[str, str]:
+        return {"fs.mode": f"{self.mode & 0o7777:o}", ATTR_UID: str(self.uid),
+                ATTR_GID: str(self.gid), ATTR_MTIME: str(self.mtime_ns)}
+
+
+@dataclass(eq=False)
+class Node:
+    ino: int
+    path: str
+    kind: Kind
+    page: PageRow | None = None
+    pending: Pending | None = None
+    nlookup: int = 0
+    opens: int = 0
+
+
+@dataclass(eq=False)
+class Handle:
+    """An open file. Read handles hold an engine lease (``lease``) until release."""
+
+    node: Node
+    lease: AbstractContextManager[tuple[PageRow, BlobRow]] | None = None
+    held: tuple[PageRow, BlobRow] | None = None
+    content: bytes | None = None  # the metadata file's bytes, fixed at open
+    writable: bool = False
+    wrote: bool = False
+    committed: bool = False
+    #: a directory handle's listing: (path, kind, page row)
+    entries: list[tuple[str, Kind, PageRow | None]] = field(default_factory=list)
+
+
+class NodeTable:
+    """inode -> node and path -> inode. Plain functions: call only from the trio thread."""
+
+    def __init__(self, owner: tuple[int, int], entry_timeout: float, attr_timeout: float) -> None:
+        self.uid, self.gid = owner
+        self.entry_timeout = entry_timeout
+        self.attr_timeout = attr_timeout
+        self.started_ns = time.time_ns()
+        self.nodes: dict[int, Node] = {}
+        self.by_path: dict[str, int] = {}
+        self._next = pyfuse3.ROOT_INODE + 1
+        root = Node(pyfuse3.ROOT_INODE, "", Kind.DIR, nlookup=1)
+        self.nodes[root.ino] = root
+        self.by_path[""] = root.ino
+
+    def get(self, ino: int) -> Node:
+        try:
+            return self.nodes[ino]
+        except KeyError:
+            raise pyfuse3.FUSEError(2) from None  # ENOENT: the kernel forgot it already
+
+    def at(self, path: str) -> Node | None:
+        ino = self.by_path.get(path)
+        return self.nodes.get(ino) if ino is not None else None
+
+    def bind(self, path: str, kind: Kind, page: PageRow | None = None) -> Node:
+        """The node for ``path`` as it is now: the known one if it still means the same
+        content, else a new inode (the old one stays until the kernel forgets it)."""
+        n = self.at(path)
+        if n is not None and n.kind is kind and (
+                kind is not Kind.PAGE or (n.page is not None and page is not None
+                                          and n.page.hash == page.hash
+                                          and n.page.created == page.created)):
+            if page is not None:
+                n.page = page
+            return n
+        n = Node(self._next, path, kind, page=page)
+        self._next += 1
+        self.nodes[n.ino] = n
+        self.by_path[path] = n.ino
+        return n
+
+    def move(self, node: Node, dst: str) -> None:
+        if self.by_path.get(node.path) == node.ino:
+            del self.by_path[node.path]
+        node.path = dst
+        self.by_path[dst] = node.ino
+
+    def unbind(self, node: Node) -> None:
+        """``node`` no longer has a name (replaced or failed); it lives while known or open."""
+        if self.by_path.get(node.path) == node.ino:
+            del self.by_path[node.path]
+        self.maybe_drop(node)
+
+    def detach(self, path: str) -> None:
+        """The name is gone; its node lives on while open or known to the kernel."""
+        ino = self.by_path.pop(path, None)
+        if ino is not None:
+            self.maybe_drop(self.nodes[ino])
+
+    def forget(self, ino: int, n: int) -> None:
+        node = self.nodes.get(ino)
+        if node is not None:
+            node.nlookup -= n
+            self.maybe_drop(node)
+
+    def maybe_drop(self, node: Node) -> None:
+        if node.nlookup > 0 or node.opens > 0 or node.ino == pyfuse3.ROOT_INODE:
+            return
+        self.nodes.pop(node.ino, None)
+        if self.by_path.get(node.path) == node.ino:
+            del self.by_path[node.path]
+
+    # -- attributes -------------------------------------------------------------------
+    def attrs(self, node: Node, dirrow: DirRow | None = None, meta_size: int = 0) -> pyfuse3.EntryAttributes:
+        a = pyfuse3.EntryAttributes()
+        a.st_ino = node.ino
+        a.generation = 0
+        a.st_uid, a.st_gid = self.uid, self.gid
+        a.st_blksize = 1 << 20  # large I/O: cp and Python's io size their buffers by this
+        a.entry_timeout = self.entry_timeout
+        a.attr_timeout = self.attr_timeout
+        now = self.started_ns
+        if node.kind is Kind.DIR:
+            a.st_mode = stat.S_IFDIR | 0o755
+            a.st_nlink = 2
+            if dirrow is not None:
+                a.st_mode = stat.S_IFDIR | (dirrow.mode & 0o7777)
+                a.st_uid, a.st_gid, now = dirrow.uid, dirrow.gid, dirrow.mtime_ns
+            a.st_size = 4096
+            a.st_atime_ns = a.st_mtime_ns = a.st_ctime_ns = now
+        elif node.kind is Kind.PAGE:
+            p = node.page
+            assert p is not None
+            a.st_mode = page_mode(p)
+            a.st_nlink = 1
+            a.st_uid = int(p.attrs.get(ATTR_UID, self.uid))
+            a.st_gid = int(p.attrs.get(ATTR_GID, self.gid))
+            a.st_size = p.size
+            a.st_mtime_ns = int(p.attrs.get(ATTR_MTIME, int(p.created * 1e9)))
+            a.st_ctime_ns = int(p.created * 1e9)
+            a.st_atime_ns = int(p.atime * 1e9)
+        elif node.kind is Kind.PENDING:
+            w = node.pending
+            assert w is not None
+            a.st_mode = stat.S_IFREG | (w.mode & 0o7777)
+            a.st_nlink = 0 if w.unlinked else 1
+            a.st_uid, a.st_gid = w.uid, w.gid
+            a.st_size = w.writer.size
+            a.st_atime_ns = a.st_ctime_ns = a.st_mtime_ns = w.mtime_ns
+            a.entry_timeout = a.attr_timeout = 0
+        else:
+            a.st_mode = stat.S_IFREG | 0o444
+            a.st_nlink = 1
+            a.st_size = meta_size
+            a.st_atime_ns = a.st_mtime_ns = a.st_ctime_ns = time.time_ns()
+            a.entry_timeout = a.attr_timeout = 0
+        a.st_blocks = -(-a.st_size // 512)
+        return a
+
+
+def owner() -> tuple[int, int]:
+    return os.getuid(), os.getgid()

@@ -1,0 +1,184 @@
+"""The mount's namespace: which names exist, as seen from the index and the mount's own table.
+
+Blocking helpers (SQLite reads) called from worker threads by :mod:`kvfs._fuse`. What exists:
+
+* pages: every row of the index, under its own path;
+* directories: implicit ones (``sessions``, every session directory, every directory above a
+  page) and explicit ones made with ``mkdir`` (kept in :class:`DirTable`, so an empty directory
+  survives a remount). An implicit directory disappears with its last page;
+* ``sessions/<s>/.kvfs.json``: a read-only view of the session's metadata.
+
+Files being written are not here: they live in the operations object until their writer
+closes them (see :mod:`kvfs._fuse`).
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import stat
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from ._engine import Engine
+from ._errors import InvalidKey
+from ._index import PageRow
+from ._keys import SESSIONS_DIR, PageKey, split_path
+
+__all__ = ["META_NAME", "DirRow", "DirTable", "Listing", "child_path", "dir_exists",
+           "list_dir", "session_json", "validate_dir", "validate_page"]
+
+#: The read-only metadata file in every semantic session directory.
+META_NAME = ".kvfs.json"
+#: Page attributes the mount keeps POSIX metadata in (set by chmod/chown/utime on the mount).
+ATTR_MODE, ATTR_UID, ATTR_GID, ATTR_MTIME = "fs.mode", "fs.uid", "fs.gid", "fs.mtime_ns"
+
+
+def child_path(parent: str, name: str) -> str:
+    return f"{parent}/{name}" if parent else name
+
+
+def _depth_under_sessions(path: str) -> int | None:
+    parts = path.split("/")
+    return len(parts) if parts[0] == SESSIONS_DIR else None
+
+
+def validate_page(path: str) -> PageKey:
+    """The key a file at ``path`` would be. Raises InvalidKey (bad name, wrong depth)."""
+    return PageKey.from_path(path)
+
+
+def validate_dir(path: str) -> None:
+    """Raise InvalidKey unless a directory may be made at ``path``: valid names, and under
+    ``sessions/`` only ``sessions/<s>`` and ``sessions/<s>/<prefix>`` (pages sit one below)."""
+    split_path(path)
+    depth = _depth_under_sessions(path)
+    if depth is not None and depth > 3:
+        raise InvalidKey(f"{path!r}: directories under {SESSIONS_DIR}/ are "
+                         f"{SESSIONS_DIR}/<session>/<prefix>; layers are files")
+
+
+@dataclass(frozen=True, slots=True)
+class DirRow:
+    path: str
+    mode: int
+    uid: int
+    gid: int
+    mtime_ns: int
+
+
+class DirTable:
+    """Explicit directories (made by mkdir or chmod'ed): a small SQLite table beside the index,
+    mirrored in memory. Thread-safe. A crash loses nothing committed; the table holds no data."""
+
+    def __init__(self, path: Path) -> None:
+        self._lock = threading.Lock()
+        self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("CREATE TABLE IF NOT EXISTS dirs (path TEXT PRIMARY KEY, mode INTEGER,"
+                         " uid INTEGER, gid INTEGER, mtime_ns INTEGER)")
+        self._rows = {r[0]: DirRow(*r) for r in
+                      self._db.execute("SELECT path, mode, uid, gid, mtime_ns FROM dirs")}
+
+    def get(self, path: str) -> DirRow | None:
+        with self._lock:
+            return self._rows.get(path)
+
+    def has_under(self, path: str) -> bool:
+        pre = path + "/"
+        with self._lock:
+            return any(p.startswith(pre) for p in self._rows)
+
+    def children(self, path: str) -> list[str]:
+        pre = path + "/" if path else ""
+        with self._lock:
+            return [p[len(pre):] for p in self._rows
+                    if p.startswith(pre) and "/" not in p[len(pre):]]
+
+    def put(self, row: DirRow) -> None:
+        with self._lock:
+            self._db.execute("INSERT OR REPLACE INTO dirs VALUES (?,?,?,?,?)",
+                             (row.path, row.mode, row.uid, row.gid, row.mtime_ns))
+            self._rows[row.path] = row
+
+    def remove(self, path: str) -> None:
+        with self._lock:
+            self._db.execute("DELETE FROM dirs WHERE path=?", (path,))
+            self._rows.pop(path, None)
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+
+def dir_exists(engine: Engine, dirs: DirTable, path: str) -> bool:
+    """Whether ``path`` is a directory now (the root and ``sessions`` always are)."""
+    if path in ("", SESSIONS_DIR) or dirs.get(path) is not None or dirs.has_under(path):
+        return True
+    if path.startswith(SESSIONS_DIR + "/") and path.count("/") > 2:
+        return False
+    if engine.index.session(path) is not None:
+        return True
+    return bool(engine.index.pages(path_prefix=path + "/", limit=1))
+
+
+@dataclass(slots=True)
+class Listing:
+    """A directory's entries: sub-directory names, pages by name, and whether it has the
+    session metadata file."""
+
+    dirs: set[str]
+    pages: dict[str, PageRow]
+    meta: bool
+
+
+def list_dir(engine: Engine, dirs: DirTable, path: str) -> Listing:
+    """Entries of directory ``path`` (blocking: index reads)."""
+    out = Listing(set(dirs.children(path)), {}, False)
+    parts = path.split("/") if path else []
+    idx = engine.index
+    if not parts:
+        out.dirs.add(SESSIONS_DIR)
+        for s in idx.sessions():
+            if s.dir != ".":
+                out.dirs.add(s.dir.split("/", 1)[0])
+        rows = idx.pages(session=".")
+    elif parts[0] == SESSIONS_DIR and len(parts) == 1:
+        out.dirs.update(s.dir.split("/")[1] for s in idx.sessions()
+                        if s.dir.startswith(SESSIONS_DIR + "/"))
+        rows = []
+    elif parts[0] == SESSIONS_DIR and len(parts) == 2:
+        out.meta = idx.session(path) is not None
+        out.dirs.update(p.path.split("/")[2] for p in idx.pages(session=path))
+        rows = []
+    elif parts[0] == SESSIONS_DIR:
+        rows = idx.pages(path_prefix=path + "/")
+    else:
+        pre = path + "/"
+        out.dirs.update(s.dir[len(pre):].split("/", 1)[0] for s in idx.sessions()
+                        if s.dir.startswith(pre))
+        rows = idx.pages(session=path)
+    for r in rows:
+        out.pages[r.path.rsplit("/", 1)[-1]] = r
+    return out
+
+
+def session_json(engine: Engine, session_path: str) -> bytes:
+    """The contents of ``sessions/<s>/.kvfs.json``. Raises SessionNotFound."""
+    info = engine.session_info(session_path)
+    doc = {"session": info.session, "dir": info.dir, "model": info.model,
+           "pinned": info.pinned, "pages": info.pages, "bytes": info.bytes,
+           "local_bytes": info.local_bytes, "archived_bytes": info.archived_bytes,
+           "created": info.created, "atime": info.atime, "attrs": info.attrs,
+           "generated": time.time()}
+    return (json.dumps(doc, indent=2, sort_keys=True) + "\n").encode()
+
+
+def page_mode(row: PageRow) -> int:
+    """st_mode of a committed page: what chmod set on the mount, else r--r--r--."""
+    try:
+        return stat.S_IFREG | (int(row.attrs[ATTR_MODE], 8) & 0o7777)
+    except (KeyError, ValueError):
+        return stat.S_IFREG | 0o444
