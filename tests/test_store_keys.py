@@ -1,0 +1,77 @@
+"""The one mapping between page keys and paths (kvfs._keys)."""
+
+from __future__ import annotations
+
+import pytest
+
+import kvfs
+from kvfs import PageKey
+from kvfs._keys import MAX_NAME_BYTES, MAX_PATH_BYTES, layer_name, split_path
+
+
+def test_semantic_key_path() -> None:
+    k = PageKey.semantic("agent-42", "9f3ab1", 17)
+    assert k.path == "sessions/agent-42/9f3ab1/layer-017"
+    assert (k.session, k.prefix, k.layer, k.layer_index) == ("agent-42", "9f3ab1", "layer-017", 17)
+    assert k.session_dir == "sessions/agent-42" and k.is_semantic
+    assert PageKey.from_path(k.path) == k
+    assert PageKey.semantic("a", "p", "attn-q").layer_index is None
+    assert PageKey.semantic("a", "p", 1234).layer == "layer-1234"
+
+
+def test_layers_sort_numerically() -> None:
+    names = [layer_name(i) for i in range(0, 200, 7)]
+    assert names == sorted(names)
+
+
+def test_engine_paths() -> None:
+    k = PageKey.from_path("lmcache/model@1@0@abc@bf16.pt")
+    assert not k.is_semantic and k.session == "lmcache" and k.session_dir == "lmcache"
+    assert k.prefix is None and k.layer is None and k.layer_index is None
+    top = PageKey.from_path("top.bin")
+    assert top.session_dir == "." and top.session == "."
+    assert PageKey.from_path(PageKey.from_path("a/b")) == PageKey("a/b")
+    assert str(PageKey.from_path("a/b")) == "a/b"
+
+
+def test_session_dir() -> None:
+    assert kvfs.session_dir("agent-1") == "sessions/agent-1"
+    assert kvfs.session_dir("sessions/agent-1") == "sessions/agent-1"
+    assert kvfs.session_dir("lmcache/x/") == "lmcache/x"
+    assert kvfs.session_dir(".") == "."
+    for bad in ("", "..", "sessions/a/b", "a\x00"):
+        with pytest.raises(kvfs.InvalidKey):
+            kvfs.session_dir(bad)
+
+
+@pytest.mark.parametrize("path", [
+    "", "/abs", "a//b", "a/", "./a", "a/./b", "../a", "a/..", "a/b\x00", ".kvfs.json",
+    "d/.kvfs-x", "x" * (MAX_NAME_BYTES + 1), "é" * 128, "/".join(["y" * 100] * 11),
+    "sessions/s", "sessions/s/p", "sessions/s/p/l/extra",
+])
+def test_bad_paths(path: str) -> None:
+    with pytest.raises(kvfs.InvalidKey) as ei:
+        PageKey.from_path(path)
+    assert isinstance(ei.value, ValueError) and str(ei.value)
+
+
+def test_limits_are_exact() -> None:
+    assert PageKey.from_path("x" * MAX_NAME_BYTES).path == "x" * MAX_NAME_BYTES
+    long_ok = "/".join(["z" * 200] * 5)  # 1004 bytes
+    assert len(long_ok) <= MAX_PATH_BYTES and PageKey.from_path(long_ok).path == long_ok
+    with pytest.raises(kvfs.InvalidKey, match="longer than"):
+        split_path(long_ok + "/" + "w" * (MAX_PATH_BYTES - len(long_ok)))
+
+
+@pytest.mark.parametrize("parts", [
+    ("", "p", 0), ("s", "", 0), ("s", "p", ""), ("..", "p", 0), ("s", ".", 0), ("s/x", "p", 0),
+    ("s", "p/q", 0), ("s", "p", -1), ("s", "p", True), ("s\x00", "p", 0), (1, "p", 0),
+])
+def test_bad_semantic_parts(parts: tuple) -> None:
+    with pytest.raises(kvfs.InvalidKey):
+        PageKey.semantic(*parts)
+
+
+def test_unicode_names_round_trip() -> None:
+    k = PageKey.semantic("sitzung-ü", "präfix-✓", "layer-007")
+    assert PageKey.from_path(k.path) == k and k.layer_index == 7
