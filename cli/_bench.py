@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib
 
-BENCHMARKS = ["store", "ttft"]
+BENCHMARKS = ["store", "ttft", "archive"]
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -1,0 +1,311 @@
+"""``kvfs bench archive``: the archive tier beside plain boto3, in the same run.
+
+* **spill vs boto3 put**: a session of real KV pages is spilled (read + verify + compress +
+  conditional put + manifest + drop local) and, alternately, the same page bytes are
+  uploaded with plain ``boto3 put_object`` at the same concurrency to the same endpoint;
+  throughput is page bytes / wall time for both (goal: spill >= 0.8 x boto3).
+* **restore vs boto3 get**: the session is restored (download + decompress + verify + local
+  write) and the same objects are downloaded with ``get_object``.
+* **compression**: K/V tensors from a random-initialised Llama-shaped model's cache
+  (transformers, CPU torch; ``--numpy-kv`` uses one random attention layer in numpy
+  instead), as fp16, bf16 and fp32, with zstd alone and byte-shuffle + zstd.
+* **foreground latency**: p50/p99 of 256 KiB page reads from the local tier while idle and
+  while a spill runs (goal: p99 <= 1.5 x idle).
+
+Without ``--endpoint`` a moto S3 server is started on loopback in a separate process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+import kvfs
+from kvfs._codec import encode, shuffle
+
+__all__ = ["register", "run_archive_bench"]
+
+MiB = 1 << 20
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("archive", help="spill/restore vs plain boto3, compression, read latency",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--endpoint", default=None, help="S3 endpoint URL (default: start moto)")
+    p.add_argument("--bucket", default=None, help="bucket (default: a new one, moto only)")
+    p.add_argument("--pages", type=int, default=24, help="pages in the spilled session (24)")
+    p.add_argument("--page-mib", type=float, default=2.0, help="page size in MiB (2)")
+    p.add_argument("--concurrency", type=int, default=8, help="uploads/downloads at once (8)")
+    p.add_argument("--repeat", type=int, default=2, help="alternate rounds, best kept (2)")
+    p.add_argument("--tokens", type=int, default=512, help="tokens prefilled for the KV (512)")
+    p.add_argument("--layers", type=int, default=4, help="model layers (4)")
+    p.add_argument("--numpy-kv", action="store_true",
+                   help="KV from one random attention layer in numpy instead of transformers")
+    p.add_argument("--latency-reads", type=int, default=400, help="reads per latency phase")
+    p.add_argument("--level", type=int, default=3, help="zstd level (3)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.set_defaults(func=_main)
+
+
+def _log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+@contextmanager
+def _moto() -> Any:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    env = {**os.environ, "AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench"}
+    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p",
+                             str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env=env)
+    try:
+        for _ in range(300):
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+                break
+            except OSError:
+                time.sleep(0.05)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        proc.wait()
+
+
+# -- KV tensors ---------------------------------------------------------------------------
+def kv_tensors(tokens: int, layers: int, numpy_kv: bool) -> tuple[list[Any], str]:
+    """Per-layer K and V as float32 numpy arrays, and where they came from."""
+    if not numpy_kv:
+        try:
+            import torch
+            from transformers import LlamaConfig, LlamaForCausalLM
+
+            torch.manual_seed(0)
+            cfg = LlamaConfig(hidden_size=1024, intermediate_size=2816, num_hidden_layers=layers,
+                              num_attention_heads=8, num_key_value_heads=8, head_dim=128,
+                              vocab_size=32000, max_position_embeddings=max(4096, tokens))
+            model = LlamaForCausalLM(cfg).eval()
+            ids = torch.randint(0, cfg.vocab_size, (1, tokens))
+            with torch.no_grad():
+                out = model(ids, use_cache=True)
+            cache = out.past_key_values
+            arrs = []
+            for i in range(layers):
+                if hasattr(cache, "layers"):
+                    k, v = cache.layers[i].keys, cache.layers[i].values
+                else:
+                    k, v = cache[i]
+                arrs += [k.float().numpy(), v.float().numpy()]
+            return arrs, (f"random-initialised Llama (transformers), {layers} layers, hidden "
+                          f"1024, 8 KV heads x 128, {tokens} random tokens")
+        except ImportError:
+            pass
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((tokens, 1024)).astype(np.float32)
+    arrs = []
+    for _ in range(layers):
+        wk, wv = (rng.standard_normal((1024, 1024)).astype(np.float32) / 32 for _ in range(2))
+        arrs += [(x @ wk).reshape(tokens, 8, 128), (x @ wv).reshape(tokens, 8, 128)]
+        x = np.tanh(x + 0.1 * rng.standard_normal(x.shape).astype(np.float32))
+    return arrs, f"numpy random attention projections, {layers} layers, {tokens} tokens"
+
+
+def _as_dtype(a: np.ndarray, dtype: str) -> bytes:
+    if dtype == "fp32":
+        return a.astype(np.float32).tobytes()
+    if dtype == "fp16":
+        return a.astype(np.float16).tobytes()
+    # bf16: the top 16 bits of fp32, rounded to nearest even
+    u = a.astype(np.float32).view(np.uint32)
+    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16).tobytes()
+
+
+def compression(arrs: list[np.ndarray], level: int) -> list[dict[str, Any]]:
+    import zstandard
+
+    c = zstandard.ZstdCompressor(level=level)
+    c.compress(shuffle(_as_dtype(arrs[0], "fp16"), 2))  # warm up: first calls allocate
+    rows = []
+    for dtype, elem in (("fp16", 2), ("bf16", 2), ("fp32", 4)):
+        raw = b"".join(_as_dtype(a, dtype) for a in arrs)
+        t0 = time.perf_counter()
+        plain = len(c.compress(raw))
+        t1 = time.perf_counter()
+        shuf = len(c.compress(shuffle(raw, elem)))
+        t2 = time.perf_counter()
+        _obj, chosen = encode(raw, level=level, codec="auto", elem=elem)
+        rows.append({"dtype": dtype, "raw_bytes": len(raw), "zstd_ratio": plain / len(raw),
+                     "shuffle_zstd_ratio": shuf / len(raw), "zstd_mbps": len(raw) / (t1 - t0) / 1e6,
+                     "shuffle_zstd_mbps": len(raw) / (t2 - t1) / 1e6, "auto_chose": chosen})
+    return rows
+
+
+# -- throughput and latency -----------------------------------------------------------------
+def _pages_from(arrs: list[np.ndarray], n: int, size: int) -> list[bytes]:
+    pool = b"".join(_as_dtype(a, "fp16") for a in arrs)
+    out = []
+    for i in range(n):
+        off = (i * 7919 * 4096) % max(1, len(pool) - size)
+        page = bytearray((pool * (1 + size // len(pool)))[off:off + size])
+        page[:8] = i.to_bytes(8, "little")  # distinct pages: nothing is deduplicated
+        out.append(bytes(page))
+    return out
+
+
+def run_archive_bench(endpoint: str, bucket: str, args: argparse.Namespace,
+                      arrs: list[np.ndarray]) -> dict[str, Any]:
+    import boto3
+
+    client = boto3.client("s3", endpoint_url=endpoint)
+    size = int(args.page_mib * MiB)
+    pages = _pages_from(arrs, args.pages, size)
+    total = size * len(pages)
+    scratch = Path(tempfile.mkdtemp(prefix="kvfs-bench-archive-"))
+    best = {"spill": 0.0, "put": 0.0, "restore": 0.0, "get": 0.0}
+    lat: dict[str, list[float]] = {}
+    try:
+        for r in range(args.repeat):
+            shutil.rmtree(scratch / "store", ignore_errors=True)
+            prefix = f"run-{uuid.uuid4().hex[:8]}"
+            cfg = kvfs.StoreConfig(
+                data_dirs=(scratch / "store",), archive_url=f"s3://{bucket}/{prefix}?endpoint={endpoint}",
+                extra={"archive": {"interval": 0, "concurrency": args.concurrency,
+                                   "zstd_level": args.level}})
+            with ThreadPoolExecutor(args.concurrency) as ex:
+                t0 = time.perf_counter()
+                list(ex.map(lambda ip: client.put_object(Bucket=bucket, Key=f"{prefix}-raw/{ip[0]}",
+                                                         Body=ip[1]), enumerate(pages)))
+                best["put"] = max(best["put"], total / (time.perf_counter() - t0) / 1e6)
+                t0 = time.perf_counter()
+                list(ex.map(lambda i: client.get_object(Bucket=bucket, Key=f"{prefix}-raw/{i}")
+                            ["Body"].read(), range(len(pages))))
+                best["get"] = max(best["get"], total / (time.perf_counter() - t0) / 1e6)
+            with kvfs.open_store_sync(cfg) as s:
+                for i, pg in enumerate(pages):
+                    s.put(kvfs.PageKey.semantic("cold", "p", i), pg, attrs={"dtype": "fp16"})
+                t0 = time.perf_counter()
+                s.spill("cold")
+                best["spill"] = max(best["spill"], total / (time.perf_counter() - t0) / 1e6)
+                t0 = time.perf_counter()
+                s.restore("cold")
+                best["restore"] = max(best["restore"], total / (time.perf_counter() - t0) / 1e6)
+                if r == args.repeat - 1:
+                    lat = _latency(s, pages, args.latency_reads)
+            _log(f"  round {r + 1}/{args.repeat}: spill {best['spill']:.0f} vs put "
+                 f"{best['put']:.0f} MB/s, restore {best['restore']:.0f} vs get {best['get']:.0f} MB/s")
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+    def pct(xs: list[float], q: float) -> float:
+        return sorted(xs)[min(len(xs) - 1, int(q * len(xs)))] * 1e3
+
+    return {
+        "pages": len(pages), "page_bytes": size, "concurrency": args.concurrency,
+        "spill_mbps": best["spill"], "boto3_put_mbps": best["put"],
+        "spill_ratio": best["spill"] / best["put"],
+        "restore_mbps": best["restore"], "boto3_get_mbps": best["get"],
+        "restore_ratio": best["restore"] / best["get"],
+        "read_p50_idle_ms": pct(lat["idle"], 0.5), "read_p99_idle_ms": pct(lat["idle"], 0.99),
+        "read_p50_spill_ms": pct(lat["spill"], 0.5), "read_p99_spill_ms": pct(lat["spill"], 0.99),
+        "reads_during_spill": len(lat["spill"]),
+        "p99_ratio": pct(lat["spill"], 0.99) / pct(lat["idle"], 0.99)}
+
+
+def _latency(s: kvfs.SyncStore, pages: list[bytes], n: int) -> dict[str, list[float]]:
+    hot = [kvfs.PageKey.semantic("hot", "p", i) for i in range(32)]
+    for i, k in enumerate(hot):
+        s.put(k, pages[i % len(pages)][: 256 * 1024] + i.to_bytes(8, "little"))
+    buf = kvfs.aligned_buffer(256 * 1024 + 4096)
+
+    def read(i: int) -> float:
+        t0 = time.perf_counter()
+        s.get(hot[i % len(hot)], into=buf)
+        return time.perf_counter() - t0
+
+    idle = [read(i) for i in range(n)]
+    s.evict(session="cold")  # archived already: restore everything, then spill it again
+    s.restore("cold")
+    for i, pg in enumerate(pages):  # fresh content so the spill really uploads
+        s.put(kvfs.PageKey.semantic("cold2", "p", i), pg[::-1])
+    done = threading.Event()
+    t = threading.Thread(target=lambda: (s.spill("cold2"), done.set()))
+    t.start()
+    busy: list[float] = []
+    i = 0
+    while not done.is_set() or len(busy) < 20:
+        busy.append(read(i))
+        i += 1
+        if len(busy) >= 50 * n:
+            break
+    t.join()
+    return {"idle": idle, "spill": busy}
+
+
+def _main(args: argparse.Namespace) -> int:
+    t0 = time.perf_counter()
+    _log("generating KV tensors...")
+    arrs, source = kv_tensors(args.tokens, args.layers, args.numpy_kv)
+    comp = compression(arrs, args.level)
+    if args.endpoint:
+        if not args.bucket:
+            raise SystemExit("--endpoint needs --bucket")
+        res = run_archive_bench(args.endpoint, args.bucket, args, arrs)
+        where = args.endpoint
+    else:
+        with _moto() as ep:
+            os.environ.setdefault("AWS_ACCESS_KEY_ID", "bench")
+            os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "bench")
+            os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
+            import boto3
+
+            boto3.client("s3", endpoint_url=ep).create_bucket(Bucket="kvfs-bench")
+            res = run_archive_bench(ep, "kvfs-bench", args, arrs)
+            where = "moto server on loopback (separate process)"
+    out = {"machine": {"host": platform.node(), "cpus": os.cpu_count(),
+                       "python": platform.python_version()},
+           "endpoint": where, "kv_source": source, "zstd_level": args.level,
+           "compression": comp, **res, "wall_s": time.perf_counter() - t0}
+    if args.json:
+        from cli._util import print_json
+
+        print_json(out)
+    else:
+        _print(out)
+    return 0
+
+
+def _print(o: dict[str, Any]) -> None:
+    from cli._util import print_table
+
+    print(f"kvfs bench archive: {o['endpoint']}; {o['pages']} pages x "
+          f"{o['page_bytes'] / MiB:.1f} MiB, concurrency {o['concurrency']}; MB/s (1e6 B/s)")
+    print_table(["", "kvfs", "boto3 alone", "ratio"], [
+        ["spill / put", f"{o['spill_mbps']:.0f}", f"{o['boto3_put_mbps']:.0f}", f"{o['spill_ratio']:.2f}"],
+        ["restore / get", f"{o['restore_mbps']:.0f}", f"{o['boto3_get_mbps']:.0f}",
+         f"{o['restore_ratio']:.2f}"]])
+    print(f"\ncompression (compressed/raw, zstd level {o['zstd_level']}), KV from {o['kv_source']}")
+    print_table(["dtype", "zstd", "shuffle+zstd", "zstd MB/s", "shuffle MB/s", "auto keeps"],
+                [[c["dtype"], f"{c['zstd_ratio']:.3f}", f"{c['shuffle_zstd_ratio']:.3f}",
+                  f"{c['zstd_mbps']:.0f}", f"{c['shuffle_zstd_mbps']:.0f}", c["auto_chose"]]
+                 for c in o["compression"]])
+    print(f"\nforeground 256 KiB reads: p50 {o['read_p50_idle_ms']:.2f} ms / p99 "
+          f"{o['read_p99_idle_ms']:.2f} ms idle; p50 {o['read_p50_spill_ms']:.2f} ms / p99 "
+          f"{o['read_p99_spill_ms']:.2f} ms during a spill ({o['reads_during_spill']} reads); "
+          f"p99 ratio {o['p99_ratio']:.2f}")
