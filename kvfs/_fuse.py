@@ -380,7 +380,12 @@ class KvfsOperations(pyfuse3.Operations):
         if not h.writable or h.committed or node.pending is None:
             raise _err(errno.EPERM if node.kind is Kind.PAGE else errno.EBADF)
         h.wrote = True
-        return await self._thread(node.pending.writer.write, off, buf)
+        try:
+            return await self._thread(node.pending.writer.write, off, buf)
+        except BaseException as e:
+            # A page missing a write is not the page its writer meant: never publish it.
+            h.failed = getattr(e, "errno", None) or errno.EIO
+            raise
 
     @_guard
     async def flush(self, fh: int) -> None:
@@ -388,7 +393,7 @@ class KvfsOperations(pyfuse3.Operations):
         # close() sends flush; release follows asynchronously. Committing here makes the page
         # visible when close returns. A flush before any write is a shell's dup2 + close of
         # the original fd (``echo > f``, dd): the writer is not done, release commits.
-        if h.writable and not h.committed and h.wrote:
+        if h.writable and not h.committed and (h.wrote or h.failed):
             await self._finish(h, h.node.path)
 
     @_guard
@@ -403,6 +408,9 @@ class KvfsOperations(pyfuse3.Operations):
         try:
             if h.writable and not h.committed:
                 await self._finish(h, h.node.path)
+        except pyfuse3.FUSEError:
+            if not h.failed:
+                raise
         finally:
             await self._close_handle(h)
 
@@ -422,8 +430,11 @@ class KvfsOperations(pyfuse3.Operations):
         h.committed = True
         if self.pending.get(node.path) is node:
             del self.pending[node.path]
-        if w.unlinked:
+        if w.unlinked or h.failed:
             await self._thread(w.writer.abort)
+            self.table.unbind(node)
+            if h.failed:
+                raise _err(h.failed)  # close() reports it too
             return
         settled = trio.Event()
         names = {node.path, dst}

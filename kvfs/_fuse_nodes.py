@@ -70,6 +70,7 @@ class Handle:
     content: bytes | None = None  # the metadata file's bytes, fixed at open
     writable: bool = False
     wrote: bool = False
+    failed: int = 0  # errno of a failed write: the file is discarded at close
     committed: bool = False
     #: a directory handle's listing: (path, kind, page row)
     entries: list[tuple[str, Kind, PageRow | None]] = field(default_factory=list)

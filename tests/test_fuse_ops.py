@@ -1,0 +1,277 @@
+"""Unit tests of the FUSE operations object, driven directly (no kernel): the error paths.
+
+Each call is what the kernel would send; each answer must be an errno, never an exception
+that would end the mount.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+import pyfuse3
+import pytest
+
+import kvfs
+from kvfs._fuse import XATTRS, KvfsOperations
+
+KiB = 1024
+MiB = 1024 * KiB
+ROOT = pyfuse3.ROOT_INODE
+
+
+@dataclass
+class Ctx:
+    uid: int = os.getuid()
+    gid: int = os.getgid()
+    pid: int = os.getpid()
+    umask: int = 0o022
+
+
+CTX = Ctx()
+
+
+class Fields:
+    def __init__(self, **on: bool) -> None:
+        for f in ("update_atime", "update_mtime", "update_ctime", "update_mode", "update_uid",
+                  "update_gid", "update_size"):
+            setattr(self, f, on.get(f, False))
+
+
+@pytest.fixture
+async def ops(make_config: Callable[..., kvfs.StoreConfig]) -> AsyncIterator[KvfsOperations]:
+    async with kvfs.open_store(make_config(capacity=64 * MiB)) as store:
+        o = KvfsOperations(store)
+        try:
+            yield o
+        finally:
+            await o.aclose()
+
+
+async def fuse_errno(call: object) -> int:
+    with pytest.raises(pyfuse3.FUSEError) as ei:
+        await call  # type: ignore[misc]
+    return ei.value.errno
+
+
+async def mkdirs(ops: KvfsOperations, path: str) -> int:
+    ino = ROOT
+    for part in path.split("/"):
+        try:
+            ino = (await ops.lookup(ino, part.encode(), CTX)).st_ino
+        except pyfuse3.FUSEError:
+            ino = (await ops.mkdir(ino, part.encode(), 0o755, CTX)).st_ino
+    return ino
+
+
+async def write_file(ops: KvfsOperations, parent: int, name: str, data: bytes) -> int:
+    fi, attr = await ops.create(parent, name.encode(), 0o644, os.O_WRONLY, CTX)
+    assert await ops.write(fi.fh, 0, data) == len(data)
+    await ops.flush(fi.fh)
+    await ops.release(fi.fh)
+    return attr.st_ino
+
+
+async def test_lookup_missing_and_bad_names(ops: KvfsOperations) -> None:
+    assert await fuse_errno(ops.lookup(ROOT, b"nope", CTX)) == errno.ENOENT
+    assert await fuse_errno(ops.lookup(ROOT, b"\xff\xfe", CTX)) == errno.ENOENT
+    sess = await mkdirs(ops, "sessions/s1")
+    # A file directly in a session directory is not a sessions/<s>/<prefix>/<layer> key.
+    assert await fuse_errno(ops.create(sess, b"layer-000", 0o644, os.O_WRONLY, CTX)) == errno.EINVAL
+    assert await fuse_errno(ops.create(ROOT, b".kvfs-mine", 0o644, os.O_WRONLY, CTX)) == errno.EINVAL
+    assert await fuse_errno(ops.create(ROOT, b"\xff", 0o644, os.O_WRONLY, CTX)) == errno.EINVAL
+    prefix = await mkdirs(ops, "sessions/s1/p1")
+    assert await fuse_errno(ops.mkdir(prefix, b"deeper", 0o755, CTX)) == errno.EINVAL
+    assert await fuse_errno(ops.mkdir(ROOT, b"sessions", 0o755, CTX)) == errno.EEXIST
+
+
+async def test_write_commit_and_immutability(ops: KvfsOperations) -> None:
+    d = await mkdirs(ops, "lmcache")
+    ino = await write_file(ops, d, "model@1@0@abc@bf16.data", b"x" * 5000)
+    assert (await ops.getattr(ino, CTX)).st_size == 5000
+    assert await fuse_errno(ops.open(ino, os.O_WRONLY, CTX)) == errno.EPERM
+    assert await fuse_errno(ops.open(ino, os.O_RDWR, CTX)) == errno.EPERM
+    assert await fuse_errno(ops.open(ino, os.O_RDONLY | os.O_TRUNC, CTX)) == errno.EPERM
+    attr = pyfuse3.EntryAttributes()
+    attr.st_size = 0
+    assert await fuse_errno(ops.setattr(ino, attr, Fields(update_size=True), None, CTX)) == errno.EPERM
+    # chmod is kept (rsync -a sets modes after close) but the page stays immutable.
+    attr.st_mode = 0o640
+    assert (await ops.setattr(ino, attr, Fields(update_mode=True), None, CTX)).st_mode & 0o777 == 0o640
+    assert await fuse_errno(ops.open(ino, os.O_WRONLY, CTX)) == errno.EPERM
+    fi = await ops.open(ino, os.O_RDONLY, CTX)
+    assert fi.keep_cache and not fi.direct_io
+    assert bytes(await ops.read(fi.fh, 4000, 4096)) == b"x" * 1000
+    assert await fuse_errno(ops.write(fi.fh, 0, b"y")) == errno.EPERM
+    await ops.release(fi.fh)
+
+
+async def test_flush_before_write_does_not_commit(ops: KvfsOperations) -> None:
+    # `echo x > f`: the shell dup2s the new fd and closes the original (a flush) first.
+    fi, attr = await ops.create(ROOT, b"f", 0o644, os.O_WRONLY, CTX)
+    await ops.flush(fi.fh)
+    assert await ops.write(fi.fh, 0, b"hello") == 5
+    assert not ops.engine.exists("f")
+    # The file in the making cannot be opened by anyone else.
+    assert await fuse_errno(ops.open(attr.st_ino, os.O_RDONLY, CTX)) == errno.ENOENT
+    assert await fuse_errno(ops.open(attr.st_ino, os.O_WRONLY, CTX)) == errno.EBUSY
+    await ops.flush(fi.fh)
+    assert ops.engine.get("f") == b"hello"
+    await ops.release(fi.fh)
+
+
+async def test_rename_of_open_file_commits_under_new_name(ops: KvfsOperations) -> None:
+    await write_file(ops, ROOT, "final", b"old")
+    fi, _ = await ops.create(ROOT, b"final.tmp", 0o644, os.O_WRONLY, CTX)
+    await ops.write(fi.fh, 0, b"new contents")
+    await ops.rename(ROOT, b"final.tmp", ROOT, b"final", 0, CTX)
+    assert ops.engine.get("final") == b"new contents"
+    assert not ops.engine.exists("final.tmp")
+    assert await fuse_errno(ops.write(fi.fh, 12, b"more")) == errno.EPERM  # committed now
+    await ops.release(fi.fh)
+    assert await fuse_errno(ops.rename(ROOT, b"final", ROOT, b"x", pyfuse3.RENAME_EXCHANGE, CTX)) == errno.EINVAL
+    await write_file(ops, ROOT, "other", b"o")
+    assert await fuse_errno(ops.rename(ROOT, b"final", ROOT, b"other", pyfuse3.RENAME_NOREPLACE, CTX)) == errno.EEXIST
+
+
+async def test_unlinked_while_writing_is_discarded(ops: KvfsOperations) -> None:
+    fi, _ = await ops.create(ROOT, b"gone", 0o644, os.O_WRONLY, CTX)
+    await ops.write(fi.fh, 0, b"abc")
+    await ops.unlink(ROOT, b"gone", CTX)
+    await ops.flush(fi.fh)
+    await ops.release(fi.fh)
+    assert not ops.engine.exists("gone")
+    assert (await ops.statfs(CTX)).f_bfree * 4096 == ops.engine.capacity - ops.engine.used
+
+
+async def test_open_page_survives_unlink(ops: KvfsOperations) -> None:
+    data = os.urandom(3 * MiB)
+    ino = await write_file(ops, ROOT, "p", data)
+    fi = await ops.open(ino, os.O_RDONLY, CTX)
+    await ops.unlink(ROOT, b"p", CTX)
+    assert not ops.engine.exists("p")
+    assert bytes(await ops.read(fi.fh, 0, len(data))) == data  # the lease kept the data
+    await ops.release(fi.fh)
+    assert await fuse_errno(ops.lookup(ROOT, b"p", CTX)) == errno.ENOENT
+
+
+async def test_replaced_behind_the_mount_is_stale(ops: KvfsOperations) -> None:
+    ino = await write_file(ops, ROOT, "q", b"one")
+    await ops.store.put("q", b"two", replace=True)
+    assert await fuse_errno(ops.open(ino, os.O_RDONLY, CTX)) == errno.ESTALE
+    new = await ops.lookup(ROOT, b"q", CTX)
+    assert new.st_ino != ino
+    fi = await ops.open(new.st_ino, os.O_RDONLY, CTX)
+    assert bytes(await ops.read(fi.fh, 0, 10)) == b"two"
+    await ops.release(fi.fh)
+
+
+async def test_enospc_when_nothing_can_be_evicted(ops: KvfsOperations) -> None:
+    fi, _ = await ops.create(ROOT, b"huge", 0o644, os.O_WRONLY, CTX)
+    chunk = b"\0" * MiB
+    with pytest.raises(pyfuse3.FUSEError) as ei:
+        for i in range(80):
+            await ops.write(fi.fh, i * MiB, chunk)
+    assert ei.value.errno == errno.ENOSPC
+    assert await fuse_errno(ops.flush(fi.fh)) == errno.ENOSPC  # close() fails too
+    await ops.release(fi.fh)
+    assert not ops.engine.exists("huge")
+    assert ops.engine.reserved == 0
+
+
+async def test_xattrs(ops: KvfsOperations) -> None:
+    d = await mkdirs(ops, "sessions/s/p")
+    data = os.urandom(200 * KiB)
+    ino = await write_file(ops, d, "layer-003", data)
+    assert [x.decode() for x in await ops.listxattr(ino, CTX)] == list(XATTRS)
+    got = {x: (await ops.getxattr(ino, x.encode(), CTX)).decode() for x in XATTRS}
+    assert got["user.kvfs.checksum"] == kvfs.checksum(data).hex()
+    assert got["user.kvfs.size"] == str(len(data))
+    assert got["user.kvfs.tier"] == "local"
+    assert got["user.kvfs.pinned"] == "0"
+    assert got["user.kvfs.session"] == "s"
+    back = b""
+    for path, off, length in json.loads(got["user.kvfs.extents"]):
+        with open(path, "rb") as f:
+            f.seek(off)
+            back += f.read(length)
+    assert back == data
+    ops.engine.pin("sessions/s/p/layer-003")
+    assert await ops.getxattr(ino, b"user.kvfs.pinned", CTX) == b"1"
+    assert await fuse_errno(ops.getxattr(ino, b"user.other", CTX)) == pyfuse3.ENOATTR
+    assert await fuse_errno(ops.getxattr(d, b"user.kvfs.size", CTX)) == pyfuse3.ENOATTR
+    assert await fuse_errno(ops.setxattr(ino, b"user.kvfs.pinned", b"0", CTX)) == errno.EPERM
+    assert await fuse_errno(ops.setxattr(ino, b"user.x", b"0", CTX)) == errno.ENOTSUP
+
+
+async def test_session_metadata_file(ops: KvfsOperations) -> None:
+    d = await mkdirs(ops, "sessions/agent-1/p")
+    await write_file(ops, d, "layer-000", b"k" * 100)
+    sess = (await ops.lookup(ROOT, b"sessions", CTX)).st_ino
+    s = (await ops.lookup(sess, b"agent-1", CTX)).st_ino
+    meta = await ops.lookup(s, b".kvfs.json", CTX)
+    assert meta.st_mode & 0o777 == 0o444
+    assert await fuse_errno(ops.open(meta.st_ino, os.O_WRONLY, CTX)) == errno.EACCES
+    fi = await ops.open(meta.st_ino, os.O_RDONLY, CTX)
+    doc = json.loads(bytes(await ops.read(fi.fh, 0, 1 << 20)))
+    await ops.release(fi.fh)
+    assert doc["session"] == "agent-1" and doc["pages"] == 1 and doc["bytes"] == 100
+    assert await fuse_errno(ops.unlink(s, b".kvfs.json", CTX)) == errno.EPERM
+    assert await fuse_errno(ops.rmdir(s, b"p", CTX)) == errno.ENOTEMPTY
+
+
+async def test_unexpected_error_is_eio_and_logged(ops: KvfsOperations, caplog: pytest.LogCaptureFixture,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    def boom(path: str) -> None:
+        raise RuntimeError("index on fire")
+
+    monkeypatch.setattr(ops.engine.index, "page", boom)
+    with caplog.at_level(logging.ERROR, logger="kvfs.fuse"):
+        assert await fuse_errno(ops.lookup(ROOT, b"x", CTX)) == errno.EIO
+    assert any("index on fire" in (r.exc_text or "") for r in caplog.records)
+    monkeypatch.undo()
+    assert await fuse_errno(ops.lookup(ROOT, b"x", CTX)) == errno.ENOENT  # still serving
+
+
+async def test_oserror_keeps_its_errno(ops: KvfsOperations, monkeypatch: pytest.MonkeyPatch) -> None:
+    fi, _ = await ops.create(ROOT, b"w", 0o644, os.O_WRONLY, CTX)
+    writer = ops.handles[fi.fh].node.pending.writer  # type: ignore[union-attr]
+
+    def full(off: int, data: bytes) -> int:
+        raise OSError(errno.EDQUOT, "quota")
+
+    monkeypatch.setattr(writer, "write", full)
+    assert await fuse_errno(ops.write(fi.fh, 0, b"a")) == errno.EDQUOT
+    assert await fuse_errno(ops.read(12345, 0, 1)) == errno.EBADF
+    await ops.release(fi.fh)
+
+
+async def test_statfs_reports_capacity(ops: KvfsOperations) -> None:
+    await write_file(ops, ROOT, "a", b"a" * MiB)
+    st = await ops.statfs(CTX)
+    assert st.f_bsize == 4096 and st.f_frsize == 4096
+    assert st.f_blocks * 4096 == 64 * MiB
+    assert st.f_bavail == st.f_bfree < st.f_blocks
+
+
+async def test_directories(ops: KvfsOperations) -> None:
+    d = await mkdirs(ops, "vllm/ab")
+    await write_file(ops, d, "cd", b"1")
+    top = (await ops.lookup(ROOT, b"vllm", CTX)).st_ino
+    assert await fuse_errno(ops.rmdir(top, b"ab", CTX)) == errno.ENOTEMPTY
+    assert await fuse_errno(ops.rename(ROOT, b"vllm", ROOT, b"v2", 0, CTX)) == errno.EXDEV
+    assert await fuse_errno(ops.unlink(top, b"ab", CTX)) == errno.EISDIR
+    assert await fuse_errno(ops.open(top, os.O_RDONLY, CTX)) == errno.EISDIR
+    await ops.unlink(d, b"cd", CTX)
+    await ops.rmdir(top, b"ab", CTX)
+    await ops.rmdir(ROOT, b"vllm", CTX)
+    assert await fuse_errno(ops.lookup(ROOT, b"vllm", CTX)) == errno.ENOENT
+    assert await fuse_errno(ops.rmdir(ROOT, b"sessions", CTX)) == errno.EBUSY
+    e = await ops.mkdir(ROOT, b"empty", 0o777, CTX)
+    assert e.st_mode & 0o777 == 0o755  # umask applied
+    await ops.rename(ROOT, b"empty", ROOT, b"moved", 0, CTX)
+    assert (await ops.lookup(ROOT, b"moved", CTX)).st_ino == e.st_ino
