@@ -287,3 +287,19 @@ def test_decodes_identically_after_spill_and_restore(
         hit = kv.load("agent", ids)
         assert hit.tokens == 3 * CHUNK
         assert greedy_decode(model, first, hit.cache, STEPS) == want
+
+
+def test_model_demo_continues_in_a_new_process(
+        make_config: Callable[..., kvfs.StoreConfig], tmp_path: Path) -> None:
+    """The ``kvfs demo`` model scenario: spill, then a second process reloads and decodes
+    the same tokens (the scenario raises if they differ)."""
+    from kvfs.integrations.demo import model_scenario
+
+    cfg = make_config(ndev=2, archive_url=f"file://{tmp_path / 'archive'}",
+                      extra={"archive": {"interval": 0}})
+    lines: list[str] = []
+    res = model_scenario(cfg, tokens=600, decode=8, small=True, echo=lines.append)
+    assert res["same_tokens"] and res["spill_s"] is not None
+    assert any("reloaded 512 tokens" in line for line in lines)  # full chunks only
+    with kvfs.open_store_sync(cfg) as store:
+        assert len(store.list(session="agent-demo")) == 2 * 4  # 2 full chunks x 4 layers

@@ -97,7 +97,7 @@ class TransformersKV:
     """Save and load one model's KV caches in kvfs. Thread-safe; reuse one per model."""
 
     def __init__(self, store: object, model: Any, *, model_id: str, chunk_tokens: int = 256,
-                 shared_session: str | None = SHARED_SESSION, threads: int = 4) -> None:
+                 shared_session: str | None = SHARED_SESSION, threads: int = 8) -> None:
         self.source: PageSource = as_source(store)
         self.model = model
         self.geometry = geometry_of(model, model_id, chunk_tokens)

@@ -1,0 +1,160 @@
+"""The model scenario of ``kvfs demo``: compute once, spill, reload in a new process.
+
+:func:`model_scenario` runs, against a store described by a :class:`~kvfs.StoreConfig`:
+
+1. a randomly initialised Llama-shaped transformer (no weights to download; CPU torch)
+   prefills an agent's context and decodes a few tokens from its in-memory cache;
+2. the cache goes to kvfs (session ``agent-demo``), and, if the store has an archive tier,
+   the session is spilled to it (local copies dropped);
+3. a **new process** opens the same store, loads the longest cached prefix (restoring it
+   from the archive on access), computes the last token and decodes as many tokens;
+4. the tokens of both processes are compared, and the recompute time is printed beside
+   the reload time.
+
+The lead's ``make demo`` calls :func:`model_scenario`; ``python -m kvfs.integrations.demo
+--child CONFIG_JSON`` is the second process's entry point.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import kvfs
+
+__all__ = ["model_scenario"]
+
+SESSION = "agent-demo"
+
+
+def _config_to_json(cfg: kvfs.StoreConfig) -> str:
+    d = dataclasses.asdict(cfg)
+    d["data_dirs"] = [str(p) for p in cfg.data_dirs]
+    d["index_dir"] = str(cfg.index_dir) if cfg.index_dir else None
+    return json.dumps(d)
+
+
+def _config_from_json(text: str) -> kvfs.StoreConfig:
+    d = json.loads(text)
+    d["data_dirs"] = tuple(Path(p) for p in d["data_dirs"])
+    d["index_dir"] = Path(d["index_dir"]) if d["index_dir"] else None
+    return kvfs.StoreConfig(**d)
+
+
+def _setup(small: bool) -> tuple[Any, Any]:
+    try:
+        from ._models import BENCH_MODEL, ModelShape, random_llama
+    except ImportError as e:  # pragma: no cover - depends on the installed extras
+        raise RuntimeError("the model demo needs the engines extra: pip install -e .[engines] "
+                           "(torch==2.13.0 first)") from e
+    shape = (ModelShape(layers=4, hidden=256, heads=4, kv_heads=2, head_dim=64,
+                        intermediate=704, vocab=32000) if small else BENCH_MODEL)
+    return shape, random_llama(shape)
+
+
+def _context(shape: Any, tokens: int) -> list[int]:
+    import torch
+
+    return torch.randint(0, shape.vocab, (tokens,),
+                         generator=torch.Generator().manual_seed(42)).tolist()
+
+
+def model_scenario(config: kvfs.StoreConfig, *, tokens: int = 2048, decode: int = 16,
+                   small: bool = False, echo: Callable[[str], None] = print) -> dict[str, Any]:
+    """Run the scenario (see the module docstring); returns its figures.
+
+    The store must not be open in this process (the second process opens it). Spills only
+    if ``config.archive_url`` is set. Raises RuntimeError without the engines extra, or if
+    the second process fails or decodes other tokens.
+    """
+    import torch
+
+    from ._models import greedy_decode
+    from .transformers import TransformersKV
+
+    shape, model = _setup(small)
+    ids = _context(shape, tokens)
+    with kvfs.open_store_sync(config) as store, \
+            TransformersKV(store, model, model_id=shape.model_id) as kv:
+        g = kv.geometry
+        echo(f"model: random Llama-shaped transformer, {g.describe()}; "
+             f"{g.bytes_per_token // 1024} KiB of KV per token")
+        with torch.inference_mode():
+            t0 = time.perf_counter()
+            out = model(input_ids=torch.tensor([ids]), use_cache=True)
+            first = int(out.logits[0, -1].argmax())
+            recompute = time.perf_counter() - t0
+        echo(f"prefill of the agent's {tokens}-token context: {recompute:.2f} s (recompute)")
+        saved = kv.save(SESSION, ids, out.past_key_values)
+        pages = store.list(session=SESSION)
+        echo(f"saved to kvfs session {SESSION!r}: {len(pages)} pages, "
+             f"{sum(p.size for p in pages) / 2**20:.0f} MiB in {saved.seconds:.2f} s (also "
+             f"named under 'prefix-cache' for other sessions; the bytes are stored once)")
+        want = greedy_decode(model, first, out.past_key_values, decode)
+        del out
+        spilled = None
+        if config.archive_url:
+            t0 = time.perf_counter()
+            store.spill(SESSION)
+            store.spill("prefix-cache")
+            spilled = time.perf_counter() - t0
+            echo(f"session spilled to the archive ({config.archive_url}): {spilled:.2f} s; "
+                 f"local copies dropped")
+    echo("a new process opens the store and continues the session...")
+    t0 = time.perf_counter()
+    child = subprocess.run(
+        [sys.executable, "-m", "kvfs.integrations.demo", "--child", _config_to_json(config),
+         "--tokens", str(tokens), "--decode", str(decode)] + (["--small"] if small else []),
+        capture_output=True, text=True)
+    if child.returncode != 0:
+        raise RuntimeError(f"the second process failed:\n{child.stderr.strip()}")
+    res = json.loads(child.stdout.strip().splitlines()[-1])
+    echo(f"  reloaded {res['reused_tokens']} tokens of KV from kvfs in {res['load_s']:.2f} s "
+         f"(reload{' from the archive' if spilled is not None else ''}), computed "
+         f"{res['computed_tokens']} token(s) in {res['compute_s']:.2f} s "
+         f"(process start and model set-up: {time.perf_counter() - t0 - res['ttft_s']:.1f} s)")
+    same = res["tokens"] == want
+    echo(f"recompute {recompute:.2f} s vs reload {res['ttft_s']:.2f} s to the first token: "
+         f"{recompute / res['ttft_s']:.1f}x")
+    echo(f"{decode} tokens decoded in the new process are "
+         f"{'identical to' if same else 'DIFFERENT from'} those of the original cache")
+    if not same:
+        raise RuntimeError("the restored cache decoded other tokens than the original")
+    return {"tokens": tokens, "recompute_s": recompute, "reload_s": res["ttft_s"],
+            "load_s": res["load_s"], "spill_s": spilled, "same_tokens": same,
+            "kv_bytes": tokens * g.bytes_per_token, "model": g.describe()}
+
+
+def _child(config_json: str, tokens: int, decode: int, small: bool) -> dict[str, Any]:
+    """The second process: load the prefix, compute the last token, decode."""
+    from ._models import greedy_decode
+    from .transformers import TransformersKV
+
+    shape, model = _setup(small)
+    ids = _context(shape, tokens)
+    with kvfs.open_store_sync(_config_from_json(config_json)) as store, \
+            TransformersKV(store, model, model_id=shape.model_id) as kv:
+        t0 = time.perf_counter()
+        res = kv.prefill(SESSION, ids, save=False)
+        ttft = time.perf_counter() - t0
+        got = greedy_decode(model, int(res.logits.argmax()), res.cache, decode)
+    return {"reused_tokens": res.reused_tokens, "computed_tokens": res.computed_tokens,
+            "load_s": res.load_seconds, "compute_s": res.compute_seconds, "ttft_s": ttft,
+            "tokens": got}
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--child", required=True, help="StoreConfig as JSON")
+    ap.add_argument("--tokens", type=int, default=2048)
+    ap.add_argument("--decode", type=int, default=16)
+    ap.add_argument("--small", action="store_true")
+    a = ap.parse_args()
+    print(json.dumps(_child(a.child, a.tokens, a.decode, a.small)))
