@@ -117,7 +117,9 @@ class Engine:
         self._cap_lock = threading.Lock()
         self._evict_lock = threading.Lock()
         self._leases: Counter[bytes] = Counter()
-        self._deferred: dict[bytes, BlobRow] = {}
+        # Blobs dropped while leased, by hash; a list: the same content can be dropped,
+        # put again (new files) and dropped again while one lease is still held.
+        self._deferred: dict[bytes, list[BlobRow]] = {}
         self._atimes: tuple[dict[str, float], dict[bytes, float], dict[str, float]] = ({}, {}, {})
         self._atime_flushed = time.monotonic()
         self._counters: Counter[str] = Counter()
@@ -167,9 +169,10 @@ class Engine:
             self.policy.close()
             with self._cap_lock:
                 deferred, self._deferred = self._deferred, {}
-            for b in deferred.values():
-                if b.extents:
-                    self.tier.unlink(b.extents)
+            for blobs in deferred.values():
+                for b in blobs:
+                    if b.extents:
+                        self.tier.unlink(b.extents)
             self.io_pool.shutdown(wait=True)
             self.hash_pool.shutdown(wait=True)
             self.index.set_meta("clean", True)
@@ -236,8 +239,8 @@ class Engine:
             if self._leases[h] > 0:
                 return
             del self._leases[h]
-            b = self._deferred.pop(h, None)
-        if b is not None:
+            blobs = self._deferred.pop(h, [])
+        for b in blobs:
             self._drop_files(b)
 
     def _drop_files(self, b: BlobRow) -> None:
@@ -246,7 +249,7 @@ class Engine:
             return
         with self._cap_lock:
             if self._leases[b.hash] > 0:
-                self._deferred[b.hash] = b
+                self._deferred.setdefault(b.hash, []).append(b)
                 return
             self._leases.pop(b.hash, None)
         self.tier.unlink(b.extents)
@@ -327,14 +330,16 @@ class Engine:
                 w.abort()
             self._unreserve(reserved)
             raise
+        if w is not None and not used_new:
+            # Identical data was already held: share it. The redundant files go before their
+            # reservation is released, so bytes on disk never exceed the cap.
+            w.abort()
         with self._cap_lock:
             self.reserved -= reserved
             if used_new and extents is not None:
                 b = self.index.blob(h)
                 assert b is not None
                 self._account(b, +1)
-        if w is not None and not used_new:
-            w.abort()  # identical data was already held: share it
         with self._cap_lock:
             self._counters["puts"] += 1
             self._counters["bytes_written"] += size

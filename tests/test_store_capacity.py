@@ -1,0 +1,142 @@
+"""The capacity cap: never exceeded (accounting and files on disk), eviction by policy,
+pinned pages and pinned sessions never evicted, CapacityExceeded when nothing may go."""
+
+from __future__ import annotations
+
+import os
+import random
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+import kvfs
+
+KiB, MiB = 1024, 1 << 20
+
+
+def files_bytes(cfg: kvfs.StoreConfig) -> tuple[int, int]:
+    """(sum of file sizes, sum of allocated blocks) of every data file, as `du` sees them."""
+    size = blocks = 0
+    for root in cfg.data_dirs:
+        for dirpath, _dirs, files in os.walk(Path(root) / "blobs"):
+            for f in files:
+                try:
+                    st = os.stat(os.path.join(dirpath, f))
+                except FileNotFoundError:
+                    continue  # removed while we walked
+                size += st.st_size
+                blocks += st.st_blocks * 512
+    return size, blocks
+
+
+def test_concurrent_puts_never_exceed_cap(make_config: Callable[..., kvfs.StoreConfig]) -> None:
+    cap = 3 * MiB
+    cfg = make_config(ndev=3, stripe_unit=64 * KiB, capacity=cap)
+    violations: list[str] = []
+    stop = threading.Event()
+    with kvfs.open_store_sync(cfg) as store:
+        def watch() -> None:
+            while not stop.is_set():
+                st = store.statistics()
+                if st.used_bytes > cap or st.used_bytes + st.reserved_bytes > cap:
+                    violations.append(f"accounted {st.used_bytes}+{st.reserved_bytes} > {cap}")
+                size, _blocks = files_bytes(cfg)
+                if size > cap:
+                    violations.append(f"files on disk {size} > {cap}")
+
+        def writer(t: int) -> int:
+            rng = random.Random(t)
+            n = 0
+            for i in range(25):
+                size = rng.choice([1, 5000, 64 * KiB, 64 * KiB + 1, 300 * KiB, 700 * KiB])
+                data = (bytes([t, i % 256]) * (size // 2 + 1))[:size]  # some repeat: dedup
+                store.put(f"t{t}/p{i}", data)
+                n += 1
+            return n
+
+        w = threading.Thread(target=watch)
+        w.start()
+        try:
+            with ThreadPoolExecutor(12) as ex:
+                assert sum(ex.map(writer, range(12))) == 300
+        finally:
+            stop.set()
+            w.join()
+        st = store.statistics()
+        assert not violations, violations[:5]
+        assert st.evictions.get("capacity", 0) > 0  # the cap really was reached
+        assert st.used_bytes == files_bytes(cfg)[0] <= cap
+        assert st.reserved_bytes == 0
+        # Whatever is still listed reads back whole.
+        for info in store.list(path_prefix=""):
+            assert len(store.get(info.path)) == info.size
+        assert store.fsck()["orphans"] == []
+
+
+def test_capacity_exceeded_when_everything_is_pinned(
+        make_config: Callable[..., kvfs.StoreConfig]) -> None:
+    cfg = make_config(ndev=2, stripe_unit=64 * KiB, capacity=1 * MiB)
+    with kvfs.open_store_sync(cfg) as store:
+        i = 0
+        with pytest.raises(kvfs.CapacityExceeded) as ei:
+            while True:
+                store.put(f"pinned/p{i}", os.urandom(100 * KiB), pin=True)
+                i += 1
+        assert isinstance(ei.value, OSError) and "nothing left" in str(ei.value)
+        before = store.statistics()
+        assert i >= 5 and before.pages == i
+        assert files_bytes(cfg)[0] == before.used_bytes  # the refused put left no file
+        with pytest.raises(kvfs.CapacityExceeded, match="larger than the capacity"):
+            store.put("huge", bytes(2 * MiB))
+        # Unpinning one page makes room again: it is evicted for the next put.
+        store.unpin("pinned/p0")
+        store.put("fits", os.urandom(100 * KiB))
+        assert not store.exists("pinned/p0")
+        assert all(store.exists(f"pinned/p{j}") for j in range(1, i))
+
+
+def test_pinned_pages_and_sessions_are_never_evicted(
+        make_config: Callable[..., kvfs.StoreConfig]) -> None:
+    cfg = make_config(ndev=3, stripe_unit=32 * KiB, capacity=2 * MiB)
+    with kvfs.open_store_sync(cfg) as store:
+        keep = {}
+        for layer in range(4):
+            k = kvfs.PageKey.semantic("pinned-session", "p", layer)
+            keep[k] = os.urandom(60 * KiB)
+            store.put(k, keep[k])
+        store.pin_session("pinned-session")
+        for layer in range(3):
+            k = kvfs.PageKey.semantic("loose", "p", layer)
+            keep[k] = os.urandom(70 * KiB)
+            store.put(k, keep[k], pin=True)
+        for i in range(60):  # far more than fits: constant eviction
+            store.put(kvfs.PageKey.semantic(f"churn{i % 5}", f"p{i}", 0), os.urandom(90 * KiB))
+        st = store.statistics()
+        assert st.evictions.get("capacity", 0) >= 30
+        for k, data in keep.items():
+            assert store.get(k) == data
+        assert st.used_bytes <= cfg.capacity
+
+
+def test_eviction_is_least_recently_used(make_config: Callable[..., kvfs.StoreConfig]) -> None:
+    cfg = make_config(ndev=1, stripe_unit=64 * KiB, capacity=4 * (64 * KiB + 4 * KiB))
+    with kvfs.open_store_sync(cfg) as store:
+        for name in "abcd":
+            store.put(name, os.urandom(64 * KiB))
+        store.get("a")  # a is now the most recently used
+        store.put("e", os.urandom(64 * KiB))
+        assert {p.path for p in store.list(path_prefix="")} == {"a", "c", "d", "e"}
+        assert store.statistics().evictions == {"capacity": 1}
+
+
+def test_default_cap_is_what_the_disks_hold(make_config: Callable[..., kvfs.StoreConfig]) -> None:
+    """Without a configured cap the cap is what the disks hold when the store opens."""
+    with kvfs.open_store_sync(make_config(ndev=2)) as store:
+        st = store.statistics()
+        # All device dirs share one filesystem here; counted once per device at open.
+        free = sum(d.free_bytes for d in st.devices)
+        assert st.used_bytes == 0 and st.capacity_bytes > 0
+        assert abs(st.capacity_bytes - free) <= 256 * MiB  # others write to this disk too

@@ -1,0 +1,130 @@
+"""Corruption is detected and never returned; deduplicated data lives exactly as long as its
+last reference."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+import pytest
+
+import kvfs
+from kvfs._checksum import LEAF
+
+KiB, MiB = 1024, 1 << 20
+
+
+def flip(info: kvfs.PageInfo, page_off: int) -> None:
+    """Flip one bit of the stored byte at ``page_off`` of the page, in its data file."""
+    pos = 0
+    for e in info.extents:
+        if pos <= page_off < pos + e.length:
+            with open(e.path, "r+b") as f:
+                f.seek(e.offset + page_off - pos)
+                b = f.read(1)
+                f.seek(e.offset + page_off - pos)
+                f.write(bytes([b[0] ^ 0x10]))
+            return
+        pos += e.length
+    raise AssertionError(f"offset {page_off} is not in the page")
+
+
+SIZE = 2 * LEAF + 100 * KiB + 123  # three leaves, the last one partial
+
+
+@pytest.mark.parametrize("where", [0, 4095, 4096, LEAF - 1, LEAF, LEAF + 777 * KiB,
+                                   2 * LEAF, SIZE - 1])
+@pytest.mark.parametrize("ndev", [1, 3])
+def test_flipped_byte_is_corrupt_page(make_config: Callable[..., kvfs.StoreConfig],
+                                      where: int, ndev: int) -> None:
+    data = os.urandom(SIZE)
+    with kvfs.open_store_sync(make_config(ndev=ndev, stripe_unit=256 * KiB)) as store:
+        info = store.put("s/page", data)
+        flip(info, where)
+        with pytest.raises(kvfs.CorruptPage) as ei:
+            store.get("s/page")
+        assert isinstance(ei.value, OSError) and "corrupt" in str(ei.value)
+        for buf in (bytearray(SIZE), kvfs.aligned_buffer(SIZE)):
+            with pytest.raises(kvfs.CorruptPage):
+                store.get("s/page", into=buf)
+        bad_leaf = where // LEAF
+        with pytest.raises(kvfs.CorruptPage):
+            store.read_range("s/page", where, 1)
+        with pytest.raises(kvfs.CorruptPage):
+            store.read_range("s/page", max(0, where - 10), 20)
+        for leaf in range(3):  # ranged reads verify only the leaves they touch
+            if leaf != bad_leaf:
+                lo = leaf * LEAF
+                assert store.read_range("s/page", lo + 5, 100) == data[lo + 5:lo + 105]
+        assert store.statistics().corrupt_reads >= 5
+        assert store.fsck()["corrupt"] == [info.checksum]
+        flip(info, where)  # flipped back: good again, nothing cached the failure
+        assert store.get("s/page") == data
+        flip(info, where)
+        report = store.fsck(repair=True)
+        assert report["corrupt"] and report["repaired"]
+        assert not store.exists("s/page")
+
+
+def test_missing_and_truncated_files(make_config: Callable[..., kvfs.StoreConfig]) -> None:
+    with kvfs.open_store_sync(make_config(ndev=2, stripe_unit=64 * KiB)) as store:
+        a = store.put("s/a", os.urandom(300 * KiB))
+        b = store.put("s/b", os.urandom(300 * KiB))
+        os.truncate(a.extents[-1].path, a.extents[-1].offset + 10)
+        with pytest.raises(kvfs.CorruptPage):
+            store.get("s/a")
+        os.unlink(b.extents[0].path)
+        with pytest.raises(kvfs.CorruptPage, match="missing"):
+            store.get("s/b")
+        report = store.fsck()
+        assert report["missing"] and report["corrupt"] == [a.checksum]
+
+
+def test_dedup_survives_all_deletes_but_the_last(
+        make_config: Callable[..., kvfs.StoreConfig]) -> None:
+    cfg = make_config(ndev=3, stripe_unit=64 * KiB)
+    shared = os.urandom(5 * 64 * KiB + 999)  # striped over all three devices
+    with kvfs.open_store_sync(cfg) as store:
+        store.put("other/x", os.urandom(1000))
+        base = store.statistics()
+        keys = [kvfs.PageKey.semantic(f"agent-{i}", "system-prompt", 0) for i in range(6)]
+        infos = [store.put(k, shared) for k in keys]
+        files = {e.path for e in infos[0].extents}
+        assert all({e.path for e in i.extents} == files for i in infos)  # one copy
+        one = store.statistics()
+        assert one.local_blobs == base.local_blobs + 1
+        assert one.dedup_puts == base.dedup_puts + 5
+        assert one.logical_bytes - base.logical_bytes == 6 * len(shared)
+        stored = one.used_bytes - base.used_bytes
+        assert 0 < stored < 2 * len(shared)
+        # Delete every key but the last, in several ways: page, session, replace.
+        store.delete(keys[0])
+        store.delete_session("agent-1")
+        store.put(keys[2], b"something else", replace=True)
+        store.delete(keys[3])
+        store.delete(keys[4])
+        assert all(os.path.exists(f) for f in files)
+        assert store.get(keys[5]) == shared
+        small = store.engine.tier.disk_bytes(len(b"something else"))
+        assert store.statistics().used_bytes - base.used_bytes == stored + small
+        store.delete(keys[5])  # the last reference: the data goes
+        assert not any(os.path.exists(f) for f in files)
+        store.delete(keys[2])
+        end = store.statistics()
+        assert (end.used_bytes, end.local_blobs, end.local_bytes) == (
+            base.used_bytes, base.local_blobs, base.local_bytes)
+        assert store.fsck()["orphans"] == []
+
+
+def test_dedup_of_a_large_page_leaves_no_second_copy(
+        make_config: Callable[..., kvfs.StoreConfig]) -> None:
+    """Large pages are written before their hash is known; the redundant copy is removed."""
+    cfg = make_config(ndev=2, stripe_unit=64 * KiB)
+    data = os.urandom(3 * MiB)
+    with kvfs.open_store_sync(cfg) as store:
+        store.put("a/1", data)
+        used = store.statistics().used_bytes
+        store.put("b/1", data)
+        assert store.statistics().used_bytes == used
+        assert store.fsck()["orphans"] == []
+        assert store.get("b/1") == data
