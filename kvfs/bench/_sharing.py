@@ -33,7 +33,7 @@ def run_sharing(scratch: Path, *, model: str = "field", sessions: int = 8,
     shape, m = load_model(model)
     gen = torch.Generator().manual_seed(7)
     system = torch.randint(0, shape.vocab, (system_tokens,), generator=gen).tolist()
-    rows = []
+    rows: list[dict[str, Any]] = []
     cfg = kvfs.StoreConfig(data_dirs=(scratch / "nvme0",))
     with torch.inference_mode(), kvfs.open_store_sync(cfg) as store, \
             TransformersKV(store, m, model_id=shape.model_id) as kv:
