@@ -141,14 +141,23 @@ class Store:
     async def _gather(calls: list[Callable[[], Awaitable[T]]], concurrency: int) -> list[T]:
         results: list[Any] = [None] * len(calls)
         sem = trio.Semaphore(concurrency)
+        first: list[Exception] = []
 
         async def one(i: int) -> None:
             async with sem:
-                results[i] = await calls[i]()
+                try:
+                    results[i] = await calls[i]()
+                except Exception as e:
+                    # Raise the store's own error (PageExists...), not an ExceptionGroup.
+                    if not first:
+                        first.append(e)
+                    n.cancel_scope.cancel()
 
         async with trio.open_nursery() as n:
             for i in range(len(calls)):
                 n.start_soon(one, i)
+        if first:
+            raise first[0]
         return results
 
     async def statistics(self) -> StoreStatistics:

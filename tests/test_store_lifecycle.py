@@ -1,0 +1,183 @@
+"""Ownership lock, restart without scanning, leases, the async API and the streaming writer."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from collections.abc import Callable
+
+import pytest
+import trio
+
+import kvfs
+from kvfs._local import LocalTier
+
+KiB, MiB = 1024, 1 << 20
+
+
+# -- the directory lock ------------------------------------------------------------------
+def test_second_opener_in_another_process_is_told_the_owner(
+        make_config: Callable[..., kvfs.StoreConfig]) -> None:
+    cfg = make_config(ndev=2)
+    with kvfs.open_store_sync(cfg):
+        code = textwrap.dedent(f"""
+            import kvfs
+            from pathlib import Path
+            cfg = kvfs.StoreConfig(data_dirs={tuple(str(d) for d in cfg.data_dirs)!r})
+            try:
+                kvfs.open_store_sync(cfg).__enter__()
+            except kvfs.StoreLocked as e:
+                assert isinstance(e, BlockingIOError)
+                print("LOCKED", e)
+            """)
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             timeout=60)
+        assert out.stdout.startswith("LOCKED"), out.stderr
+        assert f"pid {os.getpid()}" in out.stdout
+        with pytest.raises(kvfs.StoreLocked):  # a second opener in this process too
+            kvfs.Engine(cfg)
+    with kvfs.open_store_sync(cfg) as store:  # released on close
+        store.put("x", b"1")
+
+
+# -- restart -----------------------------------------------------------------------------
+def test_clean_restart_does_not_scan_data_files(
+        make_config: Callable[..., kvfs.StoreConfig], monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = make_config(ndev=3, stripe_unit=64 * KiB)
+    pages = {f"s{i % 3}/p{i}": os.urandom(i * 37 * KiB + 5) for i in range(12)}
+    with kvfs.open_store_sync(cfg) as store:
+        for k, v in pages.items():
+            store.put(k, v, attrs={"i": k})
+        store.pin("s0/p0")
+        used = store.statistics().used_bytes
+
+    def no_scan(*a: object, **k: object) -> None:
+        raise AssertionError("a clean restart must not scan the data directories")
+
+    with monkeypatch.context() as m:
+        m.setattr(LocalTier, "all_files", no_scan)
+        m.setattr(LocalTier, "sweep", no_scan)
+        with kvfs.open_store_sync(cfg) as store:
+            assert store.engine.recovered_orphans == []
+            assert store.statistics().used_bytes == used
+            for k, v in pages.items():
+                assert store.get(k) == v and store.stat(k).attrs == {"i": k}
+            assert store.stat("s0/p0").pinned
+
+
+def test_unclean_restart_sweeps_orphans(make_config: Callable[..., kvfs.StoreConfig]) -> None:
+    cfg = make_config(ndev=2)
+    with kvfs.open_store_sync(cfg) as store:
+        store.put("a/b", b"kept")
+        orphan = cfg.data_dirs[1] / "blobs" / "ab" / "abandoned"
+        orphan.parent.mkdir(parents=True, exist_ok=True)
+        orphan.write_bytes(b"x" * 8192)
+    with kvfs.open_store_sync(cfg) as store:  # clean: left alone, but fsck sees it
+        assert orphan.exists() and store.fsck()["orphans"] == [str(orphan)]
+        store.engine.index.set_meta("clean", False)  # as after a crash
+        store.engine._closed = True  # skip the clean close: the next open is unclean
+        store.engine._lock.release()
+        store.engine.index.close()
+        store.engine.io_pool.shutdown()
+        store.engine.hash_pool.shutdown()
+    with kvfs.open_store_sync(cfg) as store:
+        assert store.engine.recovered_orphans == [str(orphan)] and not orphan.exists()
+        assert store.get("a/b") == b"kept"
+
+
+# -- leases ------------------------------------------------------------------------------
+def test_leased_files_survive_delete_and_evict(
+        make_config: Callable[..., kvfs.StoreConfig]) -> None:
+    with kvfs.open_store_sync(make_config(ndev=2, stripe_unit=64 * KiB)) as store:
+        data = os.urandom(200 * KiB)
+        info = store.put("s/p", data)
+        files = [e.path for e in info.extents]
+        eng = store.engine
+        with eng.lease("s/p") as (page, blob):
+            assert store.evict("s/p") == 0 and store.exists("s/p")  # leased: not evicted
+            store.delete("s/p")
+            assert not store.exists("s/p")
+            assert all(os.path.exists(f) for f in files)
+            assert bytes(eng.read_held(page, blob, 0, len(data))) == data
+            # The same content put and dropped again while the first lease is held.
+            store.put("s/q", data)
+            again = [e.path for e in store.stat("s/q").extents]
+            store.delete("s/q")
+            assert all(os.path.exists(f) for f in files + again)
+        assert not any(os.path.exists(f) for f in files + again)
+        assert store.statistics().used_bytes == 0
+        assert store.fsck()["orphans"] == []
+
+
+def test_capacity_eviction_skips_leased_pages(
+        make_config: Callable[..., kvfs.StoreConfig]) -> None:
+    cfg = make_config(ndev=1, stripe_unit=64 * KiB, capacity=3 * (64 * KiB + 4 * KiB))
+    with kvfs.open_store_sync(cfg) as store:
+        for name in "abc":
+            store.put(name, os.urandom(64 * KiB))
+        with store.engine.lease("a"):
+            store.put("d", os.urandom(64 * KiB))  # a is the oldest, but leased: b goes
+        assert {p.path for p in store.list(path_prefix="")} == {"a", "c", "d"}
+
+
+# -- the async API -----------------------------------------------------------------------
+async def test_async_many_tasks(make_config: Callable[..., kvfs.StoreConfig]) -> None:
+    async with kvfs.open_store(make_config(ndev=3, stripe_unit=32 * KiB)) as store:
+        pages = {kvfs.PageKey.semantic(f"s{i % 4}", f"p{i // 4}", i % 3): os.urandom(i * 3001)
+                 for i in range(40)}
+        infos = await store.put_many(pages.items(), attrs={"model": "m"}, concurrency=8)
+        assert [i.path for i in infos] == [k.path for k in pages]
+        got = await store.get_many(list(pages), concurrency=8)
+        assert got == list(pages.values())
+        bufs = [kvfs.aligned_buffer(len(v)) for v in pages.values()]
+        assert await store.get_many(list(pages), into=bufs) == [len(v) for v in pages.values()]
+        assert [bytes(b) for b in bufs] == list(pages.values())
+
+        results: dict[str, bytes] = {}
+
+        async def reader(k: kvfs.PageKey) -> None:
+            results[k.path] = await store.get(k)  # type: ignore[assignment]
+
+        async with trio.open_nursery() as n:
+            for k in pages:
+                n.start_soon(reader, k)
+        assert results == {k.path: v for k, v in pages.items()}
+        assert {s.session for s in await store.sessions()} == {"s0", "s1", "s2", "s3"}
+        assert (await store.session_info("s1")).model == "m"
+        with pytest.raises(ValueError, match="one buffer per key"):
+            await store.get_many(list(pages), into=bufs[:1])
+        with pytest.raises(kvfs.PageExists):
+            await store.put_many(list(pages.items())[:3])
+    with pytest.raises(kvfs.StoreClosed):
+        await store.get(next(iter(pages)))
+    await store.aclose()  # idempotent
+
+
+async def test_async_overrides_and_lock(make_config: Callable[..., kvfs.StoreConfig]) -> None:
+    cfg = make_config(ndev=1)
+    async with kvfs.open_store(cfg, stripe_unit=8 * KiB) as store:
+        assert store.config.stripe_unit == 8 * KiB
+        with pytest.raises(kvfs.StoreLocked):
+            async with kvfs.open_store(cfg):
+                pass
+
+
+# -- the streaming writer ----------------------------------------------------------------
+def test_page_writer_out_of_order_and_abort(make_config: Callable[..., kvfs.StoreConfig]) -> None:
+    with kvfs.open_store_sync(make_config(ndev=3, stripe_unit=16 * KiB)) as store:
+        data = os.urandom(100 * KiB + 7)
+        w = store.begin_write("eng/file.bin")
+        chunks = [(o, data[o:o + 9000]) for o in range(0, len(data), 9000)]
+        for o, c in reversed(chunks):
+            w.write(o, c)
+        assert w.read(5, 20000) == data[5:20005]
+        info = w.commit(attrs={"mode": "644"})
+        assert store.get("eng/file.bin") == data and info.attrs == {"mode": "644"}
+        w2 = store.begin_write("eng/aborted.bin")
+        w2.write(0, b"x" * 50_000)
+        w2.abort()
+        assert not store.exists("eng/aborted.bin")
+        st = store.statistics()
+        assert st.reserved_bytes == 0 and store.fsck()["orphans"] == []
