@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import os
 import threading
 import time
 from collections.abc import Awaitable, Callable
@@ -104,6 +105,9 @@ class ArchivingPolicy(TieringPolicy):
         self.restore_latencies: collections.deque[float] = collections.deque(maxlen=1024)
         self.counters: collections.Counter[str] = collections.Counter()
         self.codecs: dict[bytes, str] = {}
+        self._cpu = threading.BoundedSemaphore(max(1, (os.cpu_count() or 2) // 2))
+        self._choice: dict[int, str] = {}
+        self._choice_uses: collections.Counter[int] = collections.Counter()
         self.spiller = Spiller(self)
 
     # -- bridging sync callers to the async object store ----------------------------------
@@ -122,7 +126,7 @@ class ArchivingPolicy(TieringPolicy):
             self.counters[name] += n
 
     # -- upload ---------------------------------------------------------------------------
-    def read_local(self, h: bytes) -> bytes | None:
+    def read_local(self, h: bytes) -> memoryview | None:
         """The verified bytes of a local blob (None if it is no longer local). Holds a lease so
         a concurrent eviction cannot remove the files mid-read. Raises CorruptPage."""
         eng = self.engine
@@ -138,7 +142,7 @@ class ArchivingPolicy(TieringPolicy):
             if tree_hash(b.size, leaves_of(buf)) != h:
                 raise CorruptPage(f"local copy of {h.hex()[:16]} does not match its checksum; "
                                   "not uploaded")
-            return bytes(buf)
+            return buf
         finally:
             eng._unlease(h)
 
@@ -146,34 +150,54 @@ class ArchivingPolicy(TieringPolicy):
         pages = self.engine.index.pages_of_blob(h)
         return pages[0].attrs.get("dtype") if pages else None
 
-    async def upload_blob(self, h: bytes) -> int:
-        """Make sure ``blobs/<h>`` exists; mark the blob archived. Returns bytes uploaded
-        (0 when some session or host had already stored it). Raises ArchiveUnavailable."""
-        key = blob_key(h)
-        if await self.store.exists(key):
-            await trio.to_thread.run_sync(self.aindex.mark_archived, [h])
-            self.count("dedup_skipped")
-            return 0
-
-        def prepare() -> tuple[bytes, str] | None:
+    def _encode(self, h: bytes) -> tuple[bytes, str] | None:
+        """Read, verify and compress a local blob (None if it is no longer local). At most
+        ``cpu_slots`` of these run at once, so a spill leaves CPU to foreground reads."""
+        with self._cpu:
             data = self.read_local(h)
             if data is None:
                 return None
-            return encode(data, level=self.cfg.zstd_level, codec=self.cfg.codec,
-                          elem=elem_size(self._dtype_of(h)))
+            elem = elem_size(self._dtype_of(h)) or 2
+            codec = self.cfg.codec
+            if codec == "auto":
+                with self._lock:
+                    n = self._choice_uses[elem] = self._choice_uses[elem] + 1
+                    chosen = self._choice.get(elem)
+                if chosen is not None and n % 64:
+                    codec = chosen  # re-decided on a sample every 64 blobs per element size
+            obj, used = encode(data, level=self.cfg.zstd_level, codec=codec, elem=elem)
+            if self.cfg.codec == "auto" and codec == "auto":
+                with self._lock:
+                    self._choice[elem] = used
+            return obj, used
 
-        got = await trio.to_thread.run_sync(prepare)
+    async def upload_blob(self, h: bytes, *, mark: bool = True,
+                          fresh: set[bytes] | None = None) -> int:
+        """Make sure ``blobs/<h>`` exists; with ``mark``, mark the blob archived in the index.
+        Returns bytes uploaded (0 when some session or host had already stored it); adds ``h``
+        to ``fresh`` when this call stored it. Raises ArchiveUnavailable, CorruptPage."""
+        key = blob_key(h)
+        if await self.store.exists(key):
+            if mark:
+                await trio.to_thread.run_sync(self.aindex.mark_archived, [h])
+            self.count("dedup_skipped")
+            return 0
+        got = await trio.to_thread.run_sync(self._encode, h)
         if got is None:  # dropped meanwhile, so it was archived by someone else
             b = self.engine.index.blob(h)
-            return 0 if b is None or b.archived else await self.upload_blob(h)
+            return 0 if b is None or b.archived else await self.upload_blob(h, mark=mark,
+                                                                              fresh=fresh)
         obj, codec = got
         wrote = await self.store.put(key, obj, if_absent=True)
-        await trio.to_thread.run_sync(self.aindex.mark_archived, [h])
+        if mark:
+            await trio.to_thread.run_sync(self.aindex.mark_archived, [h])
         with self._lock:
             self.codecs[h] = codec
         if not wrote:
             self.count("dedup_skipped")
             return 0
+        if fresh is not None:
+            fresh.add(h)
         self.count("bytes_spilled", len(obj))
         return len(obj)
 
@@ -257,7 +281,7 @@ class ArchivingPolicy(TieringPolicy):
             raise CorruptPage(f"{what} is missing from {self.store.url}") from None
         assert isinstance(obj, bytes)
         try:
-            data = decode(obj, what)
+            data = decode(obj, what, into=aligned_buffer)
             if len(data) != blob.size or tree_hash(len(data), leaves_of(data)) != blob.hash:
                 raise CorruptPage(f"{what} does not match its checksum; not served")
         except CorruptPage:
@@ -270,7 +294,7 @@ class ArchivingPolicy(TieringPolicy):
         self.count("blobs_restored")
         return row
 
-    def _write_local(self, h: bytes, data: bytes) -> BlobRow:
+    def _write_local(self, h: bytes, data: memoryview) -> BlobRow:
         eng = self.engine
         need = eng.tier.disk_bytes(len(data))
         eng._reserve(need)

@@ -65,28 +65,26 @@ class Spiller:
         try:
             pages = await trio.to_thread.run_sync(lambda: idx.pages(session=d))
             hashes = sorted({p.hash for p in pages})
-            rows = [await _thread(idx.blob, h) for h in hashes]
+            rows = await trio.to_thread.run_sync(lambda: [idx.blob(h) for h in hashes])
             todo = [b.hash for b in rows if b is not None and not b.archived]
             uploaded = 0
+            fresh: set[bytes] = set()
             limit = trio.CapacityLimiter(self.policy.cfg.concurrency)
 
             async def one(h: bytes) -> None:
                 nonlocal uploaded
                 async with limit:
-                    got = await self.policy.upload_blob(h)
+                    got = await self.policy.upload_blob(h, mark=False, fresh=fresh)
                 uploaded += got
 
             async with one_error_nursery() as n:
                 for h in todo:
                     n.start_soon(one, h)
+            await _thread(self.aindex.mark_archived, todo)
             await self.write_manifest(d)
-            await self._verify_referenced(hashes)
+            await self._verify_referenced([h for h in hashes if h not in fresh])
             if drop:
-                for h in hashes:
-                    b = await _thread(idx.blob, h)
-                    if b is not None and b.local and b.archived and not self.engine.is_leased(h) \
-                            and await _thread(self.aindex.droppable, h, d):
-                        await _thread(self.policy.drop_local, h, "spill")
+                await _thread(self._drop_all, hashes, d)
             self.policy.count("sessions_spilled")
             return uploaded
         finally:
@@ -94,12 +92,28 @@ class Spiller:
 
     async def _verify_referenced(self, hashes: list[bytes]) -> None:
         """Every blob a fresh manifest names exists (another host may have collected one
-        between our HEAD and our manifest): re-upload what is missing before dropping."""
+        between our HEAD and our manifest): re-upload what is missing before dropping.
+        Blobs this spill stored itself are not asked again."""
+        limit = trio.CapacityLimiter(self.policy.cfg.concurrency)
+
+        async def one(h: bytes) -> None:
+            async with limit:
+                b = await _thread(self.engine.index.blob, h)
+                if b is not None and b.local and not await self.store.exists(blob_key(h)):
+                    obj = await trio.to_thread.run_sync(self._encode_local, h)
+                    await self.store.put(blob_key(h), obj, if_absent=True)
+
+        async with one_error_nursery() as n:
+            for h in hashes:
+                n.start_soon(one, h)
+
+    def _drop_all(self, hashes: list[bytes], d: str) -> None:
+        idx = self.engine.index
         for h in hashes:
-            b = await _thread(self.engine.index.blob, h)
-            if b is not None and b.local and not await self.store.exists(blob_key(h)):
-                await self.store.put(blob_key(h), (await trio.to_thread.run_sync(
-                    self._encode_local, h)), if_absent=True)
+            b = idx.blob(h)
+            if b is not None and b.local and b.archived and not self.engine.is_leased(h) \
+                    and self.aindex.droppable(h, d):
+                self.policy.drop_local(h, "spill")
 
     def _encode_local(self, h: bytes) -> bytes:
         from ._codec import encode
