@@ -1,0 +1,62 @@
+"""Spill and restore through a real FUSE mount (served in this process): a spilled page keeps
+its place in ``ls`` and reading it with ordinary file I/O restores it transparently."""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import trio
+
+import kvfs
+from kvfs import PageKey
+from kvfs._mount import MountOptions, serve_mount
+
+if not os.path.exists("/dev/fuse") or shutil.which("fusermount3") is None:  # pragma: no cover
+    pytest.fail("these tests need /dev/fuse and fusermount3", pytrace=False)
+
+
+async def test_read_spilled_pages_through_mount(make_config: Callable[..., kvfs.StoreConfig],
+                                                tmp_path: Path) -> None:
+    cfg = make_config(ndev=2, archive_url=f"file://{tmp_path / 'archive'}",
+                      extra={"archive": {"interval": 0.05, "idle_seconds": 3600}})
+    mp = tmp_path / "mnt"
+    mp.mkdir()
+    pages = {PageKey.semantic("agent", "p0", i): os.urandom(300_000 + i) for i in range(3)}
+    async with kvfs.open_store(cfg) as store:
+        for k, v in pages.items():
+            await store.put(k, v)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(serve_mount, store, mp, MountOptions(auto_unmount=False))
+            try:
+                assert await store.spill("agent") > 0
+                assert all(i.tier == "archive" for i in await store.list(session="agent"))
+                d = mp / "sessions" / "agent" / "p0"
+                names = await trio.to_thread.run_sync(os.listdir, d)
+                assert sorted(names) == ["layer-000", "layer-001", "layer-002"]
+                st = await trio.to_thread.run_sync(os.stat, d / "layer-001")
+                assert st.st_size == len(pages[PageKey.semantic("agent", "p0", 1)])
+                for k, v in pages.items():
+                    got = await trio.to_thread.run_sync((mp / k.path).read_bytes)
+                    assert got == v
+                assert all(i.tier == "local+archive" for i in await store.list(session="agent"))
+                tier = await trio.to_thread.run_sync(os.getxattr, d / "layer-000",
+                                                     "user.kvfs.tier")
+                assert tier == b"local+archive"
+                # a corrupted archive object is an I/O error on the mount, never bad bytes
+                k2 = PageKey.semantic("agent", "p1", 0)  # never read: not in the page cache
+                await store.put(k2, os.urandom(200_000))
+                await store.spill("agent")
+                obj = tmp_path / "archive" / "blobs" / (await store.stat(k2)).checksum
+                raw = bytearray(obj.read_bytes())
+                raw[-100] ^= 0xFF
+                obj.write_bytes(bytes(raw))
+                with pytest.raises(OSError) as ei:
+                    await trio.to_thread.run_sync((mp / k2.path).read_bytes)
+                assert ei.value.errno == errno.EIO
+            finally:
+                nursery.cancel_scope.cancel()
