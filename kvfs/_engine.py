@@ -56,7 +56,12 @@ from ._types import (
 
 __all__ = ["Engine"]
 
-HASH_GROUP = 4 * LEAF  # leaves hashed per task
+HASH_GROUP = 2 * LEAF  # leaves hashed per task when a put hashes beside its writes
+#: Pages up to this size are hashed before they are written, so a duplicate costs no write;
+#: larger ones are hashed while they are written (a duplicate's files are then removed).
+DEDUP_FIRST_MAX = 256 * 1024
+#: Reads are split into pieces of at most one leaf, so verifying leaf i overlaps reading i+1.
+READ_PIECE = LEAF
 ATIME_FLUSH_SECONDS = 5.0
 
 
@@ -279,9 +284,9 @@ class Engine:
             raise PageExists(f"page {k.path!r} exists; pages are write-once")
         size = len(mv)
         leaves: bytes | None = None
-        if size <= self.tier.unit:
-            # Small pages: hash first, so a duplicate costs no write at all.
-            leaves = self._leaves_parallel(mv)
+        if size <= DEDUP_FIRST_MAX:
+            # Small pages: hash first (it is cheap), so a duplicate costs no write at all.
+            leaves = self._group_now(mv)
             h = tree_hash(size, leaves)
             b = self.index.blob(h)
             if b is not None and b.local:
@@ -293,11 +298,18 @@ class Engine:
         self._reserve(need)
         w = self.tier.writer(self._start_device(k), direct=True)
         try:
+            # Hashing runs on the hash pool, the pieces after the first on the I/O pool, and
+            # this thread writes the first piece: disk and CPU overlap, no idle hop.
             hashing = None if leaves is not None else self._submit_leaves(mv)
-            writes = [self.io_pool.submit(w.write, o, mv[o:o + self.tier.piece])
-                      for o in range(0, size, self.tier.piece)]
-            for f in writes:
-                f.result()
+            piece = self.tier.piece
+            writes = [self.io_pool.submit(w.write, o, mv[o:o + piece])
+                      for o in range(piece, size, piece)]
+            try:
+                if size:
+                    w.write(0, mv[:piece])
+            finally:
+                # Every write must be over before abort() may close the files under it.
+                _wait_all(writes)
             if hashing is not None:
                 leaves = b"".join(f.result() for f in hashing)
             extents, disk = w.finish(size)
@@ -453,19 +465,23 @@ class Engine:
         so hashing overlaps the disk. A mismatch raises CorruptPage and the caller gets nothing.
         """
         assert blob.extents is not None and off % LEAF == 0
-        pieces = list(self.tier.pieces(blob.extents, off, n))
+        pieces = list(self.tier.pieces(blob.extents, off, n, max_piece=READ_PIECE))
         futs = [(p, self.io_pool.submit(self.tier.read_piece, p, dest)) for p in pieces]
-        checks: list[tuple[int, Future[bytes]]] = []
+        checks: list[tuple[int, Future[bytes] | bytes]] = []
         i = 0
         try:
-            for g in range(0, n, HASH_GROUP):
-                gend = min(n, g + HASH_GROUP)
-                while i < len(futs) and futs[i][0].dest_off < gend:
-                    futs[i][1].result()
-                    i += 1
-                checks.append((g, self.hash_pool.submit(self._group_now, dest[g:gend])))
-            for _p, f in futs[i:]:
-                f.result()
+            try:
+                for g in range(0, n, LEAF):
+                    gend = min(n, g + LEAF)
+                    while i < len(futs) and futs[i][0].dest_off < gend:
+                        futs[i][1].result()
+                        i += 1
+                    # The last leaf is hashed here: nothing is left to overlap it with.
+                    checks.append((g, self._group_now(dest[g:gend]) if gend == n else
+                                   self.hash_pool.submit(self._group_now, dest[g:gend])))
+            finally:
+                # No read may still be landing in the caller's buffer once we return or raise.
+                _wait_all([f for _p, f in futs])
         except FileNotFoundError as e:
             self._count("corrupt_reads")
             raise CorruptPage(f"page {page.path!r}: a data file is missing ({e.filename})") from e
@@ -475,7 +491,7 @@ class Engine:
                 raise CorruptPage(f"page {page.path!r}: {e}") from e
             raise
         for g, f in checks:
-            got = f.result()
+            got = f if isinstance(f, bytes) else f.result()
             first = (off + g) // LEAF
             want = blob.leaves[first * DIGEST:first * DIGEST + len(got)]
             if got != want:
@@ -756,6 +772,18 @@ class Engine:
                 n = self.delete_blob_pages(b, "fsck")
                 out["repaired"].append(f"deleted pages of {b.hash.hex()[:16]} ({n} bytes)")
         return out
+
+
+def _wait_all(futs: list[Future[None]]) -> None:
+    """Wait for every future; then raise the first error, if any."""
+    first: BaseException | None = None
+    for f in futs:
+        try:
+            f.result()
+        except BaseException as e:
+            first = first or e
+    if first is not None:
+        raise first
 
 
 class _BlobGone(Exception):

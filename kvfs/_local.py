@@ -128,14 +128,17 @@ class LocalTier:
         return BlobWriter(self, start, direct=direct and self.direct)
 
     # -- reading ----------------------------------------------------------------------
-    def pieces(self, extents: tuple[Extent, ...], off: int, n: int) -> Iterator[Piece]:
-        """Split page bytes ``[off, off+n)`` into per-file reads of at most MAX_PIECE."""
+    def pieces(self, extents: tuple[Extent, ...], off: int, n: int,
+               max_piece: int | None = None) -> Iterator[Piece]:
+        """Split page bytes ``[off, off+n)`` into per-file reads of at most ``max_piece``
+        (default: the stripe unit, at most MAX_PIECE)."""
+        step = min(self.piece, max_piece) if max_piece else self.piece
         pos = 0
         end = off + n
         for dev, file, foff, length in extents:
             lo, hi = max(off, pos), min(end, pos + length)
             while lo < hi:
-                take = min(hi - lo, self.piece)
+                take = min(hi - lo, step)
                 yield Piece(dev, file, foff + (lo - pos), lo - off, take)
                 lo += take
             pos += length
@@ -223,6 +226,15 @@ def _pread_full(fd: int, buf: memoryview, off: int, allow_short: bool = False) -
     return done
 
 
+def _pwritev_full(fd: int, bufs: list[memoryview], off: int) -> None:
+    n = os.pwritev(fd, bufs, off)
+    for b in bufs:  # a short write (rare): finish buffer by buffer
+        if n < len(b):
+            _pwrite_full(fd, b[n:], off + n)
+        off += len(b)
+        n = max(0, n - len(b))
+
+
 def _pwrite_full(fd: int, buf: memoryview, off: int) -> None:
     done = 0
     while done < len(buf):
@@ -244,6 +256,9 @@ class BlobWriter:
         self.nonce = uuid.uuid4().hex
         self.rel = f"blobs/{self.nonce[:2]}/{self.nonce}"
         self._fds: dict[int, tuple[int, bool]] = {}
+        # Headers not yet written, by device: a direct writer sends a file's header with the
+        # data that follows it in one pwritev (one device write instead of two).
+        self._headers: dict[int, memoryview] = {}
         self._lock = threading.Lock()
         self.size = 0
 
@@ -262,7 +277,10 @@ class BlobWriter:
             hdr[:len(MAGIC)] = MAGIC
             hdr[len(MAGIC):len(MAGIC) + 2] = len(meta).to_bytes(2, "little")
             hdr[len(MAGIC) + 2:len(MAGIC) + 2 + len(meta)] = meta
-            _pwrite_full(fd, hdr, 0)
+            if direct:
+                self._headers[dev] = hdr
+            else:
+                _pwrite_full(fd, hdr, 0)
             return fd, direct
 
     def write(self, page_off: int, data: memoryview) -> None:
@@ -288,7 +306,11 @@ class BlobWriter:
             # last piece of a blob is padded with zeros to 4 KiB.
             head = len(data) - len(data) % ALIGN
             if head and is_aligned(data[:head]):
-                _pwrite_full(fd, data[:head], foff)
+                hdr = self._take_header(dev) if foff == HEADER else None
+                if hdr is not None:
+                    _pwritev_full(fd, [hdr, data[:head]], 0)
+                else:
+                    _pwrite_full(fd, data[:head], foff)
                 done = head
             else:
                 done = 0
@@ -311,11 +333,19 @@ class BlobWriter:
                 raise CapacityExceeded(f"device {self.tier.roots[dev]} is full: {e.strerror}") from e
             raise
 
+    def _take_header(self, dev: int) -> memoryview | None:
+        with self._lock:
+            return self._headers.pop(dev, None)
+
     def finish(self, size: int) -> tuple[tuple[Extent, ...], int]:
         """Make the files durable; return the blob's extents and its bytes on disk."""
         if not self._fds:
             # A zero-length blob still gets its header file so the index has an extent.
             self._fd(self.tier.locate(self.start, 0)[0])
+        for dev in list(self._fds):
+            hdr = self._take_header(dev)  # no aligned write started at the data: alone
+            if hdr is not None:
+                _pwrite_full(self._fds[dev][0], hdr, 0)
         futs: list[Future[None]] = []
         for dev, (fd, _direct) in self._fds.items():
             if self.tier.durable:
