@@ -17,6 +17,7 @@ This module only moves bytes; what exists is decided by the index (see ``_index`
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import uuid
@@ -181,10 +182,8 @@ class LocalTier:
 
     def unlink(self, extents: tuple[Extent, ...]) -> None:
         for dev, file in {(e[0], e[1]) for e in extents}:
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.abspath(dev, file))
-            except FileNotFoundError:
-                pass
 
     # -- recovery ---------------------------------------------------------------------
     def all_files(self) -> Iterator[tuple[int, str]]:
@@ -347,7 +346,7 @@ class BlobWriter:
             if hdr is not None:
                 _pwrite_full(self._fds[dev][0], hdr, 0)
         futs: list[Future[None]] = []
-        for dev, (fd, _direct) in self._fds.items():
+        for fd, _direct in self._fds.values():
             if self.tier.durable:
                 futs.append(self.tier.pool.submit(os.fsync, fd))
         for f in futs:
@@ -375,15 +374,11 @@ class BlobWriter:
     def abort(self) -> None:
         """Close and remove whatever this writer created. Never raises."""
         devs = list(self._fds)
-        try:
+        with contextlib.suppress(OSError):
             self._close()
-        except OSError:
-            pass
         for dev in devs or range(self.tier.n):
-            try:
+            with contextlib.suppress(OSError):
                 os.unlink(self.tier.abspath(dev, self.rel))
-            except OSError:
-                pass
 
 
 def _fsync_dir(path: str) -> None:
