@@ -22,7 +22,6 @@ from ._manifest import (
     build_manifest,
     manifest_key,
     parse_manifest,
-    session_of_manifest_key,
 )
 
 if TYPE_CHECKING:

@@ -22,8 +22,9 @@ Contract (documented once, here; ``tests/test_objectstore.py`` checks every impl
 from __future__ import annotations
 
 import abc
+import builtins
 import sys
-from collections.abc import AsyncIterator, AsyncIterable, Iterable
+from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
 
 import trio
@@ -43,7 +44,7 @@ def _first_leaf(eg: BaseExceptionGroup) -> BaseException:
 
 
 @asynccontextmanager
-async def one_error_nursery() -> AsyncIterable[trio.Nursery]:
+async def one_error_nursery() -> AsyncIterator[trio.Nursery]:
     """A nursery whose failure is raised as the first underlying error, not a group: callers
     catch ArchiveUnavailable or ObjectNotFound as the contract documents."""
     try:
@@ -105,7 +106,7 @@ class ObjectStore(abc.ABC):
         """Release connections. Idempotent."""
 
     # -- conveniences with default implementations --------------------------------------
-    async def list_all(self, prefix: str = "") -> list[str]:
+    async def list_all(self, prefix: str = "") -> builtins.list[str]:
         """:meth:`list` collected into a list."""
         return [k async for k in self.list(prefix)]
 

@@ -8,6 +8,7 @@ with backoff, jitter and a deadline. Every boto3 call runs in a worker thread.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
@@ -212,12 +213,10 @@ class S3Store(ObjectStore):
                                            for n in sorted(parts)]}, **cond)
             return True
         except BaseException:
-            with trio.CancelScope(shield=True):
-                try:
-                    await self._thread(self._client.abort_multipart_upload, Bucket=self.bucket,
-                                       Key=k, UploadId=uid)
-                except Exception:  # noqa: S110 - the original error matters; lifecycle rules clean up
-                    pass
+            # The original error matters; bucket lifecycle rules clean up what this misses.
+            with trio.CancelScope(shield=True), contextlib.suppress(Exception):
+                await self._thread(self._client.abort_multipart_upload, Bucket=self.bucket,
+                                   Key=k, UploadId=uid)
             raise
 
     async def exists(self, key: str) -> bool:

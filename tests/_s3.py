@@ -7,6 +7,7 @@ every request the code under test makes is HTTP over a socket.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import threading
@@ -99,10 +100,8 @@ class TcpProxy:
         if s is not None:
             s.close()
         for c in conns:
-            try:
+            with contextlib.suppress(OSError):
                 c.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
             c.close()
 
     def _accept(self, s: socket.socket) -> None:
@@ -138,10 +137,8 @@ class TcpProxy:
             pass
         finally:
             for x in (a, b):
-                try:
+                with contextlib.suppress(OSError):
                     x.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
             # Each socket is the source of exactly one pipe: that pipe closes it.
             a.close()
             with self._lock:

@@ -88,7 +88,7 @@ def test_sigkill_mid_spill_then_restart(s3_server, proxy, tmp_path: Path) -> Non
         infos = s.list(session="victim")
         assert len(infos) == n and all(i.local for i in infos)  # nothing lost locally
         again = s.spill("victim")  # redo: what is already there is not uploaded again
-        assert 0 < again
+        assert again > 0
         assert len(s3_server.keys(bucket, "blobs/")) == n
         assert s3_server.keys(bucket, "manifests/") == ["manifests/sessions%2Fvictim"]
         assert s.statistics().extra["archive"]["dedup_skipped"] >= len(uploaded)

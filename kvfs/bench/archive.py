@@ -190,12 +190,12 @@ def run_archive_bench(endpoint: str, bucket: str, args: argparse.Namespace,
                                    "zstd_level": args.level}})
             with ThreadPoolExecutor(args.concurrency) as ex:
                 t0 = time.perf_counter()
-                list(ex.map(lambda ip: client.put_object(Bucket=bucket, Key=f"{prefix}-raw/{ip[0]}",
-                                                         Body=ip[1]), enumerate(pages)))
+                list(ex.map(lambda ip, pre=prefix: client.put_object(
+                    Bucket=bucket, Key=f"{pre}-raw/{ip[0]}", Body=ip[1]), enumerate(pages)))
                 best["put"] = max(best["put"], total / (time.perf_counter() - t0) / 1e6)
                 t0 = time.perf_counter()
-                list(ex.map(lambda i: client.get_object(Bucket=bucket, Key=f"{prefix}-raw/{i}")
-                            ["Body"].read(), range(len(pages))))
+                list(ex.map(lambda i, pre=prefix: client.get_object(
+                    Bucket=bucket, Key=f"{pre}-raw/{i}")["Body"].read(), range(len(pages))))
                 best["get"] = max(best["get"], total / (time.perf_counter() - t0) / 1e6)
             with kvfs.open_store_sync(cfg) as s:
                 for i, pg in enumerate(pages):
@@ -245,7 +245,11 @@ def _latency(s: kvfs.SyncStore, pages: list[bytes], n: int) -> dict[str, list[fl
     for i, pg in enumerate(pages):  # fresh content so the spill really uploads
         s.put(kvfs.PageKey.semantic("cold2", "p", i), pg[::-1])
     done = threading.Event()
-    t = threading.Thread(target=lambda: (s.spill("cold2"), done.set()))
+    def spill() -> None:
+        s.spill("cold2")
+        done.set()
+
+    t = threading.Thread(target=spill)
     t.start()
     busy: list[float] = []
     i = 0
