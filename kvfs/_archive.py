@@ -71,6 +71,9 @@ class ArchiveConfig:
     #: seconds a deleted blob waits before its archive object is removed (other hosts' spills
     #: that are just adding a reference finish first)
     gc_grace: float = 0.0
+    #: without a background task, seconds a delete may spend updating the archive (the rest
+    #: stays queued in the index and is done by the next spill, close or background pass)
+    sync_cleanup_seconds: float = 5.0
     #: options for open_objectstore (endpoint, region, addressing, deadline, ...)
     store_options: dict | None = None
 
@@ -233,10 +236,19 @@ class ArchivingPolicy(TieringPolicy):
     def pages_removed(self, pages: list[PageRow]) -> None:
         self.aindex.enqueue("manifest", sorted({p.session for p in pages}))
         if self._token is None and self.cfg.gc_grace <= 0:
-            try:  # no background task to do it: keep the archive in step now
-                self.call(self.spiller.flush_pending)
-            except ArchiveUnavailable as e:
-                log.warning("archive cleanup postponed: %s", e)
+            self._flush_now()
+
+    def _flush_now(self) -> None:
+        """No background task to keep the archive in step: try now, for a bounded time (a
+        delete must not wait out an outage); what is left stays queued in the index."""
+        async def bounded() -> None:
+            with trio.move_on_after(self.cfg.sync_cleanup_seconds):
+                await self.spiller.flush_pending()
+
+        try:
+            self.call(bounded)
+        except (ArchiveUnavailable, CorruptPage) as e:
+            log.warning("archive cleanup postponed: %s", e)
 
     def restore_blob(self, blob: BlobRow) -> BlobRow:
         """Download, verify and re-create the local copy of ``blob``; concurrent callers for
@@ -364,5 +376,8 @@ class ArchivingPolicy(TieringPolicy):
             "restore_p50_s": pct(0.5), "restore_p99_s": pct(0.99)}}
 
     def close(self) -> None:
+        """Finish queued archive cleanup (bounded), stop the prefetch pool, close the store."""
+        if self.aindex.pending("manifest") or self.aindex.pending("forget", self.cfg.gc_grace):
+            self._flush_now()
         self._prefetch.shutdown(wait=True)
         trio.run(self.store.aclose)

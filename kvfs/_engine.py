@@ -638,7 +638,9 @@ class Engine:
             raise PageNotFound(f"no page {s.path!r}") from None
         if freed is not None:
             self._drop_files(freed)
+            self.policy.forget_blob(freed)
         self.index.drop_session_if_empty(old.session)
+        self.policy.pages_removed([old])  # the archive's manifests list the old name
 
     # -- pin --------------------------------------------------------------------------
     def pin(self, key: PageKey | str, pinned: bool = True) -> None:

@@ -262,3 +262,17 @@ def test_unreachable_archive_fails_open_clearly(make_config) -> None:  # noqa: A
     url = "s3://b?endpoint=http://127.0.0.1:9&open_deadline=0.3"
     with pytest.raises(kvfs.ArchiveUnavailable, match="cannot reach"):
         kvfs.open_store_sync(make_config(archive_url=url)).__enter__()
+
+
+def test_rename_and_replace_keep_manifests_consistent(make_config, s3_server) -> None:  # noqa: ANN001
+    bucket = s3_server.new_bucket()
+    url = f"s3://{bucket}?endpoint={s3_server.endpoint}"
+    with kvfs.open_store_sync(archived_cfg(make_config, url)) as s:
+        a0, a1 = PageKey.semantic("a", "p", 0), PageKey.semantic("a", "p", 1)
+        s.put(a0, kv_page(1))
+        s.put(a1, kv_page(2))
+        s.spill("a")
+        s.rename(a0, a1)  # a1's old data loses its last reference
+        assert len(s3_server.keys(bucket, "blobs/")) == 1
+        assert [x["pages"] for x in s.archived_sessions()] == [1]
+        assert s.get(a1) == kv_page(1)
