@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import blake3
 
-__all__ = ["DIGEST", "LEAF", "leaf_hash", "leaves_of", "tree_hash", "verify_leaves"]
+__all__ = ["DIGEST", "LEAF", "leaf_hash", "leaf_hasher", "leaves_of", "tree_hash", "verify_leaves"]
 
 LEAF = 1 << 20
 DIGEST = 32
@@ -22,6 +22,12 @@ _DOMAIN = b"kvfs-tree-v1"
 
 def leaf_hash(data: memoryview | bytes) -> bytes:
     return blake3.blake3(data).digest()
+
+
+def leaf_hasher() -> blake3.blake3:
+    """An incremental leaf hash: ``update`` with a leaf's bytes in order, then ``digest``
+    (equal to :func:`leaf_hash` of the whole leaf). Lets a reader verify a leaf as it lands."""
+    return blake3.blake3()
 
 
 def tree_hash(size: int, leaves: bytes) -> bytes:

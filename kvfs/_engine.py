@@ -28,7 +28,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 
 from ._aligned import aligned_buffer
-from ._checksum import DIGEST, LEAF, leaf_hash, tree_hash
+from ._checksum import DIGEST, LEAF, leaf_hash, leaf_hasher, tree_hash
 from ._config import StoreConfig
 from ._errors import (
     ArchiveUnavailable,
@@ -60,8 +60,11 @@ HASH_GROUP = 2 * LEAF  # leaves hashed per task when a put hashes beside its wri
 #: Pages up to this size are hashed before they are written, so a duplicate costs no write;
 #: larger ones are hashed while they are written (a duplicate's files are then removed).
 DEDUP_FIRST_MAX = 256 * 1024
-#: Reads are split into pieces of at most one leaf, so verifying leaf i overlaps reading i+1.
-READ_PIECE = LEAF
+#: Reads go in pieces of this size, at most READ_WINDOW (or two per device) in flight; each
+#: piece is hashed as it lands while the next ones are read, so only the last piece's hash
+#: is left when the disk is done.
+READ_PIECE = 512 * 1024
+READ_WINDOW = 8
 ATIME_FLUSH_SECONDS = 5.0
 
 
@@ -359,6 +362,9 @@ class Engine:
                 self._counters["dedup_puts"] += 1
         if freed is not None:
             self._drop_files(freed)
+            self.policy.forget_blob(freed)
+        if _old is not None and _old.hash != h:
+            self.policy.pages_removed([_old])  # a replace: the archive's manifest is stale
         return self.stat(k)
 
     def _submit_leaves(self, mv: memoryview) -> list[Future[bytes]]:
@@ -466,22 +472,37 @@ class Engine:
         """
         assert blob.extents is not None and off % LEAF == 0
         pieces = list(self.tier.pieces(blob.extents, off, n, max_piece=READ_PIECE))
-        futs = [(p, self.io_pool.submit(self.tier.read_piece, p, dest)) for p in pieces]
-        checks: list[tuple[int, Future[bytes] | bytes]] = []
-        i = 0
+        # A bounded window of reads in flight: pieces then land one after another, and each
+        # is hashed while the next ones are read, instead of all landing at the end together.
+        window = max(READ_WINDOW, 2 * self.tier.n)
+        futs: dict[int, Future[None]] = {}
+        got: list[bytes] = []
+        hasher = leaf_hasher()
+        nxt = 0
+        opened: dict[tuple[int, str], tuple[int, bool]] = {}
         try:
             try:
-                for g in range(0, n, LEAF):
-                    gend = min(n, g + LEAF)
-                    while i < len(futs) and futs[i][0].dest_off < gend:
-                        futs[i][1].result()
-                        i += 1
-                    # The last leaf is hashed here: nothing is left to overlap it with.
-                    checks.append((g, self._group_now(dest[g:gend]) if gend == n else
-                                   self.hash_pool.submit(self._group_now, dest[g:gend])))
+                opened = self.tier.open_files(pieces)
+                for j, p in enumerate(pieces):
+                    while nxt < len(pieces) and nxt < j + window:
+                        futs[nxt] = self.io_pool.submit(self.tier.read_piece, pieces[nxt], dest,
+                                                        None, opened)
+                        nxt += 1
+                    futs.pop(j).result()
+                    pos, end = p.dest_off, p.dest_off + p.n
+                    while pos < end:  # feed the leaf hashes, cutting at leaf boundaries
+                        cut = min(end, (pos // LEAF + 1) * LEAF)
+                        hasher.update(dest[pos:cut])
+                        pos = cut
+                        if pos % LEAF == 0 or pos == n:
+                            got.append(hasher.digest())
+                            hasher = leaf_hasher()
             finally:
                 # No read may still be landing in the caller's buffer once we return or raise.
-                _wait_all([f for _p, f in futs])
+                try:
+                    _wait_all(list(futs.values()))
+                finally:
+                    self.tier.close_files(opened)
         except FileNotFoundError as e:
             self._count("corrupt_reads")
             raise CorruptPage(f"page {page.path!r}: a data file is missing ({e.filename})") from e
@@ -490,13 +511,10 @@ class Engine:
                 self._count("corrupt_reads")
                 raise CorruptPage(f"page {page.path!r}: {e}") from e
             raise
-        for g, f in checks:
-            got = f if isinstance(f, bytes) else f.result()
-            first = (off + g) // LEAF
-            want = blob.leaves[first * DIGEST:first * DIGEST + len(got)]
-            if got != want:
-                bad = first + next(j for j in range(0, len(got), DIGEST)
-                                   if got[j:j + DIGEST] != want[j:j + DIGEST]) // DIGEST
+        first = off // LEAF
+        for j, digest in enumerate(got):
+            if digest != blob.leaves[(first + j) * DIGEST:(first + j + 1) * DIGEST]:
+                bad = first + j
                 self._count("corrupt_reads")
                 raise CorruptPage(f"page {page.path!r} is corrupt: bytes {bad * LEAF}-"
                                   f"{min(blob.size, (bad + 1) * LEAF)} do not match the checksum")

@@ -146,12 +146,39 @@ class LocalTier:
             if pos >= end:
                 break
 
-    def read_piece(self, p: Piece, dest: memoryview, direct: bool | None = None) -> None:
-        """Read one piece into ``dest[p.dest_off:...]``, O_DIRECT where the buffer allows."""
+    def open_files(self, pieces: list[Piece]) -> dict[tuple[int, str], tuple[int, bool]]:
+        """Open each file the pieces read, once (O_DIRECT where possible), for
+        :meth:`read_piece`'s ``opened``; close them with :meth:`close_files`. Raises
+        FileNotFoundError for a missing file (nothing is left open then)."""
+        out: dict[tuple[int, str], tuple[int, bool]] = {}
+        try:
+            for p in pieces:
+                if (p.dev, p.file) not in out:
+                    out[(p.dev, p.file)] = open_direct(self.abspath(p.dev, p.file), os.O_RDONLY,
+                                                       direct=self.direct)
+        except BaseException:
+            self.close_files(out)
+            raise
+        return out
+
+    @staticmethod
+    def close_files(opened: dict[tuple[int, str], tuple[int, bool]]) -> None:
+        for fd, _direct in opened.values():
+            os.close(fd)
+
+    def read_piece(self, p: Piece, dest: memoryview, direct: bool | None = None,
+                   opened: dict[tuple[int, str], tuple[int, bool]] | None = None) -> None:
+        """Read one piece into ``dest[p.dest_off:...]``, O_DIRECT where the buffer allows;
+        through a file of ``opened`` (see :meth:`open_files`) or one opened for the call."""
         path = self.abspath(p.dev, p.file)
         target = dest[p.dest_off:p.dest_off + p.n]
-        fd, direct = open_direct(path, os.O_RDONLY,
-                                 direct=self.direct if direct is None else direct)
+        if opened is not None:
+            fd, direct = opened[(p.dev, p.file)]
+            own = False
+        else:
+            fd, direct = open_direct(path, os.O_RDONLY,
+                                     direct=self.direct if direct is None else direct)
+            own = True
         try:
             if not direct:
                 _pread_full(fd, target, p.file_off)
@@ -178,7 +205,8 @@ class LocalTier:
                 finally:
                     self.bounce.give(b)
         finally:
-            os.close(fd)
+            if own:
+                os.close(fd)
 
     def unlink(self, extents: tuple[Extent, ...]) -> None:
         for dev, file in {(e[0], e[1]) for e in extents}:
@@ -266,9 +294,12 @@ class BlobWriter:
             if dev in self._fds:
                 return self._fds[dev]
             path = self.tier.abspath(dev, self.rel)
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            fd, direct = open_direct(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o640,
-                                     direct=self.direct)
+            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
+            try:
+                fd, direct = open_direct(path, flags, 0o640, direct=self.direct)
+            except FileNotFoundError:  # the first file in this fan-out directory
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                fd, direct = open_direct(path, flags, 0o640, direct=self.direct)
             self._fds[dev] = (fd, direct)
             hdr = aligned_buffer(HEADER)
             meta = msgpack.packb({"v": 1, "nonce": self.nonce, "dev": dev, "start": self.start,
@@ -345,12 +376,18 @@ class BlobWriter:
             hdr = self._take_header(dev)  # no aligned write started at the data: alone
             if hdr is not None:
                 _pwrite_full(self._fds[dev][0], hdr, 0)
-        futs: list[Future[None]] = []
-        for fd, _direct in self._fds.values():
-            if self.tier.durable:
-                futs.append(self.tier.pool.submit(os.fsync, fd))
-        for f in futs:
-            f.result()
+        if self.tier.durable:
+            # fdatasync: the data, the block allocation and the size; not timestamps.
+            fds = [fd for fd, _direct in self._fds.values()]
+            futs: list[Future[None]] = [self.tier.pool.submit(os.fdatasync, fd)
+                                        for fd in fds[1:]]
+            try:
+                os.fdatasync(fds[0])
+            finally:  # all of them finish before abort() may close the files
+                errors = [f.exception() for f in futs]
+            for e in errors:
+                if e is not None:
+                    raise e
         if self.tier.durable:
             for dev in self._fds:
                 _fsync_dir(os.path.dirname(self.tier.abspath(dev, self.rel)))
