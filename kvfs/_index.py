@@ -130,12 +130,27 @@ def _page(r: tuple) -> PageRow:
     return PageRow(r[0], r[1], r[2], r[3], r[4], r[5], bool(r[6]), dict(_unpack(r[7], {})))  # type: ignore[arg-type]
 
 
+class _Pending:
+    """One queued :meth:`Index.commit_page` call."""
+
+    __slots__ = ("done", "error", "kw", "result")
+
+    def __init__(self, kw: dict[str, object]) -> None:
+        self.kw = kw
+        self.done = threading.Event()
+        self.result: tuple[bool, BlobRow | None, PageRow | None] | None = None
+        self.error: Exception | None = None
+
+
 class Index:
     """Thread-safe wrapper around one SQLite connection. See the module docstring."""
 
     def __init__(self, path: Path, *, durable: bool = True) -> None:
         self.path = path
         self._lock = threading.RLock()
+        self._gc_lock = threading.Lock()  # the group-commit queue (see commit_page)
+        self._gc_queue: list[_Pending] = []
+        self._gc_leading = False
         self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None,
                                    timeout=30)
         self._db.execute("PRAGMA journal_mode=WAL")
@@ -290,39 +305,96 @@ class Index:
         must be removed); ``freed_blob`` is the blob whose last reference a replace dropped.
         Raises ``FileExistsError`` (unwrapped sqlite) semantics via the return of the caller:
         here, a :class:`KeyError` when the path exists and ``replace`` is False.
+
+        Group commit: calls that arrive while another thread's commit is running are queued
+        and published together in the next transaction (one WAL fsync for all of them), each
+        in its own savepoint, so one call's error leaves the others' pages intact. A caller
+        returns only after the transaction holding its page is committed.
         """
-        now = time.time() if now is None else now
-        with self.transaction() as db:
-            old = db.execute(f"SELECT {_PAGE_COLS} FROM pages WHERE path=?", (path,)).fetchone()
-            old_page = _page(old) if old else None
-            if old_page is not None and not replace:
-                raise KeyError(path)
-            existing = db.execute(f"SELECT {_BLOB_COLS} FROM blobs WHERE hash=?", (h,)).fetchone()
-            used_new = True
-            if extents is None and (existing is None or _blob(existing).extents is None):
-                raise LookupError("the data to share is no longer held locally")
-            if existing is None:
-                db.execute(
-                    f"INSERT INTO blobs ({_BLOB_COLS}) VALUES (?,?,?,?,?,?,?,?,?)",
-                    (h, size, leaves, 1, _pack(list(extents)) if extents is not None else None,
-                     disk_bytes if extents is not None else 0, 0, now, now))
-            else:
-                eb = _blob(existing)
-                if eb.local or extents is None:
-                    used_new = False
-                    db.execute("UPDATE blobs SET refs=refs+1, atime=? WHERE hash=?", (now, h))
-                else:  # known only in the archive: our fresh files become its local copy
-                    db.execute("UPDATE blobs SET refs=refs+1, atime=?, extents=?, disk_bytes=?"
-                               " WHERE hash=?", (now, _pack(list(extents)), disk_bytes, h))
-            freed = None
-            if old_page is not None:
-                db.execute("DELETE FROM pages WHERE path=?", (path,))
-                freed = self._unref(db, old_page.hash) if old_page.hash != h else None
-                if old_page.hash == h:
-                    db.execute("UPDATE blobs SET refs=refs-1 WHERE hash=?", (h,))
-            db.execute(f"INSERT INTO pages ({_PAGE_COLS}) VALUES (?,?,?,?,?,?,?,?)",
-                       (path, session, h, size, now, now, int(pinned), _pack(attrs)))
-            self._touch_session(db, session, now, session_attrs)
+        req = _Pending(dict(path=path, session=session, h=h, size=size, leaves=leaves,
+                            extents=extents, disk_bytes=disk_bytes, attrs=attrs, pinned=pinned,
+                            replace=replace, session_attrs=session_attrs,
+                            now=time.time() if now is None else now))
+        with self._gc_lock:
+            self._gc_queue.append(req)
+            lead = not self._gc_leading
+            self._gc_leading = True
+        if lead:
+            self._lead_group_commits()
+        req.done.wait()
+        if req.error is not None:
+            raise req.error
+        assert req.result is not None
+        return req.result
+
+    def _lead_group_commits(self) -> None:
+        while True:
+            with self._gc_lock:
+                batch, self._gc_queue = self._gc_queue, []
+                if not batch:
+                    self._gc_leading = False
+                    return
+            try:
+                with self.transaction() as db:
+                    for r in batch:
+                        db.execute("SAVEPOINT page")
+                        try:
+                            r.result = self._commit_page(db, **r.kw)  # type: ignore[arg-type]
+                        except Exception as e:
+                            db.execute("ROLLBACK TO page")
+                            r.error = e
+                        db.execute("RELEASE page")
+            except BaseException as e:  # the transaction failed: none of the batch is committed
+                err = e if isinstance(e, Exception) else RuntimeError(f"commit interrupted: {e!r}")
+                for r in batch:
+                    r.result, r.error = None, err
+                if not isinstance(e, Exception):  # interrupted: fail the queue too, then stop
+                    with self._gc_lock:
+                        rest, self._gc_queue = self._gc_queue, []
+                        self._gc_leading = False
+                    for r in batch + rest:
+                        r.error = err
+                        r.done.set()
+                    raise
+            for r in batch:
+                r.done.set()
+
+    def _commit_page(self, db: sqlite3.Connection, *, path: str, session: str, h: bytes,
+                     size: int, leaves: bytes, extents: Iterable[Extent] | None,
+                     disk_bytes: int, attrs: dict[str, str], pinned: bool, replace: bool,
+                     session_attrs: dict[str, str], now: float
+                     ) -> tuple[bool, BlobRow | None, PageRow | None]:
+        """One page's changes, inside the caller's transaction and savepoint."""
+        old = db.execute(f"SELECT {_PAGE_COLS} FROM pages WHERE path=?", (path,)).fetchone()
+        old_page = _page(old) if old else None
+        if old_page is not None and not replace:
+            raise KeyError(path)
+        existing = db.execute(f"SELECT {_BLOB_COLS} FROM blobs WHERE hash=?", (h,)).fetchone()
+        used_new = True
+        if extents is None and (existing is None or _blob(existing).extents is None):
+            raise LookupError("the data to share is no longer held locally")
+        if existing is None:
+            db.execute(
+                f"INSERT INTO blobs ({_BLOB_COLS}) VALUES (?,?,?,?,?,?,?,?,?)",
+                (h, size, leaves, 1, _pack(list(extents)) if extents is not None else None,
+                 disk_bytes if extents is not None else 0, 0, now, now))
+        else:
+            eb = _blob(existing)
+            if eb.local or extents is None:
+                used_new = False
+                db.execute("UPDATE blobs SET refs=refs+1, atime=? WHERE hash=?", (now, h))
+            else:  # known only in the archive: our fresh files become its local copy
+                db.execute("UPDATE blobs SET refs=refs+1, atime=?, extents=?, disk_bytes=?"
+                           " WHERE hash=?", (now, _pack(list(extents)), disk_bytes, h))
+        freed = None
+        if old_page is not None:
+            db.execute("DELETE FROM pages WHERE path=?", (path,))
+            freed = self._unref(db, old_page.hash) if old_page.hash != h else None
+            if old_page.hash == h:
+                db.execute("UPDATE blobs SET refs=refs-1 WHERE hash=?", (h,))
+        db.execute(f"INSERT INTO pages ({_PAGE_COLS}) VALUES (?,?,?,?,?,?,?,?)",
+                   (path, session, h, size, now, now, int(pinned), _pack(attrs)))
+        self._touch_session(db, session, now, session_attrs)
         return used_new, freed, old_page
 
     @staticmethod

@@ -181,3 +181,33 @@ def test_page_writer_out_of_order_and_abort(make_config: Callable[..., kvfs.Stor
         assert not store.exists("eng/aborted.bin")
         st = store.statistics()
         assert st.reserved_bytes == 0 and store.fsck()["orphans"] == []
+
+
+# -- group commit ------------------------------------------------------------------------
+def test_concurrent_commits_one_winner_per_key(make_config: Callable[..., kvfs.StoreConfig]) -> None:
+    """Commits from many threads share transactions; each page still succeeds or fails alone."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    cfg = make_config(ndev=2, stripe_unit=64 * KiB)
+    start = threading.Barrier(16)
+
+    def put(i: int) -> str:
+        start.wait()
+        try:
+            store.put("contended/key", bytes([i]) * (300 * KiB))
+            won = "won"
+        except kvfs.PageExists:
+            won = "lost"
+        store.put(f"own/{i}", bytes([i]) * (200 * KiB + i))
+        return won
+
+    with kvfs.open_store_sync(cfg) as store:
+        with ThreadPoolExecutor(16) as ex:
+            assert sorted(ex.map(put, range(16))) == ["lost"] * 15 + ["won"]
+        winner = store.get("contended/key")
+        assert winner == winner[:1] * (300 * KiB)
+        assert store.statistics().pages == 17
+    with kvfs.open_store_sync(cfg) as store:  # all of it committed
+        assert all(store.get(f"own/{i}") == bytes([i]) * (200 * KiB + i) for i in range(16))
+        assert store.fsck() == {"missing": [], "corrupt": [], "orphans": [], "repaired": []}
