@@ -97,6 +97,9 @@ def main(config: StoreConfig, mountpoint: str | os.PathLike[str], options: Mount
         return _detach(child_argv, log_file or _default_log(config))
     ready = os.environ.pop(READY_FD_ENV, None)
     ready_fd = int(ready) if ready else None
+    if ready_fd is not None:
+        # fusermount3 (auto_unmount) outlives the mount call: it must not hold the pipe open.
+        os.set_inheritable(ready_fd, False)
     path = state_path(mountpoint)
 
     async def serve() -> None:

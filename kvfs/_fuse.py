@@ -45,7 +45,7 @@ from ._fuse_ns import (
     validate_dir,
     validate_page,
 )
-from ._keys import SESSIONS_DIR
+from ._keys import MAX_NAME_BYTES, MAX_PATH_BYTES, SESSIONS_DIR
 from ._store import Store
 
 __all__ = ["XATTRS", "KvfsOperations"]
@@ -85,10 +85,19 @@ def _guard(fn: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
 
 
 def _name(name: bytes) -> str:
+    if len(name) > MAX_NAME_BYTES:
+        raise _err(errno.ENAMETOOLONG)
     try:
         return name.decode("utf-8")
     except UnicodeDecodeError:
         raise _err(errno.EINVAL) from None
+
+
+def _child(parent: Node, name: bytes) -> str:
+    path = child_path(parent.path, _name(name))
+    if len(path.encode()) > MAX_PATH_BYTES:
+        raise _err(errno.ENAMETOOLONG)
+    return path
 
 
 class KvfsOperations(pyfuse3.Operations):
@@ -174,7 +183,9 @@ class KvfsOperations(pyfuse3.Operations):
             try:
                 node = await self._resolve(parent, name.decode("utf-8"))
             except UnicodeDecodeError:
-                raise _err(errno.ENOENT) from None
+                raise _err(errno.ENOENT) from None  # no page can have this name
+            if len(name) > MAX_NAME_BYTES:
+                raise _err(errno.ENAMETOOLONG)
         attrs = await self._entry(node)
         node.nlookup += 1
         return attrs
@@ -273,7 +284,7 @@ class KvfsOperations(pyfuse3.Operations):
     @_guard
     async def mkdir(self, parent_inode: int, name: bytes, mode: int, ctx: Any) -> pyfuse3.EntryAttributes:
         parent = self._dir(parent_inode)
-        path = child_path(parent.path, _name(name))
+        path = _child(parent, name)
         validate_dir(path)
         try:
             await self._resolve(parent, _name(name))
@@ -293,7 +304,7 @@ class KvfsOperations(pyfuse3.Operations):
     @_guard
     async def rmdir(self, parent_inode: int, name: bytes, ctx: Any) -> None:
         parent = self._dir(parent_inode)
-        path = child_path(parent.path, _name(name))
+        path = _child(parent, name)
         if path in ("", SESSIONS_DIR):
             raise _err(errno.EBUSY)
         node = self.table.at(path)
@@ -318,7 +329,7 @@ class KvfsOperations(pyfuse3.Operations):
     async def create(self, parent_inode: int, name: bytes, mode: int, flags: int,
                      ctx: Any) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
         parent = self._dir(parent_inode)
-        path = child_path(parent.path, _name(name))
+        path = _child(parent, name)
         key = validate_page(path)
         if path in self.pending:
             raise _err(errno.EBUSY)
@@ -461,7 +472,7 @@ class KvfsOperations(pyfuse3.Operations):
     @_guard
     async def unlink(self, parent_inode: int, name: bytes, ctx: Any) -> None:
         parent = self._dir(parent_inode)
-        path = child_path(parent.path, _name(name))
+        path = _child(parent, name)
         node = self.pending.pop(path, None)
         if node is not None:
             assert node.pending is not None
@@ -481,7 +492,7 @@ class KvfsOperations(pyfuse3.Operations):
     async def rename(self, parent_inode_old: int, name_old: bytes, parent_inode_new: int,
                      name_new: bytes, flags: int, ctx: Any) -> None:
         src_dir, dst_dir = self._dir(parent_inode_old), self._dir(parent_inode_new)
-        src, dst = child_path(src_dir.path, _name(name_old)), child_path(dst_dir.path, _name(name_new))
+        src, dst = _child(src_dir, name_old), _child(dst_dir, name_new)
         if flags & pyfuse3.RENAME_EXCHANGE:
             raise _err(errno.EINVAL)
         node = await self._resolve(src_dir, _name(name_old))

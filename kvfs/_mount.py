@@ -8,7 +8,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pyfuse3
@@ -97,6 +97,8 @@ async def serve_mount(store: Store, mountpoint: str | os.PathLike[str],
     opts = options or MountOptions()
     mp = Path(mountpoint).absolute()
     _check_mountpoint(mp)
+    if opts.fsname == "kvfs":  # show which store is mounted (mount, df, /proc/mounts)
+        opts = replace(opts, fsname="kvfs:" + str(store.config.data_dirs[0]).replace(",", "_"))
     ops = KvfsOperations(store, direct_io=opts.direct_io, threads=opts.threads,
                          entry_timeout=opts.entry_timeout, attr_timeout=opts.attr_timeout)
     try:

@@ -1,0 +1,380 @@
+"""A real FUSE mount (the daemon in a subprocess, ``--foreground``) used by ordinary tools.
+
+Every mount is unmounted in teardown (``fusermount3 -u -z``) whatever happened, and a test
+fails when the daemon logged an error or a traceback.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import mmap
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import kvfs
+from kvfs._daemon import READY_FD_ENV
+
+MiB = 1 << 20
+KVFS = [sys.executable, "-m", "cli"]
+
+if not os.path.exists("/dev/fuse") or shutil.which("fusermount3") is None:  # pragma: no cover
+    pytest.fail("these tests need /dev/fuse and fusermount3 (scripts/bootstrap.sh installs fuse3)",
+                pytrace=False)
+
+
+def mounted(mp: Path) -> bool:
+    with open("/proc/self/mountinfo") as f:
+        return any(line.split()[4] == str(mp) for line in f)
+
+
+class Mount:
+    """One daemon serving ``self.mp`` from ``self.data``; its log is ``self.log``."""
+
+    def __init__(self, root: Path, *extra: str) -> None:
+        self.root, self.extra = root, list(extra)
+        self.mp, self.data, self.log = root / "mnt", root / "data", root / "daemon.log"
+        self.mp.mkdir(parents=True, exist_ok=True)
+        self.proc: subprocess.Popen[bytes] | None = None
+        self._seen = 0
+
+    def start(self) -> None:
+        r, w = os.pipe()
+        with open(self.log, "ab") as log:
+            self.proc = subprocess.Popen(
+                [*KVFS, "mount", "--foreground", "--data", str(self.data), *self.extra,
+                 str(self.mp)], stdout=log, stderr=log, pass_fds=(w,),
+                env={**os.environ, READY_FD_ENV: str(w)})
+        os.close(w)
+        with os.fdopen(r, "rb") as f:
+            msg = f.read().decode().strip()
+        assert msg == "ok", f"mount failed: {msg}\n{self.log.read_text()}"
+        assert mounted(self.mp)
+
+    def stop(self, sig: int = signal.SIGTERM) -> int:
+        assert self.proc is not None
+        self.proc.send_signal(sig)
+        rc = self.proc.wait(timeout=60)
+        self.proc = None
+        return rc
+
+    def new_errors(self) -> list[str]:
+        text = self.log.read_text(errors="replace") if self.log.exists() else ""
+        lines = text.splitlines()[self._seen:]
+        self._seen += len(lines)
+        return [x for x in lines if " ERROR " in x or "Traceback" in x or " CRITICAL " in x]
+
+    def cleanup(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+            self.proc = None
+        subprocess.run(["fusermount3", "-u", "-z", str(self.mp)], capture_output=True)
+
+
+@pytest.fixture
+def make_mount(tmp_path: Path) -> Iterator[object]:
+    made: list[Mount] = []
+
+    def make(name: str = "m", *extra: str, start: bool = True) -> Mount:
+        m = Mount(tmp_path / name, *extra)
+        made.append(m)
+        if start:
+            m.start()
+        return m
+
+    yield make
+    errors = []
+    for m in made:
+        errors += m.new_errors()
+        m.cleanup()
+    assert not errors, "the daemon logged errors:\n" + "\n".join(errors)
+
+
+@pytest.fixture
+def mnt(make_mount: object) -> Path:
+    return make_mount().mp  # type: ignore[operator, no-any-return]
+
+
+def write(path: Path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+
+
+def test_ordinary_tools(mnt: Path, tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    for i in range(12):
+        d = src / f"d{i % 3}" / f"sub{i % 2}"
+        d.mkdir(parents=True, exist_ok=True)
+        (d / f"model@1@0@{i:040x}@bf16.data").write_bytes(os.urandom(1000 * i + 1))
+    (src / "empty-dir").mkdir()
+    subprocess.run(["cp", "-r", str(src), str(mnt / "cp")], check=True)
+    subprocess.run(["diff", "-r", str(src), str(mnt / "cp")], check=True)
+    found = subprocess.run(["find", str(mnt / "cp"), "-type", "f"], check=True,
+                           capture_output=True, text=True).stdout.split()
+    assert len(found) == 12
+    du = int(subprocess.run(["du", "-sb", str(mnt / "cp")], check=True, capture_output=True,
+                            text=True).stdout.split()[0])
+    assert du >= sum(1000 * i + 1 for i in range(12))
+    # tar in and out
+    subprocess.run(f"tar cf - -C {src} . | tar xf - -C {mnt}/cp/empty-dir", shell=True, check=True)
+    out = tmp_path / "out"
+    out.mkdir()
+    subprocess.run(f"tar cf - -C {mnt}/cp/empty-dir . | tar xf - -C {out}", shell=True, check=True)
+    subprocess.run(["diff", "-r", str(src), str(out)], check=True)
+    # rsync -a: the second run finds nothing to do (modes and mtimes were kept)
+    subprocess.run(["rsync", "-a", f"{src}/", f"{mnt}/rs/"], check=True)
+    again = subprocess.run(["rsync", "-ai", f"{src}/", f"{mnt}/rs/"], check=True,
+                           capture_output=True, text=True).stdout
+    assert again.strip() == ""
+    subprocess.run(["diff", "-r", str(src), str(mnt / "rs")], check=True)
+    subprocess.run(["rm", "-r", str(mnt / "rs")], check=True)
+    assert not (mnt / "rs").exists()
+    # shell redirection: the shell dup2s the fd and closes the original before writing
+    subprocess.run(f"echo hello > {mnt}/echo.txt && cat {mnt}/echo.txt > {tmp_path}/e",
+                   shell=True, check=True)
+    assert (tmp_path / "e").read_text() == "hello\n"
+
+
+def test_python_reads_and_semantic_layout(mnt: Path) -> None:
+    data = np.random.default_rng(1).integers(0, 255, 6 * MiB + 123, dtype=np.uint8).tobytes()
+    (mnt / "sessions" / "agent-42" / "9f3ab1").mkdir(parents=True)
+    for layer in range(3):
+        write(mnt / "sessions/agent-42/9f3ab1" / f"layer-{layer:03d}", data)
+    assert os.listdir(mnt / "sessions") == ["agent-42"]
+    assert sorted(os.listdir(mnt / "sessions/agent-42")) == [".kvfs.json", "9f3ab1"]
+    assert os.listdir(mnt / "sessions/agent-42/9f3ab1") == ["layer-000", "layer-001", "layer-002"]
+    p = mnt / "sessions/agent-42/9f3ab1/layer-001"
+    assert p.stat().st_size == len(data)
+    assert p.stat().st_mode & 0o222 == 0o200  # created 0644 (umask 022)
+    with open(p, "rb") as f:
+        assert f.read() == data
+    buf = bytearray(len(data))
+    with open(p, "rb", buffering=0) as f:
+        assert f.readinto(buf) == len(data)
+    assert buf == data
+    fd = os.open(p, os.O_RDONLY)
+    try:
+        assert os.pread(fd, 4096, 5 * MiB + 7) == data[5 * MiB + 7:5 * MiB + 7 + 4096]
+        with mmap.mmap(fd, 0, prot=mmap.PROT_READ) as m:
+            assert m[MiB:MiB + 100] == data[MiB:MiB + 100] and len(m) == len(data)
+    finally:
+        os.close(fd)
+    arr = np.memmap(p, dtype=np.uint8, mode="r")
+    assert arr[-123:].tobytes() == data[-123:]
+    del arr
+    meta = json.loads((mnt / "sessions/agent-42/.kvfs.json").read_text())
+    assert meta["pages"] == 3 and meta["bytes"] == 3 * len(data)
+
+
+def test_o_direct_read(mnt: Path) -> None:
+    data = os.urandom(4 * MiB)
+    write(mnt / "direct", data)
+    assert os.statvfs(mnt).f_bsize == 4096
+    buf = mmap.mmap(-1, MiB)  # page aligned
+    fd = os.open(mnt / "direct", os.O_RDONLY | os.O_DIRECT)
+    try:
+        got = bytearray()
+        while n := os.preadv(fd, [buf], len(got)):
+            got += buf[:n]
+    finally:
+        os.close(fd)
+    assert got == data
+
+
+def test_safetensors(mnt: Path) -> None:
+    from safetensors import safe_open
+    from safetensors.numpy import save_file
+
+    tensors = {f"layer.{i}.k": np.random.default_rng(i).standard_normal((64, 128)).astype(np.float32)
+               for i in range(4)}
+    save_file(tensors, str(mnt / "kv.safetensors"))
+    with safe_open(str(mnt / "kv.safetensors"), framework="numpy") as f:
+        assert sorted(f.keys()) == sorted(tensors)
+        for k, v in tensors.items():
+            np.testing.assert_array_equal(f.get_tensor(k), v)
+
+
+def test_immutable_pages_and_atomic_replace(mnt: Path) -> None:
+    write(mnt / "page", b"v1" * 1000)
+    for flags in (os.O_WRONLY, os.O_RDWR, os.O_WRONLY | os.O_APPEND, os.O_WRONLY | os.O_TRUNC):
+        with pytest.raises(PermissionError) as ei:
+            os.open(mnt / "page", flags)
+        assert ei.value.errno == errno.EPERM
+    with pytest.raises(PermissionError):
+        os.truncate(mnt / "page", 0)
+    # replace by rename (how LMCache publishes): readers of the old file keep the old bytes
+    with open(mnt / "page", "rb") as old:
+        write(mnt / "page.tmp", b"v2" * 3000)
+        os.replace(mnt / "page.tmp", mnt / "page")
+        assert old.read() == b"v1" * 1000
+    assert (mnt / "page").read_bytes() == b"v2" * 3000
+    assert not (mnt / "page.tmp").exists()
+    with open(mnt / "page", "rb") as f:
+        os.unlink(mnt / "page")
+        assert f.read() == b"v2" * 3000  # an open file outlives its name
+    assert not (mnt / "page").exists()
+
+
+def test_bad_names(mnt: Path) -> None:
+    cases = [(mnt / "sessions" / "s" / "layer-000", errno.EINVAL),  # not <s>/<prefix>/<layer>
+             (mnt / ".kvfs-private", errno.EINVAL),  # reserved
+             (mnt / ("x" * 256), errno.ENAMETOOLONG)]
+    (mnt / "sessions" / "s").mkdir(parents=True)
+    for path, want in cases:
+        with pytest.raises(OSError) as ei:
+            write(path, b"x")
+        assert ei.value.errno == want, path
+    os.mkdir(mnt / "sessions/s/p")
+    with pytest.raises(OSError) as ei:
+        os.mkdir(mnt / "sessions/s/p/l")  # layers are files
+    assert ei.value.errno == errno.EINVAL
+    with pytest.raises(OSError) as ei:
+        os.open(os.fsencode(mnt) + b"/bad\xff", os.O_CREAT | os.O_WRONLY, 0o644)
+    assert ei.value.errno == errno.EINVAL
+    assert os.listdir(mnt / "sessions/s") == ["p"]
+
+
+def test_xattrs_and_gds_path(mnt: Path) -> None:
+    data = os.urandom(9 * MiB + 5)
+    (mnt / "sessions/s/p").mkdir(parents=True)
+    p = mnt / "sessions/s/p/layer-010"
+    write(p, data)
+    names = os.listxattr(p)
+    assert names == ["user.kvfs.checksum", "user.kvfs.size", "user.kvfs.tier",
+                     "user.kvfs.pinned", "user.kvfs.session", "user.kvfs.extents"]
+    with open(p, "rb"):  # hold a lease, as the fast path does, and read the backing files
+        assert os.getxattr(p, "user.kvfs.checksum").decode() == kvfs.checksum(data).hex()
+        assert os.getxattr(p, "user.kvfs.size") == str(len(data)).encode()
+        assert os.getxattr(p, "user.kvfs.pinned") == b"0"
+        assert os.getxattr(p, "user.kvfs.session") == b"s"
+        assert os.getxattr(p, "user.kvfs.tier") == b"local"
+        back = bytearray()
+        for path, off, length in json.loads(os.getxattr(p, "user.kvfs.extents")):
+            assert os.path.isabs(path)
+            with open(path, "rb") as f:
+                back += os.pread(f.fileno(), length, off)
+    assert back == data
+    with pytest.raises(OSError) as ei:
+        os.setxattr(p, "user.kvfs.pinned", b"1")
+    assert ei.value.errno == errno.EPERM
+
+
+def test_concurrent_publishers_and_readers(mnt: Path) -> None:
+    """Writers publish complete versions by tmp + rename; readers only ever see whole ones."""
+    size = 512 * 1024
+    versions = {i: bytes([i]) * size for i in range(1, 9)}
+    write(mnt / "shared", versions[1])
+    stop = threading.Event()
+    problems: list[str] = []
+
+    def publisher(w: int) -> None:
+        for j in range(6):
+            v = 1 + (w * 6 + j) % 8
+            tmp = mnt / f"shared.tmp.{w}.{j}"
+            write(tmp, versions[v])
+            os.replace(tmp, mnt / "shared")
+
+    def reader() -> None:
+        while not stop.is_set():
+            try:
+                got = (mnt / "shared").read_bytes()
+            except FileNotFoundError:
+                problems.append("the name vanished during a replace")
+                continue
+            if got not in versions.values():
+                problems.append(f"partial or mixed read: {len(got)} bytes")
+
+    def own_pages(w: int) -> None:
+        for j in range(5):
+            d = os.urandom(200_000 + j)
+            write(mnt / f"own-{w}-{j}", d)
+            if (mnt / f"own-{w}-{j}").read_bytes() != d:
+                problems.append(f"own-{w}-{j} read back wrong")
+
+    readers = [threading.Thread(target=reader) for _ in range(3)]
+    writers = [threading.Thread(target=publisher, args=(w,)) for w in range(3)]
+    writers += [threading.Thread(target=own_pages, args=(w,)) for w in range(3)]
+    for t in readers + writers:
+        t.start()
+    for t in writers:
+        t.join()
+    stop.set()
+    for t in readers:
+        t.join()
+    assert not problems, problems[:5]
+    assert sorted(x for x in os.listdir(mnt) if x.startswith("shared")) == ["shared"]
+
+
+def test_enospc_with_small_capacity(make_mount: object) -> None:
+    m = make_mount("small", "--capacity", "8MiB", "--stripe-unit", "1MiB")  # type: ignore[operator]
+    with pytest.raises(OSError) as ei:
+        write(m.mp / "too-big", os.urandom(12 * MiB))
+    assert ei.value.errno == errno.ENOSPC
+    assert not (m.mp / "too-big").exists()  # nothing half-written became visible
+    st = os.statvfs(m.mp)
+    assert st.f_blocks * st.f_bsize == 8 * MiB
+    write(m.mp / "fits", b"y" * MiB)
+    assert (m.mp / "fits").read_bytes() == b"y" * MiB
+
+
+def test_remount_and_sigkill(make_mount: object) -> None:
+    m = make_mount("crash")  # type: ignore[operator]
+    data = os.urandom(3 * MiB)
+    write(m.mp / "kept", data)
+    (m.mp / "empty").mkdir()
+    assert m.stop() == 0
+    assert not mounted(m.mp)
+    m.start()
+    assert (m.mp / "kept").read_bytes() == data
+    assert (m.mp / "empty").is_dir()
+    # SIGKILL with a file half-written: auto_unmount removes the mount, a remount is clean.
+    f = open(m.mp / "half", "wb")  # noqa: SIM115 - left open on purpose
+    f.write(b"z" * MiB)
+    f.flush()
+    m.stop(signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while mounted(m.mp) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not mounted(m.mp), "auto_unmount did not clean up after SIGKILL"
+    with pytest.raises(OSError):
+        f.close()
+    m.start()
+    assert (m.mp / "kept").read_bytes() == data
+    assert not (m.mp / "half").exists()
+    assert sorted(os.listdir(m.mp)) == ["empty", "kept", "sessions"]
+
+
+def test_detached_mount_and_umount(tmp_path: Path) -> None:
+    mp, data = tmp_path / "mnt", tmp_path / "data"
+    mp.mkdir()
+    try:
+        r = subprocess.run([*KVFS, "mount", "--data", str(data), str(mp)], capture_output=True,
+                           text=True, timeout=60)
+        assert r.returncode == 0, r.stderr
+        assert mounted(mp)
+        write(mp / "x", b"1")
+        r = subprocess.run([*KVFS, "umount", "--json", str(mp)], capture_output=True, text=True,
+                           timeout=90)
+        assert r.returncode == 0, r.stderr
+        assert not mounted(mp)
+        assert json.loads(r.stdout)["mountpoint"] == str(mp)
+        r = subprocess.run([*KVFS, "umount", str(mp)], capture_output=True, text=True)
+        assert r.returncode == 7 and "no kvfs mount" in r.stderr
+        r = subprocess.run([*KVFS, "mount", "--data", str(data), str(tmp_path / "missing")],
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 1 and "does not exist" in r.stderr
+        log = (data / "kvfs-daemon.log").read_text()
+        assert "ERROR" not in log and "Traceback" not in log, log
+    finally:
+        subprocess.run(["fusermount3", "-u", "-z", str(mp)], capture_output=True)
