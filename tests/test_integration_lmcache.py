@@ -9,7 +9,8 @@ tests drive the real connector from the ``lmcache`` package on CPU torch:
 * the files carried through a kvfs store (object API pages named ``lmcache/<file>``) and
   written out to another directory are read back by LMCache bit-exactly.
 
-When the FUSE mount lands, the same tests run with the connector's directory on the mount.
+The round trip runs with the connector's directory on a real kvfs FUSE mount and on a
+plain directory.
 Heavy (``lmcache`` pulls about 1.9 GB): in its own extra. Run this suite with::
 
     python -m venv /path/lmcache-venv
@@ -44,6 +45,8 @@ with warnings.catch_warnings():
     from lmcache.v1.metadata import LMCacheMetadata
     from lmcache.v1.storage_backend.connector import CreateConnector
     from lmcache.v1.storage_backend.local_cpu_backend import LocalCPUBackend
+
+from _kvfs_mount import ServedMount  # noqa: E402
 
 import kvfs  # noqa: E402
 
@@ -122,10 +125,25 @@ def chunks(dtype: torch.dtype, n: int = 3) -> dict[int, torch.Tensor]:
     return {1000 + i: torch.randn(shape, generator=g).to(dtype) for i in range(n)}
 
 
+@pytest.fixture(params=["mount", "directory"])
+def kvfs_dir(request: pytest.FixtureRequest, tmp_path: Path,
+             make_config: Callable[..., kvfs.StoreConfig]) -> Iterator[Path]:
+    """A directory on a real kvfs FUSE mount, or a plain directory."""
+    if request.param == "mount":
+        mp = tmp_path / "mnt"
+        mp.mkdir()
+        with ServedMount(make_config(ndev=2, name="mounted"), mp):
+            yield mp
+    else:
+        d = tmp_path / "plain"
+        d.mkdir()
+        yield d
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_chunks_round_trip_bit_exactly(fs_cache: Callable[..., FsCache], tmp_path: Path,
+def test_chunks_round_trip_bit_exactly(fs_cache: Callable[..., FsCache], kvfs_dir: Path,
                                        dtype: torch.dtype) -> None:
-    root = tmp_path / "kvfs-dir" / "lmcache"
+    root = kvfs_dir / "lmcache"
     data = chunks(dtype)
     writer = fs_cache(root, dtype)
     for h, kv in data.items():

@@ -13,7 +13,6 @@ import os
 import struct
 import subprocess
 import sys
-import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -24,11 +23,10 @@ pytest.importorskip("torch", reason="needs the engines extra: pip install -e .[e
 pytest.importorskip("transformers", reason="needs the engines extra: pip install -e .[engines]")
 
 import torch  # noqa: E402
-import trio  # noqa: E402
+from _kvfs_mount import ServedMount  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
 import kvfs  # noqa: E402
-from kvfs._mount import MountOptions, serve_mount  # noqa: E402
 from kvfs.integrations import FastPathPages, GeometryMismatch, chunk_names  # noqa: E402
 from kvfs.integrations._models import ModelShape, greedy_decode, random_llama  # noqa: E402
 from kvfs.integrations._tcache import build_cache, cache_tensors  # noqa: E402
@@ -61,42 +59,6 @@ def tokens(n: int, seed: int, vocab: int = 1000) -> list[int]:
 def prefill(model: Any, ids: list[int], cache: Any = None) -> tuple[int, Any]:
     out = model(input_ids=torch.tensor([ids]), past_key_values=cache, use_cache=True)
     return int(out.logits[0, -1].argmax()), out.past_key_values
-
-
-class ServedMount:
-    """A kvfs store mounted with FUSE by a trio loop in a thread, for synchronous tests."""
-
-    def __init__(self, cfg: kvfs.StoreConfig, mountpoint: Path) -> None:
-        self.cfg, self.mountpoint = cfg, mountpoint
-        self.ready = threading.Event()
-        self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        try:
-            trio.run(self._main)
-        except BaseException as e:  # noqa: BLE001 - handed to the test thread
-            self.error = e
-            self.ready.set()
-
-    async def _main(self) -> None:
-        async with kvfs.open_store(self.cfg) as store, trio.open_nursery() as nursery:
-            self.token = trio.lowlevel.current_trio_token()
-            self.scope = nursery.cancel_scope
-            await nursery.start(serve_mount, store, self.mountpoint, MountOptions())
-            self.ready.set()
-
-    def __enter__(self) -> Path:
-        self.thread.start()
-        if not self.ready.wait(60) or self.error is not None:
-            raise RuntimeError(f"mount failed: {self.error!r}") from self.error
-        return self.mountpoint
-
-    def __exit__(self, *exc: object) -> None:
-        trio.from_thread.run_sync(self.scope.cancel, trio_token=self.token)
-        self.thread.join(60)
-        if self.error is not None:
-            raise self.error
 
 
 @pytest.fixture(params=["object-api", "fast-path", "mount", "directory"])
