@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib
 
-BENCHMARKS = ["store", "ttft", "archive"]
+BENCHMARKS = ["store", "ttft", "archive", "fuse"]
 
 
 def register(sub: argparse._SubParsersAction) -> None:

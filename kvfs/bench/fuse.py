@@ -1,0 +1,237 @@
+"""``kvfs bench fuse``: sequential page I/O through the mount beside the same I/O without it.
+
+One run, one scratch directory on one file system, for every page size and client count:
+
+* **write**: each client writes its pages with 1 MiB ``write`` calls and closes them:
+  through the mount (a close commits the page: checksums, fsync, index commit), and into a
+  plain directory on the same file system, once without and once with ``fsync`` before close;
+* **cold read**: page cache dropped first (``/proc/sys/vm/drop_caches`` as root, else
+  ``posix_fadvise(DONTNEED)`` on every file); each client reads its pages with 1 MiB
+  ``readinto`` calls: through the mount, from the mount's backing files directly (the
+  extents ``user.kvfs.extents`` names, the same bytes), and from the plain directory;
+* **warm read**: the same reads again with the caches left full.
+
+Throughput is bytes / wall time for all clients together. Ratios: cold mount / cold backing
+files, warm mount / warm plain files, write mount / plain write (and / plain write+fsync).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+__all__ = ["register", "run_fuse_bench"]
+
+MiB = 1 << 20
+IO = MiB
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("fuse", help="reads and writes through the mount vs backing files and "
+                       "plain files, in the same run", description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sizes", default="16,64,256", help="page sizes in MiB (default 16,64,256)")
+    p.add_argument("--clients", default="1,4", help="concurrent clients (default 1,4)")
+    p.add_argument("--total", type=int, default=512,
+                   help="MiB per size and client count; at least one page per client "
+                        "(default 512)")
+    p.add_argument("--dir", default=None, help="scratch directory (default: under the system "
+                   "temp dir); it must be on a disk file system, not tmpfs")
+    p.add_argument("--direct-io", action="store_true", help="mount with --direct-io")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.set_defaults(func=_main)
+
+
+def _log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+@contextlib.contextmanager
+def _mounted(root: Path, direct_io: bool) -> Iterator[Path]:
+    from kvfs._daemon import READY_FD_ENV
+
+    mp, data = root / "mnt", root / "data"
+    mp.mkdir()
+    r, w = os.pipe()
+    cmd = [sys.executable, "-m", "cli", "mount", "--foreground", "--data", str(data), str(mp)]
+    if direct_io:
+        cmd.insert(-1, "--direct-io")
+    with open(root / "daemon.log", "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=log, pass_fds=(w,),
+                                env={**os.environ, READY_FD_ENV: str(w)})
+    os.close(w)
+    with os.fdopen(r, "rb") as f:
+        msg = f.read().decode().strip()
+    try:
+        if msg != "ok":
+            raise RuntimeError(f"mount failed: {msg or (root / 'daemon.log').read_text()}")
+        yield mp
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=60)
+        finally:
+            subprocess.run(["fusermount3", "-u", "-z", str(mp)], capture_output=True)
+
+
+def _drop_caches(files: list[str]) -> str:
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3")
+        return "drop_caches"
+    except OSError:
+        for p in files:
+            fd = os.open(p, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+        return "fadvise"
+
+
+def _parallel(jobs: list[Callable[[], int]]) -> float:
+    """Run the jobs at once; return bytes per second over the wall time of all of them."""
+    with ThreadPoolExecutor(len(jobs)) as ex:
+        t0 = time.perf_counter()
+        n = sum(f.result() for f in [ex.submit(j) for j in jobs])
+        return n / (time.perf_counter() - t0)
+
+
+def _write_files(paths: list[Path], size: int, src: memoryview, fsync: bool) -> int:
+    for p in paths:
+        with open(p, "wb", buffering=0) as f:
+            for off in range(0, size, IO):
+                f.write(src[off:off + IO])
+            if fsync:
+                os.fsync(f.fileno())
+    return size * len(paths)
+
+
+def _read_files(paths: list[Path]) -> int:
+    buf = bytearray(IO)
+    n = 0
+    for p in paths:
+        with open(p, "rb", buffering=0) as f:
+            while k := f.readinto(buf):
+                n += k
+    return n
+
+
+def _read_extents(extents: list[list[list[Any]]]) -> int:
+    """Read pages from their backing files (buffered, 1 MiB preads): the no-FUSE baseline."""
+    buf = bytearray(IO)
+    view = memoryview(buf)
+    n = 0
+    for page in extents:
+        for path, off, length in page:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                end = off + length
+                while off < end:
+                    k = os.preadv(fd, [view[:min(IO, end - off)]], off)
+                    if k <= 0:
+                        break
+                    n, off = n + k, off + k
+            finally:
+                os.close(fd)
+    return n
+
+
+def _split(items: list[Any], clients: int) -> list[list[Any]]:
+    return [items[c::clients] for c in range(clients)]
+
+
+def run_fuse_bench(sizes: list[int], clients: list[int], total_mib: int, root: Path,
+                   direct_io: bool = False) -> dict[str, Any]:
+    import numpy as np
+
+    plain = root / "plain"
+    plain.mkdir()
+    rows: list[dict[str, Any]] = []
+    method = ""
+    with _mounted(root, direct_io) as mp:
+        for size_mib in sizes:
+            size = size_mib * MiB
+            src = memoryview(np.random.default_rng(size_mib).integers(
+                0, 256, size, dtype=np.uint8).tobytes())
+            for c in clients:
+                per = max(1, total_mib // (size_mib * c))
+                names = [f"page-{size_mib}-{c}-{i}" for i in range(per * c)]
+                mine = [mp / "bench" / n for n in names]
+                theirs = [plain / n for n in names]
+                (mp / "bench").mkdir(exist_ok=True)
+                _log(f"fuse bench: {size_mib} MiB pages, {c} clients, {len(names)} pages")
+                r: dict[str, Any] = {"size_mib": size_mib, "clients": c, "pages": len(names)}
+                r["write_plain"] = _parallel([partial(_write_files, ps, size, src, False)
+                                              for ps in _split(theirs, c)])
+                for p in theirs:
+                    p.unlink()
+                r["write_plain_fsync"] = _parallel([partial(_write_files, ps, size, src, True)
+                                                    for ps in _split(theirs, c)])
+                r["write_mount"] = _parallel([partial(_write_files, ps, size, src, False)
+                                              for ps in _split(mine, c)])
+                extents = [json.loads(os.getxattr(p, "user.kvfs.extents")) for p in mine]
+                backing = sorted({e[0] for page in extents for e in page})
+                all_files = [str(p) for p in theirs] + backing
+                for label, fn, group in (("plain", _read_files, theirs),
+                                         ("backing", _read_extents, extents),
+                                         ("mount", _read_files, mine)):
+                    method = _drop_caches(all_files + [str(p) for p in mine])
+                    r[f"cold_{label}"] = _parallel([partial(fn, g) for g in _split(group, c)])
+                for label, fn, group in (("plain", _read_files, theirs),
+                                         ("mount", _read_files, mine)):
+                    fn(group)  # fill the caches
+                    r[f"warm_{label}"] = _parallel([partial(fn, g) for g in _split(group, c)])
+                r["ratio_cold_vs_backing"] = r["cold_mount"] / r["cold_backing"]
+                r["ratio_warm_vs_plain"] = r["warm_mount"] / r["warm_plain"]
+                r["ratio_write_vs_plain"] = r["write_mount"] / r["write_plain"]
+                r["ratio_write_vs_plain_fsync"] = r["write_mount"] / r["write_plain_fsync"]
+                rows.append(r)
+                for p in mine + theirs:
+                    p.unlink()
+    return {"machine": {"host": platform.node(), "cpus": os.cpu_count(),
+                        "kernel": platform.release(), "python": platform.python_version()},
+            "direct_io": direct_io, "cache_drop": method, "io_size": IO, "results": rows}
+
+
+def _main(args: argparse.Namespace) -> int:
+    sizes = [int(x) for x in args.sizes.split(",") if x]
+    clients = [int(x) for x in args.clients.split(",") if x]
+    base = Path(args.dir) if args.dir else Path(tempfile.gettempdir())
+    root = Path(tempfile.mkdtemp(prefix="kvfs-bench-fuse-", dir=base))
+    try:
+        out = run_fuse_bench(sizes, clients, args.total, root, args.direct_io)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    if args.json:
+        print(json.dumps(out, indent=2))
+        return 0
+    from cli._util import print_table
+
+    g = 1e9
+    print_table(
+        ["MiB", "clients", "write plain", "+fsync", "mount", "ratio", "cold backing", "mount",
+         "ratio", "warm plain", "mount", "ratio"],
+        [[r["size_mib"], r["clients"], f"{r['write_plain'] / g:.2f}",
+          f"{r['write_plain_fsync'] / g:.2f}", f"{r['write_mount'] / g:.2f}",
+          f"{r['ratio_write_vs_plain']:.2f}x", f"{r['cold_backing'] / g:.2f}",
+          f"{r['cold_mount'] / g:.2f}", f"{r['ratio_cold_vs_backing']:.2f}x",
+          f"{r['warm_plain'] / g:.2f}", f"{r['warm_mount'] / g:.2f}",
+          f"{r['ratio_warm_vs_plain']:.2f}x"] for r in out["results"]])
+    print(f"\nGB/s; cold caches dropped with {out['cache_drop']}; "
+          f"{'direct_io' if out['direct_io'] else 'page cache'} mount; 1 MiB I/O calls.")
+    return 0
