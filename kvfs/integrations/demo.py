@@ -11,8 +11,9 @@
 4. the tokens of both processes are compared, and the recompute time is printed beside
    the reload time.
 
-The lead's ``make demo`` calls :func:`model_scenario`; ``python -m kvfs.integrations.demo
---child CONFIG_JSON`` is the second process's entry point.
+``make demo`` can call :func:`model_scenario` with its store's config, or run
+``python -m kvfs.integrations.demo`` (a fresh store and ``file://`` archive in a temporary
+directory). ``--child CONFIG_JSON`` is the second process's entry point.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import dataclasses
 import json
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -150,11 +152,29 @@ def _child(config_json: str, tokens: int, decode: int, small: bool) -> dict[str,
             "tokens": got}
 
 
+def main(argv: list[str] | None = None) -> int:
+    """``python -m kvfs.integrations.demo [--data DIR]``: the scenario on a fresh store with a
+    ``file://`` archive beside it (in DIR, default a temporary directory removed after)."""
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--data", type=Path, default=None,
+                    help="directory for the store and its archive (must not hold a store)")
+    ap.add_argument("--tokens", type=int, default=2048, help="context length (default 2048)")
+    ap.add_argument("--decode", type=int, default=16, help="tokens to decode (default 16)")
+    ap.add_argument("--small", action="store_true", help="a 4-layer model, for a quick look")
+    ap.add_argument("--child", help=argparse.SUPPRESS)  # the second process (StoreConfig JSON)
+    a = ap.parse_args(argv)
+    if a.child:
+        print(json.dumps(_child(a.child, a.tokens, a.decode, a.small)))
+        return 0
+    with tempfile.TemporaryDirectory(prefix="kvfs-model-demo-") as tmp:
+        root = a.data or Path(tmp)
+        cfg = kvfs.StoreConfig(data_dirs=(root / "nvme0", root / "nvme1"),
+                               archive_url=f"file://{(root / 'archive').absolute()}",
+                               extra={"archive": {"interval": 0}})
+        model_scenario(cfg, tokens=a.tokens, decode=a.decode, small=a.small)
+    return 0
+
+
 if __name__ == "__main__":
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--child", required=True, help="StoreConfig as JSON")
-    ap.add_argument("--tokens", type=int, default=2048)
-    ap.add_argument("--decode", type=int, default=16)
-    ap.add_argument("--small", action="store_true")
-    a = ap.parse_args()
-    print(json.dumps(_child(a.child, a.tokens, a.decode, a.small)))
+    sys.exit(main())
