@@ -17,6 +17,7 @@ Life of a put (what a crash at each step leaves behind):
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 import time
@@ -658,7 +659,9 @@ class Engine:
             self._drop_files(freed)
             self.policy.forget_blob(freed)
         self.index.drop_session_if_empty(old.session)
-        self.policy.pages_removed([old])  # the archive's manifests list the old name
+        # The archive's manifests of both sessions list the old name and the replaced data.
+        self.policy.pages_removed([old, dataclasses.replace(old, path=d.path,
+                                                            session=d.session_dir)])
 
     # -- pin --------------------------------------------------------------------------
     def pin(self, key: PageKey | str, pinned: bool = True) -> None:
