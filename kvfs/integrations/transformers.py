@@ -213,8 +213,11 @@ class TransformersKV:
         plan: list[tuple[str, list[int]]] = []
         for name in chunk_names(toks, g, max_chunks):
             for s in self._search_order(session):
-                stats = [self.source.stat(PageKey.semantic(s, name, layer))
-                         for layer in range(g.layers)]
+                first = self.source.stat(PageKey.semantic(s, name, 0))
+                if first is None:
+                    continue  # the common miss costs one lookup, not one per layer
+                stats = [first] + [self.source.stat(PageKey.semantic(s, name, layer))
+                                   for layer in range(1, g.layers)]
                 if all(st is not None for st in stats):
                     for st in stats:
                         if st is not None and st.attrs is not None:
