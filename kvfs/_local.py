@@ -91,9 +91,16 @@ class LocalTier:
                         f"but is configured as device {i} of store {store_id}: keep the "
                         "data directories in their original order")
             else:
+                # The 256 fan-out directories up front: a put then only creates its file, and
+                # the directories' own entries are durable before any page depends on them.
+                for x in range(256):
+                    (root / "blobs" / f"{x:02x}").mkdir(exist_ok=True)
                 tmp = marker.with_suffix(".tmp")
                 tmp.write_bytes(msgpack.packb({"store": store_id, "index": i}))
                 os.replace(tmp, marker)
+                if self.durable:
+                    _fsync_dir(str(root / "blobs"))
+                    _fsync_dir(str(root))
 
     def free_bytes(self) -> list[int]:
         out = []
