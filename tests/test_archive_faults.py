@@ -150,3 +150,26 @@ def test_endpoint_down_past_deadline_loses_nothing(s3_server, proxy, make_config
         proxy.up()
         assert s.spill("a") > 0
     os.environ.get("AWS_ACCESS_KEY_ID")  # credentials stay in the environment, untouched
+
+
+def test_delete_while_endpoint_down_is_finished_later(s3_server, proxy, make_config) -> None:  # noqa: ANN001
+    bucket = s3_server.new_bucket()
+    url = f"s3://{bucket}?endpoint={proxy.endpoint}&deadline=30&connect_timeout=0.5"
+    cfg = make_config(ndev=1, archive_url=url,
+                      extra={"archive": {"interval": 0, "sync_cleanup_seconds": 0.5}})
+    with kvfs.open_store_sync(cfg) as s:
+        for i in range(2):
+            s.put(PageKey.semantic("a", "p", i), page(i))
+        s.spill("a")
+        assert len(s3_server.keys(bucket, "blobs/")) == 2
+        proxy.down()
+        s.delete(PageKey.semantic("a", "p", 0))  # local delete succeeds; archive work queued
+        assert not s.exists(PageKey.semantic("a", "p", 0))
+        assert len(s3_server.keys(bucket, "blobs/")) == 2
+        assert s.statistics().extra["archive"]["spill_queue"] == 1
+        proxy.up()
+    # closing finished the queued work: the manifest first, then the unreferenced object
+    assert len(s3_server.keys(bucket, "blobs/")) == 1
+    with kvfs.open_store_sync(cfg) as s:
+        assert [x["pages"] for x in s.archived_sessions()] == [1]
+        assert s.get(PageKey.semantic("a", "p", 1)) == page(1)
