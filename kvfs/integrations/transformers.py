@@ -103,6 +103,10 @@ class TransformersKV:
         self.geometry = geometry_of(model, model_id, chunk_tokens)
         self.shared_session = shared_session
         self.dtype = TORCH_DTYPES[self.geometry.dtype]
+        #: Where loaded caches are placed: the model's device. Pages are staged in host
+        #: memory and copied per chunk (a CUDA model gets host-to-device copies; the GDS
+        #: path straight into device memory is the fast path's).
+        self.device = next(iter(model.parameters())).device
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="kvfs-kv")
         self._local = threading.local()
         build_cache(model.config, [])  # raises early on caches kvfs cannot hold (sliding window)
@@ -250,8 +254,8 @@ class TransformersKV:
         if ntok == 0:
             return LoadResult(None, 0, 0, 0, time.perf_counter() - t0)
         shape = (1, g.kv_heads, ntok, g.head_dim)
-        ks = [torch.empty(shape, dtype=self.dtype) for _ in range(g.layers)]
-        vs = [torch.empty(shape, dtype=self.dtype) for _ in range(g.layers)]
+        ks = [torch.empty(shape, dtype=self.dtype, device=self.device) for _ in range(g.layers)]
+        vs = [torch.empty(shape, dtype=self.dtype, device=self.device) for _ in range(g.layers)]
         stage = round_up(max(max(sizes) for _s, sizes in plan))
         jobs = [(layer, c) for layer in range(g.layers) for c in range(len(plan))]
         # The caller's inference mode is per thread: copy it, or in-place writes into
@@ -314,7 +318,7 @@ class TransformersKV:
         hit = self.load(session, toks, max_tokens=len(toks) - 1)
         t0 = time.perf_counter()
         cache = hit.cache if hit.cache is not None else build_cache(self.model.config, [])
-        ids = torch.tensor([toks[hit.tokens:]], dtype=torch.long)
+        ids = torch.tensor([toks[hit.tokens:]], dtype=torch.long, device=self.device)
         out = self.model(input_ids=ids, past_key_values=cache, use_cache=True)
         compute = time.perf_counter() - t0
         saved = self.save(session, toks, out.past_key_values) if save else None
