@@ -29,6 +29,7 @@ import pyfuse3
 import trio
 
 from ._errors import KvfsError, PageNotFound
+from ._fuse_ahead import ReadAhead
 from ._fuse_nodes import Handle, Kind, Node, NodeTable, Pending, owner
 from ._fuse_ns import (
     ATTR_GID,
@@ -107,7 +108,8 @@ class KvfsOperations(pyfuse3.Operations):
     enable_writeback_cache = False
 
     def __init__(self, store: Store, *, direct_io: bool = False, threads: int = 16,
-                 entry_timeout: float = 1.0, attr_timeout: float = 1.0) -> None:
+                 entry_timeout: float = 1.0, attr_timeout: float = 1.0,
+                 read_ahead: int = 8) -> None:
         super().__init__()
         self.store = store
         self.engine = store.engine
@@ -121,6 +123,10 @@ class KvfsOperations(pyfuse3.Operations):
         self.settling: dict[str, trio.Event] = {}
         self.handles: dict[int, Handle] = {}
         self._next_fh = 1
+        #: requests prefetched past a sequential reader (0: off); needs :attr:`nursery`
+        self.read_ahead = read_ahead
+        #: where read-ahead runs; the mount sets it (without one, no read-ahead)
+        self.nursery: trio.Nursery | None = None
 
     async def _thread(self, fn: Callable[..., T], *args: Any) -> T:
         return await trio.to_thread.run_sync(functools.partial(fn, *args), limiter=self.limiter)
@@ -363,19 +369,26 @@ class KvfsOperations(pyfuse3.Operations):
         assert node.page is not None
         lease = self.engine.lease(node.path)
         held = await self._thread(lease.__enter__)
+        direct = self.direct_io
         if held[1].hash != node.page.hash:
-            # The name now holds other content: ESTALE makes the kernel look the name up
-            # again and open the new inode.
-            await self._thread(lease.__exit__, None, None, None)
-            raise _err(errno.ESTALE)
-        fh = self._fh(Handle(node, lease=lease, held=held))
-        return pyfuse3.FileInfo(fh=fh, direct_io=self.direct_io, keep_cache=not self.direct_io)
+            # The name was replaced after the kernel looked it up (an open racing a rename):
+            # the old bytes are gone, so this open gets the new ones, past the page cache,
+            # which may hold the old content for this inode.
+            node.page, direct = held[0], True
+        h = Handle(node, lease=lease, held=held)
+        if self.nursery is not None and self.read_ahead > 0:
+            h.ahead = ReadAhead(functools.partial(self._thread, self.engine.read_held, *held),
+                                held[1].size, self.read_ahead, self.nursery)
+        fh = self._fh(h)
+        return pyfuse3.FileInfo(fh=fh, direct_io=direct, keep_cache=not direct)
 
     @_guard
     async def read(self, fh: int, off: int, size: int) -> Any:
         h = self._handle(fh)
         if h.content is not None:
             return h.content[off:off + size]
+        if h.ahead is not None:
+            return await h.ahead.read(off, size)
         if h.held is not None:
             page, blob = h.held
             return await self._thread(self.engine.read_held, page, blob, off, size)
@@ -426,6 +439,9 @@ class KvfsOperations(pyfuse3.Operations):
             await self._close_handle(h)
 
     async def _close_handle(self, h: Handle) -> None:
+        if h.ahead is not None:
+            ahead, h.ahead = h.ahead, None
+            await ahead.aclose()
         if h.lease is not None:
             lease, h.lease, h.held = h.lease, None, None
             await self._thread(lease.__exit__, None, None, None)

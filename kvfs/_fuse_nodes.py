@@ -15,6 +15,7 @@ import stat
 import time
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
+from typing import Any
 
 import pyfuse3
 
@@ -68,6 +69,7 @@ class Handle:
     lease: AbstractContextManager[tuple[PageRow, BlobRow]] | None = None
     held: tuple[PageRow, BlobRow] | None = None
     content: bytes | None = None  # the metadata file's bytes, fixed at open
+    ahead: Any = None  # a ReadAhead while a page is open for reading
     writable: bool = False
     wrote: bool = False
     failed: int = 0  # errno of a failed write: the file is discarded at close

@@ -109,6 +109,7 @@ async def serve_mount(store: Store, mountpoint: str | os.PathLike[str],
     mounted = True
     try:
         async with trio.open_nursery() as nursery:
+            ops.nursery = nursery
             nursery.start_soon(_run_main, nursery.cancel_scope)
             # The first stat is answered by the loop just started: the mount is live.
             st = await trio.to_thread.run_sync(os.stat, mp)

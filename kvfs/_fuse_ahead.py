@@ -1,0 +1,86 @@
+"""Daemon-side read-ahead for one open page.
+
+The kernel sends a sequential reader's requests one or two at a time, so each would wait for
+one disk read and one checksum at a time. A page is immutable, so the bytes after a
+sequential read can be fetched (and verified) in parallel before they are asked for; the
+next requests are then answered from memory. Fetches run as tasks in the mount's nursery;
+what a closed file had prefetched is dropped. A failed prefetch is forgotten: the request
+reads again and reports its own error.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import trio
+
+__all__ = ["ReadAhead"]
+
+log = logging.getLogger("kvfs.fuse")
+
+
+class _Slot:
+    __slots__ = ("data", "done", "n")
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.data: Any = None
+        self.done = trio.Event()
+
+
+class ReadAhead:
+    """Prefetch up to ``depth`` requests past the last sequential read of a ``size``-byte page."""
+
+    def __init__(self, fetch: Callable[[int, int], Awaitable[Any]], size: int, depth: int,
+                 nursery: trio.Nursery) -> None:
+        self._fetch = fetch
+        self._size = size
+        self._depth = depth
+        self._nursery = nursery
+        self._slots: dict[int, _Slot] = {}
+        self._last_end = 0
+        self._ahead_end = 0
+        self._closed = False
+
+    async def read(self, off: int, n: int) -> Any:
+        slot = self._slots.pop(off, None)
+        sequential = slot is not None or off in (0, self._last_end)
+        if not sequential:
+            self._slots.clear()  # fetches in flight finish; their results are dropped
+            self._ahead_end = 0
+        self._last_end = max(self._last_end, off + n) if sequential else off + n
+        if sequential and n > 0:
+            self._schedule(off + n, n)
+        if slot is not None and slot.n == n:
+            await slot.done.wait()
+            if slot.data is not None:
+                return slot.data
+        return await self._fetch(off, n)
+
+    def _schedule(self, start: int, n: int) -> None:
+        pos = max(start, self._ahead_end)
+        limit = min(self._size, start + self._depth * n)
+        while pos < limit:
+            slot = _Slot(n)
+            self._slots[pos] = slot
+            self._nursery.start_soon(self._fill, pos, slot)
+            pos += n
+        self._ahead_end = max(self._ahead_end, pos)
+
+    async def _fill(self, off: int, slot: _Slot) -> None:
+        try:
+            if not self._closed:
+                slot.data = await self._fetch(off, slot.n)
+        except Exception as e:  # the request itself will read again and report it
+            log.debug("read-ahead at %d failed: %s", off, e)
+        finally:
+            slot.done.set()
+
+    async def aclose(self) -> None:
+        """Stop prefetching and wait for fetches in flight (they read under the file's lease)."""
+        self._closed = True
+        slots, self._slots = list(self._slots.values()), {}
+        for slot in slots:
+            await slot.done.wait()
