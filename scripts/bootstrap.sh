@@ -22,7 +22,14 @@ if [ ! -x "$VENV/bin/python" ]; then
     "$PY" -m venv "$VENV"
 fi
 "$VENV/bin/python" -m pip install -q --upgrade pip >/dev/null 2>&1 || true
-echo "bootstrap: installing kvfs[${EXTRAS:-dev}] into $VENV"
-"$VENV/bin/python" -m pip install -q -e ".[${EXTRAS:-dev}]" 2>&1 | grep -vE '^(WARNING: Location|DEPRECATION)' || true
+EXTRAS=${EXTRAS:-dev,engines}
+case ",$EXTRAS," in
+    *,engines,*)
+        # Pin the CPU build first: an unpinned torch would pull several GB of CUDA wheels.
+        echo "bootstrap: installing torch==2.13.0 (CPU) into $VENV"
+        "$VENV/bin/python" -m pip install -q "torch==2.13.0" 2>&1 | grep -vE '^(WARNING: Location|DEPRECATION)' || true ;;
+esac
+echo "bootstrap: installing kvfs[$EXTRAS] into $VENV"
+"$VENV/bin/python" -m pip install -q -e ".[$EXTRAS]" 2>&1 | grep -vE '^(WARNING: Location|DEPRECATION)' || true
 "$VENV/bin/python" -c "import kvfs, pyfuse3, trio, blake3" 
 touch "$VENV/.bootstrapped"
