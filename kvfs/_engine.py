@@ -134,13 +134,21 @@ class Engine:
         self._counters: Counter[str] = Counter()
         self._evictions: Counter[str] = Counter()
         self.recovered_orphans: list[str] = []
-        if self.index.get_meta("clean", True) is False:
+        clean = self.index.get_meta("clean", True) is not False
+        if not clean:
             self.recovered_orphans = self.tier.sweep(self.index.all_extent_files())
+        # The accounting saved by the last clean close; recomputed from every blob row after
+        # a crash (or from an older store): a clean restart reads no per-page state at all.
+        saved = self.index.get_meta("accounting") if clean else None
         self.index.set_meta("clean", False)
-        self.used = 0
-        self.dev_used = [0] * self.tier.n
-        for b in self.index.local_blobs():
-            self._account(b, +1)
+        if (isinstance(saved, (list, tuple)) and len(saved) == 2
+                and len(saved[1]) == self.tier.n):
+            self.used, self.dev_used = int(saved[0]), [int(x) for x in saved[1]]
+        else:
+            self.used = 0
+            self.dev_used = [0] * self.tier.n
+            for b in self.index.local_blobs():
+                self._account(b, +1)
         self.reserved = 0
         self.capacity = cfg.capacity or (self.used + sum(self.tier.free_bytes()))
         self._closed = False
@@ -182,8 +190,11 @@ class Engine:
                 for b in blobs:
                     if b.extents:
                         self.tier.unlink(b.extents)
+                        with self._cap_lock:
+                            self._account(b, -1)
             self.io_pool.shutdown(wait=True)
             self.hash_pool.shutdown(wait=True)
+            self.index.set_meta("accounting", [self.used, self.dev_used])
             self.index.set_meta("clean", True)
             self.index.close()
         finally:

@@ -155,6 +155,8 @@ class StoreMachine(RuleBasedStateMachine):
     def matches_model(self) -> None:
         st_ = self.store.statistics()
         assert st_.used_bytes <= st_.capacity_bytes
+        # The accounting (carried across clean restarts) matches the blob rows.
+        assert st_.used_bytes == self.store.engine.index.local_disk_bytes()
         present = {p.path: p for p in self.store.list(path_prefix="")}
         assert set(present) <= set(self.model), f"unexpected pages {set(present) - set(self.model)}"
         for path in list(self.model):
