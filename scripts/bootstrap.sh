@@ -27,9 +27,9 @@ case ",$EXTRAS," in
     *,engines,*)
         # Pin the CPU build first: an unpinned torch would pull several GB of CUDA wheels.
         echo "bootstrap: installing torch==2.13.0 (CPU) into $VENV"
-        "$VENV/bin/python" -m pip install -q "torch==2.13.0" 2>&1 | grep -vE '^(WARNING: Location|DEPRECATION)' || true ;;
+        "$VENV/bin/python" -m pip install -q "torch==2.13.0" 2>&1 | { grep -vE '^(WARNING: Location|DEPRECATION)' || true; } ;;
 esac
 echo "bootstrap: installing kvfs[$EXTRAS] into $VENV"
-"$VENV/bin/python" -m pip install -q -e ".[$EXTRAS]" 2>&1 | grep -vE '^(WARNING: Location|DEPRECATION)' || true
+"$VENV/bin/python" -m pip install -q -e ".[$EXTRAS]" 2>&1 | { grep -vE '^(WARNING: Location|DEPRECATION)' || true; }
 "$VENV/bin/python" -c "import kvfs, pyfuse3, trio, blake3" 
 touch "$VENV/.bootstrapped"
