@@ -78,7 +78,8 @@ class LayerLoader(Generic[T]):
         return self._futures[i]
 
     def _top_up(self) -> None:
-        want = min(len(self._dests), self._next + 1 + self._ahead)
+        # Layers 0..i are taken; i+1..i+ahead should be in flight (layer 0 + ahead at first).
+        want = min(len(self._dests), max(self._next, 1) + self._ahead)
         while not self._closed and len(self._futures) < want:
             self._futures.append(self._submit(len(self._futures)))
 

@@ -1,0 +1,369 @@
+"""The fast path's host backend: O_DIRECT preadv from the striped files, verified, leased.
+
+Everything here runs without a GPU; ``test_gds_gpu.py`` holds the kvikio tests.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+import pytest
+import trio
+
+import gds
+import kvfs
+
+KiB = 1024
+MiB = 1024 * KiB
+
+
+def rand(n: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, size=n, dtype=np.uint8)
+
+
+def aligned(n: int) -> np.ndarray:
+    return np.frombuffer(kvfs.aligned_buffer(n), dtype=np.uint8)
+
+
+def key(layer: int, prefix: str = "p0") -> kvfs.PageKey:
+    return kvfs.PageKey.semantic("sess", prefix, layer)
+
+
+@pytest.fixture
+def store(make_config: Callable[..., kvfs.StoreConfig]) -> Iterator[kvfs.SyncStore]:
+    # Three devices and a tiny stripe unit: every page over 64 KiB is striped.
+    with kvfs.open_store_sync(make_config(ndev=3, stripe_unit=64 * KiB)) as s:
+        yield s
+
+
+@pytest.fixture
+def fp(store: kvfs.SyncStore) -> Iterator[gds.FastPath]:
+    with gds.FastPath(store, threads=4) as f:
+        yield f
+
+
+class HoldAfter(Executor):
+    """Runs the first ``k`` submitted tasks on a real pool and holds the rest until
+    :meth:`release`: a deterministic way to keep a read in flight."""
+
+    def __init__(self, k: int) -> None:
+        self.k = k
+        self.pool = ThreadPoolExecutor(2)
+        self.held: list[tuple[Callable[..., Any], tuple[Any, ...]]] = []
+        self.lock = threading.Lock()
+        self.count = 0
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kw: Any) -> Future[Any]:
+        with self.lock:
+            self.count += 1
+            if self.count > self.k:
+                self.held.append((fn, args))
+                return Future()
+        return self.pool.submit(fn, *args)
+
+    def release(self) -> None:
+        with self.lock:
+            self.k = 1 << 30
+            held, self.held = self.held, []
+        for fn, args in held:
+            self.pool.submit(fn, *args)
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        self.release()
+        self.pool.shutdown(wait=wait)
+
+
+def flip_byte(info: kvfs.PageInfo, page_off: int) -> None:
+    """Corrupt one byte of a page in its backing file, found through its extents."""
+    pos = 0
+    for e in info.extents:
+        if pos <= page_off < pos + e.length:
+            with open(e.path, "r+b") as f:
+                f.seek(e.offset + page_off - pos)
+                b = f.read(1)
+                f.seek(e.offset + page_off - pos)
+                f.write(bytes([b[0] ^ 0xFF]))
+            return
+        pos += e.length
+    raise AssertionError("offset outside the page")
+
+
+# -- reads ---------------------------------------------------------------------------
+@pytest.mark.parametrize("max_piece", [8 * KiB, 4 * MiB])
+def test_striped_page_reads_bit_exact(store: kvfs.SyncStore, max_piece: int) -> None:
+    data = rand(5 * MiB + 123)  # odd tail: the last 4 KiB goes through a bounce buffer
+    info = store.put(key(0), data)
+    assert len({e.device for e in info.extents}) == 3
+    with gds.FastPath(store, threads=4, max_piece=max_piece) as fp:
+        dest = aligned(data.nbytes)
+        assert fp.read(key(0), dest).result() == data.nbytes
+    assert np.array_equal(dest, data)
+
+
+def test_batch_of_pages_overlaps_and_is_exact(store: kvfs.SyncStore, fp: gds.FastPath) -> None:
+    sizes = [0, 1, 4096, 64 * KiB + 1, MiB, 3 * MiB + 5, 2 * MiB]
+    datas = [rand(n, seed=i) for i, n in enumerate(sizes)]
+    for i, d in enumerate(datas):
+        store.put(key(i), d)
+    dests = [aligned(n) for n in sizes]
+    futs = fp.read_many([key(i) for i in range(len(sizes))], dests)
+    assert [f.result() for f in futs] == sizes
+    for d, got in zip(datas, dests, strict=True):
+        assert np.array_equal(d, got)
+
+
+def test_destination_may_be_larger_and_any_dtype(store: kvfs.SyncStore,
+                                                 fp: gds.FastPath) -> None:
+    data = rand(MiB)
+    store.put(key(0), data)
+    dest = aligned(2 * MiB).view(np.float16).reshape(2, -1)
+    assert fp.read(key(0), dest).result() == MiB
+    assert np.array_equal(dest.reshape(-1).view(np.uint8)[:MiB], data)
+
+
+def test_missing_page_raises_at_call(fp: gds.FastPath) -> None:
+    with pytest.raises(kvfs.PageNotFound):
+        fp.read(key(9), aligned(4096))
+
+
+def test_bad_destinations(store: kvfs.SyncStore, fp: gds.FastPath) -> None:
+    store.put(key(0), rand(8192))
+    with pytest.raises(ValueError, match="smaller"):
+        fp.read(key(0), aligned(4096))
+    with pytest.raises(TypeError, match="read-only"):
+        fp.read(key(0), bytes(8192))
+    with pytest.raises(ValueError, match="GPU memory"):
+        fp.read(key(0), aligned(8192), backend="kvikio")
+    # A failed call holds no lease: the page can still be deleted for good.
+    store.delete(key(0))
+    assert not store.engine._leases
+
+
+def test_unaligned_destination_is_refused_or_bounced(store: kvfs.SyncStore,
+                                                     fp: gds.FastPath) -> None:
+    data = rand(3 * MiB + 17)
+    store.put(key(0), data)
+    backing = aligned(data.nbytes + 4096)
+    dest = backing[1:1 + data.nbytes]
+    with pytest.raises(gds.UnalignedDestination):
+        fp.read(key(0), dest)
+    assert fp.read(key(0), dest, allow_unaligned=True).result() == data.nbytes
+    assert np.array_equal(dest, data)
+    assert backing[0] == 0 and not backing[1 + data.nbytes:].any()
+
+
+def test_verify_off_returns_raw_bytes(store: kvfs.SyncStore, fp: gds.FastPath) -> None:
+    data = rand(2 * MiB)
+    store.put(key(0), data)
+    dest = aligned(data.nbytes)
+    assert fp.read(key(0), dest, verify=False).result() == data.nbytes
+    assert np.array_equal(dest, data)
+
+
+# -- checksums -----------------------------------------------------------------------
+@pytest.mark.parametrize("where", [0, 1_500_000, 4 * MiB + 100])
+def test_flipped_byte_is_an_error(store: kvfs.SyncStore, fp: gds.FastPath, where: int) -> None:
+    data = rand(4 * MiB + 200)
+    info = store.put(key(0), data)
+    flip_byte(info, where)
+    with pytest.raises(kvfs.CorruptPage, match=f"bytes {where // MiB * MiB}-"):
+        fp.read(key(0), aligned(data.nbytes)).result()
+    # The check is what caught it: unverified, the flipped byte comes through.
+    dest = aligned(data.nbytes)
+    fp.read(key(0), dest, verify=False).result()
+    assert dest[where] == data[where] ^ 0xFF
+    assert not store.engine._leases  # failed reads release their lease
+
+
+def test_missing_data_file_is_corrupt(store: kvfs.SyncStore, fp: gds.FastPath) -> None:
+    info = store.put(key(0), rand(MiB))
+    os.unlink(info.extents[-1].path)
+    with pytest.raises(kvfs.CorruptPage, match="missing"):
+        fp.read(key(0), aligned(MiB)).result()
+
+
+# -- leases --------------------------------------------------------------------------
+def test_delete_during_read_keeps_files_until_done(store: kvfs.SyncStore) -> None:
+    data = rand(MiB + 4096)
+    info = store.put(key(0), data)
+    files = {e.path for e in info.extents}
+    gate = threading.Event()
+    pool = ThreadPoolExecutor(1)
+    pool.submit(gate.wait)  # the I/O thread is busy: the read is queued, lease held
+    with gds.FastPath(store, io_pool=pool) as fp:
+        dest = aligned(data.nbytes)
+        fut = fp.read(key(0), dest)
+        assert store.evict(key(0)) == 0  # leased: not evicted
+        store.delete(key(0))
+        assert not store.exists(key(0))
+        assert all(os.path.exists(f) for f in files)
+        gate.set()
+        assert fut.result() == data.nbytes
+    assert np.array_equal(dest, data)
+    assert not any(os.path.exists(f) for f in files)  # unlinked when the lease ended
+    pool.shutdown()
+
+
+def test_lease_released_after_read(store: kvfs.SyncStore, fp: gds.FastPath) -> None:
+    store.put(key(0), rand(64 * KiB))
+    fp.read(key(0), aligned(64 * KiB)).result()
+    assert not store.engine._leases
+    assert store.evict(key(0)) > 0
+
+
+# -- the layer-wise loader -------------------------------------------------------------
+def test_layer_loader_yields_a_layer_while_the_next_is_in_flight(store: kvfs.SyncStore) -> None:
+    datas = [rand(32 * KiB, seed=i) for i in range(4)]  # one piece each
+    for i, d in enumerate(datas):
+        store.put(key(i), d)
+    io = HoldAfter(1)  # layer 0's only piece runs, layer 1's is held
+    with gds.FastPath(store, io_pool=io) as fp:
+        dests = [aligned(32 * KiB) for _ in datas]
+        keys = [key(i) for i in range(4)]
+        try:
+            with fp.load_layers(keys, dests, ahead=1) as layers:
+                it = iter(layers)
+                i, buf = next(it)
+                assert i == 0 and np.array_equal(buf, datas[0])
+                assert layers.submitted == 2  # layer 1 started, 2 and 3 not yet
+                assert not layers.future(1).done()
+                io.release()
+                rest = list(it)
+        finally:
+            io.release()
+        assert [i for i, _ in rest] == [1, 2, 3]
+        for (i, buf) in rest:
+            assert np.array_equal(buf, datas[i])
+    io.shutdown()
+
+
+def test_layer_loader_raises_at_the_corrupt_layer(store: kvfs.SyncStore,
+                                                  fp: gds.FastPath) -> None:
+    infos = [store.put(key(i), rand(256 * KiB, seed=i)) for i in range(3)]
+    flip_byte(infos[1], 5)
+    seen = []
+    with pytest.raises(kvfs.CorruptPage), fp.load_layers(
+            [key(i) for i in range(3)], [aligned(256 * KiB) for _ in range(3)]) as layers:
+        for i, _buf in layers:
+            seen.append(i)
+    assert seen == [0]
+    assert not store.engine._leases  # leaving the block waited for every read
+
+
+async def test_layer_loader_async(make_config: Callable[..., kvfs.StoreConfig]) -> None:
+    async with kvfs.open_store(make_config(ndev=2, stripe_unit=64 * KiB)) as s:
+        datas = [rand(200 * KiB, seed=i) for i in range(5)]
+        for i, d in enumerate(datas):
+            await s.put(key(i), d)
+        with gds.FastPath(s) as fp:
+            dests = [aligned(200 * KiB) for _ in datas]
+            got = []
+            async with fp.load_layers([key(i) for i in range(5)], dests, ahead=2) as layers:
+                async for i, buf in layers:
+                    assert np.array_equal(buf, datas[i])
+                    got.append(i)
+            assert got == [0, 1, 2, 3, 4]
+            assert await fp.aread(key(3), dests[0]) == 200 * KiB
+            assert np.array_equal(dests[0], datas[3])
+
+
+async def test_cancelled_wait_returns_only_after_the_io(store: kvfs.SyncStore) -> None:
+    store.put(key(0), rand(MiB))
+    gate = threading.Event()
+    pool = ThreadPoolExecutor(1)
+    pool.submit(gate.wait)
+    with gds.FastPath(store, io_pool=pool) as fp:
+        fut = fp.read(key(0), aligned(MiB))
+        with trio.CancelScope() as cs:
+            cs.cancel()
+            trio.lowlevel.current_trio_token().run_sync_soon(gate.set)
+            await gds.wait(fut)
+        assert cs.cancelled_caught
+        assert fut.done()  # the cancellation came through only once the read was over
+    pool.shutdown()
+
+
+# -- writes --------------------------------------------------------------------------
+def test_write_host_buffer_commits_with_right_checksum(store: kvfs.SyncStore,
+                                                       fp: gds.FastPath) -> None:
+    data = rand(3 * MiB + 7)
+    info = fp.write(key(0), data, attrs={"dtype": "u8"}).result()
+    assert info.checksum == kvfs.checksum(data.tobytes()).hex()
+    assert info.size == data.nbytes and info.attrs == {"dtype": "u8"}
+    dest = aligned(data.nbytes)
+    fp.read(key(0), dest).result()
+    assert np.array_equal(dest, data)
+    with pytest.raises(kvfs.PageExists):
+        fp.write(key(0), data).result()
+
+
+# -- by path (the mount's xattrs) -----------------------------------------------------
+def fake_mount_file(tmp_path: Any, info: kvfs.PageInfo, name: str = "page") -> str:
+    """A plain file carrying the xattrs a kvfs mount shows on a page."""
+    import json
+
+    p = str(tmp_path / name)
+    with open(p, "wb"):
+        pass
+    os.setxattr(p, "user.kvfs.extents",
+                json.dumps([[e.path, e.offset, e.length] for e in info.extents]).encode())
+    os.setxattr(p, "user.kvfs.size", str(info.size).encode())
+    os.setxattr(p, "user.kvfs.checksum", info.checksum.encode())
+    return p
+
+
+def test_read_by_path_through_xattrs(make_config: Callable[..., kvfs.StoreConfig],
+                                     tmp_path: Any) -> None:
+    # ext4 keeps all of a file's xattrs in one 4 KiB block: a 1 MiB stripe unit keeps the
+    # extents list short enough for this stand-in (a FUSE mount allows 64 KiB).
+    cfg = make_config(ndev=3, stripe_unit=MiB, name="bypath")
+    with kvfs.open_store_sync(cfg) as store, gds.FastPath() as fp:
+        data = rand(2 * MiB + 4096 + 9)
+        info = store.put(key(0), data)
+        assert len({e.device for e in info.extents}) == 3
+        p = fake_mount_file(tmp_path, info)
+        dest = aligned(data.nbytes)
+        assert fp.read_path(p, dest).result() == data.nbytes
+        assert np.array_equal(dest, data)
+        flip_byte(info, MiB + 3)
+        with pytest.raises(kvfs.CorruptPage):
+            fp.read_path(p, aligned(data.nbytes)).result()
+
+
+def test_read_by_path_needs_the_xattr(fp: gds.FastPath, tmp_path: Any) -> None:
+    p = tmp_path / "plain"
+    p.write_bytes(b"x" * 10)
+    with pytest.raises(gds.NotAKvfsPage):
+        fp.read_path(p, aligned(4096))
+    with pytest.raises(FileNotFoundError):
+        fp.read_path(tmp_path / "absent", aligned(4096))
+
+
+# -- no GPU library on the host path --------------------------------------------------
+def test_host_path_never_imports_gpu_libraries(tmp_path: Any) -> None:
+    code = f"""
+import sys, numpy as np, kvfs, gds
+cfg = kvfs.StoreConfig(data_dirs=[{str(tmp_path / 'a')!r}, {str(tmp_path / 'b')!r}],
+                       stripe_unit=65536)
+with kvfs.open_store_sync(cfg) as s, gds.FastPath(s) as fp:
+    d = np.arange(300000, dtype=np.uint32).view(np.uint8)
+    fp.write("sessions/s/p/layer-000", d).result()
+    out = np.frombuffer(kvfs.aligned_buffer(d.nbytes), np.uint8)
+    assert fp.backend_for(out) == "host"
+    fp.read("sessions/s/p/layer-000", out).result()
+    assert (out == d).all()
+bad = [m for m in ("kvikio", "cupy", "torch") if m in sys.modules]
+assert not bad, bad
+print("ok")
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "ok"
