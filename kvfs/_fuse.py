@@ -22,8 +22,8 @@ import json
 import logging
 import os
 import time
-from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from collections.abc import Callable, Coroutine
+from typing import Any, ParamSpec, TypeVar
 
 import pyfuse3
 import trio
@@ -53,6 +53,7 @@ __all__ = ["XATTRS", "KvfsOperations"]
 
 log = logging.getLogger("kvfs.fuse")
 T = TypeVar("T")
+P = ParamSpec("P")
 XATTRS = ("user.kvfs.checksum", "user.kvfs.size", "user.kvfs.tier", "user.kvfs.pinned",
           "user.kvfs.session", "user.kvfs.extents")
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND
@@ -62,24 +63,24 @@ def _err(n: int) -> pyfuse3.FUSEError:
     return pyfuse3.FUSEError(n)
 
 
-def _guard(fn: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
+def _guard(fn: Callable[P, Coroutine[Any, Any, T]]) -> Callable[P, Coroutine[Any, Any, T]]:
     """Answer every failure with an errno; never let pyfuse3 see anything but FUSEError."""
 
     @functools.wraps(fn)
-    async def wrapper(self: KvfsOperations, *args: Any) -> T:
+    async def wrapper(*args: P.args, **kwargs: P.kwargs) -> T:
         try:
-            return await fn(self, *args)
+            return await fn(*args, **kwargs)
         except pyfuse3.FUSEError:
             raise
         except KvfsError as e:
-            log.debug("%s%r: %s", fn.__name__, args[:2], e)
+            log.debug("%s%r: %s", fn.__name__, args[1:3], e)
             raise _err(e.errno) from None
         except OSError as e:
             if e.errno is None:
-                log.error("%s%r failed", fn.__name__, args[:2], exc_info=True)
+                log.error("%s%r failed", fn.__name__, args[1:3], exc_info=True)
             raise _err(e.errno or errno.EIO) from None
         except Exception:
-            log.error("unexpected error in %s%r", fn.__name__, args[:2], exc_info=True)
+            log.error("unexpected error in %s%r", fn.__name__, args[1:3], exc_info=True)
             raise _err(errno.EIO) from None
 
     return wrapper
@@ -244,11 +245,11 @@ class KvfsOperations(pyfuse3.Operations):
             if node.path in ("", SESSIONS_DIR) and (fields.update_uid or fields.update_gid):
                 raise _err(errno.EPERM)
             a = self._attrs(node)
-            row = DirRow(node.path, attr.st_mode if fields.update_mode else a.st_mode,
-                         attr.st_uid if fields.update_uid else a.st_uid,
-                         attr.st_gid if fields.update_gid else a.st_gid,
-                         mtime if mtime is not None else a.st_mtime_ns)
-            await self._thread(self.dirs.put, row)
+            drow = DirRow(node.path, attr.st_mode if fields.update_mode else a.st_mode,
+                          attr.st_uid if fields.update_uid else a.st_uid,
+                          attr.st_gid if fields.update_gid else a.st_gid,
+                          mtime if mtime is not None else a.st_mtime_ns)
+            await self._thread(self.dirs.put, drow)
         elif fields.update_size or fields.update_mode or fields.update_uid or fields.update_gid:
             raise _err(errno.EPERM)
         return await self._entry(node)
