@@ -1,0 +1,128 @@
+"""The fast path into GPU memory: kvikio CuFile and host staging, bit-exact against the host
+path. Marked ``gpu``; skipped with the reason below where there is no GPU, cupy or kvikio.
+
+Run on the device machine: see docs/gds.md ("Running the GPU tests").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+from test_gds import KiB, MiB, aligned, flip_byte, key, rand
+
+import gds
+import kvfs
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module", autouse=True)
+def need_gpu() -> dict[str, str | None]:
+    st = gds.gpu_status()
+    why = st["cupy"] or st["kvikio"]
+    if why is not None:
+        pytest.skip(f"{gds.GPU_SKIP_REASON} ({why})")
+    print(f"kvikio {st['kvikio_mode']}")
+    return st
+
+
+@pytest.fixture
+def store(make_config: Callable[..., kvfs.StoreConfig]) -> Iterator[kvfs.SyncStore]:
+    with kvfs.open_store_sync(make_config(ndev=3, stripe_unit=64 * KiB)) as s:
+        yield s
+
+
+@pytest.fixture
+def fp(store: kvfs.SyncStore) -> Iterator[gds.FastPath]:
+    with gds.FastPath(store, threads=8) as f:
+        yield f
+
+
+def host_read(fp: gds.FastPath, k: kvfs.PageKey, n: int) -> np.ndarray:
+    dest = aligned(n)
+    assert fp.read(k, dest, backend="host").result() == n
+    return dest
+
+
+def poisoned(cp: Any, n: int) -> Any:
+    """A GPU buffer full of a pattern the page data is unlikely to keep by chance."""
+    return cp.full((n,), 0xA5, dtype=cp.uint8)
+
+
+@pytest.mark.parametrize("backend", ["kvikio", "staged"])
+@pytest.mark.parametrize("size", [1, 4096, 5 * MiB + 123])
+def test_read_into_cupy_matches_host_path(store: kvfs.SyncStore, fp: gds.FastPath,
+                                          backend: str, size: int) -> None:
+    import cupy as cp
+
+    data = rand(size, seed=size)
+    store.put(key(0), data)
+    dest = poisoned(cp, size)
+    assert fp.read(key(0), dest, backend=backend).result() == size
+    assert np.array_equal(cp.asnumpy(dest), host_read(fp, key(0), size))
+    assert np.array_equal(cp.asnumpy(dest), data)
+
+
+def test_auto_picks_kvikio_for_gpu_memory(fp: gds.FastPath) -> None:
+    import cupy as cp
+
+    assert fp.backend_for(cp.empty(16, dtype=cp.uint8)) == "kvikio"
+    assert fp.backend_for(aligned(4096)) == "host"
+
+
+@pytest.mark.parametrize("backend", ["kvikio", "staged"])
+def test_read_into_torch_bf16_tensor(store: kvfs.SyncStore, fp: gds.FastPath,
+                                     backend: str) -> None:
+    torch = pytest.importorskip("torch")
+    n = 3 * MiB + 4096
+    data = rand(n, seed=7)
+    store.put(key(0), data)
+    t = torch.full((n // 2,), 1.5, dtype=torch.bfloat16, device="cuda")
+    assert fp.read(key(0), t, backend=backend).result() == n
+    got = t.view(torch.uint8).cpu().numpy()
+    assert np.array_equal(got, host_read(fp, key(0), n))
+
+
+@pytest.mark.parametrize("backend", ["kvikio", "staged"])
+def test_flipped_byte_is_an_error_on_the_gpu_path(store: kvfs.SyncStore, fp: gds.FastPath,
+                                                  backend: str) -> None:
+    import cupy as cp
+
+    data = rand(3 * MiB)
+    info = store.put(key(0), data)
+    flip_byte(info, 2 * MiB + 11)
+    with pytest.raises(kvfs.CorruptPage, match=f"bytes {2 * MiB}-"):
+        fp.read(key(0), cp.empty(data.nbytes, dtype=cp.uint8), backend=backend).result()
+    assert not store.engine._leases
+
+
+def test_write_from_cupy_and_torch(store: kvfs.SyncStore, fp: gds.FastPath) -> None:
+    import cupy as cp
+
+    data = rand(4 * MiB + 5, seed=3)
+    info = fp.write(key(0), cp.asarray(data)).result()
+    assert info.checksum == kvfs.checksum(data.tobytes()).hex()
+    assert np.array_equal(host_read(fp, key(0), data.nbytes), data)
+    torch = pytest.importorskip("torch")
+    t = torch.randn(MiB // 2, dtype=torch.bfloat16, device="cuda")
+    want = t.view(torch.uint8).cpu().numpy()
+    info = fp.write(key(1), t).result()
+    assert info.checksum == kvfs.checksum(want.tobytes()).hex()
+    back = torch.empty_like(t)
+    fp.read(key(1), back).result()
+    assert torch.equal(back.view(torch.uint8), t.view(torch.uint8))
+
+
+def test_layer_loader_into_gpu(store: kvfs.SyncStore, fp: gds.FastPath) -> None:
+    import cupy as cp
+
+    datas = [rand(MiB + 512 * i, seed=i) for i in range(6)]
+    for i, d in enumerate(datas):
+        store.put(key(i), d)
+    dests = [poisoned(cp, d.nbytes) for d in datas]
+    with fp.load_layers([key(i) for i in range(6)], dests, ahead=2) as layers:
+        for i, buf in layers:
+            assert np.array_equal(cp.asnumpy(buf), datas[i])
