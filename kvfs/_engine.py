@@ -17,6 +17,7 @@ Life of a put (what a crash at each step leaves behind):
 
 from __future__ import annotations
 
+import builtins
 import dataclasses
 import os
 import threading
@@ -133,7 +134,7 @@ class Engine:
         self._atime_flushed = time.monotonic()
         self._counters: Counter[str] = Counter()
         self._evictions: Counter[str] = Counter()
-        self.recovered_orphans: list[str] = []
+        self.recovered_orphans: builtins.list[str] = []
         clean = self.index.get_meta("clean", True) is not False
         if not clean:
             self.recovered_orphans = self.tier.sweep(self.index.all_extent_files())
@@ -379,7 +380,7 @@ class Engine:
             self.policy.pages_removed([_old])  # a replace: the archive's manifest is stale
         return self.stat(k)
 
-    def _submit_leaves(self, mv: memoryview) -> list[Future[bytes]]:
+    def _submit_leaves(self, mv: memoryview) -> builtins.list[Future[bytes]]:
         def group(o: int) -> bytes:
             chunk = mv[o:o + HASH_GROUP]
             return b"".join(leaf_hash(chunk[i:i + LEAF]) for i in range(0, len(chunk), LEAF))
@@ -488,7 +489,7 @@ class Engine:
         # is hashed while the next ones are read, instead of all landing at the end together.
         window = max(READ_WINDOW, 2 * self.tier.n)
         futs: dict[int, Future[None]] = {}
-        got: list[bytes] = []
+        got: builtins.list[bytes] = []
         hasher = leaf_hasher()
         nxt = 0
         opened: dict[tuple[int, str], tuple[int, bool]] = {}
@@ -579,7 +580,7 @@ class Engine:
         return self.index.page(as_key(key).path) is not None
 
     def list(self, *, session: str | None = None, prefix: str | None = None,
-             path_prefix: str | None = None) -> list[PageInfo]:
+             path_prefix: str | None = None) -> builtins.list[PageInfo]:
         """Pages of a session (optionally of one prefix of it), or under a path prefix."""
         self._check_open()
         if prefix is not None and session is None:
@@ -596,7 +597,7 @@ class Engine:
                 out.append(self._info(p, b))
         return out
 
-    def sessions(self) -> list[SessionInfo]:
+    def sessions(self) -> builtins.list[SessionInfo]:
         self._check_open()
         return [self._session_info(s.dir) for s in self.index.sessions()]
 
@@ -640,7 +641,7 @@ class Engine:
             db.execute("DELETE FROM sessions WHERE dir=?", (d,))
         return len(gone)
 
-    def _after_delete(self, gone: list[PageRow], freed: list[BlobRow]) -> None:
+    def _after_delete(self, gone: builtins.list[PageRow], freed: builtins.list[BlobRow]) -> None:
         for b in freed:
             self._drop_files(b)
             self.policy.forget_blob(b)
@@ -737,7 +738,7 @@ class Engine:
         SessionNotFound, ArchiveUnavailable, CorruptPage."""
         return int(self._archive().restore_session(session_dir(session)))
 
-    def archived_sessions(self) -> list[dict[str, object]]:
+    def archived_sessions(self) -> builtins.list[dict[str, object]]:
         """Sessions that have a manifest in the archive, from every host sharing it."""
         return list(self._archive().archived_sessions())
 
@@ -762,18 +763,18 @@ class Engine:
 
     # -- verification -----------------------------------------------------------------
     def fsck(self, *, repair: bool = False, verify_data: bool = True,
-             progress: object = None) -> dict[str, list[str]]:
+             progress: object = None) -> dict[str, builtins.list[str]]:
         """Check the index against the files: missing files, wrong sizes, bad checksums,
         orphans. With ``repair``, orphans are removed and pages with missing or corrupt
         data are deleted (they cannot be served). Returns findings by kind."""
         self._check_open()
-        out: dict[str, list[str]] = {"missing": [], "corrupt": [], "orphans": [], "repaired": []}
+        out: dict[str, builtins.list[str]] = {"missing": [], "corrupt": [], "orphans": [], "repaired": []}
         known = self.index.all_extent_files()
         for dev, rel in self.tier.all_files():
             if (dev, rel) not in known:
                 out["orphans"].append(self.tier.abspath(dev, rel))
         blobs = self.index.local_blobs()
-        bad: list[BlobRow] = []
+        bad: builtins.list[BlobRow] = []
         for i, b in enumerate(blobs):
             assert b.extents is not None
             if callable(progress):
@@ -808,7 +809,7 @@ class Engine:
         return out
 
 
-def _wait_all(futs: list[Future[None]]) -> None:
+def _wait_all(futs: builtins.list[Future[None]]) -> None:
     """Wait for every future; then raise the first error, if any."""
     first: BaseException | None = None
     for f in futs:

@@ -11,6 +11,7 @@ have stored the page; ``exists`` tells.
 
 from __future__ import annotations
 
+import builtins
 import functools
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -76,11 +77,11 @@ class Store:
         return await self._run(self._engine.exists, key)
 
     async def list(self, *, session: str | None = None, prefix: str | None = None,
-                   path_prefix: str | None = None) -> list[PageInfo]:
+                   path_prefix: str | None = None) -> builtins.list[PageInfo]:
         return await self._run(self._engine.list, session=session, prefix=prefix,
                                path_prefix=path_prefix)
 
-    async def sessions(self) -> list[SessionInfo]:
+    async def sessions(self) -> builtins.list[SessionInfo]:
         return await self._run(self._engine.sessions)
 
     async def session_info(self, session: str) -> SessionInfo:
@@ -113,14 +114,14 @@ class Store:
     async def evict(self, key: KeyLike | None = None, *, session: str | None = None) -> int:
         return await self._run(self._engine.evict, key, session=session)
 
-    async def fsck(self, *, repair: bool = False) -> dict[str, list[str]]:
+    async def fsck(self, *, repair: bool = False) -> dict[str, builtins.list[str]]:
         return await self._run(self._engine.fsck, repair=repair)
 
     async def begin_write(self, key: KeyLike) -> PageWriter:
         return await self._run(self._engine.begin_write, key)
 
     async def put_many(self, items: Iterable[tuple[KeyLike, object]], *,
-                       attrs: dict[str, str] | None = None, concurrency: int = 4) -> list[PageInfo]:
+                       attrs: dict[str, str] | None = None, concurrency: int = 4) -> builtins.list[PageInfo]:
         """Put several pages concurrently; results in input order. The first error cancels the rest
         (pages already stored stay stored)."""
         items = list(items)
@@ -128,7 +129,7 @@ class Store:
                                    for k, d in items], concurrency)
 
     async def get_many(self, keys: Iterable[KeyLike], into: Iterable[object] | None = None, *,
-                       concurrency: int = 4) -> list[bytes | int]:
+                       concurrency: int = 4) -> builtins.list[bytes | int]:
         """Get several pages concurrently, optionally each into its own buffer."""
         keys = list(keys)
         bufs = list(into) if into is not None else [None] * len(keys)
@@ -138,10 +139,10 @@ class Store:
                                    for k, b in zip(keys, bufs, strict=True)], concurrency)
 
     @staticmethod
-    async def _gather(calls: list[Callable[[], Awaitable[T]]], concurrency: int) -> list[T]:
-        results: list[Any] = [None] * len(calls)
+    async def _gather(calls: builtins.list[Callable[[], Awaitable[T]]], concurrency: int) -> builtins.list[T]:
+        results: builtins.list[Any] = [None] * len(calls)
         sem = trio.Semaphore(concurrency)
-        first: list[Exception] = []
+        first: builtins.list[Exception] = []
 
         async def one(i: int) -> None:
             async with sem:
@@ -171,7 +172,7 @@ class Store:
         """Import and prefetch a session from the archive; bytes restored (Engine.restore)."""
         return await self._run(self._engine.restore, session)
 
-    async def archived_sessions(self) -> list[dict[str, object]]:
+    async def archived_sessions(self) -> builtins.list[dict[str, object]]:
         return await self._run(self._engine.archived_sessions)
 
     async def aclose(self) -> None:
@@ -238,10 +239,10 @@ class SyncStore:
     def exists(self, key: KeyLike) -> bool:
         return self._engine.exists(key)
 
-    def list(self, **kw: Any) -> list[PageInfo]:
+    def list(self, **kw: Any) -> builtins.list[PageInfo]:
         return self._engine.list(**kw)
 
-    def sessions(self) -> list[SessionInfo]:
+    def sessions(self) -> builtins.list[SessionInfo]:
         return self._engine.sessions()
 
     def session_info(self, session: str) -> SessionInfo:
@@ -274,14 +275,14 @@ class SyncStore:
     def evict(self, key: KeyLike | None = None, *, session: str | None = None) -> int:
         return self._engine.evict(key, session=session)
 
-    def fsck(self, *, repair: bool = False) -> dict[str, list[str]]:
+    def fsck(self, *, repair: bool = False) -> dict[str, builtins.list[str]]:
         return self._engine.fsck(repair=repair)
 
     def begin_write(self, key: KeyLike) -> PageWriter:
         return self._engine.begin_write(key)
 
     def put_many(self, items: Iterable[tuple[KeyLike, object]], *, concurrency: int = 4,
-                 **kw: Any) -> list[PageInfo]:
+                 **kw: Any) -> builtins.list[PageInfo]:
         """Put several pages from ``concurrency`` threads; results in input order. The first
         error is raised after the calls in flight finish (pages already stored stay stored)."""
         # Not the engine's I/O pool: each put waits on that pool, so running puts on it
@@ -292,7 +293,7 @@ class SyncStore:
             return list(ex.map(lambda kd: self._engine.put(kd[0], kd[1], **kw), items))
 
     def get_many(self, keys: Iterable[KeyLike], into: Iterable[object] | None = None, *,
-                 concurrency: int = 4) -> list[bytes | int]:
+                 concurrency: int = 4) -> builtins.list[bytes | int]:
         """Get several pages (optionally each into its own buffer); results in input order."""
         keys = list(keys)
         bufs = list(into) if into is not None else [None] * len(keys)
@@ -312,7 +313,7 @@ class SyncStore:
     def restore(self, session: str) -> int:
         return self._engine.restore(session)
 
-    def archived_sessions(self) -> list[dict[str, object]]:
+    def archived_sessions(self) -> builtins.list[dict[str, object]]:
         return self._engine.archived_sessions()
 
     def close(self) -> None:

@@ -126,7 +126,7 @@ class PageStoreTests:
         sess = fresh_session()
         arr = np.arange(3 * 5 * 7, dtype=np.float16).reshape(3, 5, 7)
         sources: list[object] = [payload(999), bytearray(payload(1000)), arr,
-                                 memoryview(payload(4096)), np.float32([1.5, -2.0])]
+                                 memoryview(payload(4096)), np.array([1.5, -2.0], dtype=np.float32)]
         for i, src in enumerate(sources):
             key = kvfs.PageKey.semantic(sess, "buf", i)
             await s.put(key, src)
