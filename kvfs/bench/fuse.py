@@ -2,7 +2,8 @@
 
 One run, one scratch directory on one file system, for every page size and client count:
 
-* **write**: each client writes its pages with 1 MiB ``write`` calls and closes them:
+* **write**: each client writes its pages (each distinct, so nothing is deduplicated) with
+  1 MiB ``write`` calls and closes them:
   through the mount (a close commits the page: checksums, fsync, index commit), and into a
   plain directory on the same file system, once without and once with ``fsync`` before close;
 * **cold read**: page cache dropped first (``/proc/sys/vm/drop_caches`` as root, else
@@ -112,9 +113,14 @@ def _parallel(jobs: list[Callable[[], int]]) -> float:
 
 
 def _write_files(paths: list[Path], size: int, src: memoryview, fsync: bool) -> int:
+    """Write each page with 1 MiB calls; a page's number is stamped into its first bytes so
+    no two pages are equal (the store would deduplicate them)."""
     for p in paths:
+        head = bytearray(src[:IO])
+        head[:len(p.name)] = p.name.encode()
         with open(p, "wb", buffering=0) as f:
-            for off in range(0, size, IO):
+            f.write(head)
+            for off in range(IO, size, IO):
                 f.write(src[off:off + IO])
             if fsync:
                 os.fsync(f.fileno())
