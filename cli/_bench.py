@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib
 
-BENCHMARKS = ["store", "ttft", "archive", "fuse"]
+BENCHMARKS = ["store", "ttft", "archive", "fuse", "gds"]
 
 
 def register(sub: argparse._SubParsersAction) -> None:
