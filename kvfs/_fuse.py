@@ -30,6 +30,7 @@ import trio
 
 from ._errors import KvfsError, PageNotFound
 from ._fuse_ahead import ReadAhead
+from ._fuse_behind import WriteBehind
 from ._fuse_nodes import Handle, Kind, Node, NodeTable, Pending, owner
 from ._fuse_ns import (
     ATTR_GID,
@@ -110,7 +111,7 @@ class KvfsOperations(pyfuse3.Operations):
 
     def __init__(self, store: Store, *, direct_io: bool = False, threads: int = 16,
                  entry_timeout: float = 1.0, attr_timeout: float = 1.0,
-                 read_ahead: int = 8) -> None:
+                 read_ahead: int = 8, write_behind: int = 8) -> None:
         super().__init__()
         self.store = store
         self.engine = store.engine
@@ -124,6 +125,8 @@ class KvfsOperations(pyfuse3.Operations):
         self.settling: dict[str, trio.Event] = {}
         self.handles: dict[int, Handle] = {}
         self._next_fh = 1
+        #: writes accepted ahead of the disk per file being written (0: off); needs a nursery
+        self.write_behind = write_behind
         #: requests prefetched past a sequential reader (0: off); needs :attr:`nursery`
         self.read_ahead = read_ahead
         #: where read-ahead runs; the mount sets it (without one, no read-ahead)
@@ -216,6 +219,8 @@ class KvfsOperations(pyfuse3.Operations):
             w = node.pending
             assert w is not None
             if fields.update_size:
+                for x in [x for x in self.handles.values() if x.node is node]:
+                    await self._drain(x)
                 if attr.st_size < w.writer.size:
                     raise _err(errno.EINVAL)  # a page being written only grows
                 await self._thread(w.writer.truncate, attr.st_size)
@@ -395,6 +400,7 @@ class KvfsOperations(pyfuse3.Operations):
             return await self._thread(self.engine.read_held, page, blob, off, size)
         node = h.node
         if node.kind is Kind.PENDING and node.pending is not None:
+            await self._drain(h)
             return await self._thread(node.pending.writer.read, off, size)
         return await self._thread(self.engine.read_range, node.path, off, size)
 
@@ -406,11 +412,27 @@ class KvfsOperations(pyfuse3.Operations):
             raise _err(errno.EPERM if node.kind is Kind.PAGE else errno.EBADF)
         h.wrote = True
         try:
+            if self.nursery is not None and self.write_behind > 0:
+                if h.behind is None:
+                    h.behind = WriteBehind(functools.partial(self._thread, node.pending.writer.write),
+                                           self.write_behind, self.nursery)
+                await h.behind.submit(off, buf)
+                return len(buf)
             return await self._thread(node.pending.writer.write, off, buf)
         except BaseException as e:
             # A page missing a write is not the page its writer meant: never publish it.
             h.failed = getattr(e, "errno", None) or errno.EIO
             raise
+
+    async def _drain(self, h: Handle) -> None:
+        """Wait for a handle's queued writes; a failed one marks the file failed."""
+        if h.behind is not None:
+            try:
+                await h.behind.drain()
+            except Exception as e:
+                h.failed = h.failed or getattr(e, "errno", None) or errno.EIO
+                if not isinstance(e, OSError):  # KvfsErrors are OSErrors or ValueErrors
+                    log.error("a queued write failed", exc_info=e)
 
     @_guard
     async def flush(self, fh: int) -> None:
@@ -455,6 +477,7 @@ class KvfsOperations(pyfuse3.Operations):
         w = node.pending
         assert w is not None
         key = validate_page(dst)
+        await self._drain(h)
         h.committed = True
         if self.pending.get(node.path) is node:
             del self.pending[node.path]
@@ -626,6 +649,7 @@ class KvfsOperations(pyfuse3.Operations):
             h = self.handles.pop(fh)
             try:
                 if h.writable and not h.committed and h.node.pending is not None:
+                    await self._drain(h)
                     await self._thread(h.node.pending.writer.abort)
                 await self._close_handle(h)
             except Exception:

@@ -70,6 +70,7 @@ class Handle:
     held: tuple[PageRow, BlobRow] | None = None
     content: bytes | None = None  # the metadata file's bytes, fixed at open
     ahead: Any = None  # a ReadAhead while a page is open for reading
+    behind: Any = None  # a WriteBehind once a file being written gets writes
     writable: bool = False
     wrote: bool = False
     failed: int = 0  # errno of a failed write: the file is discarded at close

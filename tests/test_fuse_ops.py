@@ -300,3 +300,29 @@ async def test_read_ahead_serves_sequential_and_random_reads(ops: KvfsOperations
         await ops.release(fi.fh)  # waits for prefetches in flight, then ends the lease
         assert not ops.engine.is_leased(h.node.page.hash)  # type: ignore[union-attr]
         ops.nursery = None
+
+
+async def test_write_behind_keeps_order_and_reports_failures(ops: KvfsOperations) -> None:
+    import trio
+
+    async with trio.open_nursery() as nursery:
+        ops.nursery = nursery
+        fi, _ = await ops.create(ROOT, b"wb", 0o644, os.O_WRONLY, CTX)
+        for i in range(6):
+            await ops.write(fi.fh, i * MiB, bytes([i]) * MiB)
+        await ops.write(fi.fh, MiB, b"\xff" * 10)  # overlaps a queued write: lands after it
+        await ops.flush(fi.fh)
+        await ops.release(fi.fh)
+        want = bytearray(b"".join(bytes([i]) * MiB for i in range(6)))
+        want[MiB:MiB + 10] = b"\xff" * 10
+        assert ops.engine.get("wb") == want
+        # ENOSPC from a queued write comes back from a later write or from close
+        fi, _ = await ops.create(ROOT, b"full", 0o644, os.O_WRONLY, CTX)
+        with pytest.raises(pyfuse3.FUSEError) as ei:
+            for i in range(80):
+                await ops.write(fi.fh, i * MiB, b"\0" * MiB)
+            await ops.flush(fi.fh)
+        assert ei.value.errno == errno.ENOSPC
+        await ops.release(fi.fh)
+        assert not ops.engine.exists("full") and ops.engine.reserved == 0
+        ops.nursery = None
