@@ -1,0 +1,48 @@
+"""`kvfs demo` and `kvfs bench store` run end to end (tiny sizes: correctness, not speed)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from cli.__main__ import main
+
+
+def test_demo(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    for _ in range(2):  # a second run reuses the store and starts its sessions afresh
+        assert main(["demo", "--data", str(tmp_path / "demo"), "--json"]) == 0
+        out = json.loads(capsys.readouterr().out)
+        assert out["verified"] and out["pages"] == 96
+        st = out["statistics"]
+        assert st["dedup_puts"] == 24 and st["pages"] == 96 and st["corrupt_reads"] == 0
+        assert st["logical_bytes"] - st["local_bytes"] == 24 * out["page_bytes"]
+        assert [s["session"] for s in out["sessions"]] == [f"demo-{i}" for i in range(4)]
+        assert out["sessions"][0]["pinned"]
+    assert main(["demo", "--data", str(tmp_path / "demo")]) == 0
+    text = capsys.readouterr().out
+    assert "saved by dedup" in text and "demo-3" in text
+
+
+def test_bench_store_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "store", "--sizes", "1", "--clients", "1,2", "--total", "4",
+                 "--data", f"{tmp_path / 'a'},{tmp_path / 'b'}", "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert [(r["size_mib"], r["clients"]) for r in res["rows"]] == [(1, 1), (1, 2)]
+    for r in res["rows"]:
+        assert r["bytes"] == 4 << 20
+        assert all(r[k] > 0 for k in ("raw_put", "kvfs_put", "raw_get", "kvfs_get"))
+    assert not any((tmp_path / d / "kvfs-bench-store").exists() for d in "ab")  # cleaned up
+
+
+def test_bench_store_index(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "store", "--index", "3000", "--data", str(tmp_path), "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["pages"] == 3000 and res["swept_on_restart"] == 0
+    assert res["commits_per_s_full"] > 0 and res["lookups_per_s"] > 0
+
+
+def test_bench_store_rejects_bad_sizes(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "store", "--sizes", "0"]) == 2
+    assert "must be positive" in capsys.readouterr().err
