@@ -9,7 +9,8 @@ in the same run, interleaved round by round so drift hits every method alike:
   every byte checked against its BLAKE3 leaves (``fastpath-noverify``: checks off);
 * ``store.get``: the object API's ``get(into=)``, one page at a time (the path the fast
   path improves on);
-* ``mount`` (with ``--mount``): plain 1 MiB reads of the same pages through a kvfs mount;
+* ``mount`` (with ``--mount``): 1 MiB O_DIRECT reads of the same pages through a kvfs FUSE
+  mount of the scratch store, served in this process;
 * on a GPU: ``kvikio`` and ``staged`` into cupy arrays, and ``h2d``, a pinned host to device
   copy of the same bytes (the ceiling for anything that crosses PCIe through the host).
 """
@@ -22,8 +23,9 @@ import platform
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -43,10 +45,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--stripe-unit", default="4MiB", help="stripe unit (default 4MiB)")
     p.add_argument("--threads", type=int, default=8, help="reader threads (raw and fast path)")
     p.add_argument("--rounds", type=int, default=3, help="timed rounds; the median is shown")
-    p.add_argument("--dir", default=None, help="where the scratch store goes (default: a "
-                   "temporary directory under the current one)")
-    p.add_argument("--mount", default=None, help="also read the pages through this kvfs "
-                   "mount (a daemon serving the same data directories)")
+    p.add_argument("--dir", default=None, help="where the scratch store goes (default: the "
+                   "system's temporary directory); put it on the NVMe to measure")
+    p.add_argument("--mount", action="store_true", help="also mount the scratch store with "
+                   "FUSE and read the same pages through the mount (O_DIRECT, 1 MiB reads)")
     p.add_argument("--gpu", choices=("auto", "on", "off"), default="auto",
                    help="GPU rows (kvikio, staged, h2d): auto = when cupy sees a GPU")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -116,15 +118,16 @@ def run(args: argparse.Namespace) -> int:
 
     sizes = [int(s) for s in args.sizes.split(",") if s]
     cp = _gpu(args.gpu)
-    base = Path(args.dir) if args.dir else Path.cwd()
+    base = Path(args.dir) if args.dir else Path(tempfile.gettempdir())
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="kvfs-bench-gds-", dir=base) as tmp:
         cfg = kvfs.StoreConfig(data_dirs=tuple(Path(tmp) / f"nvme{i}" for i in range(args.ndev)),
                                stripe_unit=kvfs.parse_size(args.stripe_unit))
-        with kvfs.open_store_sync(cfg) as store, gds.FastPath(store, threads=args.threads) as fp:
+        mp = Path(tmp) / "mnt" if args.mount else None
+        with _open(cfg, mp) as store, gds.FastPath(store, threads=args.threads) as fp:
             pool = ThreadPoolExecutor(args.threads)
             for size_mib in sizes:
-                rows += _bench_size(store, fp, pool, cp, size_mib, args)
+                rows += _bench_size(store, fp, pool, cp, size_mib, args, mp)
                 store.delete_session("bench")
             pool.shutdown()
     conditions = {"host": platform.node(), "cpus": os.cpu_count(), "ndev": args.ndev,
@@ -142,7 +145,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _bench_size(store: kvfs.SyncStore, fp: Any, pool: ThreadPoolExecutor, cp: Any,
-                size_mib: int, args: argparse.Namespace) -> list[dict[str, Any]]:
+                size_mib: int, args: argparse.Namespace,
+                mp: Path | None) -> list[dict[str, Any]]:
     n = size_mib * MiB
     keys = [kvfs.PageKey.semantic("bench", f"s{size_mib}", i) for i in range(args.layers)]
     data = np.random.default_rng(size_mib).integers(0, 256, size=n, dtype=np.uint8)
@@ -160,8 +164,8 @@ def _bench_size(store: kvfs.SyncStore, fp: Any, pool: ThreadPoolExecutor, cp: An
         "fastpath-noverify": lambda: _all(fp.read_many(keys, dests, verify=False)),
         "store.get": lambda: _each(store.get, keys, dests),
     }
-    if args.mount:
-        methods["mount"] = _mount_reader(Path(args.mount), infos, dests)
+    if mp is not None:
+        methods["mount"] = _mount_reader(mp, infos, dests)
     if cp is not None:
         methods.update(_gpu_methods(cp, fp, keys, n, dests))
     times: dict[str, list[float]] = {m: [] for m in methods}
@@ -203,14 +207,60 @@ def _mount_reader(mount: Path, infos: list[kvfs.PageInfo],
     def run() -> None:
         for info, d in zip(infos, dests, strict=True):
             view = memoryview(d)
-            with open(mount / info.path, "rb", buffering=0) as f:
+            fd, _ = open_direct(mount / info.path, os.O_RDONLY)
+            try:
                 done = 0
                 while done < info.size:
-                    got = f.readinto(view[done:done + MiB])
+                    got = os.preadv(fd, [view[done:done + MiB]], done)
                     if not got:
                         raise OSError(f"{info.path}: short read through the mount")
                     done += got
+            finally:
+                os.close(fd)
     return run
+
+
+@contextmanager
+def _open(cfg: kvfs.StoreConfig, mp: Path | None) -> Iterator[kvfs.SyncStore]:
+    """The scratch store; with ``mp``, also FUSE-mounted there by a trio loop in a thread
+    (one process owns a store, so the benchmark and the mount share its engine)."""
+    if mp is None:
+        with kvfs.open_store_sync(cfg) as s:
+            yield s
+        return
+    import threading
+
+    import trio
+
+    from kvfs._mount import MountOptions, serve_mount
+
+    mp.mkdir()
+    ready = threading.Event()
+    box: dict[str, Any] = {}
+
+    async def main() -> None:
+        async with kvfs.open_store(cfg) as store, trio.open_nursery() as nursery:
+            box["engine"], box["token"] = store.engine, trio.lowlevel.current_trio_token()
+            box["scope"] = nursery.cancel_scope
+            await nursery.start(serve_mount, store, mp, MountOptions())
+            ready.set()
+
+    def serve() -> None:
+        try:
+            trio.run(main)
+        except BaseException as e:  # noqa: BLE001 - handed to the benchmark thread
+            box["error"] = e
+            ready.set()
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    if not ready.wait(60) or "error" in box:
+        raise RuntimeError(f"mounting the scratch store failed: {box.get('error')!r}")
+    try:
+        yield kvfs.SyncStore(box["engine"])
+    finally:
+        trio.from_thread.run_sync(box["scope"].cancel, trio_token=box["token"])
+        t.join(60)
 
 
 def _gpu_methods(cp: Any, fp: Any, keys: list[Any], n: int,
