@@ -314,20 +314,25 @@ class Engine:
         self._reserve(need)
         w = self.tier.writer(self._start_device(k), direct=True)
         try:
-            # Hashing runs on the hash pool, the pieces after the first on the I/O pool, and
-            # this thread writes the first piece: disk and CPU overlap, no idle hop.
-            hashing = None if leaves is not None else self._submit_leaves(mv)
+            # The writes are submitted first, so their I/O is under way before hashing takes
+            # the CPUs; then the leaves are hashed on the hash pool and in this thread. A
+            # page hashed already (small) is written by this thread: no hop to a pool.
             piece = self.tier.piece
             writes = [self.io_pool.submit(w.write, o, mv[o:o + piece])
-                      for o in range(piece, size, piece)]
+                      for o in range(piece if leaves is not None else 0, size, piece)]
             try:
-                if size:
-                    w.write(0, mv[:piece])
+                if leaves is not None:
+                    if size:
+                        w.write(0, mv[:piece])
+                else:
+                    groups = range(0, size, HASH_GROUP)
+                    hashing = [self.hash_pool.submit(self._group_now, mv[o:o + HASH_GROUP])
+                               for o in groups[:-1]]
+                    last = self._group_now(mv[groups[-1]:])
+                    leaves = b"".join(f.result() for f in hashing) + last
             finally:
                 # Every write must be over before abort() may close the files under it.
                 _wait_all(writes)
-            if hashing is not None:
-                leaves = b"".join(f.result() for f in hashing)
             extents, disk = w.finish(size)
         except BaseException:
             w.abort()
