@@ -21,6 +21,7 @@ import argparse
 import os
 import platform
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -285,3 +286,16 @@ def _gpu_methods(cp: Any, fp: Any, keys: list[Any], n: int,
         out[b] = lambda b=b: _all(fp.read_many(keys, dev, backend=b))
         out[f"{b}-noverify"] = lambda b=b: _all(fp.read_many(keys, dev, backend=b, verify=False))
     return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m kvfs.bench.gds [flags]``: the same benchmark without the rest of the CLI
+    (for a GPU machine that lacks the CLI's other dependencies)."""
+    parser = argparse.ArgumentParser(prog="python -m kvfs.bench.gds")
+    register(parser.add_subparsers(dest="bench", required=True))
+    args = parser.parse_args(["gds", *(argv if argv is not None else sys.argv[1:])])
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
