@@ -98,6 +98,8 @@ class TcpProxy:
             s, self._listener = self._listener, None
             conns, self._conns = self._conns, []
         if s is not None:
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)  # wakes the thread blocked in accept()
             s.close()
         for c in conns:
             with contextlib.suppress(OSError):
