@@ -378,3 +378,54 @@ def test_detached_mount_and_umount(tmp_path: Path) -> None:
         assert "ERROR" not in log and "Traceback" not in log, log
     finally:
         subprocess.run(["fusermount3", "-u", "-z", str(mp)], capture_output=True)
+
+
+def _as_nobody(script: str) -> str:
+    """Run a shell script as uid/gid 65534: "ok", or "EACCES" when it was refused."""
+    def drop() -> None:
+        os.setgroups([])
+        os.setgid(65534)
+        os.setuid(65534)
+    r = subprocess.run(["/bin/sh", "-c", script], capture_output=True, text=True,
+                       preexec_fn=drop, timeout=60)
+    if r.returncode == 0:
+        return "ok"
+    return "EACCES" if "Permission denied" in r.stderr else f"rc={r.returncode}: {r.stderr}"
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to act as another user")
+def test_access_control(tmp_path: Path) -> None:
+    import tempfile
+
+    top = Path(tempfile.mkdtemp(prefix="kvfs-acl-"))  # traversable by everyone
+    try:
+        top.chmod(0o755)
+        private = Mount(top / "private")
+        private.data = tmp_path / "d1"
+        private.mp.parent.chmod(0o755)
+        private.start()
+        write(private.mp / "page", b"secret")
+        # Without --allow-other nobody but the mounting user gets in.
+        assert _as_nobody(f"ls {private.mp}") == "EACCES"
+        private.stop()
+        shared = Mount(top / "shared", "--allow-other")
+        shared.data = tmp_path / "d2"
+        shared.mp.parent.chmod(0o755)
+        shared.start()
+        write(shared.mp / "page", b"public")
+        os.mkdir(shared.mp / "drop")
+        os.chmod(shared.mp / "drop", 0o1777)
+        p = str(shared.mp)
+        probe = {f"cat {p}/page": "ok",  # 0644, owned by root: readable
+                 f"touch {p}/mine": "EACCES",  # root's 0755 directory
+                 f"echo x >> {p}/page": "EACCES",  # the mode says no (before immutability)
+                 f"echo x > {p}/drop/mine": "ok"}  # a 1777 directory
+        for script, want in probe.items():
+            assert _as_nobody(script) == want, script
+        assert (shared.mp / "drop" / "mine").stat().st_uid == 65534
+        shared.stop()
+        assert not private.new_errors() and not shared.new_errors()
+    finally:
+        for m in ("private", "shared"):
+            subprocess.run(["fusermount3", "-u", "-z", str(top / m / "mnt")], capture_output=True)
+        shutil.rmtree(top, ignore_errors=True)
