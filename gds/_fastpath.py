@@ -24,7 +24,14 @@ from kvfs import PageInfo, PageKey
 from kvfs._aligned import BouncePool
 from kvfs._checksum import LEAF
 
-from ._gpu import BackendUnavailable, KvikioTarget, PinnedPool, StagedTarget, device_bytes
+from ._gpu import (
+    BackendUnavailable,
+    KvikioTarget,
+    PinnedPool,
+    StagedTarget,
+    device_bytes,
+    import_kvikio,
+)
 from ._gpu import stage_to_host as _stage_to_host
 from ._host import HostTarget, UnalignedDestination, host_view, is_device_buffer
 from ._loader import LayerLoader, wait
@@ -53,11 +60,20 @@ class FastPath:
     and the lease is released. Futures cannot be cancelled once returned.
     """
 
-    def __init__(self, store: Any = None, *, backend: str = "auto", threads: int = 8,
-                 hash_threads: int | None = None, verify: bool = True,
-                 max_piece: int = DEFAULT_PIECE, direct: bool = True,
-                 allow_unaligned: bool = False, io_pool: Executor | None = None,
-                 hash_pool: Executor | None = None) -> None:
+    def __init__(
+        self,
+        store: Any = None,
+        *,
+        backend: str = "auto",
+        threads: int = 8,
+        hash_threads: int | None = None,
+        verify: bool = True,
+        max_piece: int = DEFAULT_PIECE,
+        direct: bool = True,
+        allow_unaligned: bool = False,
+        io_pool: Executor | None = None,
+        hash_pool: Executor | None = None,
+    ) -> None:
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, not {backend!r}")
         self.engine = getattr(store, "engine", store)
@@ -66,10 +82,12 @@ class FastPath:
         self.max_piece = max_piece
         self.direct = direct
         self.allow_unaligned = allow_unaligned
+        self.threads = threads
         self._own: list[ThreadPoolExecutor] = []
         self._io = io_pool or self._pool(threads, "kvfs-gds-io")
-        self._hash = hash_pool or self._pool(hash_threads or max(2, os.cpu_count() or 2),
-                                             "kvfs-gds-hash")
+        self._hash = hash_pool or self._pool(
+            hash_threads or max(2, os.cpu_count() or 2), "kvfs-gds-hash"
+        )
         self._writer = self._pool(2, "kvfs-gds-write")
         # Aligned destinations only bounce a page's last partial 4 KiB; unaligned ones
         # (allow_unaligned) bounce every byte, at most this many MiB at a time.
@@ -93,23 +111,28 @@ class FastPath:
             if not device:
                 return "host"
             try:
-                import kvikio  # noqa: F401
+                import_kvikio(self.threads)
             except ImportError:
                 return "staged"
             return "kvikio"
         if b == "host" and device:
-            raise ValueError("the host backend reads into host memory; this destination is "
-                             "GPU memory (use backend='kvikio' or 'staged')")
+            raise ValueError(
+                "the host backend reads into host memory; this destination is "
+                "GPU memory (use backend='kvikio' or 'staged')"
+            )
         if b in ("kvikio", "staged") and not device:
-            raise ValueError(f"the {b} backend reads into GPU memory; for host buffers use "
-                             "backend='host' (O_DIRECT, no GPU library involved)")
+            raise ValueError(
+                f"the {b} backend reads into GPU memory; for host buffers use "
+                "backend='host' (O_DIRECT, no GPU library involved)"
+            )
         if b == "kvikio":
             try:
-                import kvikio  # noqa: F401
+                import_kvikio(self.threads)
             except ImportError as e:
-                raise BackendUnavailable("backend 'kvikio' needs kvikio: pip install "
-                                         "'kvfs[gpu]' (CUDA 12) or 'kvfs[gpu-cu13]' (CUDA 13)"
-                                         ) from e
+                raise BackendUnavailable(
+                    "backend 'kvikio' needs kvikio: pip install "
+                    "'kvfs[gpu]' (CUDA 12) or 'kvfs[gpu-cu13]' (CUDA 13)"
+                ) from e
         return b
 
     def _target(self, b: str, dest: object, size: int, allow_unaligned: bool) -> Target:
@@ -120,30 +143,45 @@ class FastPath:
                 raise UnalignedDestination(
                     "destination is not 4 KiB aligned: allocate it with kvfs.aligned_buffer "
                     "(or numpy over one), or pass allow_unaligned=True to read through "
-                    "bounce buffers")
+                    "bounce buffers"
+                )
             return t
         flat, dev = device_bytes(dest, size)
         if b == "kvikio":
-            return KvikioTarget(flat[:size], dev, self._pinned)
-        return StagedTarget(flat[:size], dev, size, direct=self.direct,
-                            bounce=self._bounce)
+            return KvikioTarget(flat[:size], dev, self._pinned, self.threads)
+        return StagedTarget(flat[:size], dev, size, direct=self.direct, bounce=self._bounce)
 
     # -- reads ------------------------------------------------------------------------
-    def _start(self, make_source: Callable[[], PageSource], into: object, backend: str | None,
-               verify: bool | None, allow_unaligned: bool | None) -> Future[int]:
+    def _start(
+        self,
+        make_source: Callable[[], PageSource],
+        into: object,
+        backend: str | None,
+        verify: bool | None,
+        allow_unaligned: bool | None,
+    ) -> Future[int]:
         if self._closed:
             raise RuntimeError("this FastPath is closed")
         b = self.backend_for(into, backend)
         src = make_source()
         try:
-            target = self._target(b, into, src.size, self.allow_unaligned
-                                  if allow_unaligned is None else allow_unaligned)
+            target = self._target(
+                b,
+                into,
+                src.size,
+                self.allow_unaligned if allow_unaligned is None else allow_unaligned,
+            )
         except BaseException:
             src.release(False)
             raise
-        read = PageRead(src, target, io_pool=self._io, hash_pool=self._hash,
-                        verify=self.verify if verify is None else verify,
-                        max_piece=self.max_piece)
+        read = PageRead(
+            src,
+            target,
+            io_pool=self._io,
+            hash_pool=self._hash,
+            verify=self.verify if verify is None else verify,
+            max_piece=self.max_piece,
+        )
         return read.start()
 
     def _need_engine(self) -> Any:
@@ -151,8 +189,15 @@ class FastPath:
             raise ValueError("reads by key need a store: FastPath(store)")
         return self.engine
 
-    def read(self, key: KeyLike, into: object, *, backend: str | None = None,
-             verify: bool | None = None, allow_unaligned: bool | None = None) -> Future[int]:
+    def read(
+        self,
+        key: KeyLike,
+        into: object,
+        *,
+        backend: str | None = None,
+        verify: bool | None = None,
+        allow_unaligned: bool | None = None,
+    ) -> Future[int]:
         """Start reading page ``key`` into ``into``; the future gives the page size.
 
         The page is leased before this returns and until the future resolves: eviction and
@@ -160,23 +205,30 @@ class FastPath:
         raises CorruptPage.
         """
         eng = self._need_engine()
-        return self._start(lambda: source_from_engine(eng, key), into, backend, verify,
-                           allow_unaligned)
+        return self._start(
+            lambda: source_from_engine(eng, key), into, backend, verify, allow_unaligned
+        )
 
-    def read_path(self, path: str | os.PathLike[str], into: object, *,
-                  backend: str | None = None, verify: bool | None = None,
-                  allow_unaligned: bool | None = None) -> Future[int]:
+    def read_path(
+        self,
+        path: str | os.PathLike[str],
+        into: object,
+        *,
+        backend: str | None = None,
+        verify: bool | None = None,
+        allow_unaligned: bool | None = None,
+    ) -> Future[int]:
         """Start reading a page file on a kvfs mount by its ``user.kvfs.extents`` xattr.
 
         The file stays open (the daemon's lease) until the future resolves. Only the root
         checksum is known by path, so corruption is reported once all bytes are in.
         Raises FileNotFoundError, NotAKvfsPage now; the future raises CorruptPage.
         """
-        return self._start(lambda: source_from_mount(path), into, backend, verify,
-                           allow_unaligned)
+        return self._start(lambda: source_from_mount(path), into, backend, verify, allow_unaligned)
 
-    def read_many(self, keys: Sequence[KeyLike], intos: Sequence[object],
-                  **kw: Any) -> list[Future[int]]:
+    def read_many(
+        self, keys: Sequence[KeyLike], intos: Sequence[object], **kw: Any
+    ) -> list[Future[int]]:
         """Start reading many pages at once (all layers of a prefix); their pieces share the
         pool in order, so the reads overlap and the first pages finish first. If a lookup
         fails, the reads already started run on and the error is raised."""
@@ -184,8 +236,9 @@ class FastPath:
             raise ValueError("need one destination per key")
         return [self.read(k, d, **kw) for k, d in zip(keys, intos, strict=True)]
 
-    def load_layers(self, keys: Sequence[KeyLike], intos: Sequence[Any], *,
-                    ahead: int | None = None, **kw: Any) -> LayerLoader[Any]:
+    def load_layers(
+        self, keys: Sequence[KeyLike], intos: Sequence[Any], *, ahead: int | None = None, **kw: Any
+    ) -> LayerLoader[Any]:
         """A :class:`LayerLoader` over ``keys`` (in layer order), reading ``ahead`` layers
         beyond the one being consumed (None: all at once)."""
         if len(keys) != len(intos):
@@ -193,8 +246,15 @@ class FastPath:
         return LayerLoader(lambda i: self.read(keys[i], intos[i], **kw), intos, ahead)
 
     # -- writes -----------------------------------------------------------------------
-    def write(self, key: KeyLike, data: object, *, attrs: dict[str, str] | None = None,
-              pin: bool = False, replace: bool = False) -> Future[PageInfo]:
+    def write(
+        self,
+        key: KeyLike,
+        data: object,
+        *,
+        attrs: dict[str, str] | None = None,
+        pin: bool = False,
+        replace: bool = False,
+    ) -> Future[PageInfo]:
         """Store ``data`` (host buffer or GPU memory) as a new page through the store.
 
         GPU memory is first copied into page-aligned host memory; the store then writes the

@@ -16,6 +16,7 @@ cupy nor kvikio, and the host path never calls into it.
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -27,8 +28,16 @@ from kvfs._checksum import LEAF
 from ._host import HostTarget
 from ._source import Piece
 
-__all__ = ["GPU_SKIP_REASON", "BackendUnavailable", "KvikioTarget", "PinnedPool",
-           "StagedTarget", "device_bytes", "gpu_status", "stage_to_host"]
+__all__ = [
+    "GPU_SKIP_REASON",
+    "BackendUnavailable",
+    "KvikioTarget",
+    "PinnedPool",
+    "StagedTarget",
+    "device_bytes",
+    "gpu_status",
+    "stage_to_host",
+]
 
 GPU_SKIP_REASON = "needs an NVIDIA GPU with kvikio and cupy; run on the device machine"
 _H2D, _D2H = 1, 2  # cudaMemcpyHostToDevice, cudaMemcpyDeviceToHost
@@ -64,6 +73,17 @@ def gpu_status() -> dict[str, str | None]:
     return out
 
 
+def import_kvikio(threads: int) -> Any:
+    """Import kvikio, first defaulting ``KVIKIO_NTHREADS`` to the fast path's thread count:
+    kvikio's own pool defaults to one thread, which would serialise every piece. An explicit
+    ``KVIKIO_NTHREADS`` wins; it only takes effect before kvikio's first import.
+    Raises ImportError."""
+    os.environ.setdefault("KVIKIO_NTHREADS", str(max(1, threads)))
+    import kvikio
+
+    return kvikio
+
+
 def kvikio_mode(kvikio: Any) -> str:
     """kvikio's compatibility-mode setting as text (its API changed across releases)."""
     d = kvikio.defaults
@@ -83,8 +103,10 @@ def device_bytes(obj: object, size: int) -> tuple[Any, int]:
     try:
         import cupy
     except ImportError as e:
-        raise BackendUnavailable("GPU destinations need cupy: pip install 'kvfs[gpu]' "
-                                 "(CUDA 12) or 'kvfs[gpu-cu13]' (CUDA 13)") from e
+        raise BackendUnavailable(
+            "GPU destinations need cupy: pip install 'kvfs[gpu]' "
+            "(CUDA 12) or 'kvfs[gpu-cu13]' (CUDA 13)"
+        ) from e
     if callable(getattr(obj, "data_ptr", None)) and callable(getattr(obj, "element_size", None)):
         t: Any = obj  # a torch tensor: its interface refuses bf16, so go by pointer
         if not t.is_cuda:
@@ -102,8 +124,9 @@ def device_bytes(obj: object, size: int) -> tuple[Any, int]:
         flat = arr.reshape(-1).view(cupy.uint8)
         dev = int(arr.device.id)
     if flat.nbytes < size:
-        raise ValueError(f"destination of {flat.nbytes} bytes is smaller than the page "
-                         f"({size} bytes)")
+        raise ValueError(
+            f"destination of {flat.nbytes} bytes is smaller than the page ({size} bytes)"
+        )
     return flat, dev
 
 
@@ -146,10 +169,8 @@ class KvikioTarget:
 
     kind = "kvikio"
 
-    def __init__(self, flat: Any, device: int, pinned: PinnedPool) -> None:
-        import kvikio
-
-        self._kvikio = kvikio
+    def __init__(self, flat: Any, device: int, pinned: PinnedPool, threads: int) -> None:
+        self._kvikio = import_kvikio(threads)
         self.flat, self.device, self.pinned = flat, device, pinned
 
     def open(self, path: str) -> Any:
@@ -162,7 +183,7 @@ class KvikioTarget:
         import cupy
 
         with cupy.cuda.Device(self.device):
-            got = handle.pread(self.flat[p.page_off:p.page_off + p.n], p.n, p.file_off).get()
+            got = handle.pread(self.flat[p.page_off : p.page_off + p.n], p.n, p.file_off).get()
         if got != p.n:
             raise CorruptPage(f"page {name!r}: a data file is shorter than its extents")
 
@@ -171,9 +192,8 @@ class KvikioTarget:
             return
         buf = self.pinned.take()
         try:
-            _memcpy(int(buf.ctypes.data), int(self.flat.data.ptr) + lo, hi - lo, _D2H,
-                    self.device)
-            check(memoryview(buf)[:hi - lo])
+            _memcpy(int(buf.ctypes.data), int(self.flat.data.ptr) + lo, hi - lo, _D2H, self.device)
+            check(memoryview(buf)[: hi - lo])
         finally:
             self.pinned.give(buf)
 
@@ -189,8 +209,7 @@ class StagedTarget:
 
     kind = "staged"
 
-    def __init__(self, flat: Any, device: int, size: int, *, direct: bool,
-                 bounce: Any) -> None:
+    def __init__(self, flat: Any, device: int, size: int, *, direct: bool, bounce: Any) -> None:
         self.flat, self.device = flat, device
         self.staging = aligned_buffer(size)
         self.host = HostTarget(self.staging, direct=direct, bounce=bounce)
@@ -226,5 +245,5 @@ def stage_to_host(obj: object, chunk: int = 64 * LEAF) -> memoryview:
     buf = aligned_buffer(n)
     for o in range(0, n, chunk):
         take = min(chunk, n - o)
-        _memcpy(address_of(buf[o:o + take]), int(flat.data.ptr) + o, take, _D2H, dev)
+        _memcpy(address_of(buf[o : o + take]), int(flat.data.ptr) + o, take, _D2H, dev)
     return buf

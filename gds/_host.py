@@ -44,8 +44,10 @@ def host_view(obj: object, size: int) -> memoryview:
     try:
         mv = memoryview(obj)  # type: ignore[arg-type]
     except TypeError:
-        raise TypeError(f"destination must be a writable buffer (numpy array, bytearray, "
-                        f"kvfs.aligned_buffer) or GPU memory, not {type(obj).__name__}") from None
+        raise TypeError(
+            f"destination must be a writable buffer (numpy array, bytearray, "
+            f"kvfs.aligned_buffer) or GPU memory, not {type(obj).__name__}"
+        ) from None
     if mv.readonly:
         raise TypeError("destination buffer is read-only")
     if not mv.c_contiguous:
@@ -53,8 +55,7 @@ def host_view(obj: object, size: int) -> memoryview:
     if mv.format != "B" or mv.ndim != 1:
         mv = mv.cast("B")
     if len(mv) < size:
-        raise ValueError(f"destination of {len(mv)} bytes is smaller than the page "
-                         f"({size} bytes)")
+        raise ValueError(f"destination of {len(mv)} bytes is smaller than the page ({size} bytes)")
     return mv
 
 
@@ -88,7 +89,7 @@ class HostTarget:
 
     def read(self, handle: tuple[int, bool], p: Piece, name: str) -> None:
         fd, direct = handle
-        target = self.dest[p.page_off:p.page_off + p.n]
+        target = self.dest[p.page_off : p.page_off + p.n]
         if not direct:
             if _pread_into(fd, target, p.file_off) < p.n:
                 raise CorruptPage(f"page {name!r}: a data file is shorter than its extents")
@@ -111,7 +112,7 @@ class HostTarget:
                 span = round_up(fo - base + want)
                 if _pread_into(fd, b[:span], base) < fo - base + want:
                     raise CorruptPage(f"page {name!r}: a data file is shorter than its extents")
-                target[done:done + want] = b[fo - base:fo - base + want]
+                target[done : done + want] = b[fo - base : fo - base + want]
             finally:
                 self.bounce.give(b)
             done += want

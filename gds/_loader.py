@@ -56,8 +56,9 @@ class LayerLoader(Generic[T]):
     destination is written after the ``with`` block (reads not yet started never start).
     """
 
-    def __init__(self, submit: Callable[[int], Future[int]], dests: Sequence[T],
-                 ahead: int | None) -> None:
+    def __init__(
+        self, submit: Callable[[int], Future[int]], dests: Sequence[T], ahead: int | None
+    ) -> None:
         if ahead is not None and ahead < 0:
             raise ValueError("ahead must be >= 0 or None")
         self._submit = submit

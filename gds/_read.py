@@ -54,8 +54,16 @@ class Target(Protocol):
 class PageRead:
     """Drives one page read; create, then :meth:`start`. Resolves ``future`` with the size."""
 
-    def __init__(self, src: PageSource, target: Target, *, io_pool: Executor,
-                 hash_pool: Executor, verify: bool, max_piece: int) -> None:
+    def __init__(
+        self,
+        src: PageSource,
+        target: Target,
+        *,
+        io_pool: Executor,
+        hash_pool: Executor,
+        verify: bool,
+        max_piece: int,
+    ) -> None:
         self.src = src
         self.target = target
         self.io_pool = io_pool
@@ -113,8 +121,9 @@ class PageRead:
                 try:
                     h = self.target.open(self.src.files[fi])
                 except FileNotFoundError as e:
-                    raise CorruptPage(f"page {self.src.name!r}: a data file is missing "
-                                      f"({e.filename})") from e
+                    raise CorruptPage(
+                        f"page {self.src.name!r}: a data file is missing ({e.filename})"
+                    ) from e
                 self._handles[fi] = h
             return h
 
@@ -164,20 +173,26 @@ class PageRead:
         d = leaf_hash(view)
         self._digests[i] = d
         want = self.src.leaves
-        if want is not None and want[i * DIGEST:(i + 1) * DIGEST] != d:
+        if want is not None and want[i * DIGEST : (i + 1) * DIGEST] != d:
             raise self._corrupt(i)
 
     def _corrupt(self, i: int | None) -> CorruptPage:
         if i is None:
-            return CorruptPage(f"page {self.src.name!r} is corrupt: its bytes do not match "
-                               "its checksum")
-        return CorruptPage(f"page {self.src.name!r} is corrupt: bytes {i * LEAF}-"
-                           f"{min(self.src.size, (i + 1) * LEAF)} do not match the checksum")
+            return CorruptPage(
+                f"page {self.src.name!r} is corrupt: its bytes do not match its checksum"
+            )
+        return CorruptPage(
+            f"page {self.src.name!r} is corrupt: bytes {i * LEAF}-"
+            f"{min(self.src.size, (i + 1) * LEAF)} do not match the checksum"
+        )
 
     def _finalize(self) -> None:
         err = self._error
-        if (err is None and self.verify
-                and tree_hash(self.src.size, b"".join(self._digests)) != self.src.checksum):
+        if (
+            err is None
+            and self.verify
+            and tree_hash(self.src.size, b"".join(self._digests)) != self.src.checksum
+        ):
             err = self._corrupt(None)
         if err is None:
             try:

@@ -25,8 +25,14 @@ from typing import Any
 
 from kvfs import CorruptPage, KvfsError, PageKey
 
-__all__ = ["NotAKvfsPage", "PageSource", "Piece", "plan_pieces", "source_from_engine",
-           "source_from_mount"]
+__all__ = [
+    "NotAKvfsPage",
+    "PageSource",
+    "Piece",
+    "plan_pieces",
+    "source_from_engine",
+    "source_from_mount",
+]
 
 #: Largest single read the fast path issues (per file, per request).
 DEFAULT_PIECE = 4 << 20
@@ -97,13 +103,13 @@ def plan_pieces(src: PageSource, max_piece: int = DEFAULT_PIECE) -> list[Piece]:
             done += take
         pos += length
     if pos != src.size:
-        raise CorruptPage(f"page {src.name!r}: extents cover {pos} bytes, the page has "
-                          f"{src.size}")
+        raise CorruptPage(f"page {src.name!r}: extents cover {pos} bytes, the page has {src.size}")
     return out
 
 
-def _index_files(triples: list[tuple[str, int, int]]) -> tuple[tuple[str, ...],
-                                                               tuple[tuple[int, int, int], ...]]:
+def _index_files(
+    triples: list[tuple[str, int, int]],
+) -> tuple[tuple[str, ...], tuple[tuple[int, int, int], ...]]:
     files: dict[str, int] = {}
     ext = []
     for path, off, length in triples:
@@ -124,8 +130,9 @@ def source_from_engine(engine: Any, key: PageKey | str) -> PageSource:
         if not blob.local:
             blob = engine._restore(blob, page)
         assert blob.extents is not None
-        files, extents = _index_files([(engine.tier.abspath(d, rel), off, length)
-                                       for d, rel, off, length in blob.extents])
+        files, extents = _index_files(
+            [(engine.tier.abspath(d, rel), off, length) for d, rel, off, length in blob.extents]
+        )
     except BaseException:
         cm.__exit__(*sys.exc_info())
         raise
@@ -137,8 +144,15 @@ def source_from_engine(engine: Any, key: PageKey | str) -> PageSource:
         finally:
             cm.__exit__(None, None, None)
 
-    return PageSource(name=page.path, size=blob.size, checksum=blob.hash, leaves=blob.leaves,
-                      files=files, extents=extents, _release=release)
+    return PageSource(
+        name=page.path,
+        size=blob.size,
+        checksum=blob.hash,
+        leaves=blob.leaves,
+        files=files,
+        extents=extents,
+        _release=release,
+    )
 
 
 def source_from_mount(path: str | os.PathLike[str]) -> PageSource:
@@ -157,12 +171,14 @@ def source_from_mount(path: str | os.PathLike[str]) -> PageSource:
             checksum = bytes.fromhex(os.getxattr(fd, XATTR_CHECKSUM).decode())
         except OSError as e:
             if e.errno in (61, 95):  # ENODATA, ENOTSUP
-                raise NotAKvfsPage(f"{os.fspath(path)!r} has no kvfs extents attribute: "
-                                   "not a page on a kvfs mount") from e
+                raise NotAKvfsPage(
+                    f"{os.fspath(path)!r} has no kvfs extents attribute: not a page on a kvfs mount"
+                ) from e
             raise
         triples = json.loads(raw)
         if not isinstance(triples, list) or not all(
-                isinstance(t, list) and len(t) == 3 for t in triples):
+            isinstance(t, list) and len(t) == 3 for t in triples
+        ):
             raise CorruptPage(f"{os.fspath(path)!r}: malformed {XATTR_EXTENTS}")
         files, extents = _index_files([(str(p), int(o), int(n)) for p, o, n in triples])
     except BaseException:
@@ -172,5 +188,12 @@ def source_from_mount(path: str | os.PathLike[str]) -> PageSource:
     def release(ok: bool) -> None:
         os.close(fd)
 
-    return PageSource(name=os.fspath(path), size=size, checksum=checksum, leaves=None,
-                      files=files, extents=extents, _release=release)
+    return PageSource(
+        name=os.fspath(path),
+        size=size,
+        checksum=checksum,
+        leaves=None,
+        files=files,
+        extents=extents,
+        _release=release,
+    )

@@ -119,8 +119,7 @@ def test_batch_of_pages_overlaps_and_is_exact(store: kvfs.SyncStore, fp: gds.Fas
         assert np.array_equal(d, got)
 
 
-def test_destination_may_be_larger_and_any_dtype(store: kvfs.SyncStore,
-                                                 fp: gds.FastPath) -> None:
+def test_destination_may_be_larger_and_any_dtype(store: kvfs.SyncStore, fp: gds.FastPath) -> None:
     data = rand(MiB)
     store.put(key(0), data)
     dest = aligned(2 * MiB).view(np.float16).reshape(2, -1)
@@ -146,17 +145,18 @@ def test_bad_destinations(store: kvfs.SyncStore, fp: gds.FastPath) -> None:
     assert not store.engine._leases
 
 
-def test_unaligned_destination_is_refused_or_bounced(store: kvfs.SyncStore,
-                                                     fp: gds.FastPath) -> None:
+def test_unaligned_destination_is_refused_or_bounced(
+    store: kvfs.SyncStore, fp: gds.FastPath
+) -> None:
     data = rand(3 * MiB + 17)
     store.put(key(0), data)
     backing = aligned(data.nbytes + 4096)
-    dest = backing[1:1 + data.nbytes]
+    dest = backing[1 : 1 + data.nbytes]
     with pytest.raises(gds.UnalignedDestination):
         fp.read(key(0), dest)
     assert fp.read(key(0), dest, allow_unaligned=True).result() == data.nbytes
     assert np.array_equal(dest, data)
-    assert backing[0] == 0 and not backing[1 + data.nbytes:].any()
+    assert backing[0] == 0 and not backing[1 + data.nbytes :].any()
 
 
 def test_verify_off_returns_raw_bytes(store: kvfs.SyncStore, fp: gds.FastPath) -> None:
@@ -239,18 +239,21 @@ def test_layer_loader_yields_a_layer_while_the_next_is_in_flight(store: kvfs.Syn
         finally:
             io.release()
         assert [i for i, _ in rest] == [1, 2, 3]
-        for (i, buf) in rest:
+        for i, buf in rest:
             assert np.array_equal(buf, datas[i])
     io.shutdown()
 
 
-def test_layer_loader_raises_at_the_corrupt_layer(store: kvfs.SyncStore,
-                                                  fp: gds.FastPath) -> None:
+def test_layer_loader_raises_at_the_corrupt_layer(store: kvfs.SyncStore, fp: gds.FastPath) -> None:
     infos = [store.put(key(i), rand(256 * KiB, seed=i)) for i in range(3)]
     flip_byte(infos[1], 5)
     seen = []
-    with pytest.raises(kvfs.CorruptPage), fp.load_layers(
-            [key(i) for i in range(3)], [aligned(256 * KiB) for _ in range(3)]) as layers:
+    with (
+        pytest.raises(kvfs.CorruptPage),
+        fp.load_layers(
+            [key(i) for i in range(3)], [aligned(256 * KiB) for _ in range(3)]
+        ) as layers,
+    ):
         for i, _buf in layers:
             seen.append(i)
     assert seen == [0]
@@ -291,8 +294,9 @@ async def test_cancelled_wait_returns_only_after_the_io(store: kvfs.SyncStore) -
 
 
 # -- writes --------------------------------------------------------------------------
-def test_write_host_buffer_commits_with_right_checksum(store: kvfs.SyncStore,
-                                                       fp: gds.FastPath) -> None:
+def test_write_host_buffer_commits_with_right_checksum(
+    store: kvfs.SyncStore, fp: gds.FastPath
+) -> None:
     data = rand(3 * MiB + 7)
     info = fp.write(key(0), data, attrs={"dtype": "u8"}).result()
     assert info.checksum == kvfs.checksum(data.tobytes()).hex()
@@ -312,15 +316,19 @@ def fake_mount_file(tmp_path: Any, info: kvfs.PageInfo, name: str = "page") -> s
     p = str(tmp_path / name)
     with open(p, "wb"):
         pass
-    os.setxattr(p, "user.kvfs.extents",
-                json.dumps([[e.path, e.offset, e.length] for e in info.extents]).encode())
+    os.setxattr(
+        p,
+        "user.kvfs.extents",
+        json.dumps([[e.path, e.offset, e.length] for e in info.extents]).encode(),
+    )
     os.setxattr(p, "user.kvfs.size", str(info.size).encode())
     os.setxattr(p, "user.kvfs.checksum", info.checksum.encode())
     return p
 
 
-def test_read_by_path_through_xattrs(make_config: Callable[..., kvfs.StoreConfig],
-                                     tmp_path: Any) -> None:
+def test_read_by_path_through_xattrs(
+    make_config: Callable[..., kvfs.StoreConfig], tmp_path: Any
+) -> None:
     # ext4 keeps all of a file's xattrs in one 4 KiB block: a 1 MiB stripe unit keeps the
     # extents list short enough for this stand-in (a FUSE mount allows 64 KiB).
     cfg = make_config(ndev=3, stripe_unit=MiB, name="bypath")
@@ -350,7 +358,7 @@ def test_read_by_path_needs_the_xattr(fp: gds.FastPath, tmp_path: Any) -> None:
 def test_host_path_never_imports_gpu_libraries(tmp_path: Any) -> None:
     code = f"""
 import sys, numpy as np, kvfs, gds
-cfg = kvfs.StoreConfig(data_dirs=[{str(tmp_path / 'a')!r}, {str(tmp_path / 'b')!r}],
+cfg = kvfs.StoreConfig(data_dirs=[{str(tmp_path / "a")!r}, {str(tmp_path / "b")!r}],
                        stripe_unit=65536)
 with kvfs.open_store_sync(cfg) as s, gds.FastPath(s) as fp:
     d = np.arange(300000, dtype=np.uint32).view(np.uint8)
@@ -363,7 +371,6 @@ bad = [m for m in ("kvikio", "cupy", "torch") if m in sys.modules]
 assert not bad, bad
 print("ok")
 """
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                       timeout=120)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "ok"

@@ -54,8 +54,9 @@ def poisoned(cp: Any, n: int) -> Any:
 
 @pytest.mark.parametrize("backend", ["kvikio", "staged"])
 @pytest.mark.parametrize("size", [1, 4096, 5 * MiB + 123])
-def test_read_into_cupy_matches_host_path(store: kvfs.SyncStore, fp: gds.FastPath,
-                                          backend: str, size: int) -> None:
+def test_read_into_cupy_matches_host_path(
+    store: kvfs.SyncStore, fp: gds.FastPath, backend: str, size: int
+) -> None:
     import cupy as cp
 
     data = rand(size, seed=size)
@@ -74,8 +75,7 @@ def test_auto_picks_kvikio_for_gpu_memory(fp: gds.FastPath) -> None:
 
 
 @pytest.mark.parametrize("backend", ["kvikio", "staged"])
-def test_read_into_torch_bf16_tensor(store: kvfs.SyncStore, fp: gds.FastPath,
-                                     backend: str) -> None:
+def test_read_into_torch_bf16_tensor(store: kvfs.SyncStore, fp: gds.FastPath, backend: str) -> None:
     torch = pytest.importorskip("torch")
     n = 3 * MiB + 4096
     data = rand(n, seed=7)
@@ -87,8 +87,9 @@ def test_read_into_torch_bf16_tensor(store: kvfs.SyncStore, fp: gds.FastPath,
 
 
 @pytest.mark.parametrize("backend", ["kvikio", "staged"])
-def test_flipped_byte_is_an_error_on_the_gpu_path(store: kvfs.SyncStore, fp: gds.FastPath,
-                                                  backend: str) -> None:
+def test_flipped_byte_is_an_error_on_the_gpu_path(
+    store: kvfs.SyncStore, fp: gds.FastPath, backend: str
+) -> None:
     import cupy as cp
 
     data = rand(3 * MiB)

@@ -23,13 +23,16 @@ def write(path: Path, data: np.ndarray) -> None:
         f.write(data.tobytes())
 
 
-def test_read_by_path_on_a_mount(make_config: Callable[..., kvfs.StoreConfig],
-                                 tmp_path: Path) -> None:
+def test_read_by_path_on_a_mount(
+    make_config: Callable[..., kvfs.StoreConfig], tmp_path: Path
+) -> None:
     mp = tmp_path / "mnt"
     mp.mkdir()
     with ServedMount(make_config(ndev=3, stripe_unit=64 * KiB), mp), gds.FastPath() as fp:
-        pages = {mp / f"sessions/s/p/layer-{i:03d}": rand(MiB * i + 4096 * i + 3, seed=i)
-                 for i in range(1, 4)}
+        pages = {
+            mp / f"sessions/s/p/layer-{i:03d}": rand(MiB * i + 4096 * i + 3, seed=i)
+            for i in range(1, 4)
+        }
         for p, d in pages.items():
             write(p, d)
         dests = {p: aligned(d.nbytes) for p, d in pages.items()}
@@ -46,15 +49,18 @@ def test_read_by_path_on_a_mount(make_config: Callable[..., kvfs.StoreConfig],
             raise AssertionError("a directory was read as a page")
 
 
-def test_unlink_on_the_mount_during_a_read(make_config: Callable[..., kvfs.StoreConfig],
-                                           tmp_path: Path) -> None:
+def test_unlink_on_the_mount_during_a_read(
+    make_config: Callable[..., kvfs.StoreConfig], tmp_path: Path
+) -> None:
     mp = tmp_path / "mnt"
     mp.mkdir()
     gate = threading.Event()
     pool = ThreadPoolExecutor(1)
     pool.submit(gate.wait)  # the read is queued with the mount file open
-    with ServedMount(make_config(ndev=2, stripe_unit=64 * KiB), mp), \
-            gds.FastPath(io_pool=pool) as fp:
+    with (
+        ServedMount(make_config(ndev=2, stripe_unit=64 * KiB), mp),
+        gds.FastPath(io_pool=pool) as fp,
+    ):
         p = mp / "sessions/s/p/layer-000"
         data = rand(2 * MiB + 100)
         write(p, data)

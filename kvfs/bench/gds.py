@@ -46,12 +46,24 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--stripe-unit", default="4MiB", help="stripe unit (default 4MiB)")
     p.add_argument("--threads", type=int, default=8, help="reader threads (raw and fast path)")
     p.add_argument("--rounds", type=int, default=3, help="timed rounds; the median is shown")
-    p.add_argument("--dir", default=None, help="where the scratch store goes (default: the "
-                   "system's temporary directory); put it on the NVMe to measure")
-    p.add_argument("--mount", action="store_true", help="also mount the scratch store with "
-                   "FUSE and read the same pages through the mount (O_DIRECT, 1 MiB reads)")
-    p.add_argument("--gpu", choices=("auto", "on", "off"), default="auto",
-                   help="GPU rows (kvikio, staged, h2d): auto = when cupy sees a GPU")
+    p.add_argument(
+        "--dir",
+        default=None,
+        help="where the scratch store goes (default: the "
+        "system's temporary directory); put it on the NVMe to measure",
+    )
+    p.add_argument(
+        "--mount",
+        action="store_true",
+        help="also mount the scratch store with "
+        "FUSE and read the same pages through the mount (O_DIRECT, 1 MiB reads)",
+    )
+    p.add_argument(
+        "--gpu",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="GPU rows (kvikio, staged, h2d): auto = when cupy sees a GPU",
+    )
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=run)
 
@@ -62,15 +74,16 @@ def _timed(fn: Callable[[], None]) -> float:
     return time.perf_counter() - t
 
 
-def _raw_reader(pool: ThreadPoolExecutor, plans: list[list[tuple[str, int, int, int]]],
-                dests: list[np.ndarray]) -> Callable[[], None]:
+def _raw_reader(
+    pool: ThreadPoolExecutor, plans: list[list[tuple[str, int, int, int]]], dests: list[np.ndarray]
+) -> Callable[[], None]:
     """O_DIRECT reads of each page's extents into its buffer: one task per piece."""
 
     def piece(path: str, foff: int, doff: int, n: int, dest: memoryview) -> None:
         fd, _ = open_direct(path, os.O_RDONLY)
         try:
             span = -(-n // 4096) * 4096
-            view = dest[doff:doff + span]
+            view = dest[doff : doff + span]
             done = 0
             while done < n:
                 got = os.preadv(fd, [view[done:]], foff + done)
@@ -81,8 +94,11 @@ def _raw_reader(pool: ThreadPoolExecutor, plans: list[list[tuple[str, int, int, 
             os.close(fd)
 
     def run() -> None:
-        futs = [pool.submit(piece, path, foff, doff, n, memoryview(d))
-                for plan, d in zip(plans, dests, strict=True) for path, foff, doff, n in plan]
+        futs = [
+            pool.submit(piece, path, foff, doff, n, d.data)
+            for plan, d in zip(plans, dests, strict=True)
+            for path, foff, doff, n in plan
+        ]
         for f in futs:
             f.result()
 
@@ -122,8 +138,10 @@ def run(args: argparse.Namespace) -> int:
     base = Path(args.dir) if args.dir else Path(tempfile.gettempdir())
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="kvfs-bench-gds-", dir=base) as tmp:
-        cfg = kvfs.StoreConfig(data_dirs=tuple(Path(tmp) / f"nvme{i}" for i in range(args.ndev)),
-                               stripe_unit=kvfs.parse_size(args.stripe_unit))
+        cfg = kvfs.StoreConfig(
+            data_dirs=tuple(Path(tmp) / f"nvme{i}" for i in range(args.ndev)),
+            stripe_unit=kvfs.parse_size(args.stripe_unit),
+        )
         mp = Path(tmp) / "mnt" if args.mount else None
         with _open(cfg, mp) as store, gds.FastPath(store, threads=args.threads) as fp:
             pool = ThreadPoolExecutor(args.threads)
@@ -131,23 +149,46 @@ def run(args: argparse.Namespace) -> int:
                 rows += _bench_size(store, fp, pool, cp, size_mib, args, mp)
                 store.delete_session("bench")
             pool.shutdown()
-    conditions = {"host": platform.node(), "cpus": os.cpu_count(), "ndev": args.ndev,
-                  "stripe_unit": args.stripe_unit, "threads": args.threads,
-                  "layers": args.layers, "rounds": args.rounds, "gpu": cp is not None,
-                  "dir": str(base)}
+    conditions = {
+        "host": platform.node(),
+        "cpus": os.cpu_count(),
+        "ndev": args.ndev,
+        "stripe_unit": args.stripe_unit,
+        "threads": args.threads,
+        "layers": args.layers,
+        "rounds": args.rounds,
+        "gpu": cp is not None,
+        "dir": str(base),
+    }
     if args.json:
         print_json({"conditions": conditions, "results": rows})
         return 0
     print(f"kvfs bench gds: {conditions}")
-    print_table(["page", "layers", "method", "GB/s", "vs raw"],
-                [[f"{r['size_mib']} MiB", r["layers"], r["method"], f"{r['gbps']:.2f}",
-                  f"{r['vs_raw']:.2f}x" if r["vs_raw"] is not None else "-"] for r in rows])
+    print_table(
+        ["page", "layers", "method", "GB/s", "vs raw"],
+        [
+            [
+                f"{r['size_mib']} MiB",
+                r["layers"],
+                r["method"],
+                f"{r['gbps']:.2f}",
+                f"{r['vs_raw']:.2f}x" if r["vs_raw"] is not None else "-",
+            ]
+            for r in rows
+        ],
+    )
     return 0
 
 
-def _bench_size(store: kvfs.SyncStore, fp: Any, pool: ThreadPoolExecutor, cp: Any,
-                size_mib: int, args: argparse.Namespace,
-                mp: Path | None) -> list[dict[str, Any]]:
+def _bench_size(
+    store: kvfs.SyncStore,
+    fp: Any,
+    pool: ThreadPoolExecutor,
+    cp: Any,
+    size_mib: int,
+    args: argparse.Namespace,
+    mp: Path | None,
+) -> list[dict[str, Any]]:
     n = size_mib * MiB
     keys = [kvfs.PageKey.semantic("bench", f"s{size_mib}", i) for i in range(args.layers)]
     data = np.random.default_rng(size_mib).integers(0, 256, size=n, dtype=np.uint8)
@@ -176,10 +217,18 @@ def _bench_size(store: kvfs.SyncStore, fp: Any, pool: ThreadPoolExecutor, cp: An
     _verify_bytes(fp, keys, dests, data)
     total = n * len(keys)
     raw = statistics.median(times["raw"])
-    return [{"size_mib": size_mib, "layers": len(keys), "method": m,
-             "seconds": statistics.median(t), "gbps": total / statistics.median(t) / 1e9,
-             "vs_raw": (raw / statistics.median(t)) if not m.startswith("h2d") else None,
-             "all_seconds": t} for m, t in times.items()]
+    return [
+        {
+            "size_mib": size_mib,
+            "layers": len(keys),
+            "method": m,
+            "seconds": statistics.median(t),
+            "gbps": total / statistics.median(t) / 1e9,
+            "vs_raw": (raw / statistics.median(t)) if not m.startswith("h2d") else None,
+            "all_seconds": t,
+        }
+        for m, t in times.items()
+    ]
 
 
 def _all(futs: list[Any]) -> None:
@@ -203,21 +252,23 @@ def _verify_bytes(fp: Any, keys: list[Any], dests: list[np.ndarray], data: np.nd
             raise AssertionError(f"layer {i}: the fast path read wrong bytes")
 
 
-def _mount_reader(mount: Path, infos: list[kvfs.PageInfo],
-                  dests: list[np.ndarray]) -> Callable[[], None]:
+def _mount_reader(
+    mount: Path, infos: list[kvfs.PageInfo], dests: list[np.ndarray]
+) -> Callable[[], None]:
     def run() -> None:
         for info, d in zip(infos, dests, strict=True):
-            view = memoryview(d)
+            view = d.data
             fd, _ = open_direct(mount / info.path, os.O_RDONLY)
             try:
                 done = 0
                 while done < info.size:
-                    got = os.preadv(fd, [view[done:done + MiB]], done)
+                    got = os.preadv(fd, [view[done : done + MiB]], done)
                     if not got:
                         raise OSError(f"{info.path}: short read through the mount")
                     done += got
             finally:
                 os.close(fd)
+
     return run
 
 
@@ -264,8 +315,9 @@ def _open(cfg: kvfs.StoreConfig, mp: Path | None) -> Iterator[kvfs.SyncStore]:
         t.join(60)
 
 
-def _gpu_methods(cp: Any, fp: Any, keys: list[Any], n: int,
-                 host: list[np.ndarray]) -> dict[str, Callable[[], None]]:
+def _gpu_methods(
+    cp: Any, fp: Any, keys: list[Any], n: int, host: list[np.ndarray]
+) -> dict[str, Callable[[], None]]:
     import cupyx
 
     dev = [cp.empty((n,), dtype=cp.uint8) for _ in keys]
@@ -283,9 +335,20 @@ def _gpu_methods(cp: Any, fp: Any, keys: list[Any], n: int,
             fp.backend_for(dev[0], b)
         except Exception:  # noqa: BLE001 - a backend that cannot run here is left out
             continue
-        out[b] = lambda b=b: _all(fp.read_many(keys, dev, backend=b))
-        out[f"{b}-noverify"] = lambda b=b: _all(fp.read_many(keys, dev, backend=b, verify=False))
+        out[b] = _gpu_reader(fp, keys, dev, b, True)
+        out[f"{b}-noverify"] = _gpu_reader(fp, keys, dev, b, False)
     return out
+
+
+def _gpu_reader(
+    fp: Any, keys: list[Any], dev: list[Any], backend: str, verify: bool
+) -> Callable[[], None]:
+    def run() -> None:
+        _all(fp.read_many(keys, dev, backend=backend, verify=verify))
+        for d in dev[:1]:
+            d.device.synchronize()
+
+    return run
 
 
 def main(argv: list[str] | None = None) -> int:
