@@ -236,6 +236,12 @@ class FastPath:
             raise ValueError("need one destination per key")
         return [self.read(k, d, **kw) for k, d in zip(keys, intos, strict=True)]
 
+    def layer_keys(self, session: str, prefix: str) -> list[str]:
+        """The page paths of one prefix of a session, in layer order (``layer-NNN`` names
+        sort numerically), ready for :meth:`read_many` / :meth:`load_layers`."""
+        eng = self._need_engine()
+        return sorted(p.path for p in eng.list(session=session, prefix=prefix))
+
     def load_layers(
         self, keys: Sequence[KeyLike], intos: Sequence[Any], *, ahead: int | None = None, **kw: Any
     ) -> LayerLoader[Any]:

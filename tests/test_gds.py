@@ -119,6 +119,33 @@ def test_batch_of_pages_overlaps_and_is_exact(store: kvfs.SyncStore, fp: gds.Fas
         assert np.array_equal(d, got)
 
 
+def test_layer_keys_of_a_prefix_in_layer_order(store: kvfs.SyncStore, fp: gds.FastPath) -> None:
+    for i in (10, 2, 0, 1):
+        store.put(key(i), rand(4096, seed=i))
+    store.put(key(0, prefix="other"), rand(4096))
+    keys = fp.layer_keys("sess", "p0")
+    assert keys == [key(i).path for i in (0, 1, 2, 10)]
+    dests = [aligned(4096) for _ in keys]
+    assert [f.result() for f in fp.read_many(keys, dests)] == [4096] * 4
+    assert np.array_equal(dests[3], rand(4096, seed=10))
+
+
+def test_archived_page_is_restored_then_read(
+    make_config: Callable[..., kvfs.StoreConfig], tmp_path: Any
+) -> None:
+    url = f"file://{tmp_path / 'archive'}"
+    cfg = make_config(ndev=2, name="arch", archive_url=url, extra={"archive": {"interval": 0}})
+    with kvfs.open_store_sync(cfg) as s, gds.FastPath(s) as fp:
+        data = rand(3 * MiB + 1)
+        s.put(key(0), data)
+        assert s.spill("sess") > 0
+        assert s.stat(key(0)).tier == "archive"
+        dest = aligned(data.nbytes)
+        assert fp.read(key(0), dest).result() == data.nbytes
+        assert np.array_equal(dest, data)
+        assert s.stat(key(0)).tier == "local+archive"
+
+
 def test_destination_may_be_larger_and_any_dtype(store: kvfs.SyncStore, fp: gds.FastPath) -> None:
     data = rand(MiB)
     store.put(key(0), data)
