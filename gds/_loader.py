@@ -28,7 +28,9 @@ async def wait(fut: Future[T]) -> T:
     is done, then lets the cancellation through: when ``wait`` returns or raises, nothing
     writes into the caller's buffer any more.
     """
-    if not fut.done():
+    if fut.done():
+        await trio.lowlevel.checkpoint()  # an await is always a checkpoint in trio
+    else:
         token = trio.lowlevel.current_trio_token()
         done = trio.Event()
 
