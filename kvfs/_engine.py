@@ -845,6 +845,12 @@ class PageWriter:
         self._size = 0
         self._lock = threading.Lock()
         self._done = False
+        # Leaves a single write covered whole are checksummed from the caller's buffer as they
+        # are written, so commit need not read them back. A leaf's hash is kept only if no
+        # other write touched that leaf while it was in flight (_busy, _gen).
+        self._leaf_hashes: dict[int, bytes] = {}
+        self._busy: Counter[int] = Counter()
+        self._gen: Counter[int] = Counter()
 
     @property
     def size(self) -> int:
@@ -862,7 +868,28 @@ class PageWriter:
                 self.engine._reserve(need + extra)
                 self._reserved += need + extra
             self._size = max(self._size, end)
-        self._w.write(offset, memoryview(data))
+            touched = range(offset // LEAF, -(-end // LEAF)) if end > offset else range(0)
+            for i in touched:
+                self._leaf_hashes.pop(i, None)
+                self._busy[i] += 1
+                self._gen[i] += 1
+            gens = {i: self._gen[i] for i in touched}
+        mv = memoryview(data)
+        hashes: dict[int, bytes] = {}
+        try:
+            self._w.write(offset, mv)
+            for i in touched:
+                if i * LEAF >= offset and (i + 1) * LEAF <= end:
+                    hashes[i] = leaf_hash(mv[i * LEAF - offset:(i + 1) * LEAF - offset])
+        finally:
+            with self._lock:
+                for i in touched:
+                    self._busy[i] -= 1
+                    if i in hashes and self._busy[i] == 0 and self._gen[i] == gens[i]:
+                        self._leaf_hashes[i] = hashes[i]
+                    else:
+                        self._leaf_hashes.pop(i, None)
+                        self._gen[i] += 1
         return len(data)
 
     def truncate(self, size: int) -> None:
@@ -909,12 +936,27 @@ class PageWriter:
 
     def _hash_files(self, extents: tuple, size: int) -> bytes:
         # The bytes were just written through the page cache, so reading them back is a
-        # memory copy, not disk I/O.
-        buf = aligned_buffer(size)
+        # memory copy, not disk I/O. Leaves already checksummed by write() are not read.
         t = self.engine.tier
-        for p in t.pieces(extents, 0, size):
-            t.read_piece(p, buf, direct=False)
-        return self.engine._leaves_parallel(buf)
+        with self._lock:
+            known = dict(self._leaf_hashes)
+        n = -(-size // LEAF)
+        if size == 0 or not known:
+            buf = aligned_buffer(size)
+            for p in t.pieces(extents, 0, size):
+                t.read_piece(p, buf, direct=False)
+            return self.engine._leaves_parallel(buf)
+        out = []
+        for i in range(n):
+            h = known.get(i)
+            if h is None:
+                lo, ln = i * LEAF, min(LEAF, size - i * LEAF)
+                buf = aligned_buffer(ln)
+                for p in t.pieces(extents, lo, ln):
+                    t.read_piece(p, buf, direct=False)
+                h = leaf_hash(buf)
+            out.append(h)
+        return b"".join(out)
 
     def abort(self) -> None:
         if self._done:

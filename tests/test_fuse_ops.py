@@ -326,3 +326,51 @@ async def test_write_behind_keeps_order_and_reports_failures(ops: KvfsOperations
         await ops.release(fi.fh)
         assert not ops.engine.exists("full") and ops.engine.reserved == 0
         ops.nursery = None
+
+
+def test_page_writer_checksums_whole_leaves_as_written(sync_store: kvfs.SyncStore) -> None:
+    """The FUSE writer's page checksum: leaves hashed during write() must equal the bytes."""
+    e = sync_store.engine
+    data = bytearray(os.urandom(3 * MiB + 5))
+    w = e.begin_write("a")
+    for off in (2 * MiB, 0, MiB, 3 * MiB):  # whole leaves, out of order
+        w.write(off, bytes(data[off:off + MiB]))
+    w.write(MiB + 100, b"z" * 50)  # a later partial write into a hashed leaf
+    data[MiB + 100:MiB + 150] = b"z" * 50
+    info = w.commit()
+    assert info.checksum == kvfs.checksum(bytes(data)).hex()
+    assert e.get("a") == data
+    w = e.begin_write("b")
+    for off in range(0, len(data), 700 * KiB):  # no write covers a leaf: all read back
+        w.write(off, bytes(data[off:off + 700 * KiB]))
+    assert w.commit().checksum == info.checksum
+
+
+def test_page_writer_racing_writes_to_one_leaf(sync_store: kvfs.SyncStore) -> None:
+    """A whole-leaf write whose leaf another write changes while it is in flight must not
+    leave its checksum behind (the interleaving is forced)."""
+    import threading
+
+    e = sync_store.engine
+    w = e.begin_write("race")
+    real = w._w.write
+    landed, other_done = threading.Event(), threading.Event()
+
+    def slow_write(off: int, data: memoryview) -> None:
+        real(off, data)
+        if len(data) == MiB:  # the whole-leaf write: let the partial one land after it
+            landed.set()
+            assert other_done.wait(30)
+
+    w._w.write = slow_write  # type: ignore[method-assign]
+    whole = threading.Thread(target=w.write, args=(0, b"\x01" * MiB))
+    whole.start()
+    assert landed.wait(30)
+    w.write(100, b"\xee" * 50)
+    other_done.set()
+    whole.join()
+    info = w.commit()
+    want = bytearray(b"\x01" * MiB)
+    want[100:150] = b"\xee" * 50
+    assert e.get("race") == want  # every leaf verified: a stale leaf hash raises CorruptPage
+    assert info.checksum == kvfs.checksum(bytes(want)).hex()
