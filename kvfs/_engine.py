@@ -502,11 +502,15 @@ class Engine:
             try:
                 opened = self.tier.open_files(pieces)
                 for j, p in enumerate(pieces):
+                    if len(pieces) == 1:  # one piece: read it here, no hop to the pool
+                        self.tier.read_piece(p, dest, None, opened)
+                        nxt = 1
                     while nxt < len(pieces) and nxt < j + window:
                         futs[nxt] = self.io_pool.submit(self.tier.read_piece, pieces[nxt], dest,
                                                         None, opened)
                         nxt += 1
-                    futs.pop(j).result()
+                    if j in futs:
+                        futs.pop(j).result()
                     pos, end = p.dest_off, p.dest_off + p.n
                     while pos < end:  # feed the leaf hashes, cutting at leaf boundaries
                         cut = min(end, (pos // LEAF + 1) * LEAF)
