@@ -16,6 +16,9 @@ COMMAND_MODULES = [
     "cli._bench",
     "cli._demo",
     "cli._mount_cmds",
+    "cli._store_cmds",
+    "cli._config_cmds",
+    "cli._size",
 ]
 
 

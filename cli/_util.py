@@ -13,6 +13,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 import kvfs
+from kvfs._control import DaemonUnavailable
 
 __all__ = ["EXIT", "Progress", "exit_code_for", "fmt_bytes", "fmt_time", "print_json",
            "print_table", "to_jsonable"]
@@ -33,7 +34,8 @@ class NoDaemon(kvfs.KvfsError, ConnectionError):
 
 def exit_code_for(e: BaseException) -> int:
     table: list[tuple[type[BaseException], str]] = [
-        (Refused, "refused"), (NoDaemon, "no_daemon"), (kvfs.InvalidKey, "usage"),
+        (Refused, "refused"), (NoDaemon, "no_daemon"), (DaemonUnavailable, "no_daemon"),
+        (kvfs.InvalidKey, "usage"),
         (kvfs.PageNotFound, "not_found"), (kvfs.SessionNotFound, "not_found"),
         (kvfs.CapacityExceeded, "no_space"), (kvfs.CorruptPage, "corrupt"),
         (kvfs.StoreLocked, "locked"), (kvfs.ArchiveUnavailable, "archive"),

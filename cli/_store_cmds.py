@@ -1,0 +1,348 @@
+"""Store commands: ls, stats, put, get, rm, pin, unpin, evict, spill, restore, fsck.
+
+Each works on the running daemon's store when one answers on the control socket, and on
+the data directory itself otherwise (:mod:`cli._target`). Every command has ``--json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import Any
+
+import kvfs
+
+from ._target import add_store_flags, open_target
+from ._util import EXIT, Progress, Refused, fmt_bytes, fmt_time, print_json, print_table
+
+__all__ = ["register", "render_stats"]
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("ls", help="list sessions, or the pages of a session or path prefix")
+    p.add_argument("target", nargs="?", metavar="PATH|SESSION")
+    p.add_argument("-l", dest="long", action="store_true", help="long listing (checksum, "
+                   "created, attributes)")
+    p.add_argument("--sort", choices=("name", "size", "age"), default="name",
+                   help="order: name (default), size (largest first), age (oldest access first)")
+    add_store_flags(p)
+    p.set_defaults(func=cmd_ls)
+
+    p = sub.add_parser("stats", help="capacity, use, hits and misses, traffic, spill queue, "
+                       "restore latency, evictions")
+    p.add_argument("--watch", type=float, metavar="SECONDS", nargs="?", const=2.0,
+                   help="refresh every SECONDS (default 2) until interrupted")
+    p.add_argument("--count", type=int, default=0, help="with --watch: stop after N refreshes")
+    add_store_flags(p)
+    p.set_defaults(func=cmd_stats)
+
+    p = sub.add_parser("put", help="store a file as a page")
+    p.add_argument("file", metavar="FILE", help="file to store ('-': standard input)")
+    p.add_argument("key", metavar="PATH", help="page path, e.g. sessions/s1/p0/layer-000")
+    p.add_argument("--attr", action="append", default=[], metavar="K=V", help="page attribute")
+    p.add_argument("--pin", action="store_true", help="pin the page")
+    p.add_argument("--replace", action="store_true", help="replace an existing page")
+    add_store_flags(p)
+    p.set_defaults(func=cmd_put)
+
+    p = sub.add_parser("get", help="write a page's bytes to a file")
+    p.add_argument("key", metavar="PATH")
+    p.add_argument("file", metavar="FILE", nargs="?", default="-",
+                   help="destination ('-' or absent: standard output)")
+    add_store_flags(p)
+    p.set_defaults(func=cmd_get)
+
+    for name, text, fn in (("rm", "delete pages or whole sessions", cmd_rm),
+                           ("pin", "pin pages or sessions (never evicted)", cmd_pin),
+                           ("unpin", "unpin pages or sessions", cmd_unpin)):
+        p = sub.add_parser(name, help=text)
+        p.add_argument("targets", nargs="+", metavar="SESSION|PATH")
+        add_store_flags(p)
+        p.set_defaults(func=fn)
+
+    p = sub.add_parser("evict", help="drop local copies (refuses to drop the only copy of "
+                       "unarchived data unless --force)")
+    p.add_argument("targets", nargs="+", metavar="SESSION|PATH")
+    p.add_argument("--force", action="store_true",
+                   help="drop local copies even where no archive holds the data (data loss)")
+    add_store_flags(p)
+    p.set_defaults(func=cmd_evict)
+
+    for name, text in (("spill", "upload sessions to the archive and drop the local copies"),
+                       ("restore", "bring sessions back from the archive")):
+        p = sub.add_parser(name, help=text)
+        p.add_argument("sessions", nargs="+", metavar="SESSION")
+        add_store_flags(p)
+        p.set_defaults(func=cmd_spill_restore, op=name)
+
+    p = sub.add_parser("fsck", help="check the index against the files: missing, wrong "
+                       "checksums, orphans")
+    p.add_argument("--repair", action="store_true",
+                   help="remove orphans; delete pages whose data is missing or corrupt")
+    add_store_flags(p)
+    p.set_defaults(func=cmd_fsck)
+
+
+# -- helpers --------------------------------------------------------------------------
+def _resolve(store: Any, target: str) -> tuple[str, str]:
+    """("page", path) or ("session", name). Raises PageNotFound when it is neither."""
+    try:
+        return "page", store.stat(target).path
+    except (kvfs.PageNotFound, kvfs.InvalidKey):
+        pass
+    try:
+        return "session", store.session_info(target).session
+    except (kvfs.SessionNotFound, kvfs.InvalidKey):
+        raise kvfs.PageNotFound(f"no page or session {target!r}") from None
+
+
+def _emit(args: argparse.Namespace, result: Any, lines: list[str]) -> None:
+    if args.json:
+        print_json(result)
+    else:
+        for line in lines:
+            print(line)
+
+
+# -- ls -------------------------------------------------------------------------------
+def cmd_ls(args: argparse.Namespace) -> int:
+    with open_target(args) as store:
+        if args.target is None:
+            return _ls_sessions(args, store.sessions())
+        try:
+            pages = [store.stat(args.target)]
+        except (kvfs.PageNotFound, kvfs.InvalidKey):
+            try:
+                store.session_info(args.target)
+                pages = store.list(session=args.target)
+            except (kvfs.SessionNotFound, kvfs.InvalidKey):
+                prefix = args.target.rstrip("/") + "/"
+                pages = store.list(path_prefix=prefix)
+                if not pages:
+                    raise kvfs.PageNotFound(f"no page, session or directory {args.target!r}") from None
+    key = {"name": lambda p: p.path, "size": lambda p: -p.size, "age": lambda p: p.atime}[args.sort]
+    pages.sort(key=key)
+    if args.json:
+        print_json([_page_json(p) for p in pages])
+        return 0
+    headers = ["PATH", "SIZE", "TIER", "PINNED", "ACCESSED"]
+    if args.long:
+        headers += ["CREATED", "CHECKSUM", "ATTRS"]
+    rows = []
+    for p in pages:
+        row = [p.path, fmt_bytes(p.size), p.tier, "yes" if p.pinned else "", fmt_time(p.atime)]
+        if args.long:
+            row += [fmt_time(p.created), p.checksum[:16],
+                    ",".join(f"{k}={v}" for k, v in sorted(p.attrs.items()))]
+        rows.append(row)
+    print_table(headers, rows)
+    return 0
+
+
+def _page_json(p: kvfs.PageInfo) -> dict[str, Any]:
+    return {"path": p.path, "session": p.session, "size": p.size, "tier": p.tier,
+            "pinned": p.pinned, "atime": p.atime, "created": p.created,
+            "checksum": p.checksum, "attrs": p.attrs}
+
+
+def _ls_sessions(args: argparse.Namespace, sessions: list[kvfs.SessionInfo]) -> int:
+    key = {"name": lambda s: s.session, "size": lambda s: -s.bytes,
+           "age": lambda s: s.atime}[args.sort]
+    sessions.sort(key=key)
+    if args.json:
+        print_json(sessions)
+        return 0
+    headers = ["SESSION", "PAGES", "SIZE", "LOCAL", "ARCHIVED", "PINNED", "ACCESSED"]
+    if args.long:
+        headers += ["CREATED", "MODEL"]
+    rows = []
+    for s in sessions:
+        row = [s.session, s.pages, fmt_bytes(s.bytes), fmt_bytes(s.local_bytes),
+               fmt_bytes(s.archived_bytes), "yes" if s.pinned else "", fmt_time(s.atime)]
+        if args.long:
+            row += [fmt_time(s.created), s.model or ""]
+        rows.append(row)
+    print_table(headers, rows)
+    return 0
+
+
+# -- stats ----------------------------------------------------------------------------
+def render_stats(st: kvfs.StoreStatistics) -> str:
+    """``kvfs stats`` as text: devices, tiers, hits and misses, traffic, archive, evictions."""
+    out: list[str] = []
+    lookups = st.hits + st.misses
+    rate = f"{100 * st.hits / lookups:.1f}%" if lookups else "-"
+    cap = fmt_bytes(st.capacity_bytes) if st.capacity_bytes else "disk"
+    out.append(f"local tier: {fmt_bytes(st.used_bytes)} used of {cap} "
+               f"({fmt_bytes(st.reserved_bytes)} reserved); {st.pages} pages in "
+               f"{st.sessions} sessions; {st.local_blobs} distinct contents "
+               f"({fmt_bytes(st.local_bytes)}, {fmt_bytes(st.logical_bytes)} before dedup)")
+    rows = [[d.index, d.path, fmt_bytes(d.used_bytes), fmt_bytes(d.free_bytes)]
+            for d in st.devices]
+    import io
+
+    buf = io.StringIO()
+    print_table(["DEVICE", "PATH", "USED", "FREE"], rows, file=buf)
+    out.append(buf.getvalue().rstrip())
+    arch = st.extra.get("archive") if isinstance(st.extra.get("archive"), dict) else None
+    a: dict[str, Any] = arch or {}
+    buf = io.StringIO()
+    print_table(["TIER", "HITS", "MISSES", "HIT RATE", "READ", "WRITTEN"], [
+        ["local", st.hits, st.misses, rate, fmt_bytes(st.bytes_read), fmt_bytes(st.bytes_written)],
+        *([["archive", a.get("blobs_restored", 0), a.get("corrupt_objects", 0) + a.get("errors", 0),
+            "-", fmt_bytes(a.get("bytes_restored", 0)), fmt_bytes(a.get("bytes_spilled", 0))]]
+          if arch else [])], file=buf)
+    out.append(buf.getvalue().rstrip())
+    out.append(f"puts {st.puts} (deduplicated {st.dedup_puts}), gets {st.gets}, "
+               f"corrupt reads {st.corrupt_reads}")
+    if arch:
+        def sec(v: object) -> str:
+            return f"{float(v) * 1000:.1f} ms" if isinstance(v, (int, float)) else "-"
+        out.append(f"archive {a.get('url')}: spill queue {a.get('spill_queue', 0)}, sessions "
+                   f"spilled {a.get('sessions_spilled', 0)}, restore latency p50 "
+                   f"{sec(a.get('restore_p50_s'))} p99 {sec(a.get('restore_p99_s'))}")
+    else:
+        out.append("archive: none configured")
+    ev = ", ".join(f"{k} {v}" for k, v in sorted(st.evictions.items())) or "none"
+    out.append(f"evictions: {ev}")
+    return "\n".join(out)
+
+
+def cmd_stats(args: argparse.Namespace) -> int:
+    with open_target(args) as store:
+        n = 0
+        while True:
+            st = store.statistics()
+            if args.json:
+                print_json(st)
+            else:
+                if args.watch and sys.stdout.isatty():
+                    sys.stdout.write("\x1b[H\x1b[2J")
+                if args.watch:
+                    print(time.strftime("%H:%M:%S"))
+                print(render_stats(st))
+            sys.stdout.flush()
+            n += 1
+            if not args.watch or (args.count and n >= args.count):
+                return 0
+            time.sleep(args.watch)
+
+
+# -- put / get ------------------------------------------------------------------------
+def cmd_put(args: argparse.Namespace) -> int:
+    attrs = {}
+    for a in args.attr:
+        k, sep, v = a.partition("=")
+        if not sep or not k:
+            raise ValueError(f"--attr wants K=V, not {a!r}")
+        attrs[k] = v
+    if args.file == "-":
+        data = sys.stdin.buffer.read()
+    else:
+        with open(args.file, "rb") as f:
+            data = f.read()
+    with open_target(args, create=True) as store:
+        info = store.put(args.key, data, attrs=attrs or None, pin=args.pin, replace=args.replace)
+    _emit(args, _page_json(info), [f"{info.path}: {fmt_bytes(info.size)} stored "
+                                   f"({info.checksum[:16]})"])
+    return 0
+
+
+def cmd_get(args: argparse.Namespace) -> int:
+    with open_target(args) as store:
+        data = store.get(args.key)
+    if args.file == "-":
+        sys.stdout.buffer.write(data)
+        sys.stdout.buffer.flush()
+        return 0
+    with open(args.file, "wb") as f:
+        f.write(data)
+    _emit(args, {"path": args.key, "file": args.file, "size": len(data)},
+          [f"{args.key}: {fmt_bytes(len(data))} written to {args.file}"])
+    return 0
+
+
+# -- rm / pin / unpin / evict ---------------------------------------------------------
+def _each(args: argparse.Namespace, page_op: str, session_op: str, verb: str) -> int:
+    results = []
+    with open_target(args) as store:
+        for t in args.targets:
+            kind, name = _resolve(store, t)
+            r = getattr(store, page_op if kind == "page" else session_op)(name)
+            results.append({"target": t, "kind": kind, "result": r})
+    _emit(args, results, [f"{verb} {r['kind']} {r['target']}"
+                          + (f" ({r['result']} pages)" if isinstance(r["result"], int) else "")
+                          for r in results])
+    return 0
+
+
+def cmd_rm(args: argparse.Namespace) -> int:
+    return _each(args, "delete", "delete_session", "deleted")
+
+
+def cmd_pin(args: argparse.Namespace) -> int:
+    return _each(args, "pin", "pin_session", "pinned")
+
+
+def cmd_unpin(args: argparse.Namespace) -> int:
+    return _each(args, "unpin", "unpin_session", "unpinned")
+
+
+def cmd_evict(args: argparse.Namespace) -> int:
+    results = []
+    with open_target(args) as store:
+        archived_tier = "archive" in store.statistics().extra
+        plan = []
+        for t in args.targets:
+            kind, name = _resolve(store, t)
+            pages = [store.stat(name)] if kind == "page" else store.list(session=name)
+            only = [p.path for p in pages if p.local and "archive" not in p.tier]
+            if only and not archived_tier and not args.force:
+                raise Refused(f"{t}: {len(only)} page(s) have no copy but the local one and no "
+                              "archive tier is configured; evicting would delete them "
+                              "(--force to do it anyway)")
+            plan.append((t, kind, name))
+        for t, kind, name in plan:
+            freed = store.evict(name) if kind == "page" else store.evict(session=name)
+            results.append({"target": t, "kind": kind, "freed_bytes": freed})
+    _emit(args, results, [f"evicted {r['kind']} {r['target']}: {fmt_bytes(r['freed_bytes'])} "
+                          "freed" for r in results])
+    return 0
+
+
+# -- spill / restore / fsck -----------------------------------------------------------
+def cmd_spill_restore(args: argparse.Namespace) -> int:
+    results = []
+    with open_target(args) as store, \
+            Progress(args.op, len(args.sessions), unit=" sessions") as bar:
+        for s in args.sessions:
+            t0 = time.perf_counter()
+            n = getattr(store, args.op)(s)
+            results.append({"session": s, "bytes": n, "seconds": round(time.perf_counter() - t0, 3)})
+            bar.update()
+    verb = "spilled" if args.op == "spill" else "restored"
+    _emit(args, results, [f"{verb} {r['session']}: {fmt_bytes(r['bytes'])} in {r['seconds']:.2f}s"
+                          for r in results])
+    return 0
+
+
+def cmd_fsck(args: argparse.Namespace) -> int:
+    with open_target(args) as store:
+        engine = getattr(store, "engine", None)
+        if engine is not None:  # in-process: a progress bar per checked content
+            bar = Progress("fsck", 1, unit=" contents")
+
+            def progress(i: int, total: int) -> None:
+                bar.total = max(total, 1)
+                bar.update()
+            with bar:
+                found = engine.fsck(repair=args.repair, progress=progress)
+        else:
+            found = store.fsck(repair=args.repair)
+    problems = sum(len(found[k]) for k in ("missing", "corrupt", "orphans"))
+    lines = [f"{k}: {len(v)}" + "".join(f"\n  {x}" for x in v[:20])
+             + (f"\n  ... {len(v) - 20} more" if len(v) > 20 else "") for k, v in found.items()]
+    _emit(args, found, [*lines, "clean" if not problems else
+                        ("repaired" if args.repair else "problems found (--repair fixes them)")])
+    return EXIT["ok"] if not problems or args.repair else EXIT["corrupt"]

@@ -1,0 +1,83 @@
+"""Which store a command works on: the running daemon's, or the data directory itself.
+
+Every store command takes the same flags (:func:`add_store_flags`). :func:`open_target`
+asks the daemon that owns the data directory (over its control socket) when one answers;
+otherwise it opens the data directory in-process, which takes the directory's lock, so a
+second process (a daemon started meanwhile) cannot write under it.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from typing import Any
+
+import kvfs
+from kvfs._control import DaemonUnavailable
+from kvfs._remote import SyncRemoteStore
+from kvfs._settings import Settings, load_settings
+
+__all__ = ["add_store_flags", "open_target", "settings_from_args"]
+
+
+def add_store_flags(p: argparse.ArgumentParser, *, json_flag: bool = True) -> None:
+    g = p.add_argument_group("store selection (defaults: configuration file, then $KVFS_*)")
+    g.add_argument("--config", metavar="FILE", help="TOML configuration file ($KVFS_CONFIG)")
+    g.add_argument("--data", metavar="DIR[,DIR...]", help="data directories ($KVFS_DATA_DIRS)")
+    g.add_argument("--archive", metavar="URL",
+                   help="archive URL, file://DIR or s3://BUCKET/PREFIX; '' for none "
+                        "($KVFS_ARCHIVE_URL)")
+    g.add_argument("--socket", metavar="PATH", help="the daemon's control socket "
+                   "(default: derived from the data directory; $KVFS_CONTROL_SOCKET)")
+    mode = g.add_mutually_exclusive_group()
+    mode.add_argument("--daemon", dest="mode", action="store_const", const="daemon",
+                      help="only talk to a running daemon (exit 7 if none answers)")
+    mode.add_argument("--offline", dest="mode", action="store_const", const="offline",
+                      help="open the data directory directly (fails while a daemon owns it)")
+    if json_flag:
+        p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+
+def settings_from_args(args: argparse.Namespace) -> Settings:
+    """Defaults < file < environment < these flags. Raises ValueError, FileNotFoundError."""
+    flags: dict[str, Any] = {"data_dirs": getattr(args, "data", None),
+                             "archive_url": getattr(args, "archive", None),
+                             "control_socket": getattr(args, "socket", None)}
+    return load_settings(getattr(args, "config", None), flags=flags)
+
+
+@contextmanager
+def open_target(args: argparse.Namespace, *, create: bool = False) -> Iterator[Any]:
+    """A SyncStore-like object for the command: the daemon's store or the local one.
+
+    Raises DaemonUnavailable (``--daemon`` and none answers), StoreLocked (the directory is
+    owned by a process that does not answer on the control socket), FileNotFoundError (no
+    store there and ``create`` is false).
+    """
+    settings = settings_from_args(args)
+    config = settings.store_config()
+    mode = getattr(args, "mode", None)
+    if mode != "offline":
+        remote = SyncRemoteStore(settings.socket_path())
+        try:
+            remote.ping()
+        except DaemonUnavailable:
+            remote.close()
+            if mode == "daemon":
+                raise
+        else:
+            try:
+                yield remote
+            finally:
+                remote.close()
+            return
+    if not create and not config.index_path.exists():
+        raise FileNotFoundError(f"no kvfs store in {config.data_dirs[0]} "
+                                "(set --data, $KVFS_DATA_DIRS or the configuration file)")
+    with ExitStack() as stack:
+        try:
+            store = stack.enter_context(kvfs.open_store_sync(config))
+        except kvfs.StoreLocked as e:
+            raise kvfs.StoreLocked(f"{e}; no daemon answers on {settings.socket_path()}") from None
+        yield store

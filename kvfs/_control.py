@@ -1,0 +1,286 @@
+"""The daemon's control channel: a Unix socket speaking msgpack, and its clients.
+
+Wire format: every message is a 4-byte big-endian length and a msgpack body. A request is
+``[method, args, kwargs]``; the answer is ``[0, result]`` or ``[1, error_type, message]``.
+One request at a time per connection; clients open several connections for concurrency.
+Records (:class:`PageInfo`, :class:`SessionInfo`, :class:`StoreStatistics`) travel as maps
+tagged with their type and come back as the same frozen dataclasses.
+
+Permissions: the socket is made mode 0600 right after ``bind`` and every connection's peer
+is checked with ``SO_PEERCRED``: only the daemon's own user (and root) is served, so the
+instant between ``bind`` and ``chmod`` grants nothing.
+
+:func:`control_service` is a daemon service (``run_daemon(services=[...])``);
+:class:`RemoteStore` has the interface of :class:`~kvfs.Store` over the socket, and
+:class:`SyncRemoteStore` that of :class:`~kvfs.SyncStore` (the CLI's).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import errno
+import logging
+import os
+import socket
+import struct
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import trio
+
+from . import _errors
+from ._keys import PageKey
+from ._store import Store
+from ._types import DeviceStatistics, Extent, PageInfo, SessionInfo, StoreStatistics
+
+__all__ = ["METHODS", "DaemonUnavailable", "control_service", "decode", "encode",
+           "log_event", "read_frame_sync"]
+
+log = logging.getLogger("kvfs.control")
+events = logging.getLogger("kvfs.events")
+
+#: Store methods served over the channel (``begin_write`` is not: use ``put``).
+METHODS = frozenset({
+    "put", "get", "read_range", "stat", "exists", "list", "sessions", "session_info",
+    "set_session_attrs", "delete", "delete_session", "rename", "pin", "unpin", "pin_session",
+    "unpin_session", "evict", "fsck", "statistics", "spill", "restore", "archived_sessions",
+    "ping",
+})
+MAX_FRAME = 1 << 31
+_HDR = struct.Struct(">I")
+_RECORDS: dict[str, type] = {c.__name__: c for c in (PageInfo, SessionInfo, StoreStatistics,
+                                                      DeviceStatistics, Extent)}
+_TUPLES = {"extents", "devices"}
+
+
+class DaemonUnavailable(_errors.KvfsError, ConnectionError):
+    """No daemon answers on the control socket, or it went away during a call."""
+
+
+def _default(obj: Any) -> Any:
+    if dataclasses.is_dataclass(obj) and type(obj).__name__ in _RECORDS:
+        d = {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
+        d["__t"] = type(obj).__name__
+        return d
+    if isinstance(obj, PageKey):
+        return obj.path
+    if isinstance(obj, tuple):
+        return list(obj)
+    try:
+        return memoryview(obj).cast("B")  # numpy arrays, array.array, mmap...
+    except TypeError:
+        raise TypeError(f"cannot send {type(obj).__name__} over the control channel") from None
+
+
+def _hook(d: dict[str, Any]) -> Any:
+    name = d.pop("__t", None)
+    if name is None:
+        return d
+    for k in _TUPLES & d.keys():
+        d[k] = tuple(d[k])
+    return _RECORDS[name](**d)
+
+
+def encode(obj: Any) -> bytes:
+    """One framed message."""
+    body = msgpack.packb(obj, default=_default, use_bin_type=True)
+    return _HDR.pack(len(body)) + body
+
+
+def decode(body: bytes) -> Any:
+    return msgpack.unpackb(body, object_hook=_hook, raw=False, strict_map_key=False)
+
+
+def _error_class(name: str) -> type[BaseException]:
+    cls = getattr(_errors, name, None)
+    if isinstance(cls, type) and issubclass(cls, _errors.KvfsError):
+        return cls
+    builtin = {"ValueError": ValueError, "FileNotFoundError": FileNotFoundError,
+               "PermissionError": PermissionError, "TypeError": TypeError,
+               "FileExistsError": FileExistsError, "OSError": OSError}
+    return builtin.get(name, _errors.KvfsError)
+
+
+def raise_remote(name: str, message: str) -> None:
+    """Raise the error the daemon reported, as the same class where kvfs knows it."""
+    raise _error_class(name)(message)
+
+
+def log_event(event: str, **fields: object) -> None:
+    """One structured log line: ``event=spill session=a bytes=123 seconds=0.5``."""
+    text = " ".join(f"{k}={_logval(v)}" for k, v in fields.items())
+    level = logging.ERROR if event == "error" else logging.INFO
+    events.log(level, "event=%s %s", event, text, extra={"kvfs_event": event, **fields})
+
+
+def _logval(v: object) -> str:
+    s = f"{v:.3f}" if isinstance(v, float) else str(v)
+    return f'"{s}"' if (" " in s or not s) else s
+
+
+# -- server ------------------------------------------------------------------------------
+def _peer_uid(sock: trio.socket.SocketType) -> int:
+    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    return int(struct.unpack("3i", creds)[1])
+
+
+async def _recv_exactly(stream: trio.SocketStream, n: int) -> bytes | None:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = await stream.receive_some(min(n - len(buf), 1 << 22))
+        if not chunk:
+            if buf:
+                raise EOFError("connection closed mid-message")
+            return None
+        buf += chunk
+    return bytes(buf)
+
+
+async def _serve_one(store: Store, stream: trio.SocketStream) -> None:
+    uid = _peer_uid(stream.socket)
+    if uid not in (os.getuid(), 0):
+        log.warning("control: refused a connection from uid %d", uid)
+        log_event("error", what="control connection refused", uid=uid)
+        with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+            await stream.send_all(encode([1, "PermissionError",
+                                          f"uid {uid} may not use this kvfs daemon"]))
+        await stream.aclose()
+        return
+    async with stream:
+        while True:
+            hdr = await _recv_exactly(stream, 4)
+            if hdr is None:
+                return
+            (n,) = _HDR.unpack(hdr)
+            if n > MAX_FRAME:
+                raise ValueError(f"control frame of {n} bytes")
+            body = await _recv_exactly(stream, n)
+            if body is None:
+                return
+            method, args, kwargs = decode(body)
+            await stream.send_all(encode(await _dispatch(store, method, args, kwargs)))
+
+
+async def _dispatch(store: Store, method: str, args: list[Any], kwargs: dict[str, Any]) -> list[Any]:
+    if method not in METHODS:
+        return [1, "ValueError", f"unknown control method {method!r}"]
+    t0 = time.perf_counter()
+    try:
+        result = True if method == "ping" else await getattr(store, method)(*args, **kwargs)
+    except Exception as e:  # noqa: BLE001 - every failure goes back to the client
+        log_event("error", method=method, target=_target(args, kwargs),
+                  error=type(e).__name__, message=str(e))
+        return [1, type(e).__name__, str(e)]
+    if method in ("spill", "restore", "evict"):
+        log_event(method, target=_target(args, kwargs), bytes=result,
+                  seconds=time.perf_counter() - t0)
+    return [0, result]
+
+
+def _target(args: list[Any], kwargs: dict[str, Any]) -> str:
+    if args:
+        return str(args[0])
+    return str(kwargs.get("session") or kwargs.get("key") or "-")
+
+
+async def control_service(store: Store, *, task_status: trio.TaskStatus[Path] = trio.TASK_STATUS_IGNORED,
+                          path: str | os.PathLike[str] | None = None) -> None:
+    """Serve ``store`` on its control socket until cancelled; reports the socket's path.
+
+    The path is ``path``, else derived from the store's config (``extra['daemon']
+    ['control_socket']`` or beside the lock file: :func:`kvfs._settings.control_socket_path`).
+    A leftover socket file is replaced: the caller owns the data directory's lock, so no
+    other daemon can be serving it. The socket is removed at exit. Raises OSError.
+    """
+    from ._settings import control_socket_path
+
+    daemon = store.config.extra.get("daemon") or {}
+    explicit = str(daemon.get("control_socket") or "") if isinstance(daemon, dict) else ""
+    sock_path = Path(path) if path else control_socket_path(store.config, explicit)
+    sock_path.parent.mkdir(parents=True, exist_ok=True)
+    with contextlib.suppress(FileNotFoundError):
+        sock_path.unlink()
+    sock = trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        await sock.bind(os.fspath(sock_path))
+        os.chmod(sock_path, 0o600)
+        sock.listen(64)
+    except BaseException:
+        sock.close()
+        raise
+    listener = trio.SocketListener(sock)
+
+    async def handler(stream: trio.SocketStream) -> None:
+        try:
+            await _serve_one(store, stream)
+        except (trio.BrokenResourceError, trio.ClosedResourceError, EOFError, ConnectionError):
+            pass  # the client went away
+        except Exception:  # noqa: BLE001 - one bad client must not stop the daemon
+            log.exception("control: connection failed")
+
+    try:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(trio.serve_listeners, handler, [listener])
+            log.info("control channel on %s", sock_path)
+            task_status.started(sock_path)
+            await trio.sleep_forever()
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            sock_path.unlink()
+
+
+# -- blocking client pieces (shared with kvfs._remote) ------------------------------------
+def connect_sync(path: str | os.PathLike[str], timeout: float | None = None) -> socket.socket:
+    """A connected socket to the daemon. Raises DaemonUnavailable when nothing listens."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(timeout)
+    try:
+        s.connect(os.fspath(path))
+    except OSError as e:
+        s.close()
+        if e.errno in (errno.ENOENT, errno.ECONNREFUSED, errno.ENOTSOCK):
+            raise DaemonUnavailable(f"no kvfs daemon answers on {path}") from e
+        raise
+    return s
+
+
+def read_frame_sync(s: socket.socket) -> Any:
+    """One decoded message; raises DaemonUnavailable on EOF (the daemon went away)."""
+    hdr = _recv_sync(s, 4)
+    (n,) = _HDR.unpack(hdr)
+    return decode(_recv_sync(s, n))
+
+
+def _recv_sync(s: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        try:
+            k = s.recv_into(view[got:], n - got)
+        except ConnectionResetError:
+            k = 0
+        if not k:
+            raise DaemonUnavailable("the kvfs daemon closed the connection mid-command "
+                                    "(it stopped or was killed); the command's effect is unknown")
+        got += k
+    return bytes(buf)
+
+
+def call_sync(s: socket.socket, method: str, args: tuple[Any, ...], kwargs: dict[str, Any],
+              *, on_error: Callable[[str, str], None] = raise_remote) -> Any:
+    """Send one request and return its result (or raise the daemon's error)."""
+    try:
+        s.sendall(encode([method, list(args), kwargs]))
+    except (BrokenPipeError, ConnectionResetError) as e:
+        raise DaemonUnavailable("the kvfs daemon closed the connection (it stopped or "
+                                "was killed)") from e
+    reply = read_frame_sync(s)
+    if reply[0] == 0:
+        return reply[1]
+    on_error(reply[1], reply[2])
+    raise AssertionError("unreachable")

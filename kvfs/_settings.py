@@ -1,0 +1,246 @@
+"""Settings: the embedded defaults, one TOML file, environment variables, then flags.
+
+Each layer overrides the one before it, option by option::
+
+    defaults  <  TOML file (--config FILE or $KVFS_CONFIG)  <  $KVFS_<OPTION>  <  flags
+
+The embedded default needs no file: data in ``./kvfs-data``, archive in ``./kvfs-archive``
+through ``file://``. Every option is listed in :data:`OPTIONS` (docs/configuration.md is
+checked against it). Secrets (``*_secret*``, ``*password*``, credentials in URLs) are masked
+by :func:`masked`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ._config import StoreConfig, parse_size
+
+__all__ = ["OPTIONS", "Option", "Settings", "as_toml", "control_socket_path", "load_settings",
+           "masked"]
+
+
+@dataclass(frozen=True)
+class Option:
+    """One setting: its TOML ``section.name``, its environment variable, default and meaning."""
+
+    section: str
+    name: str
+    kind: str  # "str", "int", "size", "bool", "paths"
+    default: object
+    help: str
+
+    @property
+    def env(self) -> str:
+        return "KVFS_" + self.name.upper()
+
+    @property
+    def key(self) -> str:
+        return f"{self.section}.{self.name}"
+
+
+#: Every option, in the order docs/configuration.md lists them.
+OPTIONS: tuple[Option, ...] = (
+    Option("store", "data_dirs", "paths", ["kvfs-data"],
+           "data directories, one per NVMe device; pages are striped across them"),
+    Option("store", "capacity", "size", 0,
+           "cap on bytes held locally (0: what the disks hold at open)"),
+    Option("store", "stripe_unit", "size", 4 * 1024 * 1024,
+           "pages larger than this are split round-robin across devices (multiple of 4 KiB)"),
+    Option("store", "index_dir", "str", "", "where the SQLite index lives (empty: first data dir)"),
+    Option("store", "direct_io", "bool", True, "read and write with O_DIRECT where possible"),
+    Option("store", "durable", "bool", True, "fsync data and index before a put returns"),
+    Option("store", "io_threads", "int", 8, "worker threads for disk I/O and hashing"),
+    Option("archive", "archive_url", "str", "file://kvfs-archive",
+           "archive tier: file://DIR or s3://BUCKET[/PREFIX]; empty: no archive tier "
+           "(a relative file:// path is taken from the current directory)"),
+    Option("daemon", "control_socket", "str", "",
+           "the control channel's Unix socket (empty: kvfs.sock beside the index, or a "
+           "per-user runtime path when that is too long)"),
+    Option("daemon", "metrics_port", "int", 0,
+           "serve Prometheus metrics on this TCP port (0: off)"),
+    Option("daemon", "metrics_address", "str", "127.0.0.1", "address the metrics port binds"),
+    Option("daemon", "metrics_sessions", "int", 20,
+           "per-session metrics for at most this many sessions (largest first; the rest "
+           "summed as session=\"_other\")"),
+    Option("daemon", "log_level", "str", "info", "debug, info, warning or error"),
+    Option("daemon", "log_target", "str", "stderr", "stderr or journald"),
+)
+
+_BY_NAME = {o.name: o for o in OPTIONS}
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off", ""}
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The effective settings and where each value came from."""
+
+    values: dict[str, object]
+    sources: dict[str, str] = field(default_factory=dict)
+    config_file: Path | None = None
+
+    def __getitem__(self, name: str) -> Any:
+        return self.values[name]
+
+    def store_config(self) -> StoreConfig:
+        """The :class:`StoreConfig` these settings describe. Raises ValueError when invalid."""
+        v = self.values
+        return StoreConfig(
+            data_dirs=tuple(Path(d) for d in v["data_dirs"]),  # type: ignore[attr-defined]
+            capacity=int(v["capacity"]),  # type: ignore[call-overload]
+            stripe_unit=int(v["stripe_unit"]),  # type: ignore[call-overload]
+            index_dir=Path(str(v["index_dir"])) if v["index_dir"] else None,
+            direct_io=bool(v["direct_io"]), durable=bool(v["durable"]),
+            io_threads=int(v["io_threads"]),  # type: ignore[call-overload]
+            archive_url=_absolute_file_url(str(v["archive_url"])),
+            extra={"daemon": {k: v[k] for k in ("control_socket", "metrics_port",
+                                                "metrics_address", "metrics_sessions",
+                                                "log_level", "log_target")}})
+
+    def socket_path(self) -> Path:
+        """The control socket of the daemon that owns this data directory."""
+        return control_socket_path(self.store_config(), str(self.values["control_socket"]))
+
+
+def _absolute_file_url(url: str) -> str:
+    if url.startswith("file://") and not url.startswith("file:///"):
+        return "file://" + os.path.abspath(url[len("file://"):])
+    return url
+
+
+def _convert(opt: Option, raw: object, where: str) -> object:
+    try:
+        if opt.kind == "paths":
+            if isinstance(raw, str):
+                return [p for p in raw.split(",") if p]
+            if isinstance(raw, list) and all(isinstance(p, str) for p in raw) and raw:
+                return list(raw)
+            raise ValueError("a list of directories is needed")
+        if opt.kind == "size":
+            return parse_size(raw if isinstance(raw, (int, str)) else str(raw))
+        if opt.kind == "int":
+            if isinstance(raw, bool):
+                raise ValueError("an integer is needed")
+            return int(raw)  # type: ignore[call-overload]
+        if opt.kind == "bool":
+            if isinstance(raw, bool):
+                return raw
+            s = str(raw).strip().lower()
+            if s in _TRUE or s in _FALSE:
+                return s in _TRUE
+            raise ValueError("true or false is needed")
+        if not isinstance(raw, str):
+            raise ValueError("a string is needed")
+        if opt.name == "log_level" and raw.lower() not in ("debug", "info", "warning", "error"):
+            raise ValueError("one of debug, info, warning, error is needed")
+        if opt.name == "log_target" and raw not in ("stderr", "journald"):
+            raise ValueError("stderr or journald is needed")
+        return raw
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"{where}: bad value {raw!r} for {opt.key}: {e}") from None
+
+
+def load_settings(config_file: str | os.PathLike[str] | None = None, *,
+                  env: Mapping[str, str] | None = None,
+                  flags: Mapping[str, object] | None = None) -> Settings:
+    """Merge defaults, the TOML file, ``KVFS_*`` variables and ``flags`` (None = not given).
+
+    The file is ``config_file``, else ``$KVFS_CONFIG``, else none. Raises ValueError for an
+    unknown option or section, a value of the wrong kind, or TOML that does not parse;
+    FileNotFoundError for a named file that does not exist.
+    """
+    env = os.environ if env is None else env
+    values: dict[str, object] = {o.name: o.default for o in OPTIONS}
+    sources = {o.name: "default" for o in OPTIONS}
+    path = config_file or env.get("KVFS_CONFIG") or None
+    cfg_path = Path(path) if path else None
+    if cfg_path is not None:
+        try:
+            doc = tomllib.loads(cfg_path.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise ValueError(f"{cfg_path}: {e}") from None
+        for section, table in doc.items():
+            if not isinstance(table, dict) or section not in {o.section for o in OPTIONS}:
+                raise ValueError(f"{cfg_path}: unknown section [{section}] "
+                                 "(sections: store, archive, daemon)")
+            for name, raw in table.items():
+                opt = _BY_NAME.get(name)
+                if opt is None or opt.section != section:
+                    raise ValueError(f"{cfg_path}: unknown option {section}.{name}")
+                values[name] = _convert(opt, raw, str(cfg_path))
+                sources[name] = str(cfg_path)
+    for opt in OPTIONS:
+        if opt.env in env:
+            values[opt.name] = _convert(opt, env[opt.env], f"${opt.env}")
+            sources[opt.name] = f"${opt.env}"
+    for name, raw in (flags or {}).items():
+        if raw is None:
+            continue
+        opt = _BY_NAME.get(name)
+        if opt is None:
+            raise ValueError(f"unknown option {name}")
+        values[name] = _convert(opt, raw, "command line")
+        sources[name] = "flag"
+    return Settings(values, sources, cfg_path)
+
+
+_SECRET = re.compile(r"secret|password|token|credential", re.I)
+_URL_CREDS = re.compile(r"(?P<scheme>[a-z0-9+]+://)(?P<creds>[^/@]+)@", re.I)
+
+
+def masked(name: str, value: object) -> object:
+    """``value`` with secrets replaced by ``***``: secret-named options, credentials in URLs
+    (``s3://KEY:SECRET@bucket``) and secret query parameters."""
+    if _SECRET.search(name) and value:
+        return "***"
+    if isinstance(value, str):
+        value = _URL_CREDS.sub(lambda m: f"{m['scheme']}***@", value)
+        value = re.sub(r"((?:secret|password|token|credential)[a-z_]*=)[^&]*", r"\1***",
+                       value, flags=re.I)
+    return value
+
+
+def control_socket_path(config: StoreConfig, explicit: str = "") -> Path:
+    """The control socket for ``config``'s data: ``explicit`` if given, else ``kvfs.sock``
+    beside the lock file, or, when that path is too long for a Unix socket, a per-user
+    runtime path named by a hash of the lock file's path."""
+    if explicit:
+        return Path(explicit)
+    beside = config.lock_path.parent.absolute() / "kvfs.sock"
+    if len(os.fsencode(beside)) < 100:
+        return beside
+    base = Path(os.environ.get("XDG_RUNTIME_DIR") or f"/tmp/kvfs-{os.getuid()}")
+    digest = hashlib.sha1(os.fsencode(config.lock_path.absolute())).hexdigest()[:16]
+    return base / "kvfs" / f"ctl-{digest}.sock"
+
+
+def as_toml(settings: Settings) -> str:
+    """The effective settings as a TOML document (secrets masked)."""
+    lines: list[str] = []
+    for section in ("store", "archive", "daemon"):
+        lines.append(f"[{section}]")
+        for o in OPTIONS:
+            if o.section == section:
+                lines.append(f"{o.name} = {_toml_value(masked(o.name, settings[o.name]))}"
+                             f"  # {settings.sources[o.name]}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _toml_value(v: object) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, int):
+        return str(v)
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    return '"' + str(v).replace("\\", "\\\\").replace('"', '\\"') + '"'
+
