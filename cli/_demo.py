@@ -32,10 +32,18 @@ MODEL = "demo-llama-8l"
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("demo", help="write, read back and list a small KV cache (object API)",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--data", type=Path, default=Path("demo-data"),
-                   help="store directory (default ./demo-data; reused across runs)")
+    p = sub.add_parser(
+        "demo",
+        help="write, read back and list a small KV cache (object API)",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--data",
+        type=Path,
+        default=Path("demo-data"),
+        help="store directory (default ./demo-data; reused across runs)",
+    )
     p.add_argument("--json", action="store_true", help="print the results as JSON")
     p.set_defaults(func=_main)
 
@@ -74,9 +82,12 @@ def run_demo(data: Path) -> dict[str, object]:
                     key = kvfs.PageKey.semantic(session, prefix, layer)
                     written[key] = arr
                     items.append((key, arr))
-                attrs = {"model": MODEL, "dtype": "float16",
-                         "shape": "x".join(map(str, items[0][1].shape)),
-                         "tokens": f"{c * TOKENS}-{(c + 1) * TOKENS}"}
+                attrs = {
+                    "model": MODEL,
+                    "dtype": "float16",
+                    "shape": "x".join(map(str, items[0][1].shape)),
+                    "tokens": f"{c * TOKENS}-{(c + 1) * TOKENS}",
+                }
                 store.put_many(items, attrs=attrs)
             if si == 0:
                 store.pin_session(session)  # a pinned session is never evicted
@@ -91,36 +102,63 @@ def run_demo(data: Path) -> dict[str, object]:
         t_read = time.perf_counter() - t1
         sessions = [s for s in store.sessions() if s.session.startswith("demo-")]
         st = store.statistics()
-    return {"data": str(data), "pages": len(written),
-            "page_bytes": written[next(iter(written))].nbytes,
-            "write_seconds": t_write, "read_seconds": t_read, "verified": True,
-            "sessions": sessions, "statistics": st}
+    return {
+        "data": str(data),
+        "pages": len(written),
+        "page_bytes": written[next(iter(written))].nbytes,
+        "write_seconds": t_write,
+        "read_seconds": t_read,
+        "verified": True,
+        "sessions": sessions,
+        "statistics": st,
+    }
 
 
 def _main(args: argparse.Namespace) -> int:
-    print(f"kvfs demo: writing {SESSIONS} sessions x {CHUNKS} prefix chunks x {LAYERS} layers "
-          f"into {args.data}/ ...", file=sys.stderr)
+    print(
+        f"kvfs demo: writing {SESSIONS} sessions x {CHUNKS} prefix chunks x {LAYERS} layers "
+        f"into {args.data}/ ...",
+        file=sys.stderr,
+    )
     res = run_demo(args.data)
     if args.json:
         print_json(res)
         return 0
     st: kvfs.StoreStatistics = res["statistics"]  # type: ignore[assignment]
     sessions: list[kvfs.SessionInfo] = res["sessions"]  # type: ignore[assignment]
-    print(f"wrote {res['pages']} pages of {fmt_bytes(res['page_bytes'])} "  # type: ignore[arg-type]
-          f"in {res['write_seconds']:.2f} s, read all back verified in "
-          f"{res['read_seconds']:.2f} s\n")
-    print_table(["session", "model", "pages", "bytes", "local", "pinned"],
-                [(s.session, s.model or "-", s.pages, fmt_bytes(s.bytes), fmt_bytes(s.local_bytes),
-                  "yes" if s.pinned else "no") for s in sessions])
+    print(
+        f"wrote {res['pages']} pages of {fmt_bytes(res['page_bytes'])} "  # type: ignore[arg-type]
+        f"in {res['write_seconds']:.2f} s, read all back verified in "
+        f"{res['read_seconds']:.2f} s\n"
+    )
+    print_table(
+        ["session", "model", "pages", "bytes", "local", "pinned"],
+        [
+            (
+                s.session,
+                s.model or "-",
+                s.pages,
+                fmt_bytes(s.bytes),
+                fmt_bytes(s.local_bytes),
+                "yes" if s.pinned else "no",
+            )
+            for s in sessions
+        ],
+    )
     saved = st.logical_bytes - st.local_bytes
     print()
-    print_table(["statistic", "value"], [
-        ("pages", st.pages), ("distinct pages stored", st.local_blobs),
-        ("logical bytes", fmt_bytes(st.logical_bytes)),
-        ("bytes stored", fmt_bytes(st.local_bytes)),
-        ("saved by dedup", f"{fmt_bytes(saved)} (the shared system prompt)"),
-        ("on disk (with headers)", fmt_bytes(st.used_bytes)),
-        ("puts / deduplicated", f"{st.puts} / {st.dedup_puts}"),
-        ("gets / checksum failures", f"{st.gets} / {st.corrupt_reads}"),
-    ], align="ll")
+    print_table(
+        ["statistic", "value"],
+        [
+            ("pages", st.pages),
+            ("distinct pages stored", st.local_blobs),
+            ("logical bytes", fmt_bytes(st.logical_bytes)),
+            ("bytes stored", fmt_bytes(st.local_bytes)),
+            ("saved by dedup", f"{fmt_bytes(saved)} (the shared system prompt)"),
+            ("on disk (with headers)", fmt_bytes(st.used_bytes)),
+            ("puts / deduplicated", f"{st.puts} / {st.dedup_puts}"),
+            ("gets / checksum failures", f"{st.gets} / {st.corrupt_reads}"),
+        ],
+        align="ll",
+    )
     return 0

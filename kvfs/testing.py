@@ -80,8 +80,25 @@ class PageStoreTests:
 
     def boundary_sizes(self) -> list[int]:
         u = self.stripe_unit
-        sizes = {0, 1, 7, 4095, 4096, 4097, 8191, u - 1, u, u + 1, 2 * u + 4097, 3 * u,
-                 LEAF - 1, LEAF, LEAF + 1, 2 * LEAF + 4095, 3 * LEAF + 123}
+        sizes = {
+            0,
+            1,
+            7,
+            4095,
+            4096,
+            4097,
+            8191,
+            u - 1,
+            u,
+            u + 1,
+            2 * u + 4097,
+            3 * u,
+            LEAF - 1,
+            LEAF,
+            LEAF + 1,
+            2 * LEAF + 4095,
+            3 * LEAF + 123,
+        }
         return sorted(x for x in sizes if x >= 0)
 
     # -- write-once, replace, round trip -------------------------------------------------
@@ -125,8 +142,13 @@ class PageStoreTests:
     async def test_buffer_kinds(self, s: as_async) -> None:
         sess = fresh_session()
         arr = np.arange(3 * 5 * 7, dtype=np.float16).reshape(3, 5, 7)
-        sources: list[object] = [payload(999), bytearray(payload(1000)), arr,
-                                 memoryview(payload(4096)), np.array([1.5, -2.0], dtype=np.float32)]
+        sources: list[object] = [
+            payload(999),
+            bytearray(payload(1000)),
+            arr,
+            memoryview(payload(4096)),
+            np.array([1.5, -2.0], dtype=np.float32),
+        ]
         for i, src in enumerate(sources):
             key = kvfs.PageKey.semantic(sess, "buf", i)
             await s.put(key, src)
@@ -167,21 +189,44 @@ class PageStoreTests:
         n = LEAF + 3 * self.stripe_unit + 77
         data = payload(n, 3)
         await s.put(key, data)
-        for off, size in [(0, 1), (1, 4096), (LEAF - 5, 10), (n - 10, 100), (n, 5), (0, n),
-                          (self.stripe_unit - 1, self.stripe_unit + 2)]:
-            assert await s.read_range(key, off, size) == data[off:off + size], (off, size)
+        for off, size in [
+            (0, 1),
+            (1, 4096),
+            (LEAF - 5, 10),
+            (n - 10, 100),
+            (n, 5),
+            (0, n),
+            (self.stripe_unit - 1, self.stripe_unit + 2),
+        ]:
+            assert await s.read_range(key, off, size) == data[off : off + size], (off, size)
 
     # -- names, listing, sessions ------------------------------------------------------
     async def test_invalid_keys(self, s: as_async) -> None:
-        bad = ["", "a//b", "../x", "a/../b", "a/./b", "/abs", "a/b\x00c", "x" * 300,
-               "/".join(["d" * 200] * 6), "sessions/only-two"]
+        bad = [
+            "",
+            "a//b",
+            "../x",
+            "a/../b",
+            "a/./b",
+            "/abs",
+            "a/b\x00c",
+            "x" * 300,
+            "/".join(["d" * 200] * 6),
+            "sessions/only-two",
+        ]
         for path in bad:
             with pytest.raises(kvfs.InvalidKey):
                 await s.put(path, b"x")
             with pytest.raises(kvfs.InvalidKey):
                 await s.get(path)
-        for parts in [("", "p", 0), ("s", "..", 0), ("s/t", "p", 0), ("s", "p", -1),
-                      ("s", "p\x00", 1), ("s", "p", "")]:
+        for parts in [
+            ("", "p", 0),
+            ("s", "..", 0),
+            ("s/t", "p", 0),
+            ("s", "p", -1),
+            ("s", "p\x00", 1),
+            ("s", "p", ""),
+        ]:
             with pytest.raises(kvfs.InvalidKey):
                 kvfs.PageKey.semantic(*parts)  # type: ignore[arg-type]
         assert isinstance(kvfs.InvalidKey("x"), ValueError)
@@ -206,12 +251,17 @@ class PageStoreTests:
         for name in ("x.bin", "y.bin", "sub/z.bin"):
             await s.put(f"{d}/{name}", payload(50))
         got = sorted(p.path for p in await s.list(session=a))
-        assert got == sorted(kvfs.PageKey.semantic(a, p, la).path
-                             for p in ("p1", "p2") for la in range(3))
+        assert got == sorted(
+            kvfs.PageKey.semantic(a, p, la).path for p in ("p1", "p2") for la in range(3)
+        )
         assert {p.path for p in await s.list(session=a, prefix="p2")} == {
-            kvfs.PageKey.semantic(a, "p2", la).path for la in range(3)}
+            kvfs.PageKey.semantic(a, "p2", la).path for la in range(3)
+        }
         assert sorted(p.path for p in await s.list(path_prefix=f"{d}/")) == [
-            f"{d}/sub/z.bin", f"{d}/x.bin", f"{d}/y.bin"]
+            f"{d}/sub/z.bin",
+            f"{d}/x.bin",
+            f"{d}/y.bin",
+        ]
         assert [p.path for p in await s.list(session=d)] == [f"{d}/x.bin", f"{d}/y.bin"]
         assert await s.list(session=fresh_session()) == []
 
@@ -301,8 +351,9 @@ class PageStoreTests:
 
     async def test_put_many_get_many(self, s: as_async) -> None:
         sess = fresh_session()
-        items = [(kvfs.PageKey.semantic(sess, "batch", i), payload(1000 * i + 1, i))
-                 for i in range(12)]
+        items = [
+            (kvfs.PageKey.semantic(sess, "batch", i), payload(1000 * i + 1, i)) for i in range(12)
+        ]
         infos = await s.put_many(items)
         assert [i.path for i in infos] == [k.path for k, _ in items]
         assert await s.get_many([k for k, _ in items]) == [d for _, d in items]

@@ -17,7 +17,9 @@ class TestAsyncStoreOneDevice(PageStoreTests):
     stripe_unit = 4 << 20
 
     @pytest.fixture
-    async def store(self, make_config: Callable[..., kvfs.StoreConfig]) -> AsyncIterator[kvfs.Store]:
+    async def store(
+        self, make_config: Callable[..., kvfs.StoreConfig]
+    ) -> AsyncIterator[kvfs.Store]:
         async with kvfs.open_store(make_config(ndev=1, stripe_unit=self.stripe_unit)) as s:
             yield s
 
@@ -26,7 +28,9 @@ class TestAsyncStoreStriped(PageStoreTests):
     stripe_unit = 16 * KiB
 
     @pytest.fixture
-    async def store(self, make_config: Callable[..., kvfs.StoreConfig]) -> AsyncIterator[kvfs.Store]:
+    async def store(
+        self, make_config: Callable[..., kvfs.StoreConfig]
+    ) -> AsyncIterator[kvfs.Store]:
         async with kvfs.open_store(make_config(ndev=3, stripe_unit=self.stripe_unit)) as s:
             yield s
 

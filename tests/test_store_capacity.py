@@ -60,6 +60,7 @@ def test_concurrent_puts_never_exceed_cap(make_config: Callable[..., kvfs.StoreC
     violations: list[str] = []
     stop = threading.Event()
     with kvfs.open_store_sync(cfg) as store:
+
         def watch() -> None:
             before = snapshot(cfg)
             while not stop.is_set():
@@ -101,7 +102,8 @@ def test_concurrent_puts_never_exceed_cap(make_config: Callable[..., kvfs.StoreC
 
 
 def test_capacity_exceeded_when_everything_is_pinned(
-        make_config: Callable[..., kvfs.StoreConfig]) -> None:
+    make_config: Callable[..., kvfs.StoreConfig],
+) -> None:
     cfg = make_config(ndev=2, stripe_unit=64 * KiB, capacity=1 * MiB)
     with kvfs.open_store_sync(cfg) as store:
         i = 0
@@ -123,7 +125,8 @@ def test_capacity_exceeded_when_everything_is_pinned(
 
 
 def test_pinned_pages_and_sessions_are_never_evicted(
-        make_config: Callable[..., kvfs.StoreConfig]) -> None:
+    make_config: Callable[..., kvfs.StoreConfig],
+) -> None:
     cfg = make_config(ndev=3, stripe_unit=32 * KiB, capacity=2 * MiB)
     with kvfs.open_store_sync(cfg) as store:
         keep = {}

@@ -26,8 +26,24 @@ def test_demo(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_bench_store_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["bench", "store", "--sizes", "1", "--clients", "1,2", "--total", "4",
-                 "--data", f"{tmp_path / 'a'},{tmp_path / 'b'}", "--json"]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "store",
+                "--sizes",
+                "1",
+                "--clients",
+                "1,2",
+                "--total",
+                "4",
+                "--data",
+                f"{tmp_path / 'a'},{tmp_path / 'b'}",
+                "--json",
+            ]
+        )
+        == 0
+    )
     res = json.loads(capsys.readouterr().out)
     assert [(r["size_mib"], r["clients"]) for r in res["rows"]] == [(1, 1), (1, 2)]
     for r in res["rows"]:

@@ -26,8 +26,11 @@ _KEY = re.compile(r"^crash/r(\d+)/p(\d+)$")
 
 def _run_and_kill(rnd: int, dirs: list[Path], rng: random.Random) -> list[str]:
     """Start a writer, kill it with SIGKILL at a random moment, return the keys it acked."""
-    p = subprocess.Popen([sys.executable, str(WRITER), str(rnd), *map(str, dirs)],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    p = subprocess.Popen(
+        [sys.executable, str(WRITER), str(rnd), *map(str, dirs)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     assert p.stdout is not None
     first = p.stdout.readline()
     if first != b"ready\n":
@@ -73,7 +76,9 @@ def test_sigkill_writer_loses_nothing_acknowledged(tmp_path: Path) -> None:
             # The unclean start swept what the killed writers left; fsck must agree.
             swept.append(len(store.engine.recovered_orphans))
             report = store.fsck()
-            assert report["orphans"] == [] and report["missing"] == [] and report["corrupt"] == [], report
+            assert (
+                report["orphans"] == [] and report["missing"] == [] and report["corrupt"] == []
+            ), report
             visible = _verify(store, acked)
             st = store.statistics()
             assert st.used_bytes == sum(_disk_bytes(d) for d in dirs), "accounting != files on disk"

@@ -32,11 +32,13 @@ def flip(info: kvfs.PageInfo, page_off: int) -> None:
 SIZE = 2 * LEAF + 100 * KiB + 123  # three leaves, the last one partial
 
 
-@pytest.mark.parametrize("where", [0, 4095, 4096, LEAF - 1, LEAF, LEAF + 777 * KiB,
-                                   2 * LEAF, SIZE - 1])
+@pytest.mark.parametrize(
+    "where", [0, 4095, 4096, LEAF - 1, LEAF, LEAF + 777 * KiB, 2 * LEAF, SIZE - 1]
+)
 @pytest.mark.parametrize("ndev", [1, 3])
-def test_flipped_byte_is_corrupt_page(make_config: Callable[..., kvfs.StoreConfig],
-                                      where: int, ndev: int) -> None:
+def test_flipped_byte_is_corrupt_page(
+    make_config: Callable[..., kvfs.StoreConfig], where: int, ndev: int
+) -> None:
     data = os.urandom(SIZE)
     with kvfs.open_store_sync(make_config(ndev=ndev, stripe_unit=256 * KiB)) as store:
         info = store.put("s/page", data)
@@ -55,7 +57,7 @@ def test_flipped_byte_is_corrupt_page(make_config: Callable[..., kvfs.StoreConfi
         for leaf in range(3):  # ranged reads verify only the leaves they touch
             if leaf != bad_leaf:
                 lo = leaf * LEAF
-                assert store.read_range("s/page", lo + 5, 100) == data[lo + 5:lo + 105]
+                assert store.read_range("s/page", lo + 5, 100) == data[lo + 5 : lo + 105]
         assert store.statistics().corrupt_reads >= 5
         assert store.fsck()["corrupt"] == [info.checksum]
         flip(info, where)  # flipped back: good again, nothing cached the failure
@@ -81,7 +83,8 @@ def test_missing_and_truncated_files(make_config: Callable[..., kvfs.StoreConfig
 
 
 def test_dedup_survives_all_deletes_but_the_last(
-        make_config: Callable[..., kvfs.StoreConfig]) -> None:
+    make_config: Callable[..., kvfs.StoreConfig],
+) -> None:
     cfg = make_config(ndev=3, stripe_unit=64 * KiB)
     shared = os.urandom(5 * 64 * KiB + 999)  # striped over all three devices
     with kvfs.open_store_sync(cfg) as store:
@@ -112,12 +115,16 @@ def test_dedup_survives_all_deletes_but_the_last(
         store.delete(keys[2])
         end = store.statistics()
         assert (end.used_bytes, end.local_blobs, end.local_bytes) == (
-            base.used_bytes, base.local_blobs, base.local_bytes)
+            base.used_bytes,
+            base.local_blobs,
+            base.local_bytes,
+        )
         assert store.fsck()["orphans"] == []
 
 
 def test_dedup_of_a_large_page_leaves_no_second_copy(
-        make_config: Callable[..., kvfs.StoreConfig]) -> None:
+    make_config: Callable[..., kvfs.StoreConfig],
+) -> None:
     """Large pages are written before their hash is known; the redundant copy is removed."""
     cfg = make_config(ndev=2, stripe_unit=64 * KiB)
     data = os.urandom(3 * MiB)

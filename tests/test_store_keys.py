@@ -44,11 +44,28 @@ def test_session_dir() -> None:
             kvfs.session_dir(bad)
 
 
-@pytest.mark.parametrize("path", [
-    "", "/abs", "a//b", "a/", "./a", "a/./b", "../a", "a/..", "a/b\x00", ".kvfs.json",
-    "d/.kvfs-x", "x" * (MAX_NAME_BYTES + 1), "é" * 128, "/".join(["y" * 100] * 11),
-    "sessions/s", "sessions/s/p", "sessions/s/p/l/extra",
-])
+@pytest.mark.parametrize(
+    "path",
+    [
+        "",
+        "/abs",
+        "a//b",
+        "a/",
+        "./a",
+        "a/./b",
+        "../a",
+        "a/..",
+        "a/b\x00",
+        ".kvfs.json",
+        "d/.kvfs-x",
+        "x" * (MAX_NAME_BYTES + 1),
+        "é" * 128,
+        "/".join(["y" * 100] * 11),
+        "sessions/s",
+        "sessions/s/p",
+        "sessions/s/p/l/extra",
+    ],
+)
 def test_bad_paths(path: str) -> None:
     with pytest.raises(kvfs.InvalidKey) as ei:
         PageKey.from_path(path)
@@ -63,10 +80,22 @@ def test_limits_are_exact() -> None:
         split_path(long_ok + "/" + "w" * (MAX_PATH_BYTES - len(long_ok)))
 
 
-@pytest.mark.parametrize("parts", [
-    ("", "p", 0), ("s", "", 0), ("s", "p", ""), ("..", "p", 0), ("s", ".", 0), ("s/x", "p", 0),
-    ("s", "p/q", 0), ("s", "p", -1), ("s", "p", True), ("s\x00", "p", 0), (1, "p", 0),
-])
+@pytest.mark.parametrize(
+    "parts",
+    [
+        ("", "p", 0),
+        ("s", "", 0),
+        ("s", "p", ""),
+        ("..", "p", 0),
+        ("s", ".", 0),
+        ("s/x", "p", 0),
+        ("s", "p/q", 0),
+        ("s", "p", -1),
+        ("s", "p", True),
+        ("s\x00", "p", 0),
+        (1, "p", 0),
+    ],
+)
 def test_bad_semantic_parts(parts: tuple) -> None:
     with pytest.raises(kvfs.InvalidKey):
         PageKey.semantic(*parts)

@@ -19,7 +19,8 @@ KiB, MiB = 1024, 1 << 20
 
 # -- the directory lock ------------------------------------------------------------------
 def test_second_opener_in_another_process_is_told_the_owner(
-        make_config: Callable[..., kvfs.StoreConfig]) -> None:
+    make_config: Callable[..., kvfs.StoreConfig],
+) -> None:
     cfg = make_config(ndev=2)
     with kvfs.open_store_sync(cfg):
         code = textwrap.dedent(f"""
@@ -32,8 +33,9 @@ def test_second_opener_in_another_process_is_told_the_owner(
                 assert isinstance(e, BlockingIOError)
                 print("LOCKED", e)
             """)
-        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                             timeout=60)
+        out = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, timeout=60
+        )
         assert out.stdout.startswith("LOCKED"), out.stderr
         assert f"pid {os.getpid()}" in out.stdout
         with pytest.raises(kvfs.StoreLocked):  # a second opener in this process too
@@ -44,7 +46,8 @@ def test_second_opener_in_another_process_is_told_the_owner(
 
 # -- restart -----------------------------------------------------------------------------
 def test_clean_restart_does_not_scan_data_files(
-        make_config: Callable[..., kvfs.StoreConfig], monkeypatch: pytest.MonkeyPatch) -> None:
+    make_config: Callable[..., kvfs.StoreConfig], monkeypatch: pytest.MonkeyPatch
+) -> None:
     cfg = make_config(ndev=3, stripe_unit=64 * KiB)
     pages = {f"s{i % 3}/p{i}": os.urandom(i * 37 * KiB + 5) for i in range(12)}
     with kvfs.open_store_sync(cfg) as store:
@@ -89,7 +92,8 @@ def test_unclean_restart_sweeps_orphans(make_config: Callable[..., kvfs.StoreCon
 
 # -- leases ------------------------------------------------------------------------------
 def test_leased_files_survive_delete_and_evict(
-        make_config: Callable[..., kvfs.StoreConfig]) -> None:
+    make_config: Callable[..., kvfs.StoreConfig],
+) -> None:
     with kvfs.open_store_sync(make_config(ndev=2, stripe_unit=64 * KiB)) as store:
         data = os.urandom(200 * KiB)
         info = store.put("s/p", data)
@@ -111,8 +115,7 @@ def test_leased_files_survive_delete_and_evict(
         assert store.fsck()["orphans"] == []
 
 
-def test_capacity_eviction_skips_leased_pages(
-        make_config: Callable[..., kvfs.StoreConfig]) -> None:
+def test_capacity_eviction_skips_leased_pages(make_config: Callable[..., kvfs.StoreConfig]) -> None:
     cfg = make_config(ndev=1, stripe_unit=64 * KiB, capacity=3 * (64 * KiB + 4 * KiB))
     with kvfs.open_store_sync(cfg) as store:
         for name in "abc":
@@ -125,8 +128,10 @@ def test_capacity_eviction_skips_leased_pages(
 # -- the async API -----------------------------------------------------------------------
 async def test_async_many_tasks(make_config: Callable[..., kvfs.StoreConfig]) -> None:
     async with kvfs.open_store(make_config(ndev=3, stripe_unit=32 * KiB)) as store:
-        pages = {kvfs.PageKey.semantic(f"s{i % 4}", f"p{i // 4}", i % 3): os.urandom(i * 3001)
-                 for i in range(40)}
+        pages = {
+            kvfs.PageKey.semantic(f"s{i % 4}", f"p{i // 4}", i % 3): os.urandom(i * 3001)
+            for i in range(40)
+        }
         infos = await store.put_many(pages.items(), attrs={"model": "m"}, concurrency=8)
         assert [i.path for i in infos] == [k.path for k in pages]
         got = await store.get_many(list(pages), concurrency=8)
@@ -169,7 +174,7 @@ def test_page_writer_out_of_order_and_abort(make_config: Callable[..., kvfs.Stor
     with kvfs.open_store_sync(make_config(ndev=3, stripe_unit=16 * KiB)) as store:
         data = os.urandom(100 * KiB + 7)
         w = store.begin_write("eng/file.bin")
-        chunks = [(o, data[o:o + 9000]) for o in range(0, len(data), 9000)]
+        chunks = [(o, data[o : o + 9000]) for o in range(0, len(data), 9000)]
         for o, c in reversed(chunks):
             w.write(o, c)
         assert w.read(5, 20000) == data[5:20005]
@@ -184,7 +189,9 @@ def test_page_writer_out_of_order_and_abort(make_config: Callable[..., kvfs.Stor
 
 
 # -- group commit ------------------------------------------------------------------------
-def test_concurrent_commits_one_winner_per_key(make_config: Callable[..., kvfs.StoreConfig]) -> None:
+def test_concurrent_commits_one_winner_per_key(
+    make_config: Callable[..., kvfs.StoreConfig],
+) -> None:
     """Commits from many threads share transactions; each page still succeeds or fails alone."""
     import threading
     from concurrent.futures import ThreadPoolExecutor

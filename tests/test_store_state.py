@@ -22,7 +22,9 @@ from kvfs._checksum import checksum
 KiB = 1024
 SESSIONS = ["a", "b", "c"]
 KEYS = [kvfs.PageKey.semantic(s, "p", layer) for s in SESSIONS for layer in range(3)] + [
-    kvfs.PageKey.from_path("eng/x.bin"), kvfs.PageKey.from_path("eng/y.bin")]
+    kvfs.PageKey.from_path("eng/x.bin"),
+    kvfs.PageKey.from_path("eng/y.bin"),
+]
 PAYLOADS = [bytes([v]) * n for n in (0, 100, 4096, 16 * KiB + 1, 40_000) for v in (1, 2)]
 
 keys = st.sampled_from(KEYS)
@@ -34,8 +36,9 @@ class StoreMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.tmp = Path(tempfile.mkdtemp(prefix="kvfs-state-"))
-        self.cfg = kvfs.StoreConfig(data_dirs=(self.tmp / "d0", self.tmp / "d1"),
-                                    stripe_unit=16 * KiB, capacity=100 * KiB)
+        self.cfg = kvfs.StoreConfig(
+            data_dirs=(self.tmp / "d0", self.tmp / "d1"), stripe_unit=16 * KiB, capacity=100 * KiB
+        )
         self.store = kvfs.SyncStore(kvfs.Engine(self.cfg))
         self.model: dict[str, bytes] = {}
         self.pinned: set[str] = set()
@@ -172,6 +175,9 @@ class StoreMachine(RuleBasedStateMachine):
 
 
 StoreMachine.TestCase.settings = settings(
-    max_examples=80, stateful_step_count=30, deadline=None,
-    suppress_health_check=[HealthCheck.too_slow])
+    max_examples=80,
+    stateful_step_count=30,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
 TestStoreMachine = StoreMachine.TestCase

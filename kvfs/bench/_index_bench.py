@@ -30,15 +30,24 @@ TIMED_COMMITS = 2000
 
 def _commit(eng: Engine, i: int) -> None:
     h = i.to_bytes(8, "little") + os.urandom(24)
-    eng.index.commit_page(path=f"sessions/s{i % 1000}/p{i // 1000}/layer-{i % 80:03d}",
-                          session=f"sessions/s{i % 1000}", h=h, size=4 << 20, leaves=b"\0" * 128,
-                          extents=[(0, f"blobs/{h.hex()[:2]}/{h.hex()}", 4096, 4 << 20)],
-                          disk_bytes=(4 << 20) + 4096, attrs={"model": "bench"}, pinned=False,
-                          replace=True, session_attrs={})
+    eng.index.commit_page(
+        path=f"sessions/s{i % 1000}/p{i // 1000}/layer-{i % 80:03d}",
+        session=f"sessions/s{i % 1000}",
+        h=h,
+        size=4 << 20,
+        leaves=b"\0" * 128,
+        extents=[(0, f"blobs/{h.hex()[:2]}/{h.hex()}", 4096, 4 << 20)],
+        disk_bytes=(4 << 20) + 4096,
+        attrs={"model": "bench"},
+        pinned=False,
+        replace=True,
+        session_attrs={},
+    )
 
 
-def run_index_bench(data: Path, n: int, *, progress: Callable[[str], None] = print
-                    ) -> dict[str, Any]:
+def run_index_bench(
+    data: Path, n: int, *, progress: Callable[[str], None] = print
+) -> dict[str, Any]:
     cfg = kvfs.StoreConfig(data_dirs=(data,))
     out: dict[str, Any] = {"pages": n}
     eng = Engine(cfg)
@@ -51,8 +60,9 @@ def run_index_bench(data: Path, n: int, *, progress: Callable[[str], None] = pri
             for i in range(base, base + k):
                 _commit(eng, i)
             out[f"commits_per_s_{sync.lower()}"] = k / (time.perf_counter() - t0)
-            progress(f"  {k} commits at synchronous={sync}: "
-                     f"{out[f'commits_per_s_{sync.lower()}']:.0f}/s")
+            progress(
+                f"  {k} commits at synchronous={sync}: {out[f'commits_per_s_{sync.lower()}']:.0f}/s"
+            )
         done = 2 * k
         with eng.index._lock:  # fill the rest fast: one big transaction per 10k pages
             while done < n:
@@ -62,14 +72,33 @@ def run_index_bench(data: Path, n: int, *, progress: Callable[[str], None] = pri
                     h = i.to_bytes(8, "little") + os.urandom(24)
                     eng.index._db.execute(
                         "INSERT INTO blobs VALUES (?,?,?,?,?,?,?,?,?)",
-                        (h, 4 << 20, b"\0" * 128, 1,
-                         kvfs._index._pack([(0, f"blobs/{h.hex()[:2]}/{h.hex()}", 4096, 4 << 20)]),
-                         (4 << 20) + 4096, 0, time.time(), time.time()))
+                        (
+                            h,
+                            4 << 20,
+                            b"\0" * 128,
+                            1,
+                            kvfs._index._pack(
+                                [(0, f"blobs/{h.hex()[:2]}/{h.hex()}", 4096, 4 << 20)]
+                            ),
+                            (4 << 20) + 4096,
+                            0,
+                            time.time(),
+                            time.time(),
+                        ),
+                    )
                     eng.index._db.execute(
                         "INSERT OR REPLACE INTO pages VALUES (?,?,?,?,?,?,?,?)",
-                        (f"sessions/s{i % 1000}/p{i // 1000}/layer-{i % 80:03d}",
-                         f"sessions/s{i % 1000}", h, 4 << 20, time.time(), time.time(), 0,
-                         kvfs._index._pack({})))
+                        (
+                            f"sessions/s{i % 1000}/p{i // 1000}/layer-{i % 80:03d}",
+                            f"sessions/s{i % 1000}",
+                            h,
+                            4 << 20,
+                            time.time(),
+                            time.time(),
+                            0,
+                            kvfs._index._pack({}),
+                        ),
+                    )
                 eng.index._db.execute("COMMIT")
                 done = stop
                 progress(f"  filled {done}/{n} pages")
@@ -98,12 +127,16 @@ def run_index_bench(data: Path, n: int, *, progress: Callable[[str], None] = pri
 def print_index_bench(res: dict[str, Any]) -> None:
     from cli._util import fmt_bytes, print_table
 
-    print_table(["measure", "value"], [
-        ("pages indexed", res["pages"]),
-        ("index file", fmt_bytes(res["index_bytes"])),
-        ("commits/s, synchronous=FULL (default)", f"{res['commits_per_s_full']:.0f}"),
-        ("commits/s, synchronous=NORMAL", f"{res['commits_per_s_normal']:.0f}"),
-        ("lookups/s (page + blob)", f"{res['lookups_per_s']:.0f}"),
-        ("restart (clean close, reopen)", f"{res['restart_s']:.3f} s"),
-        ("files swept on restart", res["swept_on_restart"]),
-    ], align="lr")
+    print_table(
+        ["measure", "value"],
+        [
+            ("pages indexed", res["pages"]),
+            ("index file", fmt_bytes(res["index_bytes"])),
+            ("commits/s, synchronous=FULL (default)", f"{res['commits_per_s_full']:.0f}"),
+            ("commits/s, synchronous=NORMAL", f"{res['commits_per_s_normal']:.0f}"),
+            ("lookups/s (page + blob)", f"{res['lookups_per_s']:.0f}"),
+            ("restart (clean close, reopen)", f"{res['restart_s']:.3f} s"),
+            ("files swept on restart", res["swept_on_restart"]),
+        ],
+        align="lr",
+    )

@@ -42,23 +42,42 @@ MiB = 1 << 20
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("store", help="page put/get throughput vs raw O_DIRECT in the same run",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = sub.add_parser(
+        "store",
+        help="page put/get throughput vs raw O_DIRECT in the same run",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--sizes", default="1,4,16,64", help="page sizes in MiB (default 1,4,16,64)")
     p.add_argument("--clients", default="1,4", help="concurrent clients (default 1,4)")
-    p.add_argument("--total", type=int, default=256,
-                   help="MiB written per size and client count (default 256)")
-    p.add_argument("--data", default=None,
-                   help="comma-separated data directories, one per device (default: one "
-                        "scratch directory under the system temp dir)")
+    p.add_argument(
+        "--total", type=int, default=256, help="MiB written per size and client count (default 256)"
+    )
+    p.add_argument(
+        "--data",
+        default=None,
+        help="comma-separated data directories, one per device (default: one "
+        "scratch directory under the system temp dir)",
+    )
     p.add_argument("--stripe-unit", type=int, default=4, help="stripe unit in MiB (default 4)")
-    p.add_argument("--repeat", type=int, default=1,
-                   help="alternate raw and kvfs phases N times, report the best (default 1)")
-    p.add_argument("--no-durable", action="store_true",
-                   help="kvfs without fsync and with SQLite synchronous=NORMAL (raw still fsyncs)")
-    p.add_argument("--index", type=int, default=0, metavar="N",
-                   help="measure the SQLite index with N pages instead (commits/s, lookups/s, "
-                        "restart time)")
+    p.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="alternate raw and kvfs phases N times, report the best (default 1)",
+    )
+    p.add_argument(
+        "--no-durable",
+        action="store_true",
+        help="kvfs without fsync and with SQLite synchronous=NORMAL (raw still fsyncs)",
+    )
+    p.add_argument(
+        "--index",
+        type=int,
+        default=0,
+        metavar="N",
+        help="measure the SQLite index with N pages instead (commits/s, lookups/s, restart time)",
+    )
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=_main)
 
@@ -68,15 +87,19 @@ def _log(msg: str) -> None:
 
 
 def _machine() -> dict[str, Any]:
-    return {"host": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version(),
-            "kernel": platform.release()}
+    return {
+        "host": platform.node(),
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "kernel": platform.release(),
+    }
 
 
 def _stamp(buf: memoryview, n: int) -> None:
     """Make the page distinct: a counter in the first and last 8 bytes."""
     b = n.to_bytes(8, "little")
     buf[:8] = b
-    buf[len(buf) - 8:] = b
+    buf[len(buf) - 8 :] = b
 
 
 def _timed(clients: int, work: Callable[[int], int]) -> float:
@@ -113,8 +136,9 @@ def _raw_read(path: str, buf: memoryview) -> None:
         os.close(fd)
 
 
-def _cell(dirs: list[Path], size: int, clients: int, total: int, stripe: int, repeat: int,
-          durable: bool) -> dict[str, Any]:
+def _cell(
+    dirs: list[Path], size: int, clients: int, total: int, stripe: int, repeat: int, durable: bool
+) -> dict[str, Any]:
     per_client = max(1, total // (size * clients))
     pages = per_client * clients
     moved = pages * size
@@ -152,6 +176,7 @@ def _cell(dirs: list[Path], size: int, clients: int, total: int, stripe: int, re
 
         rp = gbps(_timed(clients, raw_put))
         with kvfs.open_store_sync(cfg) as store:
+
             def kv_put(c: int, base: int = (1 << 40) + rnd * pages) -> int:
                 for i in range(per_client):
                     _stamp(bufs[c], base + c * per_client + i)
@@ -173,42 +198,89 @@ def _cell(dirs: list[Path], size: int, clients: int, total: int, stripe: int, re
             best[k] = max(best[k], v)
         ratios["put"].append(kp / rp)
         ratios["get"].append(kg / rg)
-        _log(f"  {size // MiB:>3} MiB x {clients} clients, round {rnd + 1}/{repeat}: "
-             f"put {kp:.2f}/{rp:.2f} GB/s, get {kg:.2f}/{rg:.2f} GB/s (kvfs/raw)")
+        _log(
+            f"  {size // MiB:>3} MiB x {clients} clients, round {rnd + 1}/{repeat}: "
+            f"put {kp:.2f}/{rp:.2f} GB/s, get {kg:.2f}/{rg:.2f} GB/s (kvfs/raw)"
+        )
     for d in [*raw_dirs, *store_dirs]:
         shutil.rmtree(d, ignore_errors=True)
     # The ratio is the median of the rounds' ratios: raw and kvfs of one round ran back to
     # back, so a noisy neighbour shifts both; best-of throughputs come from different rounds.
-    return {"size_mib": size // MiB, "clients": clients, "pages": pages, "bytes": moved, **best,
-            "put_ratio": statistics.median(ratios["put"]),
-            "get_ratio": statistics.median(ratios["get"]), "round_ratios": ratios}
+    return {
+        "size_mib": size // MiB,
+        "clients": clients,
+        "pages": pages,
+        "bytes": moved,
+        **best,
+        "put_ratio": statistics.median(ratios["put"]),
+        "get_ratio": statistics.median(ratios["get"]),
+        "round_ratios": ratios,
+    }
 
 
-def run_store_bench(dirs: list[Path], sizes_mib: list[int], clients: list[int], total_mib: int,
-                    *, stripe_mib: int = 4, repeat: int = 1, durable: bool = True
-                    ) -> dict[str, Any]:
+def run_store_bench(
+    dirs: list[Path],
+    sizes_mib: list[int],
+    clients: list[int],
+    total_mib: int,
+    *,
+    stripe_mib: int = 4,
+    repeat: int = 1,
+    durable: bool = True,
+) -> dict[str, Any]:
     """Run every (size, clients) cell; returns the figures (GB/s = 1e9 bytes/s)."""
     rows = []
     for size in sizes_mib:
         for c in clients:
-            rows.append(_cell(dirs, size * MiB, c, total_mib * MiB, stripe_mib * MiB,
-                              max(1, repeat), durable))
-    return {"machine": _machine(), "data_dirs": [str(d) for d in dirs],
-            "stripe_unit_mib": stripe_mib, "durable": durable, "total_mib": total_mib,
-            "repeat": repeat, "rows": rows}
+            rows.append(
+                _cell(
+                    dirs, size * MiB, c, total_mib * MiB, stripe_mib * MiB, max(1, repeat), durable
+                )
+            )
+    return {
+        "machine": _machine(),
+        "data_dirs": [str(d) for d in dirs],
+        "stripe_unit_mib": stripe_mib,
+        "durable": durable,
+        "total_mib": total_mib,
+        "repeat": repeat,
+        "rows": rows,
+    }
 
 
 def print_store_bench(res: dict[str, Any]) -> None:
     from cli._util import print_table
 
-    print(f"kvfs bench store: {len(res['data_dirs'])} data dir(s), stripe unit "
-          f"{res['stripe_unit_mib']} MiB, durable={res['durable']}; GB/s (1e9 B/s), best of "
-          f"{res['repeat']} rounds; ratio: median of the rounds' kvfs/raw")
-    print_table(["page MiB", "clients", "raw put", "kvfs put", "put ratio", "raw get",
-                 "kvfs get", "get ratio"],
-                [(r["size_mib"], r["clients"], f"{r['raw_put']:.2f}", f"{r['kvfs_put']:.2f}",
-                  f"{r['put_ratio']:.2f}x", f"{r['raw_get']:.2f}", f"{r['kvfs_get']:.2f}",
-                  f"{r['get_ratio']:.2f}x") for r in res["rows"]])
+    print(
+        f"kvfs bench store: {len(res['data_dirs'])} data dir(s), stripe unit "
+        f"{res['stripe_unit_mib']} MiB, durable={res['durable']}; GB/s (1e9 B/s), best of "
+        f"{res['repeat']} rounds; ratio: median of the rounds' kvfs/raw"
+    )
+    print_table(
+        [
+            "page MiB",
+            "clients",
+            "raw put",
+            "kvfs put",
+            "put ratio",
+            "raw get",
+            "kvfs get",
+            "get ratio",
+        ],
+        [
+            (
+                r["size_mib"],
+                r["clients"],
+                f"{r['raw_put']:.2f}",
+                f"{r['kvfs_put']:.2f}",
+                f"{r['put_ratio']:.2f}x",
+                f"{r['raw_get']:.2f}",
+                f"{r['kvfs_get']:.2f}",
+                f"{r['get_ratio']:.2f}x",
+            )
+            for r in res["rows"]
+        ],
+    )
 
 
 def _main(args: argparse.Namespace) -> int:
@@ -231,8 +303,15 @@ def _main(args: argparse.Namespace) -> int:
             res = run_index_bench(dirs[0], args.index, progress=_log)
             print_json(res) if args.json else print_index_bench(res)
             return 0
-        res = run_store_bench(dirs, sizes, clients, args.total, stripe_mib=args.stripe_unit,
-                              repeat=args.repeat, durable=not args.no_durable)
+        res = run_store_bench(
+            dirs,
+            sizes,
+            clients,
+            args.total,
+            stripe_mib=args.stripe_unit,
+            repeat=args.repeat,
+            durable=not args.no_durable,
+        )
         print_json(res) if args.json else print_store_bench(res)
     finally:
         for d in dirs:
