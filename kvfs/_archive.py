@@ -68,6 +68,8 @@ class ArchiveConfig:
     interval: float = 1.0
     #: objects uploaded/downloaded at once
     concurrency: int = 8
+    #: pages compressed at once (0: half the CPUs), leaving CPU to foreground reads
+    cpu_slots: int = 0
     #: seconds a deleted blob waits before its archive object is removed (other hosts' spills
     #: that are just adding a reference finish first)
     gc_grace: float = 0.0
@@ -108,7 +110,8 @@ class ArchivingPolicy(TieringPolicy):
         self.restore_latencies: collections.deque[float] = collections.deque(maxlen=1024)
         self.counters: collections.Counter[str] = collections.Counter()
         self.codecs: dict[bytes, str] = {}
-        self._cpu = threading.BoundedSemaphore(max(1, (os.cpu_count() or 2) // 2))
+        self._cpu = threading.BoundedSemaphore(self.cfg.cpu_slots
+                                               or max(1, (os.cpu_count() or 2) // 2))
         self._choice: dict[int, str] = {}
         self._choice_uses: collections.Counter[int] = collections.Counter()
         self.spiller = Spiller(self)

@@ -58,6 +58,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="KV from one random attention layer in numpy instead of transformers")
     p.add_argument("--latency-reads", type=int, default=400, help="reads per latency phase")
     p.add_argument("--level", type=int, default=3, help="zstd level (3)")
+    p.add_argument("--cpu-slots", type=int, default=0,
+                   help="pages compressed at once (default 0: half the CPUs)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=_main)
 
@@ -187,7 +189,7 @@ def run_archive_bench(endpoint: str, bucket: str, args: argparse.Namespace,
             cfg = kvfs.StoreConfig(
                 data_dirs=(scratch / "store",), archive_url=f"s3://{bucket}/{prefix}?endpoint={endpoint}",
                 extra={"archive": {"interval": 0, "concurrency": args.concurrency,
-                                   "zstd_level": args.level}})
+                                   "zstd_level": args.level, "cpu_slots": args.cpu_slots}})
             with ThreadPoolExecutor(args.concurrency) as ex:
                 t0 = time.perf_counter()
                 list(ex.map(lambda ip, pre=prefix: client.put_object(
