@@ -33,8 +33,16 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def add_mount_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("mountpoint", metavar="MOUNTPOINT")
-    p.add_argument("--data", required=True, metavar="DIR[,DIR...]",
-                   help="data directories, one per NVMe device, comma-separated")
+    p.add_argument("--data", metavar="DIR[,DIR...]",
+                   help="data directories, one per NVMe device, comma-separated "
+                        "(default: the configuration, see kvfs config)")
+    p.add_argument("--config", metavar="FILE", help="TOML configuration file ($KVFS_CONFIG)")
+    p.add_argument("--archive", metavar="URL", help="archive URL (file://DIR, s3://BUCKET/PREFIX)")
+    p.add_argument("--socket", metavar="PATH", help="control socket (default: beside the index)")
+    p.add_argument("--metrics-port", type=int, metavar="PORT",
+                   help="serve Prometheus metrics on this port (default: off)")
+    p.add_argument("--log-level", choices=("debug", "info", "warning", "error"),
+                   help="daemon log level (default info)")
     p.add_argument("--capacity", metavar="SIZE", help="cap on bytes held locally (e.g. 500GiB)")
     p.add_argument("--stripe-unit", metavar="SIZE", help="stripe unit (default 4MiB)")
     p.add_argument("--foreground", action="store_true",
@@ -48,12 +56,13 @@ def add_mount_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def build_config(args: argparse.Namespace) -> kvfs.StoreConfig:
-    kw: dict[str, object] = {"data_dirs": tuple(d for d in args.data.split(",") if d)}
-    if args.capacity:
-        kw["capacity"] = kvfs.parse_size(args.capacity)
-    if args.stripe_unit:
-        kw["stripe_unit"] = kvfs.parse_size(args.stripe_unit)
-    return kvfs.StoreConfig(**kw)  # type: ignore[arg-type]
+    """Defaults < configuration file < $KVFS_* < flags (kvfs._settings)."""
+    from kvfs._settings import load_settings
+
+    flags = {"data_dirs": args.data, "capacity": args.capacity, "stripe_unit": args.stripe_unit,
+             "archive_url": args.archive, "control_socket": args.socket,
+             "metrics_port": args.metrics_port, "log_level": args.log_level}
+    return load_settings(args.config, flags=flags).store_config()
 
 
 def build_options(args: argparse.Namespace) -> MountOptions:
@@ -65,10 +74,13 @@ def child_argv(args: argparse.Namespace) -> list[str]:
     argv = [sys.executable, "-m", "cli"]
     if getattr(args, "debug", False):
         argv.append("--debug")
-    argv += ["mount", "--foreground", "--data", args.data]
-    for flag, value in (("--capacity", args.capacity), ("--stripe-unit", args.stripe_unit)):
-        if value:
-            argv += [flag, value]
+    argv += ["mount", "--foreground"]
+    for flag, value in (("--data", args.data), ("--capacity", args.capacity),
+                        ("--stripe-unit", args.stripe_unit), ("--config", args.config),
+                        ("--archive", args.archive), ("--socket", args.socket),
+                        ("--metrics-port", args.metrics_port), ("--log-level", args.log_level)):
+        if value is not None:
+            argv += [flag, str(value)]
     for flag, on in (("--allow-other", args.allow_other), ("--direct-io", args.direct_io)):
         if on:
             argv.append(flag)
@@ -76,9 +88,12 @@ def child_argv(args: argparse.Namespace) -> list[str]:
 
 
 def cmd_mount(args: argparse.Namespace) -> int:
+    from ._target import daemon_services
+
     config = build_config(args)
     return daemon_main(config, args.mountpoint, build_options(args), foreground=args.foreground,
-                       child_argv=child_argv(args), log_file=args.log)
+                       child_argv=child_argv(args), log_file=args.log,
+                       services=daemon_services(config, setup_logs=args.foreground))
 
 
 def cmd_umount(args: argparse.Namespace) -> int:

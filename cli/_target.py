@@ -18,7 +18,7 @@ from kvfs._control import DaemonUnavailable
 from kvfs._remote import SyncRemoteStore
 from kvfs._settings import Settings, load_settings
 
-__all__ = ["add_store_flags", "open_target", "settings_from_args"]
+__all__ = ["add_store_flags", "daemon_services", "open_target", "settings_from_args"]
 
 
 def add_store_flags(p: argparse.ArgumentParser, *, json_flag: bool = True) -> None:
@@ -81,3 +81,23 @@ def open_target(args: argparse.Namespace, *, create: bool = False) -> Iterator[A
         except kvfs.StoreLocked as e:
             raise kvfs.StoreLocked(f"{e}; no daemon answers on {settings.socket_path()}") from None
         yield store
+
+
+def daemon_services(config: kvfs.StoreConfig, *, setup_logs: bool = True) -> list[Any]:
+    """The daemon's services for ``config``: the control channel always, Prometheus metrics
+    when ``metrics_port`` is set. With ``setup_logs`` the ``kvfs`` loggers go to the
+    configured target at the configured level (the daemon process itself)."""
+    from functools import partial
+
+    from kvfs._control import control_service
+    from kvfs._metrics import metrics_service, setup_logging
+
+    d: dict[str, Any] = dict(config.extra.get("daemon") or {})  # type: ignore[call-overload]
+    if setup_logs:
+        setup_logging(str(d.get("log_level", "info")), str(d.get("log_target", "stderr")))
+    services: list[Any] = [control_service]
+    if d.get("metrics_port"):
+        services.append(partial(metrics_service, port=int(d["metrics_port"]),
+                                address=str(d.get("metrics_address", "127.0.0.1")),
+                                max_sessions=int(d.get("metrics_sessions", 20))))
+    return services

@@ -110,10 +110,9 @@ def raise_remote(name: str, message: str) -> None:
     raise _error_class(name)(message)
 
 
-def log_event(event: str, **fields: object) -> None:
+def log_event(event: str, *, level: int = logging.INFO, **fields: object) -> None:
     """One structured log line: ``event=spill session=a bytes=123 seconds=0.5``."""
     text = " ".join(f"{k}={_logval(v)}" for k, v in fields.items())
-    level = logging.ERROR if event == "error" else logging.INFO
     events.log(level, "event=%s %s", event, text, extra={"kvfs_event": event, **fields})
 
 
@@ -144,7 +143,7 @@ async def _serve_one(store: Store, stream: trio.SocketStream) -> None:
     uid = _peer_uid(stream.socket)
     if uid not in (os.getuid(), 0):
         log.warning("control: refused a connection from uid %d", uid)
-        log_event("error", what="control connection refused", uid=uid)
+        log_event("error", level=logging.WARNING, what="control connection refused", uid=uid)
         with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
             await stream.send_all(encode([1, "PermissionError",
                                           f"uid {uid} may not use this kvfs daemon"]))
@@ -172,8 +171,11 @@ async def _dispatch(store: Store, method: str, args: list[Any], kwargs: dict[str
     try:
         result = True if method == "ping" else await getattr(store, method)(*args, **kwargs)
     except Exception as e:  # noqa: BLE001 - every failure goes back to the client
-        log_event("error", method=method, target=_target(args, kwargs),
-                  error=type(e).__name__, message=str(e))
+        # A caller's mistake (no such page, bad key) is a warning; anything else an error.
+        expected = isinstance(e, (FileNotFoundError, FileExistsError, ValueError))
+        log_event("error", level=logging.WARNING if expected else logging.ERROR,
+                  method=method, target=_target(args, kwargs), error=type(e).__name__,
+                  message=str(e))
         return [1, type(e).__name__, str(e)]
     if method in ("spill", "restore", "evict"):
         log_event(method, target=_target(args, kwargs), bytes=result,

@@ -58,9 +58,11 @@ OPTIONS: tuple[Option, ...] = (
     Option("store", "direct_io", "bool", True, "read and write with O_DIRECT where possible"),
     Option("store", "durable", "bool", True, "fsync data and index before a put returns"),
     Option("store", "io_threads", "int", 8, "worker threads for disk I/O and hashing"),
-    Option("archive", "archive_url", "str", "file://kvfs-archive",
-           "archive tier: file://DIR or s3://BUCKET[/PREFIX]; empty: no archive tier "
-           "(a relative file:// path is taken from the current directory)"),
+    Option("archive", "archive_url", "str", "auto",
+           "archive tier: file://DIR or s3://BUCKET[/PREFIX]; empty: no archive tier; auto: "
+           "file://kvfs-archive beside the default ./kvfs-data when data_dirs is not "
+           "configured, no archive tier when it is (a relative file:// path is taken from "
+           "the current directory)"),
     Option("daemon", "control_socket", "str", "",
            "the control channel's Unix socket (empty: kvfs.sock beside the index, or a "
            "per-user runtime path when that is too long)"),
@@ -100,10 +102,17 @@ class Settings:
             index_dir=Path(str(v["index_dir"])) if v["index_dir"] else None,
             direct_io=bool(v["direct_io"]), durable=bool(v["durable"]),
             io_threads=int(v["io_threads"]),  # type: ignore[call-overload]
-            archive_url=_absolute_file_url(str(v["archive_url"])),
+            archive_url=self.archive_url(),
             extra={"daemon": {k: v[k] for k in ("control_socket", "metrics_port",
                                                 "metrics_address", "metrics_sessions",
                                                 "log_level", "log_target")}})
+
+    def archive_url(self) -> str:
+        """The archive URL with ``auto`` resolved and a relative ``file://`` made absolute."""
+        url = str(self.values["archive_url"])
+        if url == "auto":
+            url = "file://kvfs-archive" if self.sources["data_dirs"] == "default" else ""
+        return _absolute_file_url(url)
 
     def socket_path(self) -> Path:
         """The control socket of the daemon that owns this data directory."""

@@ -1,0 +1,222 @@
+"""Every store command on a stopped data directory (no daemon), in-process, plus bad
+arguments and exit codes through a real ``python -m cli`` process."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+import kvfs
+from cli.__main__ import main
+
+Run = Callable[..., tuple[int, str, str]]
+
+
+@pytest.fixture
+def run(capsys: pytest.CaptureFixture[str], tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> Run:
+    monkeypatch.chdir(tmp_path)
+    for var in [v for v in os.environ if v.startswith("KVFS_")]:
+        monkeypatch.delenv(var)
+
+    def go(*argv: str) -> tuple[int, str, str]:
+        capsys.readouterr()
+        rc = main([*argv])
+        out, err = capsys.readouterr()
+        return rc, out, err
+    return go
+
+
+def data(tmp_path: Path, archive: bool = False) -> list[str]:
+    return ["--data", f"{tmp_path}/d0,{tmp_path}/d1",
+            "--archive", f"file://{tmp_path}/arch" if archive else ""]
+
+
+def test_put_ls_get_roundtrip(run: Run, tmp_path: Path) -> None:
+    d = data(tmp_path)
+    payload = os.urandom(300_000)
+    (tmp_path / "in.bin").write_bytes(payload)
+    rc, out, _ = run("put", "in.bin", "sessions/s1/p/layer-000", "--attr", "model=m1", *d)
+    assert rc == 0 and "stored" in out
+    assert run("put", "in.bin", "sessions/s1/p/layer-001", "--pin", *d)[0] == 0
+    (tmp_path / "small").write_bytes(b"x" * 10)
+    assert run("put", "small", "sessions/s2/p/layer-000", *d)[0] == 0
+    rc, out, _ = run("ls", *d)
+    assert rc == 0 and out.splitlines()[0].split()[:3] == ["SESSION", "PAGES", "SIZE"]
+    assert "s1" in out and "s2" in out
+    rc, out, _ = run("ls", "--json", "--sort", "size", *d)
+    sessions = json.loads(out)
+    assert [s["session"] for s in sessions] == ["s1", "s2"] and sessions[0]["pages"] == 2
+    rc, out, _ = run("ls", "s1", "-l", "--json", *d)
+    pages = json.loads(out)
+    assert [p["path"] for p in pages] == ["sessions/s1/p/layer-000", "sessions/s1/p/layer-001"]
+    assert pages[0]["attrs"] == {"model": "m1"} and pages[1]["pinned"] and pages[0]["tier"] == "local"
+    rc, out, _ = run("ls", "s1", "-l", *d)
+    assert "model=m1" in out and "CHECKSUM" in out
+    rc, out, _ = run("ls", "sessions/s1/p/layer-000", "--json", *d)
+    assert json.loads(out)[0]["size"] == 300_000
+    rc, out, _ = run("get", "sessions/s1/p/layer-000", "out.bin", *d)
+    assert rc == 0 and (tmp_path / "out.bin").read_bytes() == payload
+
+
+def test_stats_table_and_json(run: Run, tmp_path: Path) -> None:
+    d = data(tmp_path, archive=True)
+    (tmp_path / "f").write_bytes(b"y" * 5000)
+    run("put", "f", "sessions/a/p/layer-000", *d)
+    rc, out, _ = run("stats", *d)
+    assert rc == 0 and "DEVICE" in out and "HIT RATE" in out and "spill queue" in out
+    assert "evictions:" in out
+    rc, out, _ = run("stats", "--json", *d)
+    st = json.loads(out)
+    assert st["pages"] == 1 and len(st["devices"]) == 2 and "archive" in st["extra"]
+    rc, out, _ = run("stats", "--watch", "0.01", "--count", "2", *d)
+    assert rc == 0 and out.count("DEVICE") == 2
+
+
+def test_pin_unpin_rm(run: Run, tmp_path: Path) -> None:
+    d = data(tmp_path)
+    (tmp_path / "f").write_bytes(b"z" * 100)
+    run("put", "f", "sessions/a/p/layer-000", *d)
+    run("put", "f", "sessions/b/p/layer-000", *d)
+    assert run("pin", "a", "sessions/b/p/layer-000", *d)[0] == 0
+    sessions = {s["session"]: s for s in json.loads(run("ls", "--json", *d)[1])}
+    assert sessions["a"]["pinned"]
+    assert json.loads(run("ls", "b", "--json", *d)[1])[0]["pinned"]
+    assert run("unpin", "a", *d)[0] == 0
+    assert not {s["session"]: s for s in json.loads(run("ls", "--json", *d)[1])}["a"]["pinned"]
+    rc, out, _ = run("rm", "a", "--json", *d)
+    assert rc == 0 and json.loads(out) == [{"target": "a", "kind": "session", "result": 1}]
+    assert run("rm", "sessions/b/p/layer-000", *d)[0] == 0
+    assert json.loads(run("ls", "--json", *d)[1]) == [] or all(
+        s["pages"] == 0 for s in json.loads(run("ls", "--json", *d)[1]))
+    rc, _, err = run("rm", "nothing", *d)
+    assert rc == 3 and "no page or session 'nothing'" in err
+
+
+def test_evict_refuses_the_only_copy_without_force(run: Run, tmp_path: Path) -> None:
+    d = data(tmp_path)
+    (tmp_path / "f").write_bytes(os.urandom(8192))
+    run("put", "f", "sessions/a/p/layer-000", *d)
+    rc, _, err = run("evict", "a", *d)
+    assert rc == 9 and "--force" in err and err.count("\n") == 1
+    assert json.loads(run("ls", "a", "--json", *d)[1])[0]["tier"] == "local"
+    rc, out, _ = run("evict", "a", "--force", "--json", *d)
+    assert rc == 0 and json.loads(out)[0]["freed_bytes"] > 0
+
+
+def test_evict_with_an_archive_keeps_the_page(run: Run, tmp_path: Path) -> None:
+    d = data(tmp_path, archive=True)
+    (tmp_path / "f").write_bytes(os.urandom(8192))
+    run("put", "f", "sessions/a/p/layer-000", *d)
+    rc, out, _ = run("evict", "sessions/a/p/layer-000", "--json", *d)
+    assert rc == 0 and json.loads(out)[0]["freed_bytes"] > 0
+    assert json.loads(run("ls", "a", "--json", *d)[1])[0]["tier"] == "archive"
+    rc, out, _ = run("get", "sessions/a/p/layer-000", "back", *d)
+    assert rc == 0 and (tmp_path / "back").read_bytes() == (tmp_path / "f").read_bytes()
+
+
+def test_spill_and_restore(run: Run, tmp_path: Path) -> None:
+    d = data(tmp_path, archive=True)
+    (tmp_path / "f").write_bytes(os.urandom(20000))
+    run("put", "f", "sessions/a/p/layer-000", *d)
+    rc, out, _ = run("spill", "a", "--json", *d)
+    assert rc == 0 and json.loads(out)[0]["bytes"] > 0
+    assert json.loads(run("ls", "a", "--json", *d)[1])[0]["tier"] == "archive"
+    rc, out, _ = run("restore", "a", *d)
+    assert rc == 0 and "restored a" in out
+    assert json.loads(run("ls", "a", "--json", *d)[1])[0]["tier"] == "local+archive"
+    rc, _, err = run("spill", "a", *data(tmp_path))
+    assert rc == 8 and "archive" in err
+
+
+def test_fsck_finds_and_repairs(run: Run, tmp_path: Path) -> None:
+    d = data(tmp_path)
+    (tmp_path / "f").write_bytes(os.urandom(50000))
+    run("put", "f", "sessions/a/p/layer-000", *d)
+    assert run("fsck", *d)[0] == 0
+    with kvfs.open_store_sync(kvfs.StoreConfig(data_dirs=(tmp_path / "d0", tmp_path / "d1"))) as s:
+        ext = s.stat("sessions/a/p/layer-000").extents[0]
+    with open(ext.path, "r+b") as f:
+        f.seek(ext.offset + 10)
+        f.write(b"\xff\xfe\xfd")
+    (tmp_path / "d1" / "stray").write_bytes(b"")
+    rc, out, _ = run("fsck", "--json", *d)
+    found = json.loads(out)
+    assert rc == 5 and len(found["corrupt"]) == 1
+    rc, out, _ = run("fsck", "--repair", *d)
+    assert rc == 0 and "repaired" in out
+    assert run("fsck", *d)[0] == 0
+    assert run("ls", "sessions/a/p/layer-000", *d)[0] == 3
+
+
+def test_config_shows_sources_and_masks(run: Run, tmp_path: Path,
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    f = tmp_path / "k.toml"
+    f.write_text('[store]\nio_threads = 5\n[archive]\narchive_url = "s3://K:hidden@b/p"\n')
+    monkeypatch.setenv("KVFS_CAPACITY", "1GiB")
+    rc, out, _ = run("config", "--config", str(f), "--data", "dd")
+    assert rc == 0 and "hidden" not in out and "s3://***@b/p" in out
+    assert 'io_threads = 5  # ' + str(f) in out and "# $KVFS_CAPACITY" in out
+    rc, out, _ = run("config", "--config", str(f), "--json")
+    doc = json.loads(out)
+    assert doc["options"]["store.io_threads"] == {"value": 5, "source": str(f)}
+    assert "hidden" not in out
+    rc, _, err = run("config", "--config", str(tmp_path / "none.toml"))
+    assert rc == 3
+
+
+def test_size_presets_and_hf_config(run: Run, tmp_path: Path) -> None:
+    rc, out, _ = run("size", "--model", "Qwen2.5-1.5B", "--dtype", "fp16", "--json")
+    assert rc == 0 and json.loads(out)["bytes_per_token"] == 28672
+    rc, out, _ = run("size", "--model", "llama-3.3-70b", "--local", "4TiB", "--rate", "10000",
+                     "--session-tokens", "32768", "--json")
+    r = json.loads(out)
+    assert r["bytes_per_token"] == 327680
+    assert r["local_tokens"] == (4 << 40) // 327680 and r["local_sessions"] == (4 << 40) // (327680 * 32768)
+    assert r["local_residency_s"] == pytest.approx((4 << 40) / (10000 * 327680))
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({"num_hidden_layers": 4, "num_attention_heads": 8,
+                               "num_key_value_heads": 2, "hidden_size": 512}))
+    rc, out, _ = run("size", "--hf-config", str(cfg), "--dtype", "fp8", "--json")
+    assert json.loads(out)["bytes_per_token"] == 2 * 4 * 2 * 64 * 1
+    rc, out, _ = run("size", "--model", "Qwen2.5-1.5B", "--local", "1GiB", "--rate", "100")
+    assert rc == 0 and "stays local" in out
+    assert run("size", "--model", "gpt-9")[0] == 2
+    assert run("size", "--model", "Qwen2.5-1.5B", "--dtype", "fp7")[0] == 2
+
+
+def test_missing_store_and_missing_page(run: Run, tmp_path: Path) -> None:
+    rc, _, err = run("ls", "--data", str(tmp_path / "nowhere"))
+    assert rc == 3 and "no kvfs store" in err
+    (tmp_path / "f").write_bytes(b"1")
+    d = data(tmp_path)
+    run("put", "f", "sessions/a/p/layer-000", *d)
+    assert run("get", "sessions/a/p/layer-009", *d)[0] == 3
+    rc, _, err = run("put", "f", "sessions/a/p/layer-000", *d)
+    assert rc == 1 and "exists" in err
+    assert run("put", "f", "sessions/a/p/layer-000", "--replace", *d)[0] == 0
+    assert run("put", "f", "/abs", *d)[0] == 2
+    assert run("ls", "--daemon", *d)[0] == 7
+
+
+def test_bad_arguments_and_one_line_errors(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVFS_")}
+    cmd = [sys.executable, "-m", "cli"]
+    r = subprocess.run([*cmd, "ls", "--sort", "colour"], capture_output=True, text=True,
+                       env=env, cwd=tmp_path)
+    assert r.returncode == 2 and "invalid choice" in r.stderr
+    r = subprocess.run([*cmd, "evict"], capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert r.returncode == 2
+    r = subprocess.run([*cmd, "ls", "--data", str(tmp_path / "x")], capture_output=True,
+                       text=True, env=env, cwd=tmp_path)
+    assert r.returncode == 3 and len(r.stderr.strip().splitlines()) == 1
+    assert r.stderr.startswith("kvfs ls: ")
+    r = subprocess.run([*cmd, "--debug", "ls", "--data", str(tmp_path / "x")],
+                       capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert r.returncode != 0 and "Traceback" in r.stderr

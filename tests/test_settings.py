@@ -1,0 +1,87 @@
+"""Settings: defaults < TOML file < environment < flags; validation; masking; socket path."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvfs._settings import OPTIONS, as_toml, control_socket_path, load_settings, masked
+
+
+def test_embedded_defaults_need_no_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    s = load_settings(env={})
+    assert s.config_file is None
+    cfg = s.store_config()
+    assert cfg.data_dirs == (Path("kvfs-data"),)
+    assert cfg.archive_url == f"file://{tmp_path}/kvfs-archive"
+    assert all(src == "default" for src in s.sources.values())
+    assert {o.name for o in OPTIONS} == set(s.values)
+
+
+def test_file_then_env_then_flags(tmp_path: Path) -> None:
+    f = tmp_path / "kvfs.toml"
+    f.write_text('[store]\ndata_dirs = ["/a", "/b"]\ncapacity = "2GiB"\nio_threads = 3\n'
+                 '[archive]\narchive_url = "s3://bucket/pre"\n[daemon]\nmetrics_port = 9100\n')
+    s = load_settings(f, env={"KVFS_CAPACITY": "1GiB", "KVFS_DURABLE": "false"},
+                      flags={"capacity": "512MiB", "io_threads": None})
+    assert s["data_dirs"] == ["/a", "/b"] and s.sources["data_dirs"] == str(f)
+    assert s["capacity"] == 512 << 20 and s.sources["capacity"] == "flag"
+    assert s["durable"] is False and s.sources["durable"] == "$KVFS_DURABLE"
+    assert s["io_threads"] == 3  # a flag given as None does not override
+    cfg = s.store_config()
+    assert cfg.archive_url == "s3://bucket/pre"
+    assert cfg.extra["daemon"]["metrics_port"] == 9100  # type: ignore[index]
+    # configured data dirs without an archive URL: no archive tier ("auto")
+    assert load_settings(env={"KVFS_DATA_DIRS": "/x,/y"}).store_config().archive_url == ""
+
+
+def test_config_file_from_environment(tmp_path: Path) -> None:
+    f = tmp_path / "c.toml"
+    f.write_text('[store]\nstripe_unit = "1MiB"\n')
+    s = load_settings(env={"KVFS_CONFIG": str(f)})
+    assert s["stripe_unit"] == 1 << 20 and s.config_file == f
+
+
+@pytest.mark.parametrize("text, match", [
+    ("[store]\nnope = 1\n", "unknown option store.nope"),
+    ("[stor]\ncapacity = 1\n", r"unknown section \[stor\]"),
+    ("[store]\ncapacity = \"lots\"\n", "bad value 'lots' for store.capacity"),
+    ("[store]\ndirect_io = \"maybe\"\n", "direct_io"),
+    ("[daemon]\nlog_level = \"loud\"\n", "log_level"),
+    ("[store]\ncapacity = \n", "Expected|Invalid"),
+])
+def test_bad_files_are_one_clear_error(tmp_path: Path, text: str, match: str) -> None:
+    f = tmp_path / "bad.toml"
+    f.write_text(text)
+    with pytest.raises(ValueError, match=match):
+        load_settings(f, env={})
+
+
+def test_bad_environment_value_names_the_variable() -> None:
+    with pytest.raises(ValueError, match=r"\$KVFS_IO_THREADS"):
+        load_settings(env={"KVFS_IO_THREADS": "many"})
+
+
+def test_missing_named_file(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError):
+        load_settings(tmp_path / "absent.toml", env={})
+
+
+def test_secrets_are_masked() -> None:
+    assert masked("archive_url", "s3://AKIA:topsecret@bucket/x") == "s3://***@bucket/x"
+    assert masked("archive_url", "s3://b/x?secret_key=abc&region=eu") == "s3://b/x?secret_key=***&region=eu"
+    assert masked("aws_secret_access_key", "abc") == "***"
+    s = load_settings(env={"KVFS_ARCHIVE_URL": "s3://AKIA:topsecret@bucket/x"})
+    assert "topsecret" not in as_toml(s)
+
+
+def test_socket_path_beside_the_index_or_hashed_when_long(tmp_path: Path) -> None:
+    short = load_settings(env={}, flags={"data_dirs": str(tmp_path / "d")}).store_config()
+    assert control_socket_path(short) == tmp_path / "d" / "kvfs.sock"
+    deep = tmp_path / ("x" * 120)
+    long = load_settings(env={}, flags={"data_dirs": str(deep)}).store_config()
+    p = control_socket_path(long)
+    assert p.name.startswith("ctl-") and len(str(p)) < 108
+    assert control_socket_path(long, "/run/k.sock") == Path("/run/k.sock")
