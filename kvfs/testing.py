@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import inspect
 import itertools
+import mmap
 import os
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -157,6 +158,13 @@ class PageStoreTests:
         out = np.empty_like(arr)
         assert await s.get(kvfs.PageKey.semantic(sess, "buf", 2), into=out) == arr.nbytes
         assert np.array_equal(out, arr)
+        # An mmap (here anonymous; a file mapping works the same) as source and as target.
+        m = mmap.mmap(-1, 3 * 4096 + 5)
+        m[:] = payload(len(m), 4)
+        await s.put(kvfs.PageKey.semantic(sess, "buf", 99), m)
+        back = mmap.mmap(-1, len(m))
+        assert await s.get(kvfs.PageKey.semantic(sess, "buf", 99), into=back) == len(m)
+        assert back[:] == payload(len(m), 4)
 
     async def test_into_errors(self, s: as_async) -> None:
         key = kvfs.PageKey.semantic(fresh_session(), "p", 0)
