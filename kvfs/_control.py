@@ -113,7 +113,8 @@ def raise_remote(name: str, message: str) -> None:
 def log_event(event: str, *, level: int = logging.INFO, **fields: object) -> None:
     """One structured log line: ``event=spill session=a bytes=123 seconds=0.5``."""
     text = " ".join(f"{k}={_logval(v)}" for k, v in fields.items())
-    events.log(level, "event=%s %s", event, text, extra={"kvfs_event": event, **fields})
+    events.log(level, "event=%s %s", event, text, extra={"kvfs_event": event,
+                                                         "kvfs_fields": fields})
 
 
 def _logval(v: object) -> str:
@@ -189,8 +190,8 @@ def _target(args: list[Any], kwargs: dict[str, Any]) -> str:
     return str(kwargs.get("session") or kwargs.get("key") or "-")
 
 
-async def control_service(store: Store, *, task_status: trio.TaskStatus[Path] = trio.TASK_STATUS_IGNORED,
-                          path: str | os.PathLike[str] | None = None) -> None:
+async def control_service(store: Store, path: str | os.PathLike[str] | None = None, *,
+                          task_status: trio.TaskStatus[Path] = trio.TASK_STATUS_IGNORED) -> None:
     """Serve ``store`` on its control socket until cancelled; reports the socket's path.
 
     The path is ``path``, else derived from the store's config (``extra['daemon']

@@ -1,0 +1,246 @@
+"""The control channel as a standalone service over a real store: RemoteStore has Store's
+interface, errors keep their class, permissions, a daemon gone mid-call, metrics."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import stat
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import trio
+
+import kvfs
+from kvfs._control import DaemonUnavailable, control_service, encode, read_frame_sync
+from kvfs._metrics import metrics_service, render_metrics
+from kvfs._remote import RemoteStore, SyncRemoteStore, open_remote_store
+
+MakeConfig = Callable[..., kvfs.StoreConfig]
+
+
+async def test_remote_store_mirrors_store(make_config: MakeConfig, tmp_path: Path) -> None:
+    sock = tmp_path / "c.sock"
+    async with kvfs.open_store(make_config()) as store, trio.open_nursery() as n:
+        assert await n.start(control_service, store, sock) == sock
+        assert stat.S_IMODE(os.stat(sock).st_mode) == 0o600
+        async with open_remote_store(sock) as r:
+            payload = os.urandom(200_000)
+            info = await r.put(kvfs.PageKey.semantic("s1", "p", 0), payload, attrs={"a": "b"})
+            assert isinstance(info, kvfs.PageInfo) and info.size == len(payload)
+            assert info.extents and isinstance(info.extents[0], kvfs.Extent)
+            assert await r.get("sessions/s1/p/layer-000") == payload
+            buf = bytearray(len(payload))
+            assert await r.get("sessions/s1/p/layer-000", into=buf) == len(payload)
+            assert bytes(buf) == payload
+            assert await r.read_range("sessions/s1/p/layer-000", 10, 5) == payload[10:15]
+            assert await r.exists("sessions/s1/p/layer-000")
+            assert (await r.stat("sessions/s1/p/layer-000")).attrs == {"a": "b"}
+            keys = [f"sessions/s2/p/layer-{i:03d}" for i in range(6)]
+            await r.put_many([(k, k.encode() * 100) for k in keys], concurrency=3)
+            assert await r.get_many(keys, concurrency=3) == [k.encode() * 100 for k in keys]
+            assert [p.path for p in await r.list(session="s2")] == keys
+            ss = await r.sessions()
+            assert {s.session for s in ss} == {"s1", "s2"} and isinstance(ss[0], kvfs.SessionInfo)
+            assert (await r.session_info("s2")).pages == 6
+            await r.pin("sessions/s1/p/layer-000")
+            assert (await store.stat("sessions/s1/p/layer-000")).pinned
+            await r.unpin("sessions/s1/p/layer-000")
+            await r.pin_session("s2")
+            await r.unpin_session("s2")
+            await r.rename(keys[0], "sessions/s2/p/layer-100")
+            await r.delete(keys[1])
+            st = await r.statistics()
+            assert isinstance(st, kvfs.StoreStatistics) and st.pages == 6
+            assert isinstance(st.devices[0], kvfs.DeviceStatistics)
+            assert await r.fsck() == {"missing": [], "corrupt": [], "orphans": [], "repaired": []}
+            assert await r.evict(session="s2") > 0  # no archive: the local copies go
+            assert await r.delete_session("s1") == 1
+            with pytest.raises(NotImplementedError):
+                r.begin_write("x")
+        n.cancel_scope.cancel()
+    assert not sock.exists()
+
+
+async def test_errors_keep_their_class(make_config: MakeConfig, tmp_path: Path,
+                                       caplog: pytest.LogCaptureFixture) -> None:
+    sock = tmp_path / "c.sock"
+    async with kvfs.open_store(make_config()) as store, trio.open_nursery() as n:
+        await n.start(control_service, store, sock)
+        async with open_remote_store(sock) as r:
+            with pytest.raises(kvfs.PageNotFound, match="no page"):
+                await r.get("sessions/x/p/layer-000")
+            with pytest.raises(kvfs.SessionNotFound):
+                await r.session_info("nope")
+            with pytest.raises(kvfs.InvalidKey):
+                await r.put("/abs", b"x")
+            await r.put("a/b", b"1")
+            with pytest.raises(kvfs.PageExists):
+                await r.put("a/b", b"2")
+            with pytest.raises(kvfs.ArchiveUnavailable):
+                await r.spill("a")
+            with pytest.raises(ValueError, match="unknown control method"):
+                await r._call("engine")
+        n.cancel_scope.cancel()
+    events = [rec.getMessage() for rec in caplog.records if rec.name == "kvfs.events"]
+    assert any(e.startswith("event=error method=get") and "PageNotFound" in e for e in events)
+
+
+async def test_spill_restore_evict_are_logged(make_config: MakeConfig, tmp_path: Path,
+                                              caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="kvfs.events")
+    sock = tmp_path / "c.sock"
+    cfg = make_config(archive_url=f"file://{tmp_path}/arch")
+    async with kvfs.open_store(cfg) as store, trio.open_nursery() as n:
+        await n.start(control_service, store, sock)
+        async with open_remote_store(sock) as r:
+            await r.put("sessions/a/p/layer-000", os.urandom(9000))
+            assert await r.spill("a") > 0
+            assert await r.restore("a") > 0
+            assert await r.evict("sessions/a/p/layer-000") > 0
+            assert [s["session"] for s in await r.archived_sessions()] == ["a"] or \
+                await r.archived_sessions()
+        n.cancel_scope.cancel()
+    lines = [rec.getMessage() for rec in caplog.records if rec.name == "kvfs.events"]
+    for ev in ("spill", "restore", "evict"):
+        assert any(x.startswith(f"event={ev} target=") and " bytes=" in x and " seconds=" in x
+                   for x in lines), (ev, lines)
+
+
+async def test_missing_daemon_and_a_daemon_gone_mid_call(make_config: MakeConfig,
+                                                         tmp_path: Path) -> None:
+    with pytest.raises(DaemonUnavailable, match="no kvfs daemon"):
+        async with open_remote_store(tmp_path / "absent.sock"):
+            pass
+    # a stale socket file (its daemon was SIGKILLed) is refused, not hung on
+    stale = socket.socket(socket.AF_UNIX)
+    stale.bind(str(tmp_path / "stale.sock"))
+    stale.close()
+    with pytest.raises(DaemonUnavailable):
+        await SyncRemoteStore_ping(tmp_path / "stale.sock")
+    # a server that reads the request and closes without answering
+    sock = tmp_path / "half.sock"
+    lsock = trio.socket.socket(socket.AF_UNIX)
+    await lsock.bind(str(sock))
+    lsock.listen(1)
+
+    async def half_server() -> None:
+        conn, _ = await lsock.accept()
+        with conn:
+            await conn.recv(100)
+    async with trio.open_nursery() as n:
+        n.start_soon(half_server)
+        r = RemoteStore(sock)
+        with pytest.raises(DaemonUnavailable, match="mid-command"):
+            await r.statistics()
+        await r.aclose()
+    lsock.close()
+
+
+async def SyncRemoteStore_ping(path: Path) -> None:  # noqa: N802 - a helper for one test
+    r = SyncRemoteStore(path)
+    try:
+        await trio.to_thread.run_sync(r.ping)
+    finally:
+        r.close()
+
+
+_CHILD = """
+import socket, sys
+s = socket.socket(socket.AF_UNIX)
+try:
+    s.connect(sys.argv[1])
+except OSError as e:
+    print("connect", e.errno); sys.exit(0)
+try:
+    s.sendall(bytes.fromhex(sys.argv[2]))
+except OSError:
+    pass  # the daemon may refuse and close before the request is read
+data = b""
+while chunk := s.recv(65536):
+    data += chunk
+print("reply", data.hex())
+"""
+
+
+def _as_other_user(sock: Path, frame: bytes) -> list[str]:
+    import subprocess
+
+    r = subprocess.run(["/usr/bin/python3", "-c", _CHILD, str(sock), frame.hex()],
+                       user=65534, group=65534, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    return r.stdout.split()
+
+
+async def test_peer_of_another_uid_is_refused(make_config: MakeConfig,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Mode 0600 keeps other users out; with the mode opened up, SO_PEERCRED still does.
+    As root the other user is real (uid 65534 in a child); as an ordinary user the daemon's
+    own uid is made to differ (the peer's credentials are still read from the kernel)."""
+    import tempfile
+
+    import kvfs._control as control
+
+    with tempfile.TemporaryDirectory() as d:
+        os.chmod(d, 0o755)
+        sock = Path(d) / "c.sock"
+        async with kvfs.open_store(make_config()) as store, trio.open_nursery() as n:
+            await n.start(control_service, store, sock)
+            frame = encode(["ping", [], {}])
+            if os.getuid() == 0:
+                out = await trio.to_thread.run_sync(_as_other_user, sock, frame)
+                assert out == ["connect", "13"]  # EACCES: the socket is 0600
+                os.chmod(sock, 0o666)
+                out = await trio.to_thread.run_sync(_as_other_user, sock, frame)
+                assert out[0] == "reply"
+                from kvfs._control import decode
+
+                reply = decode(bytes.fromhex(out[1])[4:])
+            else:
+                monkeypatch.setattr(control.os, "getuid", lambda: os.geteuid() + 12345)
+
+                def attempt() -> object:
+                    s = socket.socket(socket.AF_UNIX)
+                    s.connect(str(sock))
+                    with s:
+                        s.sendall(frame)
+                        return read_frame_sync(s)
+                reply = await trio.to_thread.run_sync(attempt)
+            assert reply[0] == 1 and reply[1] == "PermissionError"
+            assert "may not use this kvfs daemon" in reply[2]
+            n.cancel_scope.cancel()
+
+
+async def test_metrics_endpoint_bounded_sessions(make_config: MakeConfig) -> None:
+    async with kvfs.open_store(make_config()) as store, trio.open_nursery() as n:
+        for i in range(8):
+            await store.put(f"sessions/s{i}/p/layer-000", b"k" * (1000 * (i + 1)))
+        await store.get("sessions/s0/p/layer-000")
+        port = await n.start(lambda task_status: metrics_service(
+            store, port=0, max_sessions=3, task_status=task_status))
+        async with await trio.open_tcp_stream("127.0.0.1", port) as stream:
+            await stream.send_all(b"GET /metrics HTTP/1.0\r\n\r\n")
+            data = b""
+            while chunk := await stream.receive_some(65536):
+                data += chunk
+        head, body = data.split(b"\r\n\r\n", 1)
+        assert head.startswith(b"HTTP/1.0 200") and b"version=0.0.4" in head
+        text = body.decode()
+        assert 'kvfs_hits_total{tier="local"} 1' in text
+        assert "kvfs_pages 8" in text and "# TYPE kvfs_puts_total counter" in text
+        sess = [x for x in text.splitlines() if x.startswith("kvfs_session_bytes{")]
+        assert len(sess) == 4 and 'session="_other"' in sess[-1]
+        assert 'kvfs_session_bytes{session="s7"} 8000' in text
+        assert sess[-1].endswith(" " + str(sum(1000 * (i + 1) for i in range(5))))
+        async with await trio.open_tcp_stream("127.0.0.1", port) as stream:
+            await stream.send_all(b"GET /other HTTP/1.0\r\n\r\n")
+            assert (await stream.receive_some(100)).startswith(b"HTTP/1.0 404")
+        n.cancel_scope.cancel()
+
+
+def test_render_escapes_labels() -> None:
+    st = kvfs.StoreStatistics(0, 0, 0, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
+    s = kvfs.SessionInfo('we"ird\\', "sessions/x", 0, 0, False, {}, 1, 10, 10, 0)
+    assert 'kvfs_session_bytes{session="we\\"ird\\\\"} 10' in render_metrics(st, [s])
