@@ -383,6 +383,16 @@ class BlobWriter:
             hdr = self._take_header(dev)  # no aligned write started at the data: alone
             if hdr is not None:
                 _pwrite_full(self._fds[dev][0], hdr, 0)
+        # Buffered writers (the mount, filesystems without O_DIRECT) leave the last chunk
+        # unpadded: pad it, so every file is exactly what disk_bytes() accounts for.
+        unit = self.tier.unit
+        want: dict[int, int] = {}
+        for c in range(-(-size // unit)):
+            dev, foff = self.tier.locate(self.start, c * unit)
+            want[dev] = max(want.get(dev, 0), foff + round_up(min(unit, size - c * unit)))
+        for dev, (fd, _direct) in self._fds.items():
+            if os.fstat(fd).st_size < want.get(dev, HEADER):
+                os.ftruncate(fd, want.get(dev, HEADER))
         if self.tier.durable:
             # fdatasync: the data, the block allocation and the size; not timestamps.
             fds = [fd for fd, _direct in self._fds.values()]
