@@ -1,0 +1,185 @@
+"""The commands against a real mounted daemon (``kvfs mount --foreground`` in a subprocess),
+over its control socket: the same results as on a stopped data directory, the pages visible
+through the mount, metrics, a missing daemon and a daemon killed in the middle of a command.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from cli.__main__ import main
+from kvfs._daemon import READY_FD_ENV
+
+KVFS = [sys.executable, "-m", "cli"]
+Run = Callable[..., tuple[int, str, str]]
+
+if not os.path.exists("/dev/fuse") or shutil.which("fusermount3") is None:  # pragma: no cover
+    pytest.fail("these tests need /dev/fuse and fusermount3", pytrace=False)
+
+
+class Daemon:
+    def __init__(self, root: Path, *extra: str) -> None:
+        self.data, self.mp, self.log = root / "data", root / "mnt", root / "daemon.log"
+        self.mp.mkdir(parents=True)
+        r, w = os.pipe()
+        env = {k: v for k, v in os.environ.items() if not k.startswith("KVFS_")}
+        with open(self.log, "ab") as log:
+            self.proc = subprocess.Popen(
+                [*KVFS, "mount", "--foreground", "--data", str(self.data), *extra, str(self.mp)],
+                stdout=log, stderr=log, pass_fds=(w,), env={**env, READY_FD_ENV: str(w)})
+        os.close(w)
+        with os.fdopen(r, "rb") as f:
+            msg = f.read().decode().strip()
+        assert msg == "ok", f"mount failed: {msg}\n{self.log.read_text()}"
+
+    expected_errors = 0
+
+    def errors(self) -> list[str]:
+        return [x for x in self.log.read_text(errors="replace").splitlines()
+                if " ERROR " in x or "Traceback" in x]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            self.proc.wait(timeout=60)
+        subprocess.run(["fusermount3", "-u", "-z", str(self.mp)], capture_output=True)
+
+
+@pytest.fixture
+def daemon(tmp_path: Path) -> Iterator[Daemon]:
+    d = Daemon(tmp_path / "m")
+    try:
+        yield d
+    finally:
+        d.stop()
+    unexpected = d.errors()[d.expected_errors:]
+    assert not unexpected, "the daemon logged errors:\n" + "\n".join(unexpected)
+
+
+@pytest.fixture
+def run(capsys: pytest.CaptureFixture[str], tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> Run:
+    monkeypatch.chdir(tmp_path)
+    for var in [v for v in os.environ if v.startswith("KVFS_")]:
+        monkeypatch.delenv(var)
+
+    def go(*argv: str) -> tuple[int, str, str]:
+        capsys.readouterr()
+        rc = main([*argv])
+        out, err = capsys.readouterr()
+        return rc, out, err
+    return go
+
+
+def test_commands_through_the_daemon(daemon: Daemon, run: Run, tmp_path: Path) -> None:
+    d = ["--data", str(daemon.data), "--daemon"]
+    payload = os.urandom(150_000)
+    (tmp_path / "in").write_bytes(payload)
+    rc, out, err = run("put", "in", "sessions/s1/p/layer-000", "--attr", "model=m", *d)
+    assert rc == 0, err
+    # the page is there for every client of the daemon: the mount shows it
+    assert (daemon.mp / "sessions/s1/p/layer-000").read_bytes() == payload
+    (daemon.mp / "sessions/s2/p").mkdir(parents=True)
+    (daemon.mp / "sessions/s2/p/layer-000").write_bytes(b"m" * 5000)
+    sessions = json.loads(run("ls", "--json", *d)[1])
+    assert {s["session"] for s in sessions} == {"s1", "s2"}
+    pages = json.loads(run("ls", "s1", "--json", *d)[1])
+    assert pages[0]["attrs"] == {"model": "m"} and pages[0]["size"] == len(payload)
+    assert run("get", "sessions/s2/p/layer-000", "out", *d)[0] == 0
+    assert (tmp_path / "out").read_bytes() == b"m" * 5000
+    st = json.loads(run("stats", "--json", *d)[1])
+    assert st["puts"] >= 2 and st["pages"] == 2  # the daemon's own counters
+    assert "HIT RATE" in run("stats", *d)[1]
+    assert run("pin", "s1", *d)[0] == 0
+    assert json.loads(run("ls", "--json", *d)[1])[0]["pinned"]
+    assert run("unpin", "s1", *d)[0] == 0
+    rc, _, err = run("evict", "s2", *d)
+    assert rc == 9 and "--force" in err
+    assert run("evict", "s2", "--force", *d)[0] == 0
+    assert run("fsck", *d)[0] == 0
+    assert run("rm", "s1", *d)[0] == 0
+    assert run("ls", "s1", *d)[0] == 3
+    rc, _, err = run("rm", "s1", *d)
+    assert rc == 3 and err.count("\n") == 1
+    rc, _, err = run("spill", "s2", *d)
+    assert rc == 8  # this daemon has no archive tier: an error, logged as one structured line
+    logged = daemon.errors()
+    assert len(logged) == 1 and "event=error method=spill target=s2 error=ArchiveUnavailable" \
+        in logged[0]
+    daemon.expected_errors = 1
+    # the data directory is the daemon's: opening it directly is refused with a clear line
+    rc, _, err = run("ls", "--data", str(daemon.data), "--offline")
+    assert rc == 6 and "in use by" in err
+
+
+def test_metrics_port_and_event_logs(tmp_path: Path, run: Run) -> None:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    d = Daemon(tmp_path / "m", "--metrics-port", str(port),
+               "--archive", f"file://{tmp_path}/arch")
+    try:
+        flags = ["--data", str(d.data), "--daemon"]
+        (tmp_path / "f").write_bytes(os.urandom(9000))
+        assert run("put", "f", "sessions/a/p/layer-000", *flags)[0] == 0
+        assert run("spill", "a", *flags)[0] == 0
+        assert run("restore", "a", *flags)[0] == 0
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30).read().decode()
+        assert "kvfs_pages 1" in text and 'kvfs_session_bytes{session="a"} 9000' in text
+        assert "kvfs_archive_sessions_spilled_total 1" in text
+    finally:
+        d.stop()
+    log = d.log.read_text()
+    assert "event=spill target=a bytes=" in log and "event=restore target=a" in log
+    assert not d.errors()
+
+
+def test_missing_daemon_and_killed_mid_command(tmp_path: Path, run: Run) -> None:
+    d = Daemon(tmp_path / "m")
+    flags = ["--data", str(d.data)]
+    try:
+        (tmp_path / "f").write_bytes(b"q" * 4096)
+        assert run("put", "f", "sessions/a/p/layer-000", *flags)[0] == 0
+        # freeze the daemon, start a command (it connects and waits), then kill the daemon
+        os.kill(d.proc.pid, signal.SIGSTOP)
+        env = {k: v for k, v in os.environ.items() if not k.startswith("KVFS_")}
+        cmd = subprocess.Popen([*KVFS, "ls", "--daemon", *flags], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, env=env)
+        deadline = time.monotonic() + 60
+        while not _waiting_on_socket(cmd.pid):
+            assert time.monotonic() < deadline and cmd.poll() is None, cmd.communicate()
+            time.sleep(0.05)
+        os.kill(d.proc.pid, signal.SIGKILL)
+        d.proc.wait(timeout=60)
+        out, err = cmd.communicate(timeout=60)
+        assert cmd.returncode == 7, err
+        assert "closed the connection" in err and len(err.strip().splitlines()) == 1
+    finally:
+        d.stop()
+    # no daemon now (its socket file is left behind): --daemon says so, the rest go offline
+    rc, _, err = run("ls", "--daemon", *flags)
+    assert rc == 7 and "no kvfs daemon answers" in err
+    rc, out, _ = run("ls", "a", "--json", *flags)
+    assert rc == 0 and json.loads(out)[0]["path"] == "sessions/a/p/layer-000"
+
+
+def _waiting_on_socket(pid: int) -> bool:
+    """True once ``pid`` sleeps reading a Unix stream socket (it sent its request)."""
+    try:
+        with open(f"/proc/{pid}/wchan") as f:
+            return f.read().startswith("unix_stream")
+    except OSError:
+        return False
