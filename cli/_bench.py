@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib
 
-BENCHMARKS = ["store", "ttft", "archive", "fuse", "gds"]
+BENCHMARKS = ["store", "ttft", "archive", "fuse", "gds", "control"]
 
 
 def register(sub: argparse._SubParsersAction) -> None:
