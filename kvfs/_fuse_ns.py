@@ -28,7 +28,8 @@ from ._index import PageRow
 from ._keys import SESSIONS_DIR, PageKey, split_path
 
 __all__ = ["META_NAME", "DirRow", "DirTable", "Listing", "child_path", "dir_exists",
-           "list_dir", "session_json", "validate_dir", "validate_page"]
+           "is_session_dir", "list_dir", "session_json", "session_of", "validate_dir",
+           "validate_page"]
 
 #: The read-only metadata file in every semantic session directory.
 META_NAME = ".kvfs.json"
@@ -182,3 +183,12 @@ def page_mode(row: PageRow) -> int:
         return stat.S_IFREG | (int(row.attrs[ATTR_MODE], 8) & 0o7777)
     except (KeyError, ValueError):
         return stat.S_IFREG | 0o444
+
+
+def is_session_dir(path: str) -> bool:
+    """``sessions/<s>``: the directory that shows ``.kvfs.json``."""
+    return path.startswith(SESSIONS_DIR + "/") and path.count("/") == 1
+
+
+def session_of(meta_path: str) -> str:
+    return meta_path.rsplit("/", 1)[0]

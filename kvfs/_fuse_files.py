@@ -1,0 +1,260 @@
+"""The FUSE handlers for file contents: create, open, read, write, flush, release.
+
+Life of a written file: ``create`` starts an engine :class:`~kvfs.PageWriter` (capacity is
+reserved as it grows; ENOSPC once eviction cannot make room); writes are written behind
+(:mod:`kvfs._fuse_behind`); the first ``flush`` after a write (the writer's ``close``; FUSE's
+``release`` comes later and asynchronously) commits it as a page, or a ``rename`` of the open
+file commits it under the new name. Until then no other open can see its bytes, and a crash
+leaves nothing (the engine sweeps the unreferenced files). Committed pages are immutable:
+opening one for writing fails with EPERM, like ``chattr +i``. Open pages hold an engine
+lease, so their data outlives unlink, replace and eviction until the last close.
+"""
+
+from __future__ import annotations
+
+import errno
+import functools
+import logging
+import os
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import pyfuse3
+import trio
+
+from ._engine import Engine
+from ._fuse_ahead import ReadAhead
+from ._fuse_behind import WriteBehind
+from ._fuse_guard import child_of, fuse_error, guard
+from ._fuse_nodes import Handle, Kind, Node, NodeTable, Pending
+from ._fuse_ns import DirTable, session_json, session_of, validate_page
+
+__all__ = ["FileOps"]
+
+log = logging.getLogger("kvfs.fuse")
+T = TypeVar("T")
+_WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND
+
+
+class FileOps:
+    """Mixin of :class:`~kvfs._fuse.KvfsOperations`: the state it shares, and file handlers."""
+
+    engine: Engine
+    table: NodeTable
+    dirs: DirTable
+    limiter: trio.CapacityLimiter
+    direct_io: bool
+    pending: dict[str, Node]
+    settling: dict[str, trio.Event]
+    handles: dict[int, Handle]
+    _next_fh: int
+    read_ahead: int
+    write_behind: int
+    nursery: trio.Nursery | None
+
+    async def _resolve(self, parent: Node, name: str) -> Node:
+        raise NotImplementedError
+
+    async def _thread(self, fn: Callable[..., T], *args: Any) -> T:
+        return await trio.to_thread.run_sync(functools.partial(fn, *args), limiter=self.limiter)
+
+    def _fh(self, h: Handle) -> int:
+        fh, self._next_fh = self._next_fh, self._next_fh + 1
+        self.handles[fh] = h
+        h.node.opens += 1
+        return fh
+
+    def _handle(self, fh: int) -> Handle:
+        try:
+            return self.handles[fh]
+        except KeyError:
+            raise fuse_error(errno.EBADF) from None
+
+    def _dir(self, ino: int) -> Node:
+        n = self.table.get(ino)
+        if n.kind is not Kind.DIR:
+            raise fuse_error(errno.ENOTDIR)
+        return n
+
+    def _attrs(self, node: Node, meta_size: int = 0) -> pyfuse3.EntryAttributes:
+        return self.table.attrs(node, self.dirs.get(node.path), meta_size)
+
+    async def _entry(self, node: Node) -> pyfuse3.EntryAttributes:
+        size = 0
+        if node.kind is Kind.META:
+            size = len(await self._thread(session_json, self.engine, session_of(node.path)))
+        return self._attrs(node, size)
+
+    @guard
+    async def create(self, parent_inode: int, name: bytes, mode: int, flags: int,
+                     ctx: Any) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
+        parent = self._dir(parent_inode)
+        path = child_of(parent, name)
+        key = validate_page(path)
+        if path in self.pending:
+            raise fuse_error(errno.EBUSY)
+        writer = await self._thread(self.engine.begin_write, key)
+        node = self.table.bind(path, Kind.PENDING)
+        node.pending = Pending(writer, (mode & ~ctx.umask) & 0o7777, ctx.uid, ctx.gid,
+                               time.time_ns())
+        self.pending[path] = node
+        fh = self._fh(Handle(node, writable=True))
+        node.nlookup += 1
+        return pyfuse3.FileInfo(fh=fh, direct_io=self.direct_io), self._attrs(node)
+
+    @guard
+    async def open(self, inode: int, flags: int, ctx: Any) -> pyfuse3.FileInfo:
+        node = self.table.get(inode)
+        write = bool(flags & _WRITE_FLAGS)
+        while node.path in self.settling:
+            await self.settling[node.path].wait()
+        if node.kind is Kind.DIR:
+            raise fuse_error(errno.EISDIR)
+        if node.kind is Kind.META:
+            if write:
+                raise fuse_error(errno.EACCES)
+            data = await self._thread(session_json, self.engine, session_of(node.path))
+            return pyfuse3.FileInfo(fh=self._fh(Handle(node, content=data)), direct_io=True)
+        if node.kind is Kind.PENDING:
+            # Only its writer's handle may touch a page in the making.
+            raise fuse_error(errno.EBUSY if write else errno.ENOENT)
+        if write:
+            raise fuse_error(errno.EPERM)
+        assert node.page is not None
+        lease = self.engine.lease(node.path)
+        held = await self._thread(lease.__enter__)
+        direct = self.direct_io
+        if held[1].hash != node.page.hash:
+            # The name was replaced after the kernel looked it up (an open racing a rename):
+            # the old bytes are gone, so this open gets the new ones, past the page cache,
+            # which may hold the old content for this inode.
+            node.page, direct = held[0], True
+        h = Handle(node, lease=lease, held=held)
+        if self.nursery is not None and self.read_ahead > 0:
+            h.ahead = ReadAhead(functools.partial(self._thread, self.engine.read_held, *held),
+                                held[1].size, self.read_ahead, self.nursery)
+        fh = self._fh(h)
+        return pyfuse3.FileInfo(fh=fh, direct_io=direct, keep_cache=not direct)
+
+    @guard
+    async def read(self, fh: int, off: int, size: int) -> Any:
+        h = self._handle(fh)
+        if h.content is not None:
+            return h.content[off:off + size]
+        if h.ahead is not None:
+            return await h.ahead.read(off, size)
+        if h.held is not None:
+            page, blob = h.held
+            return await self._thread(self.engine.read_held, page, blob, off, size)
+        node = h.node
+        if node.kind is Kind.PENDING and node.pending is not None:
+            await self._drain(h)
+            return await self._thread(node.pending.writer.read, off, size)
+        return await self._thread(self.engine.read_range, node.path, off, size)
+
+    @guard
+    async def write(self, fh: int, off: int, buf: bytes) -> int:
+        h = self._handle(fh)
+        node = h.node
+        if not h.writable or h.committed or node.pending is None:
+            raise fuse_error(errno.EPERM if node.kind is Kind.PAGE else errno.EBADF)
+        h.wrote = True
+        try:
+            if self.nursery is not None and self.write_behind > 0:
+                if h.behind is None:
+                    h.behind = WriteBehind(functools.partial(self._thread, node.pending.writer.write),
+                                           self.write_behind, self.nursery)
+                await h.behind.submit(off, buf)
+                return len(buf)
+            return await self._thread(node.pending.writer.write, off, buf)
+        except BaseException as e:
+            # A page missing a write is not the page its writer meant: never publish it.
+            h.failed = getattr(e, "errno", None) or errno.EIO
+            raise
+
+    async def _drain(self, h: Handle) -> None:
+        """Wait for a handle's queued writes; a failed one marks the file failed."""
+        if h.behind is not None:
+            try:
+                await h.behind.drain()
+            except Exception as e:
+                h.failed = h.failed or getattr(e, "errno", None) or errno.EIO
+                if not isinstance(e, OSError):  # KvfsErrors are OSErrors or ValueErrors
+                    log.error("a queued write failed", exc_info=e)
+
+    @guard
+    async def flush(self, fh: int) -> None:
+        h = self._handle(fh)
+        # close() sends flush; release follows asynchronously. Committing here makes the page
+        # visible when close returns. A flush before any write is a shell's dup2 + close of
+        # the original fd (``echo > f``, dd): the writer is not done, release commits.
+        if h.writable and not h.committed and (h.wrote or h.failed):
+            await self._finish(h, h.node.path)
+
+    @guard
+    async def fsync(self, fh: int, datasync: bool) -> None:
+        return None  # a page is durable when committed; before that it does not exist
+
+    @guard
+    async def release(self, fh: int) -> None:
+        h = self.handles.pop(fh, None)
+        if h is None:
+            raise fuse_error(errno.EBADF)
+        try:
+            if h.writable and not h.committed:
+                await self._finish(h, h.node.path)
+        except pyfuse3.FUSEError:
+            if not h.failed:
+                raise
+        finally:
+            await self._close_handle(h)
+
+    async def _close_handle(self, h: Handle) -> None:
+        if h.ahead is not None:
+            ahead, h.ahead = h.ahead, None
+            await ahead.aclose()
+        if h.lease is not None:
+            lease, h.lease, h.held = h.lease, None, None
+            await self._thread(lease.__exit__, None, None, None)
+        h.node.opens -= 1
+        self.table.maybe_drop(h.node)
+
+    async def _finish(self, h: Handle, dst: str) -> None:
+        """Commit (or, if unlinked, discard) the file an open handle is writing, as ``dst``."""
+        node = h.node
+        w = node.pending
+        assert w is not None
+        key = validate_page(dst)
+        await self._drain(h)
+        h.committed = True
+        if self.pending.get(node.path) is node:
+            del self.pending[node.path]
+        if w.unlinked or h.failed:
+            await self._thread(w.writer.abort)
+            self.table.unbind(node)
+            if h.failed:
+                raise fuse_error(h.failed)  # close() reports it too
+            return
+        settled = trio.Event()
+        names = {node.path, dst}
+        for n in names:
+            self.settling[n] = settled
+        try:
+            w.writer.key = key
+            await self._thread(functools.partial(w.writer.commit, attrs=w.commit_attrs(),
+                                                 replace=True))
+            row = await self._thread(self.engine.index.page, dst)
+        except BaseException:
+            self.table.unbind(node)
+            raise
+        finally:
+            for n in names:
+                if self.settling.get(n) is settled:
+                    del self.settling[n]
+            settled.set()
+        node.kind, node.page, node.pending = Kind.PAGE, row, None
+        self.table.move(node, dst)
+        if row is None:  # evicted or deleted the instant it appeared
+            self.table.unbind(node)
+

@@ -1,0 +1,74 @@
+"""Every FUSE handler's failure becomes an errno, in this one place.
+
+pyfuse3 ends the whole mount when a handler raises anything but ``FUSEError``, so each
+handler is wrapped: a :class:`~kvfs.KvfsError` becomes its ``errno``, an :class:`OSError`
+keeps its own, anything else is logged at ERROR and answered with EIO.
+"""
+
+from __future__ import annotations
+
+import errno
+import functools
+import logging
+from collections.abc import Callable, Coroutine
+from typing import Any, ParamSpec, TypeVar
+
+import pyfuse3
+
+from ._errors import KvfsError
+from ._fuse_nodes import Node
+from ._fuse_ns import child_path
+from ._keys import MAX_NAME_BYTES, MAX_PATH_BYTES
+
+__all__ = ["child_of", "decode_name", "fuse_error", "guard"]
+
+log = logging.getLogger("kvfs.fuse")
+T = TypeVar("T")
+P = ParamSpec("P")
+
+
+def fuse_error(n: int) -> pyfuse3.FUSEError:
+    return pyfuse3.FUSEError(n)
+
+
+def guard(fn: Callable[P, Coroutine[Any, Any, T]]) -> Callable[P, Coroutine[Any, Any, T]]:
+    """Answer every failure with an errno; never let pyfuse3 see anything but FUSEError."""
+
+    @functools.wraps(fn)
+    async def wrapper(*args: P.args, **kwargs: P.kwargs) -> T:
+        try:
+            return await fn(*args, **kwargs)
+        except pyfuse3.FUSEError:
+            raise
+        except KvfsError as e:
+            log.debug("%s%r: %s", fn.__name__, args[1:3], e)
+            raise fuse_error(e.errno) from None
+        except OSError as e:
+            if e.errno is None:
+                log.error("%s%r failed", fn.__name__, args[1:3], exc_info=True)
+            raise fuse_error(e.errno or errno.EIO) from None
+        except Exception:
+            log.error("unexpected error in %s%r", fn.__name__, args[1:3], exc_info=True)
+            raise fuse_error(errno.EIO) from None
+
+    return wrapper
+
+
+def decode_name(name: bytes) -> str:
+    """A name from the kernel as text. Raises FUSEError ENAMETOOLONG, EINVAL (not UTF-8)."""
+    if len(name) > MAX_NAME_BYTES:
+        raise fuse_error(errno.ENAMETOOLONG)
+    try:
+        return name.decode("utf-8")
+    except UnicodeDecodeError:
+        raise fuse_error(errno.EINVAL) from None
+
+
+def child_of(parent: Node, name: bytes) -> str:
+    """The path of ``name`` in directory ``parent``. Raises FUSEError as decode_name, and
+    ENAMETOOLONG for a path over the store's limit."""
+    path = child_path(parent.path, decode_name(name))
+    if len(path.encode()) > MAX_PATH_BYTES:
+        raise fuse_error(errno.ENAMETOOLONG)
+    return path
+
