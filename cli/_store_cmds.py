@@ -7,6 +7,7 @@ the data directory itself otherwise (:mod:`cli._target`). Every command has ``--
 from __future__ import annotations
 
 import argparse
+import io
 import sys
 import time
 from typing import Any
@@ -180,12 +181,11 @@ def render_stats(st: kvfs.StoreStatistics) -> str:
                f"({fmt_bytes(st.local_bytes)}, {fmt_bytes(st.logical_bytes)} before dedup)")
     rows = [[d.index, d.path, fmt_bytes(d.used_bytes), fmt_bytes(d.free_bytes)]
             for d in st.devices]
-    import io
-
     buf = io.StringIO()
     print_table(["DEVICE", "PATH", "USED", "FREE"], rows, file=buf)
     out.append(buf.getvalue().rstrip())
-    arch = st.extra.get("archive") if isinstance(st.extra.get("archive"), dict) else None
+    extra = st.extra.get("archive")
+    arch: dict[str, Any] | None = extra if isinstance(extra, dict) else None
     a: dict[str, Any] = arch or {}
     buf = io.StringIO()
     print_table(["TIER", "HITS", "MISSES", "HIT RATE", "READ", "WRITTEN"], [

@@ -57,7 +57,7 @@ _RECORDS: dict[str, type] = {c.__name__: c for c in (PageInfo, SessionInfo, Stor
 _TUPLES = {"extents", "devices"}
 
 
-class DaemonUnavailable(_errors.KvfsError, ConnectionError):
+class DaemonUnavailable(_errors.KvfsError, ConnectionError):  # type: ignore[misc]
     """No daemon answers on the control socket, or it went away during a call."""
 
 
