@@ -48,9 +48,14 @@ def state_path(mountpoint: str | os.PathLike[str]) -> Path:
     return base / "kvfs" / f"mount-{digest}.json"
 
 
-async def run_daemon(config: StoreConfig, mountpoint: str | os.PathLike[str],
-                     options: MountOptions | None = None, services: Sequence[Service] = (), *,
-                     task_status: trio.TaskStatus[Store] = trio.TASK_STATUS_IGNORED) -> None:
+async def run_daemon(
+    config: StoreConfig,
+    mountpoint: str | os.PathLike[str],
+    options: MountOptions | None = None,
+    services: Sequence[Service] = (),
+    *,
+    task_status: trio.TaskStatus[Store] = trio.TASK_STATUS_IGNORED,
+) -> None:
     """Open the store, start each service, mount; run until SIGTERM/SIGINT, cancellation or an
     outside unmount; then unmount and close the store. Reports the store once mounted.
 
@@ -65,9 +70,14 @@ async def run_daemon(config: StoreConfig, mountpoint: str | os.PathLike[str],
         task_status.started(store)
 
 
-async def _mount_then_stop(store: Store, mountpoint: str | os.PathLike[str],
-                           options: MountOptions | None, scope: trio.CancelScope, *,
-                           task_status: trio.TaskStatus[Path]) -> None:
+async def _mount_then_stop(
+    store: Store,
+    mountpoint: str | os.PathLike[str],
+    options: MountOptions | None,
+    scope: trio.CancelScope,
+    *,
+    task_status: trio.TaskStatus[Path],
+) -> None:
     try:
         await serve_mount(store, mountpoint, options, task_status=task_status)
     finally:
@@ -82,9 +92,16 @@ async def _stop_on_signal(scope: trio.CancelScope) -> None:
             return
 
 
-def main(config: StoreConfig, mountpoint: str | os.PathLike[str], options: MountOptions, *,
-         foreground: bool, child_argv: Sequence[str] | None = None,
-         services: Sequence[Service] = (), log_file: str | os.PathLike[str] | None = None) -> int:
+def main(
+    config: StoreConfig,
+    mountpoint: str | os.PathLike[str],
+    options: MountOptions,
+    *,
+    foreground: bool,
+    child_argv: Sequence[str] | None = None,
+    services: Sequence[Service] = (),
+    log_file: str | os.PathLike[str] | None = None,
+) -> int:
     """Run the daemon; returns an exit status (0: mounted and, in the foreground, stopped).
 
     Detached (``foreground=False``): runs ``child_argv`` (the same command with
@@ -108,6 +125,7 @@ def main(config: StoreConfig, mountpoint: str | os.PathLike[str], options: Mount
             _write_state(path, mountpoint, config)
             if ready_fd is not None:
                 _tell(ready_fd, b"ok\n")
+
     try:
         trio.run(serve)
     except BaseException as e:  # noqa: BLE001 - the parent gets one clear line either way
@@ -146,8 +164,15 @@ def _tell(fd: int, msg: bytes) -> None:
 def _write_state(path: Path, mountpoint: str | os.PathLike[str], config: StoreConfig) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"pid": os.getpid(), "mountpoint": os.path.abspath(mountpoint),
-                               "data_dirs": [str(d) for d in config.data_dirs]}))
+    tmp.write_text(
+        json.dumps(
+            {
+                "pid": os.getpid(),
+                "mountpoint": os.path.abspath(mountpoint),
+                "data_dirs": [str(d) for d in config.data_dirs],
+            }
+        )
+    )
     os.replace(tmp, path)
 
 
@@ -159,17 +184,26 @@ def _detach(argv: Sequence[str], log_file: str | os.PathLike[str]) -> int:
     r, w = os.pipe()
     Path(log_file).parent.mkdir(parents=True, exist_ok=True)
     with open(log_file, "ab") as logf, open(os.devnull, "rb") as null:
-        child = subprocess.Popen(list(argv), stdin=null, stdout=logf, stderr=logf,
-                                 pass_fds=(w,), start_new_session=True,
-                                 env={**os.environ, READY_FD_ENV: str(w)})
+        child = subprocess.Popen(
+            list(argv),
+            stdin=null,
+            stdout=logf,
+            stderr=logf,
+            pass_fds=(w,),
+            start_new_session=True,
+            env={**os.environ, READY_FD_ENV: str(w)},
+        )
     os.close(w)
     with os.fdopen(r, "rb") as f:
         msg = f.read().decode(errors="replace").strip()
     if msg == "ok":
         return 0
     rc = child.wait()
-    print(f"kvfs mount: {msg.removeprefix('error: ') or f'the daemon exited ({rc})'} "
-          f"(log: {log_file})", file=sys.stderr)
+    print(
+        f"kvfs mount: {msg.removeprefix('error: ') or f'the daemon exited ({rc})'} "
+        f"(log: {log_file})",
+        file=sys.stderr,
+    )
     return 1
 
 

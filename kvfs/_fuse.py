@@ -43,8 +43,14 @@ from ._store import Store
 __all__ = ["XATTRS", "KvfsOperations"]
 
 log = logging.getLogger("kvfs.fuse")
-XATTRS = ("user.kvfs.checksum", "user.kvfs.size", "user.kvfs.tier", "user.kvfs.pinned",
-          "user.kvfs.session", "user.kvfs.extents")
+XATTRS = (
+    "user.kvfs.checksum",
+    "user.kvfs.size",
+    "user.kvfs.tier",
+    "user.kvfs.pinned",
+    "user.kvfs.session",
+    "user.kvfs.extents",
+)
 
 
 class KvfsOperations(FileOps, pyfuse3.Operations):
@@ -53,9 +59,17 @@ class KvfsOperations(FileOps, pyfuse3.Operations):
     supports_dot_lookup = True
     enable_writeback_cache = False
 
-    def __init__(self, store: Store, *, direct_io: bool = False, threads: int = 16,
-                 entry_timeout: float = 1.0, attr_timeout: float = 1.0,
-                 read_ahead: int = 8, write_behind: int = 8) -> None:
+    def __init__(
+        self,
+        store: Store,
+        *,
+        direct_io: bool = False,
+        threads: int = 16,
+        entry_timeout: float = 1.0,
+        attr_timeout: float = 1.0,
+        read_ahead: int = 8,
+        write_behind: int = 8,
+    ) -> None:
         super().__init__()
         self.store = store
         self.engine = store.engine
@@ -92,12 +106,15 @@ class KvfsOperations(FileOps, pyfuse3.Operations):
         if row is not None:
             return self.table.bind(path, Kind.PAGE, row)
         if any(p.startswith(path + "/") for p in self.pending) or await self._thread(
-                dir_exists, self.engine, self.dirs, path):
+            dir_exists, self.engine, self.dirs, path
+        ):
             return self.table.bind(path, Kind.DIR)
         raise fuse_error(errno.ENOENT)
 
     @guard
-    async def lookup(self, parent_inode: int, name: bytes, ctx: Any = None) -> pyfuse3.EntryAttributes:
+    async def lookup(
+        self, parent_inode: int, name: bytes, ctx: Any = None
+    ) -> pyfuse3.EntryAttributes:
         parent = self._dir(parent_inode)
         if name == b".":
             node = parent
@@ -126,7 +143,9 @@ class KvfsOperations(FileOps, pyfuse3.Operations):
         return await self._entry(self.table.get(inode))
 
     @guard
-    async def setattr(self, inode: int, attr: Any, fields: Any, fh: Any, ctx: Any) -> pyfuse3.EntryAttributes:
+    async def setattr(
+        self, inode: int, attr: Any, fields: Any, fh: Any, ctx: Any
+    ) -> pyfuse3.EntryAttributes:
         node = self.table.get(inode)
         mtime = attr.st_mtime_ns if fields.update_mtime else None
         if node.kind is Kind.PENDING:
@@ -164,10 +183,13 @@ class KvfsOperations(FileOps, pyfuse3.Operations):
             if node.path in ("", SESSIONS_DIR) and (fields.update_uid or fields.update_gid):
                 raise fuse_error(errno.EPERM)
             a = self._attrs(node)
-            drow = DirRow(node.path, attr.st_mode if fields.update_mode else a.st_mode,
-                          attr.st_uid if fields.update_uid else a.st_uid,
-                          attr.st_gid if fields.update_gid else a.st_gid,
-                          mtime if mtime is not None else a.st_mtime_ns)
+            drow = DirRow(
+                node.path,
+                attr.st_mode if fields.update_mode else a.st_mode,
+                attr.st_uid if fields.update_uid else a.st_uid,
+                attr.st_gid if fields.update_gid else a.st_gid,
+                mtime if mtime is not None else a.st_mtime_ns,
+            )
             await self._thread(self.dirs.put, drow)
         elif fields.update_size or fields.update_mode or fields.update_uid or fields.update_gid:
             raise fuse_error(errno.EPERM)
@@ -185,16 +207,18 @@ class KvfsOperations(FileOps, pyfuse3.Operations):
             # The listing is taken once per pass, so offsets stay stable while it is read.
             ls = await self._thread(list_dir, self.engine, self.dirs, h.node.path)
             base = h.node.path
-            h.entries = [(child_path(base, d), Kind.DIR, None) for d in sorted(ls.dirs)
-                         if d not in ls.pages]
+            h.entries = [
+                (child_path(base, d), Kind.DIR, None) for d in sorted(ls.dirs) if d not in ls.pages
+            ]
             if ls.meta:
                 h.entries.append((child_path(base, META_NAME), Kind.META, None))
             h.entries += [(r.path, Kind.PAGE, r) for _n, r in sorted(ls.pages.items())]
         for i in range(start_id, len(h.entries)):
             path, kind, row = h.entries[i]
             node = self.table.bind(path, kind, row)
-            ok = pyfuse3.readdir_reply(token, path.rsplit("/", 1)[-1].encode(),
-                                       self._attrs(node), i + 1)
+            ok = pyfuse3.readdir_reply(
+                token, path.rsplit("/", 1)[-1].encode(), self._attrs(node), i + 1
+            )
             if not ok:
                 self.table.maybe_drop(node)
                 break
@@ -208,7 +232,9 @@ class KvfsOperations(FileOps, pyfuse3.Operations):
             self.table.maybe_drop(h.node)
 
     @guard
-    async def mkdir(self, parent_inode: int, name: bytes, mode: int, ctx: Any) -> pyfuse3.EntryAttributes:
+    async def mkdir(
+        self, parent_inode: int, name: bytes, mode: int, ctx: Any
+    ) -> pyfuse3.EntryAttributes:
         parent = self._dir(parent_inode)
         path = child_of(parent, name)
         validate_dir(path)
@@ -250,7 +276,6 @@ class KvfsOperations(FileOps, pyfuse3.Operations):
             with contextlib.suppress(KvfsError):  # gone meanwhile
                 self.engine.delete_session(path)
 
-
     @guard
     async def unlink(self, parent_inode: int, name: bytes, ctx: Any) -> None:
         parent = self._dir(parent_inode)
@@ -271,8 +296,15 @@ class KvfsOperations(FileOps, pyfuse3.Operations):
         self.table.detach(path)
 
     @guard
-    async def rename(self, parent_inode_old: int, name_old: bytes, parent_inode_new: int,
-                     name_new: bytes, flags: int, ctx: Any) -> None:
+    async def rename(
+        self,
+        parent_inode_old: int,
+        name_old: bytes,
+        parent_inode_new: int,
+        name_new: bytes,
+        flags: int,
+        ctx: Any,
+    ) -> None:
         src_dir, dst_dir = self._dir(parent_inode_old), self._dir(parent_inode_new)
         src, dst = child_of(src_dir, name_old), child_of(dst_dir, name_new)
         if flags & pyfuse3.RENAME_EXCHANGE:
@@ -321,8 +353,9 @@ class KvfsOperations(FileOps, pyfuse3.Operations):
         if row is not None:
             await self._thread(self.dirs.put, DirRow(dst, row.mode, row.uid, row.gid, row.mtime_ns))
         else:
-            await self._thread(self.dirs.put, DirRow(dst, 0o755, self.table.uid, self.table.gid,
-                                                     time.time_ns()))
+            await self._thread(
+                self.dirs.put, DirRow(dst, 0o755, self.table.uid, self.table.gid, time.time_ns())
+            )
 
     @guard
     async def link(self, inode: int, new_parent_inode: int, new_name: bytes, ctx: Any) -> Any:
@@ -398,5 +431,3 @@ class KvfsOperations(FileOps, pyfuse3.Operations):
                 log.error("closing a handle at shutdown failed", exc_info=True)
         self.pending.clear()
         await self._thread(self.dirs.close)
-
-

@@ -33,8 +33,13 @@ class _Slot:
 class ReadAhead:
     """Prefetch up to ``depth`` requests past the last sequential read of a ``size``-byte page."""
 
-    def __init__(self, fetch: Callable[[int, int], Awaitable[Any]], size: int, depth: int,
-                 nursery: trio.Nursery) -> None:
+    def __init__(
+        self,
+        fetch: Callable[[int, int], Awaitable[Any]],
+        size: int,
+        depth: int,
+        nursery: trio.Nursery,
+    ) -> None:
         self._fetch = fetch
         self._size = size
         self._depth = depth

@@ -21,8 +21,9 @@ __all__ = ["WriteBehind"]
 
 
 class WriteBehind:
-    def __init__(self, write: Callable[[int, bytes], Awaitable[object]], depth: int,
-                 nursery: trio.Nursery) -> None:
+    def __init__(
+        self, write: Callable[[int, bytes], Awaitable[object]], depth: int, nursery: trio.Nursery
+    ) -> None:
         self._write = write
         self._nursery = nursery
         self._slots = trio.Semaphore(depth)

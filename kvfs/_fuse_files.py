@@ -87,8 +87,9 @@ class FileOps:
         return self._attrs(node, size)
 
     @guard
-    async def create(self, parent_inode: int, name: bytes, mode: int, flags: int,
-                     ctx: Any) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
+    async def create(
+        self, parent_inode: int, name: bytes, mode: int, flags: int, ctx: Any
+    ) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
         parent = self._dir(parent_inode)
         path = child_of(parent, name)
         key = validate_page(path)
@@ -96,8 +97,9 @@ class FileOps:
             raise fuse_error(errno.EBUSY)
         writer = await self._thread(self.engine.begin_write, key)
         node = self.table.bind(path, Kind.PENDING)
-        node.pending = Pending(writer, (mode & ~ctx.umask) & 0o7777, ctx.uid, ctx.gid,
-                               time.time_ns())
+        node.pending = Pending(
+            writer, (mode & ~ctx.umask) & 0o7777, ctx.uid, ctx.gid, time.time_ns()
+        )
         self.pending[path] = node
         fh = self._fh(Handle(node, writable=True))
         node.nlookup += 1
@@ -132,8 +134,12 @@ class FileOps:
             node.page, direct = held[0], True
         h = Handle(node, lease=lease, held=held)
         if self.nursery is not None and self.read_ahead > 0:
-            h.ahead = ReadAhead(functools.partial(self._thread, self.engine.read_held, *held),
-                                held[1].size, self.read_ahead, self.nursery)
+            h.ahead = ReadAhead(
+                functools.partial(self._thread, self.engine.read_held, *held),
+                held[1].size,
+                self.read_ahead,
+                self.nursery,
+            )
         fh = self._fh(h)
         return pyfuse3.FileInfo(fh=fh, direct_io=direct, keep_cache=not direct)
 
@@ -141,7 +147,7 @@ class FileOps:
     async def read(self, fh: int, off: int, size: int) -> Any:
         h = self._handle(fh)
         if h.content is not None:
-            return h.content[off:off + size]
+            return h.content[off : off + size]
         if h.ahead is not None:
             return await h.ahead.read(off, size)
         if h.held is not None:
@@ -163,8 +169,11 @@ class FileOps:
         try:
             if self.nursery is not None and self.write_behind > 0:
                 if h.behind is None:
-                    h.behind = WriteBehind(functools.partial(self._thread, node.pending.writer.write),
-                                           self.write_behind, self.nursery)
+                    h.behind = WriteBehind(
+                        functools.partial(self._thread, node.pending.writer.write),
+                        self.write_behind,
+                        self.nursery,
+                    )
                 await h.behind.submit(off, buf)
                 return len(buf)
             return await self._thread(node.pending.writer.write, off, buf)
@@ -242,8 +251,9 @@ class FileOps:
             self.settling[n] = settled
         try:
             w.writer.key = key
-            await self._thread(functools.partial(w.writer.commit, attrs=w.commit_attrs(),
-                                                 replace=True))
+            await self._thread(
+                functools.partial(w.writer.commit, attrs=w.commit_attrs(), replace=True)
+            )
             row = await self._thread(self.engine.index.page, dst)
         except BaseException:
             self.table.unbind(node)
@@ -257,4 +267,3 @@ class FileOps:
         self.table.move(node, dst)
         if row is None:  # evicted or deleted the instant it appeared
             self.table.unbind(node)
-

@@ -71,4 +71,3 @@ def child_of(parent: Node, name: bytes) -> str:
     if len(path.encode()) > MAX_PATH_BYTES:
         raise fuse_error(errno.ENAMETOOLONG)
     return path
-

@@ -46,8 +46,12 @@ class Pending:
     unlinked: bool = False
 
     def commit_attrs(self) -> dict[str, str]:
-        return {"fs.mode": f"{self.mode & 0o7777:o}", ATTR_UID: str(self.uid),
-                ATTR_GID: str(self.gid), ATTR_MTIME: str(self.mtime_ns)}
+        return {
+            "fs.mode": f"{self.mode & 0o7777:o}",
+            ATTR_UID: str(self.uid),
+            ATTR_GID: str(self.gid),
+            ATTR_MTIME: str(self.mtime_ns),
+        }
 
 
 @dataclass(eq=False)
@@ -108,10 +112,19 @@ class NodeTable:
         """The node for ``path`` as it is now: the known one if it still means the same
         content, else a new inode (the old one stays until the kernel forgets it)."""
         n = self.at(path)
-        if n is not None and n.kind is kind and (
-                kind is not Kind.PAGE or (n.page is not None and page is not None
-                                          and n.page.hash == page.hash
-                                          and n.page.created == page.created)):
+        if (
+            n is not None
+            and n.kind is kind
+            and (
+                kind is not Kind.PAGE
+                or (
+                    n.page is not None
+                    and page is not None
+                    and n.page.hash == page.hash
+                    and n.page.created == page.created
+                )
+            )
+        ):
             if page is not None:
                 n.page = page
             return n
@@ -153,7 +166,9 @@ class NodeTable:
             del self.by_path[node.path]
 
     # -- attributes -------------------------------------------------------------------
-    def attrs(self, node: Node, dirrow: DirRow | None = None, meta_size: int = 0) -> pyfuse3.EntryAttributes:
+    def attrs(
+        self, node: Node, dirrow: DirRow | None = None, meta_size: int = 0
+    ) -> pyfuse3.EntryAttributes:
         a = pyfuse3.EntryAttributes()
         a.st_ino = node.ino
         a.generation = 0

@@ -27,9 +27,20 @@ from ._errors import InvalidKey
 from ._index import PageRow
 from ._keys import SESSIONS_DIR, PageKey, split_path
 
-__all__ = ["META_NAME", "DirRow", "DirTable", "Listing", "child_path", "dir_exists",
-           "is_session_dir", "list_dir", "session_json", "session_of", "validate_dir",
-           "validate_page"]
+__all__ = [
+    "META_NAME",
+    "DirRow",
+    "DirTable",
+    "Listing",
+    "child_path",
+    "dir_exists",
+    "is_session_dir",
+    "list_dir",
+    "session_json",
+    "session_of",
+    "validate_dir",
+    "validate_page",
+]
 
 #: The read-only metadata file in every semantic session directory.
 META_NAME = ".kvfs.json"
@@ -57,8 +68,10 @@ def validate_dir(path: str) -> None:
     split_path(path)
     depth = _depth_under_sessions(path)
     if depth is not None and depth > 3:
-        raise InvalidKey(f"{path!r}: directories under {SESSIONS_DIR}/ are "
-                         f"{SESSIONS_DIR}/<session>/<prefix>; layers are files")
+        raise InvalidKey(
+            f"{path!r}: directories under {SESSIONS_DIR}/ are "
+            f"{SESSIONS_DIR}/<session>/<prefix>; layers are files"
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,10 +91,14 @@ class DirTable:
         self._lock = threading.Lock()
         self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
         self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("CREATE TABLE IF NOT EXISTS dirs (path TEXT PRIMARY KEY, mode INTEGER,"
-                         " uid INTEGER, gid INTEGER, mtime_ns INTEGER)")
-        self._rows = {r[0]: DirRow(*r) for r in
-                      self._db.execute("SELECT path, mode, uid, gid, mtime_ns FROM dirs")}
+        self._db.execute(
+            "CREATE TABLE IF NOT EXISTS dirs (path TEXT PRIMARY KEY, mode INTEGER,"
+            " uid INTEGER, gid INTEGER, mtime_ns INTEGER)"
+        )
+        self._rows = {
+            r[0]: DirRow(*r)
+            for r in self._db.execute("SELECT path, mode, uid, gid, mtime_ns FROM dirs")
+        }
 
     def get(self, path: str) -> DirRow | None:
         with self._lock:
@@ -95,13 +112,16 @@ class DirTable:
     def children(self, path: str) -> list[str]:
         pre = path + "/" if path else ""
         with self._lock:
-            return [p[len(pre):] for p in self._rows
-                    if p.startswith(pre) and "/" not in p[len(pre):]]
+            return [
+                p[len(pre) :] for p in self._rows if p.startswith(pre) and "/" not in p[len(pre) :]
+            ]
 
     def put(self, row: DirRow) -> None:
         with self._lock:
-            self._db.execute("INSERT OR REPLACE INTO dirs VALUES (?,?,?,?,?)",
-                             (row.path, row.mode, row.uid, row.gid, row.mtime_ns))
+            self._db.execute(
+                "INSERT OR REPLACE INTO dirs VALUES (?,?,?,?,?)",
+                (row.path, row.mode, row.uid, row.gid, row.mtime_ns),
+            )
             self._rows[row.path] = row
 
     def remove(self, path: str) -> None:
@@ -147,8 +167,9 @@ def list_dir(engine: Engine, dirs: DirTable, path: str) -> Listing:
                 out.dirs.add(s.dir.split("/", 1)[0])
         rows = idx.pages(session=".")
     elif parts[0] == SESSIONS_DIR and len(parts) == 1:
-        out.dirs.update(s.dir.split("/")[1] for s in idx.sessions()
-                        if s.dir.startswith(SESSIONS_DIR + "/"))
+        out.dirs.update(
+            s.dir.split("/")[1] for s in idx.sessions() if s.dir.startswith(SESSIONS_DIR + "/")
+        )
         rows = []
     elif parts[0] == SESSIONS_DIR and len(parts) == 2:
         out.meta = idx.session(path) is not None
@@ -158,8 +179,9 @@ def list_dir(engine: Engine, dirs: DirTable, path: str) -> Listing:
         rows = idx.pages(path_prefix=path + "/")
     else:
         pre = path + "/"
-        out.dirs.update(s.dir[len(pre):].split("/", 1)[0] for s in idx.sessions()
-                        if s.dir.startswith(pre))
+        out.dirs.update(
+            s.dir[len(pre) :].split("/", 1)[0] for s in idx.sessions() if s.dir.startswith(pre)
+        )
         rows = idx.pages(session=path)
     for r in rows:
         out.pages[r.path.rsplit("/", 1)[-1]] = r
@@ -169,11 +191,20 @@ def list_dir(engine: Engine, dirs: DirTable, path: str) -> Listing:
 def session_json(engine: Engine, session_path: str) -> bytes:
     """The contents of ``sessions/<s>/.kvfs.json``. Raises SessionNotFound."""
     info = engine.session_info(session_path)
-    doc = {"session": info.session, "dir": info.dir, "model": info.model,
-           "pinned": info.pinned, "pages": info.pages, "bytes": info.bytes,
-           "local_bytes": info.local_bytes, "archived_bytes": info.archived_bytes,
-           "created": info.created, "atime": info.atime, "attrs": info.attrs,
-           "generated": time.time()}
+    doc = {
+        "session": info.session,
+        "dir": info.dir,
+        "model": info.model,
+        "pinned": info.pinned,
+        "pages": info.pages,
+        "bytes": info.bytes,
+        "local_bytes": info.local_bytes,
+        "archived_bytes": info.archived_bytes,
+        "created": info.created,
+        "atime": info.atime,
+        "attrs": info.attrs,
+        "generated": time.time(),
+    }
     return (json.dumps(doc, indent=2, sort_keys=True) + "\n").encode()
 
 

@@ -61,8 +61,10 @@ def _check_mountpoint(mountpoint: Path) -> None:
         raise MountError(f"mountpoint {mountpoint} does not exist") from None
     except OSError as e:
         if e.errno == errno.ENOTCONN:
-            raise MountError(f"{mountpoint} is a dead FUSE mount (its daemon died); "
-                             f"run: fusermount3 -u {mountpoint}") from None
+            raise MountError(
+                f"{mountpoint} is a dead FUSE mount (its daemon died); "
+                f"run: fusermount3 -u {mountpoint}"
+            ) from None
         raise MountError(f"mountpoint {mountpoint}: {e.strerror}") from None
     if not os.path.isdir(mountpoint):
         raise MountError(f"mountpoint {mountpoint} is not a directory")
@@ -80,14 +82,22 @@ def set_read_ahead(dev: int, kb: int) -> bool:
             f.write(str(kb))
         return True
     except OSError as e:
-        log.warning("could not set %s to %d (%s): cold reads will arrive in 128 KiB requests",
-                    path, kb, e.strerror)
+        log.warning(
+            "could not set %s to %d (%s): cold reads will arrive in 128 KiB requests",
+            path,
+            kb,
+            e.strerror,
+        )
         return False
 
 
-async def serve_mount(store: Store, mountpoint: str | os.PathLike[str],
-                      options: MountOptions | None = None, *,
-                      task_status: trio.TaskStatus[Path] = trio.TASK_STATUS_IGNORED) -> None:
+async def serve_mount(
+    store: Store,
+    mountpoint: str | os.PathLike[str],
+    options: MountOptions | None = None,
+    *,
+    task_status: trio.TaskStatus[Path] = trio.TASK_STATUS_IGNORED,
+) -> None:
     """Mount ``store`` at ``mountpoint``, report the mountpoint as started once the file system
     answers, and serve until cancelled or unmounted from outside (``fusermount3 -u``).
 
@@ -99,8 +109,13 @@ async def serve_mount(store: Store, mountpoint: str | os.PathLike[str],
     _check_mountpoint(mp)
     if opts.fsname == "kvfs":  # show which store is mounted (mount, df, /proc/mounts)
         opts = replace(opts, fsname="kvfs:" + str(store.config.data_dirs[0]).replace(",", "_"))
-    ops = KvfsOperations(store, direct_io=opts.direct_io, threads=opts.threads,
-                         entry_timeout=opts.entry_timeout, attr_timeout=opts.attr_timeout)
+    ops = KvfsOperations(
+        store,
+        direct_io=opts.direct_io,
+        threads=opts.threads,
+        entry_timeout=opts.entry_timeout,
+        attr_timeout=opts.attr_timeout,
+    )
     try:
         pyfuse3.init(ops, str(mp), opts.fuse_options())
     except RuntimeError as e:

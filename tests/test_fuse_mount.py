@@ -29,8 +29,10 @@ MiB = 1 << 20
 KVFS = [sys.executable, "-m", "cli"]
 
 if not os.path.exists("/dev/fuse") or shutil.which("fusermount3") is None:  # pragma: no cover
-    pytest.fail("these tests need /dev/fuse and fusermount3 (scripts/bootstrap.sh installs fuse3)",
-                pytrace=False)
+    pytest.fail(
+        "these tests need /dev/fuse and fusermount3 (scripts/bootstrap.sh installs fuse3)",
+        pytrace=False,
+    )
 
 
 def mounted(mp: Path) -> bool:
@@ -52,9 +54,20 @@ class Mount:
         r, w = os.pipe()
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(
-                [*KVFS, "mount", "--foreground", "--data", str(self.data), *self.extra,
-                 str(self.mp)], stdout=log, stderr=log, pass_fds=(w,),
-                env={**os.environ, READY_FD_ENV: str(w)})
+                [
+                    *KVFS,
+                    "mount",
+                    "--foreground",
+                    "--data",
+                    str(self.data),
+                    *self.extra,
+                    str(self.mp),
+                ],
+                stdout=log,
+                stderr=log,
+                pass_fds=(w,),
+                env={**os.environ, READY_FD_ENV: str(w)},
+            )
         os.close(w)
         with os.fdopen(r, "rb") as f:
             msg = f.read().decode().strip()
@@ -70,7 +83,7 @@ class Mount:
 
     def new_errors(self) -> list[str]:
         text = self.log.read_text(errors="replace") if self.log.exists() else ""
-        lines = text.splitlines()[self._seen:]
+        lines = text.splitlines()[self._seen :]
         self._seen += len(lines)
         return [x for x in lines if " ERROR " in x or "Traceback" in x or " CRITICAL " in x]
 
@@ -120,11 +133,15 @@ def test_ordinary_tools(mnt: Path, tmp_path: Path) -> None:
     (src / "empty-dir").mkdir()
     subprocess.run(["cp", "-r", str(src), str(mnt / "cp")], check=True)
     subprocess.run(["diff", "-r", str(src), str(mnt / "cp")], check=True)
-    found = subprocess.run(["find", str(mnt / "cp"), "-type", "f"], check=True,
-                           capture_output=True, text=True).stdout.split()
+    found = subprocess.run(
+        ["find", str(mnt / "cp"), "-type", "f"], check=True, capture_output=True, text=True
+    ).stdout.split()
     assert len(found) == 12
-    du = int(subprocess.run(["du", "-sb", str(mnt / "cp")], check=True, capture_output=True,
-                            text=True).stdout.split()[0])
+    du = int(
+        subprocess.run(
+            ["du", "-sb", str(mnt / "cp")], check=True, capture_output=True, text=True
+        ).stdout.split()[0]
+    )
     assert du >= sum(1000 * i + 1 for i in range(12))
     # tar in and out
     subprocess.run(f"tar cf - -C {src} . | tar xf - -C {mnt}/cp/empty-dir", shell=True, check=True)
@@ -134,15 +151,17 @@ def test_ordinary_tools(mnt: Path, tmp_path: Path) -> None:
     subprocess.run(["diff", "-r", str(src), str(out)], check=True)
     # rsync -a: the second run finds nothing to do (modes and mtimes were kept)
     subprocess.run(["rsync", "-a", f"{src}/", f"{mnt}/rs/"], check=True)
-    again = subprocess.run(["rsync", "-ai", f"{src}/", f"{mnt}/rs/"], check=True,
-                           capture_output=True, text=True).stdout
+    again = subprocess.run(
+        ["rsync", "-ai", f"{src}/", f"{mnt}/rs/"], check=True, capture_output=True, text=True
+    ).stdout
     assert again.strip() == ""
     subprocess.run(["diff", "-r", str(src), str(mnt / "rs")], check=True)
     subprocess.run(["rm", "-r", str(mnt / "rs")], check=True)
     assert not (mnt / "rs").exists()
     # shell redirection: the shell dup2s the fd and closes the original before writing
-    subprocess.run(f"echo hello > {mnt}/echo.txt && cat {mnt}/echo.txt > {tmp_path}/e",
-                   shell=True, check=True)
+    subprocess.run(
+        f"echo hello > {mnt}/echo.txt && cat {mnt}/echo.txt > {tmp_path}/e", shell=True, check=True
+    )
     assert (tmp_path / "e").read_text() == "hello\n"
 
 
@@ -165,9 +184,9 @@ def test_python_reads_and_semantic_layout(mnt: Path) -> None:
     assert buf == data
     fd = os.open(p, os.O_RDONLY)
     try:
-        assert os.pread(fd, 4096, 5 * MiB + 7) == data[5 * MiB + 7:5 * MiB + 7 + 4096]
+        assert os.pread(fd, 4096, 5 * MiB + 7) == data[5 * MiB + 7 : 5 * MiB + 7 + 4096]
         with mmap.mmap(fd, 0, prot=mmap.PROT_READ) as m:
-            assert m[MiB:MiB + 100] == data[MiB:MiB + 100] and len(m) == len(data)
+            assert m[MiB : MiB + 100] == data[MiB : MiB + 100] and len(m) == len(data)
     finally:
         os.close(fd)
     arr = np.memmap(p, dtype=np.uint8, mode="r")
@@ -196,8 +215,10 @@ def test_safetensors(mnt: Path) -> None:
     from safetensors import safe_open
     from safetensors.numpy import save_file
 
-    tensors = {f"layer.{i}.k": np.random.default_rng(i).standard_normal((64, 128)).astype(np.float32)
-               for i in range(4)}
+    tensors = {
+        f"layer.{i}.k": np.random.default_rng(i).standard_normal((64, 128)).astype(np.float32)
+        for i in range(4)
+    }
     save_file(tensors, str(mnt / "kv.safetensors"))
     with safe_open(str(mnt / "kv.safetensors"), framework="numpy") as f:
         assert sorted(f.keys()) == sorted(tensors)
@@ -227,9 +248,11 @@ def test_immutable_pages_and_atomic_replace(mnt: Path) -> None:
 
 
 def test_bad_names(mnt: Path) -> None:
-    cases = [(mnt / "sessions" / "s" / "layer-000", errno.EINVAL),  # not <s>/<prefix>/<layer>
-             (mnt / ".kvfs-private", errno.EINVAL),  # reserved
-             (mnt / ("x" * 256), errno.ENAMETOOLONG)]
+    cases = [
+        (mnt / "sessions" / "s" / "layer-000", errno.EINVAL),  # not <s>/<prefix>/<layer>
+        (mnt / ".kvfs-private", errno.EINVAL),  # reserved
+        (mnt / ("x" * 256), errno.ENAMETOOLONG),
+    ]
     (mnt / "sessions" / "s").mkdir(parents=True)
     for path, want in cases:
         with pytest.raises(OSError) as ei:
@@ -251,8 +274,14 @@ def test_xattrs_and_gds_path(mnt: Path) -> None:
     p = mnt / "sessions/s/p/layer-010"
     write(p, data)
     names = os.listxattr(p)
-    assert names == ["user.kvfs.checksum", "user.kvfs.size", "user.kvfs.tier",
-                     "user.kvfs.pinned", "user.kvfs.session", "user.kvfs.extents"]
+    assert names == [
+        "user.kvfs.checksum",
+        "user.kvfs.size",
+        "user.kvfs.tier",
+        "user.kvfs.pinned",
+        "user.kvfs.session",
+        "user.kvfs.extents",
+    ]
     with open(p, "rb"):  # hold a lease, as the fast path does, and read the backing files
         assert os.getxattr(p, "user.kvfs.checksum").decode() == kvfs.checksum(data).hex()
         assert os.getxattr(p, "user.kvfs.size") == str(len(data)).encode()
@@ -359,20 +388,29 @@ def test_detached_mount_and_umount(tmp_path: Path) -> None:
     mp, data = tmp_path / "mnt", tmp_path / "data"
     mp.mkdir()
     try:
-        r = subprocess.run([*KVFS, "mount", "--data", str(data), str(mp)], capture_output=True,
-                           text=True, timeout=60)
+        r = subprocess.run(
+            [*KVFS, "mount", "--data", str(data), str(mp)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert r.returncode == 0, r.stderr
         assert mounted(mp)
         write(mp / "x", b"1")
-        r = subprocess.run([*KVFS, "umount", "--json", str(mp)], capture_output=True, text=True,
-                           timeout=90)
+        r = subprocess.run(
+            [*KVFS, "umount", "--json", str(mp)], capture_output=True, text=True, timeout=90
+        )
         assert r.returncode == 0, r.stderr
         assert not mounted(mp)
         assert json.loads(r.stdout)["mountpoint"] == str(mp)
         r = subprocess.run([*KVFS, "umount", str(mp)], capture_output=True, text=True)
         assert r.returncode == 7 and "no kvfs mount" in r.stderr
-        r = subprocess.run([*KVFS, "mount", "--data", str(data), str(tmp_path / "missing")],
-                           capture_output=True, text=True, timeout=60)
+        r = subprocess.run(
+            [*KVFS, "mount", "--data", str(data), str(tmp_path / "missing")],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert r.returncode == 1 and "does not exist" in r.stderr
         log = (data / "kvfs-daemon.log").read_text()
         assert "ERROR" not in log and "Traceback" not in log, log
@@ -382,12 +420,15 @@ def test_detached_mount_and_umount(tmp_path: Path) -> None:
 
 def _as_nobody(script: str) -> str:
     """Run a shell script as uid/gid 65534: "ok", or "EACCES" when it was refused."""
+
     def drop() -> None:
         os.setgroups([])
         os.setgid(65534)
         os.setuid(65534)
-    r = subprocess.run(["/bin/sh", "-c", script], capture_output=True, text=True,
-                       preexec_fn=drop, timeout=60)
+
+    r = subprocess.run(
+        ["/bin/sh", "-c", script], capture_output=True, text=True, preexec_fn=drop, timeout=60
+    )
     if r.returncode == 0:
         return "ok"
     return "EACCES" if "Permission denied" in r.stderr else f"rc={r.returncode}: {r.stderr}"
@@ -416,10 +457,12 @@ def test_access_control(tmp_path: Path) -> None:
         os.mkdir(shared.mp / "drop")
         os.chmod(shared.mp / "drop", 0o1777)
         p = str(shared.mp)
-        probe = {f"cat {p}/page": "ok",  # 0644, owned by root: readable
-                 f"touch {p}/mine": "EACCES",  # root's 0755 directory
-                 f"echo x >> {p}/page": "EACCES",  # the mode says no (before immutability)
-                 f"echo x > {p}/drop/mine": "ok"}  # a 1777 directory
+        probe = {
+            f"cat {p}/page": "ok",  # 0644, owned by root: readable
+            f"touch {p}/mine": "EACCES",  # root's 0755 directory
+            f"echo x >> {p}/page": "EACCES",  # the mode says no (before immutability)
+            f"echo x > {p}/drop/mine": "ok",
+        }  # a 1777 directory
         for script, want in probe.items():
             assert _as_nobody(script) == want, script
         assert (shared.mp / "drop" / "mine").stat().st_uid == 65534

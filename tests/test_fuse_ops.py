@@ -37,8 +37,15 @@ CTX = Ctx()
 
 class Fields:
     def __init__(self, **on: bool) -> None:
-        for f in ("update_atime", "update_mtime", "update_ctime", "update_mode", "update_uid",
-                  "update_gid", "update_size"):
+        for f in (
+            "update_atime",
+            "update_mtime",
+            "update_ctime",
+            "update_mode",
+            "update_uid",
+            "update_gid",
+            "update_size",
+        ):
             setattr(self, f, on.get(f, False))
 
 
@@ -82,7 +89,9 @@ async def test_lookup_missing_and_bad_names(ops: KvfsOperations) -> None:
     sess = await mkdirs(ops, "sessions/s1")
     # A file directly in a session directory is not a sessions/<s>/<prefix>/<layer> key.
     assert await fuse_errno(ops.create(sess, b"layer-000", 0o644, os.O_WRONLY, CTX)) == errno.EINVAL
-    assert await fuse_errno(ops.create(ROOT, b".kvfs-mine", 0o644, os.O_WRONLY, CTX)) == errno.EINVAL
+    assert (
+        await fuse_errno(ops.create(ROOT, b".kvfs-mine", 0o644, os.O_WRONLY, CTX)) == errno.EINVAL
+    )
     assert await fuse_errno(ops.create(ROOT, b"\xff", 0o644, os.O_WRONLY, CTX)) == errno.EINVAL
     prefix = await mkdirs(ops, "sessions/s1/p1")
     assert await fuse_errno(ops.mkdir(prefix, b"deeper", 0o755, CTX)) == errno.EINVAL
@@ -98,10 +107,14 @@ async def test_write_commit_and_immutability(ops: KvfsOperations) -> None:
     assert await fuse_errno(ops.open(ino, os.O_RDONLY | os.O_TRUNC, CTX)) == errno.EPERM
     attr = pyfuse3.EntryAttributes()
     attr.st_size = 0
-    assert await fuse_errno(ops.setattr(ino, attr, Fields(update_size=True), None, CTX)) == errno.EPERM
+    assert (
+        await fuse_errno(ops.setattr(ino, attr, Fields(update_size=True), None, CTX)) == errno.EPERM
+    )
     # chmod is kept (rsync -a sets modes after close) but the page stays immutable.
     attr.st_mode = 0o640
-    assert (await ops.setattr(ino, attr, Fields(update_mode=True), None, CTX)).st_mode & 0o777 == 0o640
+    assert (
+        await ops.setattr(ino, attr, Fields(update_mode=True), None, CTX)
+    ).st_mode & 0o777 == 0o640
     assert await fuse_errno(ops.open(ino, os.O_WRONLY, CTX)) == errno.EPERM
     fi = await ops.open(ino, os.O_RDONLY, CTX)
     assert fi.keep_cache and not fi.direct_io
@@ -133,9 +146,15 @@ async def test_rename_of_open_file_commits_under_new_name(ops: KvfsOperations) -
     assert not ops.engine.exists("final.tmp")
     assert await fuse_errno(ops.write(fi.fh, 12, b"more")) == errno.EPERM  # committed now
     await ops.release(fi.fh)
-    assert await fuse_errno(ops.rename(ROOT, b"final", ROOT, b"x", pyfuse3.RENAME_EXCHANGE, CTX)) == errno.EINVAL
+    assert (
+        await fuse_errno(ops.rename(ROOT, b"final", ROOT, b"x", pyfuse3.RENAME_EXCHANGE, CTX))
+        == errno.EINVAL
+    )
     await write_file(ops, ROOT, "other", b"o")
-    assert await fuse_errno(ops.rename(ROOT, b"final", ROOT, b"other", pyfuse3.RENAME_NOREPLACE, CTX)) == errno.EEXIST
+    assert (
+        await fuse_errno(ops.rename(ROOT, b"final", ROOT, b"other", pyfuse3.RENAME_NOREPLACE, CTX))
+        == errno.EEXIST
+    )
 
 
 async def test_unlinked_while_writing_is_discarded(ops: KvfsOperations) -> None:
@@ -230,8 +249,9 @@ async def test_session_metadata_file(ops: KvfsOperations) -> None:
     assert await fuse_errno(ops.rmdir(s, b"p", CTX)) == errno.ENOTEMPTY
 
 
-async def test_unexpected_error_is_eio_and_logged(ops: KvfsOperations, caplog: pytest.LogCaptureFixture,
-                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_unexpected_error_is_eio_and_logged(
+    ops: KvfsOperations, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
     def boom(path: str) -> None:
         raise RuntimeError("index on fire")
 
@@ -243,7 +263,9 @@ async def test_unexpected_error_is_eio_and_logged(ops: KvfsOperations, caplog: p
     assert await fuse_errno(ops.lookup(ROOT, b"x", CTX)) == errno.ENOENT  # still serving
 
 
-async def test_oserror_keeps_its_errno(ops: KvfsOperations, monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_oserror_keeps_its_errno(
+    ops: KvfsOperations, monkeypatch: pytest.MonkeyPatch
+) -> None:
     fi, _ = await ops.create(ROOT, b"w", 0o644, os.O_WRONLY, CTX)
     writer = ops.handles[fi.fh].node.pending.writer  # type: ignore[union-attr]
 
@@ -295,7 +317,7 @@ async def test_read_ahead_serves_sequential_and_random_reads(ops: KvfsOperations
         assert h.ahead is not None
         got = b"".join([bytes(await ops.read(fi.fh, off, MiB)) for off in range(0, len(data), MiB)])
         assert got == data
-        assert bytes(await ops.read(fi.fh, 3 * MiB + 5, 100)) == data[3 * MiB + 5:3 * MiB + 105]
+        assert bytes(await ops.read(fi.fh, 3 * MiB + 5, 100)) == data[3 * MiB + 5 : 3 * MiB + 105]
         assert bytes(await ops.read(fi.fh, 0, MiB)) == data[:MiB]  # a new sequential run
         await ops.release(fi.fh)  # waits for prefetches in flight, then ends the lease
         assert not ops.engine.is_leased(h.node.page.hash)  # type: ignore[union-attr]
@@ -314,7 +336,7 @@ async def test_write_behind_keeps_order_and_reports_failures(ops: KvfsOperations
         await ops.flush(fi.fh)
         await ops.release(fi.fh)
         want = bytearray(b"".join(bytes([i]) * MiB for i in range(6)))
-        want[MiB:MiB + 10] = b"\xff" * 10
+        want[MiB : MiB + 10] = b"\xff" * 10
         assert ops.engine.get("wb") == want
         # ENOSPC from a queued write comes back from a later write or from close
         fi, _ = await ops.create(ROOT, b"full", 0o644, os.O_WRONLY, CTX)
@@ -334,15 +356,15 @@ def test_page_writer_checksums_whole_leaves_as_written(sync_store: kvfs.SyncStor
     data = bytearray(os.urandom(3 * MiB + 5))
     w = e.begin_write("a")
     for off in (2 * MiB, 0, MiB, 3 * MiB):  # whole leaves, out of order
-        w.write(off, bytes(data[off:off + MiB]))
+        w.write(off, bytes(data[off : off + MiB]))
     w.write(MiB + 100, b"z" * 50)  # a later partial write into a hashed leaf
-    data[MiB + 100:MiB + 150] = b"z" * 50
+    data[MiB + 100 : MiB + 150] = b"z" * 50
     info = w.commit()
     assert info.checksum == kvfs.checksum(bytes(data)).hex()
     assert e.get("a") == data
     w = e.begin_write("b")
     for off in range(0, len(data), 700 * KiB):  # no write covers a leaf: all read back
-        w.write(off, bytes(data[off:off + 700 * KiB]))
+        w.write(off, bytes(data[off : off + 700 * KiB]))
     assert w.commit().checksum == info.checksum
 
 

@@ -41,16 +41,26 @@ IO = MiB
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("fuse", help="reads and writes through the mount vs backing files and "
-                       "plain files, in the same run", description=__doc__,
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = sub.add_parser(
+        "fuse",
+        help="reads and writes through the mount vs backing files and plain files, in the same run",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--sizes", default="16,64,256", help="page sizes in MiB (default 16,64,256)")
     p.add_argument("--clients", default="1,4", help="concurrent clients (default 1,4)")
-    p.add_argument("--total", type=int, default=512,
-                   help="MiB per size and client count; at least one page per client "
-                        "(default 512)")
-    p.add_argument("--dir", default=None, help="scratch directory (default: under the system "
-                   "temp dir); it must be on a disk file system, not tmpfs")
+    p.add_argument(
+        "--total",
+        type=int,
+        default=512,
+        help="MiB per size and client count; at least one page per client (default 512)",
+    )
+    p.add_argument(
+        "--dir",
+        default=None,
+        help="scratch directory (default: under the system "
+        "temp dir); it must be on a disk file system, not tmpfs",
+    )
     p.add_argument("--direct-io", action="store_true", help="mount with --direct-io")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=_main)
@@ -71,8 +81,9 @@ def _mounted(root: Path, direct_io: bool) -> Iterator[Path]:
     if direct_io:
         cmd.insert(-1, "--direct-io")
     with open(root / "daemon.log", "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=log, pass_fds=(w,),
-                                env={**os.environ, READY_FD_ENV: str(w)})
+        proc = subprocess.Popen(
+            cmd, stdout=log, stderr=log, pass_fds=(w,), env={**os.environ, READY_FD_ENV: str(w)}
+        )
     os.close(w)
     with os.fdopen(r, "rb") as f:
         msg = f.read().decode().strip()
@@ -117,11 +128,11 @@ def _write_files(paths: list[Path], size: int, src: memoryview, fsync: bool) -> 
     no two pages are equal (the store would deduplicate them)."""
     for p in paths:
         head = bytearray(src[:IO])
-        head[:len(p.name)] = p.name.encode()
+        head[: len(p.name)] = p.name.encode()
         with open(p, "wb", buffering=0) as f:
             f.write(head)
             for off in range(IO, size, IO):
-                f.write(src[off:off + IO])
+                f.write(src[off : off + IO])
             if fsync:
                 os.fsync(f.fileno())
     return size * len(paths)
@@ -148,7 +159,7 @@ def _read_extents(extents: list[list[list[Any]]]) -> int:
             try:
                 end = off + length
                 while off < end:
-                    k = os.preadv(fd, [view[:min(IO, end - off)]], off)
+                    k = os.preadv(fd, [view[: min(IO, end - off)]], off)
                     if k <= 0:
                         break
                     n, off = n + k, off + k
@@ -161,8 +172,9 @@ def _split(items: list[Any], clients: int) -> list[list[Any]]:
     return [items[c::clients] for c in range(clients)]
 
 
-def run_fuse_bench(sizes: list[int], clients: list[int], total_mib: int, root: Path,
-                   direct_io: bool = False) -> dict[str, Any]:
+def run_fuse_bench(
+    sizes: list[int], clients: list[int], total_mib: int, root: Path, direct_io: bool = False
+) -> dict[str, Any]:
     import numpy as np
 
     plain = root / "plain"
@@ -172,8 +184,9 @@ def run_fuse_bench(sizes: list[int], clients: list[int], total_mib: int, root: P
     with _mounted(root, direct_io) as mp:
         for size_mib in sizes:
             size = size_mib * MiB
-            src = memoryview(np.random.default_rng(size_mib).integers(
-                0, 256, size, dtype=np.uint8).tobytes())
+            src = memoryview(
+                np.random.default_rng(size_mib).integers(0, 256, size, dtype=np.uint8).tobytes()
+            )
             for c in clients:
                 per = max(1, total_mib // (size_mib * c))
                 names = [f"page-{size_mib}-{c}-{i}" for i in range(per * c)]
@@ -182,24 +195,31 @@ def run_fuse_bench(sizes: list[int], clients: list[int], total_mib: int, root: P
                 (mp / "bench").mkdir(exist_ok=True)
                 _log(f"fuse bench: {size_mib} MiB pages, {c} clients, {len(names)} pages")
                 r: dict[str, Any] = {"size_mib": size_mib, "clients": c, "pages": len(names)}
-                r["write_plain"] = _parallel([partial(_write_files, ps, size, src, False)
-                                              for ps in _split(theirs, c)])
+                r["write_plain"] = _parallel(
+                    [partial(_write_files, ps, size, src, False) for ps in _split(theirs, c)]
+                )
                 for p in theirs:
                     p.unlink()
-                r["write_plain_fsync"] = _parallel([partial(_write_files, ps, size, src, True)
-                                                    for ps in _split(theirs, c)])
-                r["write_mount"] = _parallel([partial(_write_files, ps, size, src, False)
-                                              for ps in _split(mine, c)])
+                r["write_plain_fsync"] = _parallel(
+                    [partial(_write_files, ps, size, src, True) for ps in _split(theirs, c)]
+                )
+                r["write_mount"] = _parallel(
+                    [partial(_write_files, ps, size, src, False) for ps in _split(mine, c)]
+                )
                 extents = [json.loads(os.getxattr(p, "user.kvfs.extents")) for p in mine]
                 backing = sorted({e[0] for page in extents for e in page})
                 all_files = [str(p) for p in theirs] + backing
-                for label, fn, group in (("plain", _read_files, theirs),
-                                         ("backing", _read_extents, extents),
-                                         ("mount", _read_files, mine)):
+                for label, fn, group in (
+                    ("plain", _read_files, theirs),
+                    ("backing", _read_extents, extents),
+                    ("mount", _read_files, mine),
+                ):
                     method = _drop_caches(all_files + [str(p) for p in mine])
                     r[f"cold_{label}"] = _parallel([partial(fn, g) for g in _split(group, c)])
-                for label, fn, group in (("plain", _read_files, theirs),
-                                         ("mount", _read_files, mine)):
+                for label, fn, group in (
+                    ("plain", _read_files, theirs),
+                    ("mount", _read_files, mine),
+                ):
                     fn(group)  # fill the caches
                     r[f"warm_{label}"] = _parallel([partial(fn, g) for g in _split(group, c)])
                 r["ratio_cold_vs_backing"] = r["cold_mount"] / r["cold_backing"]
@@ -209,9 +229,18 @@ def run_fuse_bench(sizes: list[int], clients: list[int], total_mib: int, root: P
                 rows.append(r)
                 for p in mine + theirs:
                     p.unlink()
-    return {"machine": {"host": platform.node(), "cpus": os.cpu_count(),
-                        "kernel": platform.release(), "python": platform.python_version()},
-            "direct_io": direct_io, "cache_drop": method, "io_size": IO, "results": rows}
+    return {
+        "machine": {
+            "host": platform.node(),
+            "cpus": os.cpu_count(),
+            "kernel": platform.release(),
+            "python": platform.python_version(),
+        },
+        "direct_io": direct_io,
+        "cache_drop": method,
+        "io_size": IO,
+        "results": rows,
+    }
 
 
 def _main(args: argparse.Namespace) -> int:
@@ -230,14 +259,40 @@ def _main(args: argparse.Namespace) -> int:
 
     g = 1e9
     print_table(
-        ["MiB", "clients", "write plain", "+fsync", "mount", "ratio", "cold backing", "mount",
-         "ratio", "warm plain", "mount", "ratio"],
-        [[r["size_mib"], r["clients"], f"{r['write_plain'] / g:.2f}",
-          f"{r['write_plain_fsync'] / g:.2f}", f"{r['write_mount'] / g:.2f}",
-          f"{r['ratio_write_vs_plain']:.2f}x", f"{r['cold_backing'] / g:.2f}",
-          f"{r['cold_mount'] / g:.2f}", f"{r['ratio_cold_vs_backing']:.2f}x",
-          f"{r['warm_plain'] / g:.2f}", f"{r['warm_mount'] / g:.2f}",
-          f"{r['ratio_warm_vs_plain']:.2f}x"] for r in out["results"]])
-    print(f"\nGB/s; cold caches dropped with {out['cache_drop']}; "
-          f"{'direct_io' if out['direct_io'] else 'page cache'} mount; 1 MiB I/O calls.")
+        [
+            "MiB",
+            "clients",
+            "write plain",
+            "+fsync",
+            "mount",
+            "ratio",
+            "cold backing",
+            "mount",
+            "ratio",
+            "warm plain",
+            "mount",
+            "ratio",
+        ],
+        [
+            [
+                r["size_mib"],
+                r["clients"],
+                f"{r['write_plain'] / g:.2f}",
+                f"{r['write_plain_fsync'] / g:.2f}",
+                f"{r['write_mount'] / g:.2f}",
+                f"{r['ratio_write_vs_plain']:.2f}x",
+                f"{r['cold_backing'] / g:.2f}",
+                f"{r['cold_mount'] / g:.2f}",
+                f"{r['ratio_cold_vs_backing']:.2f}x",
+                f"{r['warm_plain'] / g:.2f}",
+                f"{r['warm_mount'] / g:.2f}",
+                f"{r['ratio_warm_vs_plain']:.2f}x",
+            ]
+            for r in out["results"]
+        ],
+    )
+    print(
+        f"\nGB/s; cold caches dropped with {out['cache_drop']}; "
+        f"{'direct_io' if out['direct_io'] else 'page cache'} mount; 1 MiB I/O calls."
+    )
     return 0
