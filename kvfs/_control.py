@@ -148,6 +148,12 @@ async def _serve_one(store: Store, stream: trio.SocketStream) -> None:
         with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
             await stream.send_all(encode([1, "PermissionError",
                                           f"uid {uid} may not use this kvfs daemon"]))
+            await stream.send_eof()
+            # Read what the client sent until it closes: closing with unread data would
+            # reset the connection and could discard the answer before the client reads it.
+            with trio.move_on_after(5):
+                while await stream.receive_some(65536):
+                    pass
         await stream.aclose()
         return
     async with stream:
