@@ -38,7 +38,7 @@ from ._store import Store
 from ._types import DeviceStatistics, Extent, PageInfo, SessionInfo, StoreStatistics
 
 __all__ = ["METHODS", "DaemonUnavailable", "control_service", "decode", "encode",
-           "log_event", "read_frame_sync"]
+           "log_event", "read_frame_sync", "recv_frame", "send_frame"]
 
 log = logging.getLogger("kvfs.control")
 events = logging.getLogger("kvfs.events")
@@ -91,7 +91,7 @@ def encode(obj: Any) -> bytes:
     return _HDR.pack(len(body)) + body
 
 
-def decode(body: bytes) -> Any:
+def decode(body: bytes | bytearray | memoryview) -> Any:
     return msgpack.unpackb(body, object_hook=_hook, raw=False, strict_map_key=False)
 
 
@@ -128,16 +128,40 @@ def _peer_uid(sock: trio.socket.SocketType) -> int:
     return int(struct.unpack("3i", creds)[1])
 
 
-async def _recv_exactly(stream: trio.SocketStream, n: int) -> bytes | None:
-    buf = bytearray()
-    while len(buf) < n:
-        chunk = await stream.receive_some(min(n - len(buf), 1 << 22))
-        if not chunk:
-            if buf:
-                raise EOFError("connection closed mid-message")
-            return None
-        buf += chunk
-    return bytes(buf)
+async def recv_frame(stream: trio.SocketStream) -> Any:
+    """One decoded message, read straight into one buffer. Returns ``None`` at a clean EOF
+    between messages; raises EOFError when the peer closes mid-message, ValueError for a
+    frame over MAX_FRAME."""
+    hdr = await _recv_into(stream, bytearray(4), eof_ok=True)
+    if hdr is None:
+        return None
+    (n,) = _HDR.unpack(hdr)
+    if n > MAX_FRAME:
+        raise ValueError(f"control frame of {n} bytes")
+    body = await _recv_into(stream, bytearray(n), eof_ok=False)
+    return decode(body)  # type: ignore[arg-type]
+
+
+async def _recv_into(stream: trio.SocketStream, buf: bytearray, *, eof_ok: bool) -> bytearray | None:
+    view, got = memoryview(buf), 0
+    while got < len(buf):
+        k = await stream.socket.recv_into(view[got:])
+        if not k:
+            if got == 0 and eof_ok:
+                return None
+            raise EOFError("connection closed mid-message")
+        got += k
+    return buf
+
+
+async def send_frame(stream: trio.SocketStream, obj: Any) -> None:
+    """Send one message (a large body goes as it is, not copied behind its header)."""
+    body = msgpack.packb(obj, default=_default, use_bin_type=True)
+    if len(body) < 1 << 16:
+        await stream.send_all(_HDR.pack(len(body)) + body)
+    else:
+        await stream.send_all(_HDR.pack(len(body)))
+        await stream.send_all(body)
 
 
 async def _serve_one(store: Store, stream: trio.SocketStream) -> None:
@@ -157,18 +181,9 @@ async def _serve_one(store: Store, stream: trio.SocketStream) -> None:
         await stream.aclose()
         return
     async with stream:
-        while True:
-            hdr = await _recv_exactly(stream, 4)
-            if hdr is None:
-                return
-            (n,) = _HDR.unpack(hdr)
-            if n > MAX_FRAME:
-                raise ValueError(f"control frame of {n} bytes")
-            body = await _recv_exactly(stream, n)
-            if body is None:
-                return
-            method, args, kwargs = decode(body)
-            await stream.send_all(encode(await _dispatch(store, method, args, kwargs)))
+        while (request := await recv_frame(stream)) is not None:
+            method, args, kwargs = request
+            await send_frame(stream, await _dispatch(store, method, args, kwargs))
 
 
 async def _dispatch(store: Store, method: str, args: list[Any], kwargs: dict[str, Any]) -> list[Any]:
@@ -264,7 +279,7 @@ def read_frame_sync(s: socket.socket) -> Any:
     return decode(_recv_sync(s, n))
 
 
-def _recv_sync(s: socket.socket, n: int) -> bytes:
+def _recv_sync(s: socket.socket, n: int) -> bytearray:
     buf = bytearray(n)
     view = memoryview(buf)
     got = 0
@@ -277,14 +292,16 @@ def _recv_sync(s: socket.socket, n: int) -> bytes:
             raise DaemonUnavailable("the kvfs daemon closed the connection mid-command "
                                     "(it stopped or was killed); the command's effect is unknown")
         got += k
-    return bytes(buf)
+    return buf
 
 
 def call_sync(s: socket.socket, method: str, args: tuple[Any, ...], kwargs: dict[str, Any],
               *, on_error: Callable[[str, str], None] = raise_remote) -> Any:
     """Send one request and return its result (or raise the daemon's error)."""
     try:
-        s.sendall(encode([method, list(args), kwargs]))
+        body = msgpack.packb([method, list(args), kwargs], default=_default, use_bin_type=True)
+        s.sendall(_HDR.pack(len(body)))
+        s.sendall(body)
     except (BrokenPipeError, ConnectionResetError) as e:
         raise DaemonUnavailable("the kvfs daemon closed the connection (it stopped or "
                                 "was killed)") from e

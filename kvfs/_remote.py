@@ -25,13 +25,12 @@ from typing import Any
 import trio
 
 from ._control import (
-    _HDR,
     DaemonUnavailable,
     call_sync,
     connect_sync,
-    decode,
-    encode,
     raise_remote,
+    recv_frame,
+    send_frame,
 )
 from ._keys import PageKey
 from ._types import PageInfo
@@ -200,10 +199,12 @@ class RemoteStore(_Api):
         stream = self._idle.pop() if self._idle else await self._connect()
         try:
             try:
-                await stream.send_all(encode([method, builtins.list(args), kw]))
-                hdr = await _receive(stream, 4)
-                reply = decode(await _receive(stream, _HDR.unpack(hdr)[0]))
-            except (trio.BrokenResourceError, trio.ClosedResourceError, EOFError) as e:
+                await send_frame(stream, [method, builtins.list(args), kw])
+                reply = await recv_frame(stream)
+                if reply is None:
+                    raise EOFError
+            except (trio.BrokenResourceError, trio.ClosedResourceError, EOFError,
+                    ConnectionResetError) as e:
                 raise DaemonUnavailable("the kvfs daemon closed the connection mid-command "
                                         "(it stopped or was killed)") from e
         except BaseException:
@@ -262,16 +263,6 @@ async def _bounded(fn: Any, n: int, concurrency: int) -> None:
     async with trio.open_nursery() as nursery:
         for i in range(n):
             nursery.start_soon(run, i)
-
-
-async def _receive(stream: trio.SocketStream, n: int) -> bytes:
-    buf = bytearray()
-    while len(buf) < n:
-        chunk = await stream.receive_some(min(n - len(buf), 1 << 22))
-        if not chunk:
-            raise EOFError
-        buf += chunk
-    return bytes(buf)
 
 
 @asynccontextmanager
