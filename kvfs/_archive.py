@@ -37,6 +37,7 @@ from ._aligned import aligned_buffer
 from ._checksum import leaves_of, tree_hash
 from ._codec import decode, elem_size, encode
 from ._errors import ArchiveUnavailable, CorruptPage, PageNotFound
+from ._events import log_event
 from ._index import BlobRow, PageRow
 from ._manifest import ArchiveIndex, blob_key
 from ._policy import TieringPolicy
@@ -216,6 +217,8 @@ class ArchivingPolicy(TieringPolicy):
         eng._drop_files(row)
         with eng._cap_lock:
             eng._evictions[reason] += 1
+        log_event("evict", content=h.hex()[:16], reason=reason, bytes=row.disk_bytes,
+                  archived=True)
         return row.disk_bytes
 
     # -- TieringPolicy overrides ------------------------------------------------------------
@@ -307,6 +310,8 @@ class ArchivingPolicy(TieringPolicy):
         self.restore_latencies.append(time.monotonic() - t0)
         self.count("bytes_restored", len(data))
         self.count("blobs_restored")
+        log_event("restore", content=blob.hash.hex()[:16], bytes=len(data),
+                  seconds=self.restore_latencies[-1])
         return row
 
     def _write_local(self, h: bytes, data: memoryview) -> BlobRow:

@@ -33,6 +33,7 @@ import msgpack
 import trio
 
 from . import _errors
+from ._events import log_event
 from ._keys import PageKey
 from ._store import Store
 from ._types import DeviceStatistics, Extent, PageInfo, SessionInfo, StoreStatistics
@@ -41,7 +42,6 @@ __all__ = ["METHODS", "DaemonUnavailable", "control_service", "decode", "encode"
            "log_event", "read_frame_sync", "recv_frame", "send_frame"]
 
 log = logging.getLogger("kvfs.control")
-events = logging.getLogger("kvfs.events")
 
 #: Store methods served over the channel (``begin_write`` is not: use ``put``).
 METHODS = frozenset({
@@ -108,18 +108,6 @@ def _error_class(name: str) -> type[BaseException]:
 def raise_remote(name: str, message: str) -> None:
     """Raise the error the daemon reported, as the same class where kvfs knows it."""
     raise _error_class(name)(message)
-
-
-def log_event(event: str, *, level: int = logging.INFO, **fields: object) -> None:
-    """One structured log line: ``event=spill session=a bytes=123 seconds=0.5``."""
-    text = " ".join(f"{k}={_logval(v)}" for k, v in fields.items())
-    events.log(level, "event=%s %s", event, text, extra={"kvfs_event": event,
-                                                         "kvfs_fields": fields})
-
-
-def _logval(v: object) -> str:
-    s = f"{v:.3f}" if isinstance(v, float) else str(v)
-    return f'"{s}"' if (" " in s or not s) else s
 
 
 # -- server ------------------------------------------------------------------------------

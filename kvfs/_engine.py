@@ -666,7 +666,12 @@ class Engine:
         self._after_delete(gone, freed)
         with self._cap_lock:
             self._evictions[reason] += 1
-        return sum(b.disk_bytes for b in freed if b.extents is not None)
+        n = sum(b.disk_bytes for b in freed if b.extents is not None)
+        from ._events import log_event
+
+        log_event("evict", content=blob.hash.hex()[:16], reason=reason, pages=len(gone),
+                  bytes=n, archived=False)
+        return n
 
     def rename(self, src: PageKey | str, dst: PageKey | str) -> None:
         """Move a page to a new key, atomically replacing any page there."""

@@ -16,6 +16,7 @@ import trio
 from objectstore._abc import one_error_nursery
 
 from ._errors import ArchiveUnavailable, CorruptPage, SessionNotFound
+from ._events import log_event
 from ._manifest import (
     MANIFESTS,
     blob_key,
@@ -224,6 +225,9 @@ class Spiller:
                 break
             if (await _thread(eng.index.session_usage, s.dir))["local_bytes"] == 0:
                 continue
-            await self.spill_session(s.dir, True)
+            t0 = time.monotonic()
+            sent = await self.spill_session(s.dir, True)
+            log_event("spill", target=s.dir, reason="pressure", bytes=sent,
+                      seconds=time.monotonic() - t0)
             n += 1
         return n

@@ -244,3 +244,22 @@ def test_render_escapes_labels() -> None:
     st = kvfs.StoreStatistics(0, 0, 0, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
     s = kvfs.SessionInfo('we"ird\\', "sessions/x", 0, 0, False, {}, 1, 10, 10, 0)
     assert 'kvfs_session_bytes{session="we\\"ird\\\\"} 10' in render_metrics(st, [s])
+
+
+def test_engine_evictions_and_restores_are_logged(make_config: MakeConfig, tmp_path: Path,
+                                                  caplog: pytest.LogCaptureFixture) -> None:
+    """Evictions and restores the engine does on its own (not asked over the channel) are
+    structured lines too."""
+    caplog.set_level(logging.INFO, logger="kvfs.events")
+    with kvfs.open_store_sync(make_config(name="plain")) as s:
+        s.put("sessions/a/p/layer-000", os.urandom(5000))
+        s.evict(session="a")
+    with kvfs.open_store_sync(make_config(name="arch", archive_url=f"file://{tmp_path}/ar")) as s:
+        s.put("sessions/b/p/layer-000", payload := os.urandom(5000))
+        s.evict("sessions/b/p/layer-000")
+        assert s.get("sessions/b/p/layer-000") == payload  # restored on read
+    lines = [r.getMessage() for r in caplog.records if r.name == "kvfs.events"]
+    assert any(x.startswith("event=evict content=") and "reason=manual" in x
+               and "archived=False" in x for x in lines), lines
+    assert any(x.startswith("event=evict content=") and "archived=True" in x for x in lines)
+    assert any(x.startswith("event=restore content=") and " bytes=5000" in x for x in lines)
