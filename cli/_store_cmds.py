@@ -338,8 +338,12 @@ def cmd_fsck(args: argparse.Namespace) -> int:
                 bar.update()
             with bar:
                 found = engine.fsck(repair=args.repair, progress=progress)
-        else:
-            found = store.fsck(repair=args.repair)
+        else:  # the daemon's: progress frames over the control channel
+            with Progress("fsck", 1, unit=" contents") as bar:
+                def remote_progress(done: int, total: int) -> None:
+                    bar.total = max(total, 1)
+                    bar.update(done - bar.done)
+                found = store.fsck_progress(repair=args.repair, progress=remote_progress)
     problems = sum(len(found[k]) for k in ("missing", "corrupt", "orphans"))
     lines = [f"{k}: {len(v)}" + "".join(f"\n  {x}" for x in v[:20])
              + (f"\n  ... {len(v) - 20} more" if len(v) > 20 else "") for k, v in found.items()]

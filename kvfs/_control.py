@@ -171,6 +171,9 @@ async def _serve_one(store: Store, stream: trio.SocketStream) -> None:
     async with stream:
         while (request := await recv_frame(stream)) is not None:
             method, args, kwargs = request
+            if method == "fsck" and kwargs.pop("progress", False):
+                await _fsck_with_progress(store, stream, kwargs)
+                continue
             await send_frame(stream, await _dispatch(store, method, args, kwargs))
 
 
@@ -283,9 +286,43 @@ def _recv_sync(s: socket.socket, n: int) -> bytearray:
     return buf
 
 
+async def _fsck_with_progress(store: Store, stream: trio.SocketStream,
+                              kwargs: dict[str, Any]) -> None:
+    """fsck that sends ``[2, done, total]`` frames (at most ten a second) before its answer."""
+    latest: list[int] = [0, 0]
+    done = trio.Event()
+
+    def progress(i: int, total: int) -> None:
+        latest[:] = [i + 1, total]
+
+    async def reporter() -> None:
+        sent = None
+        while not done.is_set():
+            with trio.move_on_after(0.1):
+                await done.wait()
+            if latest != sent and latest[1]:
+                sent = list(latest)
+                await send_frame(stream, [2, *sent])
+
+    async with trio.open_nursery() as n:
+        n.start_soon(reporter)
+        try:
+            result = await trio.to_thread.run_sync(
+                lambda: store.engine.fsck(progress=progress, **kwargs))
+            reply: list[Any] = [0, result]
+        except Exception as e:  # noqa: BLE001 - the failure goes back to the client
+            log_event("error", method="fsck", target="-", error=type(e).__name__, message=str(e))
+            reply = [1, type(e).__name__, str(e)]
+        finally:
+            done.set()
+    await send_frame(stream, reply)
+
+
 def call_sync(s: socket.socket, method: str, args: tuple[Any, ...], kwargs: dict[str, Any],
-              *, on_error: Callable[[str, str], None] = raise_remote) -> Any:
-    """Send one request and return its result (or raise the daemon's error)."""
+              *, on_error: Callable[[str, str], None] = raise_remote,
+              on_progress: Callable[[int, int], None] | None = None) -> Any:
+    """Send one request and return its result (or raise the daemon's error). Progress
+    frames (``[2, done, total]``) before the answer go to ``on_progress``."""
     try:
         body = msgpack.packb([method, list(args), kwargs], default=_default, use_bin_type=True)
         s.sendall(_HDR.pack(len(body)))
@@ -294,6 +331,10 @@ def call_sync(s: socket.socket, method: str, args: tuple[Any, ...], kwargs: dict
         raise DaemonUnavailable("the kvfs daemon closed the connection (it stopped or "
                                 "was killed)") from e
     reply = read_frame_sync(s)
+    while reply[0] == 2:
+        if on_progress is not None:
+            on_progress(reply[1], reply[2])
+        reply = read_frame_sync(s)
     if reply[0] == 0:
         return reply[1]
     on_error(reply[1], reply[2])

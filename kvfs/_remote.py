@@ -17,7 +17,7 @@ import builtins
 import os
 import socket
 import threading
-from collections.abc import AsyncIterator, Iterable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 from typing import Any
@@ -138,13 +138,13 @@ class SyncRemoteStore(_Api):
         self._lock = threading.Lock()
         self._closed = False
 
-    def _call(self, method: str, *args: Any, **kw: Any) -> Any:
+    def _call(self, method: str, *args: Any, on_progress: Any = None, **kw: Any) -> Any:
         with self._lock:
             s = self._idle.pop() if self._idle else None
         if s is None:
             s = connect_sync(self.path, self._timeout)
         try:
-            result = call_sync(s, method, args, kw)
+            result = call_sync(s, method, args, kw, on_progress=on_progress)
         except BaseException:
             s.close()
             raise
@@ -153,6 +153,14 @@ class SyncRemoteStore(_Api):
                 s.close()
             else:
                 self._idle.append(s)
+        return result
+
+    def fsck_progress(self, *, repair: bool = False,
+                      progress: Callable[[int, int], None]) -> dict[str, builtins.list[str]]:
+        """fsck with ``progress(done, total)`` called as the daemon checks (a few times a
+        second). Returns the findings, as ``fsck``."""
+        result: dict[str, builtins.list[str]] = self._call("fsck", repair=repair, progress=True,
+                                                           on_progress=progress)
         return result
 
     def ping(self) -> bool:

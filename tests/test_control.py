@@ -263,3 +263,23 @@ def test_engine_evictions_and_restores_are_logged(make_config: MakeConfig, tmp_p
                and "archived=False" in x for x in lines), lines
     assert any(x.startswith("event=evict content=") and "archived=True" in x for x in lines)
     assert any(x.startswith("event=restore content=") and " bytes=5000" in x for x in lines)
+
+
+async def test_fsck_progress_over_the_channel(make_config: MakeConfig, tmp_path: Path) -> None:
+    sock = tmp_path / "c.sock"
+    async with kvfs.open_store(make_config()) as store, trio.open_nursery() as n:
+        await n.start(control_service, store, sock)
+        for i in range(12):
+            await store.put(f"sessions/a/p/layer-{i:03d}", os.urandom(3000))
+        seen: list[tuple[int, int]] = []
+
+        def check() -> dict[str, list[str]]:
+            r = SyncRemoteStore(sock)
+            try:
+                return r.fsck_progress(progress=lambda d, t: seen.append((d, t)))
+            finally:
+                r.close()
+        found = await trio.to_thread.run_sync(check)
+        assert found["corrupt"] == [] and found["missing"] == []
+        assert seen and seen[-1] == (12, 12)
+        n.cancel_scope.cancel()
