@@ -94,7 +94,12 @@ def daemon_services(config: kvfs.StoreConfig, *, setup_logs: bool = True) -> lis
 
     d: dict[str, Any] = dict(config.extra.get("daemon") or {})  # type: ignore[call-overload]
     if setup_logs:
-        setup_logging(str(d.get("log_level", "info")), str(d.get("log_target", "stderr")))
+        import logging
+
+        level = str(d.get("log_level", "info"))
+        if logging.getLogger().getEffectiveLevel() <= logging.DEBUG:  # kvfs --debug mount
+            level = "debug"
+        setup_logging(level, str(d.get("log_target", "stderr")))
     services: list[Any] = [control_service]
     if d.get("metrics_port"):
         services.append(partial(metrics_service, port=int(d["metrics_port"]),

@@ -26,6 +26,7 @@ from ._errors import (
 )
 from ._keys import PageKey, session_dir
 from ._policy import TieringPolicy
+from ._remote import RemoteStore, SyncRemoteStore, open_remote_store, open_remote_store_sync
 from ._store import Store, SyncStore, open_store, open_store_sync
 from ._types import DeviceStatistics, Extent, PageInfo, SessionInfo, StoreStatistics
 
@@ -45,6 +46,7 @@ __all__ = [
     "PageKey",
     "PageNotFound",
     "PageWriter",
+    "RemoteStore",
     "SessionInfo",
     "SessionNotFound",
     "Store",
@@ -53,9 +55,12 @@ __all__ = [
     "StoreLocked",
     "StoreStatistics",
     "SyncStore",
+    "SyncRemoteStore",
     "TieringPolicy",
     "aligned_buffer",
     "checksum",
+    "open_remote_store",
+    "open_remote_store_sync",
     "open_store",
     "open_store_sync",
     "parse_size",

@@ -180,6 +180,10 @@ class JournaldHandler(logging.Handler):
         except OSError:
             self.handleError(record)
 
+    def close(self) -> None:
+        self.sock.close()
+        super().close()
+
 
 def setup_logging(level: str = "info", target: str = "stderr") -> None:
     """Send the ``kvfs`` loggers at ``level`` to stderr or journald. Raises ValueError for an

@@ -183,3 +183,26 @@ def _waiting_on_socket(pid: int) -> bool:
             return f.read().startswith("unix_stream")
     except OSError:
         return False
+
+
+_WORKER = """
+import sys, kvfs
+with kvfs.open_remote_store_sync(sys.argv[1]) as s:
+    for i in range(20):
+        s.put(f"sessions/w{sys.argv[2]}/p/layer-{i:03d}", bytes([int(sys.argv[2])]) * 5000)
+    print(sum(len(s.get(f"sessions/w{sys.argv[2]}/p/layer-{i:03d}")) for i in range(20)))
+"""
+
+
+def test_worker_processes_share_the_daemon_store(daemon: Daemon) -> None:
+    """Several engine workers (processes) use one daemon's store through the client."""
+    sock = daemon.data / "kvfs.sock"
+    procs = [subprocess.Popen([sys.executable, "-c", _WORKER, str(sock), str(w)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for w in range(3)]
+    for p in procs:
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err
+        assert out.strip() == str(20 * 5000)
+    for w in range(3):
+        assert (daemon.mp / f"sessions/w{w}/p/layer-019").read_bytes() == bytes([w]) * 5000

@@ -283,3 +283,29 @@ async def test_fsck_progress_over_the_channel(make_config: MakeConfig, tmp_path:
         assert found["corrupt"] == [] and found["missing"] == []
         assert seen and seen[-1] == (12, 12)
         n.cancel_scope.cancel()
+
+
+def test_journald_lines_carry_the_event_fields(tmp_path: Path) -> None:
+    """The journald handler speaks the native protocol (checked on a socket of our own)."""
+    from kvfs._events import log_event
+    from kvfs._metrics import JournaldHandler
+
+    path = tmp_path / "journal.sock"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as journal:
+        journal.bind(str(path))
+        handler = JournaldHandler(str(path))
+        events = logging.getLogger("kvfs.events")
+        events.addHandler(handler)
+        old = events.level
+        events.setLevel(logging.INFO)
+        try:
+            log_event("spill", target="sessions/a", bytes=10)
+        finally:
+            events.removeHandler(handler)
+            events.setLevel(old)
+            handler.close()
+        fields = dict(line.split("=", 1) for line in journal.recv(65536).decode().splitlines())
+    assert fields["MESSAGE"] == "event=spill target=sessions/a bytes=10"
+    assert fields["PRIORITY"] == "6" and fields["KVFS_EVENT"] == "spill"
+    with pytest.raises(FileNotFoundError, match="journald"):
+        JournaldHandler(str(tmp_path / "absent"))
