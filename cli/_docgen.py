@@ -98,6 +98,12 @@ def configuration_markdown() -> str:
             "(`/tmp/kvfs-<uid>/kvfs/...` without it). The socket is mode 0600 and every "
             "connection's peer is checked with `SO_PEERCRED`: only the daemon's user and root "
             "are served. Messages are msgpack, each preceded by its 4-byte big-endian length.",
+            "", "Other processes (engine workers) use the daemon's store through it with the "
+            "object API's interface: `async with kvfs.open_remote_store(socket) as store:` "
+            "(like `kvfs.Store`) or `with kvfs.open_remote_store_sync(socket) as store:` (like "
+            "`kvfs.SyncStore`). `begin_write` is not offered (use `put`); `get(key, into=buf)` "
+            "copies into host buffers. If the daemon dies during a call the call raises "
+            "`DaemonUnavailable` and its effect is unknown (`exists` tells for a `put`).",
             "", "## Observability", "",
             "`metrics_port` serves Prometheus text exposition at `/metrics` with the figures "
             "of `kvfs stats`; per-session series (`kvfs_session_bytes`, "

@@ -27,6 +27,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "created, attributes)")
     p.add_argument("--sort", choices=("name", "size", "age"), default="name",
                    help="order: name (default), size (largest first), age (oldest access first)")
+    p.add_argument("--archived", action="store_true",
+                   help="list the sessions the archive holds (from every host sharing it)")
     add_store_flags(p)
     p.set_defaults(func=cmd_ls)
 
@@ -109,6 +111,8 @@ def _emit(args: argparse.Namespace, result: Any, lines: list[str]) -> None:
 # -- ls -------------------------------------------------------------------------------
 def cmd_ls(args: argparse.Namespace) -> int:
     with open_target(args) as store:
+        if args.archived:
+            return _ls_archived(args, store.archived_sessions())
         if args.target is None:
             return _ls_sessions(args, store.sessions())
         try:
@@ -145,6 +149,20 @@ def _page_json(p: kvfs.PageInfo) -> dict[str, Any]:
     return {"path": p.path, "session": p.session, "size": p.size, "tier": p.tier,
             "pinned": p.pinned, "atime": p.atime, "created": p.created,
             "checksum": p.checksum, "attrs": p.attrs}
+
+
+def _ls_archived(args: argparse.Namespace, sessions: list[dict[str, Any]]) -> int:
+    key = {"name": lambda s: s["session"], "size": lambda s: -int(s.get("bytes", 0)),
+           "age": lambda s: float(s.get("atime", 0))}[args.sort]
+    sessions.sort(key=key)
+    if args.json:
+        print_json(sessions)
+        return 0
+    print_table(["SESSION", "PAGES", "SIZE", "SPILLED", "STORE"],
+                [[s["session"], s.get("pages", ""), fmt_bytes(int(s.get("bytes", 0))),
+                  fmt_time(float(s.get("spilled_at", 0))), str(s.get("store_id", ""))[:12]]
+                 for s in sessions])
+    return 0
 
 
 def _ls_sessions(args: argparse.Namespace, sessions: list[kvfs.SessionInfo]) -> int:

@@ -128,6 +128,9 @@ def test_spill_and_restore(run: Run, tmp_path: Path) -> None:
     rc, out, _ = run("spill", "a", "--json", *d)
     assert rc == 0 and json.loads(out)[0]["bytes"] > 0
     assert json.loads(run("ls", "a", "--json", *d)[1])[0]["tier"] == "archive"
+    rc, out, _ = run("ls", "--archived", "--json", *d)
+    assert [x["session"] for x in json.loads(out)] == ["a"]
+    assert "SPILLED" in run("ls", "--archived", *d)[1]
     rc, out, _ = run("restore", "a", *d)
     assert rc == 0 and "restored a" in out
     assert json.loads(run("ls", "a", "--json", *d)[1])[0]["tier"] == "local+archive"
