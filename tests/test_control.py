@@ -309,3 +309,14 @@ def test_journald_lines_carry_the_event_fields(tmp_path: Path) -> None:
     assert fields["PRIORITY"] == "6" and fields["KVFS_EVENT"] == "spill"
     with pytest.raises(FileNotFoundError, match="journald"):
         JournaldHandler(str(tmp_path / "absent"))
+
+
+async def test_control_bench_runs_and_checks_bytes(tmp_path: Path) -> None:
+    """The benchmark's machinery (tiny sizes; its figures are not asserted)."""
+    from kvfs.bench.control import run_control_bench
+
+    rows = await run_control_bench(tmp_path, small=4096, small_pages=5, large=1 << 20,
+                                   large_pages=2, clients=2, repeat=1, durable=False)
+    assert [(r["pages"], r["op"]) for r in rows] == [
+        ("small", "put"), ("small", "get"), ("large", "put"), ("large", "get")]
+    assert all(r["remote_pages_s"] > 0 and r["worker_pages_s"] > 0 for r in rows)

@@ -7,7 +7,11 @@ default 16 KiB) and large ones (``--large``, default 8 MiB):
 
 * **in-process put/get**: :class:`kvfs.Store` calls from ``--clients`` concurrent tasks;
 * **remote put/get**: the same calls through :class:`kvfs._remote.RemoteStore` (msgpack over
-  the Unix socket, one connection per in-flight call) from the same number of tasks.
+  the Unix socket, one connection per in-flight call) from the same number of tasks in the
+  same process (the two ends share one trio thread);
+* **worker process put/get** (``--worker-process``, on by default): a separate Python
+  process, as an engine worker would be, making the calls through
+  :class:`kvfs._remote.SyncRemoteStore` from ``--clients`` threads.
 
 Small pages are reported in pages/s, large ones in GB/s (10^9 bytes/s); the ratio is
 remote / in-process. Every page is distinct (no deduplication) and the bytes read back are
@@ -46,8 +50,49 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--repeat", type=int, default=2, help="alternate rounds, best kept (2)")
     p.add_argument("--durable", action="store_true", help="fsync every put (default off)")
     p.add_argument("--dir", default=None, help="scratch directory (default: a temporary one)")
+    p.add_argument("--no-worker-process", dest="worker_process", action="store_false",
+                   help="skip the separate worker process phases")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=_main)
+
+
+_WORKER = """
+import os, sys, time
+from concurrent.futures import ThreadPoolExecutor
+import kvfs
+sock, label, size, count, clients = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:6])
+base = os.urandom(size)
+payloads = [i.to_bytes(8, "little") + base[8:] for i in range(count)]
+keys = [f"sessions/bench-{label}-worker/p/layer-{i:05d}" for i in range(count)]
+with kvfs.open_remote_store_sync(sock) as s:
+    out = []
+    for op in ("put", "get"):
+        def one(i):
+            if op == "put":
+                s.put(keys[i], payloads[i], replace=True)
+            else:
+                assert s.get(keys[i]) == payloads[i]
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(clients) as pool:
+            list(pool.map(one, range(count)))
+        out.append(time.perf_counter() - t0)
+    s.delete_session(f"bench-{label}-worker")
+print(*out)
+"""
+
+
+async def _worker_phase(sock: Path, label: str, size: int, count: int,
+                        clients: int) -> tuple[float, float]:
+    """(put seconds, get seconds) measured by a separate worker process. The worker checks
+    every page it reads inside its get phase (a comparison, cheap beside the transfer).
+    Raises RuntimeError when the worker fails."""
+    r = await trio.run_process([sys.executable, "-c", _WORKER, str(sock), label, str(size),
+                                str(count), str(clients)], capture_stdout=True,
+                               capture_stderr=True, check=False)
+    if r.returncode != 0:
+        raise RuntimeError(f"bench worker failed: {r.stderr.decode(errors='replace')[-500:]}")
+    put, get = (float(x) for x in r.stdout.split())
+    return put, get
 
 
 async def _phase(api: Any, op: str, keys: list[str], payloads: list[bytes],
@@ -75,7 +120,7 @@ def _payloads(size: int, count: int) -> list[bytes]:
 
 async def run_control_bench(root: Path, *, small: int, small_pages: int, large: int,
                             large_pages: int, clients: int, repeat: int,
-                            durable: bool) -> list[dict[str, Any]]:
+                            durable: bool, worker_process: bool = True) -> list[dict[str, Any]]:
     """Rows of results (see the module doc). Raises AssertionError if bytes read back differ."""
     cfg = kvfs.StoreConfig(data_dirs=(root / "data",), durable=durable, direct_io=False)
     rows: list[dict[str, Any]] = []
@@ -95,12 +140,21 @@ async def run_control_bench(root: Path, *, small: int, small_pages: int, large: 
                         for i in (0, count // 2, count - 1):
                             assert await api.get(keys[i]) == payloads[i], (who, keys[i])
                         await store.delete_session(f"bench-{label}-{who}")
+                if worker_process:
+                    put, get = await _worker_phase(sock, label, size, count, clients)
+                    for op, t in (("put", put), ("get", get)):
+                        best["worker", op] = min(best.get(("worker", op), t), t)
             for op in ("put", "get"):
                 local, rem = count / best["in-process", op], count / best["remote", op]
-                rows.append({"pages": label, "size": size, "op": op, "clients": clients,
-                             "in_process_pages_s": local, "remote_pages_s": rem,
-                             "in_process_gb_s": local * size / 1e9, "remote_gb_s": rem * size / 1e9,
-                             "ratio": rem / local})
+                row = {"pages": label, "size": size, "op": op, "clients": clients,
+                       "in_process_pages_s": local, "remote_pages_s": rem,
+                       "in_process_gb_s": local * size / 1e9, "remote_gb_s": rem * size / 1e9,
+                       "ratio": rem / local}
+                if worker_process:
+                    wk = count / best["worker", op]
+                    row.update(worker_pages_s=wk, worker_gb_s=wk * size / 1e9,
+                               worker_ratio=wk / local)
+                rows.append(row)
         await remote.aclose()
         nursery.cancel_scope.cancel()
     return rows
@@ -116,7 +170,7 @@ def _main(args: argparse.Namespace) -> int:
         rows = trio.run(lambda: run_control_bench(
             Path(d), small=small, small_pages=args.small_pages, large=large,
             large_pages=args.large_pages, clients=args.clients, repeat=args.repeat,
-            durable=args.durable))
+            durable=args.durable, worker_process=args.worker_process))
     machine = {"cpus": os.cpu_count(), "python": platform.python_version(),
                "kernel": platform.release(), "durable": args.durable}
     if args.json:
@@ -128,8 +182,11 @@ def _main(args: argparse.Namespace) -> int:
         if r["pages"] == "small":
             return f"{r[f'{who}_pages_s']:,.0f} pages/s"
         return f"{r[f'{who}_gb_s']:.2f} GB/s"
-    print_table(["PAGES", "SIZE", "OP", "IN-PROCESS", "REMOTE", "RATIO"],
+    worker = args.worker_process
+    print_table(["PAGES", "SIZE", "OP", "IN-PROCESS", "REMOTE (SAME PROC)", "RATIO",
+                 *(["WORKER PROCESS", "RATIO"] if worker else [])],
                 [[r["pages"], f"{r['size'] // 1024} KiB", r["op"],
-                  fig(r, "in_process"), fig(r, "remote"), f"{r['ratio']:.2f}x"] for r in rows],
-                align="lrlrrr")
+                  fig(r, "in_process"), fig(r, "remote"), f"{r['ratio']:.2f}x",
+                  *([fig(r, "worker"), f"{r['worker_ratio']:.2f}x"] if worker else [])]
+                 for r in rows], align="lrlrrrrr")
     return 0
