@@ -129,8 +129,10 @@ def test_metrics_port_and_event_logs(tmp_path: Path, run: Run) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    d = Daemon(tmp_path / "m", "--metrics-port", str(port),
-               "--archive", f"file://{tmp_path}/arch")
+    conf = tmp_path / "kvfs.toml"  # the file's port is overridden by the flag
+    conf.write_text(f'[archive]\narchive_url = "file://{tmp_path}/arch"\n'
+                    '[daemon]\nmetrics_port = 1\nmetrics_sessions = 5\n')
+    d = Daemon(tmp_path / "m", "--config", str(conf), "--metrics-port", str(port))
     try:
         flags = ["--data", str(d.data), "--daemon"]
         (tmp_path / "f").write_bytes(os.urandom(9000))
