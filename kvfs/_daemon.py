@@ -197,6 +197,9 @@ def _detach(argv: Sequence[str], log_file: str | os.PathLike[str]) -> int:
     with os.fdopen(r, "rb") as f:
         msg = f.read().decode(errors="replace").strip()
     if msg == "ok":
+        # The daemon outlives this call on purpose; keep its handle so it is not reported as
+        # a leaked child while this process lives (a CLI process exits at once anyway).
+        _DETACHED.append(child)
         return 0
     rc = child.wait()
     print(
@@ -205,6 +208,9 @@ def _detach(argv: Sequence[str], log_file: str | os.PathLike[str]) -> int:
         file=sys.stderr,
     )
     return 1
+
+
+_DETACHED: list[subprocess.Popen[bytes]] = []
 
 
 def _alive(pid: int) -> bool:

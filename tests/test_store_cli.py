@@ -12,7 +12,7 @@ from cli.__main__ import main
 
 def test_demo(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     for _ in range(2):  # a second run reuses the store and starts its sessions afresh
-        assert main(["demo", "--data", str(tmp_path / "demo"), "--json"]) == 0
+        assert main(["demo", "--objects", "--data", str(tmp_path / "demo"), "--json"]) == 0
         out = json.loads(capsys.readouterr().out)
         assert out["verified"] and out["pages"] == 96
         st = out["statistics"]
@@ -20,7 +20,7 @@ def test_demo(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
         assert st["logical_bytes"] - st["local_bytes"] == 24 * out["page_bytes"]
         assert [s["session"] for s in out["sessions"]] == [f"demo-{i}" for i in range(4)]
         assert out["sessions"][0]["pinned"]
-    assert main(["demo", "--data", str(tmp_path / "demo")]) == 0
+    assert main(["demo", "--objects", "--data", str(tmp_path / "demo")]) == 0
     text = capsys.readouterr().out
     assert "saved by dedup" in text and "demo-3" in text
 
@@ -62,3 +62,15 @@ def test_bench_store_index(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
 def test_bench_store_rejects_bad_sizes(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", "store", "--sizes", "0"]) == 2
     assert "must be positive" in capsys.readouterr().err
+
+
+def test_model_demo_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """What `make demo` runs: model -> kvfs -> archive -> new process; mount, ls, stats."""
+    pytest.importorskip("torch", reason="needs the engines extra (make test installs it)")
+    assert main(["demo", "--data", str(tmp_path / "d"), "--small", "--tokens", "512"]) == 0
+    out = capsys.readouterr().out
+    assert "decoded tokens identical: True" in out
+    assert "layer-000" in out  # listed through the mount
+    assert "agent-demo" in out and "local+archive" in out  # kvfs ls through the daemon
+    assert "DEVICE" in out and "TIER" in out  # kvfs stats tables
+    assert not (tmp_path / "d" / "mnt").is_mount()
