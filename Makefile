@@ -16,6 +16,7 @@ test: $(VENV)/.bootstrapped
 lint: $(VENV)/.bootstrapped
 	$(VENV)/bin/ruff check kvfs objectstore gds cli tests
 	$(VENV)/bin/ruff format --check kvfs objectstore gds cli tests
+	$(PY) -m mypy
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

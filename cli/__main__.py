@@ -8,7 +8,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from ._util import EXIT, exit_code_for
+from ._util import exit_code_for
 
 # Modules that each add subcommands with ``register(subparsers)``. A module listed here
 # that does not exist yet is an error, not a silent skip.
@@ -25,7 +25,8 @@ COMMAND_MODULES = [
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="kvfs",
-        description="kvfs: a store for LLM KV-cache pages (striped NVMe, FUSE mount, S3 archive).")
+        description="kvfs: a store for LLM KV-cache pages (striped NVMe, FUSE mount, S3 archive).",
+    )
     p.add_argument("--debug", action="store_true", help="show tracebacks and debug logs")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name in COMMAND_MODULES:
@@ -36,8 +37,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.debug else logging.WARNING,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.DEBUG if args.debug else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
     try:
         rc = args.func(args)
         return int(rc or 0)

@@ -25,10 +25,16 @@ def cmd_config(args: argparse.Namespace) -> int:
     s = settings_from_args(args)
     cfg = s.store_config()  # validates the combination (ValueError: exit 2)
     if args.json:
-        print_json({"config_file": str(s.config_file) if s.config_file else None,
-                    "control_socket": str(s.socket_path()),
-                    "options": {o.key: {"value": masked(o.name, s[o.name]),
-                                        "source": s.sources[o.name]} for o in OPTIONS}})
+        print_json(
+            {
+                "config_file": str(s.config_file) if s.config_file else None,
+                "control_socket": str(s.socket_path()),
+                "options": {
+                    o.key: {"value": masked(o.name, s[o.name]), "source": s.sources[o.name]}
+                    for o in OPTIONS
+                },
+            }
+        )
         return 0
     print(f"# configuration file: {s.config_file or 'none'}")
     print(f"# index: {cfg.index_path}")

@@ -54,8 +54,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="store directory (default ./demo-data; reused across runs)",
     )
     p.add_argument("--json", action="store_true", help="print the results as JSON")
-    p.add_argument("--objects", action="store_true",
-                   help="only the object API part (no model, no mount)")
+    p.add_argument(
+        "--objects", action="store_true", help="only the object API part (no model, no mount)"
+    )
     p.add_argument("--tokens", type=int, default=2048, help="agent context length (default 2048)")
     p.add_argument("--small", action="store_true", help="a 4-layer model, for a quick look")
     p.add_argument("--no-mount", action="store_true", help="skip the mount step")
@@ -74,11 +75,14 @@ def _model_main(args: argparse.Namespace) -> int:
     from cli.__main__ import main as kvfs_main
 
     try:
-        from kvfs.integrations.demo import model_scenario
         import torch  # noqa: F401
+
+        from kvfs.integrations.demo import model_scenario
     except ImportError as e:
-        raise RuntimeError(f"the model demo needs the engines extra ({e}); run `make demo`, "
-                           "or `kvfs demo --objects` for the object API alone") from None
+        raise RuntimeError(
+            f"the model demo needs the engines extra ({e}); run `make demo`, "
+            "or `kvfs demo --objects` for the object API alone"
+        ) from None
     root = args.data.absolute()
     store, archive, mnt = root / "store", root / "archive", root / "mnt"
     if os.path.ismount(mnt):
@@ -90,8 +94,9 @@ def _model_main(args: argparse.Namespace) -> int:
     cfg = kvfs.StoreConfig(data_dirs=dirs, archive_url=url, extra={"archive": {"interval": 0}})
     sel = ["--data", ",".join(map(str, dirs)), "--archive", url]
     print(f"== kvfs demo: store in {store}, archive {url} ==\n", flush=True)
-    res = model_scenario(cfg, tokens=args.tokens, small=args.small,
-                         echo=lambda m: print(m, flush=True))
+    res = model_scenario(
+        cfg, tokens=args.tokens, small=args.small, echo=lambda m: print(m, flush=True)
+    )
     mounted = False
     if not args.no_mount:
         mnt.mkdir(parents=True, exist_ok=True)
@@ -114,9 +119,11 @@ def _model_main(args: argparse.Namespace) -> int:
         if mounted:
             print(f"\n$ kvfs umount {mnt}", flush=True)
             kvfs_main(["umount", str(mnt)])
-    print(f"\nrecompute {res['recompute_s']:.2f} s vs reload from the archive "
-          f"{res['reload_s']:.2f} s to the first token; decoded tokens identical: "
-          f"{res['same_tokens']}")
+    print(
+        f"\nrecompute {res['recompute_s']:.2f} s vs reload from the archive "
+        f"{res['reload_s']:.2f} s to the first token; decoded tokens identical: "
+        f"{res['same_tokens']}"
+    )
     return 0
 
 

@@ -33,35 +33,63 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def add_mount_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("mountpoint", metavar="MOUNTPOINT")
-    p.add_argument("--data", metavar="DIR[,DIR...]",
-                   help="data directories, one per NVMe device, comma-separated "
-                        "(default: the configuration, see kvfs config)")
+    p.add_argument(
+        "--data",
+        metavar="DIR[,DIR...]",
+        help="data directories, one per NVMe device, comma-separated "
+        "(default: the configuration, see kvfs config)",
+    )
     p.add_argument("--config", metavar="FILE", help="TOML configuration file ($KVFS_CONFIG)")
     p.add_argument("--archive", metavar="URL", help="archive URL (file://DIR, s3://BUCKET/PREFIX)")
     p.add_argument("--socket", metavar="PATH", help="control socket (default: beside the index)")
-    p.add_argument("--metrics-port", type=int, metavar="PORT",
-                   help="serve Prometheus metrics on this port (default: off)")
-    p.add_argument("--log-level", choices=("debug", "info", "warning", "error"),
-                   help="daemon log level (default info)")
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        metavar="PORT",
+        help="serve Prometheus metrics on this port (default: off)",
+    )
+    p.add_argument(
+        "--log-level",
+        choices=("debug", "info", "warning", "error"),
+        help="daemon log level (default info)",
+    )
     p.add_argument("--capacity", metavar="SIZE", help="cap on bytes held locally (e.g. 500GiB)")
     p.add_argument("--stripe-unit", metavar="SIZE", help="stripe unit (default 4MiB)")
-    p.add_argument("--foreground", action="store_true",
-                   help="stay in the foreground (systemd, tests); default: detach once mounted")
-    p.add_argument("--allow-other", action="store_true",
-                   help="let other users use the mount (file modes still apply)")
-    p.add_argument("--direct-io", action="store_true",
-                   help="bypass the page cache (disables mmap: safetensors/numpy.memmap need it)")
-    p.add_argument("--log", metavar="FILE", help="daemon log when detached "
-                   "(default: kvfs-daemon.log in the first data dir)")
+    p.add_argument(
+        "--foreground",
+        action="store_true",
+        help="stay in the foreground (systemd, tests); default: detach once mounted",
+    )
+    p.add_argument(
+        "--allow-other",
+        action="store_true",
+        help="let other users use the mount (file modes still apply)",
+    )
+    p.add_argument(
+        "--direct-io",
+        action="store_true",
+        help="bypass the page cache (disables mmap: safetensors/numpy.memmap need it)",
+    )
+    p.add_argument(
+        "--log",
+        metavar="FILE",
+        help="daemon log when detached (default: kvfs-daemon.log in the first data dir)",
+    )
 
 
 def build_config(args: argparse.Namespace) -> kvfs.StoreConfig:
     """Defaults < configuration file < $KVFS_* < flags (kvfs._settings)."""
     from kvfs._settings import load_settings
 
-    flags = {"data_dirs": args.data, "capacity": args.capacity, "stripe_unit": args.stripe_unit,
-             "archive_url": args.archive, "control_socket": args.socket,
-             "metrics_port": args.metrics_port, "log_level": args.log_level}
+    flags = {
+        "data_dirs": args.data,
+        "capacity": args.capacity,
+        "stripe_unit": args.stripe_unit,
+        "archive_url": args.archive,
+        "control_socket": args.socket,
+        "metrics_port": args.metrics_port,
+        "log_level": args.log_level,
+    }
     return load_settings(args.config, flags=flags).store_config()
 
 
@@ -75,10 +103,16 @@ def child_argv(args: argparse.Namespace) -> list[str]:
     if getattr(args, "debug", False):
         argv.append("--debug")
     argv += ["mount", "--foreground"]
-    for flag, value in (("--data", args.data), ("--capacity", args.capacity),
-                        ("--stripe-unit", args.stripe_unit), ("--config", args.config),
-                        ("--archive", args.archive), ("--socket", args.socket),
-                        ("--metrics-port", args.metrics_port), ("--log-level", args.log_level)):
+    for flag, value in (
+        ("--data", args.data),
+        ("--capacity", args.capacity),
+        ("--stripe-unit", args.stripe_unit),
+        ("--config", args.config),
+        ("--archive", args.archive),
+        ("--socket", args.socket),
+        ("--metrics-port", args.metrics_port),
+        ("--log-level", args.log_level),
+    ):
         if value is not None:
             argv += [flag, str(value)]
     for flag, on in (("--allow-other", args.allow_other), ("--direct-io", args.direct_io)):
@@ -91,9 +125,15 @@ def cmd_mount(args: argparse.Namespace) -> int:
     from ._target import daemon_services
 
     config = build_config(args)
-    return daemon_main(config, args.mountpoint, build_options(args), foreground=args.foreground,
-                       child_argv=child_argv(args), log_file=args.log,
-                       services=daemon_services(config, setup_logs=args.foreground))
+    return daemon_main(
+        config,
+        args.mountpoint,
+        build_options(args),
+        foreground=args.foreground,
+        child_argv=child_argv(args),
+        log_file=args.log,
+        services=daemon_services(config, setup_logs=args.foreground),
+    )
 
 
 def cmd_umount(args: argparse.Namespace) -> int:

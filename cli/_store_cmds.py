@@ -23,19 +23,35 @@ __all__ = ["register", "render_stats"]
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("ls", help="list sessions, or the pages of a session or path prefix")
     p.add_argument("target", nargs="?", metavar="PATH|SESSION")
-    p.add_argument("-l", dest="long", action="store_true", help="long listing (checksum, "
-                   "created, attributes)")
-    p.add_argument("--sort", choices=("name", "size", "age"), default="name",
-                   help="order: name (default), size (largest first), age (oldest access first)")
-    p.add_argument("--archived", action="store_true",
-                   help="list the sessions the archive holds (from every host sharing it)")
+    p.add_argument(
+        "-l", dest="long", action="store_true", help="long listing (checksum, created, attributes)"
+    )
+    p.add_argument(
+        "--sort",
+        choices=("name", "size", "age"),
+        default="name",
+        help="order: name (default), size (largest first), age (oldest access first)",
+    )
+    p.add_argument(
+        "--archived",
+        action="store_true",
+        help="list the sessions the archive holds (from every host sharing it)",
+    )
     add_store_flags(p)
     p.set_defaults(func=cmd_ls)
 
-    p = sub.add_parser("stats", help="capacity, use, hits and misses, traffic, spill queue, "
-                       "restore latency, evictions")
-    p.add_argument("--watch", type=float, metavar="SECONDS", nargs="?", const=2.0,
-                   help="refresh every SECONDS (default 2) until interrupted")
+    p = sub.add_parser(
+        "stats",
+        help="capacity, use, hits and misses, traffic, spill queue, restore latency, evictions",
+    )
+    p.add_argument(
+        "--watch",
+        type=float,
+        metavar="SECONDS",
+        nargs="?",
+        const=2.0,
+        help="refresh every SECONDS (default 2) until interrupted",
+    )
     p.add_argument("--count", type=int, default=0, help="with --watch: stop after N refreshes")
     add_store_flags(p)
     p.set_defaults(func=cmd_stats)
@@ -51,38 +67,56 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser("get", help="write a page's bytes to a file")
     p.add_argument("key", metavar="PATH")
-    p.add_argument("file", metavar="FILE", nargs="?", default="-",
-                   help="destination ('-' or absent: standard output)")
+    p.add_argument(
+        "file",
+        metavar="FILE",
+        nargs="?",
+        default="-",
+        help="destination ('-' or absent: standard output)",
+    )
     add_store_flags(p)
     p.set_defaults(func=cmd_get)
 
-    for name, text, fn in (("rm", "delete pages or whole sessions", cmd_rm),
-                           ("pin", "pin pages or sessions (never evicted)", cmd_pin),
-                           ("unpin", "unpin pages or sessions", cmd_unpin)):
+    for name, text, fn in (
+        ("rm", "delete pages or whole sessions", cmd_rm),
+        ("pin", "pin pages or sessions (never evicted)", cmd_pin),
+        ("unpin", "unpin pages or sessions", cmd_unpin),
+    ):
         p = sub.add_parser(name, help=text)
         p.add_argument("targets", nargs="+", metavar="SESSION|PATH")
         add_store_flags(p)
         p.set_defaults(func=fn)
 
-    p = sub.add_parser("evict", help="drop local copies (refuses to drop the only copy of "
-                       "unarchived data unless --force)")
+    p = sub.add_parser(
+        "evict",
+        help="drop local copies (refuses to drop the only copy of unarchived data unless --force)",
+    )
     p.add_argument("targets", nargs="+", metavar="SESSION|PATH")
-    p.add_argument("--force", action="store_true",
-                   help="drop local copies even where no archive holds the data (data loss)")
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="drop local copies even where no archive holds the data (data loss)",
+    )
     add_store_flags(p)
     p.set_defaults(func=cmd_evict)
 
-    for name, text in (("spill", "upload sessions to the archive and drop the local copies"),
-                       ("restore", "bring sessions back from the archive")):
+    for name, text in (
+        ("spill", "upload sessions to the archive and drop the local copies"),
+        ("restore", "bring sessions back from the archive"),
+    ):
         p = sub.add_parser(name, help=text)
         p.add_argument("sessions", nargs="+", metavar="SESSION")
         add_store_flags(p)
         p.set_defaults(func=cmd_spill_restore, op=name)
 
-    p = sub.add_parser("fsck", help="check the index against the files: missing, wrong "
-                       "checksums, orphans")
-    p.add_argument("--repair", action="store_true",
-                   help="remove orphans; delete pages whose data is missing or corrupt")
+    p = sub.add_parser(
+        "fsck", help="check the index against the files: missing, wrong checksums, orphans"
+    )
+    p.add_argument(
+        "--repair",
+        action="store_true",
+        help="remove orphans; delete pages whose data is missing or corrupt",
+    )
     add_store_flags(p)
     p.set_defaults(func=cmd_fsck)
 
@@ -125,7 +159,9 @@ def cmd_ls(args: argparse.Namespace) -> int:
                 prefix = args.target.rstrip("/") + "/"
                 pages = store.list(path_prefix=prefix)
                 if not pages:
-                    raise kvfs.PageNotFound(f"no page, session or directory {args.target!r}") from None
+                    raise kvfs.PageNotFound(
+                        f"no page, session or directory {args.target!r}"
+                    ) from None
     key = {"name": lambda p: p.path, "size": lambda p: -p.size, "age": lambda p: p.atime}[args.sort]
     pages.sort(key=key)
     if args.json:
@@ -138,36 +174,60 @@ def cmd_ls(args: argparse.Namespace) -> int:
     for p in pages:
         row = [p.path, fmt_bytes(p.size), p.tier, "yes" if p.pinned else "", fmt_time(p.atime)]
         if args.long:
-            row += [fmt_time(p.created), p.checksum[:16],
-                    ",".join(f"{k}={v}" for k, v in sorted(p.attrs.items()))]
+            row += [
+                fmt_time(p.created),
+                p.checksum[:16],
+                ",".join(f"{k}={v}" for k, v in sorted(p.attrs.items())),
+            ]
         rows.append(row)
     print_table(headers, rows)
     return 0
 
 
 def _page_json(p: kvfs.PageInfo) -> dict[str, Any]:
-    return {"path": p.path, "session": p.session, "size": p.size, "tier": p.tier,
-            "pinned": p.pinned, "atime": p.atime, "created": p.created,
-            "checksum": p.checksum, "attrs": p.attrs}
+    return {
+        "path": p.path,
+        "session": p.session,
+        "size": p.size,
+        "tier": p.tier,
+        "pinned": p.pinned,
+        "atime": p.atime,
+        "created": p.created,
+        "checksum": p.checksum,
+        "attrs": p.attrs,
+    }
 
 
 def _ls_archived(args: argparse.Namespace, sessions: list[dict[str, Any]]) -> int:
-    key = {"name": lambda s: s["session"], "size": lambda s: -int(s.get("bytes", 0)),
-           "age": lambda s: float(s.get("atime", 0))}[args.sort]
+    key = {
+        "name": lambda s: s["session"],
+        "size": lambda s: -int(s.get("bytes", 0)),
+        "age": lambda s: float(s.get("atime", 0)),
+    }[args.sort]
     sessions.sort(key=key)
     if args.json:
         print_json(sessions)
         return 0
-    print_table(["SESSION", "PAGES", "SIZE", "SPILLED", "STORE"],
-                [[s["session"], s.get("pages", ""), fmt_bytes(int(s.get("bytes", 0))),
-                  fmt_time(float(s.get("spilled_at", 0))), str(s.get("store_id", ""))[:12]]
-                 for s in sessions])
+    print_table(
+        ["SESSION", "PAGES", "SIZE", "SPILLED", "STORE"],
+        [
+            [
+                s["session"],
+                s.get("pages", ""),
+                fmt_bytes(int(s.get("bytes", 0))),
+                fmt_time(float(s.get("spilled_at", 0))),
+                str(s.get("store_id", ""))[:12],
+            ]
+            for s in sessions
+        ],
+    )
     return 0
 
 
 def _ls_sessions(args: argparse.Namespace, sessions: list[kvfs.SessionInfo]) -> int:
-    key = {"name": lambda s: s.session, "size": lambda s: -s.bytes,
-           "age": lambda s: s.atime}[args.sort]
+    key = {"name": lambda s: s.session, "size": lambda s: -s.bytes, "age": lambda s: s.atime}[
+        args.sort
+    ]
     sessions.sort(key=key)
     if args.json:
         print_json(sessions)
@@ -177,8 +237,15 @@ def _ls_sessions(args: argparse.Namespace, sessions: list[kvfs.SessionInfo]) -> 
         headers += ["CREATED", "MODEL"]
     rows = []
     for s in sessions:
-        row = [s.session, s.pages, fmt_bytes(s.bytes), fmt_bytes(s.local_bytes),
-               fmt_bytes(s.archived_bytes), "yes" if s.pinned else "", fmt_time(s.atime)]
+        row = [
+            s.session,
+            s.pages,
+            fmt_bytes(s.bytes),
+            fmt_bytes(s.local_bytes),
+            fmt_bytes(s.archived_bytes),
+            "yes" if s.pinned else "",
+            fmt_time(s.atime),
+        ]
         if args.long:
             row += [fmt_time(s.created), s.model or ""]
         rows.append(row)
@@ -193,12 +260,13 @@ def render_stats(st: kvfs.StoreStatistics) -> str:
     lookups = st.hits + st.misses
     rate = f"{100 * st.hits / lookups:.1f}%" if lookups else "-"
     cap = fmt_bytes(st.capacity_bytes) if st.capacity_bytes else "disk"
-    out.append(f"local tier: {fmt_bytes(st.used_bytes)} used of {cap} "
-               f"({fmt_bytes(st.reserved_bytes)} reserved); {st.pages} pages in "
-               f"{st.sessions} sessions; {st.local_blobs} distinct contents "
-               f"({fmt_bytes(st.local_bytes)}, {fmt_bytes(st.logical_bytes)} before dedup)")
-    rows = [[d.index, d.path, fmt_bytes(d.used_bytes), fmt_bytes(d.free_bytes)]
-            for d in st.devices]
+    out.append(
+        f"local tier: {fmt_bytes(st.used_bytes)} used of {cap} "
+        f"({fmt_bytes(st.reserved_bytes)} reserved); {st.pages} pages in "
+        f"{st.sessions} sessions; {st.local_blobs} distinct contents "
+        f"({fmt_bytes(st.local_bytes)}, {fmt_bytes(st.logical_bytes)} before dedup)"
+    )
+    rows = [[d.index, d.path, fmt_bytes(d.used_bytes), fmt_bytes(d.free_bytes)] for d in st.devices]
     buf = io.StringIO()
     print_table(["DEVICE", "PATH", "USED", "FREE"], rows, file=buf)
     out.append(buf.getvalue().rstrip())
@@ -206,20 +274,49 @@ def render_stats(st: kvfs.StoreStatistics) -> str:
     arch: dict[str, Any] | None = extra if isinstance(extra, dict) else None
     a: dict[str, Any] = arch or {}
     buf = io.StringIO()
-    print_table(["TIER", "HITS", "MISSES", "HIT RATE", "READ", "WRITTEN"], [
-        ["local", st.hits, st.misses, rate, fmt_bytes(st.bytes_read), fmt_bytes(st.bytes_written)],
-        *([["archive", a.get("blobs_restored", 0), a.get("corrupt_objects", 0) + a.get("errors", 0),
-            "-", fmt_bytes(a.get("bytes_restored", 0)), fmt_bytes(a.get("bytes_spilled", 0))]]
-          if arch else [])], file=buf)
+    print_table(
+        ["TIER", "HITS", "MISSES", "HIT RATE", "READ", "WRITTEN"],
+        [
+            [
+                "local",
+                st.hits,
+                st.misses,
+                rate,
+                fmt_bytes(st.bytes_read),
+                fmt_bytes(st.bytes_written),
+            ],
+            *(
+                [
+                    [
+                        "archive",
+                        a.get("blobs_restored", 0),
+                        a.get("corrupt_objects", 0) + a.get("errors", 0),
+                        "-",
+                        fmt_bytes(a.get("bytes_restored", 0)),
+                        fmt_bytes(a.get("bytes_spilled", 0)),
+                    ]
+                ]
+                if arch
+                else []
+            ),
+        ],
+        file=buf,
+    )
     out.append(buf.getvalue().rstrip())
-    out.append(f"puts {st.puts} (deduplicated {st.dedup_puts}), gets {st.gets}, "
-               f"corrupt reads {st.corrupt_reads}")
+    out.append(
+        f"puts {st.puts} (deduplicated {st.dedup_puts}), gets {st.gets}, "
+        f"corrupt reads {st.corrupt_reads}"
+    )
     if arch:
+
         def sec(v: object) -> str:
             return f"{float(v) * 1000:.1f} ms" if isinstance(v, (int, float)) else "-"
-        out.append(f"archive {a.get('url')}: spill queue {a.get('spill_queue', 0)}, sessions "
-                   f"spilled {a.get('sessions_spilled', 0)}, restore latency p50 "
-                   f"{sec(a.get('restore_p50_s'))} p99 {sec(a.get('restore_p99_s'))}")
+
+        out.append(
+            f"archive {a.get('url')}: spill queue {a.get('spill_queue', 0)}, sessions "
+            f"spilled {a.get('sessions_spilled', 0)}, restore latency p50 "
+            f"{sec(a.get('restore_p50_s'))} p99 {sec(a.get('restore_p99_s'))}"
+        )
     else:
         out.append("archive: none configured")
     ev = ", ".join(f"{k} {v}" for k, v in sorted(st.evictions.items())) or "none"
@@ -262,8 +359,11 @@ def cmd_put(args: argparse.Namespace) -> int:
             data = f.read()
     with open_target(args, create=True) as store:
         info = store.put(args.key, data, attrs=attrs or None, pin=args.pin, replace=args.replace)
-    _emit(args, _page_json(info), [f"{info.path}: {fmt_bytes(info.size)} stored "
-                                   f"({info.checksum[:16]})"])
+    _emit(
+        args,
+        _page_json(info),
+        [f"{info.path}: {fmt_bytes(info.size)} stored ({info.checksum[:16]})"],
+    )
     return 0
 
 
@@ -276,8 +376,11 @@ def cmd_get(args: argparse.Namespace) -> int:
         return 0
     with open(args.file, "wb") as f:
         f.write(data)
-    _emit(args, {"path": args.key, "file": args.file, "size": len(data)},
-          [f"{args.key}: {fmt_bytes(len(data))} written to {args.file}"])
+    _emit(
+        args,
+        {"path": args.key, "file": args.file, "size": len(data)},
+        [f"{args.key}: {fmt_bytes(len(data))} written to {args.file}"],
+    )
     return 0
 
 
@@ -289,9 +392,15 @@ def _each(args: argparse.Namespace, page_op: str, session_op: str, verb: str) ->
             kind, name = _resolve(store, t)
             r = getattr(store, page_op if kind == "page" else session_op)(name)
             results.append({"target": t, "kind": kind, "result": r})
-    _emit(args, results, [f"{verb} {r['kind']} {r['target']}"
-                          + (f" ({r['result']} pages)" if isinstance(r["result"], int) else "")
-                          for r in results])
+    _emit(
+        args,
+        results,
+        [
+            f"{verb} {r['kind']} {r['target']}"
+            + (f" ({r['result']} pages)" if isinstance(r["result"], int) else "")
+            for r in results
+        ],
+    )
     return 0
 
 
@@ -317,31 +426,43 @@ def cmd_evict(args: argparse.Namespace) -> int:
             pages = [store.stat(name)] if kind == "page" else store.list(session=name)
             only = [p.path for p in pages if p.local and "archive" not in p.tier]
             if only and not archived_tier and not args.force:
-                raise Refused(f"{t}: {len(only)} page(s) have no copy but the local one and no "
-                              "archive tier is configured; evicting would delete them "
-                              "(--force to do it anyway)")
+                raise Refused(
+                    f"{t}: {len(only)} page(s) have no copy but the local one and no "
+                    "archive tier is configured; evicting would delete them "
+                    "(--force to do it anyway)"
+                )
             plan.append((t, kind, name))
         for t, kind, name in plan:
             freed = store.evict(name) if kind == "page" else store.evict(session=name)
             results.append({"target": t, "kind": kind, "freed_bytes": freed})
-    _emit(args, results, [f"evicted {r['kind']} {r['target']}: {fmt_bytes(r['freed_bytes'])} "
-                          "freed" for r in results])
+    _emit(
+        args,
+        results,
+        [
+            f"evicted {r['kind']} {r['target']}: {fmt_bytes(r['freed_bytes'])} freed"
+            for r in results
+        ],
+    )
     return 0
 
 
 # -- spill / restore / fsck -----------------------------------------------------------
 def cmd_spill_restore(args: argparse.Namespace) -> int:
     results = []
-    with open_target(args) as store, \
-            Progress(args.op, len(args.sessions), unit=" sessions") as bar:
+    with open_target(args) as store, Progress(args.op, len(args.sessions), unit=" sessions") as bar:
         for s in args.sessions:
             t0 = time.perf_counter()
             n = getattr(store, args.op)(s)
-            results.append({"session": s, "bytes": n, "seconds": round(time.perf_counter() - t0, 3)})
+            results.append(
+                {"session": s, "bytes": n, "seconds": round(time.perf_counter() - t0, 3)}
+            )
             bar.update()
     verb = "spilled" if args.op == "spill" else "restored"
-    _emit(args, results, [f"{verb} {r['session']}: {fmt_bytes(r['bytes'])} in {r['seconds']:.2f}s"
-                          for r in results])
+    _emit(
+        args,
+        results,
+        [f"{verb} {r['session']}: {fmt_bytes(r['bytes'])} in {r['seconds']:.2f}s" for r in results],
+    )
     return 0
 
 
@@ -354,17 +475,32 @@ def cmd_fsck(args: argparse.Namespace) -> int:
             def progress(i: int, total: int) -> None:
                 bar.total = max(total, 1)
                 bar.update()
+
             with bar:
                 found = engine.fsck(repair=args.repair, progress=progress)
         else:  # the daemon's: progress frames over the control channel
             with Progress("fsck", 1, unit=" contents") as bar:
+
                 def remote_progress(done: int, total: int) -> None:
                     bar.total = max(total, 1)
                     bar.update(done - bar.done)
+
                 found = store.fsck_progress(repair=args.repair, progress=remote_progress)
     problems = sum(len(found[k]) for k in ("missing", "corrupt", "orphans"))
-    lines = [f"{k}: {len(v)}" + "".join(f"\n  {x}" for x in v[:20])
-             + (f"\n  ... {len(v) - 20} more" if len(v) > 20 else "") for k, v in found.items()]
-    _emit(args, found, [*lines, "clean" if not problems else
-                        ("repaired" if args.repair else "problems found (--repair fixes them)")])
+    lines = [
+        f"{k}: {len(v)}"
+        + "".join(f"\n  {x}" for x in v[:20])
+        + (f"\n  ... {len(v) - 20} more" if len(v) > 20 else "")
+        for k, v in found.items()
+    ]
+    _emit(
+        args,
+        found,
+        [
+            *lines,
+            "clean"
+            if not problems
+            else ("repaired" if args.repair else "problems found (--repair fixes them)"),
+        ],
+    )
     return EXIT["ok"] if not problems or args.repair else EXIT["corrupt"]

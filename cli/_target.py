@@ -25,25 +25,43 @@ def add_store_flags(p: argparse.ArgumentParser, *, json_flag: bool = True) -> No
     g = p.add_argument_group("store selection (defaults: configuration file, then $KVFS_*)")
     g.add_argument("--config", metavar="FILE", help="TOML configuration file ($KVFS_CONFIG)")
     g.add_argument("--data", metavar="DIR[,DIR...]", help="data directories ($KVFS_DATA_DIRS)")
-    g.add_argument("--archive", metavar="URL",
-                   help="archive URL, file://DIR or s3://BUCKET/PREFIX; '' for none "
-                        "($KVFS_ARCHIVE_URL)")
-    g.add_argument("--socket", metavar="PATH", help="the daemon's control socket "
-                   "(default: derived from the data directory; $KVFS_CONTROL_SOCKET)")
+    g.add_argument(
+        "--archive",
+        metavar="URL",
+        help="archive URL, file://DIR or s3://BUCKET/PREFIX; '' for none ($KVFS_ARCHIVE_URL)",
+    )
+    g.add_argument(
+        "--socket",
+        metavar="PATH",
+        help="the daemon's control socket "
+        "(default: derived from the data directory; $KVFS_CONTROL_SOCKET)",
+    )
     mode = g.add_mutually_exclusive_group()
-    mode.add_argument("--daemon", dest="mode", action="store_const", const="daemon",
-                      help="only talk to a running daemon (exit 7 if none answers)")
-    mode.add_argument("--offline", dest="mode", action="store_const", const="offline",
-                      help="open the data directory directly (fails while a daemon owns it)")
+    mode.add_argument(
+        "--daemon",
+        dest="mode",
+        action="store_const",
+        const="daemon",
+        help="only talk to a running daemon (exit 7 if none answers)",
+    )
+    mode.add_argument(
+        "--offline",
+        dest="mode",
+        action="store_const",
+        const="offline",
+        help="open the data directory directly (fails while a daemon owns it)",
+    )
     if json_flag:
         p.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:
     """Defaults < file < environment < these flags. Raises ValueError, FileNotFoundError."""
-    flags: dict[str, Any] = {"data_dirs": getattr(args, "data", None),
-                             "archive_url": getattr(args, "archive", None),
-                             "control_socket": getattr(args, "socket", None)}
+    flags: dict[str, Any] = {
+        "data_dirs": getattr(args, "data", None),
+        "archive_url": getattr(args, "archive", None),
+        "control_socket": getattr(args, "socket", None),
+    }
     return load_settings(getattr(args, "config", None), flags=flags)
 
 
@@ -73,8 +91,10 @@ def open_target(args: argparse.Namespace, *, create: bool = False) -> Iterator[A
                 remote.close()
             return
     if not create and not config.index_path.exists():
-        raise FileNotFoundError(f"no kvfs store in {config.data_dirs[0]} "
-                                "(set --data, $KVFS_DATA_DIRS or the configuration file)")
+        raise FileNotFoundError(
+            f"no kvfs store in {config.data_dirs[0]} "
+            "(set --data, $KVFS_DATA_DIRS or the configuration file)"
+        )
     with ExitStack() as stack:
         try:
             store = stack.enter_context(kvfs.open_store_sync(config))
@@ -102,7 +122,12 @@ def daemon_services(config: kvfs.StoreConfig, *, setup_logs: bool = True) -> lis
         setup_logging(level, str(d.get("log_target", "stderr")))
     services: list[Any] = [control_service]
     if d.get("metrics_port"):
-        services.append(partial(metrics_service, port=int(d["metrics_port"]),
-                                address=str(d.get("metrics_address", "127.0.0.1")),
-                                max_sessions=int(d.get("metrics_sessions", 20))))
+        services.append(
+            partial(
+                metrics_service,
+                port=int(d["metrics_port"]),
+                address=str(d.get("metrics_address", "127.0.0.1")),
+                max_sessions=int(d.get("metrics_sessions", 20)),
+            )
+        )
     return services

@@ -15,13 +15,31 @@ from typing import Any
 import kvfs
 from kvfs._control import DaemonUnavailable
 
-__all__ = ["EXIT", "Progress", "exit_code_for", "fmt_bytes", "fmt_time", "print_json",
-           "print_table", "to_jsonable"]
+__all__ = [
+    "EXIT",
+    "Progress",
+    "exit_code_for",
+    "fmt_bytes",
+    "fmt_time",
+    "print_json",
+    "print_table",
+    "to_jsonable",
+]
 
 #: Exit codes: 0 ok, 1 error, 2 bad usage, 3 not found, 4 no space, 5 corrupt data,
 #: 6 store busy/locked, 7 daemon not running, 8 archive unavailable, 9 refused (needs --force).
-EXIT = {"ok": 0, "error": 1, "usage": 2, "not_found": 3, "no_space": 4, "corrupt": 5,
-        "locked": 6, "no_daemon": 7, "archive": 8, "refused": 9}
+EXIT = {
+    "ok": 0,
+    "error": 1,
+    "usage": 2,
+    "not_found": 3,
+    "no_space": 4,
+    "corrupt": 5,
+    "locked": 6,
+    "no_daemon": 7,
+    "archive": 8,
+    "refused": 9,
+}
 
 
 class Refused(kvfs.KvfsError):
@@ -34,12 +52,18 @@ class NoDaemon(kvfs.KvfsError, ConnectionError):
 
 def exit_code_for(e: BaseException) -> int:
     table: list[tuple[type[BaseException], str]] = [
-        (Refused, "refused"), (NoDaemon, "no_daemon"), (DaemonUnavailable, "no_daemon"),
+        (Refused, "refused"),
+        (NoDaemon, "no_daemon"),
+        (DaemonUnavailable, "no_daemon"),
         (kvfs.InvalidKey, "usage"),
-        (kvfs.PageNotFound, "not_found"), (kvfs.SessionNotFound, "not_found"),
-        (kvfs.CapacityExceeded, "no_space"), (kvfs.CorruptPage, "corrupt"),
-        (kvfs.StoreLocked, "locked"), (kvfs.ArchiveUnavailable, "archive"),
-        (FileNotFoundError, "not_found"), (ValueError, "usage"),
+        (kvfs.PageNotFound, "not_found"),
+        (kvfs.SessionNotFound, "not_found"),
+        (kvfs.CapacityExceeded, "no_space"),
+        (kvfs.CorruptPage, "corrupt"),
+        (kvfs.StoreLocked, "locked"),
+        (kvfs.ArchiveUnavailable, "archive"),
+        (FileNotFoundError, "not_found"),
+        (ValueError, "usage"),
     ]
     for typ, name in table:
         if isinstance(e, typ):
@@ -85,8 +109,13 @@ def fmt_time(t: float) -> str:
     return time.strftime("%Y-%m-%d %H:%M", time.localtime(t))
 
 
-def print_table(headers: Sequence[str], rows: Iterable[Sequence[Any]], *,
-                align: str | None = None, file: Any = None) -> None:
+def print_table(
+    headers: Sequence[str],
+    rows: Iterable[Sequence[Any]],
+    *,
+    align: str | None = None,
+    file: Any = None,
+) -> None:
     """A plain text table: columns padded, numbers right-aligned (or per ``align``: 'l'/'r')."""
     out = file or sys.stdout
     rows = [[("" if c is None else str(c)) for c in r] for r in rows]
@@ -95,12 +124,15 @@ def print_table(headers: Sequence[str], rows: Iterable[Sequence[Any]], *,
         for i, c in enumerate(r):
             widths[i] = max(widths[i], len(c))
     if align is None:
-        align = "".join("r" if rows and all(_numeric(r[i]) for r in rows) else "l"
-                        for i in range(len(headers)))
+        align = "".join(
+            "r" if rows and all(_numeric(r[i]) for r in rows) else "l" for i in range(len(headers))
+        )
 
     def line(cells: Sequence[str]) -> str:
-        return "  ".join(c.rjust(w) if a == "r" else c.ljust(w)
-                         for c, w, a in zip(cells, widths, align, strict=False)).rstrip()
+        return "  ".join(
+            c.rjust(w) if a == "r" else c.ljust(w)
+            for c, w, a in zip(cells, widths, align, strict=False)
+        ).rstrip()
 
     print(line(list(headers)), file=out)
     print("  ".join("-" * w for w in widths), file=out)
@@ -120,8 +152,9 @@ def _numeric(s: str) -> bool:
 class Progress:
     """A one-line progress bar on stderr (only when stderr is a terminal, or when forced)."""
 
-    def __init__(self, label: str, total: int, *, enabled: bool | None = None,
-                 unit: str = "") -> None:
+    def __init__(
+        self, label: str, total: int, *, enabled: bool | None = None, unit: str = ""
+    ) -> None:
         self.label, self.total, self.unit = label, max(total, 1), unit
         self.enabled = sys.stderr.isatty() if enabled is None else enabled
         self.done = 0

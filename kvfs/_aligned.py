@@ -5,11 +5,19 @@ from __future__ import annotations
 import mmap
 import os
 import threading
+from typing import Any
 
 import numpy as np
 
-__all__ = ["ALIGN", "BouncePool", "address_of", "aligned_buffer", "is_aligned", "open_direct",
-           "round_up"]
+__all__ = [
+    "ALIGN",
+    "BouncePool",
+    "address_of",
+    "aligned_buffer",
+    "is_aligned",
+    "open_direct",
+    "round_up",
+]
 
 ALIGN = 4096
 
@@ -24,17 +32,18 @@ def aligned_buffer(size: int) -> memoryview:
     return memoryview(m)[:size]
 
 
-def address_of(buf: object) -> int:
+def address_of(buf: Any) -> int:
     """Address of a buffer's first byte (read-only buffers included)."""
-    return int(np.frombuffer(buf, dtype=np.uint8).ctypes.data) if len(memoryview(buf)) else 0  # type: ignore[call-overload]
+    return int(np.frombuffer(buf, dtype=np.uint8).ctypes.data) if len(memoryview(buf)) else 0
 
 
 def is_aligned(buf: memoryview, a: int = ALIGN) -> bool:
     return len(buf) % a == 0 and address_of(buf) % a == 0
 
 
-def open_direct(path: str | os.PathLike[str], flags: int, mode: int = 0o640,
-                direct: bool = True) -> tuple[int, bool]:
+def open_direct(
+    path: str | os.PathLike[str], flags: int, mode: int = 0o640, direct: bool = True
+) -> tuple[int, bool]:
     """Open with O_DIRECT where the filesystem allows it; returns (fd, is_direct).
 
     tmpfs and some overlay filesystems refuse O_DIRECT with EINVAL: fall back to buffered I/O

@@ -111,8 +111,9 @@ class ArchivingPolicy(TieringPolicy):
         self.restore_latencies: collections.deque[float] = collections.deque(maxlen=1024)
         self.counters: collections.Counter[str] = collections.Counter()
         self.codecs: dict[bytes, str] = {}
-        self._cpu = threading.BoundedSemaphore(self.cfg.cpu_slots
-                                               or max(1, (os.cpu_count() or 2) // 2))
+        self._cpu = threading.BoundedSemaphore(
+            self.cfg.cpu_slots or max(1, (os.cpu_count() or 2) // 2)
+        )
         self._choice: dict[int, str] = {}
         self._choice_uses: collections.Counter[int] = collections.Counter()
         self.spiller = Spiller(self)
@@ -147,8 +148,9 @@ class ArchivingPolicy(TieringPolicy):
             for p in eng.tier.pieces(b.extents, 0, b.size):
                 eng.tier.read_piece(p, buf)
             if tree_hash(b.size, leaves_of(buf)) != h:
-                raise CorruptPage(f"local copy of {h.hex()[:16]} does not match its checksum; "
-                                  "not uploaded")
+                raise CorruptPage(
+                    f"local copy of {h.hex()[:16]} does not match its checksum; not uploaded"
+                )
             return buf
         finally:
             eng._unlease(h)
@@ -178,8 +180,9 @@ class ArchivingPolicy(TieringPolicy):
                     self._choice[elem] = used
             return obj, used
 
-    async def upload_blob(self, h: bytes, *, mark: bool = True,
-                          fresh: set[bytes] | None = None) -> int:
+    async def upload_blob(
+        self, h: bytes, *, mark: bool = True, fresh: set[bytes] | None = None
+    ) -> int:
         """Make sure ``blobs/<h>`` exists; with ``mark``, mark the blob archived in the index.
         Returns bytes uploaded (0 when some session or host had already stored it); adds ``h``
         to ``fresh`` when this call stored it. Raises ArchiveUnavailable, CorruptPage."""
@@ -192,8 +195,9 @@ class ArchivingPolicy(TieringPolicy):
         got = await trio.to_thread.run_sync(self._encode, h)
         if got is None:  # dropped meanwhile, so it was archived by someone else
             b = self.engine.index.blob(h)
-            return 0 if b is None or b.archived else await self.upload_blob(h, mark=mark,
-                                                                              fresh=fresh)
+            return (
+                0 if b is None or b.archived else await self.upload_blob(h, mark=mark, fresh=fresh)
+            )
         obj, codec = got
         wrote = await self.store.put(key, obj, if_absent=True)
         if mark:
@@ -217,8 +221,7 @@ class ArchivingPolicy(TieringPolicy):
         eng._drop_files(row)
         with eng._cap_lock:
             eng._evictions[reason] += 1
-        log_event("evict", content=h.hex()[:16], reason=reason, bytes=row.disk_bytes,
-                  archived=True)
+        log_event("evict", content=h.hex()[:16], reason=reason, bytes=row.disk_bytes, archived=True)
         return row.disk_bytes
 
     # -- TieringPolicy overrides ------------------------------------------------------------
@@ -247,6 +250,7 @@ class ArchivingPolicy(TieringPolicy):
     def _flush_now(self) -> None:
         """No background task to keep the archive in step: try now, for a bounded time (a
         delete must not wait out an outage); what is left stays queued in the index."""
+
         async def bounded() -> None:
             with trio.move_on_after(self.cfg.sync_cleanup_seconds):
                 await self.spiller.flush_pending()
@@ -310,8 +314,12 @@ class ArchivingPolicy(TieringPolicy):
         self.restore_latencies.append(time.monotonic() - t0)
         self.count("bytes_restored", len(data))
         self.count("blobs_restored")
-        log_event("restore", content=blob.hash.hex()[:16], bytes=len(data),
-                  seconds=self.restore_latencies[-1])
+        log_event(
+            "restore",
+            content=blob.hash.hex()[:16],
+            bytes=len(data),
+            seconds=self.restore_latencies[-1],
+        )
         return row
 
     def _write_local(self, h: bytes, data: memoryview) -> BlobRow:
@@ -322,7 +330,7 @@ class ArchivingPolicy(TieringPolicy):
         try:
             mv = memoryview(data)
             for o in range(0, len(mv), eng.tier.piece):
-                w.write(o, mv[o:o + eng.tier.piece])
+                w.write(o, mv[o : o + eng.tier.piece])
             extents, disk = w.finish(len(data))
             row = self.aindex.adopt_local(h, extents, disk)
         except BaseException:
@@ -372,16 +380,22 @@ class ArchivingPolicy(TieringPolicy):
 
         with self._lock:
             c = dict(self.counters)
-        return {"archive": {
-            "url": self.store.url, "spill_queue": self.spiller.queue_length(),
-            "bytes_spilled": c.get("bytes_spilled", 0), "bytes_restored": c.get("bytes_restored", 0),
-            "sessions_spilled": c.get("sessions_spilled", 0),
-            "blobs_restored": c.get("blobs_restored", 0),
-            "dedup_skipped": c.get("dedup_skipped", 0),
-            "restore_coalesced": c.get("restore_coalesced", 0),
-            "corrupt_objects": c.get("corrupt_objects", 0),
-            "errors": c.get("errors", 0),
-            "restore_p50_s": pct(0.5), "restore_p99_s": pct(0.99)}}
+        return {
+            "archive": {
+                "url": self.store.url,
+                "spill_queue": self.spiller.queue_length(),
+                "bytes_spilled": c.get("bytes_spilled", 0),
+                "bytes_restored": c.get("bytes_restored", 0),
+                "sessions_spilled": c.get("sessions_spilled", 0),
+                "blobs_restored": c.get("blobs_restored", 0),
+                "dedup_skipped": c.get("dedup_skipped", 0),
+                "restore_coalesced": c.get("restore_coalesced", 0),
+                "corrupt_objects": c.get("corrupt_objects", 0),
+                "errors": c.get("errors", 0),
+                "restore_p50_s": pct(0.5),
+                "restore_p99_s": pct(0.99),
+            }
+        }
 
     def close(self) -> None:
         """Finish queued archive cleanup (bounded), stop the prefetch pool, close the store."""

@@ -46,7 +46,7 @@ def leaves_of(data: memoryview | bytes) -> bytes:
     mv = memoryview(data).cast("B")
     if len(mv) == 0:
         return leaf_hash(b"")
-    return b"".join(leaf_hash(mv[o:o + LEAF]) for o in range(0, len(mv), LEAF))
+    return b"".join(leaf_hash(mv[o : o + LEAF]) for o in range(0, len(mv), LEAF))
 
 
 def checksum(data: memoryview | bytes) -> bytes:
@@ -62,7 +62,7 @@ def verify_leaves(data: memoryview, page_offset: int, leaves: bytes) -> int | No
     assert page_offset % LEAF == 0
     first = page_offset // LEAF
     for i, o in enumerate(range(0, len(data), LEAF)):
-        want = leaves[(first + i) * DIGEST:(first + i + 1) * DIGEST]
-        if leaf_hash(data[o:o + LEAF]) != want:
+        want = leaves[(first + i) * DIGEST : (first + i + 1) * DIGEST]
+        if leaf_hash(data[o : o + LEAF]) != want:
             return first + i
     return None

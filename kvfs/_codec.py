@@ -29,8 +29,19 @@ HEADER = _HDR.size
 CODECS = {"raw": 0, "zstd": 1, "zstd+shuffle": 2}
 _NAMES = {v: k for k, v in CODECS.items()}
 SAMPLE = 1 << 20
-_DTYPE_BYTES = {"fp16": 2, "float16": 2, "half": 2, "bf16": 2, "bfloat16": 2,
-                "fp32": 4, "float32": 4, "float": 4, "fp8": 1, "float8": 1, "int8": 1}
+_DTYPE_BYTES = {
+    "fp16": 2,
+    "float16": 2,
+    "half": 2,
+    "bf16": 2,
+    "bfloat16": 2,
+    "fp32": 4,
+    "float32": 4,
+    "float": 4,
+    "fp8": 1,
+    "float8": 1,
+    "int8": 1,
+}
 _local = threading.local()
 
 
@@ -45,8 +56,8 @@ def elem_size(dtype: str | None) -> int | None:
 def shuffle(data: memoryview | bytes, elem: int) -> bytes:
     mv = memoryview(data).cast("B")
     n = len(mv) // elem
-    body = np.frombuffer(mv[:n * elem], dtype=np.uint8).reshape(n, elem).T.tobytes()
-    return body + bytes(mv[n * elem:])
+    body = np.frombuffer(mv[: n * elem], dtype=np.uint8).reshape(n, elem).T.tobytes()
+    return body + bytes(mv[n * elem :])
 
 
 def _unshuffle_into(out: memoryview, data: bytes, elem: int) -> None:
@@ -55,8 +66,8 @@ def _unshuffle_into(out: memoryview, data: bytes, elem: int) -> None:
     dst = np.frombuffer(out, dtype=np.uint8, count=n * elem).reshape(n, elem)
     src = np.frombuffer(data, dtype=np.uint8, count=n * elem)
     for j in range(elem):
-        dst[:, j] = src[j * n:(j + 1) * n]
-    out[n * elem:len(data)] = data[n * elem:]
+        dst[:, j] = src[j * n : (j + 1) * n]
+    out[n * elem : len(data)] = data[n * elem :]
 
 
 def unshuffle(data: bytes, elem: int) -> bytes:
@@ -81,8 +92,9 @@ def _dctx() -> zstandard.ZstdDecompressor:
     return d
 
 
-def encode(data: memoryview | bytes, *, level: int = 3, codec: str = "auto",
-           elem: int | None = None) -> tuple[bytes, str]:
+def encode(
+    data: memoryview | bytes, *, level: int = 3, codec: str = "auto", elem: int | None = None
+) -> tuple[bytes, str]:
     """The object for ``data`` and the codec used. ``codec`` is auto, raw, zstd or
     zstd+shuffle; ``elem`` is the value size for the shuffle (2 when unknown)."""
     mv = memoryview(data).cast("B")
@@ -106,8 +118,9 @@ def encode(data: memoryview | bytes, *, level: int = 3, codec: str = "auto",
     return hdr + bytes(payload), codec
 
 
-def decode(obj: bytes, what: str = "archive object",
-           into: Callable[[int], memoryview] | None = None) -> memoryview:
+def decode(
+    obj: bytes, what: str = "archive object", into: Callable[[int], memoryview] | None = None
+) -> memoryview:
     """The raw bytes of an object made by :func:`encode`, in a buffer from ``into(size)``
     (e.g. an aligned allocator) or a new one. Raises CorruptPage."""
     if len(obj) < HEADER:

@@ -18,9 +18,22 @@ MiB = 1024 * KiB
 GiB = 1024 * MiB
 ALIGN = 4096
 
-_UNITS = {"": 1, "b": 1, "k": KiB, "kb": 1000, "kib": KiB, "m": MiB, "mb": 1000**2,
-          "mib": MiB, "g": GiB, "gb": 1000**3, "gib": GiB, "t": 1024 * GiB,
-          "tb": 1000**4, "tib": 1024 * GiB}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": KiB,
+    "kb": 1000,
+    "kib": KiB,
+    "m": MiB,
+    "mb": 1000**2,
+    "mib": MiB,
+    "g": GiB,
+    "gb": 1000**3,
+    "gib": GiB,
+    "t": 1024 * GiB,
+    "tb": 1000**4,
+    "tib": 1024 * GiB,
+}
 
 
 def parse_size(text: str | int) -> int:
@@ -29,7 +42,7 @@ def parse_size(text: str | int) -> int:
         return text
     s = text.strip().lower().replace(" ", "").replace("_", "")
     num = s.rstrip("abcdefghijklmnopqrstuvwxyz")
-    unit = s[len(num):]
+    unit = s[len(num) :]
     if unit not in _UNITS or not num:
         raise ValueError(f"not a size: {text!r} (examples: 4096, 64MiB, 2GB)")
     return int(float(num) * _UNITS[unit])
@@ -60,7 +73,12 @@ class StoreConfig:
     extra: dict[str, object] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        dirs = tuple(Path(d) for d in (self.data_dirs if not isinstance(self.data_dirs, (str, Path)) else [self.data_dirs]))
+        dirs = tuple(
+            Path(d)
+            for d in (
+                self.data_dirs if not isinstance(self.data_dirs, (str, Path)) else [self.data_dirs]
+            )
+        )
         if not dirs:
             raise ValueError("at least one data directory is needed")
         if len({os.path.abspath(d) for d in dirs}) != len(dirs):

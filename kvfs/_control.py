@@ -38,22 +38,53 @@ from ._keys import PageKey
 from ._store import Store
 from ._types import DeviceStatistics, Extent, PageInfo, SessionInfo, StoreStatistics
 
-__all__ = ["METHODS", "DaemonUnavailable", "control_service", "decode", "encode",
-           "log_event", "read_frame_sync", "recv_frame", "send_frame"]
+__all__ = [
+    "METHODS",
+    "DaemonUnavailable",
+    "control_service",
+    "decode",
+    "encode",
+    "log_event",
+    "read_frame_sync",
+    "recv_frame",
+    "send_frame",
+]
 
 log = logging.getLogger("kvfs.control")
 
 #: Store methods served over the channel (``begin_write`` is not: use ``put``).
-METHODS = frozenset({
-    "put", "get", "read_range", "stat", "exists", "list", "sessions", "session_info",
-    "set_session_attrs", "delete", "delete_session", "rename", "pin", "unpin", "pin_session",
-    "unpin_session", "evict", "fsck", "statistics", "spill", "restore", "archived_sessions",
-    "ping",
-})
+METHODS = frozenset(
+    {
+        "put",
+        "get",
+        "read_range",
+        "stat",
+        "exists",
+        "list",
+        "sessions",
+        "session_info",
+        "set_session_attrs",
+        "delete",
+        "delete_session",
+        "rename",
+        "pin",
+        "unpin",
+        "pin_session",
+        "unpin_session",
+        "evict",
+        "fsck",
+        "statistics",
+        "spill",
+        "restore",
+        "archived_sessions",
+        "ping",
+    }
+)
 MAX_FRAME = 1 << 31
 _HDR = struct.Struct(">I")
-_RECORDS: dict[str, type] = {c.__name__: c for c in (PageInfo, SessionInfo, StoreStatistics,
-                                                      DeviceStatistics, Extent)}
+_RECORDS: dict[str, type] = {
+    c.__name__: c for c in (PageInfo, SessionInfo, StoreStatistics, DeviceStatistics, Extent)
+}
 _TUPLES = {"extents", "devices"}
 
 
@@ -99,9 +130,14 @@ def _error_class(name: str) -> type[BaseException]:
     cls = getattr(_errors, name, None)
     if isinstance(cls, type) and issubclass(cls, _errors.KvfsError):
         return cls
-    builtin = {"ValueError": ValueError, "FileNotFoundError": FileNotFoundError,
-               "PermissionError": PermissionError, "TypeError": TypeError,
-               "FileExistsError": FileExistsError, "OSError": OSError}
+    builtin = {
+        "ValueError": ValueError,
+        "FileNotFoundError": FileNotFoundError,
+        "PermissionError": PermissionError,
+        "TypeError": TypeError,
+        "FileExistsError": FileExistsError,
+        "OSError": OSError,
+    }
     return builtin.get(name, _errors.KvfsError)
 
 
@@ -130,7 +166,9 @@ async def recv_frame(stream: trio.SocketStream) -> Any:
     return decode(body)  # type: ignore[arg-type]
 
 
-async def _recv_into(stream: trio.SocketStream, buf: bytearray, *, eof_ok: bool) -> bytearray | None:
+async def _recv_into(
+    stream: trio.SocketStream, buf: bytearray, *, eof_ok: bool
+) -> bytearray | None:
     view, got = memoryview(buf), 0
     while got < len(buf):
         k = await stream.socket.recv_into(view[got:])
@@ -158,8 +196,9 @@ async def _serve_one(store: Store, stream: trio.SocketStream) -> None:
         log.warning("control: refused a connection from uid %d", uid)
         log_event("error", level=logging.WARNING, what="control connection refused", uid=uid)
         with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
-            await stream.send_all(encode([1, "PermissionError",
-                                          f"uid {uid} may not use this kvfs daemon"]))
+            await stream.send_all(
+                encode([1, "PermissionError", f"uid {uid} may not use this kvfs daemon"])
+            )
             await stream.send_eof()
             # Read what the client sent until it closes: closing with unread data would
             # reset the connection and could discard the answer before the client reads it.
@@ -177,7 +216,9 @@ async def _serve_one(store: Store, stream: trio.SocketStream) -> None:
             await send_frame(stream, await _dispatch(store, method, args, kwargs))
 
 
-async def _dispatch(store: Store, method: str, args: list[Any], kwargs: dict[str, Any]) -> list[Any]:
+async def _dispatch(
+    store: Store, method: str, args: list[Any], kwargs: dict[str, Any]
+) -> list[Any]:
     if method not in METHODS:
         return [1, "ValueError", f"unknown control method {method!r}"]
     t0 = time.perf_counter()
@@ -186,13 +227,19 @@ async def _dispatch(store: Store, method: str, args: list[Any], kwargs: dict[str
     except Exception as e:  # noqa: BLE001 - every failure goes back to the client
         # A caller's mistake (no such page, bad key) is a warning; anything else an error.
         expected = isinstance(e, (FileNotFoundError, FileExistsError, ValueError))
-        log_event("error", level=logging.WARNING if expected else logging.ERROR,
-                  method=method, target=_target(args, kwargs), error=type(e).__name__,
-                  message=str(e))
+        log_event(
+            "error",
+            level=logging.WARNING if expected else logging.ERROR,
+            method=method,
+            target=_target(args, kwargs),
+            error=type(e).__name__,
+            message=str(e),
+        )
         return [1, type(e).__name__, str(e)]
     if method in ("spill", "restore", "evict"):
-        log_event(method, target=_target(args, kwargs), bytes=result,
-                  seconds=time.perf_counter() - t0)
+        log_event(
+            method, target=_target(args, kwargs), bytes=result, seconds=time.perf_counter() - t0
+        )
     return [0, result]
 
 
@@ -202,8 +249,12 @@ def _target(args: list[Any], kwargs: dict[str, Any]) -> str:
     return str(kwargs.get("session") or kwargs.get("key") or "-")
 
 
-async def control_service(store: Store, path: str | os.PathLike[str] | None = None, *,
-                          task_status: trio.TaskStatus[Path] = trio.TASK_STATUS_IGNORED) -> None:
+async def control_service(
+    store: Store,
+    path: str | os.PathLike[str] | None = None,
+    *,
+    task_status: trio.TaskStatus[Path] = trio.TASK_STATUS_IGNORED,
+) -> None:
     """Serve ``store`` on its control socket until cancelled; reports the socket's path.
 
     The path is ``path``, else derived from the store's config (``extra['daemon']
@@ -280,14 +331,17 @@ def _recv_sync(s: socket.socket, n: int) -> bytearray:
         except ConnectionResetError:
             k = 0
         if not k:
-            raise DaemonUnavailable("the kvfs daemon closed the connection mid-command "
-                                    "(it stopped or was killed); the command's effect is unknown")
+            raise DaemonUnavailable(
+                "the kvfs daemon closed the connection mid-command "
+                "(it stopped or was killed); the command's effect is unknown"
+            )
         got += k
     return buf
 
 
-async def _fsck_with_progress(store: Store, stream: trio.SocketStream,
-                              kwargs: dict[str, Any]) -> None:
+async def _fsck_with_progress(
+    store: Store, stream: trio.SocketStream, kwargs: dict[str, Any]
+) -> None:
     """fsck that sends ``[2, done, total]`` frames (at most ten a second) before its answer."""
     latest: list[int] = [0, 0]
     done = trio.Event()
@@ -308,7 +362,8 @@ async def _fsck_with_progress(store: Store, stream: trio.SocketStream,
         n.start_soon(reporter)
         try:
             result = await trio.to_thread.run_sync(
-                lambda: store.engine.fsck(progress=progress, **kwargs))
+                lambda: store.engine.fsck(progress=progress, **kwargs)
+            )
             reply: list[Any] = [0, result]
         except Exception as e:  # noqa: BLE001 - the failure goes back to the client
             log_event("error", method="fsck", target="-", error=type(e).__name__, message=str(e))
@@ -318,9 +373,15 @@ async def _fsck_with_progress(store: Store, stream: trio.SocketStream,
     await send_frame(stream, reply)
 
 
-def call_sync(s: socket.socket, method: str, args: tuple[Any, ...], kwargs: dict[str, Any],
-              *, on_error: Callable[[str, str], None] = raise_remote,
-              on_progress: Callable[[int, int], None] | None = None) -> Any:
+def call_sync(
+    s: socket.socket,
+    method: str,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    *,
+    on_error: Callable[[str, str], None] = raise_remote,
+    on_progress: Callable[[int, int], None] | None = None,
+) -> Any:
     """Send one request and return its result (or raise the daemon's error). Progress
     frames (``[2, done, total]``) before the answer go to ``on_progress``."""
     try:
@@ -328,8 +389,9 @@ def call_sync(s: socket.socket, method: str, args: tuple[Any, ...], kwargs: dict
         s.sendall(_HDR.pack(len(body)))
         s.sendall(body)
     except (BrokenPipeError, ConnectionResetError) as e:
-        raise DaemonUnavailable("the kvfs daemon closed the connection (it stopped or "
-                                "was killed)") from e
+        raise DaemonUnavailable(
+            "the kvfs daemon closed the connection (it stopped or was killed)"
+        ) from e
     reply = read_frame_sync(s)
     while reply[0] == 2:
         if on_progress is not None:

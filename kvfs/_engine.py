@@ -85,8 +85,10 @@ def _as_bytes_view(data: object) -> memoryview:
     try:
         mv = memoryview(data)  # type: ignore[arg-type]
     except TypeError:
-        raise TypeError(f"page data must be a buffer (bytes, bytearray, numpy array...), "
-                        f"not {type(data).__name__}") from None
+        raise TypeError(
+            f"page data must be a buffer (bytes, bytearray, numpy array...), "
+            f"not {type(data).__name__}"
+        ) from None
     if not mv.c_contiguous:
         raise ValueError("page data must be a C-contiguous buffer")
     return mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv
@@ -117,11 +119,17 @@ class Engine:
             self.index.set_meta("store_id", store_id)
         self.store_id: str = str(store_id)
         self.io_pool = ThreadPoolExecutor(cfg.io_threads, thread_name_prefix="kvfs-io")
-        self.hash_pool = ThreadPoolExecutor(max(2, (os.cpu_count() or 2)),
-                                            thread_name_prefix="kvfs-hash")
-        self.tier = LocalTier(cfg.data_dirs, cfg.stripe_unit, direct=cfg.direct_io,
-                              durable=cfg.durable, pool=self.io_pool,
-                              bounce_buffers=2 * cfg.io_threads)
+        self.hash_pool = ThreadPoolExecutor(
+            max(2, (os.cpu_count() or 2)), thread_name_prefix="kvfs-hash"
+        )
+        self.tier = LocalTier(
+            cfg.data_dirs,
+            cfg.stripe_unit,
+            direct=cfg.direct_io,
+            durable=cfg.durable,
+            pool=self.io_pool,
+            bounce_buffers=2 * cfg.io_threads,
+        )
         self.tier.prepare(self.store_id)
         self.policy: TieringPolicy = TieringPolicy(self)
         self._cap_lock = threading.Lock()
@@ -142,8 +150,7 @@ class Engine:
         # a crash (or from an older store): a clean restart reads no per-page state at all.
         saved = self.index.get_meta("accounting") if clean else None
         self.index.set_meta("clean", False)
-        if (isinstance(saved, (list, tuple)) and len(saved) == 2
-                and len(saved[1]) == self.tier.n):
+        if isinstance(saved, (list, tuple)) and len(saved) == 2 and len(saved[1]) == self.tier.n:
             self.used, self.dev_used = int(saved[0]), [int(x) for x in saved[1]]
         else:
             self.used = 0
@@ -213,8 +220,10 @@ class Engine:
                     self.reserved += n
                     return
                 if n > self.capacity:
-                    raise CapacityExceeded(f"a page of {n} bytes on disk is larger than the "
-                                           f"capacity cap of {self.capacity} bytes")
+                    raise CapacityExceeded(
+                        f"a page of {n} bytes on disk is larger than the "
+                        f"capacity cap of {self.capacity} bytes"
+                    )
             with self._evict_lock:
                 with self._cap_lock:
                     short = self.used + self.reserved + n - self.capacity
@@ -227,7 +236,8 @@ class Engine:
                         raise CapacityExceeded(
                             f"no room for {n} bytes: {self.used} of {self.capacity} bytes used, "
                             f"{self.reserved} reserved by writes in flight, and nothing left "
-                            "that may be evicted (pinned, leased or being written)")
+                            "that may be evicted (pinned, leased or being written)"
+                        )
 
     def _unreserve(self, n: int) -> None:
         with self._cap_lock:
@@ -282,11 +292,20 @@ class Engine:
         li = k.layer_index
         if li is not None:
             # Consecutive layers of one prefix land on consecutive devices.
-            return (zlib.crc32(k.session_dir.encode() + b"/" + (k.prefix or "").encode()) + li) % self.tier.n
+            return (
+                zlib.crc32(k.session_dir.encode() + b"/" + (k.prefix or "").encode()) + li
+            ) % self.tier.n
         return self.tier.next_start()
 
-    def put(self, key: PageKey | str, data: object, *, attrs: dict[str, str] | None = None,
-            pin: bool = False, replace: bool = False) -> PageInfo:
+    def put(
+        self,
+        key: PageKey | str,
+        data: object,
+        *,
+        attrs: dict[str, str] | None = None,
+        pin: bool = False,
+        replace: bool = False,
+    ) -> PageInfo:
         """Store a page. Write-once: raises PageExists unless ``replace``.
 
         Raises InvalidKey, PageExists, CapacityExceeded. On any error nothing is visible and
@@ -318,17 +337,21 @@ class Engine:
             # the CPUs; then the leaves are hashed on the hash pool and in this thread. A
             # page hashed already (small) is written by this thread: no hop to a pool.
             piece = self.tier.piece
-            writes = [self.io_pool.submit(w.write, o, mv[o:o + piece])
-                      for o in range(piece if leaves is not None else 0, size, piece)]
+            writes = [
+                self.io_pool.submit(w.write, o, mv[o : o + piece])
+                for o in range(piece if leaves is not None else 0, size, piece)
+            ]
             try:
                 if leaves is not None:
                     if size:
                         w.write(0, mv[:piece])
                 else:
                     groups = range(0, size, HASH_GROUP)
-                    hashing = [self.hash_pool.submit(self._group_now, mv[o:o + HASH_GROUP])
-                               for o in groups[:-1]]
-                    last = self._group_now(mv[groups[-1]:])
+                    hashing = [
+                        self.hash_pool.submit(self._group_now, mv[o : o + HASH_GROUP])
+                        for o in groups[:-1]
+                    ]
+                    last = self._group_now(mv[groups[-1] :])
                     leaves = b"".join(f.result() for f in hashing) + last
             finally:
                 # Every write must be over before abort() may close the files under it.
@@ -339,18 +362,39 @@ class Engine:
             self._unreserve(need)
             raise
         assert leaves is not None
-        return self._commit(k, tree_hash(size, leaves), size, leaves, w, need, a, pin, replace,
-                            extents, disk)
+        return self._commit(
+            k, tree_hash(size, leaves), size, leaves, w, need, a, pin, replace, extents, disk
+        )
 
-    def _commit(self, k: PageKey, h: bytes, size: int, leaves: bytes, w: BlobWriter | None,
-                reserved: int, attrs: dict[str, str], pin: bool, replace: bool,
-                extents: tuple | None, disk: int = 0) -> PageInfo:
+    def _commit(
+        self,
+        k: PageKey,
+        h: bytes,
+        size: int,
+        leaves: bytes,
+        w: BlobWriter | None,
+        reserved: int,
+        attrs: dict[str, str],
+        pin: bool,
+        replace: bool,
+        extents: tuple | None,
+        disk: int = 0,
+    ) -> PageInfo:
         sess_attrs = {"model": attrs["model"]} if "model" in attrs else {}
         try:
             used_new, freed, _old = self.index.commit_page(
-                path=k.path, session=k.session_dir, h=h, size=size, leaves=leaves,
-                extents=extents, disk_bytes=disk, attrs=attrs, pinned=pin, replace=replace,
-                session_attrs=sess_attrs)
+                path=k.path,
+                session=k.session_dir,
+                h=h,
+                size=size,
+                leaves=leaves,
+                extents=extents,
+                disk_bytes=disk,
+                attrs=attrs,
+                pinned=pin,
+                replace=replace,
+                session_attrs=sess_attrs,
+            )
         except LookupError as e:
             if w is not None:
                 w.abort()
@@ -387,8 +431,9 @@ class Engine:
 
     def _submit_leaves(self, mv: memoryview) -> builtins.list[Future[bytes]]:
         def group(o: int) -> bytes:
-            chunk = mv[o:o + HASH_GROUP]
-            return b"".join(leaf_hash(chunk[i:i + LEAF]) for i in range(0, len(chunk), LEAF))
+            chunk = mv[o : o + HASH_GROUP]
+            return b"".join(leaf_hash(chunk[i : i + LEAF]) for i in range(0, len(chunk), LEAF))
+
         if len(mv) == 0:
             return [self.hash_pool.submit(leaf_hash, b"")]
         return [self.hash_pool.submit(group, o) for o in range(0, len(mv), HASH_GROUP)]
@@ -402,7 +447,7 @@ class Engine:
     def _group_now(mv: memoryview) -> bytes:
         if len(mv) == 0:
             return leaf_hash(b"")
-        return b"".join(leaf_hash(mv[i:i + LEAF]) for i in range(0, len(mv), LEAF))
+        return b"".join(leaf_hash(mv[i : i + LEAF]) for i in range(0, len(mv), LEAF))
 
     def begin_write(self, key: PageKey | str) -> PageWriter:
         """A streaming writer for a page whose size is not known up front (the FUSE mount)."""
@@ -427,8 +472,10 @@ class Engine:
             if dest.readonly:
                 raise TypeError("the buffer to read into is read-only")
             if len(dest) < blob.size:
-                raise ValueError(f"buffer of {len(dest)} bytes is smaller than page "
-                                 f"{k.path!r} ({blob.size} bytes)")
+                raise ValueError(
+                    f"buffer of {len(dest)} bytes is smaller than page "
+                    f"{k.path!r} ({blob.size} bytes)"
+                )
             self._read_verified(page, blob, dest, 0, blob.size)
             return blob.size
 
@@ -446,7 +493,7 @@ class Engine:
             hi = min(blob.size, -(-end // LEAF) * LEAF)
             buf = aligned_buffer(hi - lo)
             self._read_verified(page, blob, buf, lo, hi - lo)
-            return bytes(buf[offset - lo:end - lo])
+            return bytes(buf[offset - lo : end - lo])
 
     def read_held(self, page: PageRow, blob: BlobRow, offset: int, size: int) -> memoryview:
         """:meth:`read_range` for data held by :meth:`lease`: reads exactly the leased page even
@@ -463,7 +510,7 @@ class Engine:
         hi = min(blob.size, -(-end // LEAF) * LEAF)
         buf = aligned_buffer(hi - lo)
         self._read_verified(page, blob, buf, lo, hi - lo)
-        return buf[offset - lo:end - lo]
+        return buf[offset - lo : end - lo]
 
     def set_page_attrs(self, key: PageKey | str, attrs: dict[str, str]) -> None:
         """Merge ``attrs`` into a page's attributes (the mount keeps file modes here).
@@ -481,8 +528,9 @@ class Engine:
             raise PageNotFound(f"page {page.path!r} could not be restored")
         return b
 
-    def _read_verified(self, page: PageRow, blob: BlobRow, dest: memoryview, off: int,
-                       n: int) -> None:
+    def _read_verified(
+        self, page: PageRow, blob: BlobRow, dest: memoryview, off: int, n: int
+    ) -> None:
         """Read page bytes [off, off+n) (leaf-aligned start) into dest and verify each leaf.
 
         Reads run on the I/O pool; each group of leaves is hashed as soon as its bytes are in,
@@ -506,8 +554,9 @@ class Engine:
                         self.tier.read_piece(p, dest, None, opened)
                         nxt = 1
                     while nxt < len(pieces) and nxt < j + window:
-                        futs[nxt] = self.io_pool.submit(self.tier.read_piece, pieces[nxt], dest,
-                                                        None, opened)
+                        futs[nxt] = self.io_pool.submit(
+                            self.tier.read_piece, pieces[nxt], dest, None, opened
+                        )
                         nxt += 1
                     if j in futs:
                         futs.pop(j).result()
@@ -535,11 +584,13 @@ class Engine:
             raise
         first = off // LEAF
         for j, digest in enumerate(got):
-            if digest != blob.leaves[(first + j) * DIGEST:(first + j + 1) * DIGEST]:
+            if digest != blob.leaves[(first + j) * DIGEST : (first + j + 1) * DIGEST]:
                 bad = first + j
                 self._count("corrupt_reads")
-                raise CorruptPage(f"page {page.path!r} is corrupt: bytes {bad * LEAF}-"
-                                  f"{min(blob.size, (bad + 1) * LEAF)} do not match the checksum")
+                raise CorruptPage(
+                    f"page {page.path!r} is corrupt: bytes {bad * LEAF}-"
+                    f"{min(blob.size, (bad + 1) * LEAF)} do not match the checksum"
+                )
         with self._cap_lock:
             self._counters["gets"] += 1
             self._counters["hits"] += 1
@@ -570,11 +621,21 @@ class Engine:
     # -- metadata ---------------------------------------------------------------------
     def _info(self, p: PageRow, b: BlobRow) -> PageInfo:
         tier = "+".join(t for t, on in (("local", b.local), ("archive", b.archived)) if on)
-        ext = tuple(Extent(e[0], self.tier.abspath(e[0], e[1]), e[2], e[3])
-                    for e in (b.extents or ()))
-        return PageInfo(path=p.path, session=PageKey(p.path).session, size=p.size,
-                        checksum=b.hash.hex(), created=p.created, atime=p.atime,
-                        pinned=p.pinned, tier=tier or "none", attrs=p.attrs, extents=ext)
+        ext = tuple(
+            Extent(e[0], self.tier.abspath(e[0], e[1]), e[2], e[3]) for e in (b.extents or ())
+        )
+        return PageInfo(
+            path=p.path,
+            session=PageKey(p.path).session,
+            size=p.size,
+            checksum=b.hash.hex(),
+            created=p.created,
+            atime=p.atime,
+            pinned=p.pinned,
+            tier=tier or "none",
+            attrs=p.attrs,
+            extents=ext,
+        )
 
     def stat(self, key: PageKey | str) -> PageInfo:
         self._check_open()
@@ -588,8 +649,13 @@ class Engine:
         self._check_open()
         return self.index.page(as_key(key).path) is not None
 
-    def list(self, *, session: str | None = None, prefix: str | None = None,
-             path_prefix: str | None = None) -> builtins.list[PageInfo]:
+    def list(
+        self,
+        *,
+        session: str | None = None,
+        prefix: str | None = None,
+        path_prefix: str | None = None,
+    ) -> builtins.list[PageInfo]:
         """Pages of a session (optionally of one prefix of it), or under a path prefix."""
         self._check_open()
         if prefix is not None and session is None:
@@ -620,9 +686,18 @@ class Engine:
             raise SessionNotFound(f"no session {d!r}")
         u = self.index.session_usage(d)
         name = d.split("/", 1)[1] if d.startswith("sessions/") else d
-        return SessionInfo(session=name, dir=d, created=s.created, atime=s.atime,
-                           pinned=s.pinned, attrs=s.attrs, pages=u["pages"], bytes=u["bytes"],
-                           local_bytes=u["local_bytes"], archived_bytes=u["archived_bytes"])
+        return SessionInfo(
+            session=name,
+            dir=d,
+            created=s.created,
+            atime=s.atime,
+            pinned=s.pinned,
+            attrs=s.attrs,
+            pages=u["pages"],
+            bytes=u["bytes"],
+            local_bytes=u["local_bytes"],
+            archived_bytes=u["archived_bytes"],
+        )
 
     def set_session_attrs(self, session: str, attrs: dict[str, str]) -> None:
         self._check_open()
@@ -669,8 +744,14 @@ class Engine:
         n = sum(b.disk_bytes for b in freed if b.extents is not None)
         from ._events import log_event
 
-        log_event("evict", content=blob.hash.hex()[:16], reason=reason, pages=len(gone),
-                  bytes=n, archived=False)
+        log_event(
+            "evict",
+            content=blob.hash.hex()[:16],
+            reason=reason,
+            pages=len(gone),
+            bytes=n,
+            archived=False,
+        )
         return n
 
     def rename(self, src: PageKey | str, dst: PageKey | str) -> None:
@@ -686,8 +767,9 @@ class Engine:
             self.policy.forget_blob(freed)
         self.index.drop_session_if_empty(old.session)
         # The archive's manifests of both sessions list the old name and the replaced data.
-        self.policy.pages_removed([old, dataclasses.replace(old, path=d.path,
-                                                            session=d.session_dir)])
+        self.policy.pages_removed(
+            [old, dataclasses.replace(old, path=d.path, session=d.session_dir)]
+        )
 
     # -- pin --------------------------------------------------------------------------
     def pin(self, key: PageKey | str, pinned: bool = True) -> None:
@@ -702,8 +784,13 @@ class Engine:
         self.index.set_session_pinned(session_dir(session), pinned)
 
     # -- eviction ---------------------------------------------------------------------
-    def evict(self, target: PageKey | str | None = None, *, session: str | None = None,
-              reason: str = "manual") -> int:
+    def evict(
+        self,
+        target: PageKey | str | None = None,
+        *,
+        session: str | None = None,
+        reason: str = "manual",
+    ) -> int:
         """Drop local copies of one page or a whole session by policy. Returns bytes freed.
 
         Pinned and leased data is skipped. Without an archive tier this deletes the pages.
@@ -764,25 +851,44 @@ class Engine:
         with self._cap_lock:
             k = dict(self._counters)
             return StoreStatistics(
-                capacity_bytes=self.capacity, used_bytes=self.used, reserved_bytes=self.reserved,
-                pages=c["pages"], sessions=c["sessions"], local_blobs=c["local_blobs"],
-                local_bytes=c["local_bytes"], logical_bytes=c["logical_bytes"],
-                puts=k.get("puts", 0), dedup_puts=k.get("dedup_puts", 0), gets=k.get("gets", 0),
-                hits=k.get("hits", 0), misses=k.get("misses", 0),
+                capacity_bytes=self.capacity,
+                used_bytes=self.used,
+                reserved_bytes=self.reserved,
+                pages=c["pages"],
+                sessions=c["sessions"],
+                local_blobs=c["local_blobs"],
+                local_bytes=c["local_bytes"],
+                logical_bytes=c["logical_bytes"],
+                puts=k.get("puts", 0),
+                dedup_puts=k.get("dedup_puts", 0),
+                gets=k.get("gets", 0),
+                hits=k.get("hits", 0),
+                misses=k.get("misses", 0),
                 corrupt_reads=k.get("corrupt_reads", 0),
-                bytes_written=k.get("bytes_written", 0), bytes_read=k.get("bytes_read", 0),
-                evictions=dict(self._evictions), extra=self.policy.statistics(),
-                devices=tuple(DeviceStatistics(i, str(r), self.dev_used[i], free[i])
-                              for i, r in enumerate(self.tier.roots)))
+                bytes_written=k.get("bytes_written", 0),
+                bytes_read=k.get("bytes_read", 0),
+                evictions=dict(self._evictions),
+                extra=self.policy.statistics(),
+                devices=tuple(
+                    DeviceStatistics(i, str(r), self.dev_used[i], free[i])
+                    for i, r in enumerate(self.tier.roots)
+                ),
+            )
 
     # -- verification -----------------------------------------------------------------
-    def fsck(self, *, repair: bool = False, verify_data: bool = True,
-             progress: object = None) -> dict[str, builtins.list[str]]:
+    def fsck(
+        self, *, repair: bool = False, verify_data: bool = True, progress: object = None
+    ) -> dict[str, builtins.list[str]]:
         """Check the index against the files: missing files, wrong sizes, bad checksums,
         orphans. With ``repair``, orphans are removed and pages with missing or corrupt
         data are deleted (they cannot be served). Returns findings by kind."""
         self._check_open()
-        out: dict[str, builtins.list[str]] = {"missing": [], "corrupt": [], "orphans": [], "repaired": []}
+        out: dict[str, builtins.list[str]] = {
+            "missing": [],
+            "corrupt": [],
+            "orphans": [],
+            "repaired": [],
+        }
         known = self.index.all_extent_files()
         for dev, rel in self.tier.all_files():
             if (dev, rel) not in known:
@@ -793,8 +899,11 @@ class Engine:
             assert b.extents is not None
             if callable(progress):
                 progress(i, len(blobs))
-            missing = [self.tier.abspath(e[0], e[1]) for e in b.extents
-                       if not os.path.exists(self.tier.abspath(e[0], e[1]))]
+            missing = [
+                self.tier.abspath(e[0], e[1])
+                for e in b.extents
+                if not os.path.exists(self.tier.abspath(e[0], e[1]))
+            ]
             if missing:
                 out["missing"] += missing
                 bad.append(b)
@@ -804,7 +913,10 @@ class Engine:
                 try:
                     for p in self.tier.pieces(b.extents, 0, b.size):
                         self.tier.read_piece(p, buf)
-                    ok = tree_hash(b.size, self._group_now(buf) if b.size else leaf_hash(b"")) == b.hash
+                    ok = (
+                        tree_hash(b.size, self._group_now(buf) if b.size else leaf_hash(b""))
+                        == b.hash
+                    )
                 except OSError:
                     ok = False
                 if not ok:
@@ -889,7 +1001,7 @@ class PageWriter:
             self._w.write(offset, mv)
             for i in touched:
                 if i * LEAF >= offset and (i + 1) * LEAF <= end:
-                    hashes[i] = leaf_hash(mv[i * LEAF - offset:(i + 1) * LEAF - offset])
+                    hashes[i] = leaf_hash(mv[i * LEAF - offset : (i + 1) * LEAF - offset])
         finally:
             with self._lock:
                 for i in touched:
@@ -925,8 +1037,9 @@ class PageWriter:
             pos += take
         return bytes(out)
 
-    def commit(self, *, attrs: dict[str, str] | None = None, replace: bool = False,
-               pin: bool = False) -> PageInfo:
+    def commit(
+        self, *, attrs: dict[str, str] | None = None, replace: bool = False, pin: bool = False
+    ) -> PageInfo:
         """Make the written bytes a page. Raises PageExists (unless replace), CapacityExceeded."""
         if self._done:
             raise ValueError("writer is closed")
@@ -940,8 +1053,19 @@ class PageWriter:
             self._w.abort()
             eng._unreserve(self._reserved)
             raise
-        return eng._commit(self.key, tree_hash(size, leaves), size, leaves, self._w,
-                           self._reserved, _check_attrs(attrs), pin, replace, extents, disk)
+        return eng._commit(
+            self.key,
+            tree_hash(size, leaves),
+            size,
+            leaves,
+            self._w,
+            self._reserved,
+            _check_attrs(attrs),
+            pin,
+            replace,
+            extents,
+            disk,
+        )
 
     def _hash_files(self, extents: tuple, size: int) -> bytes:
         # The bytes were just written through the page cache, so reading them back is a

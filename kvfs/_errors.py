@@ -28,7 +28,7 @@ class KvfsError(Exception):
     """Root of every error kvfs raises deliberately."""
 
     #: errno the FUSE layer answers with; EIO for anything not more specific.
-    errno: int = errno.EIO
+    errno: int | None = errno.EIO
 
 
 class InvalidKey(KvfsError, ValueError):

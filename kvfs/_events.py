@@ -23,8 +23,9 @@ def log_event(event: str, *, level: int | None = None, **fields: object) -> None
     if not events.isEnabledFor(level):
         return
     text = " ".join(f"{k}={_value(v)}" for k, v in fields.items())
-    events.log(level, "event=%s %s", event, text,
-               extra={"kvfs_event": event, "kvfs_fields": fields})
+    events.log(
+        level, "event=%s %s", event, text, extra={"kvfs_event": event, "kvfs_fields": fields}
+    )
 
 
 def _value(v: object) -> str:

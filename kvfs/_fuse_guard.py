@@ -42,7 +42,7 @@ def guard(fn: Callable[P, Coroutine[Any, Any, T]]) -> Callable[P, Coroutine[Any,
             raise
         except KvfsError as e:
             log.debug("%s%r: %s", fn.__name__, args[1:3], e)
-            raise fuse_error(e.errno) from None
+            raise fuse_error(e.errno or errno.EIO) from None
         except OSError as e:
             if e.errno is None:
                 log.error("%s%r failed", fn.__name__, args[1:3], exc_info=True)

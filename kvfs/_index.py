@@ -25,6 +25,7 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import msgpack
 
@@ -74,7 +75,7 @@ def _pack(obj: object) -> bytes:
     return msgpack.packb(obj, use_bin_type=True)
 
 
-def _unpack(b: bytes | None, default: object = None) -> object:
+def _unpack(b: bytes | None, default: Any = None) -> Any:
     return default if b is None else msgpack.unpackb(b, raw=False, use_list=False)
 
 
@@ -122,8 +123,17 @@ _PAGE_COLS = "path, session, hash, size, created, atime, pinned, attrs"
 
 def _blob(r: tuple) -> BlobRow:
     ext = _unpack(r[4])
-    return BlobRow(r[0], r[1], r[2], r[3], tuple(tuple(e) for e in ext) if ext is not None else None,  # type: ignore[union-attr]
-                   r[5], bool(r[6]), r[7], r[8])
+    return BlobRow(
+        r[0],
+        r[1],
+        r[2],
+        r[3],
+        tuple(tuple(e) for e in ext) if ext is not None else None,  # type: ignore[union-attr]
+        r[5],
+        bool(r[6]),
+        r[7],
+        r[8],
+    )
 
 
 def _page(r: tuple) -> PageRow:
@@ -151,8 +161,9 @@ class Index:
         self._gc_lock = threading.Lock()  # the group-commit queue (see commit_page)
         self._gc_queue: list[_Pending] = []
         self._gc_leading = False
-        self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None,
-                                   timeout=30)
+        self._db = sqlite3.connect(
+            str(path), check_same_thread=False, isolation_level=None, timeout=30
+        )
         self._db.execute("PRAGMA journal_mode=WAL")
         # FULL: a commit is on disk when put() returns. NORMAL keeps consistency, not the
         # last commits, across power loss; only for page-cache benchmarks.
@@ -166,8 +177,9 @@ class Index:
             if v is None:
                 db.execute("INSERT INTO meta VALUES ('schema', ?)", (_pack(SCHEMA_VERSION),))
             elif _unpack(v[0]) != SCHEMA_VERSION:
-                raise RuntimeError(f"index {path} has schema {_unpack(v[0])}, "
-                                   f"this kvfs reads {SCHEMA_VERSION}")
+                raise RuntimeError(
+                    f"index {path} has schema {_unpack(v[0])}, this kvfs reads {SCHEMA_VERSION}"
+                )
 
     def close(self) -> None:
         with self._lock:
@@ -220,8 +232,13 @@ class Index:
             assert b is not None, f"index inconsistent: page {path} has no blob"
             return p, b
 
-    def pages(self, *, session: str | None = None, path_prefix: str | None = None,
-              limit: int | None = None) -> list[PageRow]:
+    def pages(
+        self,
+        *,
+        session: str | None = None,
+        path_prefix: str | None = None,
+        limit: int | None = None,
+    ) -> list[PageRow]:
         sql, args = f"SELECT {_PAGE_COLS} FROM pages", []
         where = []
         if session is not None:
@@ -250,8 +267,10 @@ class Index:
 
     def sessions(self) -> list[SessionRow]:
         rows = self._q("SELECT dir, created, atime, pinned, attrs FROM sessions ORDER BY dir")
-        return [SessionRow(x[0], x[1], x[2], bool(x[3]), dict(_unpack(x[4], {})))  # type: ignore[arg-type]
-                for x in rows]
+        return [
+            SessionRow(x[0], x[1], x[2], bool(x[3]), dict(_unpack(x[4], {})))  # type: ignore[arg-type]
+            for x in rows
+        ]
 
     def session_usage(self, d: str) -> dict[str, int]:
         """Pages and logical bytes of a session, split by where the data is."""
@@ -259,20 +278,32 @@ class Index:
             "SELECT COUNT(*), COALESCE(SUM(p.size),0),"
             " COALESCE(SUM(CASE WHEN b.extents IS NOT NULL THEN p.size END),0),"
             " COALESCE(SUM(CASE WHEN b.archived THEN p.size END),0)"
-            " FROM pages p JOIN blobs b ON b.hash=p.hash WHERE p.session=?", (d,))[0]
+            " FROM pages p JOIN blobs b ON b.hash=p.hash WHERE p.session=?",
+            (d,),
+        )[0]
         return {"pages": r[0], "bytes": r[1], "local_bytes": r[2], "archived_bytes": r[3]}
 
     def local_disk_bytes(self) -> int:
-        return self._q("SELECT COALESCE(SUM(disk_bytes),0) FROM blobs WHERE extents IS NOT NULL")[0][0]
+        return self._q("SELECT COALESCE(SUM(disk_bytes),0) FROM blobs WHERE extents IS NOT NULL")[
+            0
+        ][0]
 
     def counts(self) -> dict[str, int]:
         with self._lock:
-            pages, logical = self._db.execute("SELECT COUNT(*), COALESCE(SUM(size),0) FROM pages").fetchone()
+            pages, logical = self._db.execute(
+                "SELECT COUNT(*), COALESCE(SUM(size),0) FROM pages"
+            ).fetchone()
             blobs, stored = self._db.execute(
-                "SELECT COUNT(*), COALESCE(SUM(size),0) FROM blobs WHERE extents IS NOT NULL").fetchone()
+                "SELECT COUNT(*), COALESCE(SUM(size),0) FROM blobs WHERE extents IS NOT NULL"
+            ).fetchone()
             sessions = self._db.execute("SELECT COUNT(*) FROM sessions").fetchone()[0]
-        return {"pages": pages, "logical_bytes": logical, "local_blobs": blobs,
-                "local_bytes": stored, "sessions": sessions}
+        return {
+            "pages": pages,
+            "logical_bytes": logical,
+            "local_blobs": blobs,
+            "local_bytes": stored,
+            "sessions": sessions,
+        }
 
     def all_extent_files(self) -> set[tuple[int, str]]:
         out: set[tuple[int, str]] = set()
@@ -282,7 +313,9 @@ class Index:
         return out
 
     def local_blobs(self) -> list[BlobRow]:
-        return [_blob(r) for r in self._q(f"SELECT {_BLOB_COLS} FROM blobs WHERE extents IS NOT NULL")]
+        return [
+            _blob(r) for r in self._q(f"SELECT {_BLOB_COLS} FROM blobs WHERE extents IS NOT NULL")
+        ]
 
     def eviction_candidates(self, limit: int) -> list[BlobRow]:
         """Local blobs, least recently used first, that no pinned page or session holds."""
@@ -290,14 +323,28 @@ class Index:
             f"SELECT {_BLOB_COLS} FROM blobs b WHERE b.extents IS NOT NULL AND NOT EXISTS ("
             " SELECT 1 FROM pages p LEFT JOIN sessions s ON s.dir=p.session"
             " WHERE p.hash=b.hash AND (p.pinned=1 OR s.pinned=1))"
-            " ORDER BY b.atime LIMIT ?", (limit,))
+            " ORDER BY b.atime LIMIT ?",
+            (limit,),
+        )
         return [_blob(r) for r in rows]
 
     # -- writes -------------------------------------------------------------------------
-    def commit_page(self, *, path: str, session: str, h: bytes, size: int, leaves: bytes,
-                    extents: Iterable[Extent] | None, disk_bytes: int, attrs: dict[str, str],
-                    pinned: bool, replace: bool, session_attrs: dict[str, str],
-                    now: float | None = None) -> tuple[bool, BlobRow | None, PageRow | None]:
+    def commit_page(
+        self,
+        *,
+        path: str,
+        session: str,
+        h: bytes,
+        size: int,
+        leaves: bytes,
+        extents: Iterable[Extent] | None,
+        disk_bytes: int,
+        attrs: dict[str, str],
+        pinned: bool,
+        replace: bool,
+        session_attrs: dict[str, str],
+        now: float | None = None,
+    ) -> tuple[bool, BlobRow | None, PageRow | None]:
         """Publish a page in one transaction.
 
         Returns ``(used_new_data, freed_blob, replaced_page)``: ``used_new_data`` is False when
@@ -311,10 +358,22 @@ class Index:
         in its own savepoint, so one call's error leaves the others' pages intact. A caller
         returns only after the transaction holding its page is committed.
         """
-        req = _Pending(dict(path=path, session=session, h=h, size=size, leaves=leaves,
-                            extents=extents, disk_bytes=disk_bytes, attrs=attrs, pinned=pinned,
-                            replace=replace, session_attrs=session_attrs,
-                            now=time.time() if now is None else now))
+        req = _Pending(
+            dict(
+                path=path,
+                session=session,
+                h=h,
+                size=size,
+                leaves=leaves,
+                extents=extents,
+                disk_bytes=disk_bytes,
+                attrs=attrs,
+                pinned=pinned,
+                replace=replace,
+                session_attrs=session_attrs,
+                now=time.time() if now is None else now,
+            )
+        )
         with self._gc_lock:
             self._gc_queue.append(req)
             lead = not self._gc_leading
@@ -359,11 +418,23 @@ class Index:
             for r in batch:
                 r.done.set()
 
-    def _commit_page(self, db: sqlite3.Connection, *, path: str, session: str, h: bytes,
-                     size: int, leaves: bytes, extents: Iterable[Extent] | None,
-                     disk_bytes: int, attrs: dict[str, str], pinned: bool, replace: bool,
-                     session_attrs: dict[str, str], now: float
-                     ) -> tuple[bool, BlobRow | None, PageRow | None]:
+    def _commit_page(
+        self,
+        db: sqlite3.Connection,
+        *,
+        path: str,
+        session: str,
+        h: bytes,
+        size: int,
+        leaves: bytes,
+        extents: Iterable[Extent] | None,
+        disk_bytes: int,
+        attrs: dict[str, str],
+        pinned: bool,
+        replace: bool,
+        session_attrs: dict[str, str],
+        now: float,
+    ) -> tuple[bool, BlobRow | None, PageRow | None]:
         """One page's changes, inside the caller's transaction and savepoint."""
         old = db.execute(f"SELECT {_PAGE_COLS} FROM pages WHERE path=?", (path,)).fetchone()
         old_page = _page(old) if old else None
@@ -376,30 +447,45 @@ class Index:
         if existing is None:
             db.execute(
                 f"INSERT INTO blobs ({_BLOB_COLS}) VALUES (?,?,?,?,?,?,?,?,?)",
-                (h, size, leaves, 1, _pack(list(extents)) if extents is not None else None,
-                 disk_bytes if extents is not None else 0, 0, now, now))
+                (
+                    h,
+                    size,
+                    leaves,
+                    1,
+                    _pack(list(extents)) if extents is not None else None,
+                    disk_bytes if extents is not None else 0,
+                    0,
+                    now,
+                    now,
+                ),
+            )
         else:
             eb = _blob(existing)
             if eb.local or extents is None:
                 used_new = False
                 db.execute("UPDATE blobs SET refs=refs+1, atime=? WHERE hash=?", (now, h))
             else:  # known only in the archive: our fresh files become its local copy
-                db.execute("UPDATE blobs SET refs=refs+1, atime=?, extents=?, disk_bytes=?"
-                           " WHERE hash=?", (now, _pack(list(extents)), disk_bytes, h))
+                db.execute(
+                    "UPDATE blobs SET refs=refs+1, atime=?, extents=?, disk_bytes=? WHERE hash=?",
+                    (now, _pack(list(extents)), disk_bytes, h),
+                )
         freed = None
         if old_page is not None:
             db.execute("DELETE FROM pages WHERE path=?", (path,))
             freed = self._unref(db, old_page.hash) if old_page.hash != h else None
             if old_page.hash == h:
                 db.execute("UPDATE blobs SET refs=refs-1 WHERE hash=?", (h,))
-        db.execute(f"INSERT INTO pages ({_PAGE_COLS}) VALUES (?,?,?,?,?,?,?,?)",
-                   (path, session, h, size, now, now, int(pinned), _pack(attrs)))
+        db.execute(
+            f"INSERT INTO pages ({_PAGE_COLS}) VALUES (?,?,?,?,?,?,?,?)",
+            (path, session, h, size, now, now, int(pinned), _pack(attrs)),
+        )
         self._touch_session(db, session, now, session_attrs)
         return used_new, freed, old_page
 
     @staticmethod
-    def _touch_session(db: sqlite3.Connection, d: str, now: float,
-                       attrs: dict[str, str] | None = None) -> None:
+    def _touch_session(
+        db: sqlite3.Connection, d: str, now: float, attrs: dict[str, str] | None = None
+    ) -> None:
         row = db.execute("SELECT attrs FROM sessions WHERE dir=?", (d,)).fetchone()
         if row is None:
             db.execute("INSERT INTO sessions VALUES (?,?,?,0,?)", (d, now, now, _pack(attrs or {})))
@@ -408,8 +494,10 @@ class Index:
             if attrs:
                 for k, v in attrs.items():
                     merged.setdefault(k, v)
-            db.execute("UPDATE sessions SET atime=MAX(atime, ?), attrs=? WHERE dir=?",
-                       (now, _pack(merged), d))
+            db.execute(
+                "UPDATE sessions SET atime=MAX(atime, ?), attrs=? WHERE dir=?",
+                (now, _pack(merged), d),
+            )
 
     @staticmethod
     def _unref(db: sqlite3.Connection, h: bytes) -> BlobRow | None:
@@ -476,7 +564,10 @@ class Index:
 
     def set_page_pinned(self, path: str, pinned: bool) -> bool:
         with self.transaction() as db:
-            return db.execute("UPDATE pages SET pinned=? WHERE path=?", (int(pinned), path)).rowcount > 0
+            return (
+                db.execute("UPDATE pages SET pinned=? WHERE path=?", (int(pinned), path)).rowcount
+                > 0
+            )
 
     def set_session_pinned(self, d: str, pinned: bool) -> None:
         with self.transaction() as db:
@@ -498,15 +589,22 @@ class Index:
             if n == 0 and pinned is not None and not pinned[0]:
                 db.execute("DELETE FROM sessions WHERE dir=?", (d,))
 
-    def flush_atimes(self, pages: dict[str, float], blobs: dict[bytes, float],
-                     sessions: dict[str, float]) -> None:
+    def flush_atimes(
+        self, pages: dict[str, float], blobs: dict[bytes, float], sessions: dict[str, float]
+    ) -> None:
         """Write batched access times (reads do not each pay a transaction)."""
         if not (pages or blobs or sessions):
             return
         with self.transaction() as db:
-            db.executemany("UPDATE pages SET atime=MAX(atime, ?) WHERE path=?",
-                           [(t, p) for p, t in pages.items()])
-            db.executemany("UPDATE blobs SET atime=MAX(atime, ?) WHERE hash=?",
-                           [(t, h) for h, t in blobs.items()])
-            db.executemany("UPDATE sessions SET atime=MAX(atime, ?) WHERE dir=?",
-                           [(t, d) for d, t in sessions.items()])
+            db.executemany(
+                "UPDATE pages SET atime=MAX(atime, ?) WHERE path=?",
+                [(t, p) for p, t in pages.items()],
+            )
+            db.executemany(
+                "UPDATE blobs SET atime=MAX(atime, ?) WHERE hash=?",
+                [(t, h) for h, t in blobs.items()],
+            )
+            db.executemany(
+                "UPDATE sessions SET atime=MAX(atime, ?) WHERE dir=?",
+                [(t, d) for d, t in sessions.items()],
+            )

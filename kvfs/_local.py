@@ -64,8 +64,16 @@ def merge_extents(extents: list[Extent]) -> list[Extent]:
 class LocalTier:
     """Byte movement for the striped local tier. Thread-safe; no knowledge of keys."""
 
-    def __init__(self, roots: tuple[Path, ...], stripe_unit: int, *, direct: bool,
-                 durable: bool, pool: ThreadPoolExecutor, bounce_buffers: int) -> None:
+    def __init__(
+        self,
+        roots: tuple[Path, ...],
+        stripe_unit: int,
+        *,
+        direct: bool,
+        durable: bool,
+        pool: ThreadPoolExecutor,
+        bounce_buffers: int,
+    ) -> None:
         self.roots = tuple(Path(r) for r in roots)
         self.n = len(self.roots)
         self.unit = stripe_unit
@@ -89,7 +97,8 @@ class LocalTier:
                     raise KvfsError(
                         f"{root} is device {info.get('index')} of store {info.get('store')}, "
                         f"but is configured as device {i} of store {store_id}: keep the "
-                        "data directories in their original order")
+                        "data directories in their original order"
+                    )
             else:
                 # The 256 fan-out directories up front: a put then only creates its file, and
                 # the directories' own entries are durable before any page depends on them.
@@ -136,8 +145,9 @@ class LocalTier:
         return BlobWriter(self, start, direct=direct and self.direct)
 
     # -- reading ----------------------------------------------------------------------
-    def pieces(self, extents: tuple[Extent, ...], off: int, n: int,
-               max_piece: int | None = None) -> Iterator[Piece]:
+    def pieces(
+        self, extents: tuple[Extent, ...], off: int, n: int, max_piece: int | None = None
+    ) -> Iterator[Piece]:
         """Split page bytes ``[off, off+n)`` into per-file reads of at most ``max_piece``
         (default: the stripe unit, at most MAX_PIECE)."""
         step = min(self.piece, max_piece) if max_piece else self.piece
@@ -161,8 +171,9 @@ class LocalTier:
         try:
             for p in pieces:
                 if (p.dev, p.file) not in out:
-                    out[(p.dev, p.file)] = open_direct(self.abspath(p.dev, p.file), os.O_RDONLY,
-                                                       direct=self.direct)
+                    out[(p.dev, p.file)] = open_direct(
+                        self.abspath(p.dev, p.file), os.O_RDONLY, direct=self.direct
+                    )
         except BaseException:
             self.close_files(out)
             raise
@@ -173,18 +184,24 @@ class LocalTier:
         for fd, _direct in opened.values():
             os.close(fd)
 
-    def read_piece(self, p: Piece, dest: memoryview, direct: bool | None = None,
-                   opened: dict[tuple[int, str], tuple[int, bool]] | None = None) -> None:
+    def read_piece(
+        self,
+        p: Piece,
+        dest: memoryview,
+        direct: bool | None = None,
+        opened: dict[tuple[int, str], tuple[int, bool]] | None = None,
+    ) -> None:
         """Read one piece into ``dest[p.dest_off:...]``, O_DIRECT where the buffer allows;
         through a file of ``opened`` (see :meth:`open_files`) or one opened for the call."""
         path = self.abspath(p.dev, p.file)
-        target = dest[p.dest_off:p.dest_off + p.n]
+        target = dest[p.dest_off : p.dest_off + p.n]
         if opened is not None:
             fd, direct = opened[(p.dev, p.file)]
             own = False
         else:
-            fd, direct = open_direct(path, os.O_RDONLY,
-                                     direct=self.direct if direct is None else direct)
+            fd, direct = open_direct(
+                path, os.O_RDONLY, direct=self.direct if direct is None else direct
+            )
             own = True
         try:
             if not direct:
@@ -207,7 +224,7 @@ class LocalTier:
                         got = _pread_full(fd, b[:span], base, allow_short=True)
                         if got < fo - base + want:
                             raise CorruptedFile(path, "data file is shorter than its extents")
-                        target[done:done + want] = b[fo - base:fo - base + want]
+                        target[done : done + want] = b[fo - base : fo - base + want]
                         done += want
                 finally:
                     self.bounce.give(b)
@@ -309,11 +326,19 @@ class BlobWriter:
                 fd, direct = open_direct(path, flags, 0o640, direct=self.direct)
             self._fds[dev] = (fd, direct)
             hdr = aligned_buffer(HEADER)
-            meta = msgpack.packb({"v": 1, "nonce": self.nonce, "dev": dev, "start": self.start,
-                                  "ndev": self.tier.n, "unit": self.tier.unit})
-            hdr[:len(MAGIC)] = MAGIC
-            hdr[len(MAGIC):len(MAGIC) + 2] = len(meta).to_bytes(2, "little")
-            hdr[len(MAGIC) + 2:len(MAGIC) + 2 + len(meta)] = meta
+            meta = msgpack.packb(
+                {
+                    "v": 1,
+                    "nonce": self.nonce,
+                    "dev": dev,
+                    "start": self.start,
+                    "ndev": self.tier.n,
+                    "unit": self.tier.unit,
+                }
+            )
+            hdr[: len(MAGIC)] = MAGIC
+            hdr[len(MAGIC) : len(MAGIC) + 2] = len(meta).to_bytes(2, "little")
+            hdr[len(MAGIC) + 2 : len(MAGIC) + 2 + len(meta)] = meta
             if direct:
                 self._headers[dev] = hdr
             else:
@@ -328,7 +353,7 @@ class BlobWriter:
             o = page_off + pos
             take = min(len(data) - pos, unit - o % unit)
             dev, foff = self.tier.locate(self.start, o)
-            self._write_at(dev, foff, data[pos:pos + take])
+            self._write_at(dev, foff, data[pos : pos + take])
             pos += take
         with self._lock:
             self.size = max(self.size, page_off + len(data))
@@ -357,7 +382,7 @@ class BlobWriter:
                     assert b is not None
                     take = min(len(data) - done, len(b))
                     span = round_up(take)
-                    b[:take] = data[done:done + take]
+                    b[:take] = data[done : done + take]
                     if span > take:
                         b[take:span] = bytes(span - take)
                     _pwrite_full(fd, b[:span], foff + done)
@@ -367,7 +392,9 @@ class BlobWriter:
                     self.tier.bounce.give(b)
         except OSError as e:
             if e.errno in (28, 122):  # ENOSPC, EDQUOT
-                raise CapacityExceeded(f"device {self.tier.roots[dev]} is full: {e.strerror}") from e
+                raise CapacityExceeded(
+                    f"device {self.tier.roots[dev]} is full: {e.strerror}"
+                ) from e
             raise
 
     def _take_header(self, dev: int) -> memoryview | None:
@@ -396,8 +423,7 @@ class BlobWriter:
         if self.tier.durable:
             # fdatasync: the data, the block allocation and the size; not timestamps.
             fds = [fd for fd, _direct in self._fds.values()]
-            futs: list[Future[None]] = [self.tier.pool.submit(os.fdatasync, fd)
-                                        for fd in fds[1:]]
+            futs: list[Future[None]] = [self.tier.pool.submit(os.fdatasync, fd) for fd in fds[1:]]
             try:
                 os.fdatasync(fds[0])
             finally:  # all of them finish before abort() may close the files

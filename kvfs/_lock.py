@@ -33,12 +33,17 @@ class DirLock:
             except ValueError:
                 owner = {}
             os.close(fd)
-            who = (f"pid {owner.get('pid', '?')} on {owner.get('host', '?')} "
-                   f"({owner.get('cmd', '?')}, since {owner.get('since', '?')})")
+            who = (
+                f"pid {owner.get('pid', '?')} on {owner.get('host', '?')} "
+                f"({owner.get('cmd', '?')}, since {owner.get('since', '?')})"
+            )
             raise StoreLocked(f"{self.path.parent} is in use by {who}") from None
-        info = {"pid": os.getpid(), "host": socket.gethostname(),
-                "cmd": " ".join(sys.argv)[:200],
-                "since": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+        info = {
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "cmd": " ".join(sys.argv)[:200],
+            "since": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        }
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps(info).encode(), 0)
         self._fd = fd

@@ -41,7 +41,7 @@ def manifest_key(session_dir: str) -> str:
 
 
 def session_of_manifest_key(key: str) -> str:
-    return unquote(key[len(MANIFESTS):])
+    return unquote(key[len(MANIFESTS) :])
 
 
 def parse_manifest(data: bytes) -> dict:
@@ -61,28 +61,37 @@ class ArchiveIndex:
     def __init__(self, index: Index) -> None:
         self.index = index
         with index.transaction() as db:
-            db.execute("CREATE TABLE IF NOT EXISTS archive_pending ("
-                       " kind TEXT NOT NULL, k TEXT NOT NULL, since REAL NOT NULL,"
-                       " PRIMARY KEY (kind, k))")
+            db.execute(
+                "CREATE TABLE IF NOT EXISTS archive_pending ("
+                " kind TEXT NOT NULL, k TEXT NOT NULL, since REAL NOT NULL,"
+                " PRIMARY KEY (kind, k))"
+            )
 
     # -- pending work -------------------------------------------------------------------
     def enqueue(self, kind: str, keys: list[str]) -> None:
         if keys:
             with self.index.transaction() as db:
-                db.executemany("INSERT OR IGNORE INTO archive_pending VALUES (?,?,?)",
-                               [(kind, k, time.time()) for k in keys])
+                db.executemany(
+                    "INSERT OR IGNORE INTO archive_pending VALUES (?,?,?)",
+                    [(kind, k, time.time()) for k in keys],
+                )
 
     def pending(self, kind: str, older_than: float = 0.0) -> list[str]:
         cutoff = time.time() - older_than
-        return [r[0] for r in self.index._q(
-            "SELECT k FROM archive_pending WHERE kind=? AND since<=? ORDER BY since",
-            (kind, cutoff))]
+        return [
+            r[0]
+            for r in self.index._q(
+                "SELECT k FROM archive_pending WHERE kind=? AND since<=? ORDER BY since",
+                (kind, cutoff),
+            )
+        ]
 
     def done(self, kind: str, keys: list[str]) -> None:
         if keys:
             with self.index.transaction() as db:
-                db.executemany("DELETE FROM archive_pending WHERE kind=? AND k=?",
-                               [(kind, k) for k in keys])
+                db.executemany(
+                    "DELETE FROM archive_pending WHERE kind=? AND k=?", [(kind, k) for k in keys]
+                )
 
     # -- blob state ---------------------------------------------------------------------
     def mark_archived(self, hashes: list[bytes]) -> None:
@@ -93,8 +102,10 @@ class ArchiveIndex:
         """Record restored files as the local copy of an archive-only blob; None when the
         blob is gone or already local again (the caller removes its files)."""
         with self.index.transaction() as db:
-            n = db.execute("UPDATE blobs SET extents=?, disk_bytes=? WHERE hash=? AND extents IS NULL",
-                           (_pack([list(e) for e in extents]), disk_bytes, h)).rowcount
+            n = db.execute(
+                "UPDATE blobs SET extents=?, disk_bytes=? WHERE hash=? AND extents IS NULL",
+                (_pack([list(e) for e in extents]), disk_bytes, h),
+            ).rowcount
             if n == 0:
                 return None
             r = db.execute(f"SELECT {_BLOB_COLS} FROM blobs WHERE hash=?", (h,)).fetchone()
@@ -105,11 +116,14 @@ class ArchiveIndex:
         r = self.index._q(
             "SELECT COUNT(*) FROM pages p LEFT JOIN sessions s ON s.dir=p.session"
             " WHERE p.hash=? AND (p.pinned=1 OR s.pinned=1) AND p.session IS NOT ?",
-            (h, session))
+            (h, session),
+        )
         return r[0][0] == 0
 
     def sessions_of_blob(self, h: bytes) -> list[str]:
-        return [r[0] for r in self.index._q("SELECT DISTINCT session FROM pages WHERE hash=?", (h,))]
+        return [
+            r[0] for r in self.index._q("SELECT DISTINCT session FROM pages WHERE hash=?", (h,))
+        ]
 
     # -- import from another host's manifest ---------------------------------------------
     def import_manifest(self, m: dict) -> int:
@@ -126,14 +140,34 @@ class ArchiveIndex:
                 if db.execute("SELECT 1 FROM blobs WHERE hash=?", (h,)).fetchone():
                     db.execute("UPDATE blobs SET refs=refs+1, archived=1 WHERE hash=?", (h,))
                 else:
-                    db.execute(f"INSERT INTO blobs ({_BLOB_COLS}) VALUES (?,?,?,?,?,?,?,?,?)",
-                               (h, p["size"], bytes(p["leaves"]), 1, None, 0, 1,
-                                p.get("created", now), m.get("atime", now)))
-                db.execute("INSERT INTO pages (path, session, hash, size, created, atime, pinned,"
-                           " attrs) VALUES (?,?,?,?,?,?,?,?)",
-                           (p["path"], d, h, p["size"], p.get("created", now),
-                            m.get("atime", now), int(p.get("pinned", False)),
-                            _pack(p.get("attrs", {}))))
+                    db.execute(
+                        f"INSERT INTO blobs ({_BLOB_COLS}) VALUES (?,?,?,?,?,?,?,?,?)",
+                        (
+                            h,
+                            p["size"],
+                            bytes(p["leaves"]),
+                            1,
+                            None,
+                            0,
+                            1,
+                            p.get("created", now),
+                            m.get("atime", now),
+                        ),
+                    )
+                db.execute(
+                    "INSERT INTO pages (path, session, hash, size, created, atime, pinned,"
+                    " attrs) VALUES (?,?,?,?,?,?,?,?)",
+                    (
+                        p["path"],
+                        d,
+                        h,
+                        p["size"],
+                        p.get("created", now),
+                        m.get("atime", now),
+                        int(p.get("pinned", False)),
+                        _pack(p.get("attrs", {})),
+                    ),
+                )
                 added += 1
             Index._touch_session(db, d, m.get("atime", now), m.get("attrs") or {})
             if m.get("pinned"):
@@ -152,12 +186,30 @@ def build_manifest(index: Index, d: str, store_id: str, codecs: dict[bytes, str]
         b = index.blob(p.hash)
         if b is None or not b.archived:
             continue
-        pages.append({"path": p.path, "size": p.size, "hash": p.hash, "leaves": b.leaves,
-                      "codec": codecs.get(p.hash, "see-object"), "created": p.created,
-                      "pinned": p.pinned, "attrs": p.attrs})
+        pages.append(
+            {
+                "path": p.path,
+                "size": p.size,
+                "hash": p.hash,
+                "leaves": b.leaves,
+                "codec": codecs.get(p.hash, "see-object"),
+                "created": p.created,
+                "pinned": p.pinned,
+                "attrs": p.attrs,
+            }
+        )
     if not pages:
         return None
     name = d.split("/", 1)[1] if d.startswith("sessions/") else d
-    return {"v": VERSION, "session": d, "name": name, "created": s.created, "atime": s.atime,
-            "pinned": s.pinned, "attrs": s.attrs, "store_id": store_id,
-            "spilled_at": time.time(), "pages": pages}
+    return {
+        "v": VERSION,
+        "session": d,
+        "name": name,
+        "created": s.created,
+        "atime": s.atime,
+        "pinned": s.pinned,
+        "attrs": s.attrs,
+        "store_id": store_id,
+        "spilled_at": time.time(),
+        "pages": pages,
+    }

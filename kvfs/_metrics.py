@@ -35,25 +35,40 @@ class _Writer:
         self.lines: list[str] = []
         self._seen: set[str] = set()
 
-    def __call__(self, name: str, kind: str, help: str, value: float | None,
-                 labels: dict[str, object] | None = None) -> None:
+    def __call__(
+        self,
+        name: str,
+        kind: str,
+        help: str,
+        value: float | None,
+        labels: dict[str, object] | None = None,
+    ) -> None:
         if name not in self._seen:
             self._seen.add(name)
             self.lines.append(f"# HELP {name} {help}")
             self.lines.append(f"# TYPE {name} {kind}")
         if value is None:
             return
-        lab = ("{" + ",".join(f'{k}="{_esc(v)}"' for k, v in labels.items()) + "}") if labels else ""
-        self.lines.append(f"{name}{lab} {float(value):g}" if isinstance(value, float)
-                          else f"{name}{lab} {value}")
+        lab = (
+            ("{" + ",".join(f'{k}="{_esc(v)}"' for k, v in labels.items()) + "}") if labels else ""
+        )
+        self.lines.append(
+            f"{name}{lab} {float(value):g}" if isinstance(value, float) else f"{name}{lab} {value}"
+        )
 
 
-def render_metrics(st: StoreStatistics, sessions: list[SessionInfo], *,
-                   max_sessions: int = 20) -> str:
+def render_metrics(
+    st: StoreStatistics, sessions: list[SessionInfo], *, max_sessions: int = 20
+) -> str:
     """The exposition text for one scrape."""
     w = _Writer()
     g, c = "gauge", "counter"
-    w("kvfs_capacity_bytes", g, "Cap on bytes held locally (0: the disks' size).", st.capacity_bytes)
+    w(
+        "kvfs_capacity_bytes",
+        g,
+        "Cap on bytes held locally (0: the disks' size).",
+        st.capacity_bytes,
+    )
     w("kvfs_used_bytes", g, "Bytes the local tier holds on disk.", st.used_bytes)
     w("kvfs_reserved_bytes", g, "Bytes reserved by writes in progress.", st.reserved_bytes)
     w("kvfs_pages", g, "Pages in the index.", st.pages)
@@ -61,11 +76,21 @@ def render_metrics(st: StoreStatistics, sessions: list[SessionInfo], *,
     w("kvfs_local_contents", g, "Distinct contents held locally.", st.local_blobs)
     w("kvfs_logical_bytes", g, "Sum of page sizes (before deduplication).", st.logical_bytes)
     for d in st.devices:
-        w("kvfs_device_used_bytes", g, "Bytes used per data device.", d.used_bytes,
-          {"device": d.index, "path": d.path})
+        w(
+            "kvfs_device_used_bytes",
+            g,
+            "Bytes used per data device.",
+            d.used_bytes,
+            {"device": d.index, "path": d.path},
+        )
     for d in st.devices:
-        w("kvfs_device_free_bytes", g, "Free bytes per data device.", d.free_bytes,
-          {"device": d.index, "path": d.path})
+        w(
+            "kvfs_device_free_bytes",
+            g,
+            "Free bytes per data device.",
+            d.free_bytes,
+            {"device": d.index, "path": d.path},
+        )
     w("kvfs_puts_total", c, "Pages stored.", st.puts)
     w("kvfs_dedup_puts_total", c, "Puts whose content was already held.", st.dedup_puts)
     w("kvfs_gets_total", c, "Page reads.", st.gets)
@@ -84,10 +109,12 @@ def render_metrics(st: StoreStatistics, sessions: list[SessionInfo], *,
     w("kvfs_archive_enabled", g, "1 when an archive tier is configured.", 1 if a else 0)
     if a:
         w("kvfs_spill_queue", g, "Sessions waiting to be spilled.", a.get("spill_queue", 0))  # type: ignore[arg-type]
-        for key, help in (("bytes_spilled", "Bytes uploaded to the archive."),
-                          ("bytes_restored", "Bytes restored from the archive."),
-                          ("sessions_spilled", "Sessions spilled."),
-                          ("errors", "Archive errors.")):
+        for key, help in (
+            ("bytes_spilled", "Bytes uploaded to the archive."),
+            ("bytes_restored", "Bytes restored from the archive."),
+            ("sessions_spilled", "Sessions spilled."),
+            ("errors", "Archive errors."),
+        ):
             w(f"kvfs_archive_{key}_total", c, help, a.get(key, 0))  # type: ignore[arg-type]
         w("kvfs_restore_latency_seconds", "summary", "Restore latency of recent restores.", None)
         for q, key in (("0.5", "restore_p50_s"), ("0.99", "restore_p99_s")):
@@ -96,10 +123,15 @@ def render_metrics(st: StoreStatistics, sessions: list[SessionInfo], *,
                 w("kvfs_restore_latency_seconds", "summary", "", float(v), {"quantile": q})
     top = sorted(sessions, key=lambda s: (-s.bytes, s.session))
     shown, rest = top[:max_sessions], top[max_sessions:]
-    for name, help, attr in (("kvfs_session_bytes", "Bytes per session (largest sessions; "
-                              "the rest summed as _other).", "bytes"),
-                             ("kvfs_session_local_bytes", "Local bytes per session.", "local_bytes"),
-                             ("kvfs_session_pages", "Pages per session.", "pages")):
+    for name, help, attr in (
+        (
+            "kvfs_session_bytes",
+            "Bytes per session (largest sessions; the rest summed as _other).",
+            "bytes",
+        ),
+        ("kvfs_session_local_bytes", "Local bytes per session.", "local_bytes"),
+        ("kvfs_session_pages", "Pages per session.", "pages"),
+    ):
         w(name, g, help, None)
         for s in shown:
             w(name, g, "", getattr(s, attr), {"session": s.session})
@@ -128,9 +160,14 @@ async def _answer(stream: trio.SocketStream, store: Store, max_sessions: int) ->
     await stream.send_all(head + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
 
 
-async def metrics_service(store: Store, *, port: int, address: str = "127.0.0.1",
-                          max_sessions: int = 20,
-                          task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
+async def metrics_service(
+    store: Store,
+    *,
+    port: int,
+    address: str = "127.0.0.1",
+    max_sessions: int = 20,
+    task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
+) -> None:
     """Serve ``/metrics`` on ``address:port`` until cancelled; reports the bound port (useful
     with ``port=0``). Raises OSError when the port cannot be bound."""
 
@@ -156,22 +193,31 @@ class JournaldHandler(logging.Handler):
     """Native journald protocol: one datagram per record, with MESSAGE, PRIORITY and the
     structured fields of ``kvfs.events`` lines (upper-cased, prefixed ``KVFS_``)."""
 
-    PRIORITY = {logging.DEBUG: 7, logging.INFO: 6, logging.WARNING: 4, logging.ERROR: 3,
-                logging.CRITICAL: 2}
+    PRIORITY = {
+        logging.DEBUG: 7,
+        logging.INFO: 6,
+        logging.WARNING: 4,
+        logging.ERROR: 3,
+        logging.CRITICAL: 2,
+    }
 
     def __init__(self, path: str = "/run/systemd/journal/socket") -> None:
         super().__init__()
         if not os.path.exists(path):
-            raise FileNotFoundError(f"journald is not running here (no {path}); "
-                                    "use log_target = \"stderr\"")
+            raise FileNotFoundError(
+                f'journald is not running here (no {path}); use log_target = "stderr"'
+            )
         self.path = path
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
-            fields = {"MESSAGE": self.format(record),
-                      "PRIORITY": str(self.PRIORITY.get(record.levelno, 6)),
-                      "SYSLOG_IDENTIFIER": "kvfs", "LOGGER": record.name}
+            fields = {
+                "MESSAGE": self.format(record),
+                "PRIORITY": str(self.PRIORITY.get(record.levelno, 6)),
+                "SYSLOG_IDENTIFIER": "kvfs",
+                "LOGGER": record.name,
+            }
             event = getattr(record, "kvfs_event", None)
             if event:
                 fields["KVFS_EVENT"] = str(event)

@@ -35,8 +35,11 @@ class TieringPolicy:
         freed = 0
         skipped: set[bytes] = set()
         while freed < need:
-            cands = [b for b in self.engine.index.eviction_candidates(self.batch + len(skipped))
-                     if b.hash not in skipped]
+            cands = [
+                b
+                for b in self.engine.index.eviction_candidates(self.batch + len(skipped))
+                if b.hash not in skipped
+            ]
             if not cands:
                 break
             progress = False
@@ -81,5 +84,7 @@ class TieringPolicy:
         bring it from."""
         from ._errors import PageNotFound
 
-        raise PageNotFound(f"page data {blob.hash.hex()[:16]} is not held locally and no archive "
-                           "tier is configured")
+        raise PageNotFound(
+            f"page data {blob.hash.hex()[:16]} is not held locally and no archive "
+            "tier is configured"
+        )

@@ -48,7 +48,7 @@ def _copy_into(data: bytes, into: object) -> int:
     dest = memoryview(into).cast("B")  # type: ignore[arg-type]
     if len(dest) < len(data):
         raise ValueError(f"buffer of {len(dest)} bytes is too small for {len(data)}")
-    dest[:len(data)] = data
+    dest[: len(data)] = data
     return len(data)
 
 
@@ -58,8 +58,15 @@ class _Api:
     def _call(self, method: str, *args: Any, **kw: Any) -> Any:
         raise NotImplementedError
 
-    def put(self, key: KeyLike, data: object, *, attrs: dict[str, str] | None = None,
-            pin: bool = False, replace: bool = False) -> Any:
+    def put(
+        self,
+        key: KeyLike,
+        data: object,
+        *,
+        attrs: dict[str, str] | None = None,
+        pin: bool = False,
+        replace: bool = False,
+    ) -> Any:
         return self._call("put", _k(key), data, attrs=attrs, pin=pin, replace=replace)
 
     def read_range(self, key: KeyLike, offset: int, size: int) -> Any:
@@ -71,8 +78,13 @@ class _Api:
     def exists(self, key: KeyLike) -> Any:
         return self._call("exists", _k(key))
 
-    def list(self, *, session: str | None = None, prefix: str | None = None,
-             path_prefix: str | None = None) -> Any:
+    def list(
+        self,
+        *,
+        session: str | None = None,
+        prefix: str | None = None,
+        path_prefix: str | None = None,
+    ) -> Any:
         return self._call("list", session=session, prefix=prefix, path_prefix=path_prefix)
 
     def sessions(self) -> Any:
@@ -124,8 +136,7 @@ class _Api:
         return self._call("archived_sessions")
 
     def begin_write(self, key: KeyLike) -> Any:
-        raise NotImplementedError("begin_write is not offered over the control channel; "
-                                  "use put")
+        raise NotImplementedError("begin_write is not offered over the control channel; use put")
 
 
 class SyncRemoteStore(_Api):
@@ -155,12 +166,14 @@ class SyncRemoteStore(_Api):
                 self._idle.append(s)
         return result
 
-    def fsck_progress(self, *, repair: bool = False,
-                      progress: Callable[[int, int], None]) -> dict[str, builtins.list[str]]:
+    def fsck_progress(
+        self, *, repair: bool = False, progress: Callable[[int, int], None]
+    ) -> dict[str, builtins.list[str]]:
         """fsck with ``progress(done, total)`` called as the daemon checks (a few times a
         second). Returns the findings, as ``fsck``."""
-        result: dict[str, builtins.list[str]] = self._call("fsck", repair=repair, progress=True,
-                                                           on_progress=progress)
+        result: dict[str, builtins.list[str]] = self._call(
+            "fsck", repair=repair, progress=True, on_progress=progress
+        )
         return result
 
     def ping(self) -> bool:
@@ -171,11 +184,14 @@ class SyncRemoteStore(_Api):
         data: bytes = self._call("get", _k(key))
         return data if into is None else _copy_into(data, into)
 
-    def put_many(self, items: Iterable[tuple[KeyLike, object]], **kw: Any) -> builtins.list[PageInfo]:
+    def put_many(
+        self, items: Iterable[tuple[KeyLike, object]], **kw: Any
+    ) -> builtins.list[PageInfo]:
         return [self.put(k, v, **kw) for k, v in items]
 
-    def get_many(self, keys: Iterable[KeyLike], into: Iterable[object] | None = None,
-                 **_: Any) -> builtins.list[bytes | int]:
+    def get_many(
+        self, keys: Iterable[KeyLike], into: Iterable[object] | None = None, **_: Any
+    ) -> builtins.list[bytes | int]:
         ks = builtins.list(keys)
         bufs = builtins.list(into) if into is not None else [None] * len(ks)
         return [self.get(k, b) for k, b in zip(ks, bufs, strict=True)]
@@ -211,10 +227,15 @@ class RemoteStore(_Api):
                 reply = await recv_frame(stream)
                 if reply is None:
                     raise EOFError
-            except (trio.BrokenResourceError, trio.ClosedResourceError, EOFError,
-                    ConnectionResetError) as e:
-                raise DaemonUnavailable("the kvfs daemon closed the connection mid-command "
-                                        "(it stopped or was killed)") from e
+            except (
+                trio.BrokenResourceError,
+                trio.ClosedResourceError,
+                EOFError,
+                ConnectionResetError,
+            ) as e:
+                raise DaemonUnavailable(
+                    "the kvfs daemon closed the connection mid-command (it stopped or was killed)"
+                ) from e
         except BaseException:
             await trio.aclose_forcefully(stream)
             raise
@@ -233,24 +254,28 @@ class RemoteStore(_Api):
         data: bytes = await self._call("get", _k(key))
         return data if into is None else _copy_into(data, into)
 
-    async def put_many(self, items: Iterable[tuple[KeyLike, object]], *, concurrency: int = 4,
-                       **kw: Any) -> builtins.list[PageInfo]:
+    async def put_many(
+        self, items: Iterable[tuple[KeyLike, object]], *, concurrency: int = 4, **kw: Any
+    ) -> builtins.list[PageInfo]:
         its = builtins.list(items)
         out: builtins.list[Any] = [None] * len(its)
 
         async def one(i: int) -> None:
             out[i] = await self.put(its[i][0], its[i][1], **kw)
+
         await _bounded(one, len(its), concurrency)
         return out
 
-    async def get_many(self, keys: Iterable[KeyLike], into: Iterable[object] | None = None, *,
-                       concurrency: int = 4) -> builtins.list[bytes | int]:
+    async def get_many(
+        self, keys: Iterable[KeyLike], into: Iterable[object] | None = None, *, concurrency: int = 4
+    ) -> builtins.list[bytes | int]:
         ks = builtins.list(keys)
         bufs = builtins.list(into) if into is not None else [None] * len(ks)
         out: builtins.list[Any] = [None] * len(ks)
 
         async def one(i: int) -> None:
             out[i] = await self.get(ks[i], bufs[i])
+
         await _bounded(one, len(ks), concurrency)
         return out
 
@@ -268,6 +293,7 @@ async def _bounded(fn: Any, n: int, concurrency: int) -> None:
     async def run(i: int) -> None:
         async with limit:
             await fn(i)
+
     async with trio.open_nursery() as nursery:
         for i in range(n):
             nursery.start_soon(run, i)
@@ -294,4 +320,3 @@ def open_remote_store_sync(path: str | os.PathLike[str]) -> Iterator[SyncRemoteS
         yield store
     finally:
         store.close()
-

@@ -24,8 +24,15 @@ import tomllib
 
 from ._config import StoreConfig, parse_size
 
-__all__ = ["OPTIONS", "Option", "Settings", "as_toml", "control_socket_path", "load_settings",
-           "masked"]
+__all__ = [
+    "OPTIONS",
+    "Option",
+    "Settings",
+    "as_toml",
+    "control_socket_path",
+    "load_settings",
+    "masked",
+]
 
 
 @dataclass(frozen=True)
@@ -49,30 +56,57 @@ class Option:
 
 #: Every option, in the order docs/configuration.md lists them.
 OPTIONS: tuple[Option, ...] = (
-    Option("store", "data_dirs", "paths", ["kvfs-data"],
-           "data directories, one per NVMe device; pages are striped across them"),
-    Option("store", "capacity", "size", 0,
-           "cap on bytes held locally (0: what the disks hold at open)"),
-    Option("store", "stripe_unit", "size", 4 * 1024 * 1024,
-           "pages larger than this are split round-robin across devices (multiple of 4 KiB)"),
+    Option(
+        "store",
+        "data_dirs",
+        "paths",
+        ["kvfs-data"],
+        "data directories, one per NVMe device; pages are striped across them",
+    ),
+    Option(
+        "store", "capacity", "size", 0, "cap on bytes held locally (0: what the disks hold at open)"
+    ),
+    Option(
+        "store",
+        "stripe_unit",
+        "size",
+        4 * 1024 * 1024,
+        "pages larger than this are split round-robin across devices (multiple of 4 KiB)",
+    ),
     Option("store", "index_dir", "str", "", "where the SQLite index lives (empty: first data dir)"),
     Option("store", "direct_io", "bool", True, "read and write with O_DIRECT where possible"),
     Option("store", "durable", "bool", True, "fsync data and index before a put returns"),
     Option("store", "io_threads", "int", 8, "worker threads for disk I/O and hashing"),
-    Option("archive", "archive_url", "str", "auto",
-           "archive tier: file://DIR or s3://BUCKET[/PREFIX]; empty: no archive tier; auto: "
-           "file://kvfs-archive beside the default ./kvfs-data when data_dirs is not "
-           "configured, no archive tier when it is (a relative file:// path is taken from "
-           "the current directory)"),
-    Option("daemon", "control_socket", "str", "",
-           "the control channel's Unix socket (empty: kvfs.sock beside the index, or a "
-           "per-user runtime path when that is too long)"),
-    Option("daemon", "metrics_port", "int", 0,
-           "serve Prometheus metrics on this TCP port (0: off)"),
+    Option(
+        "archive",
+        "archive_url",
+        "str",
+        "auto",
+        "archive tier: file://DIR or s3://BUCKET[/PREFIX]; empty: no archive tier; auto: "
+        "file://kvfs-archive beside the default ./kvfs-data when data_dirs is not "
+        "configured, no archive tier when it is (a relative file:// path is taken from "
+        "the current directory)",
+    ),
+    Option(
+        "daemon",
+        "control_socket",
+        "str",
+        "",
+        "the control channel's Unix socket (empty: kvfs.sock beside the index, or a "
+        "per-user runtime path when that is too long)",
+    ),
+    Option(
+        "daemon", "metrics_port", "int", 0, "serve Prometheus metrics on this TCP port (0: off)"
+    ),
     Option("daemon", "metrics_address", "str", "127.0.0.1", "address the metrics port binds"),
-    Option("daemon", "metrics_sessions", "int", 20,
-           "per-session metrics for at most this many sessions (largest first; the rest "
-           "summed as session=\"_other\")"),
+    Option(
+        "daemon",
+        "metrics_sessions",
+        "int",
+        20,
+        "per-session metrics for at most this many sessions (largest first; the rest "
+        'summed as session="_other")',
+    ),
     Option("daemon", "log_level", "str", "info", "debug, info, warning or error"),
     Option("daemon", "log_target", "str", "stderr", "stderr or journald"),
 )
@@ -101,12 +135,24 @@ class Settings:
             capacity=int(v["capacity"]),  # type: ignore[call-overload]
             stripe_unit=int(v["stripe_unit"]),  # type: ignore[call-overload]
             index_dir=Path(str(v["index_dir"])) if v["index_dir"] else None,
-            direct_io=bool(v["direct_io"]), durable=bool(v["durable"]),
+            direct_io=bool(v["direct_io"]),
+            durable=bool(v["durable"]),
             io_threads=int(v["io_threads"]),  # type: ignore[call-overload]
             archive_url=self.archive_url(),
-            extra={"daemon": {k: v[k] for k in ("control_socket", "metrics_port",
-                                                "metrics_address", "metrics_sessions",
-                                                "log_level", "log_target")}})
+            extra={
+                "daemon": {
+                    k: v[k]
+                    for k in (
+                        "control_socket",
+                        "metrics_port",
+                        "metrics_address",
+                        "metrics_sessions",
+                        "log_level",
+                        "log_target",
+                    )
+                }
+            },
+        )
 
     def archive_url(self) -> str:
         """The archive URL with ``auto`` resolved and a relative ``file://`` made absolute."""
@@ -122,7 +168,7 @@ class Settings:
 
 def _absolute_file_url(url: str) -> str:
     if url.startswith("file://") and not url.startswith("file:///"):
-        return "file://" + os.path.abspath(url[len("file://"):])
+        return "file://" + os.path.abspath(url[len("file://") :])
     return url
 
 
@@ -158,9 +204,12 @@ def _convert(opt: Option, raw: object, where: str) -> object:
         raise ValueError(f"{where}: bad value {raw!r} for {opt.key}: {e}") from None
 
 
-def load_settings(config_file: str | os.PathLike[str] | None = None, *,
-                  env: Mapping[str, str] | None = None,
-                  flags: Mapping[str, object] | None = None) -> Settings:
+def load_settings(
+    config_file: str | os.PathLike[str] | None = None,
+    *,
+    env: Mapping[str, str] | None = None,
+    flags: Mapping[str, object] | None = None,
+) -> Settings:
     """Merge defaults, the TOML file, ``KVFS_*`` variables and ``flags`` (None = not given).
 
     The file is ``config_file``, else ``$KVFS_CONFIG``, else none. Raises ValueError for an
@@ -179,8 +228,9 @@ def load_settings(config_file: str | os.PathLike[str] | None = None, *,
             raise ValueError(f"{cfg_path}: {e}") from None
         for section, table in doc.items():
             if not isinstance(table, dict) or section not in {o.section for o in OPTIONS}:
-                raise ValueError(f"{cfg_path}: unknown section [{section}] "
-                                 "(sections: store, archive, daemon)")
+                raise ValueError(
+                    f"{cfg_path}: unknown section [{section}] (sections: store, archive, daemon)"
+                )
             for name, raw in table.items():
                 opt = _BY_NAME.get(name)
                 if opt is None or opt.section != section:
@@ -213,8 +263,9 @@ def masked(name: str, value: object) -> object:
         return "***"
     if isinstance(value, str):
         value = _URL_CREDS.sub(lambda m: f"{m['scheme']}***@", value)
-        value = re.sub(r"((?:secret|password|token|credential)[a-z_]*=)[^&]*", r"\1***",
-                       value, flags=re.I)
+        value = re.sub(
+            r"((?:secret|password|token|credential)[a-z_]*=)[^&]*", r"\1***", value, flags=re.I
+        )
     return value
 
 
@@ -239,8 +290,10 @@ def as_toml(settings: Settings) -> str:
         lines.append(f"[{section}]")
         for o in OPTIONS:
             if o.section == section:
-                lines.append(f"{o.name} = {_toml_value(masked(o.name, settings[o.name]))}"
-                             f"  # {settings.sources[o.name]}")
+                lines.append(
+                    f"{o.name} = {_toml_value(masked(o.name, settings[o.name]))}"
+                    f"  # {settings.sources[o.name]}"
+                )
         lines.append("")
     return "\n".join(lines)
 
@@ -253,4 +306,3 @@ def _toml_value(v: object) -> str:
     if isinstance(v, list):
         return "[" + ", ".join(_toml_value(x) for x in v) + "]"
     return '"' + str(v).replace("\\", "\\\\").replace('"', '\\"') + '"'
-

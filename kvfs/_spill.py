@@ -111,8 +111,13 @@ class Spiller:
         idx = self.engine.index
         for h in hashes:
             b = idx.blob(h)
-            if b is not None and b.local and b.archived and not self.engine.is_leased(h) \
-                    and self.aindex.droppable(h, d):
+            if (
+                b is not None
+                and b.local
+                and b.archived
+                and not self.engine.is_leased(h)
+                and self.aindex.droppable(h, d)
+            ):
                 self.policy.drop_local(h, "spill")
 
     def _encode_local(self, h: bytes) -> bytes:
@@ -120,8 +125,9 @@ class Spiller:
 
         data = self.policy.read_local(h)
         if data is None:
-            raise ArchiveUnavailable(f"blob {h.hex()[:16]} vanished from the archive and is "
-                                     "no longer local")
+            raise ArchiveUnavailable(
+                f"blob {h.hex()[:16]} vanished from the archive and is no longer local"
+            )
         return encode(data, level=self.policy.cfg.zstd_level)[0]
 
     async def write_manifest(self, d: str) -> None:
@@ -129,7 +135,8 @@ class Spiller:
         with self.policy._lock:
             codecs = dict(self.policy.codecs)
         m = await trio.to_thread.run_sync(
-            lambda: build_manifest(self.engine.index, d, self.engine.store_id, codecs))
+            lambda: build_manifest(self.engine.index, d, self.engine.store_id, codecs)
+        )
         if m is None:
             await self.store.delete(manifest_key(d))
         else:
@@ -142,6 +149,7 @@ class Spiller:
         archive references (manifests first: no manifest ever names a deleted object)."""
         for d in await _thread(self.aindex.pending, "manifest"):
             await self.write_manifest(d)
+            log_event("spill", target=d, reason="pending-manifest")
         forget = await _thread(self.aindex.pending, "forget", self.policy.cfg.gc_grace)
         if not forget:
             return
@@ -157,6 +165,7 @@ class Spiller:
             b = await _thread(self.engine.index.blob, bytes.fromhex(hx))
             if b is None and hx not in referenced:
                 await self.store.delete(blob_key(bytes.fromhex(hx)))
+                log_event("archive-delete", content=hx[:16], reason="last-reference")
             gone.append(hx)
         await _thread(self.aindex.done, "forget", gone)
 
@@ -169,10 +178,20 @@ class Spiller:
                 m = parse_manifest(await self.store.get(key))  # type: ignore[arg-type]
             except (ValueError, FileNotFoundError):
                 continue
-            out.append({"session": m["name"], "dir": m["session"], "pages": len(m["pages"]),
-                        "bytes": sum(p["size"] for p in m["pages"]), "attrs": m["attrs"],
-                        "pinned": m["pinned"], "created": m["created"], "atime": m["atime"],
-                        "spilled_at": m["spilled_at"], "store_id": m["store_id"]})
+            out.append(
+                {
+                    "session": m["name"],
+                    "dir": m["session"],
+                    "pages": len(m["pages"]),
+                    "bytes": sum(p["size"] for p in m["pages"]),
+                    "attrs": m["attrs"],
+                    "pinned": m["pinned"],
+                    "created": m["created"],
+                    "atime": m["atime"],
+                    "spilled_at": m["spilled_at"],
+                    "store_id": m["store_id"],
+                }
+            )
         return out
 
     async def import_session(self, d: str) -> int:
@@ -207,7 +226,14 @@ class Spiller:
                 await self.relieve_pressure()
             except (ArchiveUnavailable, CorruptPage) as e:
                 self.policy.count("errors")
-                log.warning("background spill pass failed (will retry): %s", e)
+                log_event(
+                    "error",
+                    level=logging.WARNING,
+                    what="background spill pass",
+                    error=type(e).__name__,
+                    message=str(e),
+                    retry="next pass",
+                )
 
     async def relieve_pressure(self) -> int:
         """One watermark pass. Returns the number of sessions spilled."""
@@ -216,9 +242,14 @@ class Spiller:
             return 0
         await _thread(eng.flush_atimes)
         now = time.time()
-        cands = sorted((s for s in await _thread(eng.index.sessions)
-                        if not s.pinned and now - s.atime >= cfg.idle_seconds),
-                       key=lambda s: s.atime)
+        cands = sorted(
+            (
+                s
+                for s in await _thread(eng.index.sessions)
+                if not s.pinned and now - s.atime >= cfg.idle_seconds
+            ),
+            key=lambda s: s.atime,
+        )
         n = 0
         for s in cands:
             if eng.used <= cfg.low_watermark * eng.capacity:
@@ -227,7 +258,8 @@ class Spiller:
                 continue
             t0 = time.monotonic()
             sent = await self.spill_session(s.dir, True)
-            log_event("spill", target=s.dir, reason="pressure", bytes=sent,
-                      seconds=time.monotonic() - t0)
+            log_event(
+                "spill", target=s.dir, reason="pressure", bytes=sent, seconds=time.monotonic() - t0
+            )
             n += 1
         return n

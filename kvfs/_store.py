@@ -48,11 +48,19 @@ class Store:
         return self._engine.config
 
     async def _run(self, fn: Callable[..., T], *args: Any, **kw: Any) -> T:
-        return await trio.to_thread.run_sync(functools.partial(fn, *args, **kw),
-                                             limiter=self._limiter)
+        return await trio.to_thread.run_sync(
+            functools.partial(fn, *args, **kw), limiter=self._limiter
+        )
 
-    async def put(self, key: KeyLike, data: object, *, attrs: dict[str, str] | None = None,
-                  pin: bool = False, replace: bool = False) -> PageInfo:
+    async def put(
+        self,
+        key: KeyLike,
+        data: object,
+        *,
+        attrs: dict[str, str] | None = None,
+        pin: bool = False,
+        replace: bool = False,
+    ) -> PageInfo:
         """Store a write-once page from any buffer. Returns its info.
 
         Raises InvalidKey, PageExists (unless ``replace``), CapacityExceeded. Atomic: after an
@@ -76,10 +84,16 @@ class Store:
     async def exists(self, key: KeyLike) -> bool:
         return await self._run(self._engine.exists, key)
 
-    async def list(self, *, session: str | None = None, prefix: str | None = None,
-                   path_prefix: str | None = None) -> builtins.list[PageInfo]:
-        return await self._run(self._engine.list, session=session, prefix=prefix,
-                               path_prefix=path_prefix)
+    async def list(
+        self,
+        *,
+        session: str | None = None,
+        prefix: str | None = None,
+        path_prefix: str | None = None,
+    ) -> builtins.list[PageInfo]:
+        return await self._run(
+            self._engine.list, session=session, prefix=prefix, path_prefix=path_prefix
+        )
 
     async def sessions(self) -> builtins.list[SessionInfo]:
         return await self._run(self._engine.sessions)
@@ -120,26 +134,37 @@ class Store:
     async def begin_write(self, key: KeyLike) -> PageWriter:
         return await self._run(self._engine.begin_write, key)
 
-    async def put_many(self, items: Iterable[tuple[KeyLike, object]], *,
-                       attrs: dict[str, str] | None = None, concurrency: int = 4) -> builtins.list[PageInfo]:
+    async def put_many(
+        self,
+        items: Iterable[tuple[KeyLike, object]],
+        *,
+        attrs: dict[str, str] | None = None,
+        concurrency: int = 4,
+    ) -> builtins.list[PageInfo]:
         """Put several pages concurrently; results in input order. The first error cancels the rest
         (pages already stored stay stored)."""
         items = list(items)
-        return await self._gather([functools.partial(self.put, k, d, attrs=attrs)
-                                   for k, d in items], concurrency)
+        return await self._gather(
+            [functools.partial(self.put, k, d, attrs=attrs) for k, d in items], concurrency
+        )
 
-    async def get_many(self, keys: Iterable[KeyLike], into: Iterable[object] | None = None, *,
-                       concurrency: int = 4) -> builtins.list[bytes | int]:
+    async def get_many(
+        self, keys: Iterable[KeyLike], into: Iterable[object] | None = None, *, concurrency: int = 4
+    ) -> builtins.list[bytes | int]:
         """Get several pages concurrently, optionally each into its own buffer."""
         keys = list(keys)
         bufs = list(into) if into is not None else [None] * len(keys)
         if len(bufs) != len(keys):
             raise ValueError("need one buffer per key")
-        return await self._gather([functools.partial(self.get, k, b)
-                                   for k, b in zip(keys, bufs, strict=True)], concurrency)
+        return await self._gather(
+            [functools.partial(self.get, k, b) for k, b in zip(keys, bufs, strict=True)],
+            concurrency,
+        )
 
     @staticmethod
-    async def _gather(calls: builtins.list[Callable[[], Awaitable[T]]], concurrency: int) -> builtins.list[T]:
+    async def _gather(
+        calls: builtins.list[Callable[[], Awaitable[T]]], concurrency: int
+    ) -> builtins.list[T]:
         results: builtins.list[Any] = [None] * len(calls)
         sem = trio.Semaphore(concurrency)
         first: builtins.list[Exception] = []
@@ -281,28 +306,33 @@ class SyncStore:
     def begin_write(self, key: KeyLike) -> PageWriter:
         return self._engine.begin_write(key)
 
-    def put_many(self, items: Iterable[tuple[KeyLike, object]], *, concurrency: int = 4,
-                 **kw: Any) -> builtins.list[PageInfo]:
+    def put_many(
+        self, items: Iterable[tuple[KeyLike, object]], *, concurrency: int = 4, **kw: Any
+    ) -> builtins.list[PageInfo]:
         """Put several pages from ``concurrency`` threads; results in input order. The first
         error is raised after the calls in flight finish (pages already stored stay stored)."""
         # Not the engine's I/O pool: each put waits on that pool, so running puts on it
         # deadlocks once every pool thread is a put waiting for its own writes.
         items = list(items)
-        with ThreadPoolExecutor(max(1, min(concurrency, len(items) or 1)),
-                                thread_name_prefix="kvfs-put-many") as ex:
+        with ThreadPoolExecutor(
+            max(1, min(concurrency, len(items) or 1)), thread_name_prefix="kvfs-put-many"
+        ) as ex:
             return list(ex.map(lambda kd: self._engine.put(kd[0], kd[1], **kw), items))
 
-    def get_many(self, keys: Iterable[KeyLike], into: Iterable[object] | None = None, *,
-                 concurrency: int = 4) -> builtins.list[bytes | int]:
+    def get_many(
+        self, keys: Iterable[KeyLike], into: Iterable[object] | None = None, *, concurrency: int = 4
+    ) -> builtins.list[bytes | int]:
         """Get several pages (optionally each into its own buffer); results in input order."""
         keys = list(keys)
         bufs = list(into) if into is not None else [None] * len(keys)
         if len(bufs) != len(keys):
             raise ValueError("need one buffer per key")
-        with ThreadPoolExecutor(max(1, min(concurrency, len(keys) or 1)),
-                                thread_name_prefix="kvfs-get-many") as ex:
-            return list(ex.map(lambda kb: self._engine.get(kb[0], kb[1]),
-                               zip(keys, bufs, strict=True)))
+        with ThreadPoolExecutor(
+            max(1, min(concurrency, len(keys) or 1)), thread_name_prefix="kvfs-get-many"
+        ) as ex:
+            return list(
+                ex.map(lambda kb: self._engine.get(kb[0], kb[1]), zip(keys, bufs, strict=True))
+            )
 
     def statistics(self) -> StoreStatistics:
         return self._engine.statistics()

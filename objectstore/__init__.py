@@ -7,5 +7,14 @@ from ._open import open_objectstore, parse_url
 from ._retry import Backoff, retry
 from ._s3 import S3Store
 
-__all__ = ["Backoff", "FileStore", "ObjectNotFound", "ObjectStore", "S3Store", "check_key",
-           "open_objectstore", "parse_url", "retry"]
+__all__ = [
+    "Backoff",
+    "FileStore",
+    "ObjectNotFound",
+    "ObjectStore",
+    "S3Store",
+    "check_key",
+    "open_objectstore",
+    "parse_url",
+    "retry",
+]

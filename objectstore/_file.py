@@ -59,8 +59,9 @@ class FileStore(ObjectStore):
             if create:
                 self.root.mkdir(parents=True, exist_ok=True)
             if not self.root.is_dir():
-                raise FileNotFoundError(errno.ENOENT, "archive directory does not exist",
-                                        str(self.root))
+                raise FileNotFoundError(
+                    errno.ENOENT, "archive directory does not exist", str(self.root)
+                )
             tmp = self.root / TMP
             tmp.mkdir(exist_ok=True)
             for f in tmp.iterdir():  # leftovers of puts a crash interrupted
@@ -78,9 +79,14 @@ class FileStore(ObjectStore):
     async def _call(self, fn: Callable[[], T], what: str) -> T:
         async def attempt() -> T:
             return await trio.to_thread.run_sync(fn)
+
         try:
-            return await retry(attempt, is_temporary=_is_temporary, backoff=self.backoff,
-                               what=f"{what} on {self.url}")
+            return await retry(
+                attempt,
+                is_temporary=_is_temporary,
+                backoff=self.backoff,
+                what=f"{what} on {self.url}",
+            )
         except (ObjectNotFound, ArchiveUnavailable, ValueError):
             raise
         except OSError as e:
@@ -100,8 +106,9 @@ class FileStore(ObjectStore):
                 size = os.fstat(f.fileno()).st_size
                 dest = memoryview(into).cast("B")
                 if len(dest) < size:
-                    raise ValueError(f"buffer of {len(dest)} bytes is smaller than object "
-                                     f"{key!r} ({size} bytes)")
+                    raise ValueError(
+                        f"buffer of {len(dest)} bytes is smaller than object {key!r} ({size} bytes)"
+                    )
                 done = 0
                 while done < size:
                     n = f.readinto(dest[done:size])

@@ -38,8 +38,10 @@ def parse_url(url: str) -> tuple[str, str, dict[str, Any]]:
         return "file", path, dict(parse_qsl(u.query))
     if u.scheme == "s3":
         if u.username or u.password:
-            raise ValueError("credentials may not be given in the archive URL; use the "
-                             "standard chain (environment, ~/.aws, instance role)")
+            raise ValueError(
+                "credentials may not be given in the archive URL; use the "
+                "standard chain (environment, ~/.aws, instance role)"
+            )
         if not u.netloc:
             raise ValueError(f"{url!r}: s3:// needs a bucket")
         opts: dict[str, Any] = dict(parse_qsl(u.query))
@@ -69,11 +71,24 @@ async def open_objectstore(url: str, **opts: Any) -> ObjectStore:
     backoff = Backoff(deadline=deadline) if deadline is not None else None
     if scheme == "file":
         merged.pop("prefix", None)
-        return await FileStore.open(where, backoff=backoff,
-                                    **{k: v for k, v in merged.items() if k in ("create", "durable")})
-    known = {"prefix", "endpoint_url", "region", "addressing", "profile", "open_deadline",
-             "connect_timeout", "read_timeout", "multipart_threshold", "part_size",
-             "max_connections"}
+        return await FileStore.open(
+            where,
+            backoff=backoff,
+            **{k: v for k, v in merged.items() if k in ("create", "durable")},
+        )
+    known = {
+        "prefix",
+        "endpoint_url",
+        "region",
+        "addressing",
+        "profile",
+        "open_deadline",
+        "connect_timeout",
+        "read_timeout",
+        "multipart_threshold",
+        "part_size",
+        "max_connections",
+    }
     unknown = set(merged) - known
     if unknown:
         raise ValueError(f"unknown S3 option(s): {', '.join(sorted(unknown))}")

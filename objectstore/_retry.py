@@ -36,9 +36,14 @@ class Backoff:
             raise ValueError("Backoff needs 0 < base <= cap and deadline >= 0")
 
 
-async def retry(op: Callable[[], Awaitable[T]], *, is_temporary: Callable[[BaseException], bool],
-                backoff: Backoff, what: str,
-                on_retry: Callable[[BaseException], None] | None = None) -> T:
+async def retry(
+    op: Callable[[], Awaitable[T]],
+    *,
+    is_temporary: Callable[[BaseException], bool],
+    backoff: Backoff,
+    what: str,
+    on_retry: Callable[[BaseException], None] | None = None,
+) -> T:
     """Run ``op`` until it succeeds, a permanent error occurs, or the deadline passes.
 
     Raises the permanent error as it is, or ArchiveUnavailable (the last temporary error in
@@ -59,7 +64,8 @@ async def retry(op: Callable[[], Awaitable[T]], *, is_temporary: Callable[[BaseE
             if left <= 0:
                 raise ArchiveUnavailable(
                     f"{what}: still failing after {attempt} attempts over {elapsed:.1f}s "
-                    f"({type(e).__name__}: {e})") from e
+                    f"({type(e).__name__}: {e})"
+                ) from e
             if on_retry is not None:
                 on_retry(e)
             delay = random.uniform(0, min(backoff.cap, backoff.base * 2 ** min(attempt, 30)))

@@ -27,11 +27,31 @@ __all__ = ["S3Store"]
 
 T = TypeVar("T")
 MiB = 1 << 20
-_TEMP_CODES = {"InternalError", "ServiceUnavailable", "SlowDown", "Throttling",
-               "ThrottlingException", "RequestTimeout", "RequestTimeTooSkewed",
-               "ConditionalRequestConflict", "OperationAborted", "503", "500", "502", "504"}
-_DENIED = {"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "403",
-           "ExpiredToken", "InvalidToken", "AllAccessDisabled", "AccountProblem"}
+_TEMP_CODES = {
+    "InternalError",
+    "ServiceUnavailable",
+    "SlowDown",
+    "Throttling",
+    "ThrottlingException",
+    "RequestTimeout",
+    "RequestTimeTooSkewed",
+    "ConditionalRequestConflict",
+    "OperationAborted",
+    "503",
+    "500",
+    "502",
+    "504",
+}
+_DENIED = {
+    "AccessDenied",
+    "InvalidAccessKeyId",
+    "SignatureDoesNotMatch",
+    "403",
+    "ExpiredToken",
+    "InvalidToken",
+    "AllAccessDisabled",
+    "AccountProblem",
+}
 
 
 def _code(e: BaseException) -> str:
@@ -48,9 +68,18 @@ def _status(e: BaseException) -> int:
 
 def is_temporary(e: BaseException) -> bool:
     """Connection trouble, timeouts, 5xx and throttling are temporary; the rest permanent."""
-    if isinstance(e, (bce.EndpointConnectionError, bce.ConnectionClosedError,
-                      bce.ConnectTimeoutError, bce.ReadTimeoutError, bce.HTTPClientError,
-                      ConnectionError, TimeoutError)):
+    if isinstance(
+        e,
+        (
+            bce.EndpointConnectionError,
+            bce.ConnectionClosedError,
+            bce.ConnectTimeoutError,
+            bce.ReadTimeoutError,
+            bce.HTTPClientError,
+            ConnectionError,
+            TimeoutError,
+        ),
+    ):
         return not isinstance(e, ArchiveUnavailable)
     if isinstance(e, bce.ClientError):
         return _code(e) in _TEMP_CODES or _status(e) >= 500 or _status(e) == 429
@@ -60,8 +89,17 @@ def is_temporary(e: BaseException) -> bool:
 class S3Store(ObjectStore):
     """Objects under ``s3://bucket/prefix``. Open with :meth:`open`."""
 
-    def __init__(self, client: Any, bucket: str, prefix: str, *, endpoint: str | None,
-                 backoff: Backoff, multipart_threshold: int, part_size: int) -> None:
+    def __init__(
+        self,
+        client: Any,
+        bucket: str,
+        prefix: str,
+        *,
+        endpoint: str | None,
+        backoff: Backoff,
+        multipart_threshold: int,
+        part_size: int,
+    ) -> None:
         self._client = client
         self.bucket = bucket
         self.prefix = prefix.strip("/") + "/" if prefix.strip("/") else ""
@@ -72,12 +110,23 @@ class S3Store(ObjectStore):
         self.part_size = part_size
 
     @classmethod
-    async def open(cls, bucket: str, prefix: str = "", *, endpoint_url: str | None = None,
-                   region: str | None = None, addressing: str = "auto",
-                   profile: str | None = None, backoff: Backoff | None = None,
-                   open_deadline: float = 15.0, connect_timeout: float = 5.0,
-                   read_timeout: float = 60.0, multipart_threshold: int = 64 * MiB,
-                   part_size: int = 16 * MiB, max_connections: int = 32) -> S3Store:
+    async def open(
+        cls,
+        bucket: str,
+        prefix: str = "",
+        *,
+        endpoint_url: str | None = None,
+        region: str | None = None,
+        addressing: str = "auto",
+        profile: str | None = None,
+        backoff: Backoff | None = None,
+        open_deadline: float = 15.0,
+        connect_timeout: float = 5.0,
+        read_timeout: float = 60.0,
+        multipart_threshold: int = 64 * MiB,
+        part_size: int = 16 * MiB,
+        max_connections: int = 32,
+    ) -> S3Store:
         """Connect and check that the bucket exists and is accessible.
 
         ``addressing`` is ``path``, ``virtual`` or ``auto``. Raises ArchiveUnavailable naming
@@ -88,9 +137,12 @@ class S3Store(ObjectStore):
         if part_size < 5 * MiB or multipart_threshold < part_size:
             raise ValueError("part_size must be >= 5 MiB and multipart_threshold >= part_size")
         cfg = botocore.config.Config(
-            s3={"addressing_style": addressing}, retries={"max_attempts": 1, "mode": "standard"},
-            connect_timeout=connect_timeout, read_timeout=read_timeout,
-            max_pool_connections=max_connections)
+            s3={"addressing_style": addressing},
+            retries={"max_attempts": 1, "mode": "standard"},
+            connect_timeout=connect_timeout,
+            read_timeout=read_timeout,
+            max_pool_connections=max_connections,
+        )
 
         def make() -> Any:
             session = boto3.session.Session(profile_name=profile, region_name=region)
@@ -100,20 +152,32 @@ class S3Store(ObjectStore):
             client = await trio.to_thread.run_sync(make)
         except (bce.ProfileNotFound, ValueError) as e:
             raise ArchiveUnavailable(f"cannot configure S3 client: {e}") from e
-        self = cls(client, bucket, prefix, endpoint=endpoint_url,
-                   backoff=backoff or Backoff(deadline=60.0),
-                   multipart_threshold=multipart_threshold, part_size=part_size)
+        self = cls(
+            client,
+            bucket,
+            prefix,
+            endpoint=endpoint_url,
+            backoff=backoff or Backoff(deadline=60.0),
+            multipart_threshold=multipart_threshold,
+            part_size=part_size,
+        )
         where = f"bucket {bucket!r}" + (f" at {endpoint_url}" if endpoint_url else "")
         try:
-            await retry(lambda: self._thread(client.head_bucket, Bucket=bucket),
-                        is_temporary=is_temporary, what=f"checking {where}",
-                        backoff=Backoff(self.backoff.base, self.backoff.cap, open_deadline))
+            await retry(
+                lambda: self._thread(client.head_bucket, Bucket=bucket),
+                is_temporary=is_temporary,
+                what=f"checking {where}",
+                backoff=Backoff(self.backoff.base, self.backoff.cap, open_deadline),
+            )
         except ArchiveUnavailable as e:
-            raise ArchiveUnavailable(f"cannot reach the S3 endpoint for {where}: "
-                                     f"{e.__cause__}") from e.__cause__
+            raise ArchiveUnavailable(
+                f"cannot reach the S3 endpoint for {where}: {e.__cause__}"
+            ) from e.__cause__
         except bce.NoCredentialsError as e:
-            raise ArchiveUnavailable(f"no credentials for {where}: none found in the standard "
-                                     "chain (environment, config files, instance role)") from e
+            raise ArchiveUnavailable(
+                f"no credentials for {where}: none found in the standard "
+                "chain (environment, config files, instance role)"
+            ) from e
         except bce.ClientError as e:
             raise self._permanent(e, f"checking {where}") from e
         except bce.BotoCoreError as e:
@@ -137,8 +201,12 @@ class S3Store(ObjectStore):
 
     async def _call(self, what: str, fn: Callable[..., T], *args: Any, **kw: Any) -> T:
         try:
-            return await retry(lambda: self._thread(fn, *args, **kw), is_temporary=is_temporary,
-                               backoff=self.backoff, what=f"{what} on {self.url}")
+            return await retry(
+                lambda: self._thread(fn, *args, **kw),
+                is_temporary=is_temporary,
+                backoff=self.backoff,
+                what=f"{what} on {self.url}",
+            )
         except bce.NoCredentialsError as e:
             raise ArchiveUnavailable(f"{what}: no credentials in the standard chain") from e
         except bce.BotoCoreError as e:
@@ -163,9 +231,10 @@ class S3Store(ObjectStore):
             return data
         dest = memoryview(into).cast("B")
         if len(dest) < len(data):
-            raise ValueError(f"buffer of {len(dest)} bytes is smaller than object {key!r} "
-                             f"({len(data)} bytes)")
-        dest[:len(data)] = data
+            raise ValueError(
+                f"buffer of {len(dest)} bytes is smaller than object {key!r} ({len(data)} bytes)"
+            )
+        dest[: len(data)] = data
         return len(data)
 
     async def put(self, key: str, data: bytes | memoryview, *, if_absent: bool = False) -> bool:
@@ -174,8 +243,14 @@ class S3Store(ObjectStore):
         try:
             if len(data) > self.multipart_threshold:
                 return await self._put_multipart(key, k, memoryview(data).cast("B"), cond)
-            await self._call(f"put {key}", self._client.put_object, Bucket=self.bucket, Key=k,
-                             Body=bytes(data), **cond)
+            await self._call(
+                f"put {key}",
+                self._client.put_object,
+                Bucket=self.bucket,
+                Key=k,
+                Body=bytes(data),
+                **cond,
+            )
             return True
         except bce.ClientError as e:
             if if_absent and (_code(e) == "PreconditionFailed" or _status(e) == 412):
@@ -185,15 +260,25 @@ class S3Store(ObjectStore):
     async def _put_multipart(self, key: str, k: str, mv: memoryview, cond: dict) -> bool:
         if cond and await self.exists(key):
             return False
-        up = await self._call(f"start multipart {key}", self._client.create_multipart_upload,
-                              Bucket=self.bucket, Key=k)
+        up = await self._call(
+            f"start multipart {key}",
+            self._client.create_multipart_upload,
+            Bucket=self.bucket,
+            Key=k,
+        )
         uid = up["UploadId"]
         parts: dict[int, str] = {}
 
         async def one(n: int, off: int) -> None:
-            r = await self._call(f"put part {n} of {key}", self._client.upload_part,
-                                 Bucket=self.bucket, Key=k, UploadId=uid, PartNumber=n,
-                                 Body=bytes(mv[off:off + self.part_size]))
+            r = await self._call(
+                f"put part {n} of {key}",
+                self._client.upload_part,
+                Bucket=self.bucket,
+                Key=k,
+                UploadId=uid,
+                PartNumber=n,
+                Body=bytes(mv[off : off + self.part_size]),
+            )
             parts[n] = r["ETag"]
 
         try:
@@ -207,22 +292,30 @@ class S3Store(ObjectStore):
                 for i, off in enumerate(range(0, len(mv), self.part_size)):
                     nursery.start_soon(limited, i + 1, off)
             await self._call(
-                f"complete multipart {key}", self._client.complete_multipart_upload,
-                Bucket=self.bucket, Key=k, UploadId=uid,
-                MultipartUpload={"Parts": [{"PartNumber": n, "ETag": parts[n]}
-                                           for n in sorted(parts)]}, **cond)
+                f"complete multipart {key}",
+                self._client.complete_multipart_upload,
+                Bucket=self.bucket,
+                Key=k,
+                UploadId=uid,
+                MultipartUpload={
+                    "Parts": [{"PartNumber": n, "ETag": parts[n]} for n in sorted(parts)]
+                },
+                **cond,
+            )
             return True
         except BaseException:
             # The original error matters; bucket lifecycle rules clean up what this misses.
             with trio.CancelScope(shield=True), contextlib.suppress(Exception):
-                await self._thread(self._client.abort_multipart_upload, Bucket=self.bucket,
-                                   Key=k, UploadId=uid)
+                await self._thread(
+                    self._client.abort_multipart_upload, Bucket=self.bucket, Key=k, UploadId=uid
+                )
             raise
 
     async def exists(self, key: str) -> bool:
         try:
-            await self._call(f"head {key}", self._client.head_object, Bucket=self.bucket,
-                             Key=self._key(key))
+            await self._call(
+                f"head {key}", self._client.head_object, Bucket=self.bucket, Key=self._key(key)
+            )
             return True
         except bce.ClientError as e:
             if _status(e) == 404 or _code(e) in ("404", "NoSuchKey", "NotFound"):
@@ -231,8 +324,9 @@ class S3Store(ObjectStore):
 
     async def delete(self, key: str) -> None:
         try:
-            await self._call(f"delete {key}", self._client.delete_object, Bucket=self.bucket,
-                             Key=self._key(key))
+            await self._call(
+                f"delete {key}", self._client.delete_object, Bucket=self.bucket, Key=self._key(key)
+            )
         except bce.ClientError as e:
             if _status(e) != 404:
                 raise self._permanent(e, f"delete {key}") from e
@@ -245,11 +339,13 @@ class S3Store(ObjectStore):
             if token:
                 kw["ContinuationToken"] = token
             try:
-                r = await self._call(f"list {prefix or '(all)'}", self._client.list_objects_v2, **kw)
+                r = await self._call(
+                    f"list {prefix or '(all)'}", self._client.list_objects_v2, **kw
+                )
             except bce.ClientError as e:
                 raise self._permanent(e, f"list {prefix or '(all)'}") from e
             for obj in r.get("Contents", ()):
-                yield obj["Key"][len(self.prefix):]
+                yield obj["Key"][len(self.prefix) :]
             if not r.get("IsTruncated"):
                 return
             token = r["NextContinuationToken"]

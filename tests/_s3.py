@@ -23,8 +23,12 @@ from moto.server import ThreadedMotoServer
 __all__ = ["S3Server", "TcpProxy", "running_moto"]
 
 #: Fake credentials moto accepts; set in the environment so the standard chain finds them.
-FAKE_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-            "AWS_DEFAULT_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true"}
+FAKE_ENV = {
+    "AWS_ACCESS_KEY_ID": "testing",
+    "AWS_SECRET_ACCESS_KEY": "testing",
+    "AWS_DEFAULT_REGION": "us-east-1",
+    "AWS_EC2_METADATA_DISABLED": "true",
+}
 
 
 @dataclass
@@ -41,8 +45,9 @@ class S3Server:
 
     def keys(self, bucket: str, prefix: str = "") -> list[str]:
         out: list[str] = []
-        for page in self.client().get_paginator("list_objects_v2").paginate(Bucket=bucket,
-                                                                            Prefix=prefix):
+        for page in (
+            self.client().get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
+        ):
             out += [o["Key"] for o in page.get("Contents", ())]
         return sorted(out)
 

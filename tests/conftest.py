@@ -17,11 +17,15 @@ MiB = 1024 * KiB
 def make_config(tmp_path: Path) -> Callable[..., kvfs.StoreConfig]:
     """``make_config(ndev=3, stripe_unit=64*KiB, capacity=0, **kw)`` under tmp_path."""
 
-    def make(ndev: int = 3, stripe_unit: int = 64 * KiB, capacity: int = 0,
-             name: str = "store", **kw: object) -> kvfs.StoreConfig:
+    def make(
+        ndev: int = 3,
+        stripe_unit: int = 64 * KiB,
+        capacity: int = 0,
+        name: str = "store",
+        **kw: object,
+    ) -> kvfs.StoreConfig:
         dirs = tuple(tmp_path / name / f"nvme{i}" for i in range(ndev))
-        return kvfs.StoreConfig(data_dirs=dirs, stripe_unit=stripe_unit, capacity=capacity,
-                                **kw)  # type: ignore[arg-type]
+        return kvfs.StoreConfig(data_dirs=dirs, stripe_unit=stripe_unit, capacity=capacity, **kw)  # type: ignore[arg-type]
 
     return make
 

@@ -31,8 +31,9 @@ def archive_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     return f"s3://{srv.new_bucket()}/kv?endpoint={srv.endpoint}&addressing=path"
 
 
-def archived_cfg(make_config: Callable[..., kvfs.StoreConfig], url: str, name: str = "store",
-                 **archive: object) -> kvfs.StoreConfig:
+def archived_cfg(
+    make_config: Callable[..., kvfs.StoreConfig], url: str, name: str = "store", **archive: object
+) -> kvfs.StoreConfig:
     archive.setdefault("interval", 0)
     return make_config(ndev=2, name=name, archive_url=url, extra={"archive": archive})
 
@@ -156,9 +157,19 @@ def test_corrupted_object_is_never_served(make_config, s3_server) -> None:  # no
 
 def test_watermarks_spill_coldest_unpinned(make_config, archive_url: str) -> None:  # noqa: ANN001
     page = 60 * KiB  # 64 KiB on disk with its header: 20 pages fill the cap
-    cfg = make_config(ndev=1, capacity=20 * 64 * KiB, archive_url=archive_url,
-                      extra={"archive": {"interval": 0.05, "idle_seconds": 0,
-                                         "high_watermark": 0.9, "low_watermark": 0.5}})
+    cfg = make_config(
+        ndev=1,
+        capacity=20 * 64 * KiB,
+        archive_url=archive_url,
+        extra={
+            "archive": {
+                "interval": 0.05,
+                "idle_seconds": 0,
+                "high_watermark": 0.9,
+                "low_watermark": 0.5,
+            }
+        },
+    )
 
     async def main() -> None:
         async with kvfs.open_store(cfg) as s:
@@ -184,8 +195,9 @@ def test_watermarks_spill_coldest_unpinned(make_config, archive_url: str) -> Non
 
 
 def test_capacity_eviction_spills_instead_of_deleting(make_config, archive_url: str) -> None:  # noqa: ANN001
-    cfg = make_config(ndev=1, capacity=8 * 64 * KiB, archive_url=archive_url,
-                      extra={"archive": {"interval": 0}})
+    cfg = make_config(
+        ndev=1, capacity=8 * 64 * KiB, archive_url=archive_url, extra={"archive": {"interval": 0}}
+    )
     with kvfs.open_store_sync(cfg) as s:
         data = fill(s, "a", 20)  # more than the cap holds: older pages go to the archive
         assert s.statistics().pages == 20
@@ -238,8 +250,9 @@ def test_second_host_lists_and_restores(make_config, archive_url: str, tmp_path:
     shutil.rmtree(tmp_path / "host-a")  # host A's local disks are lost
     with kvfs.open_store_sync(archived_cfg(make_config, archive_url, name="host-b")) as b:
         listed = b.archived_sessions()
-        assert [(x["session"], x["pages"], x["attrs"]) for x in listed] == \
-            [("agent-42", 4, {"model": "llama-test"})]
+        assert [(x["session"], x["pages"], x["attrs"]) for x in listed] == [
+            ("agent-42", 4, {"model": "llama-test"})
+        ]
         with pytest.raises(kvfs.SessionNotFound):
             b.restore("never-spilled")
         assert b.restore("agent-42") == sum(map(len, data.values()))

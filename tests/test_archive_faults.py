@@ -58,8 +58,12 @@ def test_sigkill_mid_spill_then_restart(s3_server, proxy, tmp_path: Path) -> Non
     dirs = [str(tmp_path / "nvme0"), str(tmp_path / "nvme1")]
     slow_url = f"s3://{bucket}?endpoint={proxy.endpoint}&deadline=30"
     proxy.delay = 0.004  # per forwarded chunk: the spill takes seconds, not milliseconds
-    child = subprocess.Popen([sys.executable, "-c", CHILD, ",".join(dirs), slow_url, str(n)],
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    child = subprocess.Popen(
+        [sys.executable, "-c", CHILD, ",".join(dirs), slow_url, str(n)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert child.stdout is not None
         assert child.stdout.readline().strip() == "ready"
@@ -81,9 +85,12 @@ def test_sigkill_mid_spill_then_restart(s3_server, proxy, tmp_path: Path) -> Non
     assert 0 < len(uploaded) < n, "the kill did not land mid-spill"
     assert s3_server.keys(bucket, "manifests/") == []  # nothing half-visible
     proxy.delay = 0
-    cfg = kvfs.StoreConfig(data_dirs=tuple(dirs), stripe_unit=64 * KiB,
-                           archive_url=f"s3://{bucket}?endpoint={s3_server.endpoint}",
-                           extra={"archive": {"interval": 0}})
+    cfg = kvfs.StoreConfig(
+        data_dirs=tuple(dirs),
+        stripe_unit=64 * KiB,
+        archive_url=f"s3://{bucket}?endpoint={s3_server.endpoint}",
+        extra={"archive": {"interval": 0}},
+    )
     with kvfs.open_store_sync(cfg) as s:
         infos = s.list(session="victim")
         assert len(infos) == n and all(i.local for i in infos)  # nothing lost locally
@@ -155,8 +162,9 @@ def test_endpoint_down_past_deadline_loses_nothing(s3_server, proxy, make_config
 def test_delete_while_endpoint_down_is_finished_later(s3_server, proxy, make_config) -> None:  # noqa: ANN001
     bucket = s3_server.new_bucket()
     url = f"s3://{bucket}?endpoint={proxy.endpoint}&deadline=30&connect_timeout=0.5"
-    cfg = make_config(ndev=1, archive_url=url,
-                      extra={"archive": {"interval": 0, "sync_cleanup_seconds": 0.5}})
+    cfg = make_config(
+        ndev=1, archive_url=url, extra={"archive": {"interval": 0, "sync_cleanup_seconds": 0.5}}
+    )
     with kvfs.open_store_sync(cfg) as s:
         for i in range(2):
             s.put(PageKey.semantic("a", "p", i), page(i))

@@ -20,10 +20,14 @@ if not os.path.exists("/dev/fuse") or shutil.which("fusermount3") is None:  # pr
     pytest.fail("these tests need /dev/fuse and fusermount3", pytrace=False)
 
 
-async def test_read_spilled_pages_through_mount(make_config: Callable[..., kvfs.StoreConfig],
-                                                tmp_path: Path) -> None:
-    cfg = make_config(ndev=2, archive_url=f"file://{tmp_path / 'archive'}",
-                      extra={"archive": {"interval": 0.05, "idle_seconds": 3600}})
+async def test_read_spilled_pages_through_mount(
+    make_config: Callable[..., kvfs.StoreConfig], tmp_path: Path
+) -> None:
+    cfg = make_config(
+        ndev=2,
+        archive_url=f"file://{tmp_path / 'archive'}",
+        extra={"archive": {"interval": 0.05, "idle_seconds": 3600}},
+    )
     mp = tmp_path / "mnt"
     mp.mkdir()
     pages = {PageKey.semantic("agent", "p0", i): os.urandom(300_000 + i) for i in range(3)}
@@ -44,8 +48,7 @@ async def test_read_spilled_pages_through_mount(make_config: Callable[..., kvfs.
                     got = await trio.to_thread.run_sync((mp / k.path).read_bytes)
                     assert got == v
                 assert all(i.tier == "local+archive" for i in await store.list(session="agent"))
-                tier = await trio.to_thread.run_sync(os.getxattr, d / "layer-000",
-                                                     "user.kvfs.tier")
+                tier = await trio.to_thread.run_sync(os.getxattr, d / "layer-000", "user.kvfs.tier")
                 assert tier == b"local+archive"
                 # a corrupted archive object is an I/O error on the mount, never bad bytes
                 k2 = PageKey.semantic("agent", "p1", 0)  # never read: not in the page cache

@@ -19,8 +19,7 @@ from kvfs import PageKey
 
 SESSIONS = ["a", "b"]
 CONTENTS = [bytes([i]) * (5000 + 3000 * i) for i in range(4)]
-keys = st.builds(PageKey.semantic, st.sampled_from(SESSIONS), st.just("p"),
-                 st.integers(0, 3))
+keys = st.builds(PageKey.semantic, st.sampled_from(SESSIONS), st.just("p"), st.integers(0, 3))
 
 
 class TieredStore(RuleBasedStateMachine):
@@ -28,9 +27,12 @@ class TieredStore(RuleBasedStateMachine):
         super().__init__()
         self.root = Path(tempfile.mkdtemp(prefix="kvfs-state-"))
         self.cfg = kvfs.StoreConfig(
-            data_dirs=(self.root / "d0", self.root / "d1"), stripe_unit=8192,
-            archive_url=f"file://{self.root / 'archive'}", durable=False,
-            extra={"archive": {"interval": 0}})
+            data_dirs=(self.root / "d0", self.root / "d1"),
+            stripe_unit=8192,
+            archive_url=f"file://{self.root / 'archive'}",
+            durable=False,
+            extra={"archive": {"interval": 0}},
+        )
         self.store = kvfs.SyncStore(kvfs.Engine(self.cfg))
         self.model: dict[PageKey, bytes] = {}
 
@@ -86,8 +88,9 @@ class TieredStore(RuleBasedStateMachine):
         try:
             arch = self.root / "archive"
             objects = {p.name for p in (arch / "blobs").glob("*")}
-            held = {i.checksum for i in self.store.list(path_prefix="sessions/")
-                    if "archive" in i.tier}
+            held = {
+                i.checksum for i in self.store.list(path_prefix="sessions/") if "archive" in i.tier
+            }
             assert objects <= held, f"orphan objects: {objects - held}"
             for m in (arch / "manifests").glob("*"):
                 man = msgpack.unpackb(m.read_bytes(), raw=False)
@@ -99,6 +102,9 @@ class TieredStore(RuleBasedStateMachine):
 
 
 TieredStore.TestCase.settings = settings(
-    max_examples=40, stateful_step_count=25, deadline=None,
-    suppress_health_check=[HealthCheck.too_slow])
+    max_examples=40,
+    stateful_step_count=25,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
 test_tiered_store = TieredStore.TestCase

@@ -37,7 +37,11 @@ class Daemon:
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(
                 [*KVFS, "mount", "--foreground", "--data", str(self.data), *extra, str(self.mp)],
-                stdout=log, stderr=log, pass_fds=(w,), env={**env, READY_FD_ENV: str(w)})
+                stdout=log,
+                stderr=log,
+                pass_fds=(w,),
+                env={**env, READY_FD_ENV: str(w)},
+            )
         os.close(w)
         with os.fdopen(r, "rb") as f:
             msg = f.read().decode().strip()
@@ -46,8 +50,11 @@ class Daemon:
     expected_errors = 0
 
     def errors(self) -> list[str]:
-        return [x for x in self.log.read_text(errors="replace").splitlines()
-                if " ERROR " in x or "Traceback" in x]
+        return [
+            x
+            for x in self.log.read_text(errors="replace").splitlines()
+            if " ERROR " in x or "Traceback" in x
+        ]
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -63,13 +70,12 @@ def daemon(tmp_path: Path) -> Iterator[Daemon]:
         yield d
     finally:
         d.stop()
-    unexpected = d.errors()[d.expected_errors:]
+    unexpected = d.errors()[d.expected_errors :]
     assert not unexpected, "the daemon logged errors:\n" + "\n".join(unexpected)
 
 
 @pytest.fixture
-def run(capsys: pytest.CaptureFixture[str], tmp_path: Path,
-        monkeypatch: pytest.MonkeyPatch) -> Run:
+def run(capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Run:
     monkeypatch.chdir(tmp_path)
     for var in [v for v in os.environ if v.startswith("KVFS_")]:
         monkeypatch.delenv(var)
@@ -79,6 +85,7 @@ def run(capsys: pytest.CaptureFixture[str], tmp_path: Path,
         rc = main([*argv])
         out, err = capsys.readouterr()
         return rc, out, err
+
     return go
 
 
@@ -115,8 +122,10 @@ def test_commands_through_the_daemon(daemon: Daemon, run: Run, tmp_path: Path) -
     rc, _, err = run("spill", "s2", *d)
     assert rc == 8  # this daemon has no archive tier: an error, logged as one structured line
     logged = daemon.errors()
-    assert len(logged) == 1 and "event=error method=spill target=s2 error=ArchiveUnavailable" \
-        in logged[0]
+    assert (
+        len(logged) == 1
+        and "event=error method=spill target=s2 error=ArchiveUnavailable" in logged[0]
+    )
     daemon.expected_errors = 1
     # the data directory is the daemon's: opening it directly is refused with a clear line
     rc, _, err = run("ls", "--data", str(daemon.data), "--offline")
@@ -130,8 +139,10 @@ def test_metrics_port_and_event_logs(tmp_path: Path, run: Run) -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     conf = tmp_path / "kvfs.toml"  # the file's port is overridden by the flag
-    conf.write_text(f'[archive]\narchive_url = "file://{tmp_path}/arch"\n'
-                    '[daemon]\nmetrics_port = 1\nmetrics_sessions = 5\n')
+    conf.write_text(
+        f'[archive]\narchive_url = "file://{tmp_path}/arch"\n'
+        "[daemon]\nmetrics_port = 1\nmetrics_sessions = 5\n"
+    )
     d = Daemon(tmp_path / "m", "--config", str(conf), "--metrics-port", str(port))
     try:
         flags = ["--data", str(d.data), "--daemon"]
@@ -139,7 +150,9 @@ def test_metrics_port_and_event_logs(tmp_path: Path, run: Run) -> None:
         assert run("put", "f", "sessions/a/p/layer-000", *flags)[0] == 0
         assert run("spill", "a", *flags)[0] == 0
         assert run("restore", "a", *flags)[0] == 0
-        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30).read().decode()
+        text = (
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30).read().decode()
+        )
         assert "kvfs_pages 1" in text and 'kvfs_session_bytes{session="a"} 9000' in text
         assert "kvfs_archive_sessions_spilled_total 1" in text
     finally:
@@ -158,8 +171,13 @@ def test_missing_daemon_and_killed_mid_command(tmp_path: Path, run: Run) -> None
         # freeze the daemon, start a command (it connects and waits), then kill the daemon
         os.kill(d.proc.pid, signal.SIGSTOP)
         env = {k: v for k, v in os.environ.items() if not k.startswith("KVFS_")}
-        cmd = subprocess.Popen([*KVFS, "ls", "--daemon", *flags], stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True, env=env)
+        cmd = subprocess.Popen(
+            [*KVFS, "ls", "--daemon", *flags],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
         deadline = time.monotonic() + 60
         while not _waiting_on_socket(cmd.pid):
             assert time.monotonic() < deadline and cmd.poll() is None, cmd.communicate()
@@ -199,9 +217,15 @@ with kvfs.open_remote_store_sync(sys.argv[1]) as s:
 def test_worker_processes_share_the_daemon_store(daemon: Daemon) -> None:
     """Several engine workers (processes) use one daemon's store through the client."""
     sock = daemon.data / "kvfs.sock"
-    procs = [subprocess.Popen([sys.executable, "-c", _WORKER, str(sock), str(w)],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for w in range(3)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _WORKER, str(sock), str(w)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for w in range(3)
+    ]
     for p in procs:
         out, err = p.communicate(timeout=120)
         assert p.returncode == 0, err

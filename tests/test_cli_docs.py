@@ -15,8 +15,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_docs_match_the_real_help() -> None:
-    r = subprocess.run([sys.executable, "-m", "cli._docgen", "--check"], cwd=ROOT,
-                       capture_output=True, text=True)
+    r = subprocess.run(
+        [sys.executable, "-m", "cli._docgen", "--check"], cwd=ROOT, capture_output=True, text=True
+    )
     assert r.returncode == 0, r.stderr
 
 
@@ -28,8 +29,21 @@ def test_configuration_doc_lists_every_option_and_default() -> None:
 
 def test_store_commands_offer_json_and_store_selection() -> None:
     subs = _subparsers(build_parser())
-    for name in ("ls", "stats", "put", "get", "rm", "pin", "unpin", "evict", "spill", "restore",
-                 "fsck", "config", "size"):
+    for name in (
+        "ls",
+        "stats",
+        "put",
+        "get",
+        "rm",
+        "pin",
+        "unpin",
+        "evict",
+        "spill",
+        "restore",
+        "fsck",
+        "config",
+        "size",
+    ):
         flags = {s for a in subs[name]._actions for s in a.option_strings}
         assert "--json" in flags, name
         if name != "size":

@@ -19,8 +19,7 @@ Run = Callable[..., tuple[int, str, str]]
 
 
 @pytest.fixture
-def run(capsys: pytest.CaptureFixture[str], tmp_path: Path,
-        monkeypatch: pytest.MonkeyPatch) -> Run:
+def run(capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Run:
     monkeypatch.chdir(tmp_path)
     for var in [v for v in os.environ if v.startswith("KVFS_")]:
         monkeypatch.delenv(var)
@@ -30,12 +29,17 @@ def run(capsys: pytest.CaptureFixture[str], tmp_path: Path,
         rc = main([*argv])
         out, err = capsys.readouterr()
         return rc, out, err
+
     return go
 
 
 def data(tmp_path: Path, archive: bool = False) -> list[str]:
-    return ["--data", f"{tmp_path}/d0,{tmp_path}/d1",
-            "--archive", f"file://{tmp_path}/arch" if archive else ""]
+    return [
+        "--data",
+        f"{tmp_path}/d0,{tmp_path}/d1",
+        "--archive",
+        f"file://{tmp_path}/arch" if archive else "",
+    ]
 
 
 def test_put_ls_get_roundtrip(run: Run, tmp_path: Path) -> None:
@@ -56,7 +60,9 @@ def test_put_ls_get_roundtrip(run: Run, tmp_path: Path) -> None:
     rc, out, _ = run("ls", "s1", "-l", "--json", *d)
     pages = json.loads(out)
     assert [p["path"] for p in pages] == ["sessions/s1/p/layer-000", "sessions/s1/p/layer-001"]
-    assert pages[0]["attrs"] == {"model": "m1"} and pages[1]["pinned"] and pages[0]["tier"] == "local"
+    assert (
+        pages[0]["attrs"] == {"model": "m1"} and pages[1]["pinned"] and pages[0]["tier"] == "local"
+    )
     rc, out, _ = run("ls", "s1", "-l", *d)
     assert "model=m1" in out and "CHECKSUM" in out
     rc, out, _ = run("ls", "sessions/s1/p/layer-000", "--json", *d)
@@ -157,14 +163,15 @@ def test_fsck_finds_and_repairs(run: Run, tmp_path: Path) -> None:
     assert run("ls", "sessions/a/p/layer-000", *d)[0] == 3
 
 
-def test_config_shows_sources_and_masks(run: Run, tmp_path: Path,
-                                        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_config_shows_sources_and_masks(
+    run: Run, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     f = tmp_path / "k.toml"
     f.write_text('[store]\nio_threads = 5\n[archive]\narchive_url = "s3://K:hidden@b/p"\n')
     monkeypatch.setenv("KVFS_CAPACITY", "1GiB")
     rc, out, _ = run("config", "--config", str(f), "--data", "dd")
     assert rc == 0 and "hidden" not in out and "s3://***@b/p" in out
-    assert 'io_threads = 5  # ' + str(f) in out and "# $KVFS_CAPACITY" in out
+    assert "io_threads = 5  # " + str(f) in out and "# $KVFS_CAPACITY" in out
     rc, out, _ = run("config", "--config", str(f), "--json")
     doc = json.loads(out)
     assert doc["options"]["store.io_threads"] == {"value": 5, "source": str(f)}
@@ -176,15 +183,35 @@ def test_config_shows_sources_and_masks(run: Run, tmp_path: Path,
 def test_size_presets_and_hf_config(run: Run, tmp_path: Path) -> None:
     rc, out, _ = run("size", "--model", "Qwen2.5-1.5B", "--dtype", "fp16", "--json")
     assert rc == 0 and json.loads(out)["bytes_per_token"] == 28672
-    rc, out, _ = run("size", "--model", "llama-3.3-70b", "--local", "4TiB", "--rate", "10000",
-                     "--session-tokens", "32768", "--json")
+    rc, out, _ = run(
+        "size",
+        "--model",
+        "llama-3.3-70b",
+        "--local",
+        "4TiB",
+        "--rate",
+        "10000",
+        "--session-tokens",
+        "32768",
+        "--json",
+    )
     r = json.loads(out)
     assert r["bytes_per_token"] == 327680
-    assert r["local_tokens"] == (4 << 40) // 327680 and r["local_sessions"] == (4 << 40) // (327680 * 32768)
+    assert r["local_tokens"] == (4 << 40) // 327680 and r["local_sessions"] == (4 << 40) // (
+        327680 * 32768
+    )
     assert r["local_residency_s"] == pytest.approx((4 << 40) / (10000 * 327680))
     cfg = tmp_path / "config.json"
-    cfg.write_text(json.dumps({"num_hidden_layers": 4, "num_attention_heads": 8,
-                               "num_key_value_heads": 2, "hidden_size": 512}))
+    cfg.write_text(
+        json.dumps(
+            {
+                "num_hidden_layers": 4,
+                "num_attention_heads": 8,
+                "num_key_value_heads": 2,
+                "hidden_size": 512,
+            }
+        )
+    )
     rc, out, _ = run("size", "--hf-config", str(cfg), "--dtype", "fp8", "--json")
     assert json.loads(out)["bytes_per_token"] == 2 * 4 * 2 * 64 * 1
     rc, out, _ = run("size", "--model", "Qwen2.5-1.5B", "--local", "1GiB", "--rate", "100")
@@ -210,15 +237,26 @@ def test_missing_store_and_missing_page(run: Run, tmp_path: Path) -> None:
 def test_bad_arguments_and_one_line_errors(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVFS_")}
     cmd = [sys.executable, "-m", "cli"]
-    r = subprocess.run([*cmd, "ls", "--sort", "colour"], capture_output=True, text=True,
-                       env=env, cwd=tmp_path)
+    r = subprocess.run(
+        [*cmd, "ls", "--sort", "colour"], capture_output=True, text=True, env=env, cwd=tmp_path
+    )
     assert r.returncode == 2 and "invalid choice" in r.stderr
     r = subprocess.run([*cmd, "evict"], capture_output=True, text=True, env=env, cwd=tmp_path)
     assert r.returncode == 2
-    r = subprocess.run([*cmd, "ls", "--data", str(tmp_path / "x")], capture_output=True,
-                       text=True, env=env, cwd=tmp_path)
+    r = subprocess.run(
+        [*cmd, "ls", "--data", str(tmp_path / "x")],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+    )
     assert r.returncode == 3 and len(r.stderr.strip().splitlines()) == 1
     assert r.stderr.startswith("kvfs ls: ")
-    r = subprocess.run([*cmd, "--debug", "ls", "--data", str(tmp_path / "x")],
-                       capture_output=True, text=True, env=env, cwd=tmp_path)
+    r = subprocess.run(
+        [*cmd, "--debug", "ls", "--data", str(tmp_path / "x")],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+    )
     assert r.returncode != 0 and "Traceback" in r.stderr

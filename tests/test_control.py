@@ -64,8 +64,9 @@ async def test_remote_store_mirrors_store(make_config: MakeConfig, tmp_path: Pat
     assert not sock.exists()
 
 
-async def test_errors_keep_their_class(make_config: MakeConfig, tmp_path: Path,
-                                       caplog: pytest.LogCaptureFixture) -> None:
+async def test_errors_keep_their_class(
+    make_config: MakeConfig, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     sock = tmp_path / "c.sock"
     async with kvfs.open_store(make_config()) as store, trio.open_nursery() as n:
         await n.start(control_service, store, sock)
@@ -88,8 +89,9 @@ async def test_errors_keep_their_class(make_config: MakeConfig, tmp_path: Path,
     assert any(e.startswith("event=error method=get") and "PageNotFound" in e for e in events)
 
 
-async def test_spill_restore_evict_are_logged(make_config: MakeConfig, tmp_path: Path,
-                                              caplog: pytest.LogCaptureFixture) -> None:
+async def test_spill_restore_evict_are_logged(
+    make_config: MakeConfig, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     caplog.set_level(logging.INFO, logger="kvfs.events")
     sock = tmp_path / "c.sock"
     cfg = make_config(archive_url=f"file://{tmp_path}/arch")
@@ -100,17 +102,21 @@ async def test_spill_restore_evict_are_logged(make_config: MakeConfig, tmp_path:
             assert await r.spill("a") > 0
             assert await r.restore("a") > 0
             assert await r.evict("sessions/a/p/layer-000") > 0
-            assert [s["session"] for s in await r.archived_sessions()] == ["a"] or \
-                await r.archived_sessions()
+            assert [s["session"] for s in await r.archived_sessions()] == [
+                "a"
+            ] or await r.archived_sessions()
         n.cancel_scope.cancel()
     lines = [rec.getMessage() for rec in caplog.records if rec.name == "kvfs.events"]
     for ev in ("spill", "restore", "evict"):
-        assert any(x.startswith(f"event={ev} target=") and " bytes=" in x and " seconds=" in x
-                   for x in lines), (ev, lines)
+        assert any(
+            x.startswith(f"event={ev} target=") and " bytes=" in x and " seconds=" in x
+            for x in lines
+        ), (ev, lines)
 
 
-async def test_missing_daemon_and_a_daemon_gone_mid_call(make_config: MakeConfig,
-                                                         tmp_path: Path) -> None:
+async def test_missing_daemon_and_a_daemon_gone_mid_call(
+    make_config: MakeConfig, tmp_path: Path
+) -> None:
     with pytest.raises(DaemonUnavailable, match="no kvfs daemon"):
         async with open_remote_store(tmp_path / "absent.sock"):
             pass
@@ -130,6 +136,7 @@ async def test_missing_daemon_and_a_daemon_gone_mid_call(make_config: MakeConfig
         conn, _ = await lsock.accept()
         with conn:
             await conn.recv(100)
+
     async with trio.open_nursery() as n:
         n.start_soon(half_server)
         r = RemoteStore(sock)
@@ -168,14 +175,21 @@ print("reply", data.hex())
 def _as_other_user(sock: Path, frame: bytes) -> list[str]:
     import subprocess
 
-    r = subprocess.run(["/usr/bin/python3", "-c", _CHILD, str(sock), frame.hex()],
-                       user=65534, group=65534, capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        ["/usr/bin/python3", "-c", _CHILD, str(sock), frame.hex()],
+        user=65534,
+        group=65534,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 0, r.stderr
     return r.stdout.split()
 
 
-async def test_peer_of_another_uid_is_refused(make_config: MakeConfig,
-                                              monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_peer_of_another_uid_is_refused(
+    make_config: MakeConfig, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Mode 0600 keeps other users out; with the mode opened up, SO_PEERCRED still does.
     As root the other user is real (uid 65534 in a child); as an ordinary user the daemon's
     own uid is made to differ (the peer's credentials are still read from the kernel)."""
@@ -207,6 +221,7 @@ async def test_peer_of_another_uid_is_refused(make_config: MakeConfig,
                     with s:
                         s.sendall(frame)
                         return read_frame_sync(s)
+
                 reply = await trio.to_thread.run_sync(attempt)
             assert reply[0] == 1 and reply[1] == "PermissionError"
             assert "may not use this kvfs daemon" in reply[2]
@@ -218,8 +233,11 @@ async def test_metrics_endpoint_bounded_sessions(make_config: MakeConfig) -> Non
         for i in range(8):
             await store.put(f"sessions/s{i}/p/layer-000", b"k" * (1000 * (i + 1)))
         await store.get("sessions/s0/p/layer-000")
-        port = await n.start(lambda task_status: metrics_service(
-            store, port=0, max_sessions=3, task_status=task_status))
+        port = await n.start(
+            lambda task_status: metrics_service(
+                store, port=0, max_sessions=3, task_status=task_status
+            )
+        )
         async with await trio.open_tcp_stream("127.0.0.1", port) as stream:
             await stream.send_all(b"GET /metrics HTTP/1.0\r\n\r\n")
             data = b""
@@ -246,8 +264,9 @@ def test_render_escapes_labels() -> None:
     assert 'kvfs_session_bytes{session="we\\"ird\\\\"} 10' in render_metrics(st, [s])
 
 
-def test_engine_evictions_and_restores_are_logged(make_config: MakeConfig, tmp_path: Path,
-                                                  caplog: pytest.LogCaptureFixture) -> None:
+def test_engine_evictions_and_restores_are_logged(
+    make_config: MakeConfig, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     """Evictions and restores the engine does on its own (not asked over the channel) are
     structured lines too."""
     caplog.set_level(logging.INFO, logger="kvfs.events")
@@ -259,8 +278,10 @@ def test_engine_evictions_and_restores_are_logged(make_config: MakeConfig, tmp_p
         s.evict("sessions/b/p/layer-000")
         assert s.get("sessions/b/p/layer-000") == payload  # restored on read
     lines = [r.getMessage() for r in caplog.records if r.name == "kvfs.events"]
-    assert any(x.startswith("event=evict content=") and "reason=manual" in x
-               and "archived=False" in x for x in lines), lines
+    assert any(
+        x.startswith("event=evict content=") and "reason=manual" in x and "archived=False" in x
+        for x in lines
+    ), lines
     assert any(x.startswith("event=evict content=") and "archived=True" in x for x in lines)
     assert any(x.startswith("event=restore content=") and " bytes=5000" in x for x in lines)
 
@@ -279,6 +300,7 @@ async def test_fsck_progress_over_the_channel(make_config: MakeConfig, tmp_path:
                 return r.fsck_progress(progress=lambda d, t: seen.append((d, t)))
             finally:
                 r.close()
+
         found = await trio.to_thread.run_sync(check)
         assert found["corrupt"] == [] and found["missing"] == []
         assert seen and seen[-1] == (12, 12)
@@ -315,8 +337,20 @@ async def test_control_bench_runs_and_checks_bytes(tmp_path: Path) -> None:
     """The benchmark's machinery (tiny sizes; its figures are not asserted)."""
     from kvfs.bench.control import run_control_bench
 
-    rows = await run_control_bench(tmp_path, small=4096, small_pages=5, large=1 << 20,
-                                   large_pages=2, clients=2, repeat=1, durable=False)
+    rows = await run_control_bench(
+        tmp_path,
+        small=4096,
+        small_pages=5,
+        large=1 << 20,
+        large_pages=2,
+        clients=2,
+        repeat=1,
+        durable=False,
+    )
     assert [(r["pages"], r["op"]) for r in rows] == [
-        ("small", "put"), ("small", "get"), ("large", "put"), ("large", "get")]
+        ("small", "put"),
+        ("small", "get"),
+        ("large", "put"),
+        ("large", "get"),
+    ]
     assert all(r["remote_pages_s"] > 0 and r["worker_pages_s"] > 0 for r in rows)

@@ -31,15 +31,21 @@ from typing import Any
 import pytest
 
 pytest.importorskip("torch", reason="needs the engines extra: pip install -e .[engines]")
-pytest.importorskip("lmcache", reason="needs the lmcache extra (heavy: see this module's "
-                                      "docstring for a separate venv): pip install -e .[lmcache]")
+pytest.importorskip(
+    "lmcache",
+    reason="needs the lmcache extra (heavy: see this module's "
+    "docstring for a separate venv): pip install -e .[lmcache]",
+)
 
 import torch  # noqa: E402
 
 with warnings.catch_warnings():
     # The same deprecation as below (pytestmark), raised at import time.
-    warnings.filterwarnings("ignore", message="`LoggingHandler` in `opentelemetry-sdk` is "
-                            "deprecated", category=DeprecationWarning)
+    warnings.filterwarnings(
+        "ignore",
+        message="`LoggingHandler` in `opentelemetry-sdk` is deprecated",
+        category=DeprecationWarning,
+    )
     from lmcache.utils import CacheEngineKey
     from lmcache.v1.config import LMCacheEngineConfig
     from lmcache.v1.metadata import LMCacheMetadata
@@ -53,7 +59,8 @@ import kvfs  # noqa: E402
 # lmcache 0.5.6 installs opentelemetry's deprecated LoggingHandler whenever it creates a
 # logger (at import and while discovering its connector modules); that is not ours to fix.
 pytestmark = pytest.mark.filterwarnings(
-    "ignore:`LoggingHandler` in `opentelemetry-sdk` is deprecated:DeprecationWarning")
+    "ignore:`LoggingHandler` in `opentelemetry-sdk` is deprecated:DeprecationWarning"
+)
 
 LAYERS, CHUNK, KV_HEADS, HEAD_DIM = 4, 256, 4, 32
 META_BYTES = 28  # LMCache's per-file metadata header (RemoteMetadata) in 0.5.x
@@ -65,17 +72,28 @@ class FsCache:
     def __init__(self, root: Path, dtype: torch.dtype) -> None:
         self.dtype = dtype
         self.config = LMCacheEngineConfig.from_defaults(
-            chunk_size=CHUNK, local_cpu=False, max_local_cpu_size=0.2,
-            remote_url=f"fs://localhost:0{root}", remote_serde="naive")
+            chunk_size=CHUNK,
+            local_cpu=False,
+            max_local_cpu_size=0.2,
+            remote_url=f"fs://localhost:0{root}",
+            remote_serde="naive",
+        )
         self.meta = LMCacheMetadata(
-            model_name="kvfs-test-model", world_size=1, local_world_size=1, worker_id=0,
-            local_worker_id=0, kv_dtype=dtype, kv_shape=(LAYERS, 2, CHUNK, KV_HEADS, HEAD_DIM))
+            model_name="kvfs-test-model",
+            world_size=1,
+            local_world_size=1,
+            worker_id=0,
+            local_worker_id=0,
+            kv_dtype=dtype,
+            kv_shape=(LAYERS, 2, CHUNK, KV_HEADS, HEAD_DIM),
+        )
         self.backend = LocalCPUBackend(self.config, self.meta)
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
-        self.conn = CreateConnector(self.config.remote_url, self.loop, self.backend,
-                                    self.config, self.meta)
+        self.conn = CreateConnector(
+            self.config.remote_url, self.loop, self.backend, self.config, self.meta
+        )
 
     def run(self, coro: Any) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout=60)
@@ -126,8 +144,9 @@ def chunks(dtype: torch.dtype, n: int = 3) -> dict[int, torch.Tensor]:
 
 
 @pytest.fixture(params=["mount", "directory"])
-def kvfs_dir(request: pytest.FixtureRequest, tmp_path: Path,
-             make_config: Callable[..., kvfs.StoreConfig]) -> Iterator[Path]:
+def kvfs_dir(
+    request: pytest.FixtureRequest, tmp_path: Path, make_config: Callable[..., kvfs.StoreConfig]
+) -> Iterator[Path]:
     """A directory on a real kvfs FUSE mount, or a plain directory."""
     if request.param == "mount":
         mp = tmp_path / "mnt"
@@ -141,8 +160,9 @@ def kvfs_dir(request: pytest.FixtureRequest, tmp_path: Path,
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_chunks_round_trip_bit_exactly(fs_cache: Callable[..., FsCache], kvfs_dir: Path,
-                                       dtype: torch.dtype) -> None:
+def test_chunks_round_trip_bit_exactly(
+    fs_cache: Callable[..., FsCache], kvfs_dir: Path, dtype: torch.dtype
+) -> None:
     root = kvfs_dir / "lmcache"
     data = chunks(dtype)
     writer = fs_cache(root, dtype)
@@ -162,8 +182,9 @@ def test_chunks_round_trip_bit_exactly(fs_cache: Callable[..., FsCache], kvfs_di
         assert raw[META_BYTES:] == kv.contiguous().view(torch.uint8).numpy().tobytes()
 
 
-def test_files_carried_through_a_kvfs_store(fs_cache: Callable[..., FsCache], tmp_path: Path,
-                                            make_config: Callable[..., kvfs.StoreConfig]) -> None:
+def test_files_carried_through_a_kvfs_store(
+    fs_cache: Callable[..., FsCache], tmp_path: Path, make_config: Callable[..., kvfs.StoreConfig]
+) -> None:
     """LMCache's files as kvfs pages (engine-named, session ``lmcache``) and back out."""
     dtype = torch.bfloat16
     src, dst = tmp_path / "src", tmp_path / "dst"

@@ -36,10 +36,12 @@ CHUNK = 64
 STEPS = 12
 GEOMETRIES = {
     "fp32-gqa-2layers": ModelShape(layers=2, hidden=128, heads=4, kv_heads=2, head_dim=32),
-    "bf16-mha-3layers": ModelShape(layers=3, hidden=128, heads=4, kv_heads=4, head_dim=32,
-                                   dtype="bfloat16"),
-    "fp32-gqa4-4layers": ModelShape(layers=4, hidden=256, heads=8, kv_heads=2, head_dim=32,
-                                    intermediate=512),
+    "bf16-mha-3layers": ModelShape(
+        layers=3, hidden=128, heads=4, kv_heads=4, head_dim=32, dtype="bfloat16"
+    ),
+    "fp32-gqa4-4layers": ModelShape(
+        layers=4, hidden=256, heads=8, kv_heads=2, head_dim=32, intermediate=512
+    ),
 }
 _MODELS: dict[ModelShape, Any] = {}
 
@@ -62,8 +64,9 @@ def prefill(model: Any, ids: list[int], cache: Any = None) -> tuple[int, Any]:
 
 
 @pytest.fixture(params=["object-api", "fast-path", "mount", "directory"])
-def target(request: pytest.FixtureRequest, make_config: Callable[..., kvfs.StoreConfig],
-           tmp_path: Path) -> Any:
+def target(
+    request: pytest.FixtureRequest, make_config: Callable[..., kvfs.StoreConfig], tmp_path: Path
+) -> Any:
     """Where pages go: a kvfs store (object API, or reads by the fast path's O_DIRECT host
     backend), files on a real kvfs FUSE mount, or plain files in a directory."""
     if request.param == "mount":
@@ -118,15 +121,20 @@ def test_longest_cached_prefix_is_reused(geom: str, target: Any) -> None:
         assert kv.lookup("a", new) == ["a", "a", "a"]
         hit = kv.load("a", new)
         assert hit.tokens == 3 * CHUNK
-        first, restored = prefill(model, new[hit.tokens:], hit.cache)
+        first, restored = prefill(model, new[hit.tokens :], hit.cache)
         # Reference: the in-memory cache cut to the same prefix, continued the same way.
-        ref_cache = build_cache(model.config, [(k[:, :, :hit.tokens].clone(),
-                                                v[:, :, :hit.tokens].clone())
-                                               for k, v in cache_tensors(cache)])
-        ref_first, ref_cache = prefill(model, new[hit.tokens:], ref_cache)
+        ref_cache = build_cache(
+            model.config,
+            [
+                (k[:, :, : hit.tokens].clone(), v[:, :, : hit.tokens].clone())
+                for k, v in cache_tensors(cache)
+            ],
+        )
+        ref_first, ref_cache = prefill(model, new[hit.tokens :], ref_cache)
         assert first == ref_first
         assert greedy_decode(model, first, restored, STEPS) == greedy_decode(
-            model, ref_first, ref_cache, STEPS)
+            model, ref_first, ref_cache, STEPS
+        )
         # max_tokens cuts inside a chunk, as a prefill that must compute the last token does.
         part = kv.load("a", old, max_tokens=2 * CHUNK + 5)
         assert part.tokens == 2 * CHUNK + 5 and part.chunks == 3
@@ -134,13 +142,16 @@ def test_longest_cached_prefix_is_reused(geom: str, target: Any) -> None:
 
 
 def test_prefill_reuses_a_shared_prefix_across_sessions(
-        make_config: Callable[..., kvfs.StoreConfig]) -> None:
+    make_config: Callable[..., kvfs.StoreConfig],
+) -> None:
     shape = GEOMETRIES["fp32-gqa-2layers"]
     model = model_of(shape)
     system = tokens(3 * CHUNK, seed=4)
     a, b = system + tokens(40, seed=5), system + tokens(50, seed=6)
-    with kvfs.open_store_sync(make_config()) as store, \
-            TransformersKV(store, model, model_id=shape.model_id, chunk_tokens=CHUNK) as kv:
+    with (
+        kvfs.open_store_sync(make_config()) as store,
+        TransformersKV(store, model, model_id=shape.model_id, chunk_tokens=CHUNK) as kv,
+    ):
         ra = kv.prefill("agent-a", a)
         assert (ra.reused_tokens, ra.computed_tokens) == (0, len(a))
         rb = kv.prefill("agent-b", b)
@@ -153,8 +164,9 @@ def test_prefill_reuses_a_shared_prefix_across_sessions(
         page = store.list(session="agent-a")[0].size
         assert st.logical_bytes == 9 * shape.layers * page
         assert st.local_bytes == 3 * shape.layers * page
-        isolated = TransformersKV(store, model, model_id=shape.model_id, chunk_tokens=CHUNK,
-                                  shared_session=None)
+        isolated = TransformersKV(
+            store, model, model_id=shape.model_id, chunk_tokens=CHUNK, shared_session=None
+        )
         assert isolated.load("agent-c", b).tokens == 0
 
 
@@ -167,19 +179,20 @@ def test_other_geometry_is_refused(target: Any) -> None:
     base = GEOMETRIES["fp32-gqa-2layers"]
     ids = tokens(2 * CHUNK, seed=7)
     _, cache = prefill(model_of(base), ids)
-    with TransformersKV(target, model_of(base), model_id=base.model_id,
-                        chunk_tokens=CHUNK) as kv:
+    with TransformersKV(target, model_of(base), model_id=base.model_id, chunk_tokens=CHUNK) as kv:
         kv.save("s", ids, cache)
     others = {
         "layers": ModelShape(layers=3, hidden=128, heads=4, kv_heads=2, head_dim=32),
-        "dtype": ModelShape(layers=2, hidden=128, heads=4, kv_heads=2, head_dim=32,
-                            dtype="bfloat16"),
+        "dtype": ModelShape(
+            layers=2, hidden=128, heads=4, kv_heads=2, head_dim=32, dtype="bfloat16"
+        ),
         "kv_heads": ModelShape(layers=2, hidden=128, heads=4, kv_heads=4, head_dim=32),
         "model_id": ModelShape(layers=2, hidden=128, heads=4, kv_heads=2, head_dim=32, seed=1),
     }
     for field, shape in others.items():
-        with TransformersKV(target, model_of(shape), model_id=shape.model_id,
-                            chunk_tokens=CHUNK) as kv:
+        with TransformersKV(
+            target, model_of(shape), model_id=shape.model_id, chunk_tokens=CHUNK
+        ) as kv:
             with pytest.raises(GeometryMismatch, match=field):
                 kv.load("s", ids)
             other_ids = tokens(2 * CHUNK, seed=8)
@@ -211,34 +224,48 @@ def test_pages_are_aligned_safetensors(tmp_path: Path) -> None:
 
 def test_chunk_names_are_the_same_in_another_process() -> None:
     shape = GEOMETRIES["fp32-gqa-2layers"]
-    with TransformersKV(os.getcwd(), model_of(shape), model_id=shape.model_id,
-                        chunk_tokens=CHUNK) as kv:
+    with TransformersKV(
+        os.getcwd(), model_of(shape), model_id=shape.model_id, chunk_tokens=CHUNK
+    ) as kv:
         g = kv.geometry
     ids = tokens(3 * CHUNK + 5, seed=10)
     here = chunk_names(ids, g)
-    code = ("import sys, json; from kvfs.integrations import Geometry, chunk_names; "
-            "g = Geometry(**json.loads(sys.argv[1])); print(' '.join(chunk_names(json.loads("
-            "sys.argv[2]), g)))")
+    code = (
+        "import sys, json; from kvfs.integrations import Geometry, chunk_names; "
+        "g = Geometry(**json.loads(sys.argv[1])); print(' '.join(chunk_names(json.loads("
+        "sys.argv[2]), g)))"
+    )
     import json
-    geo = {f: getattr(g, f) for f in ("model_id", "layers", "kv_heads", "head_dim", "dtype",
-                                      "chunk_tokens")}
-    out = subprocess.run([sys.executable, "-c", code, json.dumps(geo), json.dumps(ids)],
-                         env={**os.environ, "PYTHONHASHSEED": "12345"}, check=True,
-                         capture_output=True, text=True).stdout.split()
+
+    geo = {
+        f: getattr(g, f)
+        for f in ("model_id", "layers", "kv_heads", "head_dim", "dtype", "chunk_tokens")
+    }
+    out = subprocess.run(
+        [sys.executable, "-c", code, json.dumps(geo), json.dumps(ids)],
+        env={**os.environ, "PYTHONHASHSEED": "12345"},
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.split()
     assert out == here and len(here) == 3
     assert chunk_names(ids, g.__class__(**{**geo, "head_dim": 64}))[0] != here[0]
 
 
-def test_corrupt_page_ends_the_prefix(make_config: Callable[..., kvfs.StoreConfig],
-                                      tmp_path: Path) -> None:
+def test_corrupt_page_ends_the_prefix(
+    make_config: Callable[..., kvfs.StoreConfig], tmp_path: Path
+) -> None:
     shape = GEOMETRIES["fp32-gqa-2layers"]
     model = model_of(shape)
     ids = tokens(3 * CHUNK, seed=11)
     _, cache = prefill(model, ids)
     names = None
-    with kvfs.open_store_sync(make_config(ndev=1)) as store, \
-            TransformersKV(store, model, model_id=shape.model_id, chunk_tokens=CHUNK,
-                           shared_session=None) as kv:
+    with (
+        kvfs.open_store_sync(make_config(ndev=1)) as store,
+        TransformersKV(
+            store, model, model_id=shape.model_id, chunk_tokens=CHUNK, shared_session=None
+        ) as kv,
+    ):
         kv.save("s", ids, cache)
         names = chunk_names(ids, kv.geometry)
         ext = store.stat(f"sessions/s/{names[1]}/layer-001").extents[0]
@@ -257,13 +284,16 @@ def test_batched_cache_is_refused(tmp_path: Path) -> None:
     model = model_of(shape)
     with torch.inference_mode():
         out = model(input_ids=torch.tensor([tokens(CHUNK, 12), tokens(CHUNK, 13)]))
-    with TransformersKV(tmp_path, model, model_id=shape.model_id, chunk_tokens=CHUNK) as kv, \
-            pytest.raises(ValueError, match="batch size 2"):
+    with (
+        TransformersKV(tmp_path, model, model_id=shape.model_id, chunk_tokens=CHUNK) as kv,
+        pytest.raises(ValueError, match="batch size 2"),
+    ):
         kv.save("s", tokens(CHUNK, 12), out.past_key_values)
 
 
 def test_decodes_identically_after_spill_and_restore(
-        make_config: Callable[..., kvfs.StoreConfig], tmp_path: Path) -> None:
+    make_config: Callable[..., kvfs.StoreConfig], tmp_path: Path
+) -> None:
     """The session goes to a file:// archive and comes back: on access on this host, and by
     ``restore`` on a second host that shares only the archive."""
     shape = GEOMETRIES["fp32-gqa-2layers"]
@@ -275,9 +305,12 @@ def test_decodes_identically_after_spill_and_restore(
     def cfg(name: str) -> kvfs.StoreConfig:
         return make_config(ndev=2, name=name, archive_url=url, extra={"archive": {"interval": 0}})
 
-    with kvfs.open_store_sync(cfg("host-a")) as a, \
-            TransformersKV(a, model, model_id=shape.model_id, chunk_tokens=CHUNK,
-                           shared_session=None) as kv:
+    with (
+        kvfs.open_store_sync(cfg("host-a")) as a,
+        TransformersKV(
+            a, model, model_id=shape.model_id, chunk_tokens=CHUNK, shared_session=None
+        ) as kv,
+    ):
         kv.save("agent", ids, cache)
         want = greedy_decode(model, first, cache, STEPS)
         assert a.spill("agent") > 0
@@ -285,9 +318,12 @@ def test_decodes_identically_after_spill_and_restore(
         hit = kv.load("agent", ids)
         assert hit.tokens == 3 * CHUNK
         assert greedy_decode(model, first, hit.cache, STEPS) == want
-    with kvfs.open_store_sync(cfg("host-b")) as b, \
-            TransformersKV(b, model, model_id=shape.model_id, chunk_tokens=CHUNK,
-                           shared_session=None) as kv:
+    with (
+        kvfs.open_store_sync(cfg("host-b")) as b,
+        TransformersKV(
+            b, model, model_id=shape.model_id, chunk_tokens=CHUNK, shared_session=None
+        ) as kv,
+    ):
         assert kv.load("agent", ids).tokens == 0  # nothing here until restored
         assert b.restore("agent") > 0
         hit = kv.load("agent", ids)
@@ -296,13 +332,15 @@ def test_decodes_identically_after_spill_and_restore(
 
 
 def test_model_demo_continues_in_a_new_process(
-        make_config: Callable[..., kvfs.StoreConfig], tmp_path: Path) -> None:
+    make_config: Callable[..., kvfs.StoreConfig], tmp_path: Path
+) -> None:
     """The ``kvfs demo`` model scenario: spill, then a second process reloads and decodes
     the same tokens (the scenario raises if they differ)."""
     from kvfs.integrations.demo import model_scenario
 
-    cfg = make_config(ndev=2, archive_url=f"file://{tmp_path / 'archive'}",
-                      extra={"archive": {"interval": 0}})
+    cfg = make_config(
+        ndev=2, archive_url=f"file://{tmp_path / 'archive'}", extra={"archive": {"interval": 0}}
+    )
     lines: list[str] = []
     res = model_scenario(cfg, tokens=600, decode=8, small=True, echo=lines.append)
     assert res["same_tokens"] and res["spill_s"] is not None

@@ -24,8 +24,11 @@ async def store(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator
     else:
         srv = request.getfixturevalue("s3_server")
         bucket = srv.new_bucket()
-        s = await open_objectstore(f"s3://{bucket}/pre/fix?endpoint={srv.endpoint}&addressing=path",
-                                   multipart_threshold=5 * MiB, part_size=5 * MiB)
+        s = await open_objectstore(
+            f"s3://{bucket}/pre/fix?endpoint={srv.endpoint}&addressing=path",
+            multipart_threshold=5 * MiB,
+            part_size=5 * MiB,
+        )
         assert isinstance(s, S3Store)
     async with s:
         yield s

@@ -22,10 +22,15 @@ def test_embedded_defaults_need_no_file(tmp_path: Path, monkeypatch: pytest.Monk
 
 def test_file_then_env_then_flags(tmp_path: Path) -> None:
     f = tmp_path / "kvfs.toml"
-    f.write_text('[store]\ndata_dirs = ["/a", "/b"]\ncapacity = "2GiB"\nio_threads = 3\n'
-                 '[archive]\narchive_url = "s3://bucket/pre"\n[daemon]\nmetrics_port = 9100\n')
-    s = load_settings(f, env={"KVFS_CAPACITY": "1GiB", "KVFS_DURABLE": "false"},
-                      flags={"capacity": "512MiB", "io_threads": None})
+    f.write_text(
+        '[store]\ndata_dirs = ["/a", "/b"]\ncapacity = "2GiB"\nio_threads = 3\n'
+        '[archive]\narchive_url = "s3://bucket/pre"\n[daemon]\nmetrics_port = 9100\n'
+    )
+    s = load_settings(
+        f,
+        env={"KVFS_CAPACITY": "1GiB", "KVFS_DURABLE": "false"},
+        flags={"capacity": "512MiB", "io_threads": None},
+    )
     assert s["data_dirs"] == ["/a", "/b"] and s.sources["data_dirs"] == str(f)
     assert s["capacity"] == 512 << 20 and s.sources["capacity"] == "flag"
     assert s["durable"] is False and s.sources["durable"] == "$KVFS_DURABLE"
@@ -44,14 +49,17 @@ def test_config_file_from_environment(tmp_path: Path) -> None:
     assert s["stripe_unit"] == 1 << 20 and s.config_file == f
 
 
-@pytest.mark.parametrize("text, match", [
-    ("[store]\nnope = 1\n", "unknown option store.nope"),
-    ("[stor]\ncapacity = 1\n", r"unknown section \[stor\]"),
-    ("[store]\ncapacity = \"lots\"\n", "bad value 'lots' for store.capacity"),
-    ("[store]\ndirect_io = \"maybe\"\n", "direct_io"),
-    ("[daemon]\nlog_level = \"loud\"\n", "log_level"),
-    ("[store]\ncapacity = \n", "Expected|Invalid"),
-])
+@pytest.mark.parametrize(
+    "text, match",
+    [
+        ("[store]\nnope = 1\n", "unknown option store.nope"),
+        ("[stor]\ncapacity = 1\n", r"unknown section \[stor\]"),
+        ('[store]\ncapacity = "lots"\n', "bad value 'lots' for store.capacity"),
+        ('[store]\ndirect_io = "maybe"\n', "direct_io"),
+        ('[daemon]\nlog_level = "loud"\n', "log_level"),
+        ("[store]\ncapacity = \n", "Expected|Invalid"),
+    ],
+)
 def test_bad_files_are_one_clear_error(tmp_path: Path, text: str, match: str) -> None:
     f = tmp_path / "bad.toml"
     f.write_text(text)
@@ -71,7 +79,10 @@ def test_missing_named_file(tmp_path: Path) -> None:
 
 def test_secrets_are_masked() -> None:
     assert masked("archive_url", "s3://AKIA:topsecret@bucket/x") == "s3://***@bucket/x"
-    assert masked("archive_url", "s3://b/x?secret_key=abc&region=eu") == "s3://b/x?secret_key=***&region=eu"
+    assert (
+        masked("archive_url", "s3://b/x?secret_key=abc&region=eu")
+        == "s3://b/x?secret_key=***&region=eu"
+    )
     assert masked("aws_secret_access_key", "abc") == "***"
     s = load_settings(env={"KVFS_ARCHIVE_URL": "s3://AKIA:topsecret@bucket/x"})
     assert "topsecret" not in as_toml(s)

@@ -233,8 +233,10 @@ def test_aligned_buffers_are_read_directly(
         fd, direct = open_direct(info.extents[0].path, os.O_RDONLY)
         os.close(fd)
         if not direct:
-            pytest.skip("this filesystem refuses O_DIRECT (tmpfs?): kvfs reads through the page "
-                        "cache there; runs wherever the temp dir is on ext4/xfs (the dev VM)")
+            pytest.skip(
+                "this filesystem refuses O_DIRECT (tmpfs?): kvfs reads through the page "
+                "cache there; runs wherever the temp dir is on ext4/xfs (the dev VM)"
+            )
         pool = store.engine.tier.bounce
         taken: list[int] = []
         real_take = pool.take

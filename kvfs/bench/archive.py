@@ -44,8 +44,12 @@ MiB = 1 << 20
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("archive", help="spill/restore vs plain boto3, compression, read latency",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = sub.add_parser(
+        "archive",
+        help="spill/restore vs plain boto3, compression, read latency",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--endpoint", default=None, help="S3 endpoint URL (default: start moto)")
     p.add_argument("--bucket", default=None, help="bucket (default: a new one, moto only)")
     p.add_argument("--pages", type=int, default=24, help="pages in the spilled session (24)")
@@ -54,12 +58,19 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--repeat", type=int, default=2, help="alternate rounds, best kept (2)")
     p.add_argument("--tokens", type=int, default=512, help="tokens prefilled for the KV (512)")
     p.add_argument("--layers", type=int, default=4, help="model layers (4)")
-    p.add_argument("--numpy-kv", action="store_true",
-                   help="KV from one random attention layer in numpy instead of transformers")
+    p.add_argument(
+        "--numpy-kv",
+        action="store_true",
+        help="KV from one random attention layer in numpy instead of transformers",
+    )
     p.add_argument("--latency-reads", type=int, default=400, help="reads per latency phase")
     p.add_argument("--level", type=int, default=3, help="zstd level (3)")
-    p.add_argument("--cpu-slots", type=int, default=0,
-                   help="pages compressed at once (default 0: half the CPUs)")
+    p.add_argument(
+        "--cpu-slots",
+        type=int,
+        default=0,
+        help="pages compressed at once (default 0: half the CPUs)",
+    )
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=_main)
 
@@ -75,9 +86,12 @@ def _moto() -> Any:
     port = s.getsockname()[1]
     s.close()
     env = {**os.environ, "AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench"}
-    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p",
-                             str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            env=env)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=env,
+    )
     try:
         for _ in range(300):
             try:
@@ -100,9 +114,16 @@ def kv_tensors(tokens: int, layers: int, numpy_kv: bool) -> tuple[list[Any], str
             from transformers import LlamaConfig, LlamaForCausalLM
 
             torch.manual_seed(0)
-            cfg = LlamaConfig(hidden_size=1024, intermediate_size=2816, num_hidden_layers=layers,
-                              num_attention_heads=8, num_key_value_heads=8, head_dim=128,
-                              vocab_size=32000, max_position_embeddings=max(4096, tokens))
+            cfg = LlamaConfig(
+                hidden_size=1024,
+                intermediate_size=2816,
+                num_hidden_layers=layers,
+                num_attention_heads=8,
+                num_key_value_heads=8,
+                head_dim=128,
+                vocab_size=32000,
+                max_position_embeddings=max(4096, tokens),
+            )
             model = LlamaForCausalLM(cfg).eval()
             ids = torch.randint(0, cfg.vocab_size, (1, tokens))
             with torch.no_grad():
@@ -115,8 +136,10 @@ def kv_tensors(tokens: int, layers: int, numpy_kv: bool) -> tuple[list[Any], str
                 else:
                     k, v = cache[i]
                 arrs += [k.float().numpy(), v.float().numpy()]
-            return arrs, (f"random-initialised Llama (transformers), {layers} layers, hidden "
-                          f"1024, 8 KV heads x 128, {tokens} random tokens")
+            return arrs, (
+                f"random-initialised Llama (transformers), {layers} layers, hidden "
+                f"1024, 8 KV heads x 128, {tokens} random tokens"
+            )
         except ImportError:
             pass
     rng = np.random.default_rng(0)
@@ -153,9 +176,17 @@ def compression(arrs: list[np.ndarray], level: int) -> list[dict[str, Any]]:
         shuf = len(c.compress(shuffle(raw, elem)))
         t2 = time.perf_counter()
         _obj, chosen = encode(raw, level=level, codec="auto", elem=elem)
-        rows.append({"dtype": dtype, "raw_bytes": len(raw), "zstd_ratio": plain / len(raw),
-                     "shuffle_zstd_ratio": shuf / len(raw), "zstd_mbps": len(raw) / (t1 - t0) / 1e6,
-                     "shuffle_zstd_mbps": len(raw) / (t2 - t1) / 1e6, "auto_chose": chosen})
+        rows.append(
+            {
+                "dtype": dtype,
+                "raw_bytes": len(raw),
+                "zstd_ratio": plain / len(raw),
+                "shuffle_zstd_ratio": shuf / len(raw),
+                "zstd_mbps": len(raw) / (t1 - t0) / 1e6,
+                "shuffle_zstd_mbps": len(raw) / (t2 - t1) / 1e6,
+                "auto_chose": chosen,
+            }
+        )
     return rows
 
 
@@ -165,14 +196,15 @@ def _pages_from(arrs: list[np.ndarray], n: int, size: int) -> list[bytes]:
     out = []
     for i in range(n):
         off = (i * 7919 * 4096) % max(1, len(pool) - size)
-        page = bytearray((pool * (1 + size // len(pool)))[off:off + size])
+        page = bytearray((pool * (1 + size // len(pool)))[off : off + size])
         page[:8] = i.to_bytes(8, "little")  # distinct pages: nothing is deduplicated
         out.append(bytes(page))
     return out
 
 
-def run_archive_bench(endpoint: str, bucket: str, args: argparse.Namespace,
-                      arrs: list[np.ndarray]) -> dict[str, Any]:
+def run_archive_bench(
+    endpoint: str, bucket: str, args: argparse.Namespace, arrs: list[np.ndarray]
+) -> dict[str, Any]:
     import boto3
 
     client = boto3.client("s3", endpoint_url=endpoint)
@@ -187,17 +219,37 @@ def run_archive_bench(endpoint: str, bucket: str, args: argparse.Namespace,
             shutil.rmtree(scratch / "store", ignore_errors=True)
             prefix = f"run-{uuid.uuid4().hex[:8]}"
             cfg = kvfs.StoreConfig(
-                data_dirs=(scratch / "store",), archive_url=f"s3://{bucket}/{prefix}?endpoint={endpoint}",
-                extra={"archive": {"interval": 0, "concurrency": args.concurrency,
-                                   "zstd_level": args.level, "cpu_slots": args.cpu_slots}})
+                data_dirs=(scratch / "store",),
+                archive_url=f"s3://{bucket}/{prefix}?endpoint={endpoint}",
+                extra={
+                    "archive": {
+                        "interval": 0,
+                        "concurrency": args.concurrency,
+                        "zstd_level": args.level,
+                        "cpu_slots": args.cpu_slots,
+                    }
+                },
+            )
             with ThreadPoolExecutor(args.concurrency) as ex:
                 t0 = time.perf_counter()
-                list(ex.map(lambda ip, pre=prefix: client.put_object(
-                    Bucket=bucket, Key=f"{pre}-raw/{ip[0]}", Body=ip[1]), enumerate(pages)))
+                list(
+                    ex.map(
+                        lambda ip, pre=prefix: client.put_object(
+                            Bucket=bucket, Key=f"{pre}-raw/{ip[0]}", Body=ip[1]
+                        ),
+                        enumerate(pages),
+                    )
+                )
                 best["put"] = max(best["put"], total / (time.perf_counter() - t0) / 1e6)
                 t0 = time.perf_counter()
-                list(ex.map(lambda i, pre=prefix: client.get_object(
-                    Bucket=bucket, Key=f"{pre}-raw/{i}")["Body"].read(), range(len(pages))))
+                list(
+                    ex.map(
+                        lambda i, pre=prefix: client.get_object(
+                            Bucket=bucket, Key=f"{pre}-raw/{i}"
+                        )["Body"].read(),
+                        range(len(pages)),
+                    )
+                )
                 best["get"] = max(best["get"], total / (time.perf_counter() - t0) / 1e6)
             with kvfs.open_store_sync(cfg) as s:
                 for i, pg in enumerate(pages):
@@ -210,8 +262,10 @@ def run_archive_bench(endpoint: str, bucket: str, args: argparse.Namespace,
                 best["restore"] = max(best["restore"], total / (time.perf_counter() - t0) / 1e6)
                 if r == args.repeat - 1:
                     lat = _latency(s, pages, args.latency_reads)
-            _log(f"  round {r + 1}/{args.repeat}: spill {best['spill']:.0f} vs put "
-                 f"{best['put']:.0f} MB/s, restore {best['restore']:.0f} vs get {best['get']:.0f} MB/s")
+            _log(
+                f"  round {r + 1}/{args.repeat}: spill {best['spill']:.0f} vs put "
+                f"{best['put']:.0f} MB/s, restore {best['restore']:.0f} vs get {best['get']:.0f} MB/s"
+            )
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 
@@ -219,15 +273,22 @@ def run_archive_bench(endpoint: str, bucket: str, args: argparse.Namespace,
         return sorted(xs)[min(len(xs) - 1, int(q * len(xs)))] * 1e3
 
     return {
-        "pages": len(pages), "page_bytes": size, "concurrency": args.concurrency,
-        "spill_mbps": best["spill"], "boto3_put_mbps": best["put"],
+        "pages": len(pages),
+        "page_bytes": size,
+        "concurrency": args.concurrency,
+        "spill_mbps": best["spill"],
+        "boto3_put_mbps": best["put"],
         "spill_ratio": best["spill"] / best["put"],
-        "restore_mbps": best["restore"], "boto3_get_mbps": best["get"],
+        "restore_mbps": best["restore"],
+        "boto3_get_mbps": best["get"],
         "restore_ratio": best["restore"] / best["get"],
-        "read_p50_idle_ms": pct(lat["idle"], 0.5), "read_p99_idle_ms": pct(lat["idle"], 0.99),
-        "read_p50_spill_ms": pct(lat["spill"], 0.5), "read_p99_spill_ms": pct(lat["spill"], 0.99),
+        "read_p50_idle_ms": pct(lat["idle"], 0.5),
+        "read_p99_idle_ms": pct(lat["idle"], 0.99),
+        "read_p50_spill_ms": pct(lat["spill"], 0.5),
+        "read_p99_spill_ms": pct(lat["spill"], 0.99),
         "reads_during_spill": len(lat["spill"]),
-        "p99_ratio": pct(lat["spill"], 0.99) / pct(lat["idle"], 0.99)}
+        "p99_ratio": pct(lat["spill"], 0.99) / pct(lat["idle"], 0.99),
+    }
 
 
 def _latency(s: kvfs.SyncStore, pages: list[bytes], n: int) -> dict[str, list[float]]:
@@ -247,6 +308,7 @@ def _latency(s: kvfs.SyncStore, pages: list[bytes], n: int) -> dict[str, list[fl
     for i, pg in enumerate(pages):  # fresh content so the spill really uploads
         s.put(kvfs.PageKey.semantic("cold2", "p", i), pg[::-1])
     done = threading.Event()
+
     def spill() -> None:
         s.spill("cold2")
         done.set()
@@ -284,10 +346,19 @@ def _main(args: argparse.Namespace) -> int:
             boto3.client("s3", endpoint_url=ep).create_bucket(Bucket="kvfs-bench")
             res = run_archive_bench(ep, "kvfs-bench", args, arrs)
             where = "moto server on loopback (separate process)"
-    out = {"machine": {"host": platform.node(), "cpus": os.cpu_count(),
-                       "python": platform.python_version()},
-           "endpoint": where, "kv_source": source, "zstd_level": args.level,
-           "compression": comp, **res, "wall_s": time.perf_counter() - t0}
+    out = {
+        "machine": {
+            "host": platform.node(),
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+        },
+        "endpoint": where,
+        "kv_source": source,
+        "zstd_level": args.level,
+        "compression": comp,
+        **res,
+        "wall_s": time.perf_counter() - t0,
+    }
     if args.json:
         from cli._util import print_json
 
@@ -300,18 +371,45 @@ def _main(args: argparse.Namespace) -> int:
 def _print(o: dict[str, Any]) -> None:
     from cli._util import print_table
 
-    print(f"kvfs bench archive: {o['endpoint']}; {o['pages']} pages x "
-          f"{o['page_bytes'] / MiB:.1f} MiB, concurrency {o['concurrency']}; MB/s (1e6 B/s)")
-    print_table(["", "kvfs", "boto3 alone", "ratio"], [
-        ["spill / put", f"{o['spill_mbps']:.0f}", f"{o['boto3_put_mbps']:.0f}", f"{o['spill_ratio']:.2f}"],
-        ["restore / get", f"{o['restore_mbps']:.0f}", f"{o['boto3_get_mbps']:.0f}",
-         f"{o['restore_ratio']:.2f}"]])
+    print(
+        f"kvfs bench archive: {o['endpoint']}; {o['pages']} pages x "
+        f"{o['page_bytes'] / MiB:.1f} MiB, concurrency {o['concurrency']}; MB/s (1e6 B/s)"
+    )
+    print_table(
+        ["", "kvfs", "boto3 alone", "ratio"],
+        [
+            [
+                "spill / put",
+                f"{o['spill_mbps']:.0f}",
+                f"{o['boto3_put_mbps']:.0f}",
+                f"{o['spill_ratio']:.2f}",
+            ],
+            [
+                "restore / get",
+                f"{o['restore_mbps']:.0f}",
+                f"{o['boto3_get_mbps']:.0f}",
+                f"{o['restore_ratio']:.2f}",
+            ],
+        ],
+    )
     print(f"\ncompression (compressed/raw, zstd level {o['zstd_level']}), KV from {o['kv_source']}")
-    print_table(["dtype", "zstd", "shuffle+zstd", "zstd MB/s", "shuffle MB/s", "auto keeps"],
-                [[c["dtype"], f"{c['zstd_ratio']:.3f}", f"{c['shuffle_zstd_ratio']:.3f}",
-                  f"{c['zstd_mbps']:.0f}", f"{c['shuffle_zstd_mbps']:.0f}", c["auto_chose"]]
-                 for c in o["compression"]])
-    print(f"\nforeground 256 KiB reads: p50 {o['read_p50_idle_ms']:.2f} ms / p99 "
-          f"{o['read_p99_idle_ms']:.2f} ms idle; p50 {o['read_p50_spill_ms']:.2f} ms / p99 "
-          f"{o['read_p99_spill_ms']:.2f} ms during a spill ({o['reads_during_spill']} reads); "
-          f"p99 ratio {o['p99_ratio']:.2f}")
+    print_table(
+        ["dtype", "zstd", "shuffle+zstd", "zstd MB/s", "shuffle MB/s", "auto keeps"],
+        [
+            [
+                c["dtype"],
+                f"{c['zstd_ratio']:.3f}",
+                f"{c['shuffle_zstd_ratio']:.3f}",
+                f"{c['zstd_mbps']:.0f}",
+                f"{c['shuffle_zstd_mbps']:.0f}",
+                c["auto_chose"],
+            ]
+            for c in o["compression"]
+        ],
+    )
+    print(
+        f"\nforeground 256 KiB reads: p50 {o['read_p50_idle_ms']:.2f} ms / p99 "
+        f"{o['read_p99_idle_ms']:.2f} ms idle; p50 {o['read_p50_spill_ms']:.2f} ms / p99 "
+        f"{o['read_p99_spill_ms']:.2f} ms during a spill ({o['reads_during_spill']} reads); "
+        f"p99 ratio {o['p99_ratio']:.2f}"
+    )

@@ -40,8 +40,12 @@ __all__ = ["register", "run_control_bench"]
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("control", help="control-channel throughput beside the in-process API",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = sub.add_parser(
+        "control",
+        help="control-channel throughput beside the in-process API",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--small", default="16KiB", help="small page size (16KiB)")
     p.add_argument("--small-pages", type=int, default=2000, help="small pages per phase (2000)")
     p.add_argument("--large", default="8MiB", help="large page size (8MiB)")
@@ -50,8 +54,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--repeat", type=int, default=2, help="alternate rounds, best kept (2)")
     p.add_argument("--durable", action="store_true", help="fsync every put (default off)")
     p.add_argument("--dir", default=None, help="scratch directory (default: a temporary one)")
-    p.add_argument("--no-worker-process", dest="worker_process", action="store_false",
-                   help="skip the separate worker process phases")
+    p.add_argument(
+        "--no-worker-process",
+        dest="worker_process",
+        action="store_false",
+        help="skip the separate worker process phases",
+    )
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=_main)
 
@@ -81,22 +89,25 @@ print(*out)
 """
 
 
-async def _worker_phase(sock: Path, label: str, size: int, count: int,
-                        clients: int) -> tuple[float, float]:
+async def _worker_phase(
+    sock: Path, label: str, size: int, count: int, clients: int
+) -> tuple[float, float]:
     """(put seconds, get seconds) measured by a separate worker process. The worker checks
     every page it reads inside its get phase (a comparison, cheap beside the transfer).
     Raises RuntimeError when the worker fails."""
-    r = await trio.run_process([sys.executable, "-c", _WORKER, str(sock), label, str(size),
-                                str(count), str(clients)], capture_stdout=True,
-                               capture_stderr=True, check=False)
+    r = await trio.run_process(
+        [sys.executable, "-c", _WORKER, str(sock), label, str(size), str(count), str(clients)],
+        capture_stdout=True,
+        capture_stderr=True,
+        check=False,
+    )
     if r.returncode != 0:
         raise RuntimeError(f"bench worker failed: {r.stderr.decode(errors='replace')[-500:]}")
     put, get = (float(x) for x in r.stdout.split())
     return put, get
 
 
-async def _phase(api: Any, op: str, keys: list[str], payloads: list[bytes],
-                 clients: int) -> float:
+async def _phase(api: Any, op: str, keys: list[str], payloads: list[bytes], clients: int) -> float:
     """Seconds for ``op`` ('put' or 'get') of every key by ``clients`` tasks."""
     it = iter(range(len(keys)))
 
@@ -106,6 +117,7 @@ async def _phase(api: Any, op: str, keys: list[str], payloads: list[bytes],
                 await api.put(keys[i], payloads[i], replace=True)
             else:
                 await api.get(keys[i])
+
     t0 = time.perf_counter()
     async with trio.open_nursery() as n:
         for _ in range(clients):
@@ -118,9 +130,18 @@ def _payloads(size: int, count: int) -> list[bytes]:
     return [i.to_bytes(8, "little") + base[8:] for i in range(count)]
 
 
-async def run_control_bench(root: Path, *, small: int, small_pages: int, large: int,
-                            large_pages: int, clients: int, repeat: int,
-                            durable: bool, worker_process: bool = True) -> list[dict[str, Any]]:
+async def run_control_bench(
+    root: Path,
+    *,
+    small: int,
+    small_pages: int,
+    large: int,
+    large_pages: int,
+    clients: int,
+    repeat: int,
+    durable: bool,
+    worker_process: bool = True,
+) -> list[dict[str, Any]]:
     """Rows of results (see the module doc). Raises AssertionError if bytes read back differ."""
     cfg = kvfs.StoreConfig(data_dirs=(root / "data",), durable=durable, direct_io=False)
     rows: list[dict[str, Any]] = []
@@ -146,14 +167,22 @@ async def run_control_bench(root: Path, *, small: int, small_pages: int, large: 
                         best["worker", op] = min(best.get(("worker", op), t), t)
             for op in ("put", "get"):
                 local, rem = count / best["in-process", op], count / best["remote", op]
-                row = {"pages": label, "size": size, "op": op, "clients": clients,
-                       "in_process_pages_s": local, "remote_pages_s": rem,
-                       "in_process_gb_s": local * size / 1e9, "remote_gb_s": rem * size / 1e9,
-                       "ratio": rem / local}
+                row = {
+                    "pages": label,
+                    "size": size,
+                    "op": op,
+                    "clients": clients,
+                    "in_process_pages_s": local,
+                    "remote_pages_s": rem,
+                    "in_process_gb_s": local * size / 1e9,
+                    "remote_gb_s": rem * size / 1e9,
+                    "ratio": rem / local,
+                }
                 if worker_process:
                     wk = count / best["worker", op]
-                    row.update(worker_pages_s=wk, worker_gb_s=wk * size / 1e9,
-                               worker_ratio=wk / local)
+                    row.update(
+                        worker_pages_s=wk, worker_gb_s=wk * size / 1e9, worker_ratio=wk / local
+                    )
                 rows.append(row)
         await remote.aclose()
         nursery.cancel_scope.cancel()
@@ -167,12 +196,25 @@ def _main(args: argparse.Namespace) -> int:
     if min(args.small_pages, args.large_pages, args.clients, args.repeat) < 1:
         raise ValueError("--small-pages, --large-pages, --clients and --repeat must be >= 1")
     with tempfile.TemporaryDirectory(dir=args.dir, prefix="kvfs-bench-control-") as d:
-        rows = trio.run(lambda: run_control_bench(
-            Path(d), small=small, small_pages=args.small_pages, large=large,
-            large_pages=args.large_pages, clients=args.clients, repeat=args.repeat,
-            durable=args.durable, worker_process=args.worker_process))
-    machine = {"cpus": os.cpu_count(), "python": platform.python_version(),
-               "kernel": platform.release(), "durable": args.durable}
+        rows = trio.run(
+            lambda: run_control_bench(
+                Path(d),
+                small=small,
+                small_pages=args.small_pages,
+                large=large,
+                large_pages=args.large_pages,
+                clients=args.clients,
+                repeat=args.repeat,
+                durable=args.durable,
+                worker_process=args.worker_process,
+            )
+        )
+    machine = {
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "kernel": platform.release(),
+        "durable": args.durable,
+    }
     if args.json:
         print_json({"machine": machine, "results": rows})
         return 0
@@ -182,11 +224,30 @@ def _main(args: argparse.Namespace) -> int:
         if r["pages"] == "small":
             return f"{r[f'{who}_pages_s']:,.0f} pages/s"
         return f"{r[f'{who}_gb_s']:.2f} GB/s"
+
     worker = args.worker_process
-    print_table(["PAGES", "SIZE", "OP", "IN-PROCESS", "REMOTE (SAME PROC)", "RATIO",
-                 *(["WORKER PROCESS", "RATIO"] if worker else [])],
-                [[r["pages"], f"{r['size'] // 1024} KiB", r["op"],
-                  fig(r, "in_process"), fig(r, "remote"), f"{r['ratio']:.2f}x",
-                  *([fig(r, "worker"), f"{r['worker_ratio']:.2f}x"] if worker else [])]
-                 for r in rows], align="lrlrrrrr")
+    print_table(
+        [
+            "PAGES",
+            "SIZE",
+            "OP",
+            "IN-PROCESS",
+            "REMOTE (SAME PROC)",
+            "RATIO",
+            *(["WORKER PROCESS", "RATIO"] if worker else []),
+        ],
+        [
+            [
+                r["pages"],
+                f"{r['size'] // 1024} KiB",
+                r["op"],
+                fig(r, "in_process"),
+                fig(r, "remote"),
+                f"{r['ratio']:.2f}x",
+                *([fig(r, "worker"), f"{r['worker_ratio']:.2f}x"] if worker else []),
+            ]
+            for r in rows
+        ],
+        align="lrlrrrrr",
+    )
     return 0

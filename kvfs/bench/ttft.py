@@ -34,25 +34,58 @@ DEFAULT_TOKENS = "512,1024,2048,4096"
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("ttft", help="time to first token: full prefill vs prefix from kvfs",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--tokens", default=DEFAULT_TOKENS,
-                   help=f"context lengths, comma-separated (default {DEFAULT_TOKENS})")
-    p.add_argument("--model", choices=["field", "small"], default="field",
-                   help="field: 8 layers/1024 hidden/fp32 (64 KiB/token); small: a quick check")
-    p.add_argument("--repeat", type=int, default=3,
-                   help="loads and raw reads per length; the best is reported (default 3)")
-    p.add_argument("--no-archive", action="store_true",
-                   help="skip the column restored from a file:// archive (spill, then load)")
-    p.add_argument("--dir", type=Path, default=None,
-                   help="parent directory for the scratch store (default: the system temp dir)")
-    p.add_argument("--sharing", action="store_true",
-                   help="run the prefix-sharing scenario instead (many sessions, one system prompt)")
+    p = sub.add_parser(
+        "ttft",
+        help="time to first token: full prefill vs prefix from kvfs",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--tokens",
+        default=DEFAULT_TOKENS,
+        help=f"context lengths, comma-separated (default {DEFAULT_TOKENS})",
+    )
+    p.add_argument(
+        "--model",
+        choices=["field", "small"],
+        default="field",
+        help="field: 8 layers/1024 hidden/fp32 (64 KiB/token); small: a quick check",
+    )
+    p.add_argument(
+        "--repeat",
+        type=int,
+        default=3,
+        help="loads and raw reads per length; the best is reported (default 3)",
+    )
+    p.add_argument(
+        "--no-archive",
+        action="store_true",
+        help="skip the column restored from a file:// archive (spill, then load)",
+    )
+    p.add_argument(
+        "--dir",
+        type=Path,
+        default=None,
+        help="parent directory for the scratch store (default: the system temp dir)",
+    )
+    p.add_argument(
+        "--sharing",
+        action="store_true",
+        help="run the prefix-sharing scenario instead (many sessions, one system prompt)",
+    )
     p.add_argument("--sessions", type=int, default=8, help="--sharing: sessions (default 8)")
-    p.add_argument("--system-tokens", type=int, default=1024,
-                   help="--sharing: common system prompt length (default 1024)")
-    p.add_argument("--user-tokens", type=int, default=256,
-                   help="--sharing: each session's own tokens (default 256)")
+    p.add_argument(
+        "--system-tokens",
+        type=int,
+        default=1024,
+        help="--sharing: common system prompt length (default 1024)",
+    )
+    p.add_argument(
+        "--user-tokens",
+        type=int,
+        default=256,
+        help="--sharing: each session's own tokens (default 256)",
+    )
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=_main)
 
@@ -64,20 +97,28 @@ def _main(args: argparse.Namespace) -> int:
         import torch  # noqa: F401
         import transformers  # noqa: F401
     except ImportError as e:
-        raise RuntimeError("kvfs bench ttft needs the engines extra: "
-                           "pip install -e .[engines] (torch==2.13.0 first)") from e
+        raise RuntimeError(
+            "kvfs bench ttft needs the engines extra: "
+            "pip install -e .[engines] (torch==2.13.0 first)"
+        ) from e
     scratch = Path(tempfile.mkdtemp(prefix="kvfs-bench-ttft-", dir=args.dir))
     try:
         if args.sharing:
             from ._sharing import print_sharing, run_sharing
 
-            res = run_sharing(scratch, model=args.model, sessions=args.sessions,
-                              system_tokens=args.system_tokens, user_tokens=args.user_tokens)
+            res = run_sharing(
+                scratch,
+                model=args.model,
+                sessions=args.sessions,
+                system_tokens=args.system_tokens,
+                user_tokens=args.user_tokens,
+            )
             print_json(res) if args.json else print_sharing(res)
         else:
             lengths = [int(x) for x in args.tokens.split(",") if x.strip()]
-            res = run_ttft(scratch, lengths, model=args.model, repeat=args.repeat,
-                           archive=not args.no_archive)
+            res = run_ttft(
+                scratch, lengths, model=args.model, repeat=args.repeat, archive=not args.no_archive
+            )
             print_json(res) if args.json else print_ttft(res)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
@@ -87,22 +128,38 @@ def _main(args: argparse.Namespace) -> int:
 def conditions(scratch: Path, model_desc: str) -> dict[str, Any]:
     import torch
 
-    return {"model": model_desc, "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-            "torch": torch.__version__, "python": platform.python_version(),
-            "store": str(scratch), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    return {
+        "model": model_desc,
+        "cpus": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "store": str(scratch),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    }
 
 
 def load_model(which: str) -> tuple[Any, Any]:
     from kvfs.integrations._models import BENCH_MODEL, ModelShape, random_llama
 
-    shape = BENCH_MODEL if which == "field" else ModelShape(layers=4, hidden=256, heads=4,
-                                                            kv_heads=4, head_dim=64,
-                                                            intermediate=704, vocab=32000)
+    shape = (
+        BENCH_MODEL
+        if which == "field"
+        else ModelShape(
+            layers=4, hidden=256, heads=4, kv_heads=4, head_dim=64, intermediate=704, vocab=32000
+        )
+    )
     return shape, random_llama(shape)
 
 
-def run_ttft(scratch: Path, lengths: list[int], *, model: str = "field", repeat: int = 3,
-             archive: bool = True) -> dict[str, Any]:
+def run_ttft(
+    scratch: Path,
+    lengths: list[int],
+    *,
+    model: str = "field",
+    repeat: int = 3,
+    archive: bool = True,
+) -> dict[str, Any]:
     """Measure every length in ``lengths``; returns conditions and one row per length.
 
     With ``archive``, the store has a ``file://`` archive tier in ``scratch``; after the
@@ -118,11 +175,15 @@ def run_ttft(scratch: Path, lengths: list[int], *, model: str = "field", repeat:
     shape, m = load_model(model)
     cfg = kvfs.StoreConfig(data_dirs=(scratch / "nvme0",))
     if archive:
-        cfg = cfg.replace(archive_url=f"file://{scratch / 'archive'}",
-                          extra={"archive": {"interval": 0}})
+        cfg = cfg.replace(
+            archive_url=f"file://{scratch / 'archive'}", extra={"archive": {"interval": 0}}
+        )
     rows = []
-    with torch.inference_mode(), kvfs.open_store_sync(cfg) as store, \
-            TransformersKV(store, m, model_id=shape.model_id) as kv:
+    with (
+        torch.inference_mode(),
+        kvfs.open_store_sync(cfg) as store,
+        TransformersKV(store, m, model_id=shape.model_id) as kv,
+    ):
         fast = FastPathPages(store)
         kv_fast = TransformersKV(fast, m, model_id=shape.model_id)
         g = kv.geometry
@@ -147,8 +208,9 @@ def run_ttft(scratch: Path, lengths: list[int], *, model: str = "field", repeat:
                     t0 = time.perf_counter()
                     hit = loader.load(session, ids, max_tokens=n - 1)
                     loaded = time.perf_counter() - t0
-                    res = m(input_ids=ids[:, hit.tokens:], past_key_values=hit.cache,
-                            use_cache=True)
+                    res = m(
+                        input_ids=ids[:, hit.tokens :], past_key_values=hit.cache, use_cache=True
+                    )
                     tok = int(res.logits[0, -1].argmax())
                     ttfts[name].append(time.perf_counter() - t0)
                     loads[name].append(loaded)
@@ -163,27 +225,41 @@ def run_ttft(scratch: Path, lengths: list[int], *, model: str = "field", repeat:
                 t0 = time.perf_counter()
                 hit = kv.load(session, ids, max_tokens=n - 1)
                 arch["archive_load_s"] = time.perf_counter() - t0
-                res = m(input_ids=ids[:, hit.tokens:], past_key_values=hit.cache, use_cache=True)
+                res = m(input_ids=ids[:, hit.tokens :], past_key_values=hit.cache, use_cache=True)
                 arch["archive_ttft_s"] = time.perf_counter() - t0
                 arch["archive_speedup"] = prefill / arch["archive_ttft_s"]
                 same = same and int(res.logits[0, -1].argmax()) == first and hit.tokens == n - 1
                 del hit, res
             best = {k: min(v) for k, v in loads.items()}
-            rows.append({**arch, "tokens": n, "kv_bytes": kv_bytes, "prefill_s": prefill,
-                         "kvfs_ttft_s": min(ttfts["kvfs"]),
-                         "speedup": prefill / min(ttfts["kvfs"]),
-                         "load_s": best["kvfs"], "raw_read_s": min(raws),
-                         "load_over_raw": best["kvfs"] / min(raws),
-                         "fast_ttft_s": min(ttfts["fast"]), "fast_load_s": best["fast"],
-                         "fast_load_over_raw": best["fast"] / min(raws),
-                         "load_median_s": statistics.median(loads["kvfs"]),
-                         "fast_load_median_s": statistics.median(loads["fast"]),
-                         "raw_median_s": statistics.median(raws),
-                         "save_s": saved.seconds, "same_first_token": same})
+            rows.append(
+                {
+                    **arch,
+                    "tokens": n,
+                    "kv_bytes": kv_bytes,
+                    "prefill_s": prefill,
+                    "kvfs_ttft_s": min(ttfts["kvfs"]),
+                    "speedup": prefill / min(ttfts["kvfs"]),
+                    "load_s": best["kvfs"],
+                    "raw_read_s": min(raws),
+                    "load_over_raw": best["kvfs"] / min(raws),
+                    "fast_ttft_s": min(ttfts["fast"]),
+                    "fast_load_s": best["fast"],
+                    "fast_load_over_raw": best["fast"] / min(raws),
+                    "load_median_s": statistics.median(loads["kvfs"]),
+                    "fast_load_median_s": statistics.median(loads["fast"]),
+                    "raw_median_s": statistics.median(raws),
+                    "save_s": saved.seconds,
+                    "same_first_token": same,
+                }
+            )
         kv_fast.close()
         fast.close()
-    return {"benchmark": "ttft", "conditions": conditions(scratch, g.describe()),
-            "bytes_per_token": g.bytes_per_token, "rows": rows}
+    return {
+        "benchmark": "ttft",
+        "conditions": conditions(scratch, g.describe()),
+        "bytes_per_token": g.bytes_per_token,
+        "rows": rows,
+    }
 
 
 def raw_read(extents: list[Any], threads: int = 8) -> float:
@@ -204,14 +280,17 @@ def raw_read(extents: list[Any], threads: int = 8) -> float:
     def one(i: int) -> int:
         e = extents[i]
         buf = bufs[i % threads]
-        return os.preadv(fds[e.path], [buf[:round_up(e.length)]], e.offset)
+        return os.preadv(fds[e.path], [buf[: round_up(e.length)]], e.offset)
 
     try:
         t0 = time.perf_counter()
         # Each worker takes every threads-th extent, so no two share a buffer at once.
         with ThreadPoolExecutor(threads) as pool:
-            list(pool.map(lambda w: [one(i) for i in range(w, len(extents), threads)],
-                          range(threads)))
+            list(
+                pool.map(
+                    lambda w: [one(i) for i in range(w, len(extents), threads)], range(threads)
+                )
+            )
         return time.perf_counter() - t0
     finally:
         for fd in fds.values():
@@ -223,19 +302,48 @@ def print_ttft(res: dict[str, Any]) -> None:
 
     c = res["conditions"]
     print(f"model: {c['model']} ({fmt_bytes(res['bytes_per_token'])} of KV per token)")
-    print(f"machine: {c['cpus']} CPUs, torch {c['torch']} ({c['torch_threads']} threads); "
-          f"store: one local directory, object API, checksums verified")
-    print_table(["tokens", "KV bytes", "prefill TTFT", "kvfs TTFT", "speedup", "kvfs load",
-                 "raw read", "load/raw", "fast path load", "/raw", "archive TTFT", "speedup ",
-                 "same token"],
-                [[r["tokens"], fmt_bytes(r["kv_bytes"]), f"{r['prefill_s']:.3f} s",
-                  f"{r['kvfs_ttft_s']:.3f} s", f"{r['speedup']:.1f}x", f"{r['load_s']:.3f} s",
-                  f"{r['raw_read_s']:.3f} s", f"{r['load_over_raw']:.2f}x",
-                  f"{r['fast_load_s']:.3f} s", f"{r['fast_load_over_raw']:.2f}x",
-                  f"{r['archive_ttft_s']:.3f} s" if "archive_ttft_s" in r else "-",
-                  f"{r['archive_speedup']:.1f}x" if "archive_speedup" in r else "-",
-                  "yes" if r["same_first_token"] else "NO"] for r in res["rows"]])
-    print("kvfs TTFT = load the prefix (n-1 tokens) through the object API + compute the last "
-          "token; fast path load = the same pages read by gds.FastPath (O_DIRECT host "
-          "backend); archive TTFT = object API after the session was spilled to a file:// "
-          "archive (restored on access)")
+    print(
+        f"machine: {c['cpus']} CPUs, torch {c['torch']} ({c['torch_threads']} threads); "
+        f"store: one local directory, object API, checksums verified"
+    )
+    print_table(
+        [
+            "tokens",
+            "KV bytes",
+            "prefill TTFT",
+            "kvfs TTFT",
+            "speedup",
+            "kvfs load",
+            "raw read",
+            "load/raw",
+            "fast path load",
+            "/raw",
+            "archive TTFT",
+            "speedup ",
+            "same token",
+        ],
+        [
+            [
+                r["tokens"],
+                fmt_bytes(r["kv_bytes"]),
+                f"{r['prefill_s']:.3f} s",
+                f"{r['kvfs_ttft_s']:.3f} s",
+                f"{r['speedup']:.1f}x",
+                f"{r['load_s']:.3f} s",
+                f"{r['raw_read_s']:.3f} s",
+                f"{r['load_over_raw']:.2f}x",
+                f"{r['fast_load_s']:.3f} s",
+                f"{r['fast_load_over_raw']:.2f}x",
+                f"{r['archive_ttft_s']:.3f} s" if "archive_ttft_s" in r else "-",
+                f"{r['archive_speedup']:.1f}x" if "archive_speedup" in r else "-",
+                "yes" if r["same_first_token"] else "NO",
+            ]
+            for r in res["rows"]
+        ],
+    )
+    print(
+        "kvfs TTFT = load the prefix (n-1 tokens) through the object API + compute the last "
+        "token; fast path load = the same pages read by gds.FastPath (O_DIRECT host "
+        "backend); archive TTFT = object API after the session was spilled to a file:// "
+        "archive (restored on access)"
+    )

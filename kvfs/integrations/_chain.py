@@ -44,7 +44,7 @@ def chunk_names(tokens: Sequence[int], g: Geometry, max_chunks: int | None = Non
     h = geometry_seed(g)
     out = []
     for i in range(n):
-        chunk = [int(t) for t in tokens[i * c:(i + 1) * c]]
+        chunk = [int(t) for t in tokens[i * c : (i + 1) * c]]
         try:
             data = struct.pack(f"<{c}q", *chunk)
         except struct.error as e:

@@ -26,13 +26,22 @@ from dataclasses import dataclass
 from .._aligned import ALIGN, aligned_buffer, round_up
 from .._errors import CorruptPage, KvfsError
 
-__all__ = ["DTYPES", "FORMAT", "Geometry", "GeometryMismatch", "PageHeader", "PageLayout",
-           "parse_header"]
+__all__ = [
+    "DTYPES",
+    "FORMAT",
+    "Geometry",
+    "GeometryMismatch",
+    "PageHeader",
+    "PageLayout",
+    "parse_header",
+]
 
 FORMAT = "kvfs-kv/1"
 #: dtype name -> (safetensors dtype, bytes per element)
 DTYPES: dict[str, tuple[str, int]] = {
-    "float32": ("F32", 4), "float16": ("F16", 2), "bfloat16": ("BF16", 2),
+    "float32": ("F32", 4),
+    "float16": ("F16", 2),
+    "bfloat16": ("BF16", 2),
 }
 _ST_TO_NAME = {st: name for name, (st, _) in DTYPES.items()}
 # Read this much first: the header of any page kvfs writes fits (it is padded to 4 KiB).
@@ -60,8 +69,9 @@ class Geometry:
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
-            raise ValueError(f"unsupported KV dtype {self.dtype!r}; kvfs-kv/1 stores "
-                             f"{', '.join(DTYPES)}")
+            raise ValueError(
+                f"unsupported KV dtype {self.dtype!r}; kvfs-kv/1 stores {', '.join(DTYPES)}"
+            )
         for name in ("layers", "kv_heads", "head_dim", "chunk_tokens"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
@@ -83,14 +93,22 @@ class Geometry:
         return self.layers * self.layer_bytes_per_token
 
     def describe(self) -> str:
-        return (f"{self.model_id}: {self.layers} layers x {self.kv_heads} kv heads x "
-                f"{self.head_dim} dims, {self.dtype}, {self.chunk_tokens}-token chunks")
+        return (
+            f"{self.model_id}: {self.layers} layers x {self.kv_heads} kv heads x "
+            f"{self.head_dim} dims, {self.dtype}, {self.chunk_tokens}-token chunks"
+        )
 
     def to_attrs(self) -> dict[str, str]:
         """The geometry as string attrs (``model`` is the key kvfs shows per session)."""
-        return {"format": FORMAT, "model": self.model_id, "layers": str(self.layers),
-                "kv_heads": str(self.kv_heads), "head_dim": str(self.head_dim),
-                "dtype": self.dtype, "chunk_tokens": str(self.chunk_tokens)}
+        return {
+            "format": FORMAT,
+            "model": self.model_id,
+            "layers": str(self.layers),
+            "kv_heads": str(self.kv_heads),
+            "head_dim": str(self.head_dim),
+            "dtype": self.dtype,
+            "chunk_tokens": str(self.chunk_tokens),
+        }
 
     @classmethod
     def from_attrs(cls, attrs: dict[str, str]) -> Geometry:
@@ -98,9 +116,14 @@ class Geometry:
         if attrs.get("format") != FORMAT:
             raise GeometryMismatch(f"not a {FORMAT} page (format={attrs.get('format')!r})")
         try:
-            return cls(model_id=attrs["model"], layers=int(attrs["layers"]),
-                       kv_heads=int(attrs["kv_heads"]), head_dim=int(attrs["head_dim"]),
-                       dtype=attrs["dtype"], chunk_tokens=int(attrs["chunk_tokens"]))
+            return cls(
+                model_id=attrs["model"],
+                layers=int(attrs["layers"]),
+                kv_heads=int(attrs["kv_heads"]),
+                head_dim=int(attrs["head_dim"]),
+                dtype=attrs["dtype"],
+                chunk_tokens=int(attrs["chunk_tokens"]),
+            )
         except (KeyError, ValueError) as e:
             raise GeometryMismatch(f"{FORMAT} page with unreadable geometry: {e}") from e
 
@@ -108,11 +131,15 @@ class Geometry:
         """Raise GeometryMismatch, naming every differing field, unless ``other == self``."""
         if other == self:
             return
-        diffs = [f"{f}: {getattr(other, f)!r} there, {getattr(self, f)!r} here"
-                 for f in ("model_id", "layers", "kv_heads", "head_dim", "dtype", "chunk_tokens")
-                 if getattr(other, f) != getattr(self, f)]
-        raise GeometryMismatch(f"{where} holds KV of another model geometry ({'; '.join(diffs)});"
-                               f" refusing to mix it with {self.describe()}")
+        diffs = [
+            f"{f}: {getattr(other, f)!r} there, {getattr(self, f)!r} here"
+            for f in ("model_id", "layers", "kv_heads", "head_dim", "dtype", "chunk_tokens")
+            if getattr(other, f) != getattr(self, f)
+        ]
+        raise GeometryMismatch(
+            f"{where} holds KV of another model geometry ({'; '.join(diffs)});"
+            f" refusing to mix it with {self.describe()}"
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,9 +155,11 @@ class PageLayout:
         shape = [g.kv_heads, tokens, g.head_dim]
         n = g.kv_heads * tokens * g.head_dim * g.itemsize
         st = DTYPES[g.dtype][0]
-        head = {"__metadata__": metadata,
-                "key": {"dtype": st, "shape": shape, "data_offsets": [0, n]},
-                "value": {"dtype": st, "shape": shape, "data_offsets": [n, 2 * n]}}
+        head = {
+            "__metadata__": metadata,
+            "key": {"dtype": st, "shape": shape, "data_offsets": [0, n]},
+            "value": {"dtype": st, "shape": shape, "data_offsets": [n, 2 * n]},
+        }
         js = json.dumps(head, separators=(",", ":"), sort_keys=True).encode()
         start = round_up(8 + len(js))
         js += b" " * (start - 8 - len(js))
@@ -151,7 +180,7 @@ class PageLayout:
     def buffer(self) -> memoryview:
         """A fresh 4 KiB-aligned buffer of :attr:`size` bytes with the header written."""
         buf = aligned_buffer(self.size)
-        buf[:self.data_start] = self.header
+        buf[: self.data_start] = self.header
         return buf
 
 
@@ -184,7 +213,7 @@ def parse_header(buf: bytes | memoryview, where: str = "page") -> PageHeader:
     if n > 100_000_000 or 8 + n > len(mv):
         raise CorruptPage(f"{where}: header length {n} does not fit the {len(mv)} bytes read")
     try:
-        head = json.loads(bytes(mv[8:8 + n]))
+        head = json.loads(bytes(mv[8 : 8 + n]))
         meta = head.pop("__metadata__", {})
         k, v = head.pop("key"), head.pop("value")
     except (ValueError, KeyError, TypeError, AttributeError) as e:
@@ -203,5 +232,11 @@ def parse_header(buf: bytes | memoryview, where: str = "page") -> PageHeader:
     nbytes = shape[0] * shape[1] * shape[2] * DTYPES[name][1]
     if (kb, ke, vb, ve) != (0, nbytes, nbytes, 2 * nbytes):
         raise CorruptPage(f"{where}: tensor offsets do not match their shapes")
-    return PageHeader(metadata=meta, dtype=name, shape=shape,  # type: ignore[arg-type]
-                      key_offset=start + kb, value_offset=start + vb, tensor_bytes=nbytes)
+    return PageHeader(
+        metadata=meta,
+        dtype=name,
+        shape=shape,  # type: ignore[arg-type]
+        key_offset=start + kb,
+        value_offset=start + vb,
+        tensor_bytes=nbytes,
+    )

@@ -30,23 +30,32 @@ class ModelShape:
     @property
     def model_id(self) -> str:
         """A name that identifies the weights: the shape and the seed that drew them."""
-        return (f"random-llama-L{self.layers}-H{self.hidden}-h{self.heads}-kv{self.kv_heads}"
-                f"-d{self.head_dim}-{self.dtype}-seed{self.seed}")
+        return (
+            f"random-llama-L{self.layers}-H{self.hidden}-h{self.heads}-kv{self.kv_heads}"
+            f"-d{self.head_dim}-{self.dtype}-seed{self.seed}"
+        )
 
 
 #: The field notes' reference: 8 layers, hidden 1024, 8 KV heads of 128, fp32 = 64 KiB/token.
-BENCH_MODEL = ModelShape(layers=8, hidden=1024, heads=8, kv_heads=8, head_dim=128,
-                         intermediate=2816, vocab=32000)
+BENCH_MODEL = ModelShape(
+    layers=8, hidden=1024, heads=8, kv_heads=8, head_dim=128, intermediate=2816, vocab=32000
+)
 
 
 def random_llama(shape: ModelShape, max_positions: int = 32768) -> Any:
     """A ``LlamaForCausalLM`` of ``shape`` with weights drawn from ``shape.seed`` (eval mode)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(vocab_size=shape.vocab, hidden_size=shape.hidden,
-                      intermediate_size=shape.intermediate, num_hidden_layers=shape.layers,
-                      num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads,
-                      head_dim=shape.head_dim, max_position_embeddings=max_positions)
+    cfg = LlamaConfig(
+        vocab_size=shape.vocab,
+        hidden_size=shape.hidden,
+        intermediate_size=shape.intermediate,
+        num_hidden_layers=shape.layers,
+        num_attention_heads=shape.heads,
+        num_key_value_heads=shape.kv_heads,
+        head_dim=shape.head_dim,
+        max_position_embeddings=max_positions,
+    )
     gen = torch.random.fork_rng()
     with gen:
         torch.manual_seed(shape.seed)

@@ -31,8 +31,15 @@ from .._errors import PageNotFound, SessionNotFound
 from .._keys import SESSIONS_DIR, PageKey
 from ._format import HEADER_READ, PageHeader, parse_header
 
-__all__ = ["DirectoryPages", "FastPathPages", "PageSource", "PageStat", "StorePages", "as_source",
-           "read_file_header"]
+__all__ = [
+    "DirectoryPages",
+    "FastPathPages",
+    "PageSource",
+    "PageStat",
+    "StorePages",
+    "as_source",
+    "read_file_header",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,8 +83,9 @@ class StorePages:
     def __init__(self, store: object) -> None:
         engine = getattr(store, "engine", store)
         if not isinstance(engine, Engine):
-            raise TypeError(f"expected a kvfs Store, SyncStore or Engine, not "
-                            f"{type(store).__name__}")
+            raise TypeError(
+                f"expected a kvfs Store, SyncStore or Engine, not {type(store).__name__}"
+            )
         self.engine = engine
         self.label = "object API"
 
@@ -228,5 +236,7 @@ def as_source(target: object) -> PageSource:
         return target
     if isinstance(target, Engine) or isinstance(getattr(target, "engine", None), Engine):
         return StorePages(target)
-    raise TypeError(f"cannot read KV pages from a {type(target).__name__}: pass a kvfs store, "
-                    f"a directory, or a PageSource")
+    raise TypeError(
+        f"cannot read KV pages from a {type(target).__name__}: pass a kvfs store, "
+        f"a directory, or a PageSource"
+    )

@@ -26,11 +26,14 @@ def cache_tensors(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
         for i, layer in enumerate(layers):
             k, v = getattr(layer, "keys", None), getattr(layer, "values", None)
             if not isinstance(k, torch.Tensor) or not isinstance(v, torch.Tensor):
-                raise ValueError(f"layer {i} of the cache holds no KV tensors "
-                                 f"({type(layer).__name__})")
+                raise ValueError(
+                    f"layer {i} of the cache holds no KV tensors ({type(layer).__name__})"
+                )
             if getattr(layer, "is_sliding", False):
-                raise ValueError(f"layer {i} is a sliding-window layer: it does not hold the "
-                                 f"whole prefix, and kvfs stores whole prefixes only")
+                raise ValueError(
+                    f"layer {i} is a sliding-window layer: it does not hold the "
+                    f"whole prefix, and kvfs stores whole prefixes only"
+                )
             out.append((k, v))
         return out
     if hasattr(cache, "key_cache"):
@@ -52,14 +55,19 @@ def build_cache(config: Any, kvs: list[tuple[torch.Tensor, torch.Tensor]]) -> An
     layers = getattr(cache, "layers", None)
     if layers:
         if any(getattr(layer, "is_sliding", False) for layer in layers):
-            raise ValueError("this model has sliding-window attention layers; kvfs stores "
-                             "whole prefixes of full-attention layers only")
+            raise ValueError(
+                "this model has sliding-window attention layers; kvfs stores "
+                "whole prefixes of full-attention layers only"
+            )
         if kvs and len(layers) != len(kvs):
             raise ValueError(f"{len(kvs)} layers of KV for a model of {len(layers)} layers")
     for i, (k, v) in enumerate(kvs):
         layer = layers[i] if layers else None
-        if (layer is not None and type(layer).__name__ == "DynamicLayer"
-                and hasattr(layer, "lazy_initialization")):
+        if (
+            layer is not None
+            and type(layer).__name__ == "DynamicLayer"
+            and hasattr(layer, "lazy_initialization")
+        ):
             layer.lazy_initialization(k, v)
             layer.keys, layer.values = k, v
         else:

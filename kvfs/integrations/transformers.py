@@ -53,8 +53,14 @@ def geometry_of(model: Any, model_id: str, chunk_tokens: int = 256) -> Geometry:
     kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
     dtype = str(model.dtype).removeprefix("torch.")
-    return Geometry(model_id=model_id, layers=cfg.num_hidden_layers, kv_heads=kv_heads,
-                    head_dim=head_dim, dtype=dtype, chunk_tokens=chunk_tokens)
+    return Geometry(
+        model_id=model_id,
+        layers=cfg.num_hidden_layers,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        dtype=dtype,
+        chunk_tokens=chunk_tokens,
+    )
 
 
 @dataclass(frozen=True)
@@ -96,8 +102,16 @@ class PrefillResult:
 class TransformersKV:
     """Save and load one model's KV caches in kvfs. Thread-safe; reuse one per model."""
 
-    def __init__(self, store: object, model: Any, *, model_id: str, chunk_tokens: int = 256,
-                 shared_session: str | None = SHARED_SESSION, threads: int = 8) -> None:
+    def __init__(
+        self,
+        store: object,
+        model: Any,
+        *,
+        model_id: str,
+        chunk_tokens: int = 256,
+        shared_session: str | None = SHARED_SESSION,
+        threads: int = 8,
+    ) -> None:
         self.source: PageSource = as_source(store)
         self.model = model
         self.geometry = geometry_of(model, model_id, chunk_tokens)
@@ -122,8 +136,9 @@ class TransformersKV:
 
     # -- naming -----------------------------------------------------------------------
     def _search_order(self, session: str) -> list[str]:
-        return [session] + ([self.shared_session] if self.shared_session not in
-                            (None, session) else [])  # type: ignore[list-item]
+        return [session] + (
+            [self.shared_session] if self.shared_session not in (None, session) else []
+        )  # type: ignore[list-item]
 
     def _check_session(self, session: str) -> None:
         """Refuse a session whose pages belong to another model or geometry."""
@@ -131,8 +146,10 @@ class TransformersKV:
         if attrs is None:
             return
         if attrs.get("format") != FORMAT:
-            raise GeometryMismatch(f"session {session!r} holds pages that are not {FORMAT} "
-                                   f"KV pages; use another session name")
+            raise GeometryMismatch(
+                f"session {session!r} holds pages that are not {FORMAT} "
+                f"KV pages; use another session name"
+            )
         Geometry.from_attrs(attrs).check_same(self.geometry, f"session {session!r}")
 
     # -- save -------------------------------------------------------------------------
@@ -151,8 +168,9 @@ class TransformersKV:
         self._check_tensors(kvs)
         length = kvs[0][0].shape[2]
         if length > len(toks):
-            raise ValueError(f"the cache holds {length} tokens but only {len(toks)} token ids "
-                             f"were given")
+            raise ValueError(
+                f"the cache holds {length} tokens but only {len(toks)} token ids were given"
+            )
         names = chunk_names(toks[:length], g)
         if names and self.source.stat(PageKey.semantic(session, names[0], 0)) is None:
             self._check_session(session)
@@ -160,10 +178,15 @@ class TransformersKV:
 
         def one(job: tuple[int, int]) -> tuple[int, int, int]:
             c, layer = job
-            meta = {**g.to_attrs(), "chunk": str(c), "prefix": names[c],
-                    "parent": names[c - 1] if c else "", "layer": str(layer),
-                    "token_start": str(c * g.chunk_tokens),
-                    "token_end": str((c + 1) * g.chunk_tokens)}
+            meta = {
+                **g.to_attrs(),
+                "chunk": str(c),
+                "prefix": names[c],
+                "parent": names[c - 1] if c else "",
+                "layer": str(layer),
+                "token_start": str(c * g.chunk_tokens),
+                "token_end": str((c + 1) * g.chunk_tokens),
+            }
             targets = [PageKey.semantic(s, names[c], layer) for s in self._search_order(session)]
             missing = [k for k in targets if self.source.stat(k) is None]
             if not missing:
@@ -178,21 +201,26 @@ class TransformersKV:
             return wrote, len(targets) - wrote, wrote * lay.size
 
         done = list(self._pool.map(one, jobs))
-        return SaveResult(chunks=len(names), pages_written=sum(d[0] for d in done),
-                          pages_present=sum(d[1] for d in done),
-                          bytes_written=sum(d[2] for d in done),
-                          seconds=time.perf_counter() - t0)
+        return SaveResult(
+            chunks=len(names),
+            pages_written=sum(d[0] for d in done),
+            pages_present=sum(d[1] for d in done),
+            bytes_written=sum(d[2] for d in done),
+            seconds=time.perf_counter() - t0,
+        )
 
     def _check_tensors(self, kvs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         g = self.geometry
         if len(kvs) != g.layers:
-            raise GeometryMismatch(f"the cache has {len(kvs)} layers; {g.describe()} has "
-                                   f"{g.layers}")
+            raise GeometryMismatch(
+                f"the cache has {len(kvs)} layers; {g.describe()} has {g.layers}"
+            )
         for i, (k, v) in enumerate(kvs):
             want = (g.kv_heads, g.head_dim)
             if k.dim() != 4 or k.shape != v.shape or (k.shape[1], k.shape[3]) != want:
-                raise GeometryMismatch(f"layer {i}: KV of shape {tuple(k.shape)} does not fit "
-                                       f"{g.describe()}")
+                raise GeometryMismatch(
+                    f"layer {i}: KV of shape {tuple(k.shape)} does not fit {g.describe()}"
+                )
             if k.shape[0] != 1:
                 raise ValueError(f"batch size {k.shape[0]}: kvfs stores one sequence per cache")
             if k.dtype != self.dtype or v.dtype != self.dtype:
@@ -204,15 +232,17 @@ class TransformersKV:
         g = self.geometry
         count = g.kv_heads * g.chunk_tokens * g.head_dim
         return torch.frombuffer(buf, dtype=self.dtype, count=count, offset=offset).view(
-            g.kv_heads, g.chunk_tokens, g.head_dim)
+            g.kv_heads, g.chunk_tokens, g.head_dim
+        )
 
     # -- load -------------------------------------------------------------------------
     def lookup(self, session: str, tokens: Sequence[int] | torch.Tensor) -> list[str]:
         """Where each cached chunk of the longest cached prefix is (session names)."""
         return [s for s, _sizes in self._plan(session, _token_list(tokens), None)]
 
-    def _plan(self, session: str, toks: list[int],
-              max_chunks: int | None) -> list[tuple[str, list[int]]]:
+    def _plan(
+        self, session: str, toks: list[int], max_chunks: int | None
+    ) -> list[tuple[str, list[int]]]:
         g = self.geometry
         plan: list[tuple[str, list[int]]] = []
         for name in chunk_names(toks, g, max_chunks):
@@ -220,8 +250,10 @@ class TransformersKV:
                 first = self.source.stat(PageKey.semantic(s, name, 0))
                 if first is None:
                     continue  # the common miss costs one lookup, not one per layer
-                stats = [first] + [self.source.stat(PageKey.semantic(s, name, layer))
-                                   for layer in range(1, g.layers)]
+                stats = [first] + [
+                    self.source.stat(PageKey.semantic(s, name, layer))
+                    for layer in range(1, g.layers)
+                ]
                 if all(st is not None for st in stats):
                     for st in stats:
                         if st is not None and st.attrs is not None:
@@ -234,8 +266,9 @@ class TransformersKV:
             self._check_session(session)
         return plan
 
-    def load(self, session: str, tokens: Sequence[int] | torch.Tensor, *,
-             max_tokens: int | None = None) -> LoadResult:
+    def load(
+        self, session: str, tokens: Sequence[int] | torch.Tensor, *, max_tokens: int | None = None
+    ) -> LoadResult:
         """Load the longest cached prefix of ``tokens`` (at most ``max_tokens`` of them).
 
         Looks in ``session``, then in the shared session. Returns a cache the model
@@ -274,8 +307,11 @@ class TransformersKV:
             n = self.source.read_into(key, buf)
             h = parse_header(buf[:n], key.path)
             Geometry.from_attrs(h.metadata).check_same(g, key.path)
-            if (h.shape != (g.kv_heads, C, g.head_dim) or h.metadata.get("prefix") != names[c]
-                    or h.metadata.get("layer") != str(layer)):
+            if (
+                h.shape != (g.kv_heads, C, g.head_dim)
+                or h.metadata.get("prefix") != names[c]
+                or h.metadata.get("layer") != str(layer)
+            ):
                 raise CorruptPage(f"{key.path}: the page's header names another chunk or layer")
             take = min(C, ntok - c * C)
             dst = slice(c * C, c * C + take)
@@ -299,14 +335,21 @@ class TransformersKV:
             vs = [v[:, :, :ntok].contiguous() for v in vs]
             plan = plan[:bad_chunk]
         cache = build_cache(self.model.config, list(zip(ks, vs, strict=True)))
-        return LoadResult(cache=cache, tokens=ntok, chunks=len(plan), bytes_read=nbytes,
-                          seconds=time.perf_counter() - t0,
-                          sources=tuple(s for s, _ in plan), note=note)
+        return LoadResult(
+            cache=cache,
+            tokens=ntok,
+            chunks=len(plan),
+            bytes_read=nbytes,
+            seconds=time.perf_counter() - t0,
+            sources=tuple(s for s, _ in plan),
+            note=note,
+        )
 
     # -- the whole step ---------------------------------------------------------------
     @torch.inference_mode()
-    def prefill(self, session: str, input_ids: Sequence[int] | torch.Tensor, *,
-                save: bool = True) -> PrefillResult:
+    def prefill(
+        self, session: str, input_ids: Sequence[int] | torch.Tensor, *, save: bool = True
+    ) -> PrefillResult:
         """Prefill ``input_ids`` reusing the longest cached prefix, then save the cache.
 
         At least the last token is computed (its logits are the result). Returns the logits
@@ -318,14 +361,20 @@ class TransformersKV:
         hit = self.load(session, toks, max_tokens=len(toks) - 1)
         t0 = time.perf_counter()
         cache = hit.cache if hit.cache is not None else build_cache(self.model.config, [])
-        ids = torch.tensor([toks[hit.tokens:]], dtype=torch.long, device=self.device)
+        ids = torch.tensor([toks[hit.tokens :]], dtype=torch.long, device=self.device)
         out = self.model(input_ids=ids, past_key_values=cache, use_cache=True)
         compute = time.perf_counter() - t0
         saved = self.save(session, toks, out.past_key_values) if save else None
-        return PrefillResult(logits=out.logits[0, -1], cache=out.past_key_values,
-                             reused_tokens=hit.tokens, computed_tokens=len(toks) - hit.tokens,
-                             load_seconds=hit.seconds, compute_seconds=compute, save=saved,
-                             sources=hit.sources)
+        return PrefillResult(
+            logits=out.logits[0, -1],
+            cache=out.past_key_values,
+            reused_tokens=hit.tokens,
+            computed_tokens=len(toks) - hit.tokens,
+            load_seconds=hit.seconds,
+            compute_seconds=compute,
+            save=saved,
+            sources=hit.sources,
+        )
 
 
 def _token_list(tokens: Sequence[int] | torch.Tensor) -> list[int]:
