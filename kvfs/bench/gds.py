@@ -145,7 +145,13 @@ def run(args: argparse.Namespace) -> int:
         mp = Path(tmp) / "mnt" if args.mount else None
         with _open(cfg, mp) as store, gds.FastPath(store, threads=args.threads) as fp:
             pool = ThreadPoolExecutor(args.threads)
-            for size_mib in sizes:
+            for i, size_mib in enumerate(sizes):
+                print(
+                    f"kvfs bench gds: [{i + 1}/{len(sizes)}] {size_mib} MiB pages x "
+                    f"{args.layers} layers...",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 rows += _bench_size(store, fp, pool, cp, size_mib, args, mp)
                 store.delete_session("bench")
             pool.shutdown()

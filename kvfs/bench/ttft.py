@@ -22,6 +22,7 @@ import os
 import platform
 import shutil
 import statistics
+import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -188,7 +189,12 @@ def run_ttft(
         kv_fast = TransformersKV(fast, m, model_id=shape.model_id)
         g = kv.geometry
         m(input_ids=torch.randint(0, shape.vocab, (1, 128)))  # warm up kernels and memory
-        for n in lengths:
+        for i, n in enumerate(lengths):
+            print(
+                f"kvfs bench ttft: [{i + 1}/{len(lengths)}] {n} tokens: prefill, save, load...",
+                file=sys.stderr,
+                flush=True,
+            )
             ids = torch.randint(0, shape.vocab, (1, n), generator=torch.Generator().manual_seed(n))
             t0 = time.perf_counter()
             out = m(input_ids=ids, use_cache=True)
