@@ -191,5 +191,5 @@ def cmd_size(args: argparse.Namespace) -> int:
                     + " before it is displaced",
                 ]
             )
-    print_table(["", ""], rows, align="ll")
+    print_table(["figure", "value"], rows, align="ll")
     return 0
