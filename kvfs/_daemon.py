@@ -249,4 +249,7 @@ def stop_daemon(mountpoint: str | os.PathLike[str], *, timeout: float = 60.0) ->
         time.sleep(0.05)
     with contextlib.suppress(OSError):
         path.unlink()
+    for child in list(_DETACHED):  # reap daemons this process started, now gone
+        if child.poll() is not None:
+            _DETACHED.remove(child)
     return {"mountpoint": mp, "pid": pid}
