@@ -98,6 +98,7 @@ def _model_main(args: argparse.Namespace) -> int:
         cfg, tokens=args.tokens, small=args.small, echo=lambda m: print(m, flush=True)
     )
     mounted = False
+    prefixes: list[str] = []
     if not args.no_mount:
         mnt.mkdir(parents=True, exist_ok=True)
         print(f"\n$ kvfs mount --data ... --archive {url} {mnt}", flush=True)
@@ -112,7 +113,16 @@ def _model_main(args: argparse.Namespace) -> int:
             print(f"$ ls {sess / prefixes[0]}   # one file per layer", flush=True)
             print("  " + "  ".join(layers[:6]) + ("  ..." if len(layers) > 6 else ""), flush=True)
             subprocess.run(["du", "-sh", "--apparent-size", str(sess)], check=False)
-        for cmd in (["ls"], ["ls", "agent-demo", "--sort", "age"], ["stats"]):
+            first = sess / prefixes[0]
+            t0 = time.perf_counter()
+            n = sum(len((first / name).read_bytes()) for name in layers)
+            print(
+                f"read {fmt_bytes(n)} of one prefix chunk through the mount (any engine can) "
+                f"in {time.perf_counter() - t0:.2f} s, checksums verified",
+                flush=True,
+            )
+        chunk = f"sessions/agent-demo/{prefixes[0]}" if mounted else "agent-demo"
+        for cmd in (["ls"], ["ls", chunk], ["stats"]):
             print(f"\n$ kvfs {' '.join(cmd)}", flush=True)
             kvfs_main([*cmd, *sel])
     finally:
