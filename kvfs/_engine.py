@@ -45,7 +45,7 @@ from ._errors import (
 )
 from ._index import BlobRow, Index, PageRow
 from ._keys import PageKey, as_key, session_dir
-from ._local import BlobWriter, LocalTier
+from ._local import BlobWriter, CorruptedFile, LocalTier
 from ._lock import DirLock
 from ._policy import TieringPolicy
 from ._types import (
@@ -67,6 +67,7 @@ DEDUP_FIRST_MAX = 256 * 1024
 #: is left when the disk is done.
 READ_PIECE = 512 * 1024
 READ_WINDOW = 8
+RESERVE_WAIT_SECONDS = 10.0
 ATIME_FLUSH_SECONDS = 5.0
 
 
@@ -133,6 +134,7 @@ class Engine:
         self.tier.prepare(self.store_id)
         self.policy: TieringPolicy = TieringPolicy(self)
         self._cap_lock = threading.Lock()
+        self._cap_changed = threading.Condition(self._cap_lock)
         self._evict_lock = threading.Lock()
         self._leases: Counter[bytes] = Counter()
         # Blobs dropped while leased, by hash; a list: the same content can be dropped,
@@ -213,7 +215,17 @@ class Engine:
             raise StoreClosed("the store is closed")
 
     # -- capacity ---------------------------------------------------------------------
-    def _reserve(self, n: int) -> None:
+    def _reserve(self, n: int, own: int = 0) -> None:
+        """Reserve ``n`` bytes under the cap, evicting by policy if needed.
+
+        When nothing is evictable *now* but other writes are in flight, their reservations
+        will soon either be released or become committed (evictable) pages: wait for that
+        (up to RESERVE_WAIT_SECONDS) instead of failing a put another put's timing doomed.
+        ``own`` is what the caller already holds (a growing streaming writer): it is not
+        waited for.
+        Raises CapacityExceeded when the page cannot fit even then.
+        """
+        deadline = time.monotonic() + RESERVE_WAIT_SECONDS
         while True:
             with self._cap_lock:
                 if self.used + self.reserved + n <= self.capacity:
@@ -227,21 +239,23 @@ class Engine:
             with self._evict_lock:
                 with self._cap_lock:
                     short = self.used + self.reserved + n - self.capacity
-                if short <= 0:
+                if short <= 0 or self.policy.make_room(short, "capacity") > 0:
                     continue
-                if self.policy.make_room(short, "capacity") <= 0:
-                    with self._cap_lock:
-                        if self.used + self.reserved + n <= self.capacity:
-                            continue
-                        raise CapacityExceeded(
-                            f"no room for {n} bytes: {self.used} of {self.capacity} bytes used, "
-                            f"{self.reserved} reserved by writes in flight, and nothing left "
-                            "that may be evicted (pinned, leased or being written)"
-                        )
+            with self._cap_changed:
+                if self.used + self.reserved + n <= self.capacity:
+                    continue
+                if self.reserved - own <= 0 or time.monotonic() > deadline:
+                    raise CapacityExceeded(
+                        f"no room for {n} bytes: {self.used} of {self.capacity} bytes used, "
+                        f"{self.reserved} reserved by writes in flight, and nothing left "
+                        "that may be evicted (pinned, leased or being written)"
+                    )
+                self._cap_changed.wait(0.05)
 
     def _unreserve(self, n: int) -> None:
-        with self._cap_lock:
+        with self._cap_changed:
             self.reserved -= n
+            self._cap_changed.notify_all()
 
     # -- leases -----------------------------------------------------------------------
     def is_leased(self, h: bytes) -> bool:
@@ -411,8 +425,9 @@ class Engine:
             # Identical data was already held: share it. The redundant files go before their
             # reservation is released, so bytes on disk never exceed the cap.
             w.abort()
-        with self._cap_lock:
+        with self._cap_changed:
             self.reserved -= reserved
+            self._cap_changed.notify_all()
             if used_new and extents is not None:
                 b = self.index.blob(h)
                 assert b is not None
@@ -427,7 +442,23 @@ class Engine:
             self.policy.forget_blob(freed)
         if _old is not None and _old.hash != h:
             self.policy.pages_removed([_old])  # a replace: the archive's manifest is stale
-        return self.stat(k)
+        try:
+            return self.stat(k)
+        except PageNotFound:
+            # Under pressure another thread's eviction may already have taken the page it
+            # just became: the put still succeeded. Report the page as it was committed.
+            now = time.time()
+            return PageInfo(
+                path=k.path,
+                session=k.session,
+                size=size,
+                checksum=h.hex(),
+                created=now,
+                atime=now,
+                pinned=pin,
+                tier="local",
+                attrs=attrs,
+            )
 
     def _submit_leaves(self, mv: memoryview) -> builtins.list[Future[bytes]]:
         def group(o: int) -> bytes:
@@ -495,11 +526,15 @@ class Engine:
             self._read_verified(page, blob, buf, lo, hi - lo)
             return bytes(buf[offset - lo : end - lo])
 
-    def read_held(self, page: PageRow, blob: BlobRow, offset: int, size: int) -> memoryview:
+    def read_held(
+        self, page: PageRow, blob: BlobRow, offset: int, size: int, *, buffered: bool = False
+    ) -> memoryview:
         """:meth:`read_range` for data held by :meth:`lease`: reads exactly the leased page even
         if its key has since been replaced or deleted (an open file on the mount). Returns a
-        view of a fresh buffer (no extra copy). Raises CorruptPage, PageNotFound (data gone
-        from every tier)."""
+        view of a fresh buffer (no extra copy). ``buffered``: plain preads through the page
+        cache on this thread (the mount: kernel read-ahead on the data files, no fresh
+        mmap per request, no hop to the I/O pool). Raises CorruptPage, PageNotFound (data
+        gone from every tier)."""
         self._check_open()
         if offset >= blob.size or size <= 0:
             return memoryview(b"")
@@ -508,6 +543,9 @@ class Engine:
         end = min(blob.size, offset + size)
         lo = offset - offset % LEAF
         hi = min(blob.size, -(-end // LEAF) * LEAF)
+        if buffered:
+            data = self._read_buffered(page, blob, lo, hi - lo)
+            return memoryview(data)[offset - lo : end - lo]
         buf = aligned_buffer(hi - lo)
         self._read_verified(page, blob, buf, lo, hi - lo)
         return buf[offset - lo : end - lo]
@@ -527,6 +565,51 @@ class Engine:
         if not b.local:
             raise PageNotFound(f"page {page.path!r} could not be restored")
         return b
+
+    def _read_buffered(self, page: PageRow, blob: BlobRow, off: int, n: int) -> bytes:
+        """Page bytes [off, off+n) (leaf-aligned start) read with plain preads on this thread,
+        every leaf verified before anything is returned. Raises CorruptPage."""
+        assert blob.extents is not None and off % LEAF == 0
+        parts: builtins.list[bytes] = []
+        try:
+            for p in self.tier.pieces(blob.extents, off, n):
+                path = self.tier.abspath(p.dev, p.file)
+                fd = os.open(path, os.O_RDONLY)
+                try:
+                    got = os.pread(fd, p.n, p.file_off)
+                    while len(got) < p.n:  # a short read: only at the end of the file
+                        more = os.pread(fd, p.n - len(got), p.file_off + len(got))
+                        if not more:
+                            raise CorruptedFile(path, "data file is shorter than its extents")
+                        got += more
+                finally:
+                    os.close(fd)
+                parts.append(got)
+        except FileNotFoundError as e:
+            self._count("corrupt_reads")
+            raise CorruptPage(f"page {page.path!r}: a data file is missing ({e.filename})") from e
+        except OSError as e:
+            if isinstance(e, KvfsError):
+                self._count("corrupt_reads")
+                raise CorruptPage(f"page {page.path!r}: {e}") from e
+            raise
+        data = parts[0] if len(parts) == 1 else b"".join(parts)
+        mv = memoryview(data)
+        first = off // LEAF
+        for j in range(-(-n // LEAF)):
+            want = blob.leaves[(first + j) * DIGEST : (first + j + 1) * DIGEST]
+            if leaf_hash(mv[j * LEAF : (j + 1) * LEAF]) != want:
+                self._count("corrupt_reads")
+                raise CorruptPage(
+                    f"page {page.path!r} is corrupt: bytes {(first + j) * LEAF}-"
+                    f"{min(blob.size, (first + j + 1) * LEAF)} do not match the checksum"
+                )
+        with self._cap_lock:
+            self._counters["gets"] += 1
+            self._counters["hits"] += 1
+            self._counters["bytes_read"] += n
+        self.touch(page)
+        return data
 
     def _read_verified(
         self, page: PageRow, blob: BlobRow, dest: memoryview, off: int, n: int
@@ -986,7 +1069,7 @@ class PageWriter:
             if need > 0:
                 # Reserve ahead in stripe units so small writes do not each pay the check.
                 extra = min(self.engine.tier.unit, max(0, self.engine.capacity // 64))
-                self.engine._reserve(need + extra)
+                self.engine._reserve(need + extra, own=self._reserved)
                 self._reserved += need + extra
             self._size = max(self._size, end)
             touched = range(offset // LEAF, -(-end // LEAF)) if end > offset else range(0)
