@@ -167,3 +167,28 @@ def test_default_cap_is_what_the_disks_hold(make_config: Callable[..., kvfs.Stor
         free = sum(d.free_bytes for d in st.devices)
         assert st.used_bytes == 0 and st.capacity_bytes > 0
         assert abs(st.capacity_bytes - free) <= 256 * MiB  # others write to this disk too
+
+
+def test_put_waits_for_writes_in_flight_instead_of_failing(
+    make_config: Callable[..., kvfs.StoreConfig],
+) -> None:
+    """Room held only by another write in flight is not 'nothing left to evict': that write
+    will commit (and become evictable) or give its room back, so the put waits for it."""
+    cfg = make_config(ndev=1, stripe_unit=64 * KiB, capacity=1 * MiB)
+    with kvfs.open_store_sync(cfg) as store:
+        w = store.begin_write("engine/big.bin")
+        w.write(0, os.urandom(700 * KiB))  # holds most of the cap, not yet a page
+        result: list[object] = []
+        t = threading.Thread(
+            target=lambda: result.append(store.put("other/p", os.urandom(400 * KiB)))
+        )
+        t.start()
+        t.join(0.5)
+        assert t.is_alive() and not result  # waiting, neither failed nor over the cap
+        w.commit()  # the write in flight becomes an evictable page; the put evicts it
+        t.join(10)
+        assert not t.is_alive() and isinstance(result[0], kvfs.PageInfo)
+        assert not store.exists("engine/big.bin") and store.exists("other/p")
+        st = store.statistics()
+        assert st.used_bytes <= cfg.capacity and st.reserved_bytes == 0
+        assert st.evictions.get("capacity") == 1
