@@ -53,11 +53,18 @@ def elem_size(dtype: str | None) -> int | None:
     return _DTYPE_BYTES.get(d)
 
 
-def shuffle(data: memoryview | bytes, elem: int) -> bytes:
+def shuffle(data: memoryview | bytes, elem: int) -> bytearray:
+    # One plane at a time into one new buffer: strided reads, contiguous writes, no
+    # intermediate copy (the transpose + tobytes + concatenation made two).
     mv = memoryview(data).cast("B")
     n = len(mv) // elem
-    body = np.frombuffer(mv[: n * elem], dtype=np.uint8).reshape(n, elem).T.tobytes()
-    return body + bytes(mv[n * elem :])
+    out = bytearray(len(mv))
+    src = np.frombuffer(mv, dtype=np.uint8, count=n * elem).reshape(n, elem)
+    dst = np.frombuffer(out, dtype=np.uint8, count=n * elem)
+    for j in range(elem):
+        dst[j * n : (j + 1) * n] = src[:, j]
+    out[n * elem :] = mv[n * elem :]
+    return out
 
 
 def _unshuffle_into(out: memoryview, data: bytes, elem: int) -> None:
@@ -93,7 +100,7 @@ def _dctx() -> zstandard.ZstdDecompressor:
 
 
 def encode(
-    data: memoryview | bytes, *, level: int = 3, codec: str = "auto", elem: int | None = None
+    data: memoryview | bytes, *, level: int = 1, codec: str = "auto", elem: int | None = None
 ) -> tuple[bytes, str]:
     """The object for ``data`` and the codec used. ``codec`` is auto, raw, zstd or
     zstd+shuffle; ``elem`` is the value size for the shuffle (2 when unknown)."""

@@ -64,7 +64,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="KV from one random attention layer in numpy instead of transformers",
     )
     p.add_argument("--latency-reads", type=int, default=400, help="reads per latency phase")
-    p.add_argument("--level", type=int, default=3, help="zstd level (3)")
+    p.add_argument("--level", type=int, default=1, help="zstd level (1, the default)")
     p.add_argument(
         "--cpu-slots",
         type=int,
