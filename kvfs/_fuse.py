@@ -9,6 +9,7 @@ rename, statfs and extended attributes; file contents are in :mod:`kvfs._fuse_fi
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import json
 import logging
@@ -53,6 +54,23 @@ XATTRS = (
 )
 
 
+def keep_heap() -> None:
+    """Keep freed 1 MiB request buffers in the heap (glibc; a no-op elsewhere).
+
+    Every write request arrives as a fresh 1 MiB ``bytes`` and every read answer is one.
+    glibc's default (dynamic mmap threshold, trim above 2x it) hands such blocks back to the
+    kernel and faults them in again: profiled, page faults and zeroing took ~20% of the
+    daemon's CPU per written MiB. With a fixed 32 MiB mmap threshold and 256 MiB trim
+    threshold the same memory is reused; the daemon keeps at most that much more resident.
+    """
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return
+    mallopt(-3, 32 << 20)  # M_MMAP_THRESHOLD
+    mallopt(-1, 256 << 20)  # M_TRIM_THRESHOLD
+
+
 class KvfsOperations(FileOps, pyfuse3.Operations):
     """pyfuse3 operations over a :class:`~kvfs.Store`. Call :meth:`aclose` after unmounting."""
 
@@ -71,6 +89,7 @@ class KvfsOperations(FileOps, pyfuse3.Operations):
         write_behind: int = 8,
     ) -> None:
         super().__init__()
+        keep_heap()
         self.store = store
         self.engine = store.engine
         self.direct_io = direct_io
