@@ -18,6 +18,10 @@ import trio
 
 __all__ = ["ReadAhead"]
 
+#: Prefetches are fetched this many requests at a time (one thread hop, one larger pread and
+#: the leaves hashed together), and each request is then answered with its slice.
+GROUP = 4
+
 log = logging.getLogger("kvfs.fuse")
 
 
@@ -67,21 +71,30 @@ class ReadAhead:
     def _schedule(self, start: int, n: int) -> None:
         pos = max(start, self._ahead_end)
         limit = min(self._size, start + self._depth * n)
-        while pos < limit:
-            slot = _Slot(n)
-            self._slots[pos] = slot
-            self._nursery.start_soon(self._fill, pos, slot)
-            pos += n
+        group = max(1, min(GROUP, self._depth // 2))
+        # Whole groups only, except at the end of the page: the window refills in steps.
+        while pos < limit and (limit - pos >= group * n or limit == self._size):
+            slots: list[_Slot] = []
+            while pos < limit and len(slots) < group:
+                slot = _Slot(n)
+                self._slots[pos] = slot
+                slots.append(slot)
+                pos += n
+            self._nursery.start_soon(self._fill, pos - len(slots) * n, slots)
         self._ahead_end = max(self._ahead_end, pos)
 
-    async def _fill(self, off: int, slot: _Slot) -> None:
+    async def _fill(self, off: int, slots: list[_Slot]) -> None:
         try:
             if not self._closed:
-                slot.data = await self._fetch(off, slot.n)
+                n = slots[0].n
+                data = memoryview(await self._fetch(off, n * len(slots)))
+                for i, slot in enumerate(slots):
+                    slot.data = data[i * n : (i + 1) * n]
         except Exception as e:  # the request itself will read again and report it
             log.debug("read-ahead at %d failed: %s", off, e)
         finally:
-            slot.done.set()
+            for slot in slots:
+                slot.done.set()
 
     async def aclose(self) -> None:
         """Stop prefetching and wait for fetches in flight (they read under the file's lease)."""
