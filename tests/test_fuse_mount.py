@@ -508,3 +508,32 @@ async def test_run_daemon_starts_services_and_unmounts(tmp_path: Path) -> None:
         assert not mounted(mp)
     finally:
         subprocess.run(["fusermount3", "-u", "-z", str(mp)], capture_output=True)
+
+
+def test_corrupted_backing_byte_is_eio_never_data(mnt: Path) -> None:
+    """A flipped byte in a backing file: the leaf holding it reads as EIO through the mount
+    (buffered backing reads verify every 1 MiB leaf), the other leaves still read."""
+    data = os.urandom(3 * MiB)
+    (mnt / "corrupt").mkdir()
+    p = mnt / "corrupt/page.bin"
+    write(p, data)
+    path, off, _length = json.loads(os.getxattr(p, "user.kvfs.extents"))[0]
+    with open(path, "r+b") as f:  # flip one byte inside the second 1 MiB leaf
+        pos = off + MiB + 12345
+        f.seek(pos)
+        b = f.read(1)
+        f.seek(pos)
+        f.write(bytes([b[0] ^ 0xFF]))
+        f.flush()
+        os.fsync(f.fileno())
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+    fd = os.open(p, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # nothing served from the mount's cache
+        assert os.pread(fd, MiB, 0) == data[:MiB]
+        assert os.pread(fd, MiB, 2 * MiB) == data[2 * MiB :]
+        with pytest.raises(OSError) as ei:
+            os.pread(fd, MiB, MiB)
+        assert ei.value.errno == errno.EIO
+    finally:
+        os.close(fd)
