@@ -198,10 +198,10 @@ class KvikioTarget:
             self.pinned.give(buf)
 
     def finish(self) -> None:
-        pass
+        """Nothing to flush: kvikio's reads completed into device memory."""
 
     def abort(self) -> None:
-        pass
+        """Nothing to undo: the destination is the caller's, left partly written."""
 
 
 class StagedTarget:
@@ -231,10 +231,11 @@ class StagedTarget:
             _memcpy(int(self.flat.data.ptr) + lo, address_of(view), hi - lo, _H2D, self.device)
 
     def finish(self) -> None:
-        pass  # the staging buffer goes with this target
+        """Nothing to flush: each checked leaf was already copied to the device; the staging
+        buffer goes with this target."""
 
     def abort(self) -> None:
-        pass
+        """Nothing to undo: the destination is the caller's, left partly written."""
 
 
 def stage_to_host(obj: object, chunk: int = 64 * LEAF) -> memoryview:

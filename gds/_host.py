@@ -123,7 +123,7 @@ class HostTarget:
             check(self.dest[lo:hi])
 
     def finish(self) -> None:
-        pass
+        """Nothing to flush: every byte was read straight into the destination."""
 
     def abort(self) -> None:
-        pass
+        """Nothing to undo: the destination is the caller's, left partly written."""
