@@ -25,7 +25,7 @@ import time
 import uuid
 import zlib
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 
@@ -585,30 +585,14 @@ class Engine:
                 finally:
                     os.close(fd)
                 parts.append(got)
-        except FileNotFoundError as e:
-            self._count("corrupt_reads")
-            raise CorruptPage(f"page {page.path!r}: a data file is missing ({e.filename})") from e
         except OSError as e:
-            if isinstance(e, KvfsError):
-                self._count("corrupt_reads")
-                raise CorruptPage(f"page {page.path!r}: {e}") from e
-            raise
+            if (corrupt := self._as_corrupt(page, e)) is None:
+                raise
+            raise corrupt from e
         data = parts[0] if len(parts) == 1 else b"".join(parts)
         mv = memoryview(data)
-        first = off // LEAF
-        for j in range(-(-n // LEAF)):
-            want = blob.leaves[(first + j) * DIGEST : (first + j + 1) * DIGEST]
-            if leaf_hash(mv[j * LEAF : (j + 1) * LEAF]) != want:
-                self._count("corrupt_reads")
-                raise CorruptPage(
-                    f"page {page.path!r} is corrupt: bytes {(first + j) * LEAF}-"
-                    f"{min(blob.size, (first + j + 1) * LEAF)} do not match the checksum"
-                )
-        with self._cap_lock:
-            self._counters["gets"] += 1
-            self._counters["hits"] += 1
-            self._counters["bytes_read"] += n
-        self.touch(page)
+        digests = (leaf_hash(mv[j * LEAF : (j + 1) * LEAF]) for j in range(-(-n // LEAF)))
+        self._check_leaves(page, blob, off // LEAF, digests, n)
         return data
 
     def _read_verified(
@@ -657,18 +641,31 @@ class Engine:
                     _wait_all(list(futs.values()))
                 finally:
                     self.tier.close_files(opened)
-        except FileNotFoundError as e:
-            self._count("corrupt_reads")
-            raise CorruptPage(f"page {page.path!r}: a data file is missing ({e.filename})") from e
         except OSError as e:
-            if isinstance(e, KvfsError):
-                self._count("corrupt_reads")
-                raise CorruptPage(f"page {page.path!r}: {e}") from e
-            raise
-        first = off // LEAF
-        for j, digest in enumerate(got):
-            if digest != blob.leaves[(first + j) * DIGEST : (first + j + 1) * DIGEST]:
-                bad = first + j
+            if (corrupt := self._as_corrupt(page, e)) is None:
+                raise
+            raise corrupt from e
+        self._check_leaves(page, blob, off // LEAF, got, n)
+
+    def _as_corrupt(self, page: PageRow, e: OSError) -> CorruptPage | None:
+        """A failed data-file read: a missing or short data file is a CorruptPage (counted);
+        None for any other OSError (EIO, EMFILE...), which the caller re-raises as it is."""
+        if isinstance(e, FileNotFoundError):
+            self._count("corrupt_reads")
+            return CorruptPage(f"page {page.path!r}: a data file is missing ({e.filename})")
+        if isinstance(e, KvfsError):
+            self._count("corrupt_reads")
+            return CorruptPage(f"page {page.path!r}: {e}")
+        return None
+
+    def _check_leaves(
+        self, page: PageRow, blob: BlobRow, first: int, digests: Iterable[bytes], n: int
+    ) -> None:
+        """Compare leaf digests (from leaf ``first`` on) with the stored ones; on a match
+        count the read as a hit and touch the page, else raise CorruptPage (counted)."""
+        for j, digest in enumerate(digests):
+            bad = first + j
+            if digest != blob.leaves[bad * DIGEST : (bad + 1) * DIGEST]:
                 self._count("corrupt_reads")
                 raise CorruptPage(
                     f"page {page.path!r} is corrupt: bytes {bad * LEAF}-"
