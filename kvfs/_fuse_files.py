@@ -54,6 +54,8 @@ class FileOps:
     nursery: trio.Nursery | None
 
     async def _resolve(self, parent: Node, name: str) -> Node:
+        """Look a name up under a directory node; provided by the Operations class that
+        mixes this in (kvfs._fuse.KvfsOperations)."""
         raise NotImplementedError
 
     async def _thread(self, fn: Callable[..., T], *args: Any) -> T:

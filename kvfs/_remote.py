@@ -56,6 +56,8 @@ class _Api:
     """The object API's methods, each one control-channel call (``_call`` supplies it)."""
 
     def _call(self, method: str, *args: Any, **kw: Any) -> Any:
+        """Send one request and return its result; each client class below supplies it
+        (blocking for SyncRemoteStore, awaited for RemoteStore)."""
         raise NotImplementedError
 
     def put(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -44,3 +45,26 @@ def s3_server() -> Iterator[object]:
 
     with running_moto() as server:
         yield server
+
+
+#: ``run("ls", "--json")`` -> (exit code, stdout, stderr) of the kvfs command, in process.
+Run = Callable[..., tuple[int, str, str]]
+
+
+@pytest.fixture
+def run(capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Run:
+    """The ``kvfs`` command in this process, from an empty working directory and with no
+    ``KVFS_*`` variables leaking in from the environment."""
+    from cli.__main__ import main
+
+    monkeypatch.chdir(tmp_path)
+    for var in [v for v in os.environ if v.startswith("KVFS_")]:
+        monkeypatch.delenv(var)
+
+    def go(*argv: str) -> tuple[int, str, str]:
+        capsys.readouterr()
+        rc = main([*argv])
+        out, err = capsys.readouterr()
+        return rc, out, err
+
+    return go

@@ -18,7 +18,6 @@ from pathlib import Path
 
 import pytest
 
-from cli.__main__ import main
 from kvfs._daemon import READY_FD_ENV
 
 KVFS = [sys.executable, "-m", "cli"]
@@ -72,21 +71,6 @@ def daemon(tmp_path: Path) -> Iterator[Daemon]:
         d.stop()
     unexpected = d.errors()[d.expected_errors :]
     assert not unexpected, "the daemon logged errors:\n" + "\n".join(unexpected)
-
-
-@pytest.fixture
-def run(capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Run:
-    monkeypatch.chdir(tmp_path)
-    for var in [v for v in os.environ if v.startswith("KVFS_")]:
-        monkeypatch.delenv(var)
-
-    def go(*argv: str) -> tuple[int, str, str]:
-        capsys.readouterr()
-        rc = main([*argv])
-        out, err = capsys.readouterr()
-        return rc, out, err
-
-    return go
 
 
 def test_commands_through_the_daemon(daemon: Daemon, run: Run, tmp_path: Path) -> None:

@@ -13,24 +13,8 @@ from pathlib import Path
 import pytest
 
 import kvfs
-from cli.__main__ import main
 
 Run = Callable[..., tuple[int, str, str]]
-
-
-@pytest.fixture
-def run(capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Run:
-    monkeypatch.chdir(tmp_path)
-    for var in [v for v in os.environ if v.startswith("KVFS_")]:
-        monkeypatch.delenv(var)
-
-    def go(*argv: str) -> tuple[int, str, str]:
-        capsys.readouterr()
-        rc = main([*argv])
-        out, err = capsys.readouterr()
-        return rc, out, err
-
-    return go
 
 
 def data(tmp_path: Path, archive: bool = False) -> list[str]:

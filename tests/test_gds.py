@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 import trio
+from _corrupt import flip_stored_byte
 
 import gds
 import kvfs
@@ -78,21 +79,6 @@ class HoldAfter(Executor):
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         self.release()
         self.pool.shutdown(wait=wait)
-
-
-def flip_byte(info: kvfs.PageInfo, page_off: int) -> None:
-    """Corrupt one byte of a page in its backing file, found through its extents."""
-    pos = 0
-    for e in info.extents:
-        if pos <= page_off < pos + e.length:
-            with open(e.path, "r+b") as f:
-                f.seek(e.offset + page_off - pos)
-                b = f.read(1)
-                f.seek(e.offset + page_off - pos)
-                f.write(bytes([b[0] ^ 0xFF]))
-            return
-        pos += e.length
-    raise AssertionError("offset outside the page")
 
 
 # -- reads ---------------------------------------------------------------------------
@@ -199,7 +185,7 @@ def test_verify_off_returns_raw_bytes(store: kvfs.SyncStore, fp: gds.FastPath) -
 def test_flipped_byte_is_an_error(store: kvfs.SyncStore, fp: gds.FastPath, where: int) -> None:
     data = rand(4 * MiB + 200)
     info = store.put(key(0), data)
-    flip_byte(info, where)
+    flip_stored_byte(info, where)
     with pytest.raises(kvfs.CorruptPage, match=f"bytes {where // MiB * MiB}-"):
         fp.read(key(0), aligned(data.nbytes)).result()
     # The check is what caught it: unverified, the flipped byte comes through.
@@ -273,7 +259,7 @@ def test_layer_loader_yields_a_layer_while_the_next_is_in_flight(store: kvfs.Syn
 
 def test_layer_loader_raises_at_the_corrupt_layer(store: kvfs.SyncStore, fp: gds.FastPath) -> None:
     infos = [store.put(key(i), rand(256 * KiB, seed=i)) for i in range(3)]
-    flip_byte(infos[1], 5)
+    flip_stored_byte(infos[1], 5)
     seen = []
     with (
         pytest.raises(kvfs.CorruptPage),
@@ -367,7 +353,7 @@ def test_read_by_path_through_xattrs(
         dest = aligned(data.nbytes)
         assert fp.read_path(p, dest).result() == data.nbytes
         assert np.array_equal(dest, data)
-        flip_byte(info, MiB + 3)
+        flip_stored_byte(info, MiB + 3)
         with pytest.raises(kvfs.CorruptPage):
             fp.read_path(p, aligned(data.nbytes)).result()
 

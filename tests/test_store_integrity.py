@@ -7,6 +7,7 @@ import os
 from collections.abc import Callable
 
 import pytest
+from _corrupt import flip_stored_byte
 
 import kvfs
 from kvfs._checksum import LEAF
@@ -16,17 +17,7 @@ KiB, MiB = 1024, 1 << 20
 
 def flip(info: kvfs.PageInfo, page_off: int) -> None:
     """Flip one bit of the stored byte at ``page_off`` of the page, in its data file."""
-    pos = 0
-    for e in info.extents:
-        if pos <= page_off < pos + e.length:
-            with open(e.path, "r+b") as f:
-                f.seek(e.offset + page_off - pos)
-                b = f.read(1)
-                f.seek(e.offset + page_off - pos)
-                f.write(bytes([b[0] ^ 0x10]))
-            return
-        pos += e.length
-    raise AssertionError(f"offset {page_off} is not in the page")
+    flip_stored_byte(info, page_off, mask=0x10)
 
 
 SIZE = 2 * LEAF + 100 * KiB + 123  # three leaves, the last one partial
