@@ -11,7 +11,8 @@ from typing import Any
 
 import numpy as np
 import pytest
-from test_gds import KiB, MiB, aligned, flip_byte, key, rand
+from _corrupt import flip_stored_byte
+from test_gds import KiB, MiB, aligned, key, rand
 
 import gds
 import kvfs
@@ -94,7 +95,7 @@ def test_flipped_byte_is_an_error_on_the_gpu_path(
 
     data = rand(3 * MiB)
     info = store.put(key(0), data)
-    flip_byte(info, 2 * MiB + 11)
+    flip_stored_byte(info, 2 * MiB + 11)
     with pytest.raises(kvfs.CorruptPage, match=f"bytes {2 * MiB}-"):
         fp.read(key(0), cp.empty(data.nbytes, dtype=cp.uint8), backend=backend).result()
     assert not store.engine._leases
