@@ -29,6 +29,7 @@ __all__ = [
     "NotAKvfsPage",
     "PageSource",
     "Piece",
+    "decode_extents",
     "plan_pieces",
     "source_from_engine",
     "source_from_mount",
@@ -117,6 +118,49 @@ def _index_files(
     return tuple(files), tuple(ext)
 
 
+def _int(v: Any, least: int) -> int:
+    if type(v) is not int or v < least:
+        raise ValueError(f"{v!r} is not an integer >= {least}")
+    return v
+
+
+def decode_extents(
+    raw: bytes | str, name: str = "page"
+) -> tuple[tuple[str, ...], tuple[tuple[int, int, int], ...]]:
+    """Turn a ``user.kvfs.extents`` value into ``(files, extents)`` as :class:`PageSource`
+    holds them: absolute paths, and ``(file index, offset, length)`` in page order.
+
+    Two forms (docs/mount.md): the explicit JSON list ``[[file, offset, length], ...]``, and
+    the striping rule ``{"v": 2, "files": [...], "unit": U, "header": H, "size": S}``, in
+    which chunk ``c`` is ``min(U, S - c*U)`` bytes at ``H + (c // n) * U`` of
+    ``files[c % n]`` (``n = len(files)``); runs of one file that touch are merged. Raises
+    CorruptPage for anything else (``name`` says which page in the message).
+    """
+    try:
+        v = json.loads(raw)
+        if isinstance(v, list):
+            if not all(isinstance(t, list) and len(t) == 3 for t in v):
+                raise ValueError("an entry is not [file, offset, length]")
+            return _index_files([(str(p), _int(o, 0), _int(n, 0)) for p, o, n in v])
+        if not isinstance(v, dict) or v.get("v") != 2:
+            raise ValueError("neither a list nor a version 2 object")
+        files = v["files"]
+        if not files or not all(isinstance(f, str) for f in files):
+            raise ValueError("files is not a list of paths")
+        unit, header, size = _int(v["unit"], 1), _int(v["header"], 0), _int(v["size"], 0)
+    except (ValueError, KeyError, TypeError) as e:  # JSONDecodeError is a ValueError
+        raise CorruptPage(f"{name}: malformed {XATTR_EXTENTS}: {e}") from None
+    n = len(files)
+    ext: list[tuple[int, int, int]] = []
+    for c in range(max(1, -(-size // unit))):
+        f, off, length = c % n, header + (c // n) * unit, min(unit, size - c * unit)
+        if ext and ext[-1][0] == f and ext[-1][1] + ext[-1][2] == off:
+            ext[-1] = (f, ext[-1][1], ext[-1][2] + length)
+        else:
+            ext.append((f, off, length))
+    return tuple(files), tuple(ext)
+
+
 def source_from_engine(engine: Any, key: PageKey | str) -> PageSource:
     """Lease a page of ``engine`` (a :class:`kvfs.Engine`) and describe its backing files.
 
@@ -175,12 +219,7 @@ def source_from_mount(path: str | os.PathLike[str]) -> PageSource:
                     f"{os.fspath(path)!r} has no kvfs extents attribute: not a page on a kvfs mount"
                 ) from e
             raise
-        triples = json.loads(raw)
-        if not isinstance(triples, list) or not all(
-            isinstance(t, list) and len(t) == 3 for t in triples
-        ):
-            raise CorruptPage(f"{os.fspath(path)!r}: malformed {XATTR_EXTENTS}")
-        files, extents = _index_files([(str(p), int(o), int(n)) for p, o, n in triples])
+        files, extents = decode_extents(raw, repr(os.fspath(path)))
     except BaseException:
         os.close(fd)
         raise

@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
-import json
 import logging
 import time
 from typing import Any
@@ -38,6 +37,7 @@ from ._fuse_ns import (
     validate_dir,
     validate_page,
 )
+from ._fuse_xattr import extents_xattr
 from ._keys import MAX_NAME_BYTES, SESSIONS_DIR
 from ._store import Store
 
@@ -416,8 +416,8 @@ class KvfsOperations(FileOps, pyfuse3.Operations):
         if info.checksum != node.page.hash.hex():
             raise fuse_error(errno.ESTALE)
         field = key.rsplit(".", 1)[1]
-        if field == "extents":
-            return json.dumps([[x.path, x.offset, x.length] for x in info.extents]).encode()
+        if field == "extents":  # work per stripe chunk: off the loop
+            return await self._thread(extents_xattr, info.extents, info.size, self.engine.tier.unit)
         if field == "pinned":
             return b"1" if info.pinned else b"0"
         return str(getattr(info, field)).encode()

@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 
 import kvfs
+from gds._source import decode_extents
 from kvfs._daemon import READY_FD_ENV
 
 MiB = 1 << 20
@@ -289,9 +290,10 @@ def test_xattrs_and_gds_path(mnt: Path) -> None:
         assert os.getxattr(p, "user.kvfs.session") == b"s"
         assert os.getxattr(p, "user.kvfs.tier") == b"local"
         back = bytearray()
-        for path, off, length in json.loads(os.getxattr(p, "user.kvfs.extents")):
-            assert os.path.isabs(path)
-            with open(path, "rb") as f:
+        files, runs = decode_extents(os.getxattr(p, "user.kvfs.extents"))
+        assert all(os.path.isabs(f) for f in files)
+        for fi, off, length in runs:
+            with open(files[fi], "rb") as f:
                 back += os.pread(f.fileno(), length, off)
     assert back == data
     with pytest.raises(OSError) as ei:
@@ -517,7 +519,8 @@ def test_corrupted_backing_byte_is_eio_never_data(mnt: Path) -> None:
     (mnt / "corrupt").mkdir()
     p = mnt / "corrupt/page.bin"
     write(p, data)
-    path, off, _length = json.loads(os.getxattr(p, "user.kvfs.extents"))[0]
+    files, runs = decode_extents(os.getxattr(p, "user.kvfs.extents"))
+    path, off = files[runs[0][0]], runs[0][1]
     with open(path, "r+b") as f:  # flip one byte inside the second 1 MiB leaf
         pos = off + MiB + 12345
         f.seek(pos)

@@ -12,12 +12,15 @@ import logging
 import os
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import pyfuse3
 import pytest
 
 import kvfs
+from gds._source import decode_extents
 from kvfs._fuse import XATTRS, KvfsOperations
+from kvfs._fuse_xattr import extents_xattr
 
 KiB = 1024
 MiB = 1024 * KiB
@@ -219,9 +222,11 @@ async def test_xattrs(ops: KvfsOperations) -> None:
     assert got["user.kvfs.tier"] == "local"
     assert got["user.kvfs.pinned"] == "0"
     assert got["user.kvfs.session"] == "s"
+    assert json.loads(got["user.kvfs.extents"])["v"] == 2  # the striping rule, not a list
+    files, runs = decode_extents(got["user.kvfs.extents"])
     back = b""
-    for path, off, length in json.loads(got["user.kvfs.extents"]):
-        with open(path, "rb") as f:
+    for fi, off, length in runs:
+        with open(files[fi], "rb") as f:
             f.seek(off)
             back += f.read(length)
     assert back == data
@@ -231,6 +236,63 @@ async def test_xattrs(ops: KvfsOperations) -> None:
     assert await fuse_errno(ops.getxattr(d, b"user.kvfs.size", CTX)) == pyfuse3.ENOATTR
     assert await fuse_errno(ops.setxattr(ino, b"user.kvfs.pinned", b"0", CTX)) == errno.EPERM
     assert await fuse_errno(ops.setxattr(ino, b"user.x", b"0", CTX)) == errno.ENOTSUP
+
+
+def _runs(info: kvfs.PageInfo) -> list[tuple[str, int, int]]:
+    return [(e.path, e.offset, e.length) for e in info.extents]
+
+
+def _decoded(raw: bytes) -> list[tuple[str, int, int]]:
+    files, runs = decode_extents(raw)
+    return [(files[f], off, n) for f, off, n in runs]
+
+
+@pytest.mark.parametrize(("ndev", "unit"), [(1, 4 * KiB), (2, 4 * KiB), (3, 64 * KiB)])
+def test_extents_xattr_round_trip(
+    make_config: Callable[..., kvfs.StoreConfig], tmp_path: Path, ndev: int, unit: int
+) -> None:
+    """Every way a blob comes to be (put, the mount's streaming writer, a restore from the
+    archive) is laid out by the striping rule: its xattr is the rule's few parameters, and
+    decoding it gives back exactly the extents the index holds."""
+    cfg = make_config(ndev=ndev, stripe_unit=unit, archive_url=f"file://{tmp_path / 'arch'}")
+    sizes = [0, 3, unit - 1, unit, unit + 1, ndev * unit, ndev * unit + 5, 1000 * unit + 7]
+    with kvfs.open_store_sync(cfg) as store:
+        for i, n in enumerate(sizes):
+            store.put(f"sessions/put/p/layer-{i:03d}", os.urandom(n))
+            w = store.begin_write(f"stream/p{i}")
+            data = os.urandom(n)
+            for off in range(0, n, 3 * unit + 1000):  # writes across stripe boundaries
+                w.write(off, data[off : off + 3 * unit + 1000])
+            w.commit()
+        store.spill("put")
+        store.evict(session="put")
+        for i in range(len(sizes)):
+            store.get(
+                f"sessions/put/p/layer-{i:03d}"
+            )  # restored from the archive into new local files
+        keys = [f"sessions/put/p/layer-{i:03d}" for i in range(len(sizes))]
+        for key in keys + [f"stream/p{i}" for i in range(len(sizes))]:
+            info = store.stat(key)
+            assert info.tier.startswith("local")
+            raw = extents_xattr(info.extents, info.size, unit)
+            assert json.loads(raw)["v"] == 2, key
+            assert len(raw) < 200 + ndev * len(info.extents[0].path), key  # not per chunk
+            assert _decoded(raw) == _runs(info), key
+
+
+def test_extents_xattr_outside_the_rule() -> None:
+    """Extents laid out some other way are given as the explicit list while it fits; past
+    64 KiB the attribute is E2BIG (what Linux says for a value too large to return)."""
+    odd = [kvfs.Extent(0, "/d0/a", 4096, 8192), kvfs.Extent(1, "/d1/a", 12288, 100)]
+    raw = extents_xattr(odd, 8292, 4096)  # the second file's chunk is not after its header
+    assert json.loads(raw) == [["/d0/a", 4096, 8192], ["/d1/a", 12288, 100]]
+    assert _decoded(raw) == [(e.path, e.offset, e.length) for e in odd]
+    many = [kvfs.Extent(0, f"/d0/{'x' * 100}{i}", 4096, 4096) for i in range(1000)]
+    many[-1] = kvfs.Extent(0, many[-1].path, 8192, 4096)  # one chunk out of place
+    with pytest.raises(pyfuse3.FUSEError) as ei:
+        extents_xattr(many, 4096 * 1000, 4096)
+    assert ei.value.errno == errno.E2BIG
+    assert extents_xattr([], 10, 4096) == b"[]"  # not held locally
 
 
 async def test_session_metadata_file(ops: KvfsOperations) -> None:

@@ -3,6 +3,7 @@ data straight from the backing files, the open mount file keeping them in place.
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 from collections.abc import Callable
@@ -10,11 +11,13 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
+import pytest
 from _kvfs_mount import ServedMount
 from test_gds import KiB, MiB, aligned, rand
 
 import gds
 import kvfs
+from gds._source import decode_extents
 
 
 def write(path: Path, data: np.ndarray) -> None:
@@ -49,6 +52,64 @@ def test_read_by_path_on_a_mount(
             raise AssertionError("a directory was read as a page")
 
 
+def test_many_chunk_page_by_path(
+    make_config: Callable[..., kvfs.StoreConfig], tmp_path: Path
+) -> None:
+    """A page of thousands of stripe chunks (a 4 KiB unit): its extents attribute stays a
+    few hundred bytes (the explicit list would be ~400 KiB, over Linux's 64 KiB limit), and
+    the by-path fast path reads the page from it."""
+    mp = tmp_path / "mnt"
+    mp.mkdir()
+    with ServedMount(make_config(ndev=3, stripe_unit=4 * KiB), mp), gds.FastPath() as fp:
+        pages = {
+            mp / "sessions/s/p/layer-000": rand(16 * MiB + 5, seed=1),  # 4,097 chunks
+            mp / "sessions/s/p/layer-001": rand(2 * 4096 + 1, seed=2),  # 3 chunks, 3 devices
+            mp / "sessions/s/p/layer-002": rand(100, seed=3),  # 1 chunk
+        }
+        for p, d in pages.items():
+            write(p, d)
+        raw = os.getxattr(mp / "sessions/s/p/layer-000", "user.kvfs.extents")
+        assert len(raw) < 1024
+        v = json.loads(raw)
+        assert (v["v"], v["unit"], v["size"], len(v["files"])) == (2, 4096, 16 * MiB + 5, 3)
+        files, runs = decode_extents(raw)
+        assert len(runs) == 4097 and sum(n for _f, _o, n in runs) == 16 * MiB + 5
+        for p, d in pages.items():
+            dest = aligned(d.nbytes)
+            assert fp.read_path(p, dest, backend="host").result() == d.nbytes
+            assert np.array_equal(dest, d)
+
+
+def test_decode_extents_rule() -> None:
+    """The striping rule: chunk c is min(U, S - c*U) bytes at H + (c // n) * U of
+    files[c % n]; runs of one file that touch merge; the explicit list is taken as it is."""
+    v = {"v": 2, "files": ["/a", "/b", "/c"], "unit": 4096, "header": 4096, "size": 4 * 4096 + 10}
+    assert decode_extents(json.dumps(v)) == (
+        ("/a", "/b", "/c"),
+        ((0, 4096, 4096), (1, 4096, 4096), (2, 4096, 4096), (0, 8192, 4096), (1, 8192, 10)),
+    )
+    one = {"v": 2, "files": ["/a"], "unit": 4096, "header": 4096, "size": 3 * 4096 + 1}
+    assert decode_extents(json.dumps(one)) == (("/a",), ((0, 4096, 3 * 4096 + 1),))
+    empty = {"v": 2, "files": ["/a"], "unit": 4096, "header": 4096, "size": 0}
+    assert decode_extents(json.dumps(empty)) == (("/a",), ((0, 4096, 0),))
+    explicit = [["/a", 4096, 10], ["/b", 8192, 5], ["/a", 12288, 1]]
+    assert decode_extents(json.dumps(explicit)) == (
+        ("/a", "/b"),
+        ((0, 4096, 10), (1, 8192, 5), (0, 12288, 1)),
+    )
+    for bad in (
+        b"not json",
+        b"{}",
+        json.dumps({**v, "v": 3}),
+        json.dumps({**v, "unit": 0}),
+        json.dumps({**v, "files": []}),
+        json.dumps({**v, "size": "10"}),
+        json.dumps([["/a", 4096]]),
+    ):
+        with pytest.raises(kvfs.CorruptPage):
+            decode_extents(bad)
+
+
 def test_unlink_on_the_mount_during_a_read(
     make_config: Callable[..., kvfs.StoreConfig], tmp_path: Path
 ) -> None:
@@ -64,9 +125,7 @@ def test_unlink_on_the_mount_during_a_read(
         p = mp / "sessions/s/p/layer-000"
         data = rand(2 * MiB + 100)
         write(p, data)
-        import json
-
-        files = {e[0] for e in json.loads(os.getxattr(p, "user.kvfs.extents"))}
+        files = set(decode_extents(os.getxattr(p, "user.kvfs.extents"))[0])
         dest = aligned(data.nbytes)
         fut = fp.read_path(p, dest)
         os.unlink(p)

@@ -148,7 +148,7 @@ def _read_files(paths: list[Path]) -> int:
     return n
 
 
-def _read_extents(extents: list[list[list[Any]]]) -> int:
+def _read_extents(extents: list[list[tuple[str, int, int]]]) -> int:
     """Read pages from their backing files (buffered, 1 MiB preads): the no-FUSE baseline."""
     buf = bytearray(IO)
     view = memoryview(buf)
@@ -166,6 +166,13 @@ def _read_extents(extents: list[list[list[Any]]]) -> int:
             finally:
                 os.close(fd)
     return n
+
+
+def _extents(page: Path) -> list[tuple[str, int, int]]:
+    from gds._source import decode_extents
+
+    files, runs = decode_extents(os.getxattr(page, "user.kvfs.extents"))
+    return [(files[f], off, n) for f, off, n in runs]
 
 
 def _split(items: list[Any], clients: int) -> list[list[Any]]:
@@ -206,7 +213,7 @@ def run_fuse_bench(
                 r["write_mount"] = _parallel(
                     [partial(_write_files, ps, size, src, False) for ps in _split(mine, c)]
                 )
-                extents = [json.loads(os.getxattr(p, "user.kvfs.extents")) for p in mine]
+                extents = [_extents(p) for p in mine]
                 backing = sorted({e[0] for page in extents for e in page})
                 all_files = [str(p) for p in theirs] + backing
                 for label, fn, group in (
