@@ -34,15 +34,15 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import trio
 
-from ._aligned import aligned_buffer
 from ._checksum import leaves_of, tree_hash
-from ._codec import decode, elem_size, encode
+from ._codec import CodecChoice, decode, elem_size, encode
 from ._errors import ArchiveUnavailable, CorruptPage, PageNotFound
 from ._events import log_event
 from ._index import BlobRow, PageRow
 from ._manifest import ArchiveIndex, blob_key
 from ._policy import TieringPolicy
 from ._spill import Spiller
+from ._uploader import BlobJob, Uploaded, UploadPool, scratch_buffer
 
 if TYPE_CHECKING:
     from ._engine import Engine
@@ -71,8 +71,12 @@ class ArchiveConfig:
     interval: float = 1.0
     #: objects uploaded/downloaded at once
     concurrency: int = 8
-    #: pages compressed at once (0: half the CPUs), leaving CPU to foreground reads
+    #: pages compressed at once (0: half the CPUs), leaving CPU to foreground reads; used
+    #: when ``upload_processes`` is 0
     cpu_slots: int = 0
+    #: worker processes that read, compress and upload spilled pages (0: threads of this
+    #: process); out of the daemon's process, boto3 does not hold the GIL foreground reads need
+    upload_processes: int = 2
     #: seconds a deleted blob waits before its archive object is removed (other hosts' spills
     #: that are just adding a reference finish first)
     gc_grace: float = 0.0
@@ -90,25 +94,11 @@ class ArchiveConfig:
         if unknown:
             raise ValueError(f"unknown archive setting(s): {', '.join(sorted(unknown))}")
         cfg = cls(**raw)
+        if cfg.upload_processes < 0:
+            raise ValueError("archive upload_processes must be >= 0")
         if not 0 < cfg.low_watermark <= cfg.high_watermark <= 1:
             raise ValueError("archive watermarks need 0 < low_watermark <= high_watermark <= 1")
         return cfg
-
-
-_scratch = threading.local()
-_SCRATCH_MAX = 16 << 20
-
-
-def _scratch_buffer(size: int) -> memoryview:
-    """A page-aligned buffer of ``size`` bytes that the calling thread reuses for its next
-    call (a fresh anonymous mapping costs a page fault per 4 KiB: ~1.5 ms per 2 MiB here).
-    Only for data consumed before the thread's next call; sizes over 16 MiB get a new one."""
-    if size > _SCRATCH_MAX:
-        return aligned_buffer(size)
-    buf = getattr(_scratch, "buf", None)
-    if buf is None or len(buf) < size:
-        buf = _scratch.buf = aligned_buffer(max(size, 1 << 20))
-    return buf[:size]
 
 
 def _low_priority() -> None:
@@ -142,8 +132,17 @@ class ArchivingPolicy(TieringPolicy):
             thread_name_prefix="kvfs-compress",
             initializer=_low_priority,
         )
-        self._choice: dict[int, str] = {}
-        self._choice_uses: collections.Counter[int] = collections.Counter()
+        self._choice = CodecChoice()
+        self.uploads: UploadPool | None = None
+        if self.cfg.upload_processes > 0:
+            self.uploads = UploadPool(
+                self.url,
+                dict(self.cfg.store_options or {}),
+                processes=self.cfg.upload_processes,
+                concurrency=self.cfg.concurrency,
+                level=self.cfg.zstd_level,
+                codec=self.cfg.codec,
+            )
         self.spiller = Spiller(self)
 
     # -- bridging sync callers to the async object store ----------------------------------
@@ -173,7 +172,7 @@ class ArchivingPolicy(TieringPolicy):
             b = eng.index.blob(h)
             if b is None or b.extents is None:
                 return None
-            buf = _scratch_buffer(b.size)
+            buf = scratch_buffer(b.size)
             for p in eng.tier.pieces(b.extents, 0, b.size):
                 eng.tier.read_piece(p, buf)
             if tree_hash(b.size, leaves_of(buf)) != h:
@@ -196,18 +195,79 @@ class ArchivingPolicy(TieringPolicy):
         if data is None:
             return None
         elem = elem_size(self._dtype_of(h)) or 2
-        codec = self.cfg.codec
-        if codec == "auto":
-            with self._lock:
-                n = self._choice_uses[elem] = self._choice_uses[elem] + 1
-                chosen = self._choice.get(elem)
-            if chosen is not None and n % 64:
-                codec = chosen  # re-decided on a sample every 64 blobs per element size
+        codec = self._choice.pick(self.cfg.codec, elem)
         obj, used = encode(data, level=self.cfg.zstd_level, codec=codec, elem=elem)
-        if self.cfg.codec == "auto" and codec == "auto":
-            with self._lock:
-                self._choice[elem] = used
+        self._choice.learn(codec, elem, used)
         return obj, used
+
+    async def upload_many(
+        self, hashes: list[bytes], *, mark: bool = True, fresh: set[bytes] | None = None
+    ) -> int:
+        """:meth:`upload_blob` for several blobs, ``concurrency`` at once: in the upload
+        worker processes when there are any (kvfs/_uploader.py), else in this process.
+        Returns bytes uploaded. Raises ArchiveUnavailable, CorruptPage (the first error)."""
+        if self.uploads is None:
+            total = 0
+            limit = trio.CapacityLimiter(self.cfg.concurrency)
+
+            async def one(h: bytes) -> None:
+                nonlocal total
+                async with limit:
+                    total += await self.upload_blob(h, mark=mark, fresh=fresh)
+
+            from objectstore._abc import one_error_nursery
+
+            async with one_error_nursery() as n:
+                for h in hashes:
+                    n.start_soon(one, h)
+            return total
+        jobs = await trio.to_thread.run_sync(self._jobs, hashes)
+        done = await self.uploads.upload(jobs, self._release)
+        if mark:
+            await trio.to_thread.run_sync(self.aindex.mark_archived, [u.h for u in done])
+        return self._account_uploads(done, fresh)
+
+    def _jobs(self, hashes: list[bytes]) -> list[BlobJob]:
+        """Worker jobs for the blobs still local, each holding a lease (released by
+        :meth:`_release` when its worker is done): the files stay in place meanwhile."""
+        eng = self.engine
+        jobs: list[BlobJob] = []
+        try:
+            for h in hashes:
+                with eng._cap_lock:
+                    eng._leases[h] += 1
+                b = eng.index.blob(h)
+                if b is None or b.extents is None:  # deleted, or dropped: archived already
+                    eng._unlease(h)
+                    continue
+                reads = tuple(
+                    (eng.tier.abspath(p.dev, p.file), p.file_off, p.dest_off, p.n)
+                    for p in eng.tier.pieces(b.extents, 0, b.size)
+                )
+                jobs.append(BlobJob(h, b.size, elem_size(self._dtype_of(h)) or 2, reads))
+        except BaseException:
+            self._release(jobs)
+            raise
+        return jobs
+
+    def _release(self, jobs: list[BlobJob]) -> None:
+        for j in jobs:
+            self.engine._unlease(j.h)
+
+    def _account_uploads(self, done: list[Uploaded], fresh: set[bytes] | None) -> int:
+        total = 0
+        for u in done:
+            if u.codec is not None:
+                with self._lock:
+                    self.codecs[u.h] = u.codec
+            if not u.stored:
+                self.count("dedup_skipped")
+                continue
+            if fresh is not None:
+                fresh.add(u.h)
+            self.count("bytes_spilled", u.nbytes)
+            total += u.nbytes
+        return total
 
     async def upload_blob(
         self, h: bytes, *, mark: bool = True, fresh: set[bytes] | None = None
@@ -215,6 +275,8 @@ class ArchivingPolicy(TieringPolicy):
         """Make sure ``blobs/<h>`` exists; with ``mark``, mark the blob archived in the index.
         Returns bytes uploaded (0 when some session or host had already stored it); adds ``h``
         to ``fresh`` when this call stored it. Raises ArchiveUnavailable, CorruptPage."""
+        if self.uploads is not None:
+            return await self.upload_many([h], mark=mark, fresh=fresh)
         key = blob_key(h)
         # Read + compress while the HEAD is in flight (their latencies overlap); when the
         # object exists the result is discarded: nothing is uploaded twice, only CPU is spent.
@@ -256,10 +318,17 @@ class ArchivingPolicy(TieringPolicy):
         row = eng.index.drop_local(h)
         if row is None:
             return 0
+        return self.forget_local(row, reason)
+
+    def forget_local(self, row: BlobRow, reason: str) -> int:
+        """After the index dropped ``row``'s local copy: remove its files, count and log."""
+        eng = self.engine
         eng._drop_files(row)
         with eng._cap_lock:
             eng._evictions[reason] += 1
-        log_event("evict", content=h.hex()[:16], reason=reason, bytes=row.disk_bytes, archived=True)
+        log_event(
+            "evict", content=row.hash.hex()[:16], reason=reason, bytes=row.disk_bytes, archived=True
+        )
         return row.disk_bytes
 
     # -- TieringPolicy overrides ------------------------------------------------------------
@@ -341,7 +410,7 @@ class ArchivingPolicy(TieringPolicy):
             raise CorruptPage(f"{what} is missing from {self.store.url}") from None
         assert isinstance(obj, bytes)
         try:
-            data = decode(obj, what, into=_scratch_buffer)  # written below, then reused
+            data = decode(obj, what, into=scratch_buffer)  # written below, then reused
             if len(data) != blob.size or tree_hash(len(data), leaves_of(data)) != blob.hash:
                 raise CorruptPage(f"{what} does not match its checksum; not served")
         except CorruptPage:
@@ -405,6 +474,8 @@ class ArchivingPolicy(TieringPolicy):
     async def background(self) -> None:
         """The background spiller; run it in the nursery of ``open_store``."""
         self._token = trio.lowlevel.current_trio_token()
+        if self.uploads is not None:
+            self.uploads.warm()  # a daemon will spill: start the workers before it must
         try:
             await self.spiller.run()
         finally:

@@ -21,7 +21,7 @@ import zstandard
 
 from ._errors import CorruptPage
 
-__all__ = ["CODECS", "decode", "elem_size", "encode"]
+__all__ = ["CODECS", "CodecChoice", "decode", "elem_size", "encode"]
 
 MAGIC = b"KVA1"
 _HDR = struct.Struct("<4sBBxxQ")
@@ -123,6 +123,33 @@ def encode(
         raise ValueError(f"unknown codec {codec!r}; use one of auto, {', '.join(CODECS)}")
     hdr = _HDR.pack(MAGIC, CODECS[codec], e if codec == "zstd+shuffle" else 0, len(mv))
     return hdr + bytes(payload), codec
+
+
+class CodecChoice:
+    """``auto``'s choice per value size, remembered: ``auto`` compresses a 1 MiB sample two
+    ways, which costs as much as compressing the page, so the choice is re-made on a sample
+    only every ``every`` pages of one value size. Thread-safe."""
+
+    def __init__(self, every: int = 64) -> None:
+        self.every = every
+        self._lock = threading.Lock()
+        self._chosen: dict[int, str] = {}
+        self._uses: dict[int, int] = {}
+
+    def pick(self, codec: str, elem: int) -> str:
+        """The codec to pass to :func:`encode` for a page of ``elem``-byte values."""
+        if codec != "auto":
+            return codec
+        with self._lock:
+            n = self._uses[elem] = self._uses.get(elem, 0) + 1
+            chosen = self._chosen.get(elem)
+        return chosen if chosen is not None and n % self.every else "auto"
+
+    def learn(self, picked: str, elem: int, used: str) -> None:
+        """Record what :func:`encode` chose when it was asked for ``auto``."""
+        if picked == "auto":
+            with self._lock:
+                self._chosen[elem] = used
 
 
 def decode(

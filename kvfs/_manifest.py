@@ -98,6 +98,21 @@ class ArchiveIndex:
         with self.index.transaction() as db:
             db.executemany("UPDATE blobs SET archived=1 WHERE hash=?", [(h,) for h in hashes])
 
+    def drop_local_many(self, hashes: list[bytes]) -> list[BlobRow]:
+        """Forget the local copies of archived blobs, in one transaction (the same update as
+        ``Index.drop_local``). Returns the rows as they were, for those that were local."""
+        out: list[BlobRow] = []
+        if not hashes:
+            return out
+        with self.index.transaction() as db:
+            for h in hashes:
+                r = db.execute(f"SELECT {_BLOB_COLS} FROM blobs WHERE hash=?", (h,)).fetchone()
+                if r is None or r[4] is None:
+                    continue
+                db.execute("UPDATE blobs SET extents=NULL, disk_bytes=0 WHERE hash=?", (h,))
+                out.append(_blob(r))
+        return out
+
     def adopt_local(self, h: bytes, extents: tuple, disk_bytes: int) -> BlobRow | None:
         """Record restored files as the local copy of an archive-only blob; None when the
         blob is gone or already local again (the caller removes its files)."""

@@ -184,6 +184,19 @@ class S3Store(ObjectStore):
             raise ArchiveUnavailable(f"cannot use {where}: {e}") from e
         return self
 
+    def at_prefix(self, prefix: str) -> S3Store:
+        """The same bucket and client (connections, credentials) under another prefix; the
+        bucket was checked when this store opened."""
+        return type(self)(
+            self._client,
+            self.bucket,
+            prefix,
+            endpoint=self.endpoint,
+            backoff=self.backoff,
+            multipart_threshold=self.multipart_threshold,
+            part_size=self.part_size,
+        )
+
     def _permanent(self, e: bce.ClientError, what: str) -> ArchiveUnavailable:
         code, status = _code(e), _status(e)
         if code in ("NoSuchBucket",) or (status == 404 and "bucket" in what.lower()):

@@ -71,6 +71,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=0,
         help="pages compressed at once (default 0: half the CPUs)",
     )
+    p.add_argument(
+        "--upload-processes",
+        type=int,
+        default=2,
+        help="spill worker processes (default 2; 0: threads in the store's process)",
+    )
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=_main)
 
@@ -227,6 +233,7 @@ def run_archive_bench(
                         "concurrency": args.concurrency,
                         "zstd_level": args.level,
                         "cpu_slots": args.cpu_slots,
+                        "upload_processes": args.upload_processes,
                     }
                 },
             )

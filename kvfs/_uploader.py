@@ -1,0 +1,511 @@
+"""Spill uploads in worker processes: read, verify, compress and upload local blobs outside
+the daemon, so the daemon's GIL and CPU stay with foreground reads and writes.
+
+Why a process: boto3's request path is pure Python. Eight upload threads in the daemon hold
+its GIL for milliseconds at a time and a foreground ``get`` waits for it (p99 of a 256 KiB
+read went from ~0.5 ms idle to 8-12 ms during a spill). A worker has its own interpreter and
+runs at the lowest CPU priority (nice 19), so the daemon's threads are only ever delayed by
+the few index and trio steps a spill still takes there.
+
+What stays in the daemon: the index, the leases and every decision. A job names each blob's
+data files (absolute paths and offsets, kept in place by a lease the daemon holds until the
+job has finished, even when the waiting spill is cancelled), its checksum, value size and
+codec. The worker reads the files itself, checks the BLAKE3 tree hash (a corrupt local copy
+is never uploaded: ``CorruptPage``), HEADs the object while it compresses, and makes a
+conditional put; it answers per blob whether it stored the object or found it there. The
+daemon marks blobs archived only from those answers, so local copies are still dropped only
+after a confirmed upload. A worker that dies (killed, out of memory) fails its jobs with
+``WorkerDied``: the daemon starts a fresh worker and tries the job once more, then
+raises ``ArchiveUnavailable``; nothing was marked, nothing is dropped, and objects the dead
+worker managed to store are found by the next spill's HEAD.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import pickle
+import queue
+import subprocess
+import sys
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+import trio
+
+from ._aligned import ALIGN, aligned_buffer, open_direct, round_up
+from ._checksum import leaves_of, tree_hash
+from ._codec import CodecChoice, encode
+from ._errors import ArchiveUnavailable, CorruptPage
+
+__all__ = ["BlobJob", "UploadPool", "Uploaded", "scratch_buffer", "shutdown_workers"]
+
+_scratch = threading.local()
+_SCRATCH_MAX = 16 << 20
+
+
+def scratch_buffer(size: int) -> memoryview:
+    """A page-aligned buffer of ``size`` bytes that the calling thread reuses for its next
+    call (a fresh anonymous mapping costs a page fault per 4 KiB: ~1.5 ms per 2 MiB here).
+    Only for data consumed before the thread's next call; sizes over 16 MiB get a new one."""
+    if size > _SCRATCH_MAX:
+        return aligned_buffer(size)
+    buf = getattr(_scratch, "buf", None)
+    if buf is None or len(buf) < size:
+        buf = _scratch.buf = aligned_buffer(max(size, 1 << 20))
+    return buf[:size]
+
+
+@dataclass(frozen=True)
+class BlobJob:
+    """One local blob to upload: its checksum, size, value size for the shuffle filter, and
+    its data as ``(absolute path, file offset, page offset, length)`` reads in page order."""
+
+    h: bytes
+    size: int
+    elem: int
+    reads: tuple[tuple[str, int, int, int], ...]
+
+
+@dataclass(frozen=True)
+class Uploaded:
+    """A worker's answer for one blob: ``stored`` when this upload created the object
+    (``nbytes`` of object), else it was there already (another session, host or try)."""
+
+    h: bytes
+    stored: bool
+    nbytes: int
+    codec: str | None
+
+
+# -- the worker process -------------------------------------------------------------------
+_stores: dict[tuple, Any] = {}
+_choice = CodecChoice()
+
+
+def _worker_init() -> None:
+    # Linux nice is per thread and inherited by threads created later: set before any.
+    with contextlib.suppress(AttributeError, OSError):
+        os.setpriority(os.PRIO_PROCESS, 0, 19)
+
+
+def _open_store(url: str, options: dict[str, Any]) -> Any:
+    """The worker's store for ``url``, opened once; S3 stores of one bucket share a client
+    (creating one costs ~0.1 s of CPU), whatever their prefix."""
+    from objectstore import open_objectstore, parse_url
+    from objectstore._s3 import S3Store
+
+    k = (url, tuple(sorted(options.items())))
+    st = _stores.get(k)
+    if st is not None:
+        return st
+    scheme, where, q = parse_url(url)
+    prefix = q.pop("prefix", "")
+    base = (scheme, where, tuple(sorted(q.items())), k[1])
+    other = _stores.get(base)
+    if isinstance(other, S3Store):
+        st = other.at_prefix(prefix)
+    else:
+        st = trio.run(lambda: open_objectstore(url, **options))
+        if isinstance(st, S3Store):
+            _stores[base] = st
+    _stores[k] = st
+    return st
+
+
+def _warm(url: str, options: dict[str, Any]) -> int:
+    _open_store(url, options)
+    return os.getpid()
+
+
+def read_verified(job: BlobJob, buf: memoryview) -> memoryview:
+    """Read a blob's data files into ``buf`` (aligned, at least ``round_up(size)`` bytes)
+    and check its tree hash. Raises CorruptPage (short file or wrong checksum)."""
+    fds: dict[tuple[str, bool], int] = {}
+    try:
+        for path, file_off, dest_off, n in job.reads:
+            span = round_up(n)
+            direct = file_off % ALIGN == 0 and dest_off % ALIGN == 0 and dest_off + span <= len(buf)
+            if (path, direct) not in fds:
+                fds[(path, direct)] = open_direct(path, os.O_RDONLY, direct=direct)[0]
+            fd = fds[(path, direct)]
+            target = buf[dest_off : dest_off + (span if direct else n)]
+            done = 0
+            while done < n:
+                got = os.preadv(fd, [target[done:]], file_off + done)
+                if got == 0:
+                    raise CorruptPage(f"{path} is shorter than its extents; not uploaded")
+                done += got
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    data = buf[: job.size]
+    if tree_hash(job.size, leaves_of(data)) != job.h:
+        raise CorruptPage(
+            f"local copy of {job.h.hex()[:16]} does not match its checksum; not uploaded"
+        )
+    return data
+
+
+def _read_encode(job: BlobJob, level: int, codec: str) -> tuple[bytes, str]:
+    data = read_verified(job, scratch_buffer(round_up(job.size)))
+    use = _choice.pick(codec, job.elem)
+    obj, used = encode(data, level=level, codec=use, elem=job.elem)
+    _choice.learn(use, job.elem, used)
+    return obj, used
+
+
+def upload_batch(
+    url: str,
+    options: dict[str, Any],
+    jobs: list[BlobJob],
+    level: int,
+    codec: str,
+    concurrency: int,
+) -> list[Uploaded]:
+    """Worker entry point: make sure ``blobs/<h>`` exists for every job. Raises
+    ArchiveUnavailable, CorruptPage (the first error; the batch stops there)."""
+    from objectstore._abc import one_error_nursery
+
+    from ._manifest import blob_key
+
+    store = _open_store(url, options)
+    out: list[Uploaded] = []
+
+    async def one(job: BlobJob, limit: trio.CapacityLimiter) -> None:
+        key = blob_key(job.h)
+        got: list[tuple[bytes, str]] = []
+        async with limit:
+            # Compress while the HEAD is in flight; when the object exists the work is dropped.
+            async with trio.open_nursery() as n:
+
+                async def enc() -> None:
+                    got.append(await trio.to_thread.run_sync(_read_encode, job, level, codec))
+
+                n.start_soon(enc)
+                if await store.exists(key):
+                    n.cancel_scope.cancel()
+                    out.append(Uploaded(job.h, False, 0, None))
+                    return
+            obj, used = got[0]
+            stored = await store.put(key, obj, if_absent=True)
+            out.append(Uploaded(job.h, stored, len(obj) if stored else 0, used))
+
+    async def run() -> None:
+        limit = trio.CapacityLimiter(max(1, concurrency))
+        async with one_error_nursery() as n:
+            for job in jobs:
+                n.start_soon(one, job, limit)
+
+    trio.run(run)
+    return out
+
+
+def _serve(rfd: int, wfd: int) -> None:
+    """A worker's loop: run ``(fn, args)`` jobs from the daemon until it closes the pipe."""
+    _worker_init()
+    jobs, answers = Connection(rfd, writable=False), Connection(wfd, readable=False)
+    while True:
+        try:
+            fn, args = jobs.recv()
+        except (EOFError, OSError):
+            return
+        try:
+            answer: tuple[bool, Any] = (True, fn(*args))
+        except Exception as e:
+            answer = (False, e)
+        try:
+            blob = pickle.dumps(answer)
+        except Exception as e:  # an error that does not pickle: its text does
+            blob = pickle.dumps((False, ArchiveUnavailable(f"{answer[1]!r} ({e})")))
+        try:
+            answers.send_bytes(blob)
+        except OSError:
+            return
+
+
+def _ping() -> int:
+    return os.getpid()
+
+
+# -- the daemon side ----------------------------------------------------------------------
+class WorkerDied(Exception):
+    """The worker process running a job ended before it answered."""
+
+
+class _Slot:
+    """One worker process, started on demand, and the daemon thread that feeds it."""
+
+    def __init__(self) -> None:
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.jobs: Connection | None = None
+        self.answers: Connection | None = None
+
+    def start(self) -> None:
+        # A fresh interpreter through subprocess, not multiprocessing: multiprocessing's
+        # spawn re-runs the caller's main script in the child (a script without a
+        # ``__main__`` guard would start workers recursively), and fork would copy the
+        # daemon's threads mid-flight.
+        rj, wj = os.pipe()
+        ra, wa = os.pipe()
+        env = dict(os.environ)
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+        try:
+            self.proc = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-c",
+                    f"from kvfs._uploader import _serve; _serve({rj}, {wa})",
+                ],
+                pass_fds=(rj, wa),
+                stdin=subprocess.DEVNULL,
+                env=env,
+            )
+        except BaseException:
+            for fd in (wj, ra):
+                os.close(fd)
+            raise
+        finally:
+            os.close(rj)
+            os.close(wa)
+        self.jobs = Connection(wj, readable=False)
+        self.answers = Connection(ra, writable=False)
+
+    def stop(self, kill: bool = False) -> None:
+        for c in (self.jobs, self.answers):
+            if c is not None:
+                with contextlib.suppress(OSError):
+                    c.close()
+        self.jobs = self.answers = None
+        if self.proc is not None:
+            if kill:
+                with contextlib.suppress(OSError):
+                    self.proc.kill()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+            self.proc = None
+
+    def run(self, fn: Callable[..., Any], args: tuple) -> Any:
+        if self.proc is None or self.proc.poll() is not None:
+            self.stop()
+            self.start()
+        assert self.jobs is not None and self.answers is not None
+        try:
+            self.jobs.send((fn, args))
+            ok, value = pickle.loads(self.answers.recv_bytes())
+        except (EOFError, OSError) as e:
+            code = self.proc.poll() if self.proc is not None else None
+            self.stop(kill=True)
+            raise WorkerDied(f"upload worker ended (exit status {code})") from e
+        if not ok:
+            raise value
+        return value
+
+
+class _Workers:
+    """``n`` worker processes fed from one queue (one job per worker at a time)."""
+
+    def __init__(self, n: int) -> None:
+        self.slots = [_Slot() for _ in range(n)]
+        self._queue: queue.SimpleQueue[tuple[Future[Any], Callable[..., Any], tuple] | None]
+        self._queue = queue.SimpleQueue()
+        self._threads = [
+            threading.Thread(target=self._feed, args=(slot,), name=f"kvfs-upload-{i}", daemon=True)
+            for i, slot in enumerate(self.slots)
+        ]
+        for t in self._threads:
+            t.start()
+
+    def _feed(self, slot: _Slot) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                slot.stop()
+                return
+            fut, fn, args = item
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(slot.run(fn, args))
+            except BaseException as e:
+                fut.set_exception(e)
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future[Any]:
+        fut: Future[Any] = Future()
+        self._queue.put((fut, fn, args))
+        return fut
+
+    def pids(self) -> list[int]:
+        return sorted(s.proc.pid for s in self.slots if s.proc is not None)
+
+    def shutdown(self) -> None:
+        """Let the jobs queued so far finish, then stop the workers."""
+        for _ in self.slots:
+            self._queue.put(None)
+        for t in self._threads:
+            t.join(timeout=60)
+        for slot in self.slots:
+            if slot.proc is not None and slot.proc.poll() is None:
+                slot.proc.kill()
+
+
+_workers_lock = threading.Lock()
+_workers: dict[int, _Workers] = {}
+
+
+def _shared_workers(processes: int) -> _Workers:
+    # One set per process count for the whole process: a store reopened in the same
+    # process (tests, benchmarks, a restarted store) finds its workers started.
+    with _workers_lock:
+        w = _workers.get(processes)
+        if w is None:
+            w = _workers[processes] = _Workers(processes)
+        return w
+
+
+@atexit.register
+def shutdown_workers() -> None:
+    """Stop every upload worker of this process (they start again on next use)."""
+    with _workers_lock:
+        ws = list(_workers.values())
+        _workers.clear()
+    for w in ws:
+        w.shutdown()
+
+
+async def _wait(fut: Future[Any]) -> Any:
+    """Wait for a concurrent future without tying up a thread; the job itself goes on if
+    the waiting task is cancelled."""
+    token = trio.lowlevel.current_trio_token()
+    done = trio.Event()
+
+    def wake(_: Future[Any]) -> None:
+        with contextlib.suppress(trio.RunFinishedError):
+            token.run_sync_soon(done.set)
+
+    fut.add_done_callback(wake)
+    await done.wait()
+    return fut.result()
+
+
+class _Hold:
+    """The files of one batch, held (leased by the caller) until the last job that reads
+    them has ended: released once, by the waiting task or, when that task was cancelled
+    while a worker still reads, by the job's completion."""
+
+    def __init__(self, batch: list[BlobJob], release: Callable[[list[BlobJob]], None]) -> None:
+        self.batch = batch
+        self._release = release
+        self._lock = threading.Lock()
+        self._abandoned: Future[Any] | None = None
+        self._done = False
+
+    def _release_once(self) -> None:
+        with self._lock:
+            if self._done:
+                return
+            self._done = True
+        self._release(self.batch)
+
+    def job_done(self, fut: Future[Any]) -> None:
+        with self._lock:
+            mine = self._abandoned is fut
+        if mine:
+            self._release_once()
+
+    def abandon(self, fut: Future[Any]) -> None:
+        with self._lock:
+            if not fut.done():
+                self._abandoned = fut
+                return
+        self._release_once()
+
+    def finish(self) -> None:
+        with self._lock:
+            if self._abandoned is not None:
+                return
+        self._release_once()
+
+
+class UploadPool:
+    """Runs :func:`upload_batch` in ``processes`` worker processes (started on first use,
+    shared by every store of this process with the same count). Thread-safe."""
+
+    def __init__(
+        self,
+        url: str,
+        options: dict[str, Any],
+        *,
+        processes: int,
+        concurrency: int,
+        level: int,
+        codec: str,
+    ) -> None:
+        self.url = url
+        self.options = options
+        self.processes = processes
+        self.concurrency = concurrency
+        self.level = level
+        self.codec = codec
+        self.restarts = 0
+
+    def pids(self) -> list[int]:
+        """The worker processes' ids (empty before first use)."""
+        return _shared_workers(self.processes).pids()
+
+    def warm(self) -> None:
+        """Start the workers now, so the first spill pays no start-up."""
+        w = _shared_workers(self.processes)
+        for _ in range(self.processes):
+            w.submit(_warm, self.url, self.options)
+
+    async def upload(
+        self, jobs: list[BlobJob], release: Callable[[list[BlobJob]], None]
+    ) -> list[Uploaded]:
+        """Upload ``jobs`` in batches spread over the workers. ``release(batch)`` is called
+        once per batch when its worker is done with the files (also after a failure or a
+        cancellation of the caller). Raises ArchiveUnavailable, CorruptPage."""
+        if not jobs:
+            return []
+        per = max(1, -(-len(jobs) // self.processes))
+        per = min(per, 4 * max(1, self.concurrency // self.processes))
+        batches = [jobs[i : i + per] for i in range(0, len(jobs), per)]
+        inner = max(1, -(-self.concurrency // min(self.processes, len(batches))))
+        out: list[Uploaded] = []
+
+        async def one(batch: list[BlobJob]) -> None:
+            hold = _Hold(batch, release)
+            try:
+                for attempt in (1, 2):
+                    fut = _shared_workers(self.processes).submit(
+                        upload_batch, self.url, self.options, batch, self.level, self.codec, inner
+                    )
+                    fut.add_done_callback(hold.job_done)
+                    try:
+                        out.extend(await _wait(fut))
+                        return
+                    except WorkerDied as e:
+                        self.restarts += 1
+                        if attempt == 2:
+                            raise ArchiveUnavailable(f"{e}, twice; nothing dropped") from e
+                    except BaseException:
+                        hold.abandon(fut)  # cancelled: the files stay held until the job ends
+                        raise
+            finally:
+                hold.finish()
+
+        from objectstore._abc import one_error_nursery
+
+        async with one_error_nursery() as n:
+            for b in batches:
+                n.start_soon(one, b)
+        return out
