@@ -1,0 +1,208 @@
+"""Removing and checking data: delete, rename, evict, statistics and fsck.
+
+Deletes and evictions run the index transaction first (the page disappears), then unlink
+the files, deferred while the data is leased (:meth:`Engine._drop_files`). A crash between
+the two leaves orphans, swept at the next start. Functions here take the
+:class:`~kvfs._engine.Engine` whose state they use; the engine's public methods are the
+entry points.
+"""
+
+from __future__ import annotations
+
+import builtins
+import dataclasses
+import os
+from typing import TYPE_CHECKING
+
+from ._aligned import aligned_buffer
+from ._checksum import leaf_hash, tree_hash
+from ._errors import PageNotFound, SessionNotFound
+from ._events import log_event
+from ._index import BlobRow, PageRow
+from ._keys import PageKey, as_key, session_dir
+from ._types import DeviceStatistics, StoreStatistics
+from ._writes import leaves_now
+
+if TYPE_CHECKING:
+    from ._engine import Engine
+
+__all__ = [
+    "delete",
+    "delete_blob_pages",
+    "delete_session",
+    "evict",
+    "fsck",
+    "rename",
+    "statistics",
+]
+
+
+# -- delete -------------------------------------------------------------------------------
+def delete(eng: Engine, k: PageKey) -> None:
+    gone, freed = eng.index.delete_pages([k.path])
+    if not gone:
+        raise PageNotFound(f"no page {k.path!r}")
+    _after_delete(eng, gone, freed)
+
+
+def delete_session(eng: Engine, session: str) -> int:
+    d = session_dir(session)
+    if eng.index.session(d) is None:
+        raise SessionNotFound(f"no session {session!r}")
+    gone, freed = eng.index.delete_pages(p.path for p in eng.index.pages(session=d))
+    _after_delete(eng, gone, freed)
+    with eng.index.transaction() as db:
+        db.execute("DELETE FROM sessions WHERE dir=?", (d,))
+    return len(gone)
+
+
+def _after_delete(eng: Engine, gone: builtins.list[PageRow], freed: builtins.list[BlobRow]) -> None:
+    for b in freed:
+        eng._drop_files(b)
+        eng.policy.forget_blob(b)
+    for d in {p.session for p in gone}:
+        eng.index.drop_session_if_empty(d)
+    if gone:
+        eng.policy.pages_removed(gone)
+
+
+def delete_blob_pages(eng: Engine, blob: BlobRow, reason: str) -> int:
+    pages = eng.index.pages_of_blob(blob.hash)
+    gone, freed = eng.index.delete_pages(p.path for p in pages)
+    _after_delete(eng, gone, freed)
+    with eng._cap_lock:
+        eng._evictions[reason] += 1
+    n = sum(b.disk_bytes for b in freed if b.extents is not None)
+    log_event(
+        "evict",
+        content=blob.hash.hex()[:16],
+        reason=reason,
+        pages=len(gone),
+        bytes=n,
+        archived=False,
+    )
+    return n
+
+
+def rename(eng: Engine, s: PageKey, d: PageKey) -> None:
+    try:
+        old, freed = eng.index.rename_page(s.path, d.path, d.session_dir)
+    except KeyError:
+        raise PageNotFound(f"no page {s.path!r}") from None
+    if freed is not None:
+        eng._drop_files(freed)
+        eng.policy.forget_blob(freed)
+    eng.index.drop_session_if_empty(old.session)
+    # The archive's manifests of both sessions list the old name and the replaced data.
+    eng.policy.pages_removed([old, dataclasses.replace(old, path=d.path, session=d.session_dir)])
+
+
+# -- eviction -----------------------------------------------------------------------------
+def evict(eng: Engine, target: PageKey | str | None, session: str | None, reason: str) -> int:
+    if session is not None:
+        d = session_dir(session)
+        if eng.index.session(d) is None:
+            raise SessionNotFound(f"no session {session!r}")
+        hashes = {p.hash for p in eng.index.pages(session=d)}
+    elif target is not None:
+        p = eng.index.page(as_key(target).path)
+        if p is None:
+            raise PageNotFound(f"no page {as_key(target).path!r}")
+        hashes = {p.hash}
+    else:
+        raise ValueError("evict needs a page or a session")
+    evictable = {b.hash for b in eng.index.eviction_candidates(1 << 62)}
+    freed = 0
+    with eng._evict_lock:
+        for h in hashes:
+            b = eng.index.blob(h)
+            if b is None or not b.local or h not in evictable or eng.is_leased(h):
+                continue
+            freed += eng.policy.evict_blob(b, reason)
+    return freed
+
+
+# -- statistics ---------------------------------------------------------------------------
+def statistics(eng: Engine) -> StoreStatistics:
+    c = eng.index.counts()
+    free = eng.tier.free_bytes()
+    with eng._cap_lock:
+        k = dict(eng._counters)
+        return StoreStatistics(
+            capacity_bytes=eng.capacity,
+            used_bytes=eng.used,
+            reserved_bytes=eng.reserved,
+            pages=c["pages"],
+            sessions=c["sessions"],
+            local_blobs=c["local_blobs"],
+            local_bytes=c["local_bytes"],
+            logical_bytes=c["logical_bytes"],
+            puts=k.get("puts", 0),
+            dedup_puts=k.get("dedup_puts", 0),
+            gets=k.get("gets", 0),
+            hits=k.get("hits", 0),
+            misses=k.get("misses", 0),
+            corrupt_reads=k.get("corrupt_reads", 0),
+            bytes_written=k.get("bytes_written", 0),
+            bytes_read=k.get("bytes_read", 0),
+            evictions=dict(eng._evictions),
+            extra=eng.policy.statistics(),
+            devices=tuple(
+                DeviceStatistics(i, str(r), eng.dev_used[i], free[i])
+                for i, r in enumerate(eng.tier.roots)
+            ),
+        )
+
+
+# -- verification -------------------------------------------------------------------------
+def fsck(
+    eng: Engine, *, repair: bool, verify_data: bool, progress: object
+) -> dict[str, builtins.list[str]]:
+    out: dict[str, builtins.list[str]] = {
+        "missing": [],
+        "corrupt": [],
+        "orphans": [],
+        "repaired": [],
+    }
+    tier = eng.tier
+    known = eng.index.all_extent_files()
+    for dev, rel in tier.all_files():
+        if (dev, rel) not in known:
+            out["orphans"].append(tier.abspath(dev, rel))
+    blobs = eng.index.local_blobs()
+    bad: builtins.list[BlobRow] = []
+    for i, b in enumerate(blobs):
+        assert b.extents is not None
+        if callable(progress):
+            progress(i, len(blobs))
+        missing = [
+            tier.abspath(e[0], e[1])
+            for e in b.extents
+            if not os.path.exists(tier.abspath(e[0], e[1]))
+        ]
+        if missing:
+            out["missing"] += missing
+            bad.append(b)
+            continue
+        if verify_data:
+            buf = aligned_buffer(b.size)
+            try:
+                for p in tier.pieces(b.extents, 0, b.size):
+                    tier.read_piece(p, buf)
+                ok = tree_hash(b.size, leaves_now(buf) if b.size else leaf_hash(b"")) == b.hash
+            except OSError:
+                ok = False
+            if not ok:
+                out["corrupt"].append(b.hash.hex())
+                bad.append(b)
+    if repair:
+        for path in out["orphans"]:
+            try:
+                os.unlink(path)
+                out["repaired"].append(f"removed orphan {path}")
+            except FileNotFoundError:
+                pass
+        for b in bad:
+            n = eng.delete_blob_pages(b, "fsck")
+            out["repaired"].append(f"deleted pages of {b.hash.hex()[:16]} ({n} bytes)")
+    return out

@@ -1,0 +1,267 @@
+"""The read path of the engine: whole-page and ranged reads, every leaf verified, and the
+metadata views (:class:`~kvfs._types.PageInfo`, :class:`~kvfs._types.SessionInfo`, listing).
+
+Every read verifies the leaves it touches against the stored digests; a mismatch, or a
+missing or short data file, raises :class:`~kvfs._errors.CorruptPage` (counted in
+``statistics().corrupt_reads``). Functions here take the :class:`~kvfs._engine.Engine` whose
+state they use; the engine's public methods are the entry points and hold the lease.
+"""
+
+from __future__ import annotations
+
+import builtins
+import os
+from collections.abc import Iterable
+from concurrent.futures import Future
+from typing import TYPE_CHECKING
+
+from ._aligned import aligned_buffer
+from ._checksum import DIGEST, LEAF, leaf_hash, leaf_hasher
+from ._errors import CorruptPage, InvalidKey, KvfsError, PageNotFound, SessionNotFound
+from ._index import BlobRow, PageRow
+from ._keys import PageKey, session_dir
+from ._local import CorruptedFile
+from ._types import Extent, PageInfo, SessionInfo
+from ._writes import as_bytes_view, wait_all
+
+if TYPE_CHECKING:
+    from ._engine import Engine
+
+__all__ = ["get", "list_pages", "page_info", "read_held", "read_range", "session_info", "stat"]
+
+#: Reads go in pieces of this size, at most READ_WINDOW (or two per device) in flight; each
+#: piece is hashed as it lands while the next ones are read, so only the last piece's hash
+#: is left when the disk is done.
+READ_PIECE = 512 * 1024
+READ_WINDOW = 8
+
+
+def get(eng: Engine, k: PageKey, into: object | None) -> bytes | int:
+    """:meth:`Engine.get` once the store is known open and the key parsed."""
+    with eng.lease(k) as (page, blob):
+        if not blob.local:
+            blob = eng._restore(blob, page)
+        if into is None:
+            buf = aligned_buffer(blob.size)
+            _read_verified(eng, page, blob, buf, 0, blob.size)
+            return bytes(buf)
+        dest = as_bytes_view(into)
+        if dest.readonly:
+            raise TypeError("the buffer to read into is read-only")
+        if len(dest) < blob.size:
+            raise ValueError(
+                f"buffer of {len(dest)} bytes is smaller than page {k.path!r} ({blob.size} bytes)"
+            )
+        _read_verified(eng, page, blob, dest, 0, blob.size)
+        return blob.size
+
+
+def read_range(eng: Engine, k: PageKey, offset: int, size: int) -> bytes:
+    """:meth:`Engine.read_range` once the store is known open and the key parsed."""
+    with eng.lease(k) as (page, blob):
+        if offset >= blob.size or size <= 0:
+            return b""
+        if not blob.local:
+            blob = eng._restore(blob, page)
+        end = min(blob.size, offset + size)
+        lo = offset - offset % LEAF
+        hi = min(blob.size, -(-end // LEAF) * LEAF)
+        buf = aligned_buffer(hi - lo)
+        _read_verified(eng, page, blob, buf, lo, hi - lo)
+        return bytes(buf[offset - lo : end - lo])
+
+
+def read_held(
+    eng: Engine, page: PageRow, blob: BlobRow, offset: int, size: int, *, buffered: bool
+) -> memoryview:
+    """:meth:`Engine.read_held` once the store is known open."""
+    if offset >= blob.size or size <= 0:
+        return memoryview(b"")
+    if not blob.local:
+        blob = eng._restore(blob, page)
+    end = min(blob.size, offset + size)
+    lo = offset - offset % LEAF
+    hi = min(blob.size, -(-end // LEAF) * LEAF)
+    if buffered:
+        data = _read_buffered(eng, page, blob, lo, hi - lo)
+        return memoryview(data)[offset - lo : end - lo]
+    buf = aligned_buffer(hi - lo)
+    _read_verified(eng, page, blob, buf, lo, hi - lo)
+    return buf[offset - lo : end - lo]
+
+
+def _read_buffered(eng: Engine, page: PageRow, blob: BlobRow, off: int, n: int) -> bytes:
+    """Page bytes [off, off+n) (leaf-aligned start) read with plain preads on this thread,
+    every leaf verified before anything is returned. Raises CorruptPage."""
+    assert blob.extents is not None and off % LEAF == 0
+    parts: builtins.list[bytes] = []
+    try:
+        for p in eng.tier.pieces(blob.extents, off, n):
+            path = eng.tier.abspath(p.dev, p.file)
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                got = os.pread(fd, p.n, p.file_off)
+                while len(got) < p.n:  # a short read: only at the end of the file
+                    more = os.pread(fd, p.n - len(got), p.file_off + len(got))
+                    if not more:
+                        raise CorruptedFile(path, "data file is shorter than its extents")
+                    got += more
+            finally:
+                os.close(fd)
+            parts.append(got)
+    except OSError as e:
+        if (corrupt := _as_corrupt(eng, page, e)) is None:
+            raise
+        raise corrupt from e
+    data = parts[0] if len(parts) == 1 else b"".join(parts)
+    mv = memoryview(data)
+    digests = (leaf_hash(mv[j * LEAF : (j + 1) * LEAF]) for j in range(-(-n // LEAF)))
+    _check_leaves(eng, page, blob, off // LEAF, digests, n)
+    return data
+
+
+def _read_verified(
+    eng: Engine, page: PageRow, blob: BlobRow, dest: memoryview, off: int, n: int
+) -> None:
+    """Read page bytes [off, off+n) (leaf-aligned start) into dest and verify each leaf.
+
+    Reads run on the I/O pool; each group of leaves is hashed as soon as its bytes are in,
+    so hashing overlaps the disk. A mismatch raises CorruptPage and the caller gets nothing.
+    """
+    assert blob.extents is not None and off % LEAF == 0
+    tier = eng.tier
+    pieces = list(tier.pieces(blob.extents, off, n, max_piece=READ_PIECE))
+    # A bounded window of reads in flight: pieces then land one after another, and each
+    # is hashed while the next ones are read, instead of all landing at the end together.
+    window = max(READ_WINDOW, 2 * tier.n)
+    futs: dict[int, Future[None]] = {}
+    got: builtins.list[bytes] = []
+    hasher = leaf_hasher()
+    nxt = 0
+    opened: dict[tuple[int, str], tuple[int, bool]] = {}
+    try:
+        try:
+            opened = tier.open_files(pieces)
+            for j, p in enumerate(pieces):
+                if len(pieces) == 1:  # one piece: read it here, no hop to the pool
+                    tier.read_piece(p, dest, None, opened)
+                    nxt = 1
+                while nxt < len(pieces) and nxt < j + window:
+                    futs[nxt] = eng.io_pool.submit(tier.read_piece, pieces[nxt], dest, None, opened)
+                    nxt += 1
+                if j in futs:
+                    futs.pop(j).result()
+                pos, end = p.dest_off, p.dest_off + p.n
+                while pos < end:  # feed the leaf hashes, cutting at leaf boundaries
+                    cut = min(end, (pos // LEAF + 1) * LEAF)
+                    hasher.update(dest[pos:cut])
+                    pos = cut
+                    if pos % LEAF == 0 or pos == n:
+                        got.append(hasher.digest())
+                        hasher = leaf_hasher()
+        finally:
+            # No read may still be landing in the caller's buffer once we return or raise.
+            try:
+                wait_all(list(futs.values()))
+            finally:
+                tier.close_files(opened)
+    except OSError as e:
+        if (corrupt := _as_corrupt(eng, page, e)) is None:
+            raise
+        raise corrupt from e
+    _check_leaves(eng, page, blob, off // LEAF, got, n)
+
+
+def _as_corrupt(eng: Engine, page: PageRow, e: OSError) -> CorruptPage | None:
+    """A failed data-file read: a missing or short data file is a CorruptPage (counted);
+    None for any other OSError (EIO, EMFILE...), which the caller re-raises as it is."""
+    if isinstance(e, FileNotFoundError):
+        eng._count("corrupt_reads")
+        return CorruptPage(f"page {page.path!r}: a data file is missing ({e.filename})")
+    if isinstance(e, KvfsError):
+        eng._count("corrupt_reads")
+        return CorruptPage(f"page {page.path!r}: {e}")
+    return None
+
+
+def _check_leaves(
+    eng: Engine, page: PageRow, blob: BlobRow, first: int, digests: Iterable[bytes], n: int
+) -> None:
+    """Compare leaf digests (from leaf ``first`` on) with the stored ones; on a match
+    count the read as a hit and touch the page, else raise CorruptPage (counted)."""
+    for j, digest in enumerate(digests):
+        bad = first + j
+        if digest != blob.leaves[bad * DIGEST : (bad + 1) * DIGEST]:
+            eng._count("corrupt_reads")
+            raise CorruptPage(
+                f"page {page.path!r} is corrupt: bytes {bad * LEAF}-"
+                f"{min(blob.size, (bad + 1) * LEAF)} do not match the checksum"
+            )
+    with eng._cap_lock:
+        eng._counters["gets"] += 1
+        eng._counters["hits"] += 1
+        eng._counters["bytes_read"] += n
+    eng.touch(page)
+
+
+# -- metadata -----------------------------------------------------------------------------
+def page_info(eng: Engine, p: PageRow, b: BlobRow) -> PageInfo:
+    tier = "+".join(t for t, on in (("local", b.local), ("archive", b.archived)) if on)
+    ext = tuple(Extent(e[0], eng.tier.abspath(e[0], e[1]), e[2], e[3]) for e in (b.extents or ()))
+    return PageInfo(
+        path=p.path,
+        session=PageKey(p.path).session,
+        size=p.size,
+        checksum=b.hash.hex(),
+        created=p.created,
+        atime=p.atime,
+        pinned=p.pinned,
+        tier=tier or "none",
+        attrs=p.attrs,
+        extents=ext,
+    )
+
+
+def stat(eng: Engine, k: PageKey) -> PageInfo:
+    found = eng.index.page_and_blob(k.path)
+    if found is None:
+        raise PageNotFound(f"no page {k.path!r}")
+    return page_info(eng, *found)
+
+
+def list_pages(
+    eng: Engine, session: str | None, prefix: str | None, path_prefix: str | None
+) -> builtins.list[PageInfo]:
+    if prefix is not None and session is None:
+        raise InvalidKey("prefix needs a session")
+    sd = session_dir(session) if session is not None else None
+    pp = path_prefix
+    if prefix is not None:
+        pp = f"{sd}/{prefix}/"
+    rows = eng.index.pages(session=sd, path_prefix=pp)
+    out = []
+    for p in rows:
+        b = eng.index.blob(p.hash)
+        if b is not None:
+            out.append(page_info(eng, p, b))
+    return out
+
+
+def session_info(eng: Engine, d: str) -> SessionInfo:
+    s = eng.index.session(d)
+    if s is None:
+        raise SessionNotFound(f"no session {d!r}")
+    u = eng.index.session_usage(d)
+    name = d.split("/", 1)[1] if d.startswith("sessions/") else d
+    return SessionInfo(
+        session=name,
+        dir=d,
+        created=s.created,
+        atime=s.atime,
+        pinned=s.pinned,
+        attrs=s.attrs,
+        pages=u["pages"],
+        bytes=u["bytes"],
+        local_bytes=u["local_bytes"],
+        archived_bytes=u["archived_bytes"],
+    )

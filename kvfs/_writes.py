@@ -1,0 +1,416 @@
+"""The write path of the engine: put, the commit that publishes a page, leaf hashing, and
+:class:`PageWriter` (streaming writes for the mount).
+
+Life of a put (what a crash at each step leaves behind):
+
+1. the key and attributes are checked; nothing on disk yet;
+2. room is reserved under the capacity cap, evicting by policy if needed;
+3. the data goes to new files in the device directories, and its leaf hashes are computed
+   alongside; the files are fsynced. A crash here leaves unreferenced files, swept at the
+   next start (the index records whether the last shutdown was clean);
+4. one SQLite transaction (WAL, synchronous=FULL) inserts the page row: this is the instant
+   the page exists. If identical content was already held, the new files are deleted and
+   the page shares the existing data (reference-counted).
+
+Functions here take the :class:`~kvfs._engine.Engine` whose state they use; the engine's
+public methods are the entry points.
+"""
+
+from __future__ import annotations
+
+import builtins
+import os
+import threading
+import time
+import zlib
+from collections import Counter
+from concurrent.futures import Future
+from typing import TYPE_CHECKING
+
+from ._aligned import aligned_buffer
+from ._checksum import LEAF, leaf_hash, tree_hash
+from ._errors import InvalidKey, PageExists, PageNotFound
+from ._keys import PageKey
+from ._local import BlobWriter
+from ._types import PageInfo
+
+if TYPE_CHECKING:
+    from ._engine import Engine
+
+__all__ = ["PageWriter", "as_bytes_view", "check_attrs", "leaves_now", "put", "wait_all"]
+
+HASH_GROUP = 2 * LEAF  # leaves hashed per task when a put hashes beside its writes
+#: Pages up to this size are hashed before they are written, so a duplicate costs no write;
+#: larger ones are hashed while they are written (a duplicate's files are then removed).
+DEDUP_FIRST_MAX = 256 * 1024
+
+
+def check_attrs(attrs: dict[str, str] | None) -> dict[str, str]:
+    if attrs is None:
+        return {}
+    if not isinstance(attrs, dict):
+        raise InvalidKey("attrs must be a dict of str to str")
+    for k, v in attrs.items():
+        if not isinstance(k, str) or not isinstance(v, str):
+            raise InvalidKey(f"attrs must map str to str; got {k!r}: {type(v).__name__}")
+    return dict(attrs)
+
+
+def as_bytes_view(data: object) -> memoryview:
+    try:
+        mv = memoryview(data)  # type: ignore[arg-type]
+    except TypeError:
+        raise TypeError(
+            f"page data must be a buffer (bytes, bytearray, numpy array...), "
+            f"not {type(data).__name__}"
+        ) from None
+    if not mv.c_contiguous:
+        raise ValueError("page data must be a C-contiguous buffer")
+    return mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv
+
+
+def wait_all(futs: builtins.list[Future[None]]) -> None:
+    """Wait for every future; then raise the first error, if any."""
+    first: BaseException | None = None
+    for f in futs:
+        try:
+            f.result()
+        except BaseException as e:
+            first = first or e
+    if first is not None:
+        raise first
+
+
+def start_device(eng: Engine, k: PageKey) -> int:
+    li = k.layer_index
+    if li is not None:
+        # Consecutive layers of one prefix land on consecutive devices.
+        return (
+            zlib.crc32(k.session_dir.encode() + b"/" + (k.prefix or "").encode()) + li
+        ) % eng.tier.n
+    return eng.tier.next_start()
+
+
+# -- leaf hashing -------------------------------------------------------------------------
+def leaves_now(mv: memoryview) -> bytes:
+    """The leaf digests of a buffer, hashed on this thread."""
+    if len(mv) == 0:
+        return leaf_hash(b"")
+    return b"".join(leaf_hash(mv[i : i + LEAF]) for i in range(0, len(mv), LEAF))
+
+
+def _submit_leaves(eng: Engine, mv: memoryview) -> builtins.list[Future[bytes]]:
+    def group(o: int) -> bytes:
+        chunk = mv[o : o + HASH_GROUP]
+        return b"".join(leaf_hash(chunk[i : i + LEAF]) for i in range(0, len(chunk), LEAF))
+
+    if len(mv) == 0:
+        return [eng.hash_pool.submit(leaf_hash, b"")]
+    return [eng.hash_pool.submit(group, o) for o in range(0, len(mv), HASH_GROUP)]
+
+
+def leaves_parallel(eng: Engine, mv: memoryview) -> bytes:
+    """The leaf digests of a buffer, hashed on the engine's hash pool."""
+    if len(mv) <= HASH_GROUP:
+        return leaves_now(mv)
+    return b"".join(f.result() for f in _submit_leaves(eng, mv))
+
+
+# -- put ----------------------------------------------------------------------------------
+class _BlobGone(Exception):
+    """The data a dedup put meant to share was evicted before the commit."""
+
+
+def put(
+    eng: Engine,
+    k: PageKey,
+    data: object,
+    *,
+    attrs: dict[str, str] | None,
+    pin: bool,
+    replace: bool,
+) -> PageInfo:
+    """:meth:`Engine.put` once the store is known open and the key parsed."""
+    a = check_attrs(attrs)
+    mv = as_bytes_view(data)
+    if not replace and eng.index.page(k.path) is not None:
+        raise PageExists(f"page {k.path!r} exists; pages are write-once")
+    size = len(mv)
+    leaves: bytes | None = None
+    if size <= DEDUP_FIRST_MAX:
+        # Small pages: hash first (it is cheap), so a duplicate costs no write at all.
+        leaves = leaves_now(mv)
+        h = tree_hash(size, leaves)
+        b = eng.index.blob(h)
+        if b is not None and b.local:
+            try:
+                return commit(eng, k, h, size, leaves, None, 0, a, pin, replace, None)
+            except _BlobGone:
+                pass  # evicted meanwhile: write the data after all
+    need = eng.tier.disk_bytes(size)
+    eng._reserve(need)
+    w = eng.tier.writer(start_device(eng, k), direct=True)
+    try:
+        # The writes are submitted first, so their I/O is under way before hashing takes
+        # the CPUs; then the leaves are hashed on the hash pool and in this thread. A
+        # page hashed already (small) is written by this thread: no hop to a pool.
+        piece = eng.tier.piece
+        writes = [
+            eng.io_pool.submit(w.write, o, mv[o : o + piece])
+            for o in range(piece if leaves is not None else 0, size, piece)
+        ]
+        try:
+            if leaves is not None:
+                if size:
+                    w.write(0, mv[:piece])
+            else:
+                groups = range(0, size, HASH_GROUP)
+                hashing = [
+                    eng.hash_pool.submit(leaves_now, mv[o : o + HASH_GROUP]) for o in groups[:-1]
+                ]
+                last = leaves_now(mv[groups[-1] :])
+                leaves = b"".join(f.result() for f in hashing) + last
+        finally:
+            # Every write must be over before abort() may close the files under it.
+            wait_all(writes)
+        extents, disk = w.finish(size)
+    except BaseException:
+        w.abort()
+        eng._unreserve(need)
+        raise
+    assert leaves is not None
+    return commit(
+        eng, k, tree_hash(size, leaves), size, leaves, w, need, a, pin, replace, extents, disk
+    )
+
+
+def commit(
+    eng: Engine,
+    k: PageKey,
+    h: bytes,
+    size: int,
+    leaves: bytes,
+    w: BlobWriter | None,
+    reserved: int,
+    attrs: dict[str, str],
+    pin: bool,
+    replace: bool,
+    extents: tuple | None,
+    disk: int = 0,
+) -> PageInfo:
+    """Publish a written (or shared) page in the index and settle the accounting."""
+    sess_attrs = {"model": attrs["model"]} if "model" in attrs else {}
+    try:
+        used_new, freed, _old = eng.index.commit_page(
+            path=k.path,
+            session=k.session_dir,
+            h=h,
+            size=size,
+            leaves=leaves,
+            extents=extents,
+            disk_bytes=disk,
+            attrs=attrs,
+            pinned=pin,
+            replace=replace,
+            session_attrs=sess_attrs,
+        )
+    except LookupError as e:
+        if w is not None:
+            w.abort()
+        eng._unreserve(reserved)
+        if not isinstance(e, KeyError):
+            raise _BlobGone() from e
+        raise PageExists(f"page {k.path!r} exists; pages are write-once") from None
+    except BaseException:
+        if w is not None:
+            w.abort()
+        eng._unreserve(reserved)
+        raise
+    if w is not None and not used_new:
+        # Identical data was already held: share it. The redundant files go before their
+        # reservation is released, so bytes on disk never exceed the cap.
+        w.abort()
+    with eng._cap_changed:
+        eng.reserved -= reserved
+        eng._cap_changed.notify_all()
+        if used_new and extents is not None:
+            b = eng.index.blob(h)
+            assert b is not None
+            eng._account(b, +1)
+    with eng._cap_lock:
+        eng._counters["puts"] += 1
+        eng._counters["bytes_written"] += size
+        if not used_new or w is None:
+            eng._counters["dedup_puts"] += 1
+    if freed is not None:
+        eng._drop_files(freed)
+        eng.policy.forget_blob(freed)
+    if _old is not None and _old.hash != h:
+        eng.policy.pages_removed([_old])  # a replace: the archive's manifest is stale
+    try:
+        return eng.stat(k)
+    except PageNotFound:
+        # Under pressure another thread's eviction may already have taken the page it
+        # just became: the put still succeeded. Report the page as it was committed.
+        now = time.time()
+        return PageInfo(
+            path=k.path,
+            session=k.session,
+            size=size,
+            checksum=h.hex(),
+            created=now,
+            atime=now,
+            pinned=pin,
+            tier="local",
+            attrs=attrs,
+        )
+
+
+# -- streaming writes ---------------------------------------------------------------------
+class PageWriter:
+    """Streams one page to the local tier; the page appears when :meth:`commit` returns.
+
+    Writes may come in any order and size. Room is reserved as the page grows. Until commit,
+    nothing is visible; :meth:`abort` (or a crash) leaves nothing behind.
+    """
+
+    def __init__(self, engine: Engine, key: PageKey) -> None:
+        self.engine = engine
+        self.key = key
+        self._w = engine.tier.writer(start_device(engine, key), direct=False)
+        self._reserved = 0
+        self._size = 0
+        self._lock = threading.Lock()
+        self._done = False
+        # Leaves a single write covered whole are checksummed from the caller's buffer as they
+        # are written, so commit need not read them back. A leaf's hash is kept only if no
+        # other write touched that leaf while it was in flight (_busy, _gen).
+        self._leaf_hashes: dict[int, bytes] = {}
+        self._busy: Counter[int] = Counter()
+        self._gen: Counter[int] = Counter()
+
+    @property
+    def size(self) -> int:
+        return self._size
+
+    def write(self, offset: int, data: bytes | memoryview) -> int:
+        if self._done:
+            raise ValueError("writer is closed")
+        end = offset + len(data)
+        with self._lock:
+            need = self.engine.tier.disk_bytes(max(end, self._size)) - self._reserved
+            if need > 0:
+                # Reserve ahead in stripe units so small writes do not each pay the check.
+                extra = min(self.engine.tier.unit, max(0, self.engine.capacity // 64))
+                self.engine._reserve(need + extra, own=self._reserved)
+                self._reserved += need + extra
+            self._size = max(self._size, end)
+            touched = range(offset // LEAF, -(-end // LEAF)) if end > offset else range(0)
+            for i in touched:
+                self._leaf_hashes.pop(i, None)
+                self._busy[i] += 1
+                self._gen[i] += 1
+            gens = {i: self._gen[i] for i in touched}
+        mv = memoryview(data)
+        hashes: dict[int, bytes] = {}
+        try:
+            self._w.write(offset, mv)
+            for i in touched:
+                if i * LEAF >= offset and (i + 1) * LEAF <= end:
+                    hashes[i] = leaf_hash(mv[i * LEAF - offset : (i + 1) * LEAF - offset])
+        finally:
+            with self._lock:
+                for i in touched:
+                    self._busy[i] -= 1
+                    if i in hashes and self._busy[i] == 0 and self._gen[i] == gens[i]:
+                        self._leaf_hashes[i] = hashes[i]
+                    else:
+                        self._leaf_hashes.pop(i, None)
+                        self._gen[i] += 1
+        return len(data)
+
+    def truncate(self, size: int) -> None:
+        with self._lock:
+            if size < self._size:
+                raise ValueError("a page being written cannot shrink")
+        if size > self._size:
+            self.write(self._size, bytes(size - self._size))
+
+    def read(self, offset: int, size: int) -> bytes:
+        """Read back bytes written so far (an engine may re-read its own file before close)."""
+        end = min(self._size, offset + size)
+        out = bytearray()
+        pos = offset
+        while pos < end:
+            dev, foff = self.engine.tier.locate(self._w.start, pos)
+            take = min(end - pos, self.engine.tier.unit - pos % self.engine.tier.unit)
+            fd = os.open(self.engine.tier.abspath(dev, self._w.rel), os.O_RDONLY)
+            try:
+                chunk = os.pread(fd, take, foff)
+            finally:
+                os.close(fd)
+            out += chunk.ljust(take, b"\0")
+            pos += take
+        return bytes(out)
+
+    def commit(
+        self, *, attrs: dict[str, str] | None = None, replace: bool = False, pin: bool = False
+    ) -> PageInfo:
+        """Make the written bytes a page. Raises PageExists (unless replace), CapacityExceeded."""
+        if self._done:
+            raise ValueError("writer is closed")
+        self._done = True
+        eng = self.engine
+        size = self._size
+        try:
+            extents, disk = self._w.finish(size)
+            leaves = self._hash_files(extents, size)
+        except BaseException:
+            self._w.abort()
+            eng._unreserve(self._reserved)
+            raise
+        return commit(
+            eng,
+            self.key,
+            tree_hash(size, leaves),
+            size,
+            leaves,
+            self._w,
+            self._reserved,
+            check_attrs(attrs),
+            pin,
+            replace,
+            extents,
+            disk,
+        )
+
+    def _hash_files(self, extents: tuple, size: int) -> bytes:
+        # The bytes were just written through the page cache, so reading them back is a
+        # memory copy, not disk I/O. Leaves already checksummed by write() are not read.
+        t = self.engine.tier
+        with self._lock:
+            known = dict(self._leaf_hashes)
+        n = -(-size // LEAF)
+        if size == 0 or not known:
+            buf = aligned_buffer(size)
+            for p in t.pieces(extents, 0, size):
+                t.read_piece(p, buf, direct=False)
+            return leaves_parallel(self.engine, buf)
+        out = []
+        for i in range(n):
+            h = known.get(i)
+            if h is None:
+                lo, ln = i * LEAF, min(LEAF, size - i * LEAF)
+                buf = aligned_buffer(ln)
+                for p in t.pieces(extents, lo, ln):
+                    t.read_piece(p, buf, direct=False)
+                h = leaf_hash(buf)
+            out.append(h)
+        return b"".join(out)
+
+    def abort(self) -> None:
+        if self._done:
+            return
+        self._done = True
+        self._w.abort()
+        self.engine._unreserve(self._reserved)
