@@ -111,7 +111,9 @@ def _open_store(url: str, options: dict[str, Any]) -> Any:
     if isinstance(other, S3Store):
         st = other.at_prefix(prefix)
     else:
-        st = trio.run(lambda: open_objectstore(url, **options))
+        # The daemon checked the bucket when it opened; here an outage is retried by the
+        # first request, up to the store's deadline, like any other.
+        st = trio.run(lambda: open_objectstore(url, verify=False, **options))
         if isinstance(st, S3Store):
             _stores[base] = st
     _stores[k] = st
@@ -316,6 +318,9 @@ class _Workers:
 
     def __init__(self, n: int) -> None:
         self.slots = [_Slot() for _ in range(n)]
+        self._lock = threading.Lock()
+        #: jobs being run by a worker right now
+        self.running = 0
         self._queue: queue.SimpleQueue[tuple[Future[Any], Callable[..., Any], tuple] | None]
         self._queue = queue.SimpleQueue()
         self._threads = [
@@ -334,10 +339,15 @@ class _Workers:
             fut, fn, args = item
             if not fut.set_running_or_notify_cancel():
                 continue
+            with self._lock:
+                self.running += 1
             try:
                 fut.set_result(slot.run(fn, args))
             except BaseException as e:
                 fut.set_exception(e)
+            finally:
+                with self._lock:
+                    self.running -= 1
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> Future[Any]:
         fut: Future[Any] = Future()
@@ -461,6 +471,10 @@ class UploadPool:
     def pids(self) -> list[int]:
         """The worker processes' ids (empty before first use)."""
         return _shared_workers(self.processes).pids()
+
+    def running(self) -> int:
+        """Jobs a worker is running right now (any store's)."""
+        return _shared_workers(self.processes).running
 
     def warm(self) -> None:
         """Start the workers now, so the first spill pays no start-up."""

@@ -52,8 +52,10 @@ def parse_url(url: str) -> tuple[str, str, dict[str, Any]]:
     raise ValueError(f"unsupported archive URL {url!r}: use file:///DIR or s3://BUCKET[/PREFIX]")
 
 
-async def open_objectstore(url: str, **opts: Any) -> ObjectStore:
+async def open_objectstore(url: str, *, verify: bool = True, **opts: Any) -> ObjectStore:
     """Open the object store at ``url``; see the module docstring for URLs and options.
+    ``verify=False`` skips the S3 bucket check (for a process that opens a store another
+    one has already checked: its first request then retries up to ``deadline`` instead).
 
     Raises ValueError (malformed URL or option) and ArchiveUnavailable (unreachable endpoint,
     missing bucket or directory, access denied) with the cause named.
@@ -92,4 +94,4 @@ async def open_objectstore(url: str, **opts: Any) -> ObjectStore:
     unknown = set(merged) - known
     if unknown:
         raise ValueError(f"unknown S3 option(s): {', '.join(sorted(unknown))}")
-    return await S3Store.open(where, backoff=backoff, **merged)
+    return await S3Store.open(where, backoff=backoff, verify=verify, **merged)

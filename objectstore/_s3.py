@@ -126,8 +126,9 @@ class S3Store(ObjectStore):
         multipart_threshold: int = 64 * MiB,
         part_size: int = 16 * MiB,
         max_connections: int = 32,
+        verify: bool = True,
     ) -> S3Store:
-        """Connect and check that the bucket exists and is accessible.
+        """Connect and (unless not ``verify``) check that the bucket exists and is accessible.
 
         ``addressing`` is ``path``, ``virtual`` or ``auto``. Raises ArchiveUnavailable naming
         the cause: unreachable endpoint, missing bucket, denied access, no credentials.
@@ -161,6 +162,8 @@ class S3Store(ObjectStore):
             multipart_threshold=multipart_threshold,
             part_size=part_size,
         )
+        if not verify:
+            return self
         where = f"bucket {bucket!r}" + (f" at {endpoint_url}" if endpoint_url else "")
         try:
             await retry(

@@ -1,0 +1,178 @@
+"""Spill uploads in worker processes (kvfs/_uploader.py): a worker killed mid-spill costs a
+retry on a fresh worker, never a page; local copies go only after a confirmed upload; the
+in-process mode (``upload_processes = 0``) still spills and restores. S3 is moto over HTTP,
+through a TCP proxy that a test takes down to hold a spill in flight."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from urllib.parse import urlsplit
+
+import numpy as np
+import pytest
+
+import kvfs
+from kvfs import PageKey
+
+KiB = 1024
+
+
+def page(i: int) -> bytes:
+    rng = np.random.default_rng(i)
+    return (rng.standard_normal(64 * KiB) * 0.5).astype(np.float16).tobytes()
+
+
+@pytest.fixture
+def proxy(s3_server) -> Iterator[object]:  # noqa: ANN001
+    from _s3 import TcpProxy
+
+    u = urlsplit(s3_server.endpoint)
+    p = TcpProxy((u.hostname, u.port))
+    yield p
+    p.close()
+
+
+def wait_for(cond: Callable[[], bool], what: str) -> None:
+    """Poll until ``cond()`` holds; a generous bound only turns a hang into a failure."""
+    end = time.monotonic() + 60
+    while not cond():
+        assert time.monotonic() < end, f"gave up waiting for {what}"
+        time.sleep(0.01)
+
+
+def start_spill(s: kvfs.SyncStore, session: str) -> tuple[threading.Thread, list[object]]:
+    result: list[object] = []
+
+    def spill() -> None:
+        try:
+            result.append(s.spill(session))
+        except BaseException as e:  # noqa: BLE001 - checked by the caller
+            result.append(e)
+
+    t = threading.Thread(target=spill)
+    t.start()
+    return t, result
+
+
+def kill_workers_mid_job(s: kvfs.SyncStore) -> None:
+    uploads = s.engine.policy.uploads  # type: ignore[attr-defined]
+    wait_for(lambda: uploads.running() > 0 and uploads.pids(), "an upload job in a worker")
+    for pid in uploads.pids():
+        os.kill(pid, signal.SIGKILL)
+
+
+def all_local(s: kvfs.SyncStore, session: str) -> bool:
+    info = s.session_info(session)
+    return info.local_bytes == info.bytes and all(
+        i.tier == "local" for i in s.list(session=session)
+    )
+
+
+def test_worker_killed_mid_spill_is_replaced_and_nothing_is_lost(
+    s3_server, proxy, make_config
+) -> None:  # noqa: ANN001
+    bucket = s3_server.new_bucket()
+    url = f"s3://{bucket}?endpoint={proxy.endpoint}&deadline=60&connect_timeout=1"
+    cfg = make_config(ndev=2, archive_url=url, extra={"archive": {"interval": 0}})
+    with kvfs.open_store_sync(cfg) as s:
+        for i in range(8):
+            s.put(PageKey.semantic("cold", "p", i), page(i), attrs={"dtype": "fp16"})
+        restarts = s.engine.policy.uploads.restarts  # type: ignore[attr-defined]
+        proxy.down()  # the spill's uploads wait in the workers, retrying
+        t, result = start_spill(s, "cold")
+        kill_workers_mid_job(s)
+        assert not result, "the spill finished while the endpoint was down"
+        assert all_local(s, "cold")  # nothing dropped without a confirmed upload
+        proxy.up()
+        t.join(timeout=120)
+        assert not t.is_alive()
+        assert isinstance(result[0], int) and result[0] > 0, result
+        assert s.engine.policy.uploads.restarts > restarts  # type: ignore[attr-defined]
+        assert s.session_info("cold").local_bytes == 0
+        assert len(s3_server.keys(bucket, "blobs/")) == 8
+        for i in range(8):
+            assert s.get(PageKey.semantic("cold", "p", i)) == page(i)
+        assert s.fsck()["orphans"] == []
+
+
+def test_worker_dying_twice_fails_the_spill_and_drops_nothing(
+    s3_server, proxy, make_config
+) -> None:  # noqa: ANN001
+    bucket = s3_server.new_bucket()
+    url = f"s3://{bucket}?endpoint={proxy.endpoint}&deadline=60&connect_timeout=1"
+    cfg = make_config(
+        ndev=1, archive_url=url, extra={"archive": {"interval": 0, "upload_processes": 1}}
+    )
+    with kvfs.open_store_sync(cfg) as s:
+        for i in range(4):
+            s.put(PageKey.semantic("a", "p", i), page(i))
+        proxy.down()
+        t, result = start_spill(s, "a")
+        kill_workers_mid_job(s)
+        wait_for(lambda: s.engine.policy.uploads.restarts > 0, "the first retry")  # type: ignore[attr-defined]
+        kill_workers_mid_job(s)
+        t.join(timeout=120)
+        assert not t.is_alive()
+        assert isinstance(result[0], kvfs.ArchiveUnavailable), result
+        assert all_local(s, "a")
+        assert s.session_info("a").archived_bytes == 0
+        proxy.up()
+        assert s.spill("a") > 0  # a fresh worker takes the next spill
+        assert s.session_info("a").local_bytes == 0
+        for i in range(4):
+            assert s.get(PageKey.semantic("a", "p", i)) == page(i)
+
+
+def test_corrupt_local_copy_is_not_uploaded_by_a_worker(s3_server, make_config) -> None:  # noqa: ANN001
+    from _corrupt import flip_stored_byte
+
+    bucket = s3_server.new_bucket()
+    url = f"s3://{bucket}?endpoint={s3_server.endpoint}"
+    cfg = make_config(ndev=1, archive_url=url, extra={"archive": {"interval": 0}})
+    with kvfs.open_store_sync(cfg) as s:
+        k = PageKey.semantic("bad", "p", 0)
+        s.put(k, page(0))
+        flip_stored_byte(s.stat(k), 100)
+        with pytest.raises(kvfs.CorruptPage):
+            s.spill("bad")
+        assert s3_server.keys(bucket, "blobs/") == []
+        assert s.stat(k).tier == "local"
+
+
+@pytest.mark.parametrize("processes", [0, 1])
+def test_spill_and_restore_with_or_without_workers(s3_server, make_config, processes: int) -> None:  # noqa: ANN001
+    bucket = s3_server.new_bucket()
+    url = f"s3://{bucket}/kv?endpoint={s3_server.endpoint}"
+    cfg = make_config(
+        ndev=2,
+        archive_url=url,
+        extra={"archive": {"interval": 0, "upload_processes": processes}},
+    )
+    with kvfs.open_store_sync(cfg) as s:
+        data = {PageKey.semantic("s", "p", i): page(i) for i in range(6)}
+        for k, v in data.items():
+            s.put(k, v, attrs={"dtype": "fp16"})
+        s.put(PageKey.semantic("t", "p", 0), page(0))  # shared content: one object
+        assert 0 < s.spill("s") < sum(map(len, data.values()))  # compressed
+        assert s.spill("t") == 0  # already archived by the first spill
+        assert len(s3_server.keys(bucket, "kv/blobs/")) == 6
+        assert s.session_info("s").local_bytes == 0
+        assert s.restore("s") == sum(map(len, data.values()))
+        for k, v in data.items():
+            assert s.get(k) == v
+    other = make_config(
+        ndev=1,
+        name="other",
+        archive_url=url,
+        extra={"archive": {"interval": 0, "upload_processes": processes}},
+    )
+    with kvfs.open_store_sync(other) as s2:  # another host: its HEAD finds the object
+        s2.put(PageKey.semantic("u", "p", 0), page(3))
+        assert s2.spill("u") == 0
+        assert s2.statistics().extra["archive"]["dedup_skipped"] == 1
+        assert s2.session_info("u").local_bytes == 0
+        assert s2.get(PageKey.semantic("u", "p", 0)) == page(3)
