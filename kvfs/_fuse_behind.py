@@ -2,35 +2,49 @@
 
 A writer's ``write`` calls reach the daemon one at a time (each waits for its reply), so
 answering only after the bytes are in the data file would serialize every write on the disk
-and a thread hop. Instead each write is accepted at once and written by a task in the mount's
-nursery, at most ``depth`` at a time per file (the rest wait: memory stays bounded).
-Overlapping writes wait for the earlier ones, so the file ends up as written. The first
-failure is kept and raised by the next write, and by ``drain`` (which the commit calls), so a
-file that lost a write is never published: the error comes back from a later ``write`` or
-from ``close``.
+and a thread hop. Instead each write is accepted at once and queued for one thread per file,
+which writes the queue in order: overlapping writes land in the order they came, so the file
+ends up as written. At most ``depth`` writes wait per file (a further ``submit`` waits for
+room: memory stays bounded).
+
+The FUSE loop is the mount's bottleneck, so a queued write costs it no trio task and no
+thread round trip: the thread takes the queue under a lock and calls back into trio only
+when the loop is waiting for room or for the queue to drain. The thread (from trio's thread
+cache) exits when the queue has been empty for a moment.
+
+The first failure is kept and raised by the next ``submit``, and by ``drain`` (which the
+commit calls), so a file that lost a write is never published: the error comes back from a
+later ``write`` or from ``close``. Writes queued after a failure are dropped.
 """
 
 from __future__ import annotations
 
-import itertools
-from collections.abc import Awaitable, Callable
+import collections
+import contextlib
+import threading
+from collections.abc import Callable
 
 import trio
 
 __all__ = ["WriteBehind"]
 
+#: How long an idle writer thread waits for the next write before it exits.
+LINGER = 0.05
+
 
 class WriteBehind:
-    def __init__(
-        self, write: Callable[[int, bytes], Awaitable[object]], depth: int, nursery: trio.Nursery
-    ) -> None:
+    def __init__(self, write: Callable[[int, bytes], object], depth: int) -> None:
         self._write = write
-        self._nursery = nursery
-        self._slots = trio.Semaphore(depth)
-        self._inflight: dict[int, tuple[int, int]] = {}
-        self._ids = itertools.count()
-        self._idle = trio.Event()
-        self._idle.set()
+        self._depth = max(1, depth)
+        self._token = trio.lowlevel.current_trio_token()
+        self._cond = threading.Condition()
+        self._queue: collections.deque[tuple[int, bytes]] = collections.deque()
+        #: writes queued or being written
+        self._pending = 0
+        self._running = False
+        #: set by the loop while it waits until at most ``_want`` writes are pending
+        self._wake: trio.Event | None = None
+        self._want = 0
         #: the first write that failed; nothing after it matters any more
         self.error: BaseException | None = None
 
@@ -38,33 +52,63 @@ class WriteBehind:
         """Queue a write. Raises the error of an earlier write, if one failed."""
         if self.error is not None:
             raise self.error
-        end = off + len(buf)
-        while any(o < end and off < e for o, e in self._inflight.values()):
-            await self._idle.wait()
-        await self._slots.acquire()
+        await self._wait_until(self._depth - 1)
         if self.error is not None:
-            self._slots.release()
             raise self.error
-        i = next(self._ids)
-        if not self._inflight:
-            self._idle = trio.Event()
-        self._inflight[i] = (off, end)
-        self._nursery.start_soon(self._run, i, off, buf)
-
-    async def _run(self, i: int, off: int, buf: bytes) -> None:
-        try:
-            await self._write(off, buf)
-        except Exception as e:
-            if self.error is None:
-                self.error = e
-        finally:
-            del self._inflight[i]
-            self._slots.release()
-            if not self._inflight:
-                self._idle.set()
+        with self._cond:
+            self._queue.append((off, buf))
+            self._pending += 1
+            if self._running:
+                self._cond.notify()
+                return
+            self._running = True
+        trio.lowlevel.start_thread_soon(self._run, _ignore)
 
     async def drain(self) -> None:
         """Wait until every queued write is in the file. Raises the first failure."""
-        await self._idle.wait()
+        await self._wait_until(0)
         if self.error is not None:
             raise self.error
+
+    async def _wait_until(self, most: int) -> None:
+        with self._cond:
+            if self._pending <= most:
+                return
+            ev = self._wake = trio.Event()
+            self._want = most
+        try:
+            await ev.wait()
+        finally:
+            with self._cond:
+                if self._wake is ev:
+                    self._wake = None
+
+    def _run(self) -> None:
+        """The writer thread: write the queue in order; exit once it stays empty."""
+        while True:
+            with self._cond:
+                if not self._queue:
+                    self._cond.wait(LINGER)
+                    if not self._queue:
+                        self._running = False
+                        return
+                off, buf = self._queue.popleft()
+            if self.error is None:
+                try:
+                    self._write(off, buf)
+                except BaseException as e:  # kept for submit/drain, which raise it
+                    self.error = e
+            del buf
+            with self._cond:
+                self._pending -= 1
+                ev = self._wake
+                if ev is None or self._pending > self._want:
+                    continue
+                self._wake = None
+            # RunFinishedError: the loop is gone, nobody waits any more
+            with contextlib.suppress(trio.RunFinishedError):
+                self._token.run_sync_soon(ev.set)
+
+
+def _ignore(_outcome: object) -> None:
+    pass

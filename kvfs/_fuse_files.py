@@ -146,6 +146,7 @@ class FileOps:
                 held[1].size,
                 self.read_ahead,
                 self.nursery,
+                self.engine.tier.unit,
             )
         fh = self._fh(h)
         return pyfuse3.FileInfo(fh=fh, direct_io=direct, keep_cache=not direct)
@@ -176,11 +177,7 @@ class FileOps:
         try:
             if self.nursery is not None and self.write_behind > 0:
                 if h.behind is None:
-                    h.behind = WriteBehind(
-                        functools.partial(self._thread, node.pending.writer.write),
-                        self.write_behind,
-                        self.nursery,
-                    )
+                    h.behind = WriteBehind(node.pending.writer.write, self.write_behind)
                 await h.behind.submit(off, buf)
                 return len(buf)
             return await self._thread(node.pending.writer.write, off, buf)
