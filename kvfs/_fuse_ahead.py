@@ -35,7 +35,8 @@ class _Slot:
 
 
 class ReadAhead:
-    """Prefetch up to ``depth`` requests past the last sequential read of a ``size``-byte page."""
+    """Prefetch up to ``depth`` requests past the last sequential read of a ``size``-byte page,
+    in fetches that end at multiples of ``align`` (the stripe unit) where requests allow."""
 
     def __init__(
         self,
@@ -43,8 +44,10 @@ class ReadAhead:
         size: int,
         depth: int,
         nursery: trio.Nursery,
+        align: int = 0,
     ) -> None:
         self._fetch = fetch
+        self._align = align
         self._size = size
         self._depth = depth
         self._nursery = nursery
@@ -63,7 +66,8 @@ class ReadAhead:
         if sequential and n > 0:
             self._schedule(off + n, n)
         if slot is not None and slot.n == n:
-            await slot.done.wait()
+            if not slot.done.is_set():  # already in: answer without a trip through the loop
+                await slot.done.wait()
             if slot.data is not None:
                 return slot.data
         return await self._fetch(off, n)
@@ -80,6 +84,8 @@ class ReadAhead:
                 self._slots[pos] = slot
                 slots.append(slot)
                 pos += n
+                if self._align > n and pos % self._align == 0:
+                    break  # a fetch within one stripe unit: one pread, no joining of pieces
             self._nursery.start_soon(self._fill, pos - len(slots) * n, slots)
         self._ahead_end = max(self._ahead_end, pos)
 
