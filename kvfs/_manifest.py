@@ -116,15 +116,23 @@ class ArchiveIndex:
     def adopt_local(self, h: bytes, extents: tuple, disk_bytes: int) -> BlobRow | None:
         """Record restored files as the local copy of an archive-only blob; None when the
         blob is gone or already local again (the caller removes its files)."""
+        return self.adopt_local_many([(h, extents, disk_bytes)])[0]
+
+    def adopt_local_many(self, items: list[tuple[bytes, tuple, int]]) -> list[BlobRow | None]:
+        """:meth:`adopt_local` for several blobs in one transaction (one fsync)."""
+        out: list[BlobRow | None] = []
         with self.index.transaction() as db:
-            n = db.execute(
-                "UPDATE blobs SET extents=?, disk_bytes=? WHERE hash=? AND extents IS NULL",
-                (_pack([list(e) for e in extents]), disk_bytes, h),
-            ).rowcount
-            if n == 0:
-                return None
-            r = db.execute(f"SELECT {_BLOB_COLS} FROM blobs WHERE hash=?", (h,)).fetchone()
-            return _blob(r)
+            for h, extents, disk_bytes in items:
+                n = db.execute(
+                    "UPDATE blobs SET extents=?, disk_bytes=? WHERE hash=? AND extents IS NULL",
+                    (_pack([list(e) for e in extents]), disk_bytes, h),
+                ).rowcount
+                if n == 0:
+                    out.append(None)
+                    continue
+                r = db.execute(f"SELECT {_BLOB_COLS} FROM blobs WHERE hash=?", (h,)).fetchone()
+                out.append(_blob(r))
+        return out
 
     def droppable(self, h: bytes, session: str | None) -> bool:
         """No pinned page or pinned session holds ``h``, other than ``session`` (asked for)."""

@@ -82,7 +82,11 @@ class Spiller:
     async def _verify_referenced(self, hashes: list[bytes]) -> None:
         """Every blob a fresh manifest names exists (another host may have collected one
         between our HEAD and our manifest): re-upload what is missing before dropping.
-        Blobs this spill stored itself are not asked again."""
+        Blobs this spill stored itself are not asked again. With upload workers the HEADs
+        (and any re-upload) run there, out of the daemon's GIL."""
+        if self.policy.uploads is not None:
+            await self.policy.ensure_archived(hashes)
+            return
         limit = trio.CapacityLimiter(self.policy.cfg.concurrency)
 
         async def one(h: bytes) -> None:
@@ -98,7 +102,8 @@ class Spiller:
 
     def _drop_all(self, hashes: list[bytes], d: str) -> None:
         """Drop the local copies the session no longer needs: one index transaction for all
-        of them (a commit per page cost 1-2 ms of fsync each), then the files."""
+        of them (a commit per page cost 1-2 ms of fsync each), then the files, several at
+        once."""
         idx, eng = self.engine.index, self.engine
         want = []
         for h in hashes:
@@ -111,8 +116,8 @@ class Spiller:
                 and self.aindex.droppable(h, d)
             ):
                 want.append(h)
-        for row in self.aindex.drop_local_many(want):
-            self.policy.forget_local(row, "spill")
+        rows = self.aindex.drop_local_many(want)
+        list(self.policy._io.map(lambda r: self.policy.forget_local(r, "spill"), rows))
 
     def _encode_local(self, h: bytes) -> bytes:
         from ._codec import encode

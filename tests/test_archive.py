@@ -289,3 +289,40 @@ def test_rename_and_replace_keep_manifests_consistent(make_config, s3_server) ->
         assert len(s3_server.keys(bucket, "blobs/")) == 1
         assert [x["pages"] for x in s.archived_sessions()] == [1]
         assert s.get(a1) == kv_page(1)
+
+
+def test_session_restore_with_a_corrupt_object_restores_the_rest(make_config, s3_server) -> None:  # noqa: ANN001
+    bucket = s3_server.new_bucket()
+    url = f"s3://{bucket}?endpoint={s3_server.endpoint}"
+    with kvfs.open_store_sync(archived_cfg(make_config, url, concurrency=2)) as s:
+        data = fill(s, "a", 8)
+        s.spill("a")
+        keys = list(data)
+        bad = keys[3]
+        from kvfs._codec import encode
+
+        forged, _ = encode(bytes(len(data[bad])), codec="zstd")  # valid object, wrong bytes
+        s3_server.client().put_object(
+            Bucket=bucket, Key=f"blobs/{s.stat(bad).checksum}", Body=forged
+        )
+        results: list[bytes] = []
+        readers = [
+            threading.Thread(target=lambda k=k: results.append(s.get(k)))  # type: ignore[misc]
+            for k in keys[:2]
+        ]
+        for t in readers:  # readers racing the session restore for the same pages
+            t.start()
+        with pytest.raises(kvfs.CorruptPage, match="checksum"):
+            s.restore("a")
+        for t in readers:
+            t.join()
+        assert sorted(results) == sorted(data[k] for k in keys[:2])
+        assert s.stat(bad).tier == "archive"  # never adopted
+        assert [s.stat(k).tier for k in keys if k != bad] == ["local+archive"] * 7
+        for k in keys:
+            if k != bad:
+                assert s.get(k) == data[k]
+        st = s.statistics()
+        assert st.extra["archive"]["blobs_restored"] == 7
+        assert st.used_bytes > 0
+        assert s.fsck()["orphans"] == []
