@@ -29,7 +29,7 @@ from typing import Any
 
 import msgpack
 
-__all__ = ["BlobRow", "Index", "PageRow", "SessionRow"]
+__all__ = ["BlobRow", "Index", "PageCommit", "PageRow", "SessionRow"]
 
 SCHEMA_VERSION = 1
 
@@ -140,13 +140,32 @@ def _page(r: tuple) -> PageRow:
     return PageRow(r[0], r[1], r[2], r[3], r[4], r[5], bool(r[6]), dict(_unpack(r[7], {})))  # type: ignore[arg-type]
 
 
+@dataclass(frozen=True, slots=True)
+class PageCommit:
+    """One page for :meth:`Index.commit_page` to publish: its row, and its blob's when the
+    content is new. ``extents`` None: share the blob of checksum ``h`` already held locally."""
+
+    path: str
+    session: str
+    h: bytes
+    size: int
+    leaves: bytes
+    extents: Iterable[Extent] | None
+    disk_bytes: int
+    attrs: dict[str, str]
+    pinned: bool
+    replace: bool
+    session_attrs: dict[str, str]
+
+
 class _Pending:
     """One queued :meth:`Index.commit_page` call."""
 
-    __slots__ = ("done", "error", "kw", "result")
+    __slots__ = ("commit", "done", "error", "now", "result")
 
-    def __init__(self, kw: dict[str, object]) -> None:
-        self.kw = kw
+    def __init__(self, commit: PageCommit, now: float) -> None:
+        self.commit = commit
+        self.now = now
         self.done = threading.Event()
         self.result: tuple[bool, BlobRow | None, PageRow | None] | None = None
         self.error: Exception | None = None
@@ -330,20 +349,7 @@ class Index:
 
     # -- writes -------------------------------------------------------------------------
     def commit_page(
-        self,
-        *,
-        path: str,
-        session: str,
-        h: bytes,
-        size: int,
-        leaves: bytes,
-        extents: Iterable[Extent] | None,
-        disk_bytes: int,
-        attrs: dict[str, str],
-        pinned: bool,
-        replace: bool,
-        session_attrs: dict[str, str],
-        now: float | None = None,
+        self, c: PageCommit, *, now: float | None = None
     ) -> tuple[bool, BlobRow | None, PageRow | None]:
         """Publish a page in one transaction.
 
@@ -358,22 +364,7 @@ class Index:
         in its own savepoint, so one call's error leaves the others' pages intact. A caller
         returns only after the transaction holding its page is committed.
         """
-        req = _Pending(
-            dict(
-                path=path,
-                session=session,
-                h=h,
-                size=size,
-                leaves=leaves,
-                extents=extents,
-                disk_bytes=disk_bytes,
-                attrs=attrs,
-                pinned=pinned,
-                replace=replace,
-                session_attrs=session_attrs,
-                now=time.time() if now is None else now,
-            )
-        )
+        req = _Pending(c, time.time() if now is None else now)
         with self._gc_lock:
             self._gc_queue.append(req)
             lead = not self._gc_leading
@@ -398,7 +389,7 @@ class Index:
                     for r in batch:
                         db.execute("SAVEPOINT page")
                         try:
-                            r.result = self._commit_page(db, **r.kw)  # type: ignore[arg-type]
+                            r.result = self._commit_page(db, r.commit, r.now)
                         except Exception as e:
                             db.execute("ROLLBACK TO page")
                             r.error = e
@@ -419,26 +410,13 @@ class Index:
                 r.done.set()
 
     def _commit_page(
-        self,
-        db: sqlite3.Connection,
-        *,
-        path: str,
-        session: str,
-        h: bytes,
-        size: int,
-        leaves: bytes,
-        extents: Iterable[Extent] | None,
-        disk_bytes: int,
-        attrs: dict[str, str],
-        pinned: bool,
-        replace: bool,
-        session_attrs: dict[str, str],
-        now: float,
+        self, db: sqlite3.Connection, c: PageCommit, now: float
     ) -> tuple[bool, BlobRow | None, PageRow | None]:
         """One page's changes, inside the caller's transaction and savepoint."""
+        path, h, extents, disk_bytes = c.path, c.h, c.extents, c.disk_bytes
         old = db.execute(f"SELECT {_PAGE_COLS} FROM pages WHERE path=?", (path,)).fetchone()
         old_page = _page(old) if old else None
-        if old_page is not None and not replace:
+        if old_page is not None and not c.replace:
             raise KeyError(path)
         existing = db.execute(f"SELECT {_BLOB_COLS} FROM blobs WHERE hash=?", (h,)).fetchone()
         used_new = True
@@ -449,8 +427,8 @@ class Index:
                 f"INSERT INTO blobs ({_BLOB_COLS}) VALUES (?,?,?,?,?,?,?,?,?)",
                 (
                     h,
-                    size,
-                    leaves,
+                    c.size,
+                    c.leaves,
                     1,
                     _pack(list(extents)) if extents is not None else None,
                     disk_bytes if extents is not None else 0,
@@ -477,9 +455,9 @@ class Index:
                 db.execute("UPDATE blobs SET refs=refs-1 WHERE hash=?", (h,))
         db.execute(
             f"INSERT INTO pages ({_PAGE_COLS}) VALUES (?,?,?,?,?,?,?,?)",
-            (path, session, h, size, now, now, int(pinned), _pack(attrs)),
+            (path, c.session, h, c.size, now, now, int(c.pinned), _pack(c.attrs)),
         )
-        self._touch_session(db, session, now, session_attrs)
+        self._touch_session(db, c.session, now, c.session_attrs)
         return used_new, freed, old_page
 
     @staticmethod

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 from ._aligned import aligned_buffer
 from ._checksum import LEAF, leaf_hash, tree_hash
 from ._errors import InvalidKey, PageExists, PageNotFound
+from ._index import PageCommit
 from ._keys import PageKey
 from ._local import BlobWriter
 from ._types import PageInfo
@@ -202,17 +203,19 @@ def commit(
     sess_attrs = {"model": attrs["model"]} if "model" in attrs else {}
     try:
         used_new, freed, _old = eng.index.commit_page(
-            path=k.path,
-            session=k.session_dir,
-            h=h,
-            size=size,
-            leaves=leaves,
-            extents=extents,
-            disk_bytes=disk,
-            attrs=attrs,
-            pinned=pin,
-            replace=replace,
-            session_attrs=sess_attrs,
+            PageCommit(
+                path=k.path,
+                session=k.session_dir,
+                h=h,
+                size=size,
+                leaves=leaves,
+                extents=extents,
+                disk_bytes=disk,
+                attrs=attrs,
+                pinned=pin,
+                replace=replace,
+                session_attrs=sess_attrs,
+            )
         )
     except LookupError as e:
         if w is not None:

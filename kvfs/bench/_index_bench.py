@@ -22,6 +22,7 @@ from typing import Any
 
 import kvfs
 from kvfs._engine import Engine
+from kvfs._index import PageCommit
 
 __all__ = ["print_index_bench", "run_index_bench"]
 
@@ -31,17 +32,19 @@ TIMED_COMMITS = 2000
 def _commit(eng: Engine, i: int) -> None:
     h = i.to_bytes(8, "little") + os.urandom(24)
     eng.index.commit_page(
-        path=f"sessions/s{i % 1000}/p{i // 1000}/layer-{i % 80:03d}",
-        session=f"sessions/s{i % 1000}",
-        h=h,
-        size=4 << 20,
-        leaves=b"\0" * 128,
-        extents=[(0, f"blobs/{h.hex()[:2]}/{h.hex()}", 4096, 4 << 20)],
-        disk_bytes=(4 << 20) + 4096,
-        attrs={"model": "bench"},
-        pinned=False,
-        replace=True,
-        session_attrs={},
+        PageCommit(
+            path=f"sessions/s{i % 1000}/p{i // 1000}/layer-{i % 80:03d}",
+            session=f"sessions/s{i % 1000}",
+            h=h,
+            size=4 << 20,
+            leaves=b"\0" * 128,
+            extents=[(0, f"blobs/{h.hex()[:2]}/{h.hex()}", 4096, 4 << 20)],
+            disk_bytes=(4 << 20) + 4096,
+            attrs={"model": "bench"},
+            pinned=False,
+            replace=True,
+            session_attrs={},
+        )
     )
 
 
