@@ -30,6 +30,7 @@ import queue
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -358,11 +359,13 @@ class _Workers:
         return sorted(s.proc.pid for s in self.slots if s.proc is not None)
 
     def shutdown(self) -> None:
-        """Let the jobs queued so far finish, then stop the workers."""
+        """Stop the workers: idle ones at once, busy ones after a short grace (nobody is
+        left to use their answers; an interrupted upload is redone by the next spill)."""
         for _ in self.slots:
             self._queue.put(None)
+        end = time.monotonic() + 5
         for t in self._threads:
-            t.join(timeout=60)
+            t.join(timeout=max(0.0, end - time.monotonic()))
         for slot in self.slots:
             if slot.proc is not None and slot.proc.poll() is None:
                 slot.proc.kill()
