@@ -30,7 +30,15 @@ from typing import Any
 
 import msgpack
 
-from ._aligned import ALIGN, BouncePool, aligned_buffer, is_aligned, open_direct, round_up
+from ._aligned import (
+    ALIGN,
+    BouncePool,
+    address_of,
+    aligned_buffer,
+    is_aligned,
+    open_direct,
+    round_up,
+)
 from ._errors import CapacityExceeded, KvfsError
 from ._index import Extent
 
@@ -39,6 +47,7 @@ __all__ = ["HEADER", "BlobWriter", "LocalTier", "Piece"]
 HEADER = 4096
 MAGIC = b"KVFSBLB1"
 MAX_PIECE = 8 << 20
+_IOV_MAX = 1024  # buffers per pwritev (Linux's IOV_MAX)
 #: A buffered writer starts writeback (sync_file_range, asynchronous) every this many bytes
 #: written to a file, so the fdatasync at the end waits for the tail only, not the whole file.
 KICK_BYTES = 4 << 20
@@ -399,11 +408,85 @@ class BlobWriter:
                 if b is not None:
                     self.tier.bounce.give(b)
         except OSError as e:
-            if e.errno in (28, 122):  # ENOSPC, EDQUOT
-                raise CapacityExceeded(
-                    f"device {self.tier.roots[dev]} is full: {e.strerror}"
-                ) from e
-            raise
+            full = self._full(dev, e)
+            if full is e:
+                raise
+            raise full from e
+
+    def write_whole(self, data: memoryview) -> None:
+        """Write a whole blob held in one buffer: one vectored write per device file (its
+        header and every chunk it holds, in file order), the other devices' files on the
+        tier's pool, this device's in the calling thread.
+
+        One large write per file is what the raw baseline does; cutting the blob into
+        stripe-unit writes on a pool instead costs a thread hop per piece and, on ext4,
+        serialised extending O_DIRECT writes to the same inode (measured: 16 MiB in four
+        parallel 4 MiB writes ~1.5x the time of one). Buffers that O_DIRECT cannot take
+        (unaligned address, buffered writer) go piece by piece through :meth:`write`.
+        """
+        size = len(data)
+        if not (self.direct and size and address_of(data) % ALIGN == 0):
+            self._write_pieces(data)
+            return
+        unit, n = self.tier.unit, self.tier.n
+        tail = size % ALIGN  # the last chunk's unaligned end goes through a bounce buffer
+        body = size - tail
+        spans: dict[int, list[memoryview]] = {}
+        for c in range(-(-body // unit)):
+            dev = (self.start + c) % n
+            spans.setdefault(dev, []).append(data[c * unit : min(body, (c + 1) * unit)])
+        futs: list[Future[None]] = []
+        try:
+            devs = list(spans)
+            for dev in devs[1:]:
+                futs.append(self.tier.pool.submit(self._write_spans, dev, spans[dev]))
+            if devs:
+                self._write_spans(devs[0], spans[devs[0]])
+        finally:
+            errors = [f.exception() for f in futs]  # every write is over before any abort
+        for e in errors:
+            if e is not None:
+                raise e
+        if tail:
+            self.write(body, data[body:])
+        with self._lock:
+            self.size = max(self.size, size)
+
+    def _write_spans(self, dev: int, spans: list[memoryview]) -> None:
+        """One device file's header and chunks (aligned, contiguous in the file)."""
+        try:
+            fd, _direct = self._fd(dev)  # buffered where the filesystem refuses O_DIRECT
+            hdr = self._take_header(dev)
+            bufs = ([hdr] if hdr is not None else []) + spans
+            off = 0 if hdr is not None else HEADER
+            for i in range(0, len(bufs), _IOV_MAX):
+                batch = bufs[i : i + _IOV_MAX]
+                _pwritev_full(fd, batch, off)
+                off += sum(len(b) for b in batch)
+        except OSError as e:
+            full = self._full(dev, e)
+            if full is e:
+                raise
+            raise full from e
+
+    def _write_pieces(self, data: memoryview) -> None:
+        piece = self.tier.piece
+        futs = [
+            self.tier.pool.submit(self.write, o, data[o : o + piece])
+            for o in range(piece, len(data), piece)
+        ]
+        try:
+            self.write(0, data[:piece])
+        finally:
+            errors = [f.exception() for f in futs]
+        for e in errors:
+            if e is not None:
+                raise e
+
+    def _full(self, dev: int, e: OSError) -> OSError:
+        if e.errno in (28, 122):  # ENOSPC, EDQUOT
+            return CapacityExceeded(f"device {self.tier.roots[dev]} is full: {e.strerror}")
+        return e
 
     def _kick(self, dev: int, fd: int, n: int) -> None:
         """Start writing back a buffered file's dirty pages once KICK_BYTES accumulated."""

@@ -152,28 +152,24 @@ def put(
     eng._reserve(need)
     w = eng.tier.writer(start_device(eng, k), direct=True)
     try:
-        # The writes are submitted first, so their I/O is under way before hashing takes
-        # the CPUs; then the leaves are hashed on the hash pool and in this thread. A
-        # page hashed already (small) is written by this thread: no hop to a pool.
-        piece = eng.tier.piece
-        writes = [
-            eng.io_pool.submit(w.write, o, mv[o : o + piece])
-            for o in range(piece if leaves is not None else 0, size, piece)
-        ]
+        # This thread writes (one vectored write per device file, see write_whole) while
+        # the hash pool hashes the leaves: the write is the long pole, and starting it here
+        # saves a hop to a pool. Small pages were hashed already.
+        hashing = (
+            []
+            if leaves is not None
+            else [
+                eng.hash_pool.submit(leaves_now, mv[o : o + HASH_GROUP])
+                for o in range(0, size, HASH_GROUP)
+            ]
+        )
         try:
-            if leaves is not None:
-                if size:
-                    w.write(0, mv[:piece])
-            else:
-                groups = range(0, size, HASH_GROUP)
-                hashing = [
-                    eng.hash_pool.submit(leaves_now, mv[o : o + HASH_GROUP]) for o in groups[:-1]
-                ]
-                last = leaves_now(mv[groups[-1] :])
-                leaves = b"".join(f.result() for f in hashing) + last
+            w.write_whole(mv)
         finally:
-            # Every write must be over before abort() may close the files under it.
-            wait_all(writes)
+            # Hashing reads the caller's buffer: it is over before put returns or raises.
+            done = [f.result() for f in hashing]
+        if leaves is None:
+            leaves = b"".join(done)
         extents, disk = w.finish(size)
     except BaseException:
         w.abort()
