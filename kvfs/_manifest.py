@@ -87,6 +87,14 @@ class ArchiveIndex:
         ]
 
     def done(self, kind: str, keys: list[str]) -> None:
+        # Usually nothing is queued (a plain spill): a read, not a write transaction whose
+        # fsync would hold the index lock that foreground reads need. Something queued after
+        # the read stays queued, which is right: it asked for a newer manifest.
+        keys = [
+            k
+            for k in keys
+            if self.index._q("SELECT 1 FROM archive_pending WHERE kind=? AND k=?", (kind, k))
+        ]
         if keys:
             with self.index.transaction() as db:
                 db.executemany(
