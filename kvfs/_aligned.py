@@ -13,6 +13,7 @@ __all__ = [
     "ALIGN",
     "BouncePool",
     "address_of",
+    "as_bytes_view",
     "aligned_buffer",
     "is_aligned",
     "open_direct",
@@ -76,3 +77,16 @@ class BouncePool:
         with self._cv:
             self._free.append(buf)
             self._cv.notify()
+
+
+def as_bytes_view(data: object) -> memoryview:
+    try:
+        mv = memoryview(data)  # type: ignore[arg-type]
+    except TypeError:
+        raise TypeError(
+            f"page data must be a buffer (bytes, bytearray, numpy array...), "
+            f"not {type(data).__name__}"
+        ) from None
+    if not mv.c_contiguous:
+        raise ValueError("page data must be a C-contiguous buffer")
+    return mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv

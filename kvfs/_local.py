@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import os
 import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,7 +43,7 @@ from ._aligned import (
 from ._errors import CapacityExceeded, KvfsError
 from ._index import Extent
 
-__all__ = ["HEADER", "BlobWriter", "LocalTier", "Piece"]
+__all__ = ["HEADER", "BlobWriter", "LocalTier", "Piece", "run_beside", "wait_all"]
 
 HEADER = 4096
 MAGIC = b"KVFSBLB1"
@@ -273,6 +274,37 @@ class LocalTier:
         return removed
 
 
+def run_beside(pool: ThreadPoolExecutor, calls: list[Callable[[], object]]) -> None:
+    """Run the first call in this thread and the others on ``pool``; return once every one
+    is over (so a caller may then close or remove what they use), raising the first error."""
+    futs = [pool.submit(c) for c in calls[1:]]
+    first: BaseException | None = None
+    try:
+        if calls:
+            calls[0]()
+    except BaseException as e:
+        first = e
+    for f in futs:
+        try:
+            f.result()
+        except BaseException as e:
+            first = first or e
+    if first is not None:
+        raise first
+
+
+def wait_all(futs: list[Future[None]]) -> None:
+    """Wait for every future; then raise the first error, if any."""
+    first: BaseException | None = None
+    for f in futs:
+        try:
+            f.result()
+        except BaseException as e:
+            first = first or e
+    if first is not None:
+        raise first
+
+
 class CorruptedFile(KvfsError, OSError):
     def __init__(self, path: str, why: str) -> None:
         super().__init__(f"{path}: {why}")
@@ -435,18 +467,9 @@ class BlobWriter:
         for c in range(-(-body // unit)):
             dev = (self.start + c) % n
             spans.setdefault(dev, []).append(data[c * unit : min(body, (c + 1) * unit)])
-        futs: list[Future[None]] = []
-        try:
-            devs = list(spans)
-            for dev in devs[1:]:
-                futs.append(self.tier.pool.submit(self._write_spans, dev, spans[dev]))
-            if devs:
-                self._write_spans(devs[0], spans[devs[0]])
-        finally:
-            errors = [f.exception() for f in futs]  # every write is over before any abort
-        for e in errors:
-            if e is not None:
-                raise e
+        run_beside(
+            self.tier.pool, [functools.partial(self._write_spans, d, s) for d, s in spans.items()]
+        )
         if tail:
             self.write(body, data[body:])
         with self._lock:
@@ -471,17 +494,13 @@ class BlobWriter:
 
     def _write_pieces(self, data: memoryview) -> None:
         piece = self.tier.piece
-        futs = [
-            self.tier.pool.submit(self.write, o, data[o : o + piece])
-            for o in range(piece, len(data), piece)
-        ]
-        try:
-            self.write(0, data[:piece])
-        finally:
-            errors = [f.exception() for f in futs]
-        for e in errors:
-            if e is not None:
-                raise e
+        run_beside(
+            self.tier.pool,
+            [
+                functools.partial(self.write, o, data[o : o + piece])
+                for o in range(0, max(1, len(data)), piece)
+            ],
+        )
 
     def _full(self, dev: int, e: OSError) -> OSError:
         if e.errno in (28, 122):  # ENOSPC, EDQUOT
@@ -521,15 +540,10 @@ class BlobWriter:
                 os.ftruncate(fd, want.get(dev, HEADER))
         if self.tier.durable:
             # fdatasync: the data, the block allocation and the size; not timestamps.
-            fds = [fd for fd, _direct in self._fds.values()]
-            futs: list[Future[None]] = [self.tier.pool.submit(os.fdatasync, fd) for fd in fds[1:]]
-            try:
-                os.fdatasync(fds[0])
-            finally:  # all of them finish before abort() may close the files
-                errors = [f.exception() for f in futs]
-            for e in errors:
-                if e is not None:
-                    raise e
+            run_beside(
+                self.tier.pool,
+                [functools.partial(os.fdatasync, fd) for fd, _direct in self._fds.values()],
+            )
         if self.tier.durable:
             for dev in self._fds:
                 _fsync_dir(os.path.dirname(self.tier.abspath(dev, self.rel)))

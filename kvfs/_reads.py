@@ -15,14 +15,13 @@ from collections.abc import Iterable
 from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
-from ._aligned import aligned_buffer
+from ._aligned import aligned_buffer, as_bytes_view
 from ._checksum import DIGEST, LEAF, leaf_hash, leaf_hasher
 from ._errors import CorruptPage, InvalidKey, KvfsError, PageNotFound, SessionNotFound
 from ._index import BlobRow, PageRow
 from ._keys import PageKey, session_dir
-from ._local import CorruptedFile
+from ._local import CorruptedFile, wait_all
 from ._types import Extent, PageInfo, SessionInfo
-from ._writes import as_bytes_view, wait_all
 
 if TYPE_CHECKING:
     from ._engine import Engine

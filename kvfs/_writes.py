@@ -27,18 +27,19 @@ from collections import Counter
 from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
-from ._aligned import aligned_buffer
+from ._aligned import aligned_buffer, as_bytes_view
 from ._checksum import LEAF, leaf_hash, tree_hash
 from ._errors import InvalidKey, PageExists, PageNotFound
-from ._index import PageCommit
+from ._index import BlobRow, PageCommit, PageRow
 from ._keys import PageKey
 from ._local import BlobWriter
+from ._reads import page_info
 from ._types import PageInfo
 
 if TYPE_CHECKING:
     from ._engine import Engine
 
-__all__ = ["PageWriter", "as_bytes_view", "check_attrs", "leaves_now", "put", "wait_all"]
+__all__ = ["PageWriter", "check_attrs", "leaves_now", "put"]
 
 HASH_GROUP = 2 * LEAF  # leaves hashed per task when a put hashes beside its writes
 #: Pages up to this size are hashed before they are written, so a duplicate costs no write;
@@ -55,31 +56,6 @@ def check_attrs(attrs: dict[str, str] | None) -> dict[str, str]:
         if not isinstance(k, str) or not isinstance(v, str):
             raise InvalidKey(f"attrs must map str to str; got {k!r}: {type(v).__name__}")
     return dict(attrs)
-
-
-def as_bytes_view(data: object) -> memoryview:
-    try:
-        mv = memoryview(data)  # type: ignore[arg-type]
-    except TypeError:
-        raise TypeError(
-            f"page data must be a buffer (bytes, bytearray, numpy array...), "
-            f"not {type(data).__name__}"
-        ) from None
-    if not mv.c_contiguous:
-        raise ValueError("page data must be a C-contiguous buffer")
-    return mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv
-
-
-def wait_all(futs: builtins.list[Future[None]]) -> None:
-    """Wait for every future; then raise the first error, if any."""
-    first: BaseException | None = None
-    for f in futs:
-        try:
-            f.result()
-        except BaseException as e:
-            first = first or e
-    if first is not None:
-        raise first
 
 
 def start_device(eng: Engine, k: PageKey) -> int:
@@ -197,6 +173,7 @@ def commit(
 ) -> PageInfo:
     """Publish a written (or shared) page in the index and settle the accounting."""
     sess_attrs = {"model": attrs["model"]} if "model" in attrs else {}
+    now = time.time()
     try:
         used_new, freed, _old = eng.index.commit_page(
             PageCommit(
@@ -211,7 +188,8 @@ def commit(
                 pinned=pin,
                 replace=replace,
                 session_attrs=sess_attrs,
-            )
+            ),
+            now=now,
         )
     except LookupError as e:
         if w is not None:
@@ -229,13 +207,17 @@ def commit(
         # Identical data was already held: share it. The redundant files go before their
         # reservation is released, so bytes on disk never exceed the cap.
         w.abort()
+    # A fresh blob's rows are known without reading them back (a put's last query saved).
+    fresh = (
+        BlobRow(h, size, leaves, 1, extents, disk, False, now, now)
+        if used_new and extents is not None
+        else None
+    )
     with eng._cap_changed:
         eng.reserved -= reserved
         eng._cap_changed.notify_all()
-        if used_new and extents is not None:
-            b = eng.index.blob(h)
-            assert b is not None
-            eng._account(b, +1)
+        if fresh is not None:
+            eng._account(fresh, +1)
     with eng._cap_lock:
         eng._counters["puts"] += 1
         eng._counters["bytes_written"] += size
@@ -246,23 +228,14 @@ def commit(
         eng.policy.forget_blob(freed)
     if _old is not None and _old.hash != h:
         eng.policy.pages_removed([_old])  # a replace: the archive's manifest is stale
-    try:
-        return eng.stat(k)
-    except PageNotFound:
-        # Under pressure another thread's eviction may already have taken the page it
-        # just became: the put still succeeded. Report the page as it was committed.
-        now = time.time()
-        return PageInfo(
-            path=k.path,
-            session=k.session,
-            size=size,
-            checksum=h.hex(),
-            created=now,
-            atime=now,
-            pinned=pin,
-            tier="local",
-            attrs=attrs,
-        )
+    if fresh is None:
+        try:
+            return eng.stat(k)
+        except PageNotFound:
+            pass  # evicted at once by another thread's pressure: the put still succeeded
+        fresh = BlobRow(h, size, leaves, 1, None, 0, False, now, now)
+    page = PageRow(k.path, k.session_dir, h, size, now, now, pin, attrs)
+    return page_info(eng, page, fresh)
 
 
 # -- streaming writes ---------------------------------------------------------------------
