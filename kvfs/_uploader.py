@@ -266,8 +266,9 @@ class _Slot:
                     "-c",
                     f"from kvfs._uploader import _serve; _serve({rj}, {wa})",
                 ],
-                pass_fds=(rj, wa),
+                pass_fds=(rj, wa),  # and no other: not the store's lock file, for one
                 stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,  # never into a command's output (--json)
                 env=env,
             )
         except BaseException:
