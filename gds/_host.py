@@ -11,7 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kvfs import CorruptPage, KvfsError
-from kvfs._aligned import ALIGN, BouncePool, address_of, open_direct, round_up
+from kvfs._aligned import ALIGN, BouncePool, address_of, as_bytes_view, open_direct, round_up
 
 from ._source import Piece
 
@@ -41,19 +41,7 @@ def host_view(obj: object, size: int) -> memoryview:
 
     Raises TypeError (not a writable buffer), ValueError (not C-contiguous, too small).
     """
-    try:
-        mv = memoryview(obj)  # type: ignore[arg-type]
-    except TypeError:
-        raise TypeError(
-            f"destination must be a writable buffer (numpy array, bytearray, "
-            f"kvfs.aligned_buffer) or GPU memory, not {type(obj).__name__}"
-        ) from None
-    if mv.readonly:
-        raise TypeError("destination buffer is read-only")
-    if not mv.c_contiguous:
-        raise ValueError("destination buffer must be C-contiguous")
-    if mv.format != "B" or mv.ndim != 1:
-        mv = mv.cast("B")
+    mv = as_bytes_view(obj, "destination", writable=True, kinds="or GPU memory")
     if len(mv) < size:
         raise ValueError(f"destination of {len(mv)} bytes is smaller than the page ({size} bytes)")
     return mv

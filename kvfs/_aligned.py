@@ -79,14 +79,24 @@ class BouncePool:
             self._cv.notify()
 
 
-def as_bytes_view(data: object) -> memoryview:
+def as_bytes_view(
+    data: object, what: str = "page data", *, writable: bool = False, kinds: str = ""
+) -> memoryview:
+    """A flat byte view of a C-contiguous buffer. ``what`` names it in errors; ``kinds``
+    adds to the list of accepted types in the message (``"or GPU memory"``).
+
+    Raises TypeError (not a buffer, or read-only where ``writable``), ValueError (strided).
+    """
     try:
         mv = memoryview(data)  # type: ignore[arg-type]
     except TypeError:
         raise TypeError(
-            f"page data must be a buffer (bytes, bytearray, numpy array...), "
+            f"{what} must be a {'writable ' if writable else ''}buffer (bytes, bytearray, "
+            f"numpy array, kvfs.aligned_buffer){' ' + kinds if kinds else ''}, "
             f"not {type(data).__name__}"
         ) from None
+    if writable and mv.readonly:
+        raise TypeError(f"{what} is read-only")
     if not mv.c_contiguous:
-        raise ValueError("page data must be a C-contiguous buffer")
+        raise ValueError(f"{what} must be a C-contiguous buffer")
     return mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv

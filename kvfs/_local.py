@@ -278,22 +278,14 @@ def run_beside(pool: ThreadPoolExecutor, calls: list[Callable[[], object]]) -> N
     """Run the first call in this thread and the others on ``pool``; return once every one
     is over (so a caller may then close or remove what they use), raising the first error."""
     futs = [pool.submit(c) for c in calls[1:]]
-    first: BaseException | None = None
     try:
         if calls:
             calls[0]()
-    except BaseException as e:
-        first = e
-    for f in futs:
-        try:
-            f.result()
-        except BaseException as e:
-            first = first or e
-    if first is not None:
-        raise first
+    finally:
+        wait_all(futs)
 
 
-def wait_all(futs: list[Future[None]]) -> None:
+def wait_all(futs: list[Future[Any]]) -> None:
     """Wait for every future; then raise the first error, if any."""
     first: BaseException | None = None
     for f in futs:

@@ -44,9 +44,7 @@ def get(eng: Engine, k: PageKey, into: object | None) -> bytes | int:
             buf = aligned_buffer(blob.size)
             _read_verified(eng, page, blob, buf, 0, blob.size)
             return bytes(buf)
-        dest = as_bytes_view(into)
-        if dest.readonly:
-            raise TypeError("the buffer to read into is read-only")
+        dest = as_bytes_view(into, "the buffer to read into", writable=True)
         if len(dest) < blob.size:
             raise ValueError(
                 f"buffer of {len(dest)} bytes is smaller than page {k.path!r} ({blob.size} bytes)"
