@@ -440,8 +440,8 @@ def test_page_writer_racing_writes_to_one_leaf(sync_store: kvfs.SyncStore) -> No
     real = w._w.write
     landed, other_done = threading.Event(), threading.Event()
 
-    def slow_write(off: int, data: memoryview) -> None:
-        real(off, data)
+    def slow_write(page_off: int, data: memoryview) -> None:
+        real(page_off, data)
         if len(data) == MiB:  # the whole-leaf write: let the partial one land after it
             landed.set()
             assert other_done.wait(30)
