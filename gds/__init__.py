@@ -17,7 +17,13 @@ from ._fastpath import BACKENDS, FastPath
 from ._gpu import GPU_SKIP_REASON, BackendUnavailable, gpu_status
 from ._host import UnalignedDestination, is_device_buffer
 from ._loader import LayerLoader, wait
-from ._source import NotAKvfsPage, PageSource, source_from_engine, source_from_mount
+from ._source import (
+    NotAKvfsPage,
+    PageSource,
+    decode_extents,
+    source_from_engine,
+    source_from_mount,
+)
 
 __all__ = [
     "BACKENDS",
@@ -28,6 +34,7 @@ __all__ = [
     "NotAKvfsPage",
     "PageSource",
     "UnalignedDestination",
+    "decode_extents",
     "gpu_status",
     "is_device_buffer",
     "source_from_engine",
