@@ -112,8 +112,9 @@ def _open_store(url: str, options: dict[str, Any]) -> Any:
     if isinstance(other, S3Store):
         st = other.at_prefix(prefix)
     else:
-        # The daemon checked the bucket when it opened; here an outage is retried by the
-        # first request, up to the store's deadline, like any other.
+        # The daemon checked the bucket (and swept a directory's crash leftovers) when it
+        # opened: no check here, so an outage is retried by the first request up to the
+        # store's deadline, and no sweep, which would remove the other workers' puts.
         st = trio.run(lambda: open_objectstore(url, verify=False, **options))
         if isinstance(st, S3Store):
             _stores[base] = st

@@ -51,8 +51,14 @@ class FileStore(ObjectStore):
         self.durable = durable
 
     @classmethod
-    async def open(cls, root: str | Path, *, create: bool = True, **kw: object) -> FileStore:
-        """Open (creating with ``create``) the directory. Raises ArchiveUnavailable."""
+    async def open(
+        cls, root: str | Path, *, create: bool = True, sweep: bool = True, **kw: object
+    ) -> FileStore:
+        """Open (creating with ``create``) the directory and, with ``sweep``, remove the
+        temporary files of puts a crash cut short. Another process that writes to the same
+        directory at that moment loses its in-flight put, so a process that opens a store
+        its parent has opened (kvfs's upload workers) passes ``sweep=False``. Raises
+        ArchiveUnavailable."""
         self = cls(Path(root), **kw)  # type: ignore[arg-type]
 
         def prepare() -> None:
@@ -64,8 +70,9 @@ class FileStore(ObjectStore):
                 )
             tmp = self.root / TMP
             tmp.mkdir(exist_ok=True)
-            for f in tmp.iterdir():  # leftovers of puts a crash interrupted
-                f.unlink(missing_ok=True)
+            if sweep:
+                for f in tmp.iterdir():  # leftovers of puts a crash interrupted
+                    f.unlink(missing_ok=True)
 
         await self._call(prepare, "open")
         return self

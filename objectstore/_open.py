@@ -54,8 +54,10 @@ def parse_url(url: str) -> tuple[str, str, dict[str, Any]]:
 
 async def open_objectstore(url: str, *, verify: bool = True, **opts: Any) -> ObjectStore:
     """Open the object store at ``url``; see the module docstring for URLs and options.
-    ``verify=False`` skips the S3 bucket check (for a process that opens a store another
-    one has already checked: its first request then retries up to ``deadline`` instead).
+    ``verify=False`` is for a process that opens a store another one has already opened
+    (kvfs's upload workers): no S3 bucket check (its first request retries up to
+    ``deadline`` instead), and no sweep of a ``file://`` directory's crash leftovers (which
+    would remove the other process's in-flight puts).
 
     Raises ValueError (malformed URL or option) and ArchiveUnavailable (unreachable endpoint,
     missing bucket or directory, access denied) with the cause named.
@@ -76,6 +78,7 @@ async def open_objectstore(url: str, *, verify: bool = True, **opts: Any) -> Obj
         return await FileStore.open(
             where,
             backoff=backoff,
+            sweep=verify,
             **{k: v for k, v in merged.items() if k in ("create", "durable")},
         )
     known = {

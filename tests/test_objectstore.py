@@ -178,3 +178,18 @@ async def test_filestore_crash_leftovers_are_invisible(tmp_path: Path) -> None:
     s2 = await FileStore.open(root)
     assert not (root / ".objectstore-tmp" / "deadbeef").exists()
     assert await s2.get("k") == b"v"
+
+
+async def test_second_opener_without_sweep_keeps_in_flight_puts(tmp_path: Path) -> None:
+    # kvfs's upload workers open the directory their daemon opened: a sweep there would
+    # remove a sibling worker's temporary file between its write and its link.
+    root = tmp_path / "arch"
+    await FileStore.open(root)
+    inflight = root / ".objectstore-tmp" / "0123abcd"
+    inflight.write_bytes(b"being written by another process")
+    s = await open_objectstore(f"file://{root}", verify=False)
+    assert inflight.exists()
+    assert await s.put("k", b"v", if_absent=True)
+    assert await s.get("k") == b"v"
+    await open_objectstore(f"file://{root}")  # a first opener sweeps, as after a crash
+    assert not inflight.exists()
