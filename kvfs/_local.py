@@ -220,7 +220,8 @@ class LocalTier:
             own = True
         try:
             if not direct:
-                _pread_full(fd, target, p.file_off)
+                if _pread_full(fd, target, p.file_off, allow_short=True) < p.n:
+                    raise CorruptedFile(path, "data file is shorter than its extents")
                 return
             head = p.n - p.n % ALIGN if p.file_off % ALIGN == 0 else 0
             if head and is_aligned(target[:head]):

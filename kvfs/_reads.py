@@ -10,7 +10,6 @@ state they use; the engine's public methods are the entry points and hold the le
 from __future__ import annotations
 
 import builtins
-import os
 from collections.abc import Iterable
 from concurrent.futures import Future
 from typing import TYPE_CHECKING
@@ -20,7 +19,7 @@ from ._checksum import DIGEST, LEAF, leaf_hash, leaf_hasher
 from ._errors import CorruptPage, InvalidKey, KvfsError, PageNotFound, SessionNotFound
 from ._index import BlobRow, PageRow
 from ._keys import PageKey, session_dir
-from ._local import CorruptedFile, wait_all
+from ._local import wait_all
 from ._types import Extent, PageInfo, SessionInfo
 
 if TYPE_CHECKING:
@@ -87,31 +86,19 @@ def read_held(
     return buf[offset - lo : end - lo]
 
 
-def _read_buffered(eng: Engine, page: PageRow, blob: BlobRow, off: int, n: int) -> bytes:
-    """Page bytes [off, off+n) (leaf-aligned start) read with plain preads on this thread,
-    every leaf verified before anything is returned. Raises CorruptPage."""
+def _read_buffered(eng: Engine, page: PageRow, blob: BlobRow, off: int, n: int) -> bytearray:
+    """Page bytes [off, off+n) (leaf-aligned start) read with plain preads on this thread
+    into one buffer, every leaf verified before anything is returned. Raises CorruptPage."""
     assert blob.extents is not None and off % LEAF == 0
-    parts: builtins.list[bytes] = []
+    data = bytearray(n)
+    mv = memoryview(data)
     try:
         for p in eng.tier.pieces(blob.extents, off, n):
-            path = eng.tier.abspath(p.dev, p.file)
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                got = os.pread(fd, p.n, p.file_off)
-                while len(got) < p.n:  # a short read: only at the end of the file
-                    more = os.pread(fd, p.n - len(got), p.file_off + len(got))
-                    if not more:
-                        raise CorruptedFile(path, "data file is shorter than its extents")
-                    got += more
-            finally:
-                os.close(fd)
-            parts.append(got)
+            eng.tier.read_piece(p, mv, direct=False)
     except OSError as e:
         if (corrupt := _as_corrupt(eng, page, e)) is None:
             raise
         raise corrupt from e
-    data = parts[0] if len(parts) == 1 else b"".join(parts)
-    mv = memoryview(data)
     digests = (leaf_hash(mv[j * LEAF : (j + 1) * LEAF]) for j in range(-(-n // LEAF)))
     _check_leaves(eng, page, blob, off // LEAF, digests, n)
     return data
