@@ -5,8 +5,9 @@ Life of a put (what a crash at each step leaves behind):
 
 1. the key and attributes are checked; nothing on disk yet;
 2. room is reserved under the capacity cap, evicting by policy if needed;
-3. the data goes to new files in the device directories, and its leaf hashes are computed
-   alongside; the files are fsynced. A crash here leaves unreferenced files, swept at the
+3. the data goes to new files in the device directories (one vectored write per file from
+   the calling thread, see ``BlobWriter.write_whole``), and its leaf hashes are computed
+   on the hash pool meanwhile; the files are fsynced. A crash here leaves unreferenced files, swept at the
    next start (the index records whether the last shutdown was clean);
 4. one SQLite transaction (WAL, synchronous=FULL) inserts the page row: this is the instant
    the page exists. If identical content was already held, the new files are deleted and
