@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import sys
 import tempfile
 import time
@@ -35,16 +34,18 @@ import trio
 import kvfs
 from kvfs._control import control_service
 from kvfs._remote import RemoteStore
+from kvfs.bench._common import log, machine, new_parser
 
 __all__ = ["register", "run_control_bench"]
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
+    p = new_parser(
+        sub,
         "control",
         help="control-channel throughput beside the in-process API",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        doc=__doc__,
+        run=_main,
     )
     p.add_argument("--small", default="16KiB", help="small page size (16KiB)")
     p.add_argument("--small-pages", type=int, default=2000, help="small pages per phase (2000)")
@@ -60,8 +61,6 @@ def register(sub: argparse._SubParsersAction) -> None:
         action="store_false",
         help="skip the separate worker process phases",
     )
-    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    p.set_defaults(func=_main)
 
 
 _WORKER = """
@@ -209,16 +208,11 @@ def _main(args: argparse.Namespace) -> int:
                 worker_process=args.worker_process,
             )
         )
-    machine = {
-        "cpus": os.cpu_count(),
-        "python": platform.python_version(),
-        "kernel": platform.release(),
-        "durable": args.durable,
-    }
+    where = machine(durable=args.durable)
     if args.json:
-        print_json({"machine": machine, "results": rows})
+        print_json({"machine": where, "results": rows})
         return 0
-    print(f"# {machine}", file=sys.stderr)
+    log(f"# {where}")
 
     def fig(r: dict[str, Any], who: str) -> str:
         if r["pages"] == "small":

@@ -22,7 +22,6 @@ import argparse
 import contextlib
 import json
 import os
-import platform
 import shutil
 import subprocess
 import sys
@@ -34,6 +33,8 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from kvfs.bench._common import log, machine, new_parser
+
 __all__ = ["register", "run_fuse_bench"]
 
 MiB = 1 << 20
@@ -41,11 +42,12 @@ IO = MiB
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
+    p = new_parser(
+        sub,
         "fuse",
         help="reads and writes through the mount vs backing files and plain files, in the same run",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        doc=__doc__,
+        run=_main,
     )
     p.add_argument("--sizes", default="16,64,256", help="page sizes in MiB (default 16,64,256)")
     p.add_argument("--clients", default="1,4", help="concurrent clients (default 1,4)")
@@ -62,12 +64,6 @@ def register(sub: argparse._SubParsersAction) -> None:
         "temp dir); it must be on a disk file system, not tmpfs",
     )
     p.add_argument("--direct-io", action="store_true", help="mount with --direct-io")
-    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    p.set_defaults(func=_main)
-
-
-def _log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 @contextlib.contextmanager
@@ -200,7 +196,7 @@ def run_fuse_bench(
                 mine = [mp / "bench" / n for n in names]
                 theirs = [plain / n for n in names]
                 (mp / "bench").mkdir(exist_ok=True)
-                _log(f"fuse bench: {size_mib} MiB pages, {c} clients, {len(names)} pages")
+                log(f"fuse bench: {size_mib} MiB pages, {c} clients, {len(names)} pages")
                 r: dict[str, Any] = {"size_mib": size_mib, "clients": c, "pages": len(names)}
                 r["write_plain"] = _parallel(
                     [partial(_write_files, ps, size, src, False) for ps in _split(theirs, c)]
@@ -237,12 +233,7 @@ def run_fuse_bench(
                 for p in mine + theirs:
                     p.unlink()
     return {
-        "machine": {
-            "host": platform.node(),
-            "cpus": os.cpu_count(),
-            "kernel": platform.release(),
-            "python": platform.python_version(),
-        },
+        "machine": machine(),
         "direct_io": direct_io,
         "cache_drop": method,
         "io_size": IO,

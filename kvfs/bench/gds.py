@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -34,12 +33,19 @@ import numpy as np
 
 import kvfs
 from kvfs._aligned import open_direct
+from kvfs.bench._common import log, machine, new_parser
 
 MiB = 1 << 20
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("gds", help="fast-path reads vs raw O_DIRECT reads of the same files")
+    p = new_parser(
+        sub,
+        "gds",
+        help="fast-path reads vs raw O_DIRECT reads of the same files",
+        doc=__doc__,
+        run=run,
+    )
     p.add_argument("--sizes", default="1,16,128,512", help="page sizes in MiB (comma list)")
     p.add_argument("--layers", type=int, default=4, help="layer pages per size (a session)")
     p.add_argument("--ndev", type=int, default=2, help="device directories to stripe over")
@@ -64,8 +70,6 @@ def register(sub: argparse._SubParsersAction) -> None:
         default="auto",
         help="GPU rows (kvikio, staged, h2d): auto = when cupy sees a GPU",
     )
-    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    p.set_defaults(func=run)
 
 
 def _timed(fn: Callable[[], None]) -> float:
@@ -146,26 +150,22 @@ def run(args: argparse.Namespace) -> int:
         with _open(cfg, mp) as store, gds.FastPath(store, threads=args.threads) as fp:
             pool = ThreadPoolExecutor(args.threads)
             for i, size_mib in enumerate(sizes):
-                print(
+                log(
                     f"kvfs bench gds: [{i + 1}/{len(sizes)}] {size_mib} MiB pages x "
-                    f"{args.layers} layers...",
-                    file=sys.stderr,
-                    flush=True,
+                    f"{args.layers} layers..."
                 )
                 rows += _bench_size(store, fp, pool, cp, size_mib, args, mp)
                 store.delete_session("bench")
             pool.shutdown()
-    conditions = {
-        "host": platform.node(),
-        "cpus": os.cpu_count(),
-        "ndev": args.ndev,
-        "stripe_unit": args.stripe_unit,
-        "threads": args.threads,
-        "layers": args.layers,
-        "rounds": args.rounds,
-        "gpu": cp is not None,
-        "dir": str(base),
-    }
+    conditions = machine(
+        ndev=args.ndev,
+        stripe_unit=args.stripe_unit,
+        threads=args.threads,
+        layers=args.layers,
+        rounds=args.rounds,
+        gpu=cp is not None,
+        dir=str(base),
+    )
     if args.json:
         print_json({"conditions": conditions, "results": rows})
         return 0

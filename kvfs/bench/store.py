@@ -22,10 +22,8 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -35,6 +33,7 @@ from typing import Any
 
 import kvfs
 from kvfs._aligned import aligned_buffer, open_direct
+from kvfs.bench._common import log, machine, new_parser
 
 __all__ = ["register", "run_store_bench"]
 
@@ -42,11 +41,12 @@ MiB = 1 << 20
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
+    p = new_parser(
+        sub,
         "store",
         help="page put/get throughput vs raw O_DIRECT in the same run",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        doc=__doc__,
+        run=_main,
     )
     p.add_argument("--sizes", default="1,4,16,64", help="page sizes in MiB (default 1,4,16,64)")
     p.add_argument("--clients", default="1,4", help="concurrent clients (default 1,4)")
@@ -78,21 +78,6 @@ def register(sub: argparse._SubParsersAction) -> None:
         metavar="N",
         help="measure the SQLite index with N pages instead (commits/s, lookups/s, restart time)",
     )
-    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    p.set_defaults(func=_main)
-
-
-def _log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
-
-
-def _machine() -> dict[str, Any]:
-    return {
-        "host": platform.node(),
-        "cpus": os.cpu_count(),
-        "python": platform.python_version(),
-        "kernel": platform.release(),
-    }
 
 
 def _stamp(buf: memoryview, n: int) -> None:
@@ -198,7 +183,7 @@ def _cell(
             best[k] = max(best[k], v)
         ratios["put"].append(kp / rp)
         ratios["get"].append(kg / rg)
-        _log(
+        log(
             f"  {size // MiB:>3} MiB x {clients} clients, round {rnd + 1}/{repeat}: "
             f"put {kp:.2f}/{rp:.2f} GB/s, get {kg:.2f}/{rg:.2f} GB/s (kvfs/raw)"
         )
@@ -238,7 +223,7 @@ def run_store_bench(
                 )
             )
     return {
-        "machine": _machine(),
+        "machine": machine(),
         "data_dirs": [str(d) for d in dirs],
         "stripe_unit_mib": stripe_mib,
         "durable": durable,
@@ -300,7 +285,7 @@ def _main(args: argparse.Namespace) -> int:
         if args.index:
             from ._index_bench import print_index_bench, run_index_bench
 
-            res = run_index_bench(dirs[0], args.index, progress=_log)
+            res = run_index_bench(dirs[0], args.index, progress=log)
             print_json(res) if args.json else print_index_bench(res)
             return 0
         res = run_store_bench(
