@@ -42,7 +42,7 @@ from ._index import BlobRow, PageRow
 from ._manifest import ArchiveIndex, blob_key
 from ._policy import TieringPolicy
 from ._spill import Spiller
-from ._uploader import BlobJob, Uploaded, UploadPool, scratch_buffer
+from ._uploader import BlobJob, Uploaded, UploadPool, WorkerUnavailable, scratch_buffer
 
 if TYPE_CHECKING:
     from ._engine import Engine
@@ -235,19 +235,35 @@ class ArchivingPolicy(TieringPolicy):
                 for h in hashes:
                     n.start_soon(one, h)
             return total
+        uploads = self.uploads
         jobs = await trio.to_thread.run_sync(self._jobs, hashes)
-        done = await self.uploads.upload(jobs, self._release)
+        try:
+            done = await uploads.upload(jobs, self._release)
+        except WorkerUnavailable as e:
+            self._without_workers(e)
+            return await self.upload_many(hashes, mark=mark, fresh=fresh)
         if mark:
             await trio.to_thread.run_sync(self.aindex.mark_archived, [u.h for u in done])
         return self._account_uploads(done, fresh)
 
-    async def ensure_archived(self, hashes: list[bytes]) -> int:
+    async def ensure_archived(self, hashes: list[bytes]) -> bool:
         """Upload workers only: make sure the objects of the still-local blobs among
-        ``hashes`` exist, storing what is missing. Returns bytes uploaded."""
-        assert self.uploads is not None
+        ``hashes`` exist, storing what is missing. False when no worker could be started
+        (the store uploads from its own process from now on: do it here)."""
+        uploads = self.uploads
+        assert uploads is not None
         jobs = await trio.to_thread.run_sync(self._jobs, hashes)
-        done = await self.uploads.upload(jobs, self._release)
-        return self._account_uploads([u for u in done if u.stored], None)
+        try:
+            done = await uploads.upload(jobs, self._release)
+        except WorkerUnavailable as e:
+            self._without_workers(e)
+            return False
+        self._account_uploads([u for u in done if u.stored], None)
+        return True
+
+    def _without_workers(self, e: WorkerUnavailable) -> None:
+        log.warning("%s; this store uploads from its own process from now on", e)
+        self.uploads = None
 
     def _jobs(self, hashes: list[bytes]) -> list[BlobJob]:
         """Worker jobs for the blobs still local, each holding a lease (released by

@@ -84,8 +84,7 @@ class Spiller:
         between our HEAD and our manifest): re-upload what is missing before dropping.
         Blobs this spill stored itself are not asked again. With upload workers the HEADs
         (and any re-upload) run there, out of the daemon's GIL."""
-        if self.policy.uploads is not None:
-            await self.policy.ensure_archived(hashes)
+        if self.policy.uploads is not None and await self.policy.ensure_archived(hashes):
             return
         limit = trio.CapacityLimiter(self.policy.cfg.concurrency)
 

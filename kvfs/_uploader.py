@@ -44,7 +44,14 @@ from ._checksum import leaves_of, tree_hash
 from ._codec import CodecChoice, encode
 from ._errors import ArchiveUnavailable, CorruptPage
 
-__all__ = ["BlobJob", "UploadPool", "Uploaded", "scratch_buffer", "shutdown_workers"]
+__all__ = [
+    "BlobJob",
+    "UploadPool",
+    "Uploaded",
+    "WorkerUnavailable",
+    "scratch_buffer",
+    "shutdown_workers",
+]
 
 _scratch = threading.local()
 _SCRATCH_MAX = 16 << 20
@@ -242,6 +249,10 @@ class WorkerDied(Exception):
     """The worker process running a job ended before it answered."""
 
 
+class WorkerUnavailable(Exception):
+    """No worker process could be started (no interpreter to run, no processes left...)."""
+
+
 class _Slot:
     """One worker process, started on demand, and the daemon thread that feeds it."""
 
@@ -302,7 +313,10 @@ class _Slot:
     def run(self, fn: Callable[..., Any], args: tuple) -> Any:
         if self.proc is None or self.proc.poll() is not None:
             self.stop()
-            self.start()
+            try:
+                self.start()
+            except OSError as e:
+                raise WorkerUnavailable(f"cannot start an upload worker: {e}") from e
         assert self.jobs is not None and self.answers is not None
         try:
             self.jobs.send((fn, args))

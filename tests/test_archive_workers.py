@@ -10,6 +10,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from urllib.parse import urlsplit
 
 import numpy as np
@@ -176,3 +177,26 @@ def test_spill_and_restore_with_or_without_workers(s3_server, make_config, proce
         assert s2.statistics().extra["archive"]["dedup_skipped"] == 1
         assert s2.session_info("u").local_bytes == 0
         assert s2.get(PageKey.semantic("u", "p", 0)) == page(3)
+
+
+def test_spill_uploads_in_process_when_no_worker_can_start(
+    s3_server, make_config, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:  # noqa: ANN001
+    import sys
+
+    bucket = s3_server.new_bucket()
+    url = f"s3://{bucket}?endpoint={s3_server.endpoint}"
+    # a worker count no other test uses: these workers have not been started yet
+    cfg = make_config(
+        ndev=1, archive_url=url, extra={"archive": {"interval": 0, "upload_processes": 3}}
+    )
+    monkeypatch.setattr(sys, "executable", str(tmp_path / "no-such-python"))
+    with kvfs.open_store_sync(cfg) as s:
+        for i in range(3):
+            s.put(PageKey.semantic("a", "p", i), page(i))
+        assert s.spill("a") > 0
+        assert s.engine.policy.uploads is None  # type: ignore[attr-defined]
+        assert len(s3_server.keys(bucket, "blobs/")) == 3
+        assert s.session_info("a").local_bytes == 0
+        for i in range(3):
+            assert s.get(PageKey.semantic("a", "p", i)) == page(i)
