@@ -9,8 +9,11 @@
 * **compression**: K/V tensors from a random-initialised Llama-shaped model's cache
   (transformers, CPU torch; ``--numpy-kv`` uses one random attention layer in numpy
   instead), as fp16, bf16 and fp32, with zstd alone and byte-shuffle + zstd.
-* **foreground latency**: p50/p99 of 256 KiB page reads from the local tier while idle and
-  while a spill runs (goal: p99 <= 1.5 x idle).
+* **foreground latency**: p50/p99 of 256 KiB page reads from the local tier while idle,
+  while a spill runs (goal: p99 <= 1.5 x idle), and, as the machine's floor, while another
+  process uploads the same bytes with plain boto3 at the same concurrency (what any upload
+  to this endpoint costs a reader here: CPUs shared with the uploader and, for moto, the
+  server).
 
 Without ``--endpoint`` a moto S3 server is started on loopback in a separate process.
 """
@@ -283,6 +286,9 @@ def run_archive_bench(
                 cpu["restore"].append(time.process_time() - c0)
                 if r == args.repeat - 1:
                     lat = _latency(s, pages, args.latency_reads)
+                    lat["boto3"] = _latency_beside_boto3(
+                        s, endpoint, bucket, f"{prefix}-floor", pages, args.concurrency, scratch
+                    )
             _log(
                 f"  round {r + 1}/{args.repeat}: spill {best['spill']:.0f} vs put "
                 f"{best['put']:.0f} MB/s, restore {best['restore']:.0f} vs get {best['get']:.0f} MB/s"
@@ -312,19 +318,42 @@ def run_archive_bench(
         "read_p99_spill_ms": pct(lat["spill"], 0.99),
         "reads_during_spill": len(lat["spill"]),
         "p99_ratio": pct(lat["spill"], 0.99) / pct(lat["idle"], 0.99),
+        "read_p50_boto3_ms": pct(lat["boto3"], 0.5),
+        "read_p99_boto3_ms": pct(lat["boto3"], 0.99),
+        "reads_during_boto3": len(lat["boto3"]),
+        "p99_ratio_vs_boto3": pct(lat["spill"], 0.99) / pct(lat["boto3"], 0.99),
     }
 
 
-def _latency(s: kvfs.SyncStore, pages: list[bytes], n: int) -> dict[str, list[float]]:
-    hot = [kvfs.PageKey.semantic("hot", "p", i) for i in range(32)]
-    for i, k in enumerate(hot):
-        s.put(k, pages[i % len(pages)][: 256 * 1024] + i.to_bytes(8, "little"))
+_HOT = [kvfs.PageKey.semantic("hot", "p", i) for i in range(32)]
+
+
+def _reader(s: kvfs.SyncStore) -> Any:
+    """A function timing one 256 KiB read of a hot local page (seconds)."""
     buf = kvfs.aligned_buffer(256 * 1024 + 4096)
 
     def read(i: int) -> float:
         t0 = time.perf_counter()
-        s.get(hot[i % len(hot)], into=buf)
+        s.get(_HOT[i % len(_HOT)], into=buf)
         return time.perf_counter() - t0
+
+    return read
+
+
+def _reads_until(read: Any, done: Any, n: int) -> list[float]:
+    """Read until ``done()`` (at least 20 reads, at most 50 n)."""
+    busy: list[float] = []
+    while not done() or len(busy) < 20:
+        busy.append(read(len(busy)))
+        if len(busy) >= 50 * n:
+            break
+    return busy
+
+
+def _latency(s: kvfs.SyncStore, pages: list[bytes], n: int) -> dict[str, list[float]]:
+    for i, k in enumerate(_HOT):
+        s.put(k, pages[i % len(pages)][: 256 * 1024] + i.to_bytes(8, "little"))
+    read = _reader(s)
 
     idle = [read(i) for i in range(n)]
     s.evict(session="cold")  # archived already: restore everything, then spill it again
@@ -339,15 +368,50 @@ def _latency(s: kvfs.SyncStore, pages: list[bytes], n: int) -> dict[str, list[fl
 
     t = threading.Thread(target=spill)
     t.start()
-    busy: list[float] = []
-    i = 0
-    while not done.is_set() or len(busy) < 20:
-        busy.append(read(i))
-        i += 1
-        if len(busy) >= 50 * n:
-            break
+    busy = _reads_until(read, done.is_set, n)
     t.join()
     return {"idle": idle, "spill": busy}
+
+
+_UPLOADER = """
+import sys
+from concurrent.futures import ThreadPoolExecutor
+import boto3
+endpoint, bucket, prefix, path, size, conc = sys.argv[1:4] + [sys.argv[4], *map(int, sys.argv[5:7])]
+data = open(path, "rb").read()
+client = boto3.client("s3", endpoint_url=endpoint)
+pages = [data[o : o + size] for o in range(0, len(data), size)]
+with ThreadPoolExecutor(conc) as ex:
+    list(ex.map(lambda ip: client.put_object(Bucket=bucket, Key=f"{prefix}/{ip[0]}", Body=ip[1]),
+                enumerate(pages)))
+"""
+
+
+def _latency_beside_boto3(
+    s: kvfs.SyncStore,
+    endpoint: str,
+    bucket: str,
+    prefix: str,
+    pages: list[bytes],
+    concurrency: int,
+    scratch: Path,
+) -> list[float]:
+    """Reads while another process uploads the same bytes with plain boto3."""
+    blob = scratch / "floor.bin"
+    blob.write_bytes(b"".join(pages))
+    read = _reader(s)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _UPLOADER, endpoint, bucket, prefix, str(blob)]
+        + [str(len(pages[0])), str(concurrency)]
+    )
+    try:
+        busy = _reads_until(read, lambda: proc.poll() is not None, len(pages) * 100)
+    finally:
+        proc.wait()
+        blob.unlink()
+    if proc.returncode:
+        raise RuntimeError(f"the plain boto3 uploader failed (exit {proc.returncode})")
+    return busy
 
 
 def _main(args: argparse.Namespace) -> int:
@@ -441,4 +505,10 @@ def _print(o: dict[str, Any]) -> None:
         f"{o['read_p99_idle_ms']:.2f} ms idle; p50 {o['read_p50_spill_ms']:.2f} ms / p99 "
         f"{o['read_p99_spill_ms']:.2f} ms during a spill ({o['reads_during_spill']} reads); "
         f"p99 ratio {o['p99_ratio']:.2f}"
+    )
+    print(
+        f"while another process uploads the same bytes with plain boto3: p50 "
+        f"{o['read_p50_boto3_ms']:.2f} ms / p99 {o['read_p99_boto3_ms']:.2f} ms "
+        f"({o['reads_during_boto3']} reads); spill p99 / this floor "
+        f"{o['p99_ratio_vs_boto3']:.2f}"
     )
