@@ -66,9 +66,8 @@ class Engine:
             self.index.set_meta("store_id", store_id)
         self.store_id: str = str(store_id)
         self.io_pool = ThreadPoolExecutor(cfg.io_threads, thread_name_prefix="kvfs-io")
-        self.hash_pool = ThreadPoolExecutor(
-            max(2, (os.cpu_count() or 2)), thread_name_prefix="kvfs-hash"
-        )
+        self.hash_threads = max(2, os.cpu_count() or 2)
+        self.hash_pool = ThreadPoolExecutor(self.hash_threads, thread_name_prefix="kvfs-hash")
         self.tier = LocalTier(
             cfg.data_dirs,
             cfg.stripe_unit,

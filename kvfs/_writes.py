@@ -94,6 +94,21 @@ def leaves_parallel(eng: Engine, mv: memoryview) -> bytes:
     return b"".join(f.result() for f in _submit_leaves(eng, mv))
 
 
+def _hash_beside_write(eng: Engine, mv: memoryview) -> builtins.list[Future[bytes]]:
+    """Hash a page's leaves on the hash pool while this thread writes it: in as many
+    contiguous spans as there are CPUs beside the writer's (at least one).
+
+    One CPU is left to the write: its syscall, page pinning and completions slow down when
+    every CPU hashes (measured on the 2-vCPU dev VM: a 16 MiB put's write took ~12% longer
+    with two hashing threads than with one). A single thread hashes ~7 GB/s, so one span
+    keeps up with a device; more CPUs hash striped pages over several devices in parallel.
+    """
+    leaves = -(-len(mv) // LEAF)
+    spans = max(1, min(eng.hash_threads - 1, leaves))
+    per = -(-leaves // spans) * LEAF
+    return [eng.hash_pool.submit(leaves_now, mv[o : o + per]) for o in range(0, len(mv), per)]
+
+
 # -- put ----------------------------------------------------------------------------------
 class _BlobGone(Exception):
     """The data a dedup put meant to share was evicted before the commit."""
@@ -132,14 +147,7 @@ def put(
         # This thread writes (one vectored write per device file, see write_whole) while
         # the hash pool hashes the leaves: the write is the long pole, and starting it here
         # saves a hop to a pool. Small pages were hashed already.
-        hashing = (
-            []
-            if leaves is not None
-            else [
-                eng.hash_pool.submit(leaves_now, mv[o : o + HASH_GROUP])
-                for o in range(0, size, HASH_GROUP)
-            ]
-        )
+        hashing = [] if leaves is not None else _hash_beside_write(eng, mv)
         try:
             w.write_whole(mv)
         finally:
