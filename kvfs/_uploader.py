@@ -72,12 +72,14 @@ def scratch_buffer(size: int) -> memoryview:
 @dataclass(frozen=True)
 class BlobJob:
     """One local blob to upload: its checksum, size, value size for the shuffle filter, and
-    its data as ``(absolute path, file offset, page offset, length)`` reads in page order."""
+    its data as ``(absolute path, file offset, page offset, length)`` reads in page order.
+    ``probe``: HEAD the object before uploading (see :func:`kvfs._archive.worth_probing`)."""
 
     h: bytes
     size: int
     elem: int
     reads: tuple[tuple[str, int, int, int], ...]
+    probe: bool = True
 
 
 @dataclass(frozen=True)
@@ -192,6 +194,11 @@ def upload_batch(
         key = blob_key(job.h)
         got: list[tuple[bytes, str]] = []
         async with limit:
+            if not job.probe:  # the conditional put alone says whether it was there
+                obj, used = await trio.to_thread.run_sync(_read_encode, job, level, codec)
+                stored = await store.put(key, obj, if_absent=True)
+                out.append(Uploaded(job.h, stored, len(obj) if stored else 0, used))
+                return
             # Compress while the HEAD is in flight; when the object exists the work is dropped.
             async with trio.open_nursery() as n:
 

@@ -72,7 +72,8 @@ def running_moto() -> Iterator[S3Server]:
 
 class TcpProxy:
     """Forward 127.0.0.1:<port> to a target; ``down()`` refuses and cuts connections,
-    ``up()`` serves again on the same port, ``delay`` sleeps per forwarded chunk."""
+    ``up()`` serves again on the same port, ``delay`` sleeps per forwarded chunk;
+    ``sent`` counts the bytes forwarded from clients to the target."""
 
     def __init__(self, target: tuple[str, int], delay: float = 0.0) -> None:
         self.target = target
@@ -80,6 +81,7 @@ class TcpProxy:
         self._lock = threading.Lock()
         self._conns: list[socket.socket] = []
         self._listener: socket.socket | None = None
+        self.sent = 0
         probe = socket.socket()
         probe.bind(("127.0.0.1", 0))
         self.port = probe.getsockname()[1]
@@ -128,10 +130,10 @@ class TcpProxy:
                     u.close()
                     return
                 self._conns += [c, u]
-            threading.Thread(target=self._pipe, args=(c, u), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(c, u, True), daemon=True).start()
             threading.Thread(target=self._pipe, args=(u, c), daemon=True).start()
 
-    def _pipe(self, a: socket.socket, b: socket.socket) -> None:
+    def _pipe(self, a: socket.socket, b: socket.socket, upstream: bool = False) -> None:
         try:
             while True:
                 data = a.recv(65536)
@@ -140,6 +142,9 @@ class TcpProxy:
                 if self.delay:
                     time.sleep(self.delay)
                 b.sendall(data)
+                if upstream:
+                    with self._lock:
+                        self.sent += len(data)
         except OSError:
             pass
         finally:

@@ -171,7 +171,7 @@ def test_spill_and_restore_with_or_without_workers(s3_server, make_config, proce
         archive_url=url,
         extra={"archive": {"interval": 0, "upload_processes": processes}},
     )
-    with kvfs.open_store_sync(other) as s2:  # another host: its HEAD finds the object
+    with kvfs.open_store_sync(other) as s2:  # another host: its conditional put finds it
         s2.put(PageKey.semantic("u", "p", 0), page(3))
         assert s2.spill("u") == 0
         assert s2.statistics().extra["archive"]["dedup_skipped"] == 1
@@ -200,3 +200,41 @@ def test_spill_uploads_in_process_when_no_worker_can_start(
         assert s.session_info("a").local_bytes == 0
         for i in range(3):
             assert s.get(PageKey.semantic("a", "p", i)) == page(i)
+
+
+@pytest.mark.parametrize("processes", [0, 1])
+def test_spill_probes_only_shared_content(s3_server, proxy, make_config, processes: int) -> None:  # noqa: ANN001
+    """A blob one page references is uploaded without a HEAD (a conditional put says whether
+    it was there); content several pages share is HEADed first, so an object another host
+    stored is not sent again. Either way nothing is stored twice and every page restores."""
+    bucket = s3_server.new_bucket()
+    cfg = make_config(
+        ndev=1,
+        archive_url=f"s3://{bucket}?endpoint={s3_server.endpoint}",
+        extra={"archive": {"interval": 0, "upload_processes": processes}},
+    )
+    with kvfs.open_store_sync(cfg) as s:  # the first host archives pages 1 and 2
+        s.put(PageKey.semantic("a", "p", 1), page(1))
+        s.put(PageKey.semantic("a", "p", 2), page(2))
+        s.spill("a")
+    other = make_config(
+        ndev=1,
+        name="other",
+        archive_url=f"s3://{bucket}?endpoint={proxy.endpoint}",
+        extra={"archive": {"interval": 0, "upload_processes": processes}},
+    )
+    with kvfs.open_store_sync(other) as s2:
+        s2.put(PageKey.semantic("u", "p", 0), page(1))  # held once here: no HEAD
+        before = proxy.sent
+        assert s2.spill("u") == 0
+        assert proxy.sent - before > len(page(1)) // 2  # the body went out, was refused
+        s2.put(PageKey.semantic("v", "p", 0), page(2))  # shared by two pages here
+        s2.put(PageKey.semantic("w", "p", 0), page(2))
+        before = proxy.sent
+        assert s2.spill("v") == 0
+        assert proxy.sent - before < len(page(2)) // 4  # a HEAD found it: no body sent
+        assert s2.statistics().extra["archive"]["dedup_skipped"] == 2
+        assert len(s3_server.keys(bucket, "blobs/")) == 2
+        for sess, i in (("u", 1), ("v", 2)):
+            assert s2.session_info(sess).local_bytes == 0
+            assert s2.get(PageKey.semantic(sess, "p", 0)) == page(i)
