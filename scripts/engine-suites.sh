@@ -4,7 +4,7 @@
 #
 #   bash scripts/engine-suites.sh install sglang   # ~1 min, ~2.3 GB (CPU torch + triton)
 #   bash scripts/engine-suites.sh test sglang      # tests/test_integration_sglang.py
-#   bash scripts/engine-suites.sh install vllm     # see tests/test_integration_vllm.py
+#   bash scripts/engine-suites.sh install vllm     # ~3 min, CPU torch + the vllm wheel
 #   bash scripts/engine-suites.sh test vllm
 #
 # Engines are installed with --no-deps plus only the modules their storage code imports:
@@ -33,8 +33,12 @@ sglang)
     TESTS=(tests/test_integration_sglang.py)
     ;;
 vllm)
+    # What vllm's package import and vllm.v1.kv_offload.tiering.fs import on the way.
     ENGINE_PKGS=(--no-deps "vllm==0.33.0")
-    ENGINE_DEPS=()
+    ENGINE_DEPS=(psutil pyzmq "transformers>=5.16.1,<5.21" huggingface_hub tqdm httpx2
+        httpcore2 truststore h11 cbor2 aiohttp openai_harmony openai pillow pybase64
+        cachetools msgspec cloudpickle uvloop py-cpuinfo prometheus_client xgrammar fastapi
+        partial_json_parser llguidance)
     TESTS=(tests/test_integration_vllm.py)
     ;;
 *) usage ;;
@@ -45,7 +49,8 @@ install)
     python3 -m venv "$venv"
     "$venv/bin/pip" install -q "${TORCH_SRC[@]}"
     "$venv/bin/pip" install -q -e '.[dev]'
-    [ ${#ENGINE_DEPS[@]} -eq 0 ] || "$venv/bin/pip" install -q "${ENGINE_DEPS[@]}"
+    # Constrained so no dependency swaps the CPU torch for a CUDA build.
+    "$venv/bin/pip" install -q -c <(echo "$TORCH") "${ENGINE_DEPS[@]}"
     "$venv/bin/pip" install -q "${ENGINE_PKGS[@]}"
     "$venv/bin/python" -c "import torch; assert torch.__version__.startswith('2.13.0'), torch.__version__"
     du -sh "$venv"
