@@ -4,7 +4,7 @@
 #
 #   bash scripts/engine-suites.sh install sglang   # ~1 min, ~2.3 GB (CPU torch + triton)
 #   bash scripts/engine-suites.sh test sglang      # tests/test_integration_sglang.py
-#   bash scripts/engine-suites.sh install vllm     # ~3 min, CPU torch + the vllm wheel
+#   bash scripts/engine-suites.sh install vllm     # ~2 min, ~3.4 GB (CPU torch + the vllm wheel)
 #   bash scripts/engine-suites.sh test vllm
 #
 # Engines are installed with --no-deps plus only the modules their storage code imports:
