@@ -1,16 +1,63 @@
-"""A kvfs store mounted with FUSE by a trio loop in a thread, for synchronous tests."""
+"""kvfs mounts for tests: served by a trio loop in a thread of the test process
+(:class:`ServedMount`), or by a ``kvfs mount`` daemon process (:class:`DaemonMount`).
+
+An in-process mount deadlocks with a client that calls the filesystem from C while holding
+the GIL (numpy's ``ndarray.tofile`` fstat/lseek-s its file that way): the FUSE request waits
+for the serving thread, which waits for the GIL. Real engines talk to a daemon process; tests
+of such clients use :class:`DaemonMount`.
+"""
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
 import threading
+from collections.abc import Sequence
 from pathlib import Path
 
 import trio
 
 import kvfs
+from kvfs._daemon import READY_FD_ENV
 from kvfs._mount import MountOptions, serve_mount
 
-__all__ = ["ServedMount"]
+__all__ = ["DaemonMount", "ServedMount"]
+
+
+class DaemonMount:
+    """``kvfs mount --foreground`` in a subprocess, returned once mounted; stopped with
+    SIGTERM (a clean unmount). The daemon's output goes to ``log``."""
+
+    def __init__(self, data_dirs: Sequence[Path], mountpoint: Path, log: Path, *extra: str) -> None:
+        self.mountpoint, self.log = mountpoint, log
+        r, w = os.pipe()
+        env = {k: v for k, v in os.environ.items() if not k.startswith("KVFS_")}
+        argv = [sys.executable, "-m", "cli", "mount", "--foreground"]
+        argv += ["--data", ",".join(map(str, data_dirs)), *extra, str(mountpoint)]
+        with open(log, "ab") as out:
+            self.proc = subprocess.Popen(
+                argv, stdout=out, stderr=out, pass_fds=(w,), env={**env, READY_FD_ENV: str(w)}
+            )
+        os.close(w)
+        with os.fdopen(r, "rb") as f:
+            msg = f.read().decode().strip()
+        if msg != "ok":
+            self.stop()
+            raise RuntimeError(f"mount failed: {msg}\n{log.read_text(errors='replace')}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            self.proc.wait(timeout=60)
+        subprocess.run(["fusermount3", "-u", "-z", str(self.mountpoint)], capture_output=True)
+
+    def __enter__(self) -> Path:
+        return self.mountpoint
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
 
 
 class ServedMount:

@@ -17,8 +17,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-
-from kvfs._daemon import READY_FD_ENV
+from _kvfs_mount import DaemonMount
 
 KVFS = [sys.executable, "-m", "cli"]
 Run = Callable[..., tuple[int, str, str]]
@@ -27,24 +26,11 @@ if not os.path.exists("/dev/fuse") or shutil.which("fusermount3") is None:  # pr
     pytest.fail("these tests need /dev/fuse and fusermount3", pytrace=False)
 
 
-class Daemon:
+class Daemon(DaemonMount):
     def __init__(self, root: Path, *extra: str) -> None:
-        self.data, self.mp, self.log = root / "data", root / "mnt", root / "daemon.log"
+        self.data, self.mp = root / "data", root / "mnt"
         self.mp.mkdir(parents=True)
-        r, w = os.pipe()
-        env = {k: v for k, v in os.environ.items() if not k.startswith("KVFS_")}
-        with open(self.log, "ab") as log:
-            self.proc = subprocess.Popen(
-                [*KVFS, "mount", "--foreground", "--data", str(self.data), *extra, str(self.mp)],
-                stdout=log,
-                stderr=log,
-                pass_fds=(w,),
-                env={**env, READY_FD_ENV: str(w)},
-            )
-        os.close(w)
-        with os.fdopen(r, "rb") as f:
-            msg = f.read().decode().strip()
-        assert msg == "ok", f"mount failed: {msg}\n{self.log.read_text()}"
+        super().__init__([self.data], self.mp, root / "daemon.log", *extra)
 
     expected_errors = 0
 
@@ -54,12 +40,6 @@ class Daemon:
             for x in self.log.read_text(errors="replace").splitlines()
             if " ERROR " in x or "Traceback" in x
         ]
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            self.proc.wait(timeout=60)
-        subprocess.run(["fusermount3", "-u", "-z", str(self.mp)], capture_output=True)
 
 
 @pytest.fixture

@@ -39,7 +39,7 @@ pytest.importorskip(
 )
 
 import torch  # noqa: E402
-from _kvfs_mount import ServedMount  # noqa: E402
+from _kvfs_mount import DaemonMount  # noqa: E402
 from sglang.srt.mem_cache.hicache_storage import (  # noqa: E402
     HiCacheFile,
     HiCacheStorageConfig,
@@ -82,21 +82,25 @@ def _no_env_override(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR", raising=False)
 
 
-# HiCacheFile.set writes with numpy's ndarray.tofile, and on the kvfs mount that call never
-# returns today (the daemon is idle, the writer waits on FUSE): a mount bug, reported to
-# the mount's owners. Skipped rather than left to hang the suite until it is fixed.
-MOUNT_HANGS = pytest.mark.skip(reason="kvfs mount: numpy tofile (HiCacheFile.set) hangs")
+def daemon_mount(cfg: kvfs.StoreConfig, mp: Path) -> DaemonMount:
+    """``cfg``'s store mounted by a ``kvfs mount`` daemon process, as a server runs it.
+
+    Not an in-process mount: HiCacheFile.set writes with numpy's ``ndarray.tofile``, whose C
+    code stats its file while holding the GIL, so a mount served by a thread of this
+    process would deadlock (tests/_kvfs_mount.py)."""
+    mp.mkdir()
+    return DaemonMount(
+        cfg.data_dirs, mp, mp.with_name("daemon.log"), "--stripe-unit", str(cfg.stripe_unit)
+    )
 
 
-@pytest.fixture(params=[pytest.param("mount", marks=MOUNT_HANGS), "directory"])
+@pytest.fixture(params=["mount", "directory"])
 def kvfs_dir(
     request: pytest.FixtureRequest, tmp_path: Path, make_config: Callable[..., kvfs.StoreConfig]
 ) -> Iterator[Path]:
     """A directory on a real kvfs FUSE mount, or a plain directory."""
     if request.param == "mount":
-        mp = tmp_path / "mnt"
-        mp.mkdir()
-        with ServedMount(make_config(ndev=2, name="mounted"), mp):
+        with daemon_mount(make_config(ndev=2, name="mounted"), tmp_path / "mnt") as mp:
             yield mp
     else:
         d = tmp_path / "plain"
@@ -152,14 +156,11 @@ def test_evictor_unlinks_through_the_mount(kvfs_dir: Path) -> None:
         assert t is not None and torch.equal(t, data[k])
 
 
-@MOUNT_HANGS
 def test_pages_are_kvfs_pages(tmp_path: Path, make_config: Callable[..., kvfs.StoreConfig]) -> None:
     """What HiCache wrote through the mount is in the store, session ``sglang``."""
     cfg = make_config(ndev=2, name="mounted")
-    mp = tmp_path / "mnt"
-    mp.mkdir()
     data = pages(torch.bfloat16, 2)
-    with ServedMount(cfg, mp):
+    with daemon_mount(cfg, tmp_path / "mnt") as mp:
         backend = HiCacheFile(storage_config(), file_path=str(mp / "sglang"))
         assert backend.batch_set(list(data), list(data.values()))
     with kvfs.open_store_sync(cfg) as store:
