@@ -6,7 +6,11 @@ reserved as it grows; ENOSPC once eviction cannot make room); writes are written
 ``release`` comes later and asynchronously) commits it as a page, or a ``rename`` of the open
 file commits it under the new name. Until then no other open can see its bytes, and a crash
 leaves nothing (the engine sweeps the unreferenced files). Committed pages are immutable:
-opening one for writing fails with EPERM, like ``chattr +i``. Open pages hold an engine
+opening one for writing fails with EPERM, like ``chattr +i``. One exception keeps POSIX
+close semantics: a handle whose page its own flush committed (a dup'd descriptor closed
+first, the original still open) may go on writing; those writes build the next version of
+the page (the committed bytes plus the new writes), which replaces it atomically at the
+next flush or the release. Open pages hold an engine
 lease, so their data outlives unlink, replace and eviction until the last close.
 """
 
@@ -28,7 +32,7 @@ from ._fuse_ahead import ReadAhead
 from ._fuse_behind import WriteBehind
 from ._fuse_guard import child_of, fuse_error, guard
 from ._fuse_nodes import Handle, Kind, Node, NodeTable, Pending
-from ._fuse_ns import DirTable, session_json, session_of, validate_page
+from ._fuse_ns import ATTR_GID, ATTR_UID, DirTable, session_json, session_of, validate_page
 
 __all__ = ["FileOps"]
 
@@ -171,6 +175,13 @@ class FileOps:
     async def write(self, fh: int, off: int, buf: bytes) -> int:
         h = self._handle(fh)
         node = h.node
+        if h.writable and h.committed and not h.failed and node.kind is Kind.PAGE:
+            # This handle's own flush committed the page and its writer goes on writing.
+            if self.table.by_path.get(node.path) != node.ino:
+                return len(buf)  # unlinked or replaced since: bytes no name will ever show
+            if h.again is None:
+                h.again = await self._thread(self._next_version, node)
+            return await self._thread(h.again.writer.write, off, buf)
         if not h.writable or h.committed or node.pending is None:
             raise fuse_error(errno.EPERM if node.kind is Kind.PAGE else errno.EBADF)
         h.wrote = True
@@ -185,6 +196,41 @@ class FileOps:
             # A page missing a write is not the page its writer meant: never publish it.
             h.failed = getattr(e, "errno", None) or errno.EIO
             raise
+
+    def _next_version(self, node: Node) -> Pending:
+        """A writer holding a copy of a committed page, to be committed over it (thread)."""
+        assert node.page is not None
+        attrs = node.page.attrs
+        writer = self.engine.begin_write(validate_page(node.path))
+        try:
+            data = self.engine.get(node.path)
+            assert isinstance(data, bytes)
+            writer.write(0, data)
+        except BaseException:
+            writer.abort()
+            raise
+        mode = int(attrs.get("fs.mode", "644"), 8)
+        uid, gid = int(attrs.get(ATTR_UID, "0")), int(attrs.get(ATTR_GID, "0"))
+        return Pending(writer, mode, uid, gid, time.time_ns())
+
+    async def _commit_again(self, h: Handle) -> None:
+        """Commit a handle's next version of its page over the current one."""
+        again, h.again = h.again, None
+        assert again is not None
+        node = h.node
+        if self.table.by_path.get(node.path) != node.ino:  # unlinked or replaced meanwhile:
+            await self._thread(again.writer.abort)  # its bytes have no name to go to
+            return
+        try:
+            await self._thread(
+                functools.partial(again.writer.commit, attrs=again.commit_attrs(), replace=True)
+            )
+        except BaseException:
+            await self._thread(again.writer.abort)
+            raise
+        node.page = await self._thread(self.engine.index.page, node.path)
+        if node.page is None:  # deleted or evicted the instant it appeared
+            self.table.unbind(node)
 
     async def _drain(self, h: Handle) -> None:
         """Wait for a handle's queued writes; a failed one marks the file failed."""
@@ -204,6 +250,8 @@ class FileOps:
         # the original fd (``echo > f``, dd): the writer is not done, release commits.
         if h.writable and not h.committed and (h.wrote or h.failed):
             await self._finish(h, h.node.path)
+        elif h.again is not None:
+            await self._commit_again(h)
 
     @guard
     async def fsync(self, fh: int, datasync: bool) -> None:
@@ -217,6 +265,8 @@ class FileOps:
         try:
             if h.writable and not h.committed:
                 await self._finish(h, h.node.path)
+            elif h.again is not None:
+                await self._commit_again(h)
         except pyfuse3.FUSEError:
             if not h.failed:
                 raise

@@ -79,6 +79,9 @@ class Handle:
     wrote: bool = False
     failed: int = 0  # errno of a failed write: the file is discarded at close
     committed: bool = False
+    #: writes after this handle's page was committed (a dup'd fd closed first): the next
+    #: version of the page, committed over it by the next flush or the release
+    again: Pending | None = None
     #: a directory handle's listing: (path, kind, page row)
     entries: list[tuple[str, Kind, PageRow | None]] = field(default_factory=list)
 

@@ -248,6 +248,31 @@ def test_immutable_pages_and_atomic_replace(mnt: Path) -> None:
     assert not (mnt / "page").exists()
 
 
+def test_writes_after_a_dup_closed_make_the_next_version(mnt: Path) -> None:
+    """POSIX close semantics: closing a dup'd descriptor commits the page (that close is a
+    FUSE flush), but the original descriptor may go on writing; its writes make the next
+    version (committed bytes plus new writes), published whole at its own close. Readers
+    see one version or the other, never a mix. Once unlinked, later writes go nowhere."""
+    p = mnt / "dup.bin"
+    with open(p, "wb", buffering=0) as f:
+        with os.fdopen(os.dup(f.fileno()), "wb", buffering=0) as dup:
+            dup.write(b"y" * 100)
+        assert p.read_bytes() == b"y" * 100  # committed by the dup's close
+        f.write(b"x" * 10)  # the shared offset is 100
+        assert p.read_bytes() == b"y" * 100  # the next version is not visible yet
+    assert p.read_bytes() == b"y" * 100 + b"x" * 10
+    with pytest.raises(PermissionError):
+        os.open(p, os.O_WRONLY)  # a new open for writing: still an immutable page
+    # unlinked while its writer goes on: the new bytes are discarded with the name
+    q = mnt / "gone.bin"
+    with open(q, "wb", buffering=0) as f:
+        with os.fdopen(os.dup(f.fileno()), "wb", buffering=0) as dup:
+            dup.write(b"z" * 10)
+        os.unlink(q)
+        f.write(b"w" * 10)
+    assert not q.exists()
+
+
 def test_bad_names(mnt: Path) -> None:
     cases = [
         (mnt / "sessions" / "s" / "layer-000", errno.EINVAL),  # not <s>/<prefix>/<layer>
