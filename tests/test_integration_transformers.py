@@ -27,7 +27,12 @@ from _kvfs_mount import ServedMount  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
 import kvfs  # noqa: E402
-from kvfs.integrations import FastPathPages, GeometryMismatch, chunk_names  # noqa: E402
+from kvfs.integrations import (  # noqa: E402
+    DirectoryPages,
+    FastPathPages,
+    GeometryMismatch,
+    chunk_names,
+)
 from kvfs.integrations._models import ModelShape, greedy_decode, random_llama  # noqa: E402
 from kvfs.integrations._tcache import build_cache, cache_tensors  # noqa: E402
 from kvfs.integrations.transformers import TransformersKV  # noqa: E402
@@ -277,6 +282,126 @@ def test_corrupt_page_ends_the_prefix(
         hit = kv.load("s", ids)
         assert hit.tokens == CHUNK and "corrupt" in hit.note
         assert torch.equal(cache_tensors(hit.cache)[1][1], cache_tensors(cache)[1][1][:, :, :CHUNK])
+
+
+class LoggedPages:
+    """A real page source (plain files) that logs the layer of every page read, in order."""
+
+    def __init__(self, root: Path) -> None:
+        self.inner = DirectoryPages(root)
+        self.label = self.inner.label
+        self.log: list[int] = []
+        self.stat, self.write, self.sample_attrs = (
+            self.inner.stat,
+            self.inner.write,
+            self.inner.sample_attrs,
+        )
+
+    def read_into(self, key: kvfs.PageKey, buf: memoryview) -> int:
+        n = self.inner.read_into(key, buf)
+        self.log.append(int(key.path.rsplit("-", 1)[1]))
+        return n
+
+
+@pytest.mark.parametrize("geom", ["fp32-gqa4-4layers", "bf16-mha-3layers"])
+def test_layerwise_load_decodes_identically(geom: str, target: Any) -> None:
+    shape = GEOMETRIES[geom]
+    model = model_of(shape)
+    ids = tokens(3 * CHUNK, seed=21)
+    first, cache = prefill(model, ids)
+    original = [(k.clone(), v.clone()) for k, v in cache_tensors(cache)]
+    with TransformersKV(target, model, model_id=shape.model_id, chunk_tokens=CHUNK) as kv:
+        kv.save("chat-1", ids, cache)
+        want = greedy_decode(model, first, cache, STEPS)
+        with kv.load_layers("chat-1", ids, ahead=1) as layers:
+            assert (layers.tokens, layers.chunks, layers.sources) == (3 * CHUNK, 3, ("chat-1",) * 3)
+            got = [(i, k, v) for i, k, v in layers]
+        page = 2 * CHUNK * shape.kv_heads * shape.head_dim * (4 if shape.dtype == "float32" else 2)
+        assert layers.bytes_read > 3 * shape.layers * page
+        # max_tokens cuts inside a chunk, as for load().
+        with kv.load_layers("chat-1", ids, max_tokens=2 * CHUNK + 5) as part:
+            cut = [k for _, k, _v in part]
+        assert part.tokens == 2 * CHUNK + 5 and part.chunks == 3
+    assert [i for i, _, _ in got] == list(range(shape.layers))
+    for (k0, v0), (_, k1, v1), k2 in zip(original, got, cut, strict=True):
+        assert k1.dtype == k0.dtype and torch.equal(k0, k1) and torch.equal(v0, v1)
+        assert torch.equal(k2, k0[:, :, : 2 * CHUNK + 5])
+    restored = build_cache(model.config, [(k, v) for _, k, v in got])
+    assert greedy_decode(model, first, restored, STEPS) == want
+
+
+def test_layerwise_load_yields_each_layer_once_all_its_pages_are_in(tmp_path: Path) -> None:
+    shape = GEOMETRIES["fp32-gqa4-4layers"]
+    model = model_of(shape)
+    ids = tokens(3 * CHUNK, seed=22)
+    _, cache = prefill(model, ids)
+    pages = LoggedPages(tmp_path)
+    with TransformersKV(pages, model, model_id=shape.model_id, chunk_tokens=CHUNK) as kv:
+        kv.save("s", ids, cache)
+        for ahead in (0, 1, None):
+            pages.log.clear()
+            seen = []
+            with kv.load_layers("s", ids, ahead=ahead) as layers:
+                for i, _k, _v in layers:
+                    # Every chunk of this layer is in; with ahead=0, no later layer started.
+                    assert pages.log.count(i) == 3
+                    if ahead == 0:
+                        assert max(pages.log) == i
+                    seen.append(i)
+            assert seen == list(range(shape.layers))
+            assert sorted(pages.log) == sorted(list(range(shape.layers)) * 3)
+        with kv.load_layers("other", tokens(3 * CHUNK, seed=23)) as none:
+            assert (none.tokens, list(none)) == (0, [])
+
+
+def test_layerwise_load_async(tmp_path: Path) -> None:
+    import trio
+
+    shape = GEOMETRIES["fp32-gqa-2layers"]
+    model = model_of(shape)
+    ids = tokens(2 * CHUNK, seed=24)
+    _, cache = prefill(model, ids)
+
+    async def main(kv: TransformersKV) -> list[int]:
+        async with kv.load_layers("s", ids, ahead=0) as layers:
+            return [i async for i, _k, _v in layers]
+
+    with TransformersKV(tmp_path, model, model_id=shape.model_id, chunk_tokens=CHUNK) as kv:
+        kv.save("s", ids, cache)
+        assert trio.run(main, kv) == [0, 1]
+
+
+@pytest.mark.parametrize("fast", [False, True], ids=["object-api", "fast-path"])
+def test_layerwise_load_raises_on_a_corrupt_page(
+    fast: bool, make_config: Callable[..., kvfs.StoreConfig]
+) -> None:
+    from _corrupt import flip_stored_byte
+
+    shape = GEOMETRIES["fp32-gqa4-4layers"]
+    model = model_of(shape)
+    ids = tokens(3 * CHUNK, seed=25)
+    _, cache = prefill(model, ids)
+    with kvfs.open_store_sync(make_config(ndev=2)) as store:
+        source: Any = FastPathPages(store) if fast else store
+        with TransformersKV(
+            source, model, model_id=shape.model_id, chunk_tokens=CHUNK, shared_session=None
+        ) as kv:
+            kv.save("s", ids, cache)
+            info = store.stat(f"sessions/s/{chunk_names(ids, kv.geometry)[2]}/layer-002")
+            flip_stored_byte(info, info.size - 100)  # a byte of the value tensor
+            seen = []
+            with (
+                kv.load_layers("s", ids, ahead=1) as layers,
+                pytest.raises(kvfs.CorruptPage),
+            ):
+                for i, _k, _v in layers:
+                    seen.append(i)
+            assert seen == [0, 1]
+            # The full-cache load on the same reads ends the prefix before the bad chunk.
+            hit = kv.load("s", ids)
+            assert hit.tokens == 2 * CHUNK and "corrupt" in hit.note
+        if fast:
+            source.close()
 
 
 def test_batched_cache_is_refused(tmp_path: Path) -> None:

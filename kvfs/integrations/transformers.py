@@ -24,12 +24,14 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import AsyncIterator, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+from gds import LayerLoader
 
 from .._aligned import aligned_buffer, round_up
 from .._errors import CorruptPage, PageNotFound
@@ -39,7 +41,14 @@ from ._format import FORMAT, Geometry, GeometryMismatch, PageLayout, parse_heade
 from ._sources import PageSource, as_source
 from ._tcache import build_cache, cache_tensors
 
-__all__ = ["LoadResult", "PrefillResult", "SaveResult", "TransformersKV", "geometry_of"]
+__all__ = [
+    "LayerwiseLoad",
+    "LoadResult",
+    "PrefillResult",
+    "SaveResult",
+    "TransformersKV",
+    "geometry_of",
+]
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 SHARED_SESSION = "prefix-cache"
@@ -266,6 +275,19 @@ class TransformersKV:
             self._check_session(session)
         return plan
 
+    def _start(
+        self, session: str, tokens: Sequence[int] | torch.Tensor, max_tokens: int | None
+    ) -> _Reads | None:
+        """Plan the longest cached prefix and allocate its tensors (None: nothing cached)."""
+        g, C = self.geometry, self.geometry.chunk_tokens
+        toks = _token_list(tokens)
+        limit = len(toks) if max_tokens is None else max(0, min(max_tokens, len(toks)))
+        plan = self._plan(session, toks, -(-limit // C))
+        ntok = min(limit, len(plan) * C)
+        if ntok == 0:
+            return None
+        return _Reads(self, plan, chunk_names(toks, g, len(plan)), ntok)
+
     def load(
         self, session: str, tokens: Sequence[int] | torch.Tensor, *, max_tokens: int | None = None
     ) -> LoadResult:
@@ -276,57 +298,25 @@ class TransformersKV:
         ``session`` holds KV of another model or geometry, or a page's header disagrees with
         this model. A page that vanished or failed its checksum between lookup and read
         ends the prefix there (``note`` says so); corrupt data is never loaded.
+
+        The same reads as :meth:`load_layers`, all started at once, the cache built when
+        every page is in.
         """
         t0 = time.perf_counter()
-        g, C = self.geometry, self.geometry.chunk_tokens
-        toks = _token_list(tokens)
-        limit = len(toks) if max_tokens is None else max(0, min(max_tokens, len(toks)))
-        plan = self._plan(session, toks, -(-limit // C))
-        names = chunk_names(toks, g, len(plan))
-        ntok = min(limit, len(plan) * C)
-        if ntok == 0:
+        reads = self._start(session, tokens, max_tokens)
+        if reads is None:
             return LoadResult(None, 0, 0, 0, time.perf_counter() - t0)
-        shape = (1, g.kv_heads, ntok, g.head_dim)
-        ks = [torch.empty(shape, dtype=self.dtype, device=self.device) for _ in range(g.layers)]
-        vs = [torch.empty(shape, dtype=self.dtype, device=self.device) for _ in range(g.layers)]
-        stage = round_up(max(max(sizes) for _s, sizes in plan))
-        jobs = [(layer, c) for layer in range(g.layers) for c in range(len(plan))]
-        # The caller's inference mode is per thread: copy it, or in-place writes into
-        # tensors created under it fail in the workers.
-        mode = torch.is_inference_mode_enabled()
-
-        def one(job: tuple[int, int]) -> int:
-            with torch.inference_mode(mode):
-                return read_one(*job)
-
-        def read_one(layer: int, c: int) -> int:
-            key = PageKey.semantic(plan[c][0], names[c], layer)
-            buf = getattr(self._local, "buf", None)
-            if buf is None or len(buf) < stage:
-                buf = self._local.buf = aligned_buffer(stage)
-            n = self.source.read_into(key, buf)
-            h = parse_header(buf[:n], key.path)
-            Geometry.from_attrs(h.metadata).check_same(g, key.path)
-            if (
-                h.shape != (g.kv_heads, C, g.head_dim)
-                or h.metadata.get("prefix") != names[c]
-                or h.metadata.get("layer") != str(layer)
-            ):
-                raise CorruptPage(f"{key.path}: the page's header names another chunk or layer")
-            take = min(C, ntok - c * C)
-            dst = slice(c * C, c * C + take)
-            ks[layer][0, :, dst, :] = self._view(buf, h.key_offset)[:, :take, :]
-            vs[layer][0, :, dst, :] = self._view(buf, h.value_offset)[:, :take, :]
-            return n
-
-        futs = [(job, self._pool.submit(one, job)) for job in jobs]
+        C, plan, ntok = self.geometry.chunk_tokens, reads.plan, reads.tokens
+        pages = [reads.submit(layer) for layer in range(self.geometry.layers)]
         bad_chunk, note, nbytes = len(plan), "", 0
-        for (layer, c), f in futs:
-            try:
-                nbytes += f.result()
-            except (PageNotFound, CorruptPage) as e:
-                if c < bad_chunk:
-                    bad_chunk, note = c, f"stopped at chunk {c} (layer {layer}): {e}"
+        for layer, (_done, futs) in enumerate(pages):
+            for c, f in enumerate(futs):
+                try:
+                    nbytes += f.result()
+                except (PageNotFound, CorruptPage) as e:
+                    if c < bad_chunk:
+                        bad_chunk, note = c, f"stopped at chunk {c} (layer {layer}): {e}"
+        ks, vs = [k for k, _ in reads.layers], [v for _, v in reads.layers]
         if bad_chunk < len(plan):
             ntok = min(ntok, bad_chunk * C)
             if ntok == 0:
@@ -344,6 +334,31 @@ class TransformersKV:
             sources=tuple(s for s, _ in plan),
             note=note,
         )
+
+    def load_layers(
+        self,
+        session: str,
+        tokens: Sequence[int] | torch.Tensor,
+        *,
+        max_tokens: int | None = None,
+        ahead: int | None = None,
+    ) -> LayerwiseLoad:
+        """Load the longest cached prefix of ``tokens`` layer by layer.
+
+        Returns a :class:`LayerwiseLoad`: iterate it (``for`` or ``async for``) for
+        ``(layer, key, value)`` in layer order, each ``[1, kv_heads, tokens, head_dim]`` on
+        the model's device, yielded as soon as every page of that layer is in while the
+        pages of the next ``ahead`` layers are read (None: all layers at once, in layer
+        order). A model can run layer 0 while the rest arrives.
+
+        Raises GeometryMismatch as :meth:`load` does, before any read. Unlike :meth:`load`,
+        a page that vanished or failed its checksum cannot shorten a prefix whose earlier
+        layers were already handed out: iteration raises PageNotFound or CorruptPage at
+        that layer's turn. Use it as a context manager: leaving the block waits for the
+        reads in flight, so nothing writes into the tensors afterwards.
+        """
+        reads = self._start(session, tokens, max_tokens)
+        return LayerwiseLoad(reads, ahead)
 
     # -- the whole step ---------------------------------------------------------------
     @torch.inference_mode()
@@ -385,3 +400,131 @@ def _token_list(tokens: Sequence[int] | torch.Tensor) -> list[int]:
             tokens = tokens[0]
         return [int(t) for t in tokens.tolist()]
     return [int(t) for t in tokens]
+
+
+class _Reads:
+    """The page reads of one planned prefix, into freshly allocated per-layer tensors."""
+
+    def __init__(
+        self, kv: TransformersKV, plan: list[tuple[str, list[int]]], names: list[str], ntok: int
+    ) -> None:
+        g = kv.geometry
+        self.kv, self.plan, self.names, self.tokens = kv, plan, names, ntok
+        shape = (1, g.kv_heads, ntok, g.head_dim)
+        self.layers = [
+            (
+                torch.empty(shape, dtype=kv.dtype, device=kv.device),
+                torch.empty(shape, dtype=kv.dtype, device=kv.device),
+            )
+            for _ in range(g.layers)
+        ]
+        self.stage = round_up(max(max(sizes) for _s, sizes in plan))
+        # The caller's inference mode is per thread: copy it, or in-place writes into
+        # tensors created under it fail in the workers.
+        self.mode = torch.is_inference_mode_enabled()
+
+    def submit(self, layer: int) -> tuple[Future[int], list[Future[int]]]:
+        """Start reading every chunk of ``layer``. Returns a future that resolves once all
+        of them are done (to the bytes read, or to the first failed chunk's error) and the
+        per-chunk futures."""
+        futs = [self.kv._pool.submit(self._one, layer, c) for c in range(len(self.plan))]
+        done: Future[int] = Future()
+        left = [len(futs)]
+        lock = threading.Lock()
+
+        def settle(_: Future[int]) -> None:
+            with lock:
+                left[0] -= 1
+                if left[0]:
+                    return
+            err = next((f.exception() for f in futs if f.exception() is not None), None)
+            if err is not None:
+                done.set_exception(err)
+            else:
+                done.set_result(sum(f.result() for f in futs))
+
+        for f in futs:
+            f.add_done_callback(settle)
+        return done, futs
+
+    def _one(self, layer: int, c: int) -> int:
+        with torch.inference_mode(self.mode):
+            return self._read(layer, c)
+
+    def _read(self, layer: int, c: int) -> int:
+        kv, g, C = self.kv, self.kv.geometry, self.kv.geometry.chunk_tokens
+        key = PageKey.semantic(self.plan[c][0], self.names[c], layer)
+        buf = getattr(kv._local, "buf", None)
+        if buf is None or len(buf) < self.stage:
+            buf = kv._local.buf = aligned_buffer(self.stage)
+        n = kv.source.read_into(key, buf)
+        h = parse_header(buf[:n], key.path)
+        Geometry.from_attrs(h.metadata).check_same(g, key.path)
+        if (
+            h.shape != (g.kv_heads, C, g.head_dim)
+            or h.metadata.get("prefix") != self.names[c]
+            or h.metadata.get("layer") != str(layer)
+        ):
+            raise CorruptPage(f"{key.path}: the page's header names another chunk or layer")
+        take = min(C, self.tokens - c * C)
+        dst = slice(c * C, c * C + take)
+        k, v = self.layers[layer]
+        k[0, :, dst, :] = kv._view(buf, h.key_offset)[:, :take, :]
+        v[0, :, dst, :] = kv._view(buf, h.value_offset)[:, :take, :]
+        return n
+
+
+class LayerwiseLoad:
+    """A prefix being loaded layer by layer (from :meth:`TransformersKV.load_layers`).
+
+    Iterate (``for`` in threads, ``async for`` in trio) for ``(layer, key, value)`` in
+    layer order; a layer is yielded once all its pages are in and checked. ``tokens``,
+    ``chunks`` and ``sources`` are known before the first read; ``bytes_read`` counts the
+    layers yielded so far. Leaving the ``with`` block (or :meth:`close`) waits for reads
+    in flight and starts no more.
+    """
+
+    def __init__(self, reads: _Reads | None, ahead: int | None) -> None:
+        self._reads = reads
+        self.tokens = reads.tokens if reads else 0
+        self.chunks = len(reads.plan) if reads else 0
+        self.sources: tuple[str, ...] = tuple(s for s, _ in reads.plan) if reads else ()
+        self.bytes_read = 0
+        self._done: list[Future[int]] = []
+        self._loader: LayerLoader[tuple[torch.Tensor, torch.Tensor]] = LayerLoader(
+            self._submit, reads.layers if reads else [], ahead
+        )
+
+    def _submit(self, layer: int) -> Future[int]:
+        assert self._reads is not None
+        done, _chunks = self._reads.submit(layer)
+        self._done.append(done)
+        return done
+
+    def __iter__(self) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+        for i, (k, v) in self._loader:
+            self.bytes_read += self._done[i].result()
+            yield i, k, v
+
+    async def __aiter__(self) -> AsyncIterator[tuple[int, torch.Tensor, torch.Tensor]]:
+        async for i, (k, v) in self._loader:
+            self.bytes_read += self._done[i].result()
+            yield i, k, v
+
+    def close(self) -> None:
+        self._loader.close()
+
+    async def aclose(self) -> None:
+        await self._loader.aclose()
+
+    def __enter__(self) -> LayerwiseLoad:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    async def __aenter__(self) -> LayerwiseLoad:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
