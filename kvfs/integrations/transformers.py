@@ -26,9 +26,6 @@ layers only (a sliding-window layer does not hold the whole prefix).
 
 from __future__ import annotations
 
-import contextlib
-import math
-import mmap
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator, Sequence
@@ -410,23 +407,6 @@ def _token_list(tokens: Sequence[int] | torch.Tensor) -> list[int]:
     return [int(t) for t in tokens]
 
 
-def _host_pair(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """A layer's K and V tensors in one anonymous mapping backed by huge pages where the
-    kernel has them: first-touch faults of fresh memory, one per 4 KiB page, cost more
-    than the copy of the data into it (measured: 0.12-0.19 s vs 0.04 s for 512 MiB)."""
-    count = math.prod(shape)
-    size = 2 * count * torch.empty((), dtype=dtype).element_size()
-    m = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if size >= _HUGE and hasattr(mmap, "MADV_HUGEPAGE"):
-        with contextlib.suppress(OSError):
-            m.madvise(mmap.MADV_HUGEPAGE)
-    both = torch.frombuffer(m, dtype=dtype)  # keeps the mapping alive
-    return both[:count].view(shape), both[count:].view(shape)
-
-
-_HUGE = 2 << 20
-
-
 class _Reads:
     """The page reads of one planned prefix, into freshly allocated per-layer tensors."""
 
@@ -436,16 +416,13 @@ class _Reads:
         g = kv.geometry
         self.kv, self.plan, self.names, self.tokens = kv, plan, names, ntok
         shape = (1, g.kv_heads, ntok, g.head_dim)
-        if kv.device.type == "cpu":
-            self.layers = [_host_pair(shape, kv.dtype) for _ in range(g.layers)]
-        else:
-            self.layers = [
-                (
-                    torch.empty(shape, dtype=kv.dtype, device=kv.device),
-                    torch.empty(shape, dtype=kv.dtype, device=kv.device),
-                )
-                for _ in range(g.layers)
-            ]
+        self.layers = [
+            (
+                torch.empty(shape, dtype=kv.dtype, device=kv.device),
+                torch.empty(shape, dtype=kv.dtype, device=kv.device),
+            )
+            for _ in range(g.layers)
+        ]
         self.stage = round_up(max(max(sizes) for _s, sizes in plan))
         # The caller's inference mode is per thread: copy it, or in-place writes into
         # tensors created under it fail in the workers.
