@@ -23,7 +23,7 @@ import kvfs
 from kvfs._daemon import READY_FD_ENV
 from kvfs._mount import MountOptions, serve_mount
 
-__all__ = ["DaemonMount", "ServedMount"]
+__all__ = ["DaemonMount", "ServedMount", "daemon_mount"]
 
 
 class DaemonMount:
@@ -58,6 +58,15 @@ class DaemonMount:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def daemon_mount(cfg: kvfs.StoreConfig, mp: Path) -> DaemonMount:
+    """``cfg``'s store (data directories, stripe unit) mounted at ``mp`` (created) by a
+    daemon process; its log beside the mountpoint."""
+    mp.mkdir()
+    return DaemonMount(
+        cfg.data_dirs, mp, mp.with_name(mp.name + ".log"), "--stripe-unit", str(cfg.stripe_unit)
+    )
 
 
 class ServedMount:

@@ -47,6 +47,38 @@ def s3_server() -> Iterator[object]:
         yield server
 
 
+@pytest.fixture
+def proxy(s3_server) -> Iterator[object]:  # noqa: ANN001
+    """A ``TcpProxy`` (tests/_s3.py) in front of the S3 server: ``.endpoint``, ``.down()``,
+    ``.up()``, ``.sent`` (bytes clients sent through it)."""
+    from urllib.parse import urlsplit
+
+    from _s3 import TcpProxy
+
+    u = urlsplit(s3_server.endpoint)
+    p = TcpProxy((u.hostname, u.port))
+    yield p
+    p.close()
+
+
+# -- engine suites: a directory on a kvfs mount (or a plain one, the control) -------------
+@pytest.fixture(params=["mount", "directory"])
+def kvfs_dir(
+    request: pytest.FixtureRequest, tmp_path: Path, make_config: Callable[..., kvfs.StoreConfig]
+) -> Iterator[Path]:
+    """A directory on a real kvfs FUSE mount served by a ``kvfs mount`` daemon process (as
+    an engine meets it), or a plain directory."""
+    if request.param == "mount":
+        from _kvfs_mount import daemon_mount
+
+        with daemon_mount(make_config(ndev=2, name="mounted"), tmp_path / "mnt") as mp:
+            yield mp
+    else:
+        d = tmp_path / "plain"
+        d.mkdir()
+        yield d
+
+
 #: ``run("ls", "--json")`` -> (exit code, stdout, stderr) of the kvfs command, in process.
 Run = Callable[..., tuple[int, str, str]]
 

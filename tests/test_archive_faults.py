@@ -10,9 +10,7 @@ import sys
 import textwrap
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
-from urllib.parse import urlsplit
 
 import pytest
 
@@ -39,16 +37,6 @@ def page(i: int) -> bytes:
     import numpy as np
 
     return np.random.default_rng(i).bytes(256 * KiB)
-
-
-@pytest.fixture
-def proxy(s3_server) -> Iterator[object]:  # noqa: ANN001
-    from _s3 import TcpProxy
-
-    u = urlsplit(s3_server.endpoint)
-    p = TcpProxy((u.hostname, u.port))
-    yield p
-    p.close()
 
 
 @pytest.mark.slow

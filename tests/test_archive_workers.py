@@ -9,9 +9,8 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
-from urllib.parse import urlsplit
 
 import numpy as np
 import pytest
@@ -25,16 +24,6 @@ KiB = 1024
 def page(i: int) -> bytes:
     rng = np.random.default_rng(i)
     return (rng.standard_normal(64 * KiB) * 0.5).astype(np.float16).tobytes()
-
-
-@pytest.fixture
-def proxy(s3_server) -> Iterator[object]:  # noqa: ANN001
-    from _s3 import TcpProxy
-
-    u = urlsplit(s3_server.endpoint)
-    p = TcpProxy((u.hostname, u.port))
-    yield p
-    p.close()
 
 
 def wait_for(cond: Callable[[], bool], what: str) -> None:

@@ -52,7 +52,6 @@ with warnings.catch_warnings():
     from lmcache.v1.storage_backend.connector import CreateConnector
     from lmcache.v1.storage_backend.local_cpu_backend import LocalCPUBackend
 
-from _kvfs_mount import ServedMount  # noqa: E402
 
 import kvfs  # noqa: E402
 
@@ -141,22 +140,6 @@ def chunks(dtype: torch.dtype, n: int = 3) -> dict[int, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
     shape = (LAYERS, 2, CHUNK, KV_HEADS * HEAD_DIM)  # LMCache's KV_2LTD chunk layout
     return {1000 + i: torch.randn(shape, generator=g).to(dtype) for i in range(n)}
-
-
-@pytest.fixture(params=["mount", "directory"])
-def kvfs_dir(
-    request: pytest.FixtureRequest, tmp_path: Path, make_config: Callable[..., kvfs.StoreConfig]
-) -> Iterator[Path]:
-    """A directory on a real kvfs FUSE mount, or a plain directory."""
-    if request.param == "mount":
-        mp = tmp_path / "mnt"
-        mp.mkdir()
-        with ServedMount(make_config(ndev=2, name="mounted"), mp):
-            yield mp
-    else:
-        d = tmp_path / "plain"
-        d.mkdir()
-        yield d
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])

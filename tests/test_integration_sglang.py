@@ -27,7 +27,7 @@ and calls this backend (it needs CUDA). The page bytes it hands over are the hos
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -39,7 +39,7 @@ pytest.importorskip(
 )
 
 import torch  # noqa: E402
-from _kvfs_mount import DaemonMount  # noqa: E402
+from _kvfs_mount import daemon_mount  # noqa: E402
 from sglang.srt.mem_cache.hicache_storage import (  # noqa: E402
     HiCacheFile,
     HiCacheStorageConfig,
@@ -80,32 +80,6 @@ def pages(dtype: torch.dtype, n: int) -> dict[str, torch.Tensor]:
 def _no_env_override(monkeypatch: pytest.MonkeyPatch) -> None:
     # The environment variable wins over the path given in code: keep the test's own.
     monkeypatch.delenv("SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR", raising=False)
-
-
-def daemon_mount(cfg: kvfs.StoreConfig, mp: Path) -> DaemonMount:
-    """``cfg``'s store mounted by a ``kvfs mount`` daemon process, as a server runs it.
-
-    Not an in-process mount: HiCacheFile.set writes with numpy's ``ndarray.tofile``, whose C
-    code stats its file while holding the GIL, so a mount served by a thread of this
-    process would deadlock (tests/_kvfs_mount.py)."""
-    mp.mkdir()
-    return DaemonMount(
-        cfg.data_dirs, mp, mp.with_name("daemon.log"), "--stripe-unit", str(cfg.stripe_unit)
-    )
-
-
-@pytest.fixture(params=["mount", "directory"])
-def kvfs_dir(
-    request: pytest.FixtureRequest, tmp_path: Path, make_config: Callable[..., kvfs.StoreConfig]
-) -> Iterator[Path]:
-    """A directory on a real kvfs FUSE mount, or a plain directory."""
-    if request.param == "mount":
-        with daemon_mount(make_config(ndev=2, name="mounted"), tmp_path / "mnt") as mp:
-            yield mp
-    else:
-        d = tmp_path / "plain"
-        d.mkdir()
-        yield d
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])

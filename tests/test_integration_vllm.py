@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -38,7 +37,6 @@ pytest.importorskip(
 )
 
 import torch  # noqa: E402
-from _kvfs_mount import ServedMount  # noqa: E402
 
 with warnings.catch_warnings():
     # Importing vllm compiles a torch function, which warns about torch.jit: not ours.
@@ -89,22 +87,6 @@ def cpu_tier(seed: int | None) -> torch.Tensor:
 
 def keys(n: int) -> list[bytes]:
     return [make_offload_key(bytes([i]) * 32, 0) for i in range(1, n + 1)]
-
-
-@pytest.fixture(params=["mount", "directory"])
-def kvfs_dir(
-    request: pytest.FixtureRequest, tmp_path: Path, make_config: Callable[..., kvfs.StoreConfig]
-) -> Iterator[Path]:
-    """A directory on a real kvfs FUSE mount, or a plain directory."""
-    if request.param == "mount":
-        mp = tmp_path / "mnt"
-        mp.mkdir()
-        with ServedMount(make_config(ndev=2, name="mounted"), mp):
-            yield mp
-    else:
-        d = tmp_path / "plain"
-        d.mkdir()
-        yield d
 
 
 def test_blocks_round_trip_bit_exactly(kvfs_dir: Path) -> None:
