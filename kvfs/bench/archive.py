@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import shutil
 import socket
 import subprocess
@@ -40,6 +39,7 @@ import numpy as np
 
 import kvfs
 from kvfs._codec import encode, shuffle
+from kvfs.bench._common import log, machine, new_parser
 
 __all__ = ["register", "run_archive_bench"]
 
@@ -47,11 +47,12 @@ MiB = 1 << 20
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
+    p = new_parser(
+        sub,
         "archive",
         help="spill/restore vs plain boto3, compression, read latency",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        doc=__doc__,
+        run=_main,
     )
     p.add_argument("--endpoint", default=None, help="S3 endpoint URL (default: start moto)")
     p.add_argument("--bucket", default=None, help="bucket (default: a new one, moto only)")
@@ -80,12 +81,6 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=2,
         help="spill worker processes (default 2; 0: threads in the store's process)",
     )
-    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    p.set_defaults(func=_main)
-
-
-def _log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 @contextmanager
@@ -289,7 +284,7 @@ def run_archive_bench(
                     lat["boto3"] = _latency_beside_boto3(
                         s, endpoint, bucket, f"{prefix}-floor", pages, args.concurrency, scratch
                     )
-            _log(
+            log(
                 f"  round {r + 1}/{args.repeat}: spill {best['spill']:.0f} vs put "
                 f"{best['put']:.0f} MB/s, restore {best['restore']:.0f} vs get {best['get']:.0f} MB/s"
             )
@@ -416,7 +411,7 @@ def _latency_beside_boto3(
 
 def _main(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
-    _log("generating KV tensors...")
+    log("generating KV tensors...")
     arrs, source = kv_tensors(args.tokens, args.layers, args.numpy_kv)
     comp = compression(arrs, args.level)
     if args.endpoint:
@@ -435,11 +430,7 @@ def _main(args: argparse.Namespace) -> int:
             res = run_archive_bench(ep, "kvfs-bench", args, arrs)
             where = "moto server on loopback (separate process)"
     out = {
-        "machine": {
-            "host": platform.node(),
-            "cpus": os.cpu_count(),
-            "python": platform.python_version(),
-        },
+        "machine": machine(),
         "endpoint": where,
         "kv_source": source,
         "zstd_level": args.level,

@@ -19,15 +19,15 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
+
+from kvfs.bench._common import log, machine, new_parser
 
 __all__ = ["register", "run_ttft"]
 
@@ -35,11 +35,12 @@ DEFAULT_TOKENS = "512,1024,2048,4096"
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
+    p = new_parser(
+        sub,
         "ttft",
         help="time to first token: full prefill vs prefix from kvfs",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        doc=__doc__,
+        run=_main,
     )
     p.add_argument(
         "--tokens",
@@ -87,8 +88,6 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=256,
         help="--sharing: each session's own tokens (default 256)",
     )
-    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    p.set_defaults(func=_main)
 
 
 def _main(args: argparse.Namespace) -> int:
@@ -129,15 +128,13 @@ def _main(args: argparse.Namespace) -> int:
 def conditions(scratch: Path, model_desc: str) -> dict[str, Any]:
     import torch
 
-    return {
-        "model": model_desc,
-        "cpus": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "store": str(scratch),
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-    }
+    return machine(
+        model=model_desc,
+        torch_threads=torch.get_num_threads(),
+        torch=torch.__version__,
+        store=str(scratch),
+        date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    )
 
 
 def load_model(which: str) -> tuple[Any, Any]:
@@ -190,11 +187,7 @@ def run_ttft(
         g = kv.geometry
         m(input_ids=torch.randint(0, shape.vocab, (1, 128)))  # warm up kernels and memory
         for i, n in enumerate(lengths):
-            print(
-                f"kvfs bench ttft: [{i + 1}/{len(lengths)}] {n} tokens: prefill, save, load...",
-                file=sys.stderr,
-                flush=True,
-            )
+            log(f"kvfs bench ttft: [{i + 1}/{len(lengths)}] {n} tokens: prefill, save, load...")
             ids = torch.randint(0, shape.vocab, (1, n), generator=torch.Generator().manual_seed(n))
             t0 = time.perf_counter()
             out = m(input_ids=ids, use_cache=True)
