@@ -42,7 +42,7 @@ if TYPE_CHECKING:
 
 __all__ = ["PageWriter", "check_attrs", "leaves_now", "put"]
 
-HASH_GROUP = 2 * LEAF  # leaves hashed per task when a put hashes beside its writes
+HASH_GROUP = 2 * LEAF  # bytes hashed per pool task when a streamed page is committed
 #: Pages up to this size are hashed before they are written, so a duplicate costs no write;
 #: larger ones are hashed while they are written (a duplicate's files are then removed).
 DEDUP_FIRST_MAX = 256 * 1024
@@ -77,21 +77,15 @@ def leaves_now(mv: memoryview) -> bytes:
     return b"".join(leaf_hash(mv[i : i + LEAF]) for i in range(0, len(mv), LEAF))
 
 
-def _submit_leaves(eng: Engine, mv: memoryview) -> builtins.list[Future[bytes]]:
-    def group(o: int) -> bytes:
-        chunk = mv[o : o + HASH_GROUP]
-        return b"".join(leaf_hash(chunk[i : i + LEAF]) for i in range(0, len(chunk), LEAF))
-
-    if len(mv) == 0:
-        return [eng.hash_pool.submit(leaf_hash, b"")]
-    return [eng.hash_pool.submit(group, o) for o in range(0, len(mv), HASH_GROUP)]
-
-
 def leaves_parallel(eng: Engine, mv: memoryview) -> bytes:
-    """The leaf digests of a buffer, hashed on the engine's hash pool."""
+    """The leaf digests of a buffer, hashed on the engine's hash pool in groups of leaves."""
     if len(mv) <= HASH_GROUP:
         return leaves_now(mv)
-    return b"".join(f.result() for f in _submit_leaves(eng, mv))
+    groups = [
+        eng.hash_pool.submit(leaves_now, mv[o : o + HASH_GROUP])
+        for o in range(0, len(mv), HASH_GROUP)
+    ]
+    return b"".join(f.result() for f in groups)
 
 
 def _hash_beside_write(eng: Engine, mv: memoryview) -> builtins.list[Future[bytes]]:
