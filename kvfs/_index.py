@@ -12,8 +12,12 @@ Tables:
   sessions  one row per session directory: times, pinned, attrs (model id...).
   meta      store identity and layout.
 
-One connection, one lock: every call is short (index lookups), so a mutex is simpler and
-faster than a connection per thread. Calls are made from worker threads, never the trio loop.
+Writes go through one connection under one lock (transactions, group commit). Reads outside
+a transaction use a read-only connection per thread, so a lookup never waits for a commit's
+fsync (WAL readers see the last committed state while a writer commits): a foreground read
+during a spill or a put's existence check beside another client's commit costs a lookup,
+not a flush. A thread inside a transaction reads through the write connection and sees its
+own changes. Calls are made from worker threads, never the trio loop.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from __future__ import annotations
 import sqlite3
 import threading
 import time
+import weakref
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -171,6 +176,18 @@ class _Pending:
         self.error: Exception | None = None
 
 
+class _Reader:
+    """A thread's read connection; closed when the thread ends (its thread-local goes)."""
+
+    __slots__ = ("__weakref__", "db")
+
+    def __init__(self, db: sqlite3.Connection) -> None:
+        self.db = db
+
+    def __del__(self) -> None:
+        self.db.close()
+
+
 class Index:
     """Thread-safe wrapper around one SQLite connection. See the module docstring."""
 
@@ -188,6 +205,9 @@ class Index:
         # last commits, across power loss; only for page-cache benchmarks.
         self._db.execute(f"PRAGMA synchronous={'FULL' if durable else 'NORMAL'}")
         self._db.execute("PRAGMA foreign_keys=OFF")
+        self._local = threading.local()  # this thread's read connection
+        self._readers: weakref.WeakSet[_Reader] = weakref.WeakSet()
+        self._closed = False
         with self.transaction() as db:
             for stmt in _SCHEMA.strip().split(";"):
                 if stmt.strip():
@@ -202,10 +222,47 @@ class Index:
 
     def close(self) -> None:
         with self._lock:
+            self._closed = True
+            for r in list(self._readers):  # a reader's snapshot would stop the checkpoint
+                r.db.close()
+            self._readers.clear()
             try:
                 self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
             finally:
                 self._db.close()
+
+    def _reader(self) -> sqlite3.Connection:
+        r: _Reader | None = getattr(self._local, "reader", None)
+        if r is None:
+            with self._lock:
+                if self._closed:
+                    raise sqlite3.ProgrammingError("the index is closed")
+                db = sqlite3.connect(
+                    f"file:{self.path}?mode=ro",
+                    uri=True,
+                    check_same_thread=False,
+                    isolation_level=None,
+                    timeout=30,
+                )
+                db.execute("PRAGMA query_only=1")
+                r = _Reader(db)
+                self._readers.add(r)
+            self._local.reader = r
+        return r.db
+
+    @contextmanager
+    def snapshot(self) -> Iterator[sqlite3.Connection]:
+        """A connection whose reads all see one committed state (or, inside a transaction
+        of this thread, that transaction's state)."""
+        if self._lock._is_owned():  # type: ignore[attr-defined]
+            yield self._db
+            return
+        r = self._reader()
+        r.execute("BEGIN")
+        try:
+            yield r
+        finally:
+            r.execute("COMMIT")
 
     @contextmanager
     def transaction(self) -> Iterator[sqlite3.Connection]:
@@ -221,8 +278,9 @@ class Index:
                 self._db.execute("COMMIT")
 
     def _q(self, sql: str, args: Iterable[object] = ()) -> list[tuple]:
-        with self._lock:
+        if self._lock._is_owned():  # type: ignore[attr-defined]
             return self._db.execute(sql, tuple(args)).fetchall()
+        return self._reader().execute(sql, tuple(args)).fetchall()
 
     # -- meta ---------------------------------------------------------------------------
     def get_meta(self, k: str, default: object = None) -> object:
@@ -243,13 +301,14 @@ class Index:
         return _blob(r[0]) if r else None
 
     def page_and_blob(self, path: str) -> tuple[PageRow, BlobRow] | None:
-        with self._lock:
-            p = self.page(path)
-            if p is None:
+        with self.snapshot() as db:
+            r = db.execute(f"SELECT {_PAGE_COLS} FROM pages WHERE path=?", (path,)).fetchone()
+            if r is None:
                 return None
-            b = self.blob(p.hash)
-            assert b is not None, f"index inconsistent: page {path} has no blob"
-            return p, b
+            p = _page(r)
+            r = db.execute(f"SELECT {_BLOB_COLS} FROM blobs WHERE hash=?", (p.hash,)).fetchone()
+            assert r is not None, f"index inconsistent: page {path} has no blob"
+            return p, _blob(r)
 
     def pages(
         self,
@@ -308,14 +367,14 @@ class Index:
         ][0]
 
     def counts(self) -> dict[str, int]:
-        with self._lock:
-            pages, logical = self._db.execute(
+        with self.snapshot() as db:
+            pages, logical = db.execute(
                 "SELECT COUNT(*), COALESCE(SUM(size),0) FROM pages"
             ).fetchone()
-            blobs, stored = self._db.execute(
+            blobs, stored = db.execute(
                 "SELECT COUNT(*), COALESCE(SUM(size),0) FROM blobs WHERE extents IS NOT NULL"
             ).fetchone()
-            sessions = self._db.execute("SELECT COUNT(*) FROM sessions").fetchone()[0]
+            sessions = db.execute("SELECT COUNT(*) FROM sessions").fetchone()[0]
         return {
             "pages": pages,
             "logical_bytes": logical,
