@@ -39,6 +39,7 @@ from ._codec import CodecChoice, decode, elem_size, encode
 from ._errors import ArchiveUnavailable, CorruptPage, PageNotFound
 from ._events import log_event
 from ._index import BlobRow, PageRow
+from ._local import fsync_dir
 from ._manifest import ArchiveIndex, blob_key
 from ._policy import TieringPolicy
 from ._spill import Spiller
@@ -491,10 +492,9 @@ class ArchivingPolicy(TieringPolicy):
         eng._reserve(need)
         w = eng.tier.writer(eng.tier.next_start(), direct=True)
         try:
-            mv = memoryview(data)
-            for o in range(0, len(mv), eng.tier.piece):
-                w.write(o, mv[o : o + eng.tier.piece])
-            extents, disk = w.finish(len(data))
+            w.write_whole(memoryview(data))
+            # the directories are synced once for the whole batch, in _adopt
+            extents, disk = w.finish(len(data), sync_dirs=False)
         except BaseException:
             w.abort()
             eng._unreserve(need)
@@ -506,6 +506,9 @@ class ArchivingPolicy(TieringPolicy):
         account them. Per blob: its row, or PageNotFound when it was deleted meanwhile."""
         eng = self.engine
         try:
+            if eng.tier.durable:
+                for d in sorted({d for x in staged for d in x.writer.new_dirs}):
+                    fsync_dir(d)
             rows = self.aindex.adopt_local_many([(x.h, x.extents, x.disk) for x in staged])
         except BaseException:
             for x in staged:
@@ -560,6 +563,9 @@ class ArchivingPolicy(TieringPolicy):
                     others.append(fut)
         t0 = time.monotonic()
         ready: list[_Staged] = []
+        downloads = trio.CapacityLimiter(self.cfg.concurrency)
+        # decoded objects waiting for a CPU are held in memory: at most this many
+        staging = trio.CapacityLimiter(max(2, os.cpu_count() or 1))
         wake = trio.Event()
         producing = len(owned)
 
@@ -571,10 +577,10 @@ class ArchivingPolicy(TieringPolicy):
             else:
                 fut.set_result(result)
 
-        async def one(b: BlobRow, limit: trio.CapacityLimiter) -> None:
+        async def one(b: BlobRow) -> None:
             nonlocal producing
             try:
-                async with limit:
+                async with downloads:
                     cur = await trio.to_thread.run_sync(self.engine.index.blob, b.hash)
                     if cur is None or cur.local:
                         settle(
@@ -583,6 +589,9 @@ class ArchivingPolicy(TieringPolicy):
                         )
                         return
                     obj = await self._get_object(b)
+                # The download slot is free again while this object is decoded, verified
+                # and written: downloads stay `concurrency` deep, as boto3 alone would.
+                async with staging:
                     # no checkpoint between the thread's return and the append: a staged
                     # copy is always either committed or aborted below
                     ready.append(await trio.to_thread.run_sync(self._stage, b, obj))
@@ -610,11 +619,10 @@ class ArchivingPolicy(TieringPolicy):
 
         try:
             async with one_error_nursery() as n:
-                limit = trio.CapacityLimiter(self.cfg.concurrency)
                 n.start_soon(commit)
                 for b in blobs:
                     if b.hash in owned:
-                        n.start_soon(one, b, limit)
+                        n.start_soon(one, b)
         finally:
             for x in ready:  # written but cancelled before its commit
                 x.writer.abort()

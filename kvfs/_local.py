@@ -123,8 +123,8 @@ class LocalTier:
                 tmp.write_bytes(msgpack.packb({"store": store_id, "index": i}))
                 os.replace(tmp, marker)
                 if self.durable:
-                    _fsync_dir(str(root / "blobs"))
-                    _fsync_dir(str(root))
+                    fsync_dir(str(root / "blobs"))
+                    fsync_dir(str(root))
 
     def free_bytes(self) -> list[int]:
         out = []
@@ -351,6 +351,7 @@ class BlobWriter:
         self._headers: dict[int, memoryview] = {}
         self._lock = threading.Lock()
         self.size = 0
+        self.new_dirs: list[str] = []  # set by finish()
         self._unkicked: dict[int, int] = {}
 
     def _fd(self, dev: int) -> tuple[int, bool]:
@@ -512,8 +513,12 @@ class BlobWriter:
         with self._lock:
             return self._headers.pop(dev, None)
 
-    def finish(self, size: int) -> tuple[tuple[Extent, ...], int]:
-        """Make the files durable; return the blob's extents and its bytes on disk."""
+    def finish(self, size: int, *, sync_dirs: bool = True) -> tuple[tuple[Extent, ...], int]:
+        """Make the files durable; return the blob's extents and its bytes on disk.
+
+        ``sync_dirs=False`` leaves the fsync of the directories holding the new files to
+        the caller (they are in ``self.new_dirs`` afterwards), which can then sync a
+        directory once for many blobs before their index commit."""
         if not self._fds:
             # A zero-length blob still gets its header file so the index has an extent.
             self._fd(self.tier.locate(self.start, 0)[0])
@@ -537,9 +542,10 @@ class BlobWriter:
                 self.tier.pool,
                 [functools.partial(os.fdatasync, fd) for fd, _direct in self._fds.values()],
             )
-        if self.tier.durable:
-            for dev in self._fds:
-                _fsync_dir(os.path.dirname(self.tier.abspath(dev, self.rel)))
+        self.new_dirs = [os.path.dirname(self.tier.abspath(dev, self.rel)) for dev in self._fds]
+        if self.tier.durable and sync_dirs:
+            for d in self.new_dirs:
+                fsync_dir(d)
         unit = self.tier.unit
         extents: list[Extent] = []
         for c in range(max(1, -(-size // unit))):
@@ -588,7 +594,7 @@ def _start_writeback(fd: int) -> None:
         _sync_file_range(fd, 0, 0, _SYNC_FILE_RANGE_WRITE)
 
 
-def _fsync_dir(path: str) -> None:
+def fsync_dir(path: str) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)
