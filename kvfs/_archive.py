@@ -564,8 +564,9 @@ class ArchivingPolicy(TieringPolicy):
         t0 = time.monotonic()
         ready: list[_Staged] = []
         downloads = trio.CapacityLimiter(self.cfg.concurrency)
-        # decoded objects waiting for a CPU are held in memory: at most this many
         staging = trio.CapacityLimiter(max(2, os.cpu_count() or 1))
+        # downloaded objects wait in memory for a staging slot: at most this many at once
+        held = trio.CapacityLimiter(downloads.total_tokens + staging.total_tokens)
         wake = trio.Event()
         producing = len(owned)
 
@@ -580,21 +581,22 @@ class ArchivingPolicy(TieringPolicy):
         async def one(b: BlobRow) -> None:
             nonlocal producing
             try:
-                async with downloads:
-                    cur = await trio.to_thread.run_sync(self.engine.index.blob, b.hash)
-                    if cur is None or cur.local:
-                        settle(
-                            b.hash,
-                            cur or PageNotFound(f"page data {b.hash.hex()[:16]} was deleted"),
-                        )
-                        return
-                    obj = await self._get_object(b)
-                # The download slot is free again while this object is decoded, verified
-                # and written: downloads stay `concurrency` deep, as boto3 alone would.
-                async with staging:
-                    # no checkpoint between the thread's return and the append: a staged
-                    # copy is always either committed or aborted below
-                    ready.append(await trio.to_thread.run_sync(self._stage, b, obj))
+                async with held:
+                    async with downloads:
+                        cur = await trio.to_thread.run_sync(self.engine.index.blob, b.hash)
+                        if cur is None or cur.local:
+                            settle(
+                                b.hash,
+                                cur or PageNotFound(f"page data {b.hash.hex()[:16]} was deleted"),
+                            )
+                            return
+                        obj = await self._get_object(b)
+                    # The download slot is free again while this object is decoded, verified
+                    # and written: downloads stay `concurrency` deep, as boto3 alone would.
+                    async with staging:
+                        # no checkpoint between the thread's return and the append: a staged
+                        # copy is always either committed or aborted below
+                        ready.append(await trio.to_thread.run_sync(self._stage, b, obj))
             except Exception as e:
                 settle(b.hash, e)
             finally:
