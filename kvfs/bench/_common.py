@@ -1,7 +1,8 @@
 """What every ``kvfs bench`` command shares: its parser, progress lines and machine facts.
 
 Each benchmark module defines ``register(sub)`` (called by ``cli``) and builds its parser with
-:func:`new_parser`, prints progress with :func:`log` (stderr, so ``--json`` output on stdout
+:func:`new_parser` (a sweep over page sizes and client counts declares its options with
+:func:`add_sweep`), prints progress with :func:`log` (stderr, so ``--json`` output on stdout
 stays clean) and records :func:`machine` beside its results, so every figure in
 docs/benchmarks.md says where it was measured.
 """
@@ -15,7 +16,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["log", "machine", "new_parser"]
+__all__ = ["add_sweep", "log", "machine", "new_parser"]
 
 
 def new_parser(
@@ -37,6 +38,17 @@ def new_parser(
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=run)
     return p
+
+
+def add_sweep(
+    p: argparse.ArgumentParser, *, sizes: str, clients: str, total: int, total_help: str
+) -> None:
+    """The ``--sizes`` / ``--clients`` comma lists and the ``--total`` MiB of a sweep over page
+    sizes and client counts; each help line ends with its own default, taken from the value
+    given here, so the help cannot drift from the defaults."""
+    p.add_argument("--sizes", default=sizes, help=f"page sizes in MiB (default {sizes})")
+    p.add_argument("--clients", default=clients, help=f"concurrent clients (default {clients})")
+    p.add_argument("--total", type=int, default=total, help=f"{total_help} (default {total})")
 
 
 def log(msg: str) -> None:

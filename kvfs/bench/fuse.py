@@ -33,7 +33,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from kvfs.bench._common import log, machine, new_parser
+from kvfs.bench._common import add_sweep, log, machine, new_parser
 
 __all__ = ["register", "run_fuse_bench"]
 
@@ -49,13 +49,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         doc=__doc__,
         run=_main,
     )
-    p.add_argument("--sizes", default="16,64,256", help="page sizes in MiB (default 16,64,256)")
-    p.add_argument("--clients", default="1,4", help="concurrent clients (default 1,4)")
-    p.add_argument(
-        "--total",
-        type=int,
-        default=512,
-        help="MiB per size and client count; at least one page per client (default 512)",
+    add_sweep(
+        p,
+        sizes="16,64,256",
+        clients="1,4",
+        total=512,
+        total_help="MiB per size and client count; at least one page per client",
     )
     p.add_argument(
         "--dir",

@@ -33,7 +33,7 @@ from typing import Any
 
 import kvfs
 from kvfs._aligned import aligned_buffer, open_direct
-from kvfs.bench._common import log, machine, new_parser
+from kvfs.bench._common import add_sweep, log, machine, new_parser
 
 __all__ = ["register", "run_store_bench"]
 
@@ -48,10 +48,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         doc=__doc__,
         run=_main,
     )
-    p.add_argument("--sizes", default="1,4,16,64", help="page sizes in MiB (default 1,4,16,64)")
-    p.add_argument("--clients", default="1,4", help="concurrent clients (default 1,4)")
-    p.add_argument(
-        "--total", type=int, default=256, help="MiB written per size and client count (default 256)"
+    add_sweep(
+        p,
+        sizes="1,4,16,64",
+        clients="1,4",
+        total=256,
+        total_help="MiB written per size and client count",
     )
     p.add_argument(
         "--data",
