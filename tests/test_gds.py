@@ -9,7 +9,7 @@ import os
 import subprocess
 import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from typing import Any
 
@@ -17,37 +17,12 @@ import numpy as np
 import pytest
 import trio
 from _corrupt import flip_stored_byte
+from _gds import KiB, MiB, aligned, fastpath_fixtures, key, rand
 
 import gds
 import kvfs
 
-KiB = 1024
-MiB = 1024 * KiB
-
-
-def rand(n: int, seed: int = 0) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, 256, size=n, dtype=np.uint8)
-
-
-def aligned(n: int) -> np.ndarray:
-    return np.frombuffer(kvfs.aligned_buffer(n), dtype=np.uint8)
-
-
-def key(layer: int, prefix: str = "p0") -> kvfs.PageKey:
-    return kvfs.PageKey.semantic("sess", prefix, layer)
-
-
-@pytest.fixture
-def store(make_config: Callable[..., kvfs.StoreConfig]) -> Iterator[kvfs.SyncStore]:
-    # Three devices and a tiny stripe unit: every page over 64 KiB is striped.
-    with kvfs.open_store_sync(make_config(ndev=3, stripe_unit=64 * KiB)) as s:
-        yield s
-
-
-@pytest.fixture
-def fp(store: kvfs.SyncStore) -> Iterator[gds.FastPath]:
-    with gds.FastPath(store, threads=4) as f:
-        yield f
+store, fp = fastpath_fixtures(threads=4)
 
 
 class HoldAfter(Executor):

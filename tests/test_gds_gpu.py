@@ -6,13 +6,12 @@ Run on the device machine: see docs/gds.md ("Running the GPU tests").
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
 import pytest
 from _corrupt import flip_stored_byte
-from test_gds import KiB, MiB, aligned, key, rand
+from _gds import MiB, aligned, fastpath_fixtures, key, rand
 
 import gds
 import kvfs
@@ -30,16 +29,7 @@ def need_gpu() -> dict[str, str | None]:
     return st
 
 
-@pytest.fixture
-def store(make_config: Callable[..., kvfs.StoreConfig]) -> Iterator[kvfs.SyncStore]:
-    with kvfs.open_store_sync(make_config(ndev=3, stripe_unit=64 * KiB)) as s:
-        yield s
-
-
-@pytest.fixture
-def fp(store: kvfs.SyncStore) -> Iterator[gds.FastPath]:
-    with gds.FastPath(store, threads=8) as f:
-        yield f
+store, fp = fastpath_fixtures(threads=8)
 
 
 def host_read(fp: gds.FastPath, k: kvfs.PageKey, n: int) -> np.ndarray:
