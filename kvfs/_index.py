@@ -207,6 +207,7 @@ class Index:
         self._db.execute("PRAGMA foreign_keys=OFF")
         self._local = threading.local()  # this thread's read connection
         self._readers: weakref.WeakSet[_Reader] = weakref.WeakSet()
+        self._readers_lock = threading.Lock()
         self._closed = False
         with self.transaction() as db:
             for stmt in _SCHEMA.strip().split(";"):
@@ -221,7 +222,7 @@ class Index:
                 )
 
     def close(self) -> None:
-        with self._lock:
+        with self._lock, self._readers_lock:
             self._closed = True
             for r in list(self._readers):  # a reader's snapshot would stop the checkpoint
                 r.db.close()
@@ -234,7 +235,7 @@ class Index:
     def _reader(self) -> sqlite3.Connection:
         r: _Reader | None = getattr(self._local, "reader", None)
         if r is None:
-            with self._lock:
+            with self._readers_lock:  # not self._lock: a transaction may hold that
                 if self._closed:
                     raise sqlite3.ProgrammingError("the index is closed")
                 db = sqlite3.connect(

@@ -221,6 +221,44 @@ def test_concurrent_commits_one_winner_per_key(
         assert store.fsck() == {"missing": [], "corrupt": [], "orphans": [], "repaired": []}
 
 
+def test_index_reads_do_not_wait_for_another_threads_transaction(
+    make_config: Callable[..., kvfs.StoreConfig],
+) -> None:
+    """A lookup sees the last committed state while another thread's transaction is open
+    (it used to queue behind the whole transaction, its fsync included); the thread inside
+    the transaction sees its own rows; everyone sees them once committed."""
+    import threading
+
+    with kvfs.open_store_sync(make_config()) as store:
+        store.put("s/a", b"a" * 5000)
+        index = store.engine.index
+        inside, release, seen_inside = threading.Event(), threading.Event(), []
+
+        def writer() -> None:
+            with index.transaction() as db:
+                db.execute("UPDATE pages SET pinned=1 WHERE path='s/a'")
+                seen_inside.append(index.page("s/a"))
+                inside.set()
+                release.wait(30)
+
+        t = threading.Thread(target=writer)
+        t.start()
+        try:
+            assert inside.wait(30)
+            outside: list[object] = []
+            reader = threading.Thread(target=lambda: outside.append(index.page("s/a")))
+            reader.start()
+            reader.join(30)  # a reader queued behind the open transaction would hang here
+            assert not reader.is_alive(), "a read waited for another thread's transaction"
+            assert outside[0] is not None and not outside[0].pinned  # type: ignore[attr-defined]
+            assert index.page_and_blob("s/a") is not None
+        finally:
+            release.set()
+            t.join(30)
+        assert seen_inside[0] is not None and seen_inside[0].pinned
+        assert index.page("s/a").pinned  # type: ignore[union-attr]
+
+
 # -- O_DIRECT into the caller's buffer -----------------------------------------------------
 def test_aligned_buffers_are_read_directly(
     make_config: Callable[..., kvfs.StoreConfig], monkeypatch: pytest.MonkeyPatch
