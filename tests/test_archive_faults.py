@@ -11,6 +11,7 @@ import textwrap
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -37,6 +38,23 @@ def page(i: int) -> bytes:
     import numpy as np
 
     return np.random.default_rng(i).bytes(256 * KiB)
+
+
+def proxied_config(
+    s3_server: Any, proxy: Any, make_config: Any, *, ndev: int, query: str, **archive: object
+) -> tuple[str, kvfs.StoreConfig]:
+    """A new bucket and a store config whose archive is that bucket behind the proxy, with
+    ``query`` (deadline, connect_timeout) on the URL and ``archive`` beside interval=0."""
+    bucket = s3_server.new_bucket()
+    url = f"s3://{bucket}?endpoint={proxy.endpoint}&{query}"
+    return bucket, make_config(
+        ndev=ndev, archive_url=url, extra={"archive": {"interval": 0, **archive}}
+    )
+
+
+def put_pages(s: kvfs.SyncStore, session: str, n: int) -> None:
+    for i in range(n):
+        s.put(PageKey.semantic(session, "p", i), page(i))
 
 
 @pytest.mark.slow
@@ -95,12 +113,11 @@ def test_sigkill_mid_spill_then_restart(s3_server, proxy, tmp_path: Path) -> Non
 
 @pytest.mark.slow
 def test_endpoint_down_during_spill(s3_server, proxy, make_config) -> None:  # noqa: ANN001
-    bucket = s3_server.new_bucket()
-    url = f"s3://{bucket}?endpoint={proxy.endpoint}&deadline=60&connect_timeout=1"
-    cfg = make_config(ndev=2, archive_url=url, extra={"archive": {"interval": 0}})
+    _, cfg = proxied_config(
+        s3_server, proxy, make_config, ndev=2, query="deadline=60&connect_timeout=1"
+    )
     with kvfs.open_store_sync(cfg) as s:
-        for i in range(8):
-            s.put(PageKey.semantic("cold", "p", i), page(i))
+        put_pages(s, "cold", 8)
         proxy.down()
         result: list[object] = []
 
@@ -129,12 +146,11 @@ def test_endpoint_down_during_spill(s3_server, proxy, make_config) -> None:  # n
 
 
 def test_endpoint_down_past_deadline_loses_nothing(s3_server, proxy, make_config) -> None:  # noqa: ANN001
-    bucket = s3_server.new_bucket()
-    url = f"s3://{bucket}?endpoint={proxy.endpoint}&deadline=0.5&connect_timeout=0.5"
-    cfg = make_config(ndev=1, archive_url=url, extra={"archive": {"interval": 0}})
+    _, cfg = proxied_config(
+        s3_server, proxy, make_config, ndev=1, query="deadline=0.5&connect_timeout=0.5"
+    )
     with kvfs.open_store_sync(cfg) as s:
-        for i in range(3):
-            s.put(PageKey.semantic("a", "p", i), page(i))
+        put_pages(s, "a", 3)
         proxy.down()
         with pytest.raises(kvfs.ArchiveUnavailable):
             s.spill("a")
@@ -148,14 +164,16 @@ def test_endpoint_down_past_deadline_loses_nothing(s3_server, proxy, make_config
 
 
 def test_delete_while_endpoint_down_is_finished_later(s3_server, proxy, make_config) -> None:  # noqa: ANN001
-    bucket = s3_server.new_bucket()
-    url = f"s3://{bucket}?endpoint={proxy.endpoint}&deadline=30&connect_timeout=0.5"
-    cfg = make_config(
-        ndev=1, archive_url=url, extra={"archive": {"interval": 0, "sync_cleanup_seconds": 0.5}}
+    bucket, cfg = proxied_config(
+        s3_server,
+        proxy,
+        make_config,
+        ndev=1,
+        query="deadline=30&connect_timeout=0.5",
+        sync_cleanup_seconds=0.5,
     )
     with kvfs.open_store_sync(cfg) as s:
-        for i in range(2):
-            s.put(PageKey.semantic("a", "p", i), page(i))
+        put_pages(s, "a", 2)
         s.spill("a")
         assert len(s3_server.keys(bucket, "blobs/")) == 2
         proxy.down()
