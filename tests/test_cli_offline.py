@@ -26,6 +26,19 @@ def data(tmp_path: Path, archive: bool = False) -> list[str]:
     ]
 
 
+def one_page(run: Run, tmp_path: Path, payload: bytes, archive: bool = False) -> list[str]:
+    """``payload`` stored as sessions/a/p/layer-000 (from the file ``f``); the data options."""
+    d = data(tmp_path, archive)
+    (tmp_path / "f").write_bytes(payload)
+    assert run("put", "f", "sessions/a/p/layer-000", *d)[0] == 0
+    return d
+
+
+def tier(run: Run, d: list[str]) -> str:
+    """The tier ``ls`` shows for session a's first page."""
+    return json.loads(run("ls", "a", "--json", *d)[1])[0]["tier"]
+
+
 def test_put_ls_get_roundtrip(run: Run, tmp_path: Path) -> None:
     d = data(tmp_path)
     payload = os.urandom(300_000)
@@ -56,9 +69,7 @@ def test_put_ls_get_roundtrip(run: Run, tmp_path: Path) -> None:
 
 
 def test_stats_table_and_json(run: Run, tmp_path: Path) -> None:
-    d = data(tmp_path, archive=True)
-    (tmp_path / "f").write_bytes(b"y" * 5000)
-    run("put", "f", "sessions/a/p/layer-000", *d)
+    d = one_page(run, tmp_path, b"y" * 5000, archive=True)
     rc, out, _ = run("stats", *d)
     assert rc == 0 and "DEVICE" in out and "HIT RATE" in out and "spill queue" in out
     assert "evictions:" in out
@@ -89,48 +100,40 @@ def test_pin_unpin_rm(run: Run, tmp_path: Path) -> None:
 
 
 def test_evict_refuses_the_only_copy_without_force(run: Run, tmp_path: Path) -> None:
-    d = data(tmp_path)
-    (tmp_path / "f").write_bytes(os.urandom(8192))
-    run("put", "f", "sessions/a/p/layer-000", *d)
+    d = one_page(run, tmp_path, os.urandom(8192))
     rc, _, err = run("evict", "a", *d)
     assert rc == 9 and "--force" in err and err.count("\n") == 1
-    assert json.loads(run("ls", "a", "--json", *d)[1])[0]["tier"] == "local"
+    assert tier(run, d) == "local"
     rc, out, _ = run("evict", "a", "--force", "--json", *d)
     assert rc == 0 and json.loads(out)[0]["freed_bytes"] > 0
 
 
 def test_evict_with_an_archive_keeps_the_page(run: Run, tmp_path: Path) -> None:
-    d = data(tmp_path, archive=True)
-    (tmp_path / "f").write_bytes(os.urandom(8192))
-    run("put", "f", "sessions/a/p/layer-000", *d)
+    d = one_page(run, tmp_path, os.urandom(8192), archive=True)
     rc, out, _ = run("evict", "sessions/a/p/layer-000", "--json", *d)
     assert rc == 0 and json.loads(out)[0]["freed_bytes"] > 0
-    assert json.loads(run("ls", "a", "--json", *d)[1])[0]["tier"] == "archive"
+    assert tier(run, d) == "archive"
     rc, out, _ = run("get", "sessions/a/p/layer-000", "back", *d)
     assert rc == 0 and (tmp_path / "back").read_bytes() == (tmp_path / "f").read_bytes()
 
 
 def test_spill_and_restore(run: Run, tmp_path: Path) -> None:
-    d = data(tmp_path, archive=True)
-    (tmp_path / "f").write_bytes(os.urandom(20000))
-    run("put", "f", "sessions/a/p/layer-000", *d)
+    d = one_page(run, tmp_path, os.urandom(20000), archive=True)
     rc, out, _ = run("spill", "a", "--json", *d)
     assert rc == 0 and json.loads(out)[0]["bytes"] > 0
-    assert json.loads(run("ls", "a", "--json", *d)[1])[0]["tier"] == "archive"
+    assert tier(run, d) == "archive"
     rc, out, _ = run("ls", "--archived", "--json", *d)
     assert [x["session"] for x in json.loads(out)] == ["a"]
     assert "SPILLED" in run("ls", "--archived", *d)[1]
     rc, out, _ = run("restore", "a", *d)
     assert rc == 0 and "restored a" in out
-    assert json.loads(run("ls", "a", "--json", *d)[1])[0]["tier"] == "local+archive"
+    assert tier(run, d) == "local+archive"
     rc, _, err = run("spill", "a", *data(tmp_path))
     assert rc == 8 and "archive" in err
 
 
 def test_fsck_finds_and_repairs(run: Run, tmp_path: Path) -> None:
-    d = data(tmp_path)
-    (tmp_path / "f").write_bytes(os.urandom(50000))
-    run("put", "f", "sessions/a/p/layer-000", *d)
+    d = one_page(run, tmp_path, os.urandom(50000))
     assert run("fsck", *d)[0] == 0
     with kvfs.open_store_sync(kvfs.StoreConfig(data_dirs=(tmp_path / "d0", tmp_path / "d1"))) as s:
         ext = s.stat("sessions/a/p/layer-000").extents[0]
