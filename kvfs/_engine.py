@@ -15,6 +15,8 @@ entry points; the work behind them lives beside it, one job a module:
 from __future__ import annotations
 
 import builtins
+import contextlib
+import logging
 import os
 import threading
 import time
@@ -39,6 +41,8 @@ __all__ = ["Engine", "PageWriter"]
 
 RESERVE_WAIT_SECONDS = 10.0
 ATIME_FLUSH_SECONDS = 5.0
+
+log = logging.getLogger("kvfs.engine")
 
 
 class Engine:
@@ -68,6 +72,7 @@ class Engine:
         self.io_pool = ThreadPoolExecutor(cfg.io_threads, thread_name_prefix="kvfs-io")
         self.hash_threads = max(2, os.cpu_count() or 2)
         self.hash_pool = ThreadPoolExecutor(self.hash_threads, thread_name_prefix="kvfs-hash")
+        self._atime_pool = ThreadPoolExecutor(1, thread_name_prefix="kvfs-atime")
         self.tier = LocalTier(
             cfg.data_dirs,
             cfg.stripe_unit,
@@ -137,6 +142,7 @@ class Engine:
             return
         self._closed = True
         try:
+            self._atime_pool.shutdown(wait=True)
             self.flush_atimes()
             self.policy.close()
             with self._cap_lock:
@@ -308,15 +314,26 @@ class Engine:
             self._counters[name] += n
 
     def touch(self, page: PageRow) -> None:
+        """Note a read's access time; they reach the index in batches, written by a
+        background thread so that no read waits for that commit and its fsync."""
         now = time.time()
-        pa, ba, sa = self._atimes
         with self._cap_lock:
+            pa, ba, sa = self._atimes
             pa[page.path] = now
             ba[page.hash] = now
             sa[page.session] = now
             due = time.monotonic() - self._atime_flushed > ATIME_FLUSH_SECONDS
+            if due:
+                self._atime_flushed = time.monotonic()  # one flush submitted, not one a read
         if due:
+            with contextlib.suppress(RuntimeError):  # closing: close() flushes the rest
+                self._atime_pool.submit(self._flush_atimes_logged)
+
+    def _flush_atimes_logged(self) -> None:
+        try:
             self.flush_atimes()
+        except Exception as e:  # access times only order eviction: never fail a read for them
+            log.warning("access times not written this time: %s", e)
 
     def flush_atimes(self) -> None:
         with self._cap_lock:
