@@ -38,6 +38,11 @@ from kvfs.bench._common import log, machine, new_parser
 MiB = 1 << 20
 
 
+def layers_for(size_mib: int, layers: int) -> int:
+    """Layer pages for one page size: ``layers`` when given, else 4 to 32 (~256 MiB)."""
+    return layers if layers > 0 else max(4, min(32, 256 // max(1, size_mib)))
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     p = new_parser(
         sub,
@@ -47,7 +52,14 @@ def register(sub: argparse._SubParsersAction) -> None:
         run=run,
     )
     p.add_argument("--sizes", default="1,16,128,512", help="page sizes in MiB (comma list)")
-    p.add_argument("--layers", type=int, default=4, help="layer pages per size (a session)")
+    p.add_argument(
+        "--layers",
+        type=int,
+        default=0,
+        help="layer pages per size (a session); default: 32 for small pages, fewer for "
+        "large ones (about 256 MiB a size, at least 4), so a small size is not timed on a "
+        "few milliseconds of I/O",
+    )
     p.add_argument("--ndev", type=int, default=2, help="device directories to stripe over")
     p.add_argument("--stripe-unit", default="4MiB", help="stripe unit (default 4MiB)")
     p.add_argument("--threads", type=int, default=8, help="reader threads (raw and fast path)")
@@ -152,7 +164,7 @@ def run(args: argparse.Namespace) -> int:
             for i, size_mib in enumerate(sizes):
                 log(
                     f"kvfs bench gds: [{i + 1}/{len(sizes)}] {size_mib} MiB pages x "
-                    f"{args.layers} layers..."
+                    f"{layers_for(size_mib, args.layers)} layers..."
                 )
                 rows += _bench_size(store, fp, pool, cp, size_mib, args, mp)
                 store.delete_session("bench")
@@ -161,7 +173,7 @@ def run(args: argparse.Namespace) -> int:
         ndev=args.ndev,
         stripe_unit=args.stripe_unit,
         threads=args.threads,
-        layers=args.layers,
+        layers=args.layers or "auto",
         rounds=args.rounds,
         gpu=cp is not None,
         dir=str(base),
@@ -196,7 +208,8 @@ def _bench_size(
     mp: Path | None,
 ) -> list[dict[str, Any]]:
     n = size_mib * MiB
-    keys = [kvfs.PageKey.semantic("bench", f"s{size_mib}", i) for i in range(args.layers)]
+    layers = layers_for(size_mib, args.layers)
+    keys = [kvfs.PageKey.semantic("bench", f"s{size_mib}", i) for i in range(layers)]
     data = np.random.default_rng(size_mib).integers(0, 256, size=n, dtype=np.uint8)
     for i, k in enumerate(keys):
         data[:8] = np.frombuffer(i.to_bytes(8, "little"), np.uint8)  # distinct: no dedup
