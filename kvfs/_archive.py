@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import trio
 
 from ._checksum import leaves_of, tree_hash
-from ._codec import CodecChoice, decode, elem_size, encode
+from ._codec import CodecChoice, elem_size, encode
 from ._errors import ArchiveUnavailable, CorruptPage, PageNotFound
 from ._events import log_event
 from ._index import BlobRow, PageRow
@@ -43,7 +43,19 @@ from ._local import fsync_dir
 from ._manifest import ArchiveIndex, blob_key
 from ._policy import TieringPolicy
 from ._spill import Spiller
-from ._uploader import BlobJob, Uploaded, UploadPool, WorkerUnavailable, scratch_buffer
+from ._uploader import (
+    BlobJob,
+    MissingObject,
+    Restored,
+    RestoreJob,
+    TierSpec,
+    Uploaded,
+    UploadPool,
+    WorkerUnavailable,
+    decode_verified,
+    scratch_buffer,
+    write_restored,
+)
 
 if TYPE_CHECKING:
     from ._engine import Engine
@@ -127,10 +139,11 @@ class _Staged:
 
     h: bytes
     size: int
-    writer: BlobWriter
+    writer: BlobWriter  # its abort() removes the files, whoever wrote them
     extents: tuple
     disk: int
     need: int
+    dirs: tuple[str, ...]  # to fsync before the index commit
 
 
 class ArchivingPolicy(TieringPolicy):
@@ -479,27 +492,26 @@ class ArchivingPolicy(TieringPolicy):
         row names yet (:meth:`_adopt` commits them). Raises CorruptPage (nothing written),
         CapacityExceeded."""
         eng = self.engine
-        what = f"archive object {blob_key(blob.hash)}"
         try:
-            data = decode(obj, what, into=scratch_buffer)  # written below, then reused
-            if len(data) != blob.size or tree_hash(len(data), leaves_of(data)) != blob.hash:
-                raise CorruptPage(f"{what} does not match its checksum; not served")
+            data = decode_verified(
+                obj, blob.hash, blob.size, f"archive object {blob_key(blob.hash)}"
+            )
         except CorruptPage:
-            eng._count("corrupt_reads")
-            self.count("corrupt_objects")
+            self._count_corrupt()
             raise
         need = eng.tier.disk_bytes(len(data))
         eng._reserve(need)
         w = eng.tier.writer(eng.tier.next_start(), direct=True)
         try:
-            w.write_whole(memoryview(data))
-            # the directories are synced once for the whole batch, in _adopt
-            extents, disk = w.finish(len(data), sync_dirs=False)
+            extents, disk = write_restored(w, data)  # directories: synced in _adopt
         except BaseException:
-            w.abort()
             eng._unreserve(need)
             raise
-        return _Staged(blob.hash, len(data), w, extents, disk, need)
+        return _Staged(blob.hash, len(data), w, extents, disk, need, tuple(w.new_dirs))
+
+    def _count_corrupt(self) -> None:
+        self.engine._count("corrupt_reads")
+        self.count("corrupt_objects")
 
     def _adopt(self, staged: list[_Staged], t0: float) -> list[BlobRow | BaseException]:
         """Commit staged local copies in one index transaction (one fsync for all) and
@@ -507,7 +519,7 @@ class ArchivingPolicy(TieringPolicy):
         eng = self.engine
         try:
             if eng.tier.durable:
-                for d in sorted({d for x in staged for d in x.writer.new_dirs}):
+                for d in sorted({d for x in staged for d in x.dirs}):
                     fsync_dir(d)
             rows = self.aindex.adopt_local_many([(x.h, x.extents, x.disk) for x in staged])
         except BaseException:
@@ -543,13 +555,12 @@ class ArchivingPolicy(TieringPolicy):
         return out
 
     async def _restore_many(self, blobs: list[BlobRow]) -> int:
-        """Restore blobs ``concurrency`` at once: download, then decode, verify and write in
-        a thread; the local copies are committed by one task in batches (what is written
-        while a commit runs goes into the next), so a session costs a few index fsyncs, not
+        """Restore blobs: in the upload worker processes when there are any (each worker
+        downloads, decodes, verifies and writes its batch's files; see
+        :meth:`_restore_in_workers`), else in this process (:meth:`_restore_here`). The
+        local copies are committed in batches, so a session costs a few index fsyncs, not
         one per page. Concurrent readers of these blobs wait for them (one download).
         Returns bytes restored; raises the first error after every blob has been tried."""
-        from objectstore._abc import one_error_nursery
-
         from ._uploader import _wait
 
         owned: dict[bytes, Future[BlobRow]] = {}
@@ -562,13 +573,6 @@ class ArchivingPolicy(TieringPolicy):
                 else:
                     others.append(fut)
         t0 = time.monotonic()
-        ready: list[_Staged] = []
-        downloads = trio.CapacityLimiter(self.cfg.concurrency)
-        staging = trio.CapacityLimiter(max(2, os.cpu_count() or 1))
-        # downloaded objects wait in memory for a staging slot: at most this many at once
-        held = trio.CapacityLimiter(downloads.total_tokens + staging.total_tokens)
-        wake = trio.Event()
-        producing = len(owned)
 
         def settle(h: bytes, result: BlobRow | BaseException) -> None:
             with self._lock:
@@ -577,6 +581,156 @@ class ArchivingPolicy(TieringPolicy):
                 fut.set_exception(result)
             else:
                 fut.set_result(result)
+
+        todo = [b for b in blobs if b.hash in owned]
+        try:
+            if self.uploads is not None:
+                todo = await self._restore_in_workers(todo, settle, t0)
+            if todo:
+                await self._restore_here(todo, settle, t0)
+        finally:
+            for h in list(owned):  # cancelled: whoever waits on them is told
+                with self._lock:
+                    fut = self._inflight.get(h)
+                    if fut is owned[h]:
+                        del self._inflight[h]
+                    else:
+                        continue
+                if not fut.done():
+                    fut.set_exception(ArchiveUnavailable("restore was cancelled"))
+        total = 0
+        first: BaseException | None = None
+        for fut in [*owned.values(), *others]:
+            try:
+                total += (await _wait(fut)).size
+            except Exception as e:
+                first = first or e
+        if first is not None:
+            raise first
+        return total
+
+    async def _still_archived(
+        self, blobs: list[BlobRow], settle: Callable[[bytes, BlobRow | BaseException], None]
+    ) -> list[BlobRow]:
+        """The blobs still to restore; the others (deleted, or local again) are settled."""
+        rows = await trio.to_thread.run_sync(
+            lambda: [self.engine.index.blob(b.hash) for b in blobs]
+        )
+        out = []
+        for b, cur in zip(blobs, rows, strict=True):
+            if cur is None or cur.local:
+                settle(b.hash, cur or PageNotFound(f"page data {b.hash.hex()[:16]} was deleted"))
+            else:
+                out.append(b)
+        return out
+
+    async def _restore_in_workers(
+        self,
+        blobs: list[BlobRow],
+        settle: Callable[[bytes, BlobRow | BaseException], None],
+        t0: float,
+    ) -> list[BlobRow]:
+        """Restore in the upload worker processes: this process only reserves room, names
+        the files, and commits what the workers wrote (the store's CPU and GIL stay with
+        foreground work, as for spills). Files of a failed, abandoned or retried job are
+        removed by name (the nonce chosen here). Returns the blobs left for this process
+        when no worker can be started."""
+        eng = self.engine
+        uploads = self.uploads
+        assert uploads is not None
+        blobs = await self._still_archived(blobs, settle)
+        spec = TierSpec(
+            tuple(str(r) for r in eng.tier.roots), eng.tier.unit, eng.tier.direct, eng.tier.durable
+        )
+        # h -> (blob, the writer that names its files, bytes reserved); an entry leaves when
+        # its copy is handed to _adopt, or is cleaned up by release()
+        pending: dict[bytes, tuple[BlobRow, BlobWriter, int]] = {}
+        jobs: list[RestoreJob] = []
+
+        def reserve_all() -> None:
+            for b in blobs:
+                need = eng.tier.disk_bytes(b.size)
+                try:
+                    eng._reserve(need)
+                except Exception as e:  # no room for this one: the others still come back
+                    settle(b.hash, e)
+                    continue
+                w = eng.tier.writer(eng.tier.next_start(), direct=True)
+                pending[b.hash] = (b, w, need)
+                jobs.append(RestoreJob(b.hash, b.size, blob_key(b.hash), w.start, w.nonce))
+
+        def release(batch: list[RestoreJob]) -> None:
+            for j in batch:
+                x = pending.pop(j.h, None)
+                if x is not None:
+                    x[1].abort()
+                    eng._unreserve(x[2])
+
+        def before_retry(batch: list[RestoreJob]) -> None:
+            for j in batch:
+                x = pending.get(j.h)
+                if x is not None:
+                    x[1].abort()
+
+        async def answered(batch: list[RestoreJob], results: list[Restored]) -> None:
+            staged: list[_Staged] = []
+            for r in results:
+                if r.error is not None:
+                    err = r.error
+                    if isinstance(err, MissingObject):
+                        self.engine._count("corrupt_reads")
+                        err = CorruptPage(str(err))
+                    elif isinstance(err, CorruptPage):
+                        self._count_corrupt()
+                    settle(r.h, err)  # the worker left no files; release() frees the room
+                    continue
+                blob, w, need = pending.pop(r.h)
+                assert r.extents is not None
+                staged.append(_Staged(r.h, blob.size, w, r.extents, r.disk, need, r.dirs))
+            if not staged:
+                return
+            try:
+                got = await trio.to_thread.run_sync(self._adopt, staged, t0)
+            except Exception as e:  # _adopt removed the files and freed the room
+                got = [e] * len(staged)
+            for x, g in zip(staged, got, strict=True):
+                settle(x.h, g)
+
+        try:
+            await trio.to_thread.run_sync(reserve_all)
+            await uploads.restore(jobs, spec, answered, release, before_retry)
+        except WorkerUnavailable as e:
+            self._without_workers(e)
+            left = {j.h for j in jobs if j.h in pending}
+            release(jobs)
+            return [b for b in blobs if b.hash in left]
+        except Exception as e:
+            release(jobs)
+            for j in jobs:
+                with self._lock:
+                    unsettled = j.h in self._inflight
+                if unsettled:
+                    settle(j.h, e)
+        return []
+
+    async def _restore_here(
+        self,
+        blobs: list[BlobRow],
+        settle: Callable[[bytes, BlobRow | BaseException], None],
+        t0: float,
+    ) -> None:
+        """Restore in this process, ``concurrency`` downloads at once: each object is then
+        decoded, verified and written in a thread, and one task commits what is written in
+        batches (what is written while a commit runs goes into the next)."""
+        from objectstore._abc import one_error_nursery
+
+        ready: list[_Staged] = []
+        downloads = trio.CapacityLimiter(self.cfg.concurrency)
+        staging = trio.CapacityLimiter(max(2, os.cpu_count() or 1))
+        # downloaded objects wait in memory for a staging slot: at most this many at once
+        held = trio.CapacityLimiter(downloads.total_tokens + staging.total_tokens)
+        wake = trio.Event()
+        producing = len(blobs)
 
         async def one(b: BlobRow) -> None:
             nonlocal producing
@@ -623,31 +777,11 @@ class ArchivingPolicy(TieringPolicy):
             async with one_error_nursery() as n:
                 n.start_soon(commit)
                 for b in blobs:
-                    if b.hash in owned:
-                        n.start_soon(one, b)
+                    n.start_soon(one, b)
         finally:
             for x in ready:  # written but cancelled before its commit
                 x.writer.abort()
                 self.engine._unreserve(x.need)
-            for h in list(owned):  # cancelled: whoever waits on them is told
-                with self._lock:
-                    fut = self._inflight.get(h)
-                    if fut is owned[h]:
-                        del self._inflight[h]
-                    else:
-                        continue
-                if not fut.done():
-                    fut.set_exception(ArchiveUnavailable("restore was cancelled"))
-        total = 0
-        first: BaseException | None = None
-        for fut in [*owned.values(), *others]:
-            try:
-                total += (await _wait(fut)).size
-            except Exception as e:
-                first = first or e
-        if first is not None:
-            raise first
-        return total
 
     # -- sessions ---------------------------------------------------------------------------
     def spill(self, d: str) -> int:

@@ -156,8 +156,8 @@ class LocalTier:
         return sum(HEADER + b for b in per_dev)
 
     # -- writing ----------------------------------------------------------------------
-    def writer(self, start: int, *, direct: bool) -> BlobWriter:
-        return BlobWriter(self, start, direct=direct and self.direct)
+    def writer(self, start: int, *, direct: bool, nonce: str | None = None) -> BlobWriter:
+        return BlobWriter(self, start, direct=direct and self.direct, nonce=nonce)
 
     # -- reading ----------------------------------------------------------------------
     def pieces(
@@ -339,11 +339,15 @@ class BlobWriter:
     On any failure call :meth:`abort`, which removes every file this writer created.
     """
 
-    def __init__(self, tier: LocalTier, start: int, *, direct: bool) -> None:
+    def __init__(
+        self, tier: LocalTier, start: int, *, direct: bool, nonce: str | None = None
+    ) -> None:
         self.tier = tier
         self.start = start
         self.direct = direct
-        self.nonce = uuid.uuid4().hex
+        # ``nonce`` names the files: another process may write them (a restore worker)
+        # while this writer only knows their names, to remove them (abort)
+        self.nonce = nonce or uuid.uuid4().hex
         self.rel = f"blobs/{self.nonce[:2]}/{self.nonce}"
         self._fds: dict[int, tuple[int, bool]] = {}
         # Headers not yet written, by device: a direct writer sends a file's header with the

@@ -1,5 +1,6 @@
-"""Spill uploads in worker processes: read, verify, compress and upload local blobs outside
-the daemon, so the daemon's GIL and CPU stay with foreground reads and writes.
+"""Spill uploads and session restores in worker processes: read, verify, compress and
+upload local blobs, or download, decode, verify and write archived ones, outside the daemon,
+so the daemon's GIL and CPU stay with foreground reads and writes.
 
 Why a process: boto3's request path is pure Python. Eight upload threads in the daemon hold
 its GIL for milliseconds at a time and a foreground ``get`` waits for it (p99 of a 256 KiB
@@ -18,6 +19,15 @@ after a confirmed upload. A worker that dies (killed, out of memory) fails its j
 ``WorkerDied``: the daemon starts a fresh worker and tries the job once more, then
 raises ``ArchiveUnavailable``; nothing was marked, nothing is dropped, and objects the dead
 worker managed to store are found by the next spill's HEAD.
+
+Restores (:func:`restore_batch`, a whole session at a time; a read that misses restores its
+one page in the daemon) take the same workers the other way. The daemon reserves room for
+each blob and names its files (first device and nonce); the worker downloads, decodes,
+checks the tree hash and writes durable files under those names, and answers per blob with
+the extents or the error (a corrupt or missing object writes nothing). The daemon syncs the
+directories once per batch and commits the files in one index transaction; until then no
+row names them. If the worker dies, the daemon removes the files by name and retries once on
+a fresh worker; if the caller is cancelled, it removes them once the worker is done.
 """
 
 from __future__ import annotations
@@ -31,7 +41,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -41,7 +51,7 @@ import trio
 
 from ._aligned import ALIGN, aligned_buffer, open_direct, round_up
 from ._checksum import leaves_of, tree_hash
-from ._codec import CodecChoice, encode
+from ._codec import CodecChoice, decode, encode
 from ._errors import ArchiveUnavailable, CorruptPage
 
 __all__ = [
@@ -217,6 +227,133 @@ def upload_batch(
     async def run() -> None:
         limit = trio.CapacityLimiter(max(1, concurrency))
         async with one_error_nursery() as n:
+            for job in jobs:
+                n.start_soon(one, job, limit)
+
+    trio.run(run)
+    return out
+
+
+# -- restores ------------------------------------------------------------------------------
+class MissingObject(CorruptPage):
+    """A restore worker found no object for a blob the index says is archived."""
+
+
+@dataclass(frozen=True)
+class TierSpec:
+    """What a worker needs to write blob files exactly as the store's local tier does."""
+
+    roots: tuple[str, ...]
+    unit: int
+    direct: bool
+    durable: bool
+
+
+@dataclass(frozen=True)
+class RestoreJob:
+    """One archived blob to bring back: its checksum and size, its object key, and the
+    first device and nonce of the files to write (chosen by the store, which removes them
+    by that name if the restore fails)."""
+
+    h: bytes
+    size: int
+    key: str
+    start: int
+    nonce: str
+
+
+@dataclass(frozen=True)
+class Restored:
+    """A worker's answer for one restore job: the written files' extents, bytes on disk and
+    directories (to fsync before the index commit), or the error that left nothing."""
+
+    h: bytes
+    extents: tuple | None
+    disk: int
+    dirs: tuple[str, ...]
+    error: Exception | None = None
+
+
+_tiers: dict[TierSpec, Any] = {}
+
+
+def _tier(spec: TierSpec) -> Any:
+    from concurrent.futures import ThreadPoolExecutor
+    from pathlib import Path
+
+    from ._local import LocalTier
+
+    t = _tiers.get(spec)
+    if t is None:
+        t = _tiers[spec] = LocalTier(
+            tuple(Path(r) for r in spec.roots),
+            spec.unit,
+            direct=spec.direct,
+            durable=spec.durable,
+            pool=ThreadPoolExecutor(max(1, len(spec.roots) - 1)),
+            bounce_buffers=2,
+        )
+    return t
+
+
+def decode_verified(obj: bytes, h: bytes, size: int, what: str) -> memoryview:
+    """An archive object's page bytes (in this thread's scratch buffer), checked against
+    the blob's size and tree hash. Raises CorruptPage; nothing is written then."""
+    data = decode(obj, what, into=scratch_buffer)  # written, then the buffer is reused
+    if len(data) != size or tree_hash(len(data), leaves_of(data)) != h:
+        raise CorruptPage(f"{what} does not match its checksum; not served")
+    return data
+
+
+def write_restored(w: Any, data: memoryview) -> tuple[tuple, int]:
+    """Write a verified blob with ``w`` (a BlobWriter): one vectored write per file, the
+    files made durable, their directories left for the caller to sync once per batch
+    (``w.new_dirs``). Removes what it wrote and raises on failure."""
+    try:
+        w.write_whole(memoryview(data))
+        return w.finish(len(data), sync_dirs=False)  # type: ignore[no-any-return]
+    except BaseException:
+        w.abort()
+        raise
+
+
+def _restore_one(spec: TierSpec, job: RestoreJob, obj: bytes) -> Restored:
+    from ._local import BlobWriter
+
+    data = decode_verified(obj, job.h, job.size, f"archive object {job.key}")
+    w = BlobWriter(_tier(spec), job.start, direct=True, nonce=job.nonce)
+    extents, disk = write_restored(w, data)
+    return Restored(job.h, extents, disk, tuple(w.new_dirs))
+
+
+def restore_batch(
+    url: str, options: dict[str, Any], spec: TierSpec, jobs: list[RestoreJob], concurrency: int
+) -> list[Restored]:
+    """Worker entry point: download, decode, verify and write each job's blob as durable
+    files that no index row names yet (the store commits them). One answer per job; a job
+    that fails (missing or corrupt object, full disk, endpoint down) has its error and no
+    files."""
+    from objectstore import ObjectNotFound
+
+    store = _open_store(url, options)
+    out: list[Restored] = []
+
+    async def one(job: RestoreJob, limit: trio.CapacityLimiter) -> None:
+        try:
+            async with limit:
+                try:
+                    obj = await store.get(job.key)
+                except ObjectNotFound:
+                    raise MissingObject(
+                        f"archive object {job.key} is missing from {store.url}"
+                    ) from None
+            out.append(await trio.to_thread.run_sync(_restore_one, spec, job, obj))
+        except Exception as e:
+            out.append(Restored(job.h, None, 0, (), e))
+
+    async def run() -> None:
+        limit = trio.CapacityLimiter(max(1, concurrency))
+        async with trio.open_nursery() as n:
             for job in jobs:
                 n.start_soon(one, job, limit)
 
@@ -514,32 +651,83 @@ class UploadPool:
         """Upload ``jobs`` in batches spread over the workers. ``release(batch)`` is called
         once per batch when its worker is done with the files (also after a failure or a
         cancellation of the caller). Raises ArchiveUnavailable, CorruptPage."""
+        out: list[Uploaded] = []
+
+        async def answered(batch: list[BlobJob], done: list[Uploaded]) -> None:
+            out.extend(done)
+
+        await self._run(
+            jobs,
+            lambda batch, inner: (
+                upload_batch,
+                (self.url, self.options, batch, self.level, self.codec, inner),
+            ),
+            answered,
+            release,
+            "nothing dropped",
+        )
+        return out
+
+    async def restore(
+        self,
+        jobs: list[RestoreJob],
+        spec: TierSpec,
+        answered: Callable[[list[RestoreJob], list[Restored]], Awaitable[None]],
+        release: Callable[[list[RestoreJob]], None],
+        before_retry: Callable[[list[RestoreJob]], None],
+    ) -> None:
+        """Restore ``jobs`` in batches spread over the workers; ``await answered(batch,
+        results)`` as each batch's answers come. ``release(batch)`` is called once per batch
+        when no worker writes its files any more: after its answer was handled, after a
+        failure, or once the worker is done when the caller was cancelled meanwhile.
+        ``before_retry(batch)`` before a batch is tried again on a fresh worker (the dead
+        one may have left files). Raises ArchiveUnavailable (a worker died twice)."""
+        await self._run(
+            jobs,
+            lambda batch, inner: (restore_batch, (self.url, self.options, spec, batch, inner)),
+            answered,
+            release,
+            "nothing restored",
+            before_retry,
+        )
+
+    async def _run(
+        self,
+        jobs: list[Any],
+        call: Callable[[list[Any], int], tuple[Callable[..., Any], tuple]],
+        answered: Callable[[list[Any], Any], Awaitable[None]],
+        release: Callable[[list[Any]], None],
+        outcome: str,
+        before_retry: Callable[[list[Any]], None] | None = None,
+    ) -> None:
         if not jobs:
-            return []
+            return
         per = max(1, -(-len(jobs) // self.processes))
         per = min(per, 4 * max(1, self.concurrency // self.processes))
         batches = [jobs[i : i + per] for i in range(0, len(jobs), per)]
         inner = max(1, -(-self.concurrency // min(self.processes, len(batches))))
-        out: list[Uploaded] = []
 
-        async def one(batch: list[BlobJob]) -> None:
+        async def one(batch: list[Any]) -> None:
             hold = _Hold(batch, release)
             try:
                 for attempt in (1, 2):
-                    fut = _shared_workers(self.processes).submit(
-                        upload_batch, self.url, self.options, batch, self.level, self.codec, inner
-                    )
+                    fn, args = call(batch, inner)
+                    fut = _shared_workers(self.processes).submit(fn, *args)
                     fut.add_done_callback(hold.job_done)
                     try:
-                        out.extend(await _wait(fut))
-                        return
+                        result = await _wait(fut)
                     except WorkerDied as e:
                         self.restarts += 1
                         if attempt == 2:
-                            raise ArchiveUnavailable(f"{e}, twice; nothing dropped") from e
+                            raise ArchiveUnavailable(f"{e}, twice; {outcome}") from e
+                        if before_retry is not None:
+                            before_retry(batch)
+                        continue
                     except BaseException:
                         hold.abandon(fut)  # cancelled: the files stay held until the job ends
                         raise
+                    await answered(batch, result)
+                    return
             finally:
                 hold.finish()
 
@@ -548,4 +736,3 @@ class UploadPool:
         async with one_error_nursery() as n:
             for b in batches:
                 n.start_soon(one, b)
-        return out

@@ -227,3 +227,130 @@ def test_spill_probes_only_shared_content(s3_server, proxy, make_config, process
         for sess, i in (("u", 1), ("v", 2)):
             assert s2.session_info(sess).local_bytes == 0
             assert s2.get(PageKey.semantic(sess, "p", 0)) == page(i)
+
+
+# -- restores in the workers ----------------------------------------------------------------
+def start_restore(s: kvfs.SyncStore, session: str) -> tuple[threading.Thread, list[object]]:
+    result: list[object] = []
+
+    def restore() -> None:
+        try:
+            result.append(s.restore(session))
+        except BaseException as e:  # noqa: BLE001 - checked by the caller
+            result.append(e)
+
+    t = threading.Thread(target=restore)
+    t.start()
+    return t, result
+
+
+def down_after_manifest(s: kvfs.SyncStore, proxy) -> None:  # noqa: ANN001
+    """Take the endpoint down once a restore has read the session's manifest (in the store's
+    process), so the restore waits in the workers' downloads."""
+    spiller = s.engine.policy.spiller  # type: ignore[attr-defined]
+    imported = spiller.import_session
+
+    async def then_down(d: str) -> object:
+        out = await imported(d)
+        proxy.down()
+        spiller.import_session = imported  # once: later restores read their manifest
+        return out
+
+    spiller.import_session = then_down
+
+
+def spilled(s: kvfs.SyncStore, session: str, n: int) -> int:
+    """Put ``n`` pages in ``session`` and spill it; returns their bytes."""
+    for i in range(n):
+        s.put(PageKey.semantic(session, "p", i), page(i), attrs={"dtype": "fp16"})
+    assert s.spill(session) > 0
+    assert s.session_info(session).local_bytes == 0
+    return sum(len(page(i)) for i in range(n))
+
+
+def restored(s: kvfs.SyncStore, session: str) -> bool:
+    info = s.session_info(session)
+    return info.local_bytes == info.bytes and all(
+        i.tier == "local+archive" for i in s.list(session=session)
+    )
+
+
+def nothing_left_behind(s: kvfs.SyncStore) -> None:
+    assert s.fsck()["orphans"] == []  # no file a failed or retried job wrote
+    assert s.statistics().reserved_bytes == 0  # no room held for it either
+
+
+def test_worker_killed_mid_restore_is_replaced_and_every_page_comes_back(
+    s3_server, proxy, make_config
+) -> None:  # noqa: ANN001
+    bucket = s3_server.new_bucket()
+    url = f"s3://{bucket}?endpoint={proxy.endpoint}&deadline=60&connect_timeout=1"
+    cfg = make_config(ndev=2, archive_url=url, extra={"archive": {"interval": 0}})
+    with kvfs.open_store_sync(cfg) as s:
+        total = spilled(s, "cold", 8)
+        restarts = s.engine.policy.uploads.restarts  # type: ignore[attr-defined]
+        down_after_manifest(s, proxy)  # then the workers' downloads wait, retrying
+        t, result = start_restore(s, "cold")
+        kill_workers_mid_job(s)
+        assert not result, "the restore finished while the endpoint was down"
+        proxy.up()
+        t.join(timeout=120)
+        assert not t.is_alive()
+        assert result == [total]
+        assert s.engine.policy.uploads.restarts > restarts  # type: ignore[attr-defined]
+        assert restored(s, "cold")
+        for i in range(8):
+            assert s.get(PageKey.semantic("cold", "p", i)) == page(i)
+        nothing_left_behind(s)
+
+
+def test_restore_worker_dying_twice_fails_and_leaves_nothing(s3_server, proxy, make_config) -> None:  # noqa: ANN001
+    bucket = s3_server.new_bucket()
+    url = f"s3://{bucket}?endpoint={proxy.endpoint}&deadline=60&connect_timeout=1"
+    cfg = make_config(
+        ndev=1, archive_url=url, extra={"archive": {"interval": 0, "upload_processes": 1}}
+    )
+    with kvfs.open_store_sync(cfg) as s:
+        total = spilled(s, "a", 4)
+        restarts = s.engine.policy.uploads.restarts  # type: ignore[attr-defined]
+        down_after_manifest(s, proxy)
+        t, result = start_restore(s, "a")
+        kill_workers_mid_job(s)
+        wait_for(lambda: s.engine.policy.uploads.restarts > restarts, "the first retry")  # type: ignore[attr-defined]
+        kill_workers_mid_job(s)
+        t.join(timeout=120)
+        assert not t.is_alive()
+        assert isinstance(result[0], kvfs.ArchiveUnavailable), result
+        assert s.session_info("a").local_bytes == 0  # still archived only, still listed
+        assert len(s.list(session="a")) == 4
+        nothing_left_behind(s)
+        proxy.up()
+        assert s.restore("a") == total  # a fresh worker takes the next restore
+        assert restored(s, "a")
+
+
+def test_corrupt_or_missing_object_restored_by_a_worker_is_refused(s3_server, make_config) -> None:  # noqa: ANN001
+    from kvfs._codec import encode
+
+    bucket = s3_server.new_bucket()
+    url = f"s3://{bucket}?endpoint={s3_server.endpoint}"
+    cfg = make_config(ndev=2, archive_url=url, extra={"archive": {"interval": 0}})
+    with kvfs.open_store_sync(cfg) as s:
+        spilled(s, "a", 3)
+        good, bad, gone = (PageKey.semantic("a", "p", i) for i in range(3))
+        c = s3_server.client()
+        forged, _ = encode(bytes(len(page(1))), codec="zstd")  # a valid object, wrong bytes
+        c.put_object(Bucket=bucket, Key=f"blobs/{s.stat(bad).checksum}", Body=forged)
+        c.delete_object(Bucket=bucket, Key=f"blobs/{s.stat(gone).checksum}")
+        with pytest.raises(kvfs.CorruptPage):
+            s.restore("a")
+        assert s.stat(good).tier == "local+archive"  # the sound page came back
+        assert s.stat(bad).tier == "archive" and s.stat(gone).tier == "archive"
+        with pytest.raises(kvfs.CorruptPage, match="checksum"):
+            s.get(bad)
+        with pytest.raises(kvfs.CorruptPage, match="missing"):
+            s.get(gone)
+        st = s.statistics()
+        assert st.corrupt_reads >= 4
+        assert st.extra["archive"]["corrupt_objects"] >= 2
+        nothing_left_behind(s)
