@@ -79,7 +79,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--upload-processes",
         type=int,
         default=2,
-        help="spill worker processes (default 2; 0: threads in the store's process)",
+        help="spill and restore worker processes (default 2; 0: threads in the store's process)",
     )
 
 
@@ -473,7 +473,7 @@ def _print(o: dict[str, Any]) -> None:
     )
     print(
         f"CPU of the store's process: spill {o['spill_store_cpu_ms']:.0f} ms, restore "
-        f"{o['restore_store_cpu_ms']:.0f} ms (upload worker processes: {o['upload_processes']}, "
+        f"{o['restore_store_cpu_ms']:.0f} ms (worker processes: {o['upload_processes']}, "
         "not counted)"
     )
     print(f"\ncompression (compressed/raw, zstd level {o['zstd_level']}), KV from {o['kv_source']}")
