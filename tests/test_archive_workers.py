@@ -34,16 +34,18 @@ def wait_for(cond: Callable[[], bool], what: str) -> None:
         time.sleep(0.01)
 
 
-def start_spill(s: kvfs.SyncStore, session: str) -> tuple[threading.Thread, list[object]]:
+def start_call(fn: Callable[[str], object], session: str) -> tuple[threading.Thread, list[object]]:
+    """Run ``fn(session)`` (a spill or a restore) in a thread; its result or error lands in
+    the list."""
     result: list[object] = []
 
-    def spill() -> None:
+    def call() -> None:
         try:
-            result.append(s.spill(session))
+            result.append(fn(session))
         except BaseException as e:  # noqa: BLE001 - checked by the caller
             result.append(e)
 
-    t = threading.Thread(target=spill)
+    t = threading.Thread(target=call)
     t.start()
     return t, result
 
@@ -73,7 +75,7 @@ def test_worker_killed_mid_spill_is_replaced_and_nothing_is_lost(
             s.put(PageKey.semantic("cold", "p", i), page(i), attrs={"dtype": "fp16"})
         restarts = s.engine.policy.uploads.restarts  # type: ignore[attr-defined]
         proxy.down()  # the spill's uploads wait in the workers, retrying
-        t, result = start_spill(s, "cold")
+        t, result = start_call(s.spill, "cold")
         kill_workers_mid_job(s)
         assert not result, "the spill finished while the endpoint was down"
         assert all_local(s, "cold")  # nothing dropped without a confirmed upload
@@ -101,7 +103,7 @@ def test_worker_dying_twice_fails_the_spill_and_drops_nothing(
         for i in range(4):
             s.put(PageKey.semantic("a", "p", i), page(i))
         proxy.down()
-        t, result = start_spill(s, "a")
+        t, result = start_call(s.spill, "a")
         kill_workers_mid_job(s)
         wait_for(lambda: s.engine.policy.uploads.restarts > 0, "the first retry")  # type: ignore[attr-defined]
         kill_workers_mid_job(s)
@@ -230,20 +232,6 @@ def test_spill_probes_only_shared_content(s3_server, proxy, make_config, process
 
 
 # -- restores in the workers ----------------------------------------------------------------
-def start_restore(s: kvfs.SyncStore, session: str) -> tuple[threading.Thread, list[object]]:
-    result: list[object] = []
-
-    def restore() -> None:
-        try:
-            result.append(s.restore(session))
-        except BaseException as e:  # noqa: BLE001 - checked by the caller
-            result.append(e)
-
-    t = threading.Thread(target=restore)
-    t.start()
-    return t, result
-
-
 def down_after_manifest(s: kvfs.SyncStore, proxy) -> None:  # noqa: ANN001
     """Take the endpoint down once a restore has read the session's manifest (in the store's
     process), so the restore waits in the workers' downloads."""
@@ -290,7 +278,7 @@ def test_worker_killed_mid_restore_is_replaced_and_every_page_comes_back(
         total = spilled(s, "cold", 8)
         restarts = s.engine.policy.uploads.restarts  # type: ignore[attr-defined]
         down_after_manifest(s, proxy)  # then the workers' downloads wait, retrying
-        t, result = start_restore(s, "cold")
+        t, result = start_call(s.restore, "cold")
         kill_workers_mid_job(s)
         assert not result, "the restore finished while the endpoint was down"
         proxy.up()
@@ -314,7 +302,7 @@ def test_restore_worker_dying_twice_fails_and_leaves_nothing(s3_server, proxy, m
         total = spilled(s, "a", 4)
         restarts = s.engine.policy.uploads.restarts  # type: ignore[attr-defined]
         down_after_manifest(s, proxy)
-        t, result = start_restore(s, "a")
+        t, result = start_call(s.restore, "a")
         kill_workers_mid_job(s)
         wait_for(lambda: s.engine.policy.uploads.restarts > restarts, "the first retry")  # type: ignore[attr-defined]
         kill_workers_mid_job(s)
