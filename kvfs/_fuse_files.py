@@ -137,12 +137,15 @@ class FileOps:
         assert node.page is not None
         lease = self.engine.lease(node.path)
         held = await self._thread(lease.__enter__)
-        direct = self.direct_io
+        direct = self.direct_io or node.uncached
         if held[1].hash != node.page.hash:
             # The name was replaced after the kernel looked it up (an open racing a rename):
             # the old bytes are gone, so this open gets the new ones, past the page cache,
-            # which may hold the old content for this inode.
-            node.page, direct = held[0], True
+            # which may hold the old content for this inode. So does every later open of
+            # this inode (a cached open would mix cached old pages with new ones), and the
+            # name gets a fresh inode, with an empty cache, at its next lookup.
+            node.page, node.uncached, direct = held[0], True, True
+            self.table.unbind(node)
         h = Handle(node, lease=lease, held=held)
         if self.nursery is not None and self.read_ahead > 0:
             h.ahead = ReadAhead(

@@ -63,6 +63,9 @@ class Node:
     pending: Pending | None = None
     nlookup: int = 0
     opens: int = 0
+    #: the name's content changed under this inode (a replace raced an open, see
+    #: ``open``): the kernel may cache the old bytes for it, so opens go past the cache
+    uncached: bool = False
 
 
 @dataclass(eq=False)
