@@ -318,10 +318,8 @@ def write_restored(w: Any, data: memoryview) -> tuple[tuple, int]:
 
 
 def _restore_one(spec: TierSpec, job: RestoreJob, obj: bytes) -> Restored:
-    from ._local import BlobWriter
-
     data = decode_verified(obj, job.h, job.size, f"archive object {job.key}")
-    w = BlobWriter(_tier(spec), job.start, direct=True, nonce=job.nonce)
+    w = _tier(spec).writer(job.start, direct=True, nonce=job.nonce)
     extents, disk = write_restored(w, data)
     return Restored(job.h, extents, disk, tuple(w.new_dirs))
 

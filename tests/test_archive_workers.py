@@ -135,13 +135,23 @@ def test_corrupt_local_copy_is_not_uploaded_by_a_worker(s3_server, make_config) 
         assert s.stat(k).tier == "local"
 
 
-@pytest.mark.parametrize("processes", [0, 1])
-def test_spill_and_restore_with_or_without_workers(s3_server, make_config, processes: int) -> None:  # noqa: ANN001
+@pytest.mark.parametrize(
+    ("processes", "direct"),
+    [(0, True), (1, True), (1, False)],
+    ids=["threads", "workers", "buffered"],
+)
+def test_spill_and_restore_with_or_without_workers(
+    s3_server, make_config, processes: int, direct: bool
+) -> None:  # noqa: ANN001
+    """Both modes spill and restore, and fsck finds the restored files sound; so do workers
+    for a store configured without O_DIRECT (``direct_io=False``): they write the files with
+    the store's own settings."""
     bucket = s3_server.new_bucket()
     url = f"s3://{bucket}/kv?endpoint={s3_server.endpoint}"
     cfg = make_config(
         ndev=2,
         archive_url=url,
+        direct_io=direct,
         extra={"archive": {"interval": 0, "upload_processes": processes}},
     )
     with kvfs.open_store_sync(cfg) as s:
@@ -156,6 +166,7 @@ def test_spill_and_restore_with_or_without_workers(s3_server, make_config, proce
         assert s.restore("s") == sum(map(len, data.values()))
         for k, v in data.items():
             assert s.get(k) == v
+        assert s.fsck() == {"missing": [], "corrupt": [], "orphans": [], "repaired": []}
     other = make_config(
         ndev=1,
         name="other",
