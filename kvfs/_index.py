@@ -126,6 +126,15 @@ _BLOB_COLS = "hash, size, leaves, refs, extents, disk_bytes, archived, created, 
 _PAGE_COLS = "path, session, hash, size, created, atime, pinned, attrs"
 
 
+_PAGE_AND_BLOB = (
+    "SELECT "
+    + ", ".join(f"p.{c.strip()}" for c in _PAGE_COLS.split(","))
+    + ", "
+    + ", ".join(f"b.{c.strip()}" for c in _BLOB_COLS.split(","))
+    + " FROM pages p JOIN blobs b ON b.hash = p.hash WHERE p.path=?"
+)
+
+
 def _blob(r: tuple) -> BlobRow:
     ext = _unpack(r[4])
     return BlobRow(
@@ -302,14 +311,14 @@ class Index:
         return _blob(r[0]) if r else None
 
     def page_and_blob(self, path: str) -> tuple[PageRow, BlobRow] | None:
-        with self.snapshot() as db:
-            r = db.execute(f"SELECT {_PAGE_COLS} FROM pages WHERE path=?", (path,)).fetchone()
-            if r is None:
-                return None
-            p = _page(r)
-            r = db.execute(f"SELECT {_BLOB_COLS} FROM blobs WHERE hash=?", (p.hash,)).fetchone()
-            assert r is not None, f"index inconsistent: page {path} has no blob"
-            return p, _blob(r)
+        # One statement reads one committed state: no read transaction needed around it.
+        r = self._q(_PAGE_AND_BLOB, (path,))
+        if not r:
+            if self.page(path) is not None:
+                raise AssertionError(f"index inconsistent: page {path} has no blob")
+            return None
+        n = len(_PAGE_COLS.split(","))
+        return _page(r[0][:n]), _blob(r[0][n:])
 
     def pages(
         self,
