@@ -627,7 +627,7 @@ class ArchivingPolicy(TieringPolicy):
     async def _restore_in_workers(
         self,
         blobs: list[BlobRow],
-        settle: Callable[[bytes, BlobRow | BaseException], None],
+        settle_future: Callable[[bytes, BlobRow | BaseException], None],
         t0: float,
     ) -> list[BlobRow]:
         """Restore in the upload worker processes: this process only reserves room, names
@@ -638,6 +638,12 @@ class ArchivingPolicy(TieringPolicy):
         eng = self.engine
         uploads = self.uploads
         assert uploads is not None
+        done: set[bytes] = set()  # settled here (the same hash may be restored again later)
+
+        def settle(h: bytes, result: BlobRow | BaseException) -> None:
+            done.add(h)
+            settle_future(h, result)
+
         blobs = await self._still_archived(blobs, settle)
         spec = TierSpec(
             tuple(str(r) for r in eng.tier.roots), eng.tier.unit, eng.tier.direct, eng.tier.durable
@@ -699,17 +705,15 @@ class ArchivingPolicy(TieringPolicy):
         try:
             await trio.to_thread.run_sync(reserve_all)
             await uploads.restore(jobs, spec, answered, release, before_retry)
+        # Each batch's files and room are released by the pool once no worker writes them
+        # (even for a batch still running when another failed): nothing to release here.
         except WorkerUnavailable as e:
             self._without_workers(e)
             left = {j.h for j in jobs if j.h in pending}
-            release(jobs)
             return [b for b in blobs if b.hash in left]
         except Exception as e:
-            release(jobs)
             for j in jobs:
-                with self._lock:
-                    unsettled = j.h in self._inflight
-                if unsettled:
+                if j.h not in done:
                     settle(j.h, e)
         return []
 
