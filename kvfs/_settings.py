@@ -41,7 +41,7 @@ class Option:
 
     section: str
     name: str
-    kind: str  # "str", "int", "size", "bool", "paths"
+    kind: str  # "str", "int", "float", "size", "bool", "paths"
     default: object
     help: str
 
@@ -88,6 +88,66 @@ OPTIONS: tuple[Option, ...] = (
         "the current directory)",
     ),
     Option(
+        "archive",
+        "idle_seconds",
+        "float",
+        300.0,
+        "a session untouched this long is cold: the background spiller may spill it",
+    ),
+    Option(
+        "archive",
+        "high_watermark",
+        "float",
+        0.90,
+        "fraction of the capacity above which cold unpinned sessions spill, coldest first",
+    ),
+    Option(
+        "archive", "low_watermark", "float", 0.75, "fraction of the capacity they spill down to"
+    ),
+    Option(
+        "archive",
+        "spill_interval",
+        "float",
+        1.0,
+        "seconds between background spill passes (0: no background spiller)",
+    ),
+    Option(
+        "archive",
+        "zstd_level",
+        "int",
+        1,
+        "zstd level for spilled pages (1-19; 1 compresses byte-shuffled KV about as well as 3)",
+    ),
+    Option(
+        "archive",
+        "codec",
+        "str",
+        "auto",
+        "auto (byte-shuffle + zstd or zstd alone, whichever is smaller on a sample), zstd, "
+        "zstd+shuffle or raw",
+    ),
+    Option(
+        "archive",
+        "archive_concurrency",
+        "int",
+        8,
+        "objects uploaded or downloaded at once per spill or restore",
+    ),
+    Option(
+        "archive",
+        "upload_processes",
+        "int",
+        2,
+        "worker processes that spill and restore outside the daemon (0: its own threads)",
+    ),
+    Option(
+        "archive",
+        "gc_grace",
+        "float",
+        0.0,
+        "seconds a deleted page's archive object waits before removal (hosts sharing a bucket)",
+    ),
+    Option(
         "daemon",
         "control_socket",
         "str",
@@ -112,6 +172,12 @@ OPTIONS: tuple[Option, ...] = (
 )
 
 _BY_NAME = {o.name: o for o in OPTIONS}
+#: archive options -> their ``StoreConfig.extra["archive"]`` names (kvfs._archive.ArchiveConfig)
+_ARCHIVE_FIELDS = {
+    o.name: {"spill_interval": "interval", "archive_concurrency": "concurrency"}.get(o.name, o.name)
+    for o in OPTIONS
+    if o.section == "archive" and o.name != "archive_url"
+}
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
 
@@ -129,7 +195,14 @@ class Settings:
 
     def store_config(self) -> StoreConfig:
         """The :class:`StoreConfig` these settings describe. Raises ValueError when invalid."""
+        from ._archive import ArchiveConfig
+
         v = self.values
+        cfg = self._store_config(v)
+        ArchiveConfig.from_extra(cfg.extra)  # the archive settings' combination (watermarks)
+        return cfg
+
+    def _store_config(self, v: dict[str, Any]) -> StoreConfig:
         return StoreConfig(
             data_dirs=tuple(Path(d) for d in v["data_dirs"]),  # type: ignore[attr-defined]
             capacity=int(v["capacity"]),  # type: ignore[call-overload]
@@ -140,6 +213,7 @@ class Settings:
             io_threads=int(v["io_threads"]),  # type: ignore[call-overload]
             archive_url=self.archive_url(),
             extra={
+                "archive": {field: v[name] for name, field in _ARCHIVE_FIELDS.items()},
                 "daemon": {
                     k: v[k]
                     for k in (
@@ -150,7 +224,7 @@ class Settings:
                         "log_level",
                         "log_target",
                     )
-                }
+                },
             },
         )
 
@@ -186,6 +260,10 @@ def _convert(opt: Option, raw: object, where: str) -> object:
             if isinstance(raw, bool):
                 raise ValueError("an integer is needed")
             return int(raw)  # type: ignore[call-overload]
+        if opt.kind == "float":
+            if isinstance(raw, bool):
+                raise ValueError("a number is needed")
+            return float(raw)  # type: ignore[arg-type]
         if opt.kind == "bool":
             if isinstance(raw, bool):
                 return raw
@@ -197,6 +275,8 @@ def _convert(opt: Option, raw: object, where: str) -> object:
             raise ValueError("a string is needed")
         if opt.name == "log_level" and raw.lower() not in ("debug", "info", "warning", "error"):
             raise ValueError("one of debug, info, warning, error is needed")
+        if opt.name == "codec" and raw not in ("auto", "zstd", "zstd+shuffle", "raw"):
+            raise ValueError("one of auto, zstd, zstd+shuffle, raw is needed")
         if opt.name == "log_target" and raw not in ("stderr", "journald"):
             raise ValueError("stderr or journald is needed")
         return raw
@@ -301,7 +381,7 @@ def as_toml(settings: Settings) -> str:
 def _toml_value(v: object) -> str:
     if isinstance(v, bool):
         return "true" if v else "false"
-    if isinstance(v, int):
+    if isinstance(v, (int, float)):
         return str(v)
     if isinstance(v, list):
         return "[" + ", ".join(_toml_value(x) for x in v) + "]"

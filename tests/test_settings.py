@@ -96,3 +96,36 @@ def test_socket_path_beside_the_index_or_hashed_when_long(tmp_path: Path) -> Non
     p = control_socket_path(long)
     assert p.name.startswith("ctl-") and len(str(p)) < 108
     assert control_socket_path(long, "/run/k.sock") == Path("/run/k.sock")
+
+
+def test_archive_policy_is_configurable_like_any_option(tmp_path: Path) -> None:
+    """A daemon's spill policy comes from its config file and environment, and reaches the
+    archive tier as the store opens it; bad values are refused with the option named."""
+    from kvfs._archive import ArchiveConfig
+    from kvfs._settings import _ARCHIVE_FIELDS
+
+    for name, field in _ARCHIVE_FIELDS.items():  # one default, not two that can drift apart
+        assert load_settings(env={})[name] == getattr(ArchiveConfig, field), name
+    f = tmp_path / "kvfs.toml"
+    f.write_text(
+        '[store]\ndata_dirs = ["' + str(tmp_path / "d") + '"]\n'
+        '[archive]\narchive_url = "file://' + str(tmp_path / "arch") + '"\n'
+        'idle_seconds = 60\nhigh_watermark = 0.8\nspill_interval = 0\ncodec = "zstd"\n'
+    )
+    s = load_settings(f, env={"KVFS_LOW_WATERMARK": "0.5", "KVFS_UPLOAD_PROCESSES": "0"})
+    cfg = s.store_config()
+    got = ArchiveConfig.from_extra(cfg.extra)
+    assert (got.idle_seconds, got.high_watermark, got.low_watermark) == (60.0, 0.8, 0.5)
+    assert (got.interval, got.codec, got.upload_processes) == (0.0, "zstd", 0)
+    assert "spill_interval = 0.0" in as_toml(s) and 'codec = "zstd"' in as_toml(s)
+    import kvfs
+
+    with kvfs.open_store_sync(cfg) as store:  # the store runs with them
+        policy = store.engine.policy
+        assert policy.cfg.idle_seconds == 60.0 and policy.uploads is None  # type: ignore[attr-defined]
+    with pytest.raises(ValueError, match="archive.codec"):
+        load_settings(env={"KVFS_CODEC": "lz4"})
+    with pytest.raises(ValueError, match="archive.idle_seconds"):
+        load_settings(env={"KVFS_IDLE_SECONDS": "soon"})
+    with pytest.raises(ValueError, match="watermark"):
+        load_settings(f, env={"KVFS_LOW_WATERMARK": "0.95"}).store_config()
