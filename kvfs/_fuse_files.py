@@ -137,9 +137,9 @@ class FileOps:
         assert node.page is not None
         lease = self.engine.lease(node.path)
         # Taken on the loop, not in a thread: a lease is an index lookup (a read-only SQLite
-        # connection that never waits for writers, its pages in memory) and a counter. The
-        # thread hop cost more than the lookup: 0.29 -> 0.15 ms an open, and a warm 16 MiB
-        # read through the mount 2.03 -> 1.62 ms (dev VM). Data I/O stays in threads.
+        # connection that never waits for writers, its pages in memory) and a counter, and
+        # the thread hop cost more than the lookup (scripts/mount_metadata_latency.py: an
+        # open + close 0.30-0.31 -> 0.18-0.26 ms on the dev VM). Data I/O stays in threads.
         held = lease.__enter__()
         direct = self.direct_io or node.uncached
         if held[1].hash != node.page.hash:
