@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import hashlib
 import os
 import pickle
 import queue
@@ -530,16 +531,29 @@ class _Workers:
 
 
 _workers_lock = threading.Lock()
-_workers: dict[int, _Workers] = {}
+_workers: dict[tuple[int, str], _Workers] = {}
+
+
+def _aws_environment() -> str:
+    """A digest of the ``AWS_*`` variables a worker inherits (its credential chain reads
+    them): workers started before they changed would not see the change."""
+    h = hashlib.sha256()
+    for k in sorted(os.environ):
+        if k.startswith("AWS_"):
+            h.update(f"{k}={os.environ[k]}\0".encode())
+    return h.hexdigest()
 
 
 def _shared_workers(processes: int) -> _Workers:
-    # One set per process count for the whole process: a store reopened in the same
-    # process (tests, benchmarks, a restarted store) finds its workers started.
+    # One set per process count (and AWS environment) for the whole process: a store
+    # reopened in the same process (tests, benchmarks, a restarted store) finds its
+    # workers started; after the environment changed, a fresh set starts (the old one ends
+    # with the process, its jobs in flight undisturbed).
+    key = (processes, _aws_environment())
     with _workers_lock:
-        w = _workers.get(processes)
+        w = _workers.get(key)
         if w is None:
-            w = _workers[processes] = _Workers(processes)
+            w = _workers[key] = _Workers(processes)
         return w
 
 
