@@ -452,7 +452,17 @@ def cmd_spill_restore(args: argparse.Namespace) -> int:
     with open_target(args) as store, Progress(args.op, len(args.sessions), unit=" sessions") as bar:
         for s in args.sessions:
             t0 = time.perf_counter()
-            n = getattr(store, args.op)(s)
+            if args.op == "restore":  # and the bytes of each session as they come back
+                with Progress(f"restore {s}", 1, fmt=fmt_bytes) as pages:
+
+                    def progress(done: int, total: int, pages: Progress = pages) -> None:
+                        if total:  # nothing to bring back: no bar
+                            pages.total = total
+                            pages.update(done - pages.done)
+
+                    n = store.restore(s, progress=progress)
+            else:
+                n = store.spill(s)
             results.append(
                 {"session": s, "bytes": n, "seconds": round(time.perf_counter() - t0, 3)}
             )
@@ -472,9 +482,9 @@ def cmd_fsck(args: argparse.Namespace) -> int:
         if engine is not None:  # in-process: a progress bar per checked content
             bar = Progress("fsck", 1, unit=" contents")
 
-            def progress(i: int, total: int) -> None:
+            def progress(done: int, total: int) -> None:
                 bar.total = max(total, 1)
-                bar.update()
+                bar.update(done - bar.done)
 
             with bar:
                 found = engine.fsck(repair=args.repair, progress=progress)

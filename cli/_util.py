@@ -9,7 +9,7 @@ import dataclasses
 import json
 import sys
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import kvfs
@@ -153,25 +153,35 @@ class Progress:
     """A one-line progress bar on stderr (only when stderr is a terminal, or when forced)."""
 
     def __init__(
-        self, label: str, total: int, *, enabled: bool | None = None, unit: str = ""
+        self,
+        label: str,
+        total: int,
+        *,
+        enabled: bool | None = None,
+        unit: str = "",
+        fmt: Callable[[float], str] = str,
     ) -> None:
-        self.label, self.total, self.unit = label, max(total, 1), unit
+        self.label, self.total, self.unit, self.fmt = label, max(total, 1), unit, fmt
         self.enabled = sys.stderr.isatty() if enabled is None else enabled
         self.done = 0
         self._last = 0.0
+        self._shown = False
 
     def update(self, n: int = 1) -> None:
         self.done += n
         now = time.monotonic()
         if self.enabled and (now - self._last > 0.1 or self.done >= self.total):
             self._last = now
+            self._shown = True
             frac = min(1.0, self.done / self.total)
             bar = "#" * int(frac * 30)
-            sys.stderr.write(f"\r{self.label} [{bar:<30}] {self.done}/{self.total}{self.unit}")
+            sys.stderr.write(
+                f"\r{self.label} [{bar:<30}] {self.fmt(self.done)}/{self.fmt(self.total)}{self.unit}"
+            )
             sys.stderr.flush()
 
     def close(self) -> None:
-        if self.enabled:
+        if self._shown:
             sys.stderr.write("\n")
             sys.stderr.flush()
 

@@ -64,6 +64,8 @@ if TYPE_CHECKING:
 __all__ = ["ArchiveConfig", "ArchivingPolicy"]
 
 T = TypeVar("T")
+#: ``progress(done, total)`` for a long operation, in bytes
+Progress = Callable[[int, int], None]
 log = logging.getLogger("kvfs.archive")
 
 
@@ -554,7 +556,7 @@ class ArchivingPolicy(TieringPolicy):
             )
         return out
 
-    async def _restore_many(self, blobs: list[BlobRow]) -> int:
+    async def _restore_many(self, blobs: list[BlobRow], progress: Progress | None = None) -> int:
         """Restore blobs: in the upload worker processes when there are any (each worker
         downloads, decodes, verifies and writes its batch's files; see
         :meth:`_restore_in_workers`), else in this process (:meth:`_restore_here`). The
@@ -574,13 +576,22 @@ class ArchivingPolicy(TieringPolicy):
                     others.append(fut)
         t0 = time.monotonic()
 
+        total = sum(b.size for b in blobs if b.hash in owned)  # others: another restore's
+        done = 0
+        if progress is not None:
+            progress(0, total)
+
         def settle(h: bytes, result: BlobRow | BaseException) -> None:
+            nonlocal done
             with self._lock:
                 fut = self._inflight.pop(h)
             if isinstance(result, BaseException):
                 fut.set_exception(result)
-            else:
-                fut.set_result(result)
+                return
+            fut.set_result(result)
+            if progress is not None:
+                done += result.size
+                progress(done, total)
 
         todo = [b for b in blobs if b.hash in owned]
         try:
@@ -791,13 +802,15 @@ class ArchivingPolicy(TieringPolicy):
     def spill(self, d: str) -> int:
         return self.call(self.spiller.spill_session, d, True)
 
-    def restore_session(self, d: str) -> int:
-        """Import the session's manifest (pages this host lacks) and prefetch every page.
-        Returns bytes restored. Raises SessionNotFound, ArchiveUnavailable, CorruptPage."""
+    def restore_session(self, d: str, progress: Progress | None = None) -> int:
+        """Import the session's manifest (pages this host lacks) and prefetch every page;
+        ``progress(bytes done, bytes to restore)`` is called as pages come back (from any
+        thread). Returns bytes restored. Raises SessionNotFound, ArchiveUnavailable,
+        CorruptPage."""
         self.call(self.spiller.import_session, d)
         hashes = {p.hash for p in self.engine.index.pages(session=d)}
         blobs = [b for h in hashes if (b := self.engine.index.blob(h)) is not None and not b.local]
-        return self.call(self._restore_many, blobs)
+        return self.call(self._restore_many, blobs, progress)
 
     def archived_sessions(self) -> list[dict[str, object]]:
         return self.call(self.spiller.archived_sessions)

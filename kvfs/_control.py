@@ -210,8 +210,8 @@ async def _serve_one(store: Store, stream: trio.SocketStream) -> None:
     async with stream:
         while (request := await recv_frame(stream)) is not None:
             method, args, kwargs = request
-            if method == "fsck" and kwargs.pop("progress", False):
-                await _fsck_with_progress(store, stream, kwargs)
+            if method in _WITH_PROGRESS and kwargs.pop("progress", False):
+                await _with_progress(store, stream, method, args, kwargs)
                 continue
             await send_frame(stream, await _dispatch(store, method, args, kwargs))
 
@@ -236,11 +236,16 @@ async def _dispatch(
             message=str(e),
         )
         return [1, type(e).__name__, str(e)]
+    _log_done(method, args, kwargs, result, t0)
+    return [0, result]
+
+
+def _log_done(method: str, args: list[Any], kwargs: dict[str, Any], result: Any, t0: float) -> None:
+    """The event line a finished spill, restore or evict leaves in the daemon's log."""
     if method in ("spill", "restore", "evict"):
         log_event(
             method, target=_target(args, kwargs), bytes=result, seconds=time.perf_counter() - t0
         )
-    return [0, result]
 
 
 def _target(args: list[Any], kwargs: dict[str, Any]) -> str:
@@ -339,15 +344,21 @@ def _recv_sync(s: socket.socket, n: int) -> bytearray:
     return buf
 
 
-async def _fsck_with_progress(
-    store: Store, stream: trio.SocketStream, kwargs: dict[str, Any]
+#: long operations whose caller may ask for progress frames (their engine method takes a
+#: ``progress(done, total)`` callback: contents checked, bytes restored)
+_WITH_PROGRESS = ("fsck", "restore")
+
+
+async def _with_progress(
+    store: Store, stream: trio.SocketStream, method: str, args: list[Any], kwargs: dict[str, Any]
 ) -> None:
-    """fsck that sends ``[2, done, total]`` frames (at most ten a second) before its answer."""
+    """``method`` sending ``[2, done, total]`` frames (at most ten a second) before its
+    answer."""
     latest: list[int] = [0, 0]
     done = trio.Event()
 
-    def progress(i: int, total: int) -> None:
-        latest[:] = [i + 1, total]
+    def progress(done: int, total: int) -> None:
+        latest[:] = [done, total]
 
     async def reporter() -> None:
         sent = None
@@ -361,12 +372,19 @@ async def _fsck_with_progress(
     async with trio.open_nursery() as n:
         n.start_soon(reporter)
         try:
-            result = await trio.to_thread.run_sync(
-                lambda: store.engine.fsck(progress=progress, **kwargs)
-            )
+            fn = getattr(store.engine, method)
+            t0 = time.perf_counter()
+            result = await trio.to_thread.run_sync(lambda: fn(*args, progress=progress, **kwargs))
+            _log_done(method, args, kwargs, result, t0)
             reply: list[Any] = [0, result]
         except Exception as e:  # noqa: BLE001 - the failure goes back to the client
-            log_event("error", method="fsck", target="-", error=type(e).__name__, message=str(e))
+            log_event(
+                "error",
+                method=method,
+                target=_target(args, kwargs),
+                error=type(e).__name__,
+                message=str(e),
+            )
             reply = [1, type(e).__name__, str(e)]
         finally:
             done.set()

@@ -22,7 +22,7 @@ import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
@@ -435,11 +435,12 @@ class Engine:
         Raises SessionNotFound, ArchiveUnavailable (then nothing local was dropped)."""
         return int(self._archive().spill(session_dir(session)))
 
-    def restore(self, session: str) -> int:
+    def restore(self, session: str, *, progress: Callable[[int, int], None] | None = None) -> int:
         """Bring a session back: import its manifest's pages this store lacks (from any host
-        sharing the archive) and prefetch every page. Returns bytes restored. Raises
-        SessionNotFound, ArchiveUnavailable, CorruptPage."""
-        return int(self._archive().restore_session(session_dir(session)))
+        sharing the archive) and prefetch every page; ``progress(bytes done, bytes to
+        restore)`` as they come. Returns bytes restored. Raises SessionNotFound,
+        ArchiveUnavailable, CorruptPage."""
+        return int(self._archive().restore_session(session_dir(session), progress))
 
     def archived_sessions(self) -> builtins.list[dict[str, object]]:
         """Sessions that have a manifest in the archive, from every host sharing it."""

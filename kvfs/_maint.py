@@ -174,7 +174,7 @@ def fsck(
     for i, b in enumerate(blobs):
         assert b.extents is not None
         if callable(progress):
-            progress(i, len(blobs))
+            progress(i, len(blobs))  # (contents checked, contents to check)
         missing = [
             tier.abspath(e[0], e[1])
             for e in b.extents
@@ -195,6 +195,8 @@ def fsck(
             if not ok:
                 out["corrupt"].append(b.hash.hex())
                 bad.append(b)
+    if callable(progress):
+        progress(len(blobs), len(blobs))
     if repair:
         for path in out["orphans"]:
             try:

@@ -168,6 +168,15 @@ class SyncRemoteStore(_Api):
                 self._idle.append(s)
         return result
 
+    def restore(  # type: ignore[override]
+        self, session: str, *, progress: Callable[[int, int], None] | None = None
+    ) -> Any:
+        """As ``SyncStore.restore``; with ``progress``, it is called with (bytes restored,
+        bytes to restore) as the daemon reports them (a few times a second)."""
+        if progress is None:
+            return self._call("restore", session)
+        return self._call("restore", session, progress=True, on_progress=progress)
+
     def fsck_progress(
         self, *, repair: bool = False, progress: Callable[[int, int], None]
     ) -> dict[str, builtins.list[str]]:

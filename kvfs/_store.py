@@ -193,9 +193,12 @@ class Store:
         """Spill a session to the archive now; bytes uploaded (see Engine.spill)."""
         return await self._run(self._engine.spill, session)
 
-    async def restore(self, session: str) -> int:
-        """Import and prefetch a session from the archive; bytes restored (Engine.restore)."""
-        return await self._run(self._engine.restore, session)
+    async def restore(
+        self, session: str, *, progress: Callable[[int, int], None] | None = None
+    ) -> int:
+        """Import and prefetch a session from the archive; bytes restored (Engine.restore).
+        ``progress(bytes done, bytes to restore)`` is called from a worker thread."""
+        return await self._run(functools.partial(self._engine.restore, session, progress=progress))
 
     async def archived_sessions(self) -> builtins.list[dict[str, object]]:
         return await self._run(self._engine.archived_sessions)
@@ -340,8 +343,8 @@ class SyncStore:
     def spill(self, session: str) -> int:
         return self._engine.spill(session)
 
-    def restore(self, session: str) -> int:
-        return self._engine.restore(session)
+    def restore(self, session: str, *, progress: Callable[[int, int], None] | None = None) -> int:
+        return self._engine.restore(session, progress=progress)
 
     def archived_sessions(self) -> builtins.list[dict[str, object]]:
         return self._engine.archived_sessions()

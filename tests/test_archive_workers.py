@@ -163,7 +163,11 @@ def test_spill_and_restore_with_or_without_workers(
         assert s.spill("t") == 0  # already archived by the first spill
         assert len(s3_server.keys(bucket, "kv/blobs/")) == 6
         assert s.session_info("s").local_bytes == 0
-        assert s.restore("s") == sum(map(len, data.values()))
+        seen: list[tuple[int, int]] = []
+        total = sum(map(len, data.values()))
+        assert s.restore("s", progress=lambda d, t: seen.append((d, t))) == total
+        assert seen[0] == (0, total) and seen[-1] == (total, total)  # bytes, as pages came
+        assert [d for d, _ in seen] == sorted(d for d, _ in seen) and len(seen) == 7
         for k, v in data.items():
             assert s.get(k) == v
         assert s.fsck() == {"missing": [], "corrupt": [], "orphans": [], "repaired": []}
