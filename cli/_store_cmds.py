@@ -452,17 +452,15 @@ def cmd_spill_restore(args: argparse.Namespace) -> int:
     with open_target(args) as store, Progress(args.op, len(args.sessions), unit=" sessions") as bar:
         for s in args.sessions:
             t0 = time.perf_counter()
-            if args.op == "restore":  # and the bytes of each session as they come back
-                with Progress(f"restore {s}", 1, fmt=fmt_bytes) as pages:
+            # and the page bytes of each session as they are archived or come back
+            with Progress(f"{args.op} {s}", 1, fmt=fmt_bytes) as pages:
 
-                    def progress(done: int, total: int, pages: Progress = pages) -> None:
-                        if total:  # nothing to bring back: no bar
-                            pages.total = total
-                            pages.update(done - pages.done)
+                def progress(done: int, total: int, pages: Progress = pages) -> None:
+                    if total:  # nothing to move: no bar
+                        pages.total = total
+                        pages.update(done - pages.done)
 
-                    n = store.restore(s, progress=progress)
-            else:
-                n = store.spill(s)
+                n = getattr(store, args.op)(s, progress=progress)
             results.append(
                 {"session": s, "bytes": n, "seconds": round(time.perf_counter() - t0, 3)}
             )

@@ -243,11 +243,17 @@ class ArchivingPolicy(TieringPolicy):
         return obj, used
 
     async def upload_many(
-        self, hashes: list[bytes], *, mark: bool = True, fresh: set[bytes] | None = None
+        self,
+        hashes: list[bytes],
+        *,
+        mark: bool = True,
+        fresh: set[bytes] | None = None,
+        done: Callable[[list[bytes]], None] | None = None,
     ) -> int:
         """:meth:`upload_blob` for several blobs, ``concurrency`` at once: in the upload
-        worker processes when there are any (kvfs/_uploader.py), else in this process.
-        Returns bytes uploaded. Raises ArchiveUnavailable, CorruptPage (the first error)."""
+        worker processes when there are any (kvfs/_uploader.py), else in this process;
+        ``done(hashes)`` as blobs are archived (a worker's batch at a time). Returns bytes
+        uploaded. Raises ArchiveUnavailable, CorruptPage (the first error)."""
         if self.uploads is None:
             total = 0
             limit = trio.CapacityLimiter(self.cfg.concurrency)
@@ -256,6 +262,8 @@ class ArchivingPolicy(TieringPolicy):
                 nonlocal total
                 async with limit:
                     total += await self.upload_blob(h, mark=mark, fresh=fresh)
+                if done is not None:
+                    done([h])
 
             from objectstore._abc import one_error_nursery
 
@@ -266,13 +274,15 @@ class ArchivingPolicy(TieringPolicy):
         uploads = self.uploads
         jobs = await trio.to_thread.run_sync(self._jobs, hashes)
         try:
-            done = await uploads.upload(jobs, self._release)
+            answers = await uploads.upload(
+                jobs, self._release, None if done is None else lambda us: done([u.h for u in us])
+            )
         except WorkerUnavailable as e:
             self._without_workers(e)
-            return await self.upload_many(hashes, mark=mark, fresh=fresh)
+            return await self.upload_many(hashes, mark=mark, fresh=fresh, done=done)
         if mark:
-            await trio.to_thread.run_sync(self.aindex.mark_archived, [u.h for u in done])
-        return self._account_uploads(done, fresh)
+            await trio.to_thread.run_sync(self.aindex.mark_archived, [u.h for u in answers])
+        return self._account_uploads(answers, fresh)
 
     async def ensure_archived(self, hashes: list[bytes]) -> bool:
         """Upload workers only: make sure the objects of the still-local blobs among
@@ -799,8 +809,8 @@ class ArchivingPolicy(TieringPolicy):
                 self.engine._unreserve(x.need)
 
     # -- sessions ---------------------------------------------------------------------------
-    def spill(self, d: str) -> int:
-        return self.call(self.spiller.spill_session, d, True)
+    def spill(self, d: str, progress: Progress | None = None) -> int:
+        return self.call(self.spiller.spill_session, d, True, progress)
 
     def restore_session(self, d: str, progress: Progress | None = None) -> int:
         """Import the session's manifest (pages this host lacks) and prefetch every page;

@@ -345,8 +345,8 @@ def _recv_sync(s: socket.socket, n: int) -> bytearray:
 
 
 #: long operations whose caller may ask for progress frames (their engine method takes a
-#: ``progress(done, total)`` callback: contents checked, bytes restored)
-_WITH_PROGRESS = ("fsck", "restore")
+#: ``progress(done, total)`` callback: contents checked, page bytes archived or restored)
+_WITH_PROGRESS = ("fsck", "spill", "restore")
 
 
 async def _with_progress(

@@ -429,11 +429,12 @@ class Engine:
             raise ArchiveUnavailable("no archive tier is configured (set archive_url)")
         return self.policy
 
-    def spill(self, session: str) -> int:
+    def spill(self, session: str, *, progress: Callable[[int, int], None] | None = None) -> int:
         """Upload the session's pages the archive lacks plus its manifest, then drop local
-        copies (pinned sessions too: this is the explicit request). Returns bytes uploaded.
+        copies (pinned sessions too: this is the explicit request); ``progress(page bytes
+        archived, page bytes to archive)`` as uploads finish. Returns bytes uploaded.
         Raises SessionNotFound, ArchiveUnavailable (then nothing local was dropped)."""
-        return int(self._archive().spill(session_dir(session)))
+        return int(self._archive().spill(session_dir(session), progress))
 
     def restore(self, session: str, *, progress: Callable[[int, int], None] | None = None) -> int:
         """Bring a session back: import its manifest's pages this store lacks (from any host

@@ -168,14 +168,24 @@ class SyncRemoteStore(_Api):
                 self._idle.append(s)
         return result
 
+    def spill(  # type: ignore[override]
+        self, session: str, *, progress: Callable[[int, int], None] | None = None
+    ) -> Any:
+        """As ``SyncStore.spill``; with ``progress``, it is called with (page bytes archived,
+        page bytes to archive) as the daemon reports them (a few times a second)."""
+        return self._long("spill", session, progress)
+
     def restore(  # type: ignore[override]
         self, session: str, *, progress: Callable[[int, int], None] | None = None
     ) -> Any:
         """As ``SyncStore.restore``; with ``progress``, it is called with (bytes restored,
         bytes to restore) as the daemon reports them (a few times a second)."""
+        return self._long("restore", session, progress)
+
+    def _long(self, method: str, session: str, progress: Callable[[int, int], None] | None) -> Any:
         if progress is None:
-            return self._call("restore", session)
-        return self._call("restore", session, progress=True, on_progress=progress)
+            return self._call(method, session)
+        return self._call(method, session, progress=True, on_progress=progress)
 
     def fsck_progress(
         self, *, repair: bool = False, progress: Callable[[int, int], None]

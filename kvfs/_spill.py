@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import msgpack
@@ -51,9 +52,12 @@ class Spiller:
         return len(self._active) + len(self.aindex.pending("manifest"))
 
     # -- spill ----------------------------------------------------------------------------
-    async def spill_session(self, d: str, drop: bool = True) -> int:
+    async def spill_session(
+        self, d: str, drop: bool = True, progress: Callable[[int, int], None] | None = None
+    ) -> int:
         """Upload the session's pages that the archive lacks, write its manifest, then (with
-        ``drop``) drop local copies no other pinned session needs. Returns bytes uploaded.
+        ``drop``) drop local copies no other pinned session needs; ``progress(page bytes
+        archived, page bytes to archive)`` as uploads finish. Returns bytes uploaded.
 
         Raises SessionNotFound, ArchiveUnavailable (nothing local was dropped), CorruptPage
         (a local copy failed its checksum: that page is not archived, nothing dropped).
@@ -67,8 +71,20 @@ class Spiller:
             hashes = sorted({p.hash for p in pages})
             rows = await trio.to_thread.run_sync(lambda: [idx.blob(h) for h in hashes])
             todo = [b.hash for b in rows if b is not None and not b.archived]
+            sizes = {b.hash: b.size for b in rows if b is not None}
+            total = sum(sizes[h] for h in todo)
+            archived = 0
+
+            def done(hs: list[bytes]) -> None:
+                nonlocal archived
+                archived += sum(sizes[h] for h in hs)
+                if progress is not None:
+                    progress(archived, total)
+
+            if progress is not None:
+                progress(0, total)
             fresh: set[bytes] = set()
-            uploaded = await self.policy.upload_many(todo, mark=False, fresh=fresh)
+            uploaded = await self.policy.upload_many(todo, mark=False, fresh=fresh, done=done)
             await _thread(self.aindex.mark_archived, todo)
             await self.write_manifest(d)
             await self._verify_referenced([h for h in hashes if h not in fresh])

@@ -189,9 +189,12 @@ class Store:
     async def statistics(self) -> StoreStatistics:
         return await self._run(self._engine.statistics)
 
-    async def spill(self, session: str) -> int:
-        """Spill a session to the archive now; bytes uploaded (see Engine.spill)."""
-        return await self._run(self._engine.spill, session)
+    async def spill(
+        self, session: str, *, progress: Callable[[int, int], None] | None = None
+    ) -> int:
+        """Spill a session to the archive now; bytes uploaded (see Engine.spill).
+        ``progress(page bytes archived, page bytes to archive)`` is called from a thread."""
+        return await self._run(functools.partial(self._engine.spill, session, progress=progress))
 
     async def restore(
         self, session: str, *, progress: Callable[[int, int], None] | None = None
@@ -340,8 +343,8 @@ class SyncStore:
     def statistics(self) -> StoreStatistics:
         return self._engine.statistics()
 
-    def spill(self, session: str) -> int:
-        return self._engine.spill(session)
+    def spill(self, session: str, *, progress: Callable[[int, int], None] | None = None) -> int:
+        return self._engine.spill(session, progress=progress)
 
     def restore(self, session: str, *, progress: Callable[[int, int], None] | None = None) -> int:
         return self._engine.restore(session, progress=progress)

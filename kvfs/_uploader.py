@@ -658,15 +658,21 @@ class UploadPool:
             w.submit(_warm, self.url, self.options)
 
     async def upload(
-        self, jobs: list[BlobJob], release: Callable[[list[BlobJob]], None]
+        self,
+        jobs: list[BlobJob],
+        release: Callable[[list[BlobJob]], None],
+        batch_done: Callable[[list[Uploaded]], None] | None = None,
     ) -> list[Uploaded]:
-        """Upload ``jobs`` in batches spread over the workers. ``release(batch)`` is called
-        once per batch when its worker is done with the files (also after a failure or a
-        cancellation of the caller). Raises ArchiveUnavailable, CorruptPage."""
+        """Upload ``jobs`` in batches spread over the workers; ``batch_done(answers)`` as
+        each batch's answers come. ``release(batch)`` is called once per batch when its
+        worker is done with the files (also after a failure or a cancellation of the
+        caller). Raises ArchiveUnavailable, CorruptPage."""
         out: list[Uploaded] = []
 
         async def answered(batch: list[BlobJob], done: list[Uploaded]) -> None:
             out.extend(done)
+            if batch_done is not None:
+                batch_done(done)
 
         await self._run(
             jobs,

@@ -159,7 +159,10 @@ def test_spill_and_restore_with_or_without_workers(
         for k, v in data.items():
             s.put(k, v, attrs={"dtype": "fp16"})
         s.put(PageKey.semantic("t", "p", 0), page(0))  # shared content: one object
-        assert 0 < s.spill("s") < sum(map(len, data.values()))  # compressed
+        spilled: list[tuple[int, int]] = []
+        size = sum(map(len, data.values()))
+        assert 0 < s.spill("s", progress=lambda d, t: spilled.append((d, t))) < size  # compressed
+        assert spilled[0] == (0, size) and spilled[-1] == (size, size)
         assert s.spill("t") == 0  # already archived by the first spill
         assert len(s3_server.keys(bucket, "kv/blobs/")) == 6
         assert s.session_info("s").local_bytes == 0

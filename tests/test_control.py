@@ -307,26 +307,31 @@ async def test_fsck_progress_over_the_channel(make_config: MakeConfig, tmp_path:
         n.cancel_scope.cancel()
 
 
-async def test_restore_progress_over_the_channel(make_config: MakeConfig, tmp_path: Path) -> None:
-    """``kvfs restore`` through a daemon reports bytes restored as they come back."""
+async def test_spill_and_restore_progress_over_the_channel(
+    make_config: MakeConfig, tmp_path: Path
+) -> None:
+    """``kvfs spill`` and ``kvfs restore`` through a daemon report page bytes as they are
+    archived and come back."""
     sock = tmp_path / "r.sock"
     cfg = make_config(archive_url=f"file://{tmp_path}/arch", extra={"archive": {"interval": 0}})
     async with kvfs.open_store(cfg) as store, trio.open_nursery() as n:
         await n.start(control_service, store, sock)
         for i in range(5):
             await store.put(f"sessions/a/p/layer-{i:03d}", os.urandom(100_000 + i))
-        await store.spill("a")
+        spilled: list[tuple[int, int]] = []
         seen: list[tuple[int, int]] = []
 
-        def restore() -> int:
+        def spill_then_restore() -> int:
             r = SyncRemoteStore(sock)
             try:
+                r.spill("a", progress=lambda d, t: spilled.append((d, t)))
                 return int(r.restore("a", progress=lambda d, t: seen.append((d, t))))
             finally:
                 r.close()
 
         total = sum(100_000 + i for i in range(5))
-        assert await trio.to_thread.run_sync(restore) == total
+        assert await trio.to_thread.run_sync(spill_then_restore) == total
+        assert spilled and spilled[-1] == (total, total)
         assert seen and seen[-1] == (total, total)
         assert (await store.session_info("a")).local_bytes == total
         n.cancel_scope.cancel()
