@@ -57,6 +57,13 @@ def kill_workers_mid_job(s: kvfs.SyncStore) -> None:
         os.kill(pid, signal.SIGKILL)
 
 
+def behind_proxy(proxy, make_config, bucket: str, ndev: int, **archive: object) -> kvfs.StoreConfig:  # noqa: ANN001
+    """A store whose archive ``bucket`` is reached through the test's TCP proxy (to take
+    it down), retrying for up to a minute."""
+    url = f"s3://{bucket}?endpoint={proxy.endpoint}&deadline=60&connect_timeout=1"
+    return make_config(ndev=ndev, archive_url=url, extra={"archive": {"interval": 0, **archive}})
+
+
 def all_local(s: kvfs.SyncStore, session: str) -> bool:
     info = s.session_info(session)
     return info.local_bytes == info.bytes and all(
@@ -68,8 +75,7 @@ def test_worker_killed_mid_spill_is_replaced_and_nothing_is_lost(
     s3_server, proxy, make_config
 ) -> None:  # noqa: ANN001
     bucket = s3_server.new_bucket()
-    url = f"s3://{bucket}?endpoint={proxy.endpoint}&deadline=60&connect_timeout=1"
-    cfg = make_config(ndev=2, archive_url=url, extra={"archive": {"interval": 0}})
+    cfg = behind_proxy(proxy, make_config, bucket, ndev=2)
     with kvfs.open_store_sync(cfg) as s:
         for i in range(8):
             s.put(PageKey.semantic("cold", "p", i), page(i), attrs={"dtype": "fp16"})
@@ -95,10 +101,7 @@ def test_worker_dying_twice_fails_the_spill_and_drops_nothing(
     s3_server, proxy, make_config
 ) -> None:  # noqa: ANN001
     bucket = s3_server.new_bucket()
-    url = f"s3://{bucket}?endpoint={proxy.endpoint}&deadline=60&connect_timeout=1"
-    cfg = make_config(
-        ndev=1, archive_url=url, extra={"archive": {"interval": 0, "upload_processes": 1}}
-    )
+    cfg = behind_proxy(proxy, make_config, bucket, ndev=1, upload_processes=1)
     with kvfs.open_store_sync(cfg) as s:
         for i in range(4):
             s.put(PageKey.semantic("a", "p", i), page(i))
@@ -290,8 +293,7 @@ def test_worker_killed_mid_restore_is_replaced_and_every_page_comes_back(
     s3_server, proxy, make_config
 ) -> None:  # noqa: ANN001
     bucket = s3_server.new_bucket()
-    url = f"s3://{bucket}?endpoint={proxy.endpoint}&deadline=60&connect_timeout=1"
-    cfg = make_config(ndev=2, archive_url=url, extra={"archive": {"interval": 0}})
+    cfg = behind_proxy(proxy, make_config, bucket, ndev=2)
     with kvfs.open_store_sync(cfg) as s:
         total = spilled(s, "cold", 8)
         restarts = s.engine.policy.uploads.restarts  # type: ignore[attr-defined]
@@ -312,10 +314,7 @@ def test_worker_killed_mid_restore_is_replaced_and_every_page_comes_back(
 
 def test_restore_worker_dying_twice_fails_and_leaves_nothing(s3_server, proxy, make_config) -> None:  # noqa: ANN001
     bucket = s3_server.new_bucket()
-    url = f"s3://{bucket}?endpoint={proxy.endpoint}&deadline=60&connect_timeout=1"
-    cfg = make_config(
-        ndev=1, archive_url=url, extra={"archive": {"interval": 0, "upload_processes": 1}}
-    )
+    cfg = behind_proxy(proxy, make_config, bucket, ndev=1, upload_processes=1)
     with kvfs.open_store_sync(cfg) as s:
         total = spilled(s, "a", 4)
         restarts = s.engine.policy.uploads.restarts  # type: ignore[attr-defined]
