@@ -730,8 +730,7 @@ class ArchivingPolicy(TieringPolicy):
         # (even for a batch still running when another failed): nothing to release here.
         except WorkerUnavailable as e:
             self._without_workers(e)
-            left = {j.h for j in jobs if j.h in pending}
-            return [b for b in blobs if b.hash in left]
+            return [b for b in blobs if b.hash not in done]  # this process restores them
         except Exception as e:
             for j in jobs:
                 if j.h not in done:

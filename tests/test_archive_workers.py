@@ -214,6 +214,34 @@ def test_spill_uploads_in_process_when_no_worker_can_start(
             assert s.get(PageKey.semantic("a", "p", i)) == page(i)
 
 
+def test_restore_runs_in_process_when_no_worker_can_start(
+    s3_server, make_config, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:  # noqa: ANN001
+    """The workers that spilled a session are gone and none can start again: the restore
+    falls back to the store's own threads and brings every page back."""
+    import sys
+
+    bucket = s3_server.new_bucket()
+    url = f"s3://{bucket}?endpoint={s3_server.endpoint}"
+    # a worker count no other test uses: this test's workers are its own
+    cfg = make_config(
+        ndev=2, archive_url=url, extra={"archive": {"interval": 0, "upload_processes": 5}}
+    )
+    with kvfs.open_store_sync(cfg) as s:
+        total = spilled(s, "a", 6)
+        uploads = s.engine.policy.uploads  # type: ignore[attr-defined]
+        assert uploads is not None and uploads.pids()
+        monkeypatch.setattr(sys, "executable", str(tmp_path / "no-such-python"))
+        for pid in uploads.pids():
+            os.kill(pid, signal.SIGKILL)
+        assert s.restore("a") == total
+        assert s.engine.policy.uploads is None  # type: ignore[attr-defined]
+        assert restored(s, "a")
+        for i in range(6):
+            assert s.get(PageKey.semantic("a", "p", i)) == page(i)
+        nothing_left_behind(s)
+
+
 @pytest.mark.parametrize("processes", [0, 1])
 def test_spill_probes_only_shared_content(s3_server, proxy, make_config, processes: int) -> None:  # noqa: ANN001
     """A blob one page references is uploaded without a HEAD (a conditional put says whether
