@@ -761,12 +761,7 @@ class ArchivingPolicy(TieringPolicy):
             try:
                 async with held:
                     async with downloads:
-                        cur = await trio.to_thread.run_sync(self.engine.index.blob, b.hash)
-                        if cur is None or cur.local:
-                            settle(
-                                b.hash,
-                                cur or PageNotFound(f"page data {b.hash.hex()[:16]} was deleted"),
-                            )
+                        if not await self._still_archived([b], settle):
                             return
                         obj = await self._get_object(b)
                     # The download slot is free again while this object is decoded, verified
