@@ -198,12 +198,7 @@ class Settings:
         from ._archive import ArchiveConfig
 
         v = self.values
-        cfg = self._store_config(v)
-        ArchiveConfig.from_extra(cfg.extra)  # the archive settings' combination (watermarks)
-        return cfg
-
-    def _store_config(self, v: dict[str, Any]) -> StoreConfig:
-        return StoreConfig(
+        cfg = StoreConfig(
             data_dirs=tuple(Path(d) for d in v["data_dirs"]),  # type: ignore[attr-defined]
             capacity=int(v["capacity"]),  # type: ignore[call-overload]
             stripe_unit=int(v["stripe_unit"]),  # type: ignore[call-overload]
@@ -227,6 +222,8 @@ class Settings:
                 },
             },
         )
+        ArchiveConfig.from_extra(cfg.extra)  # the archive settings' combination (watermarks)
+        return cfg
 
     def archive_url(self) -> str:
         """The archive URL with ``auto`` resolved and a relative ``file://`` made absolute."""
@@ -275,8 +272,11 @@ def _convert(opt: Option, raw: object, where: str) -> object:
             raise ValueError("a string is needed")
         if opt.name == "log_level" and raw.lower() not in ("debug", "info", "warning", "error"):
             raise ValueError("one of debug, info, warning, error is needed")
-        if opt.name == "codec" and raw not in ("auto", "zstd", "zstd+shuffle", "raw"):
-            raise ValueError("one of auto, zstd, zstd+shuffle, raw is needed")
+        if opt.name == "codec":
+            from ._codec import CODECS  # here: zstandard stays out of every command's start
+
+            if raw not in ("auto", *CODECS):
+                raise ValueError(f"one of auto, {', '.join(CODECS)} is needed")
         if opt.name == "log_target" and raw not in ("stderr", "journald"):
             raise ValueError("stderr or journald is needed")
         return raw
