@@ -17,7 +17,8 @@ a transaction use a read-only connection per thread, so a lookup never waits for
 fsync (WAL readers see the last committed state while a writer commits): a foreground read
 during a spill or a put's existence check beside another client's commit costs a lookup,
 not a flush. A thread inside a transaction reads through the write connection and sees its
-own changes. Calls are made from worker threads, never the trio loop.
+own changes. Writes are made from worker threads, never a trio loop; the mount's loop makes
+single indexed reads itself (a lookup costs less than the hop to a thread, docs/mount.md).
 """
 
 from __future__ import annotations

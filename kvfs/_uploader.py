@@ -46,7 +46,7 @@ from collections.abc import Awaitable, Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
 
@@ -54,6 +54,10 @@ from ._aligned import ALIGN, aligned_buffer, open_direct, round_up
 from ._checksum import leaves_of, tree_hash
 from ._codec import CodecChoice, decode, encode
 from ._errors import ArchiveUnavailable, CorruptPage
+
+if TYPE_CHECKING:
+    from ._index import Extent
+    from ._local import BlobWriter, LocalTier
 
 __all__ = [
     "BlobJob",
@@ -275,10 +279,10 @@ class Restored:
     error: Exception | None = None
 
 
-_tiers: dict[TierSpec, Any] = {}
+_tiers: dict[TierSpec, LocalTier] = {}
 
 
-def _tier(spec: TierSpec) -> Any:
+def _tier(spec: TierSpec) -> LocalTier:
     from concurrent.futures import ThreadPoolExecutor
     from pathlib import Path
 
@@ -306,13 +310,13 @@ def decode_verified(obj: bytes, h: bytes, size: int, what: str) -> memoryview:
     return data
 
 
-def write_restored(w: Any, data: memoryview) -> tuple[tuple, int]:
+def write_restored(w: BlobWriter, data: memoryview) -> tuple[tuple[Extent, ...], int]:
     """Write a verified blob with ``w`` (a BlobWriter): one vectored write per file, the
     files made durable, their directories left for the caller to sync once per batch
     (``w.new_dirs``). Removes what it wrote and raises on failure."""
     try:
         w.write_whole(memoryview(data))
-        return w.finish(len(data), sync_dirs=False)  # type: ignore[no-any-return]
+        return w.finish(len(data), sync_dirs=False)
     except BaseException:
         w.abort()
         raise
