@@ -266,6 +266,35 @@ def test_second_host_lists_and_restores(make_config, archive_url: str, tmp_path:
         assert [x["pages"] for x in b.archived_sessions()] == [5]
 
 
+def test_restore_of_a_known_session_also_brings_pages_another_host_added(
+    make_config, archive_url: str, tmp_path: Path  # noqa: ANN001
+) -> None:
+    """A restores the pages it knows while it fetches the manifest; the page B added to the
+    shared session comes back in the same call, and the progress ends at the whole total."""
+    a_cfg = archived_cfg(make_config, archive_url, name="host-a")
+    with kvfs.open_store_sync(a_cfg) as a:
+        data = fill(a, "agent-7", 3)
+        a.spill("agent-7")
+    with kvfs.open_store_sync(archived_cfg(make_config, archive_url, name="host-b")) as b:
+        b.restore("agent-7")
+        extra = PageKey.semantic("agent-7", "p1", 0)
+        data[extra] = kv_page(77)
+        b.put(extra, data[extra])
+        b.spill("agent-7")
+    with kvfs.open_store_sync(a_cfg) as a:
+        assert [a.stat(k).tier for k in list(data)[:3]] == ["archive"] * 3  # known, evicted
+        with pytest.raises(kvfs.PageNotFound):
+            a.stat(extra)  # the manifest has it; this index does not yet
+        seen: list[tuple[int, int]] = []
+        total = sum(map(len, data.values()))
+        assert a.restore("agent-7", progress=lambda i, t: seen.append((i, t))) == total
+        assert seen[-1] == (total, total)
+        assert all(i <= t for i, t in seen)
+        for k, v in data.items():
+            assert a.stat(k).tier == "local+archive"
+            assert a.get(k) == v
+
+
 def test_spill_without_archive_is_a_clear_error(sync_store: kvfs.SyncStore) -> None:
     with pytest.raises(kvfs.ArchiveUnavailable, match="no archive"):
         sync_store.spill("x")
