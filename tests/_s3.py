@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import socket
 import threading
 import time
@@ -70,6 +71,30 @@ def running_moto() -> Iterator[S3Server]:
                 os.environ[k] = v
 
 
+def _port_outside_ephemeral_range() -> int:
+    """A free loopback port below the kernel's ephemeral range. While the proxy is down,
+    clients retrying against a port inside that range could be given that very port as
+    their own local port (a TCP self-connect), and ``up()`` would then fail with
+    EADDRINUSE."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(max(1025, low // 2), low)
+        probe = socket.socket()
+        try:
+            probe.bind(("127.0.0.1", port))
+            return port
+        except OSError:
+            continue
+        finally:
+            probe.close()
+    raise RuntimeError("no free loopback port below the ephemeral range")
+
+
 class TcpProxy:
     """Forward 127.0.0.1:<port> to a target; ``down()`` refuses and cuts connections,
     ``up()`` serves again on the same port, ``delay`` sleeps per forwarded chunk;
@@ -82,10 +107,7 @@ class TcpProxy:
         self._conns: list[socket.socket] = []
         self._listener: socket.socket | None = None
         self.sent = 0
-        probe = socket.socket()
-        probe.bind(("127.0.0.1", 0))
-        self.port = probe.getsockname()[1]
-        probe.close()
+        self.port = _port_outside_ephemeral_range()
         self.up()
 
     @property

@@ -57,11 +57,15 @@ def kill_workers_mid_job(s: kvfs.SyncStore) -> None:
         os.kill(pid, signal.SIGKILL)
 
 
-def behind_proxy(proxy, make_config, bucket: str, ndev: int, **archive: object) -> kvfs.StoreConfig:  # noqa: ANN001
+def behind_proxy(
+    proxy, make_config, bucket: str, ndev: int, name: str = "store", **archive: object  # noqa: ANN001
+) -> kvfs.StoreConfig:
     """A store whose archive ``bucket`` is reached through the test's TCP proxy (to take
     it down), retrying for up to a minute."""
     url = f"s3://{bucket}?endpoint={proxy.endpoint}&deadline=60&connect_timeout=1"
-    return make_config(ndev=ndev, archive_url=url, extra={"archive": {"interval": 0, **archive}})
+    return make_config(
+        ndev=ndev, name=name, archive_url=url, extra={"archive": {"interval": 0, **archive}}
+    )
 
 
 def all_local(s: kvfs.SyncStore, session: str) -> bool:
@@ -283,7 +287,9 @@ def test_spill_probes_only_shared_content(s3_server, proxy, make_config, process
 # -- restores in the workers ----------------------------------------------------------------
 def down_after_manifest(s: kvfs.SyncStore, proxy) -> None:  # noqa: ANN001
     """Take the endpoint down once a restore has read the session's manifest (in the store's
-    process), so the restore waits in the workers' downloads."""
+    process), so the restore waits in the workers' downloads. For a session this store's
+    index does not know (see :func:`spilled_by_another_host`): the downloads then start only
+    after the manifest is in; a known session's pages start while it is fetched."""
     spiller = s.engine.policy.spiller  # type: ignore[attr-defined]
     imported = spiller.import_session
 
@@ -305,6 +311,12 @@ def spilled(s: kvfs.SyncStore, session: str, n: int) -> int:
     return sum(len(page(i)) for i in range(n))
 
 
+def spilled_by_another_host(proxy, make_config, bucket: str, session: str, n: int) -> int:  # noqa: ANN001
+    """Spill ``n`` pages of ``session`` from another store sharing ``bucket``."""
+    with kvfs.open_store_sync(behind_proxy(proxy, make_config, bucket, 1, "first-host")) as a:
+        return spilled(a, session, n)
+
+
 def restored(s: kvfs.SyncStore, session: str) -> bool:
     info = s.session_info(session)
     return info.local_bytes == info.bytes and all(
@@ -321,9 +333,9 @@ def test_worker_killed_mid_restore_is_replaced_and_every_page_comes_back(
     s3_server, proxy, make_config
 ) -> None:  # noqa: ANN001
     bucket = s3_server.new_bucket()
+    total = spilled_by_another_host(proxy, make_config, bucket, "cold", 8)
     cfg = behind_proxy(proxy, make_config, bucket, ndev=2)
     with kvfs.open_store_sync(cfg) as s:
-        total = spilled(s, "cold", 8)
         restarts = s.engine.policy.uploads.restarts  # type: ignore[attr-defined]
         down_after_manifest(s, proxy)  # then the workers' downloads wait, retrying
         t, result = start_call(s.restore, "cold")
@@ -342,9 +354,9 @@ def test_worker_killed_mid_restore_is_replaced_and_every_page_comes_back(
 
 def test_restore_worker_dying_twice_fails_and_leaves_nothing(s3_server, proxy, make_config) -> None:  # noqa: ANN001
     bucket = s3_server.new_bucket()
+    total = spilled_by_another_host(proxy, make_config, bucket, "a", 4)
     cfg = behind_proxy(proxy, make_config, bucket, ndev=1, upload_processes=1)
     with kvfs.open_store_sync(cfg) as s:
-        total = spilled(s, "a", 4)
         restarts = s.engine.policy.uploads.restarts  # type: ignore[attr-defined]
         down_after_manifest(s, proxy)
         t, result = start_call(s.restore, "a")
