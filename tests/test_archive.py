@@ -267,8 +267,8 @@ def test_second_host_lists_and_restores(make_config, archive_url: str, tmp_path:
 
 
 def test_restore_of_a_known_session_also_brings_pages_another_host_added(
-    make_config, archive_url: str, tmp_path: Path  # noqa: ANN001
-) -> None:
+    make_config, archive_url: str
+) -> None:  # noqa: ANN001
     """A restores the pages it knows while it fetches the manifest; the page B added to the
     shared session comes back in the same call, and the progress ends at the whole total."""
     a_cfg = archived_cfg(make_config, archive_url, name="host-a")

@@ -57,8 +57,8 @@ def kill_workers_mid_job(s: kvfs.SyncStore) -> None:
         os.kill(pid, signal.SIGKILL)
 
 
-def behind_proxy(
-    proxy, make_config, bucket: str, ndev: int, name: str = "store", **archive: object  # noqa: ANN001
+def behind_proxy(  # noqa: ANN001
+    proxy, make_config, bucket: str, ndev: int, name: str = "store", **archive: object
 ) -> kvfs.StoreConfig:
     """A store whose archive ``bucket`` is reached through the test's TCP proxy (to take
     it down), retrying for up to a minute."""
