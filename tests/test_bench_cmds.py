@@ -1,5 +1,5 @@
-"""`kvfs bench gds` and `kvfs bench ttft` run end to end at tiny sizes (correctness, not speed:
-the figures go to docs/benchmarks.md, never into an assertion)."""
+"""`kvfs bench gds`, `ttft`, `fuse` and `archive` run end to end at tiny sizes (correctness,
+not speed: the figures go to docs/benchmarks.md, never into an assertion)."""
 
 from __future__ import annotations
 
@@ -30,3 +30,35 @@ def test_bench_ttft_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
     assert [r["tokens"] for r in res["rows"]] == [256, 512]
     assert all(r["same_first_token"] for r in res["rows"])  # the loaded cache gives the same token
     assert "[2/2] 512 tokens" in captured.err
+
+
+def test_bench_fuse_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Through a real mount: every figure present and positive, the scratch removed."""
+    args = ["bench", "fuse", "--sizes", "1", "--clients", "1,2", "--total", "2"]
+    assert main([*args, "--dir", str(tmp_path), "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert [(r["size_mib"], r["clients"], r["pages"]) for r in res["results"]] == [
+        (1, 1, 2),
+        (1, 2, 2),
+    ]
+    for r in res["results"]:
+        for k in ("write_plain", "write_mount", "cold_backing", "cold_mount", "warm_mount"):
+            assert r[k] > 0, k
+        assert r["ratio_cold_vs_backing"] == r["cold_mount"] / r["cold_backing"]
+    assert res["cache_drop"] in ("drop_caches", "fadvise")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_bench_archive_json(capsys: pytest.CaptureFixture[str]) -> None:
+    """Against its own moto server (here at nice 5): spill, restore, the baselines, the
+    compression table and the read latencies all come back."""
+    args = ["bench", "archive", "--pages", "3", "--page-mib", "0.25", "--repeat", "1"]
+    args += ["--latency-reads", "20", "--numpy-kv", "--tokens", "64", "--layers", "1"]
+    assert main([*args, "--server-nice", "5", "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert "nice 5" in res["endpoint"]
+    for k in ("spill_mbps", "restore_mbps", "boto3_put_mbps", "boto3_get_mbps"):
+        assert res[k] > 0, k
+    assert [c["dtype"] for c in res["compression"]] == ["fp16", "bf16", "fp32"]
+    assert all(0 < c["shuffle_zstd_ratio"] < 1 for c in res["compression"])
+    assert res["read_p99_idle_ms"] > 0 and res["reads_during_spill"] >= 20
