@@ -808,9 +808,12 @@ class ArchivingPolicy(TieringPolicy):
 
     def restore_session(self, d: str, progress: Progress | None = None) -> int:
         """Import the session's manifest (pages this host lacks) and prefetch every page;
+        the pages this index already knows start while the manifest is fetched.
         ``progress(bytes done, bytes to restore)`` is called as pages come back (from any
-        thread). Returns bytes restored. Raises SessionNotFound, ArchiveUnavailable,
-        CorruptPage."""
+        thread; the total grows when the manifest adds pages). Every page is tried, then
+        the first error is raised (the manifest's first): the known pages may be local
+        again even when the manifest could not be read. Returns bytes restored. Raises
+        SessionNotFound, ArchiveUnavailable, CorruptPage."""
         return self.call(self._restore_session, d, progress)
 
     def _archived_blobs(self, d: str, skip: Collection[bytes] = ()) -> list[BlobRow]:

@@ -438,9 +438,10 @@ class Engine:
 
     def restore(self, session: str, *, progress: Callable[[int, int], None] | None = None) -> int:
         """Bring a session back: import its manifest's pages this store lacks (from any host
-        sharing the archive) and prefetch every page; ``progress(bytes done, bytes to
-        restore)`` as they come. Returns bytes restored. Raises SessionNotFound,
-        ArchiveUnavailable, CorruptPage."""
+        sharing the archive) and prefetch every page (those already known start while the
+        manifest is fetched); ``progress(bytes done, bytes to restore)`` as they come.
+        Returns bytes restored. Raises SessionNotFound, ArchiveUnavailable, CorruptPage
+        (after every page was tried)."""
         return int(self._archive().restore_session(session_dir(session), progress))
 
     def archived_sessions(self) -> builtins.list[dict[str, object]]:

@@ -295,6 +295,46 @@ def test_restore_of_a_known_session_also_brings_pages_another_host_added(
             assert a.get(k) == v
 
 
+def test_known_pages_come_back_while_the_manifest_is_fetched(make_config, archive_url: str) -> None:  # noqa: ANN001
+    """The manifest fetch waits here until a known page is local again: a restore that
+    fetched the manifest first would never get there (and the fetch would time out)."""
+    with kvfs.open_store_sync(archived_cfg(make_config, archive_url)) as s:
+        data = fill(s, "a", 4)
+        s.spill("a")
+        spiller = s.engine.policy.spiller  # type: ignore[attr-defined]
+        fetch = spiller.import_session
+        local_when_fetched: list[int] = []
+
+        async def after_a_page(d: str) -> int:
+            with trio.fail_after(30):
+                while s.engine.index.local_disk_bytes() == 0:
+                    await trio.sleep(0.005)
+            local_when_fetched.append(s.engine.index.local_disk_bytes())
+            return await fetch(d)
+
+        spiller.import_session = after_a_page
+        assert s.restore("a") == sum(map(len, data.values()))
+        assert local_when_fetched and local_when_fetched[0] > 0
+        assert all(s.get(k) == v for k, v in data.items())
+
+
+def test_unreadable_manifest_fails_the_restore_after_the_known_pages(
+    make_config, archive_url: str
+) -> None:  # noqa: ANN001
+    from kvfs._keys import session_dir
+    from kvfs._manifest import manifest_key
+
+    with kvfs.open_store_sync(archived_cfg(make_config, archive_url)) as s:
+        data = fill(s, "a", 3)
+        s.spill("a")
+        policy = s.engine.policy  # type: ignore[attr-defined]
+        policy.call(policy.store.put, manifest_key(session_dir("a")), b"not msgpack \xff")
+        with pytest.raises(kvfs.CorruptPage, match="unreadable"):
+            s.restore("a")
+        assert [s.stat(k).tier for k in data] == ["local+archive"] * 3
+        assert all(s.get(k) == v for k, v in data.items())
+
+
 def test_spill_without_archive_is_a_clear_error(sync_store: kvfs.SyncStore) -> None:
     with pytest.raises(kvfs.ArchiveUnavailable, match="no archive"):
         sync_store.spill("x")
