@@ -81,6 +81,12 @@ def _port_outside_ephemeral_range() -> int:
             low = int(f.read().split()[0])
     except (OSError, ValueError, IndexError):
         low = 32768
+    if low <= 2048:  # no room below the range: any free port
+        probe = socket.socket()
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        probe.close()
+        return port
     rng = random.Random()
     for _ in range(200):
         port = rng.randrange(max(1025, low // 2), low)

@@ -60,6 +60,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--server-nice",
         type=int,
         default=0,
+        choices=range(20),
         metavar="N",
         help="run the moto server at nice N (1-19): it then yields the CPUs to kvfs and to "
         "the reads timed, as an S3 endpoint on other machines would (default 0)",
@@ -92,9 +93,10 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 @contextmanager
-def _moto(nice: int = 0) -> Any:
+def _moto(nice: int = 0, info: dict[str, int] | None = None) -> Any:
     """A moto S3 server on a free loopback port, in its own process; ``nice`` > 0 runs it
-    at that lower CPU priority."""
+    at that lower CPU priority. ``info`` (if given) gets the server's ``pid`` and the
+    ``nice`` value it really runs at. Raises RuntimeError when the server does not start."""
     s = socket.socket()
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
@@ -108,11 +110,18 @@ def _moto(nice: int = 0) -> Any:
     )
     try:
         for _ in range(300):
+            if proc.poll() is not None:
+                raise RuntimeError(f"the moto server exited with status {proc.returncode}")
             try:
                 socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
                 break
             except OSError:
                 time.sleep(0.05)
+        else:
+            raise RuntimeError(f"the moto server did not listen on port {port} within 15 s")
+        if info is not None:
+            info["pid"] = proc.pid
+            info["nice"] = os.getpriority(os.PRIO_PROCESS, proc.pid)
         yield f"http://127.0.0.1:{port}"
     finally:
         proc.terminate()
@@ -441,7 +450,8 @@ def _main(args: argparse.Namespace) -> int:
         res = run_archive_bench(args.endpoint, args.bucket, args, arrs)
         where = args.endpoint
     else:
-        with _moto(args.server_nice) as ep:
+        server: dict[str, int] = {}
+        with _moto(args.server_nice, server) as ep:
             os.environ.setdefault("AWS_ACCESS_KEY_ID", "bench")
             os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "bench")
             os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
@@ -450,7 +460,7 @@ def _main(args: argparse.Namespace) -> int:
             boto3.client("s3", endpoint_url=ep).create_bucket(Bucket="kvfs-bench")
             res = run_archive_bench(ep, "kvfs-bench", args, arrs)
             where = "moto server on loopback (separate process" + (
-                f", nice {args.server_nice})" if args.server_nice > 0 else ")"
+                f", nice {server['nice']})" if server["nice"] > 0 else ")"
             )
     out = {
         "machine": machine(),
