@@ -25,6 +25,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from pathlib import Path
 
 from . import _maint, _reads, _writes
 from ._config import StoreConfig
@@ -45,6 +46,49 @@ ATIME_FLUSH_SECONDS = 5.0
 log = logging.getLogger("kvfs.engine")
 
 
+#: A file beside the index that holds room for it. It is removed before the index opens, so
+#: a store whose disk filled up (other writers, or a capacity set above the disk) still opens
+#: and can delete pages; it is made again at the end of an open that has room to spare.
+RESERVE = "kvfs-index.reserve"
+
+
+def release_reserve(index_dir: Path) -> bool:
+    """Remove the index's reserve file; True if there was one."""
+    try:
+        os.unlink(index_dir / RESERVE)
+        return True
+    except FileNotFoundError:
+        return False
+
+
+def keep_reserve(index_dir: Path) -> None:
+    """Make the reserve (min(4 MiB, 1/16 of the free space), real blocks) when the disk has
+    four times that free; otherwise leave it for a later open. Never raises."""
+    path = index_dir / RESERVE
+    try:
+        st = os.statvfs(index_dir)
+        free = st.f_bavail * st.f_frsize
+        size = min(4 << 20, free // 16)
+        if path.exists() or size < (64 << 10) or free < 4 * size:
+            return
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.posix_fallocate(fd, 0, size)
+        finally:
+            os.close(fd)
+    except OSError as e:
+        log.debug("no index reserve in %s: %s", index_dir, e)
+        with contextlib.suppress(OSError):
+            path.unlink()
+
+
+def headroom(free: int) -> int:
+    """What the default capacity (0: the devices' free space at open) leaves free on a device
+    for the index and its WAL (which must grow even to delete pages) and for other writers:
+    1% of the free space, at least 64 MiB, at most a quarter of it."""
+    return min(max(64 << 20, free // 100), free // 4)
+
+
 class Engine:
     """Owns one store directory set. Open with :meth:`open`; close with :meth:`close`."""
 
@@ -63,6 +107,8 @@ class Engine:
         cfg = self.config
         for d in cfg.data_dirs:
             d.mkdir(parents=True, exist_ok=True)
+        if release_reserve(cfg.index_path.parent):
+            log.debug("index reserve released for the open")
         self.index = Index(cfg.index_path, durable=cfg.durable)
         store_id = self.index.get_meta("store_id")
         if store_id is None:
@@ -110,7 +156,9 @@ class Engine:
             for b in self.index.local_blobs():
                 self._account(b, +1)
         self.reserved = 0
-        self.capacity = cfg.capacity or (self.used + sum(self.tier.free_bytes()))
+        self.capacity = cfg.capacity or (
+            self.used + sum(f - headroom(f) for f in self.tier.free_bytes())
+        )
         self._closed = False
         if cfg.archive_url:
             from ._archive import ArchivingPolicy  # imports objectstore/boto3 only when used
@@ -123,6 +171,7 @@ class Engine:
                 self.hash_pool.shutdown()
                 self.index.close()
                 raise
+        keep_reserve(cfg.index_path.parent)
 
     def _account(self, b: BlobRow, sign: int) -> None:
         """Track bytes on disk per device for a blob's local files (caller holds _cap_lock
@@ -143,7 +192,12 @@ class Engine:
         self._closed = True
         try:
             self._atime_pool.shutdown(wait=True)
-            self.flush_atimes()
+            try:
+                self.flush_atimes()
+            except (
+                CapacityExceeded
+            ) as e:  # access times are hints: a full disk must not stop a close
+                log.warning("access times not saved at close: %s", e)
             self.policy.close()
             with self._cap_lock:
                 deferred, self._deferred = self._deferred, {}
@@ -155,8 +209,15 @@ class Engine:
                             self._account(b, -1)
             self.io_pool.shutdown(wait=True)
             self.hash_pool.shutdown(wait=True)
-            self.index.set_meta("accounting", [self.used, self.dev_used])
-            self.index.set_meta("clean", True)
+            try:
+                self.index.set_meta("accounting", [self.used, self.dev_used])
+                self.index.set_meta("clean", True)
+            except CapacityExceeded as e:
+                log.warning(
+                    "closed without marking the index clean (the next open recounts, as "
+                    "after a crash): %s",
+                    e,
+                )
             self.index.close()
         finally:
             self._lock.release()

@@ -23,6 +23,8 @@ single indexed reads itself (a lookup costs less than the hop to a thread, docs/
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import sqlite3
 import threading
 import time
@@ -34,6 +36,10 @@ from pathlib import Path
 from typing import Any
 
 import msgpack
+
+from ._errors import CapacityExceeded
+
+log = logging.getLogger("kvfs.index")
 
 __all__ = ["BlobRow", "Index", "PageCommit", "PageRow", "SessionRow"]
 
@@ -75,6 +81,14 @@ CREATE TABLE IF NOT EXISTS sessions (
 """
 
 Extent = tuple[int, str, int, int]  # (device index, file relative to device root, offset, length)
+
+
+def _disk_full(e: BaseException) -> bool:
+    """SQLITE_FULL: the database or its WAL could not grow."""
+    return isinstance(e, sqlite3.OperationalError) and (
+        getattr(e, "sqlite_errorcode", None) == getattr(sqlite3, "SQLITE_FULL", 13)
+        or "disk is full" in str(e)
+    )
 
 
 def _pack(obj: object) -> bytes:
@@ -239,6 +253,11 @@ class Index:
             self._readers.clear()
             try:
                 self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+            except sqlite3.OperationalError as e:
+                if not _disk_full(e):
+                    raise
+                # the WAL stays beside the database and is checkpointed at the next open
+                log.warning("index %s: no checkpoint at close, its disk is full", self.path)
             finally:
                 self._db.close()
 
@@ -277,16 +296,24 @@ class Index:
 
     @contextmanager
     def transaction(self) -> Iterator[sqlite3.Connection]:
-        """BEGIN IMMEDIATE ... COMMIT under the lock; ROLLBACK on any exception."""
+        """BEGIN IMMEDIATE ... COMMIT under the lock; ROLLBACK on any exception (a failed
+        COMMIT included). A disk too full for the WAL to grow raises CapacityExceeded, with
+        nothing changed."""
         with self._lock:
             self._db.execute("BEGIN IMMEDIATE")
             try:
                 yield self._db
-            except BaseException:
-                self._db.execute("ROLLBACK")
-                raise
-            else:
                 self._db.execute("COMMIT")
+            except BaseException as e:
+                if self._db.in_transaction:  # SQLite may have rolled back already
+                    with contextlib.suppress(sqlite3.Error):
+                        self._db.execute("ROLLBACK")
+                if _disk_full(e):
+                    raise CapacityExceeded(
+                        f"the index {self.path} cannot grow: its disk is full; nothing was "
+                        "changed (free space on that disk, or lower the capacity)"
+                    ) from e
+                raise
 
     def _q(self, sql: str, args: Iterable[object] = ()) -> list[tuple]:
         if self._lock._is_owned():  # type: ignore[attr-defined]

@@ -500,6 +500,16 @@ class BlobWriter:
             ],
         )
 
+    def _mapped(self, dev: int, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)`` with a full device reported as CapacityExceeded."""
+        try:
+            return fn(*args)
+        except OSError as e:
+            full = self._full(dev, e)
+            if full is e:
+                raise
+            raise full from e
+
     def _full(self, dev: int, e: OSError) -> OSError:
         if e.errno in (28, 122):  # ENOSPC, EDQUOT
             return CapacityExceeded(f"device {self.tier.roots[dev]} is full: {e.strerror}")
@@ -525,11 +535,12 @@ class BlobWriter:
         directory once for many blobs before their index commit."""
         if not self._fds:
             # A zero-length blob still gets its header file so the index has an extent.
-            self._fd(self.tier.locate(self.start, 0)[0])
+            dev0 = self.tier.locate(self.start, 0)[0]
+            self._mapped(dev0, self._fd, dev0)
         for dev in list(self._fds):
             hdr = self._take_header(dev)  # no aligned write started at the data: alone
             if hdr is not None:
-                _pwrite_full(self._fds[dev][0], hdr, 0)
+                self._mapped(dev, _pwrite_full, self._fds[dev][0], hdr, 0)
         # Buffered writers (the mount, filesystems without O_DIRECT) leave the last chunk
         # unpadded: pad it, so every file is exactly what disk_bytes() accounts for.
         unit = self.tier.unit
@@ -539,12 +550,16 @@ class BlobWriter:
             want[dev] = max(want.get(dev, 0), foff + round_up(min(unit, size - c * unit)))
         for dev, (fd, _direct) in self._fds.items():
             if os.fstat(fd).st_size < want.get(dev, HEADER):
-                os.ftruncate(fd, want.get(dev, HEADER))
+                self._mapped(dev, os.ftruncate, fd, want.get(dev, HEADER))
         if self.tier.durable:
-            # fdatasync: the data, the block allocation and the size; not timestamps.
+            # fdatasync: the data, the block allocation and the size; not timestamps. (A
+            # buffered file's delayed allocation can still fail here with ENOSPC.)
             run_beside(
                 self.tier.pool,
-                [functools.partial(os.fdatasync, fd) for fd, _direct in self._fds.values()],
+                [
+                    functools.partial(self._mapped, dev, os.fdatasync, fd)
+                    for dev, (fd, _direct) in self._fds.items()
+                ],
             )
         self.new_dirs = [os.path.dirname(self.tier.abspath(dev, self.rel)) for dev in self._fds]
         if self.tier.durable and sync_dirs:

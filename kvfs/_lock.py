@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import os
@@ -45,7 +46,12 @@ class DirLock:
             "since": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         }
         os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps(info).encode(), 0)
+        try:
+            os.pwrite(fd, json.dumps(info).encode(), 0)
+        except OSError as e:  # a full disk: the lock holds all the same, unnamed
+            if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+                os.close(fd)
+                raise
         self._fd = fd
 
     def release(self) -> None:

@@ -64,7 +64,11 @@ OPTIONS: tuple[Option, ...] = (
         "data directories, one per NVMe device; pages are striped across them",
     ),
     Option(
-        "store", "capacity", "size", 0, "cap on bytes held locally (0: what the disks hold at open)"
+        "store",
+        "capacity",
+        "size",
+        0,
+        "cap on bytes held locally (0: the disks' free space at open, less 1% (64 MiB at least) each for the index)",
     ),
     Option(
         "store",

@@ -1,0 +1,154 @@
+"""A disk that fills up under the store: a real 16 MiB tmpfs, mounted for each test (root, as
+CI runs). Every failure is a clear CapacityExceeded, nothing is left behind, pages already
+acknowledged stay intact, and the store goes on once space is freed."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import kvfs
+
+MiB = 1 << 20
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root (CI runs as root)")
+    d = tmp_path / "disk"
+    d.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(d)], check=True)
+    try:
+        yield d
+    finally:
+        subprocess.run(["umount", "-l", str(d)], check=False)
+
+
+def free(path: Path) -> int:
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+@contextlib.contextmanager
+def filled(disk: Path, leave: int = 0) -> Iterator[None]:
+    """Fill ``disk`` until ``leave`` bytes are free (or nothing is), then free it again."""
+    filler = disk / "filler"
+    with open(filler, "wb") as f, contextlib.suppress(OSError):
+        f.write(bytes(max(0, free(disk) - leave)))
+    try:
+        yield
+    finally:
+        filler.unlink()
+
+
+def clean(s: kvfs.SyncStore) -> None:
+    report = s.fsck()
+    assert report["orphans"] == [] and report["missing"] == [] and report["corrupt"] == []
+    assert s.statistics().reserved_bytes == 0
+
+
+def test_a_put_that_does_not_fit_on_the_disk_is_capacity_exceeded(small_disk: Path) -> None:
+    cfg = kvfs.StoreConfig(data_dirs=(small_disk / "store",), capacity=1 << 30)  # over the disk
+    with kvfs.open_store_sync(cfg) as s:
+        stored = {}
+        with pytest.raises(kvfs.CapacityExceeded, match="is full"):
+            for i in range(32):
+                data = os.urandom(MiB)
+                s.put(f"a/p{i}", data)
+                stored[f"a/p{i}"] = data
+        assert 8 <= len(stored) < 16
+        assert all(s.get(k) == v for k, v in stored.items())
+        clean(s)
+        s.delete("a/p0")
+        s.delete("a/p1")
+        s.put("a/again", os.urandom(MiB))  # the same store goes on
+        clean(s)
+
+
+def test_the_index_that_cannot_grow_changes_nothing(small_disk: Path) -> None:
+    cfg = kvfs.StoreConfig(data_dirs=(small_disk / "store",), capacity=1 << 30)
+    with kvfs.open_store_sync(cfg) as s:
+        s.put("a/p", os.urandom(MiB))
+        s.set_session_attrs("a", {"model": "m"})
+        big = {"model": "m", "notes": "x" * (2 * MiB)}  # more WAL than the disk has left
+        with filled(small_disk):
+            with pytest.raises(kvfs.CapacityExceeded, match="index .* cannot grow"):
+                s.set_session_attrs("a", big)
+            with pytest.raises(kvfs.CapacityExceeded):
+                s.put("a/q", os.urandom(64 * 1024))
+        assert s.session_info("a").attrs == {"model": "m"}
+        assert not s.exists("a/q")
+        clean(s)
+        s.set_session_attrs("a", big)  # room again: the same store takes it
+        assert s.session_info("a").attrs == big
+    with kvfs.open_store_sync(cfg) as s:
+        assert s.session_info("a").attrs == big and len(s.list()) == 1
+
+
+def test_every_failure_near_a_full_disk_is_clean(small_disk: Path) -> None:
+    """Puts at every amount of free space from 0 to ~400 KiB (4 KiB steps): each one either
+    succeeds or raises CapacityExceeded; afterwards every acknowledged page reads back, fsck
+    finds nothing wrong, and the store reopens with all of them."""
+    cfg = kvfs.StoreConfig(data_dirs=(small_disk / "store",), capacity=1 << 30)
+    stored: dict[str, bytes] = {}
+    errors: dict[str, int] = {}
+    with kvfs.open_store_sync(cfg) as s:
+        for i in range(6):
+            stored[f"a/p{i}"] = os.urandom(MiB)
+            s.put(f"a/p{i}", stored[f"a/p{i}"])
+        for slack in range(0, 400 * 1024, 4096):
+            with filled(small_disk, leave=slack):
+                for j in range(2):
+                    key, data = f"b/s{slack}-{j}", os.urandom(48 * 1024 + j)
+                    try:
+                        s.put(key, data)
+                        stored[key] = data
+                    except kvfs.CapacityExceeded as e:
+                        kind = "index" if "index" in str(e) else "device"
+                        errors[kind] = errors.get(kind, 0) + 1
+        assert errors.get("device", 0) > 0 and len(stored) > 6, errors
+        assert all(s.get(k) == v for k, v in stored.items())
+        clean(s)
+    with kvfs.open_store_sync(cfg) as s:
+        assert {p.path for p in s.list(path_prefix="a/")} | {
+            p.path for p in s.list(path_prefix="b/")
+        } == set(stored)
+        clean(s)
+
+
+def test_the_default_capacity_leaves_room_for_the_index(small_disk: Path) -> None:
+    """capacity 0 (the devices' free space) keeps a reserve: the pages hit the cap, not the
+    disk, and the index still grows to delete them."""
+    cfg = kvfs.StoreConfig(data_dirs=(small_disk / "store",))
+    with kvfs.open_store_sync(cfg) as s:
+        with pytest.raises(kvfs.CapacityExceeded, match="no room"):
+            for i in range(32):  # pinned: never evicted
+                s.put(kvfs.PageKey.semantic("a", "p", i), os.urandom(MiB), pin=True)
+        assert free(small_disk) >= 2 * MiB
+        s.set_session_attrs("a", {"notes": "y" * (512 * 1024)})
+        assert s.delete_session("a") >= 8
+        assert s.list() == []
+        clean(s)
+
+
+def test_a_store_on_a_disk_that_filled_up_opens_and_deletes(small_disk: Path) -> None:
+    """Another writer fills the disk while the store is closed: the open uses the index's
+    reserve (kvfs-index.reserve), and deleting pages frees the disk again."""
+    cfg = kvfs.StoreConfig(data_dirs=(small_disk / "store",), capacity=1 << 30)
+    with kvfs.open_store_sync(cfg) as s:
+        for i in range(4):
+            s.put(kvfs.PageKey.semantic("a", "p", i), os.urandom(MiB))
+    assert (small_disk / "store" / "kvfs-index.reserve").exists()
+    with filled(small_disk):
+        assert free(small_disk) < 64 * 1024
+        with kvfs.open_store_sync(cfg) as s:
+            assert s.delete_session("a") == 4
+            assert s.list() == []
+            clean(s)
+        assert free(small_disk) >= 4 * MiB
