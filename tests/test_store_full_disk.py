@@ -1,6 +1,7 @@
-"""A disk that fills up under the store: a real 16 MiB tmpfs, mounted for each test (root, as
-CI runs). Every failure is a clear CapacityExceeded, nothing is left behind, pages already
-acknowledged stay intact, and the store goes on once space is freed."""
+"""A disk that fills up under the store, or under its file:// archive: a real 16 MiB tmpfs,
+mounted for each test (root, as CI runs). Every failure is a clear CapacityExceeded (or
+ArchiveUnavailable for the archive), nothing is left behind, pages already acknowledged
+stay intact, and the store goes on once space is freed."""
 
 from __future__ import annotations
 
@@ -152,3 +153,46 @@ def test_a_store_on_a_disk_that_filled_up_opens_and_deletes(small_disk: Path) ->
             assert s.list() == []
             clean(s)
         assert free(small_disk) >= 4 * MiB
+
+
+# -- the archive tier (file:// archive; the same error paths serve S3) ---------------------
+def spilled_cfg(data: Path, archive: Path) -> kvfs.StoreConfig:
+    return kvfs.StoreConfig(
+        data_dirs=(data,),
+        capacity=1 << 30,
+        archive_url=f"file://{archive}",
+        extra={"archive": {"interval": 0}},
+    )
+
+
+def put_session(s: kvfs.SyncStore, n: int) -> dict[kvfs.PageKey, bytes]:
+    data = {kvfs.PageKey.semantic("big", "p", i): os.urandom(MiB) for i in range(n)}
+    for k, v in data.items():
+        s.put(k, v)
+    return data
+
+
+def test_a_spill_to_a_full_archive_keeps_every_local_copy(small_disk: Path, tmp_path: Path) -> None:
+    with kvfs.open_store_sync(spilled_cfg(tmp_path / "store", small_disk / "archive")) as s:
+        data = put_session(s, 20)  # 20 MiB of incompressible pages: more than the 16 MiB
+        with pytest.raises(kvfs.ArchiveUnavailable, match="No space left"):
+            s.spill("big")
+        assert {s.stat(k).tier for k in data} == {"local"}  # no manifest: nothing dropped
+        assert all(s.get(k) == v for k, v in data.items())
+        clean(s)
+        assert list((small_disk / "archive" / ".objectstore-tmp").iterdir()) == []
+
+
+def test_a_restore_onto_a_full_disk_brings_back_what_fits(small_disk: Path, tmp_path: Path) -> None:
+    with kvfs.open_store_sync(spilled_cfg(small_disk / "store", tmp_path / "archive")) as s:
+        data = put_session(s, 8)
+        s.spill("big")
+        with filled(small_disk, leave=3 * MiB):
+            with pytest.raises(kvfs.CapacityExceeded, match="is full"):
+                s.restore("big")
+            tiers = [s.stat(k).tier for k in data]
+            assert 0 < tiers.count("local+archive") < 8 and "archive" in tiers
+            clean(s)
+        assert s.restore("big") == (8 - tiers.count("local+archive")) * MiB
+        assert all(s.get(k) == v for k, v in data.items())
+        clean(s)
