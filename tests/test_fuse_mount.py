@@ -6,6 +6,7 @@ fails when the daemon logged an error or a traceback.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import mmap
@@ -382,6 +383,42 @@ def test_enospc_with_small_capacity(make_mount: object) -> None:
     assert st.f_blocks * st.f_bsize == 8 * MiB
     write(m.mp / "fits", b"y" * MiB)
     assert (m.mp / "fits").read_bytes() == b"y" * MiB
+
+
+def test_a_full_disk_under_the_mount(make_mount: object) -> None:
+    """Data on a real 16 MiB tmpfs with the cap above it: writes get ENOSPC and publish
+    nothing, rm frees room, and the daemon restarts on a disk another writer filled to the
+    last byte (the index's reserve) and can delete everything."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root (CI runs as root)")
+    m = make_mount("full", "--capacity", "1GiB", start=False)  # type: ignore[operator]
+    m.data.mkdir(parents=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(m.data)], check=True)
+    try:
+        m.start()
+        (m.mp / "eng").mkdir()
+        written = []
+        with pytest.raises(OSError) as ei:
+            for i in range(20):
+                write(m.mp / "eng" / f"f{i}", os.urandom(MiB))
+                written.append(f"f{i}")
+        assert ei.value.errno == errno.ENOSPC
+        assert sorted(os.listdir(m.mp / "eng")) == sorted(written)  # the failed one: absent
+        os.unlink(m.mp / "eng" / written[0])
+        write(m.mp / "eng" / "again", b"a" * MiB)
+        assert m.stop() == 0
+        filler = m.data / "filler"
+        with open(filler, "wb") as f, contextlib.suppress(OSError):
+            f.write(bytes(16 * MiB))
+        assert os.statvfs(m.data).f_bavail == 0
+        m.start()
+        assert len(os.listdir(m.mp / "eng")) == len(written)
+        shutil.rmtree(m.mp / "eng")
+        assert os.statvfs(m.data).f_bavail * 4096 >= 8 * MiB
+        assert m.stop() == 0
+    finally:
+        m.cleanup()
+        subprocess.run(["umount", "-l", str(m.data)], check=False)
 
 
 def test_remount_and_sigkill(make_mount: object) -> None:
