@@ -18,6 +18,7 @@ import builtins
 import contextlib
 import logging
 import os
+import sqlite3
 import threading
 import time
 import uuid
@@ -29,10 +30,16 @@ from pathlib import Path
 
 from . import _maint, _reads, _writes
 from ._config import StoreConfig
-from ._errors import ArchiveUnavailable, CapacityExceeded, PageNotFound, StoreClosed
+from ._errors import (
+    ArchiveUnavailable,
+    CapacityExceeded,
+    KvfsError,
+    PageNotFound,
+    StoreClosed,
+)
 from ._index import BlobRow, Index, PageRow
 from ._keys import PageKey, as_key, session_dir
-from ._local import LocalTier
+from ._local import DEVICE_MARKER, LocalTier, device_store
 from ._lock import DirLock
 from ._policy import TieringPolicy
 from ._types import PageInfo, SessionInfo, StoreStatistics
@@ -82,6 +89,48 @@ def keep_reserve(index_dir: Path) -> None:
             path.unlink()
 
 
+def _open_index(cfg: StoreConfig) -> Index:
+    try:
+        return Index(cfg.index_path, durable=cfg.durable)
+    except sqlite3.DatabaseError as e:
+        if isinstance(e, sqlite3.OperationalError):  # locked, full...: not the file's fault
+            raise
+        raise KvfsError(
+            f"the index {cfg.index_path} is unreadable ({e}); the store does not open on an "
+            "index it cannot trust. Keep the file for inspection; to start over, move it (with "
+            "its -wal and -shm files) and the data directories aside: sessions in the archive "
+            "come back with `kvfs restore` (`kvfs ls --archived` lists them)"
+        ) from e
+
+
+def _refuse_foreign_data(cfg: StoreConfig) -> None:
+    """No index yet, but a data directory already holds a store's data: the index was lost
+    or moved, or the directories are out of order. Raises KvfsError, having created
+    nothing."""
+    for d in cfg.data_dirs:
+        other = device_store(d)
+        if other is not None:
+            raise KvfsError(
+                f"{d} holds data of store {other}, but there is no index at "
+                f"{cfg.index_path}: was the index lost or moved, or are the data directories "
+                "out of their original order? Point index_dir at the index, or move the data "
+                "directories aside to start an empty store (sessions in the archive come back "
+                "with `kvfs restore`)"
+            )
+
+
+def _devices_known(index: Index) -> int:
+    """How many data directories this store has had (0 for a new index); older stores
+    that did not record it: the device count of their saved accounting."""
+    n = index.get_meta("devices")
+    if isinstance(n, int):
+        return n
+    saved = index.get_meta("accounting")
+    if isinstance(saved, (list, tuple)) and len(saved) == 2:
+        return len(saved[1])
+    return 0
+
+
 def headroom(free: int) -> int:
     """What the default capacity (0: the devices' free space at open) leaves free on a device
     for the index and its WAL (which must grow even to delete pages) and for other writers:
@@ -105,16 +154,36 @@ class Engine:
 
     def _open(self) -> None:
         cfg = self.config
-        for d in cfg.data_dirs:
-            d.mkdir(parents=True, exist_ok=True)
+        if not cfg.index_path.exists():
+            _refuse_foreign_data(cfg)  # before an index file is created beside them
         if release_reserve(cfg.index_path.parent):
             log.debug("index reserve released for the open")
-        self.index = Index(cfg.index_path, durable=cfg.durable)
-        store_id = self.index.get_meta("store_id")
-        if store_id is None:
-            store_id = uuid.uuid4().hex
-            self.index.set_meta("store_id", store_id)
-        self.store_id: str = str(store_id)
+        self.index = _open_index(cfg)
+        try:
+            store_id = self.index.get_meta("store_id")
+            known = 0 if store_id is None else _devices_known(self.index)
+            if len(cfg.data_dirs) < known:
+                raise KvfsError(
+                    f"this store has {known} data directories, {len(cfg.data_dirs)} are "
+                    "configured: the pages striped over the others would be missing; "
+                    "configure all of them, in their original order"
+                )
+            for i, d in enumerate(cfg.data_dirs):
+                if i < known and not (d / DEVICE_MARKER).exists():
+                    raise KvfsError(
+                        f"{d} is device {i} of this store but holds no {DEVICE_MARKER}: is its "
+                        "disk mounted? The store does not open without it (the pages striped "
+                        "there would be missing); mount it, or keep the directories in their "
+                        "original order"
+                    )
+                d.mkdir(parents=True, exist_ok=True)
+            if store_id is None:
+                store_id = uuid.uuid4().hex
+                self.index.set_meta("store_id", store_id)
+            self.store_id: str = str(store_id)
+        except BaseException:
+            self.index.close()
+            raise
         self.io_pool = ThreadPoolExecutor(cfg.io_threads, thread_name_prefix="kvfs-io")
         self.hash_threads = max(2, os.cpu_count() or 2)
         self.hash_pool = ThreadPoolExecutor(self.hash_threads, thread_name_prefix="kvfs-hash")
@@ -128,6 +197,8 @@ class Engine:
             bounce_buffers=2 * cfg.io_threads,
         )
         self.tier.prepare(self.store_id)
+        if len(cfg.data_dirs) > _devices_known(self.index):
+            self.index.set_meta("devices", len(cfg.data_dirs))
         self.policy: TieringPolicy = TieringPolicy(self)
         self._cap_lock = threading.Lock()
         self._cap_changed = threading.Condition(self._cap_lock)

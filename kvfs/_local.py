@@ -43,10 +43,32 @@ from ._aligned import (
 from ._errors import CapacityExceeded, KvfsError
 from ._index import Extent
 
-__all__ = ["HEADER", "BlobWriter", "LocalTier", "Piece", "run_beside", "wait_all"]
+__all__ = [
+    "DEVICE_MARKER",
+    "HEADER",
+    "BlobWriter",
+    "LocalTier",
+    "Piece",
+    "device_store",
+    "run_beside",
+    "wait_all",
+]
 
 HEADER = 4096
 MAGIC = b"KVFSBLB1"
+#: In every device root: which store and which device index the directory is.
+DEVICE_MARKER = ".kvfs-device"
+
+
+def device_store(root: Path) -> str | None:
+    """The store id a device directory's marker names, or None (no marker, unreadable)."""
+    try:
+        info = msgpack.unpackb((root / DEVICE_MARKER).read_bytes())
+    except (OSError, ValueError, msgpack.UnpackException):
+        return None
+    return str(info["store"]) if isinstance(info, dict) and "store" in info else None
+
+
 MAX_PIECE = 8 << 20
 _IOV_MAX = 1024  # buffers per pwritev (Linux's IOV_MAX)
 #: A buffered writer starts writeback (sync_file_range, asynchronous) every this many bytes
@@ -105,7 +127,7 @@ class LocalTier:
         """Create the device layout, or check that existing directories belong to this store."""
         for i, root in enumerate(self.roots):
             (root / "blobs").mkdir(parents=True, exist_ok=True)
-            marker = root / ".kvfs-device"
+            marker = root / DEVICE_MARKER
             if marker.exists():
                 info = msgpack.unpackb(marker.read_bytes())
                 if info.get("store") != store_id or info.get("index") != i:

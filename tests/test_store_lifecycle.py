@@ -332,3 +332,80 @@ def test_put_writes_each_device_file_in_one_vectored_write(
         store.put("s/odd", odd)
         assert calls == []
         assert store.get("s/odd") == data[::-1]
+
+
+# -- data directories and the index that do not fit together ------------------------------
+def two_device_store(tmp_path) -> tuple[kvfs.StoreConfig, dict[str, bytes]]:  # noqa: ANN001
+    cfg = kvfs.StoreConfig(data_dirs=(tmp_path / "n0", tmp_path / "n1"), stripe_unit=MiB)
+    data = {f"p/{i}": os.urandom(3 * MiB) for i in range(3)}  # striped over both devices
+    with kvfs.open_store_sync(cfg) as s:
+        for k, v in data.items():
+            s.put(k, v)
+    return cfg, data
+
+
+def reads_back(cfg: kvfs.StoreConfig, data: dict[str, bytes]) -> None:
+    with kvfs.open_store_sync(cfg) as s:
+        assert all(s.get(k) == v for k, v in data.items())
+        assert not any(s.fsck()[k] for k in ("missing", "corrupt", "orphans"))
+
+
+def test_a_missing_device_is_refused_not_made_again(tmp_path) -> None:  # noqa: ANN001
+    """An NVMe whose disk is not mounted: its directory is gone (or empty). The store does
+    not open, and creates nothing in its place."""
+    cfg, data = two_device_store(tmp_path)
+    (tmp_path / "n1").rename(tmp_path / "n1.unmounted")
+    with pytest.raises(
+        kvfs.KvfsError, match=r"n1 is device 1 of this store .* is its disk mounted"
+    ):
+        kvfs.open_store_sync(cfg).__enter__()
+    assert not (tmp_path / "n1").exists()
+    (tmp_path / "n1").mkdir()  # an empty mount point: the same
+    with pytest.raises(kvfs.KvfsError, match="is its disk mounted"):
+        kvfs.open_store_sync(cfg).__enter__()
+    (tmp_path / "n1").rmdir()
+    with pytest.raises(kvfs.KvfsError, match="2 data directories, 1 are configured"):
+        kvfs.open_store_sync(kvfs.StoreConfig(data_dirs=(tmp_path / "n0",))).__enter__()
+    (tmp_path / "n1.unmounted").rename(tmp_path / "n1")
+    reads_back(cfg, data)
+
+
+def test_reordered_data_directories_are_refused(tmp_path) -> None:  # noqa: ANN001
+    cfg, data = two_device_store(tmp_path)
+    swapped = kvfs.StoreConfig(data_dirs=(tmp_path / "n1", tmp_path / "n0"), stripe_unit=MiB)
+    with pytest.raises(kvfs.KvfsError, match="out of their original order"):
+        kvfs.open_store_sync(swapped).__enter__()
+    assert not (tmp_path / "n1" / "kvfs-index.sqlite3").exists()  # no stray index made
+    index_elsewhere = kvfs.StoreConfig(
+        data_dirs=(tmp_path / "n1", tmp_path / "n0"), index_dir=tmp_path / "n0"
+    )
+    with pytest.raises(kvfs.KvfsError, match="keep the data directories in their original"):
+        kvfs.open_store_sync(index_elsewhere).__enter__()
+    reads_back(cfg, data)
+
+
+def test_a_device_can_be_added(tmp_path) -> None:  # noqa: ANN001
+    cfg, data = two_device_store(tmp_path)
+    grown = kvfs.StoreConfig(data_dirs=(*cfg.data_dirs, tmp_path / "n2"), stripe_unit=MiB)
+    with kvfs.open_store_sync(grown) as s:
+        s.put("p/new", os.urandom(3 * MiB))
+        data["p/new"] = s.get("p/new")  # type: ignore[assignment]
+    reads_back(grown, data)
+    with pytest.raises(kvfs.KvfsError, match="3 data directories, 2 are configured"):
+        kvfs.open_store_sync(cfg).__enter__()
+
+
+def test_an_unreadable_or_lost_index_is_named(tmp_path) -> None:  # noqa: ANN001
+    cfg, data = two_device_store(tmp_path)
+    index = tmp_path / "n0" / "kvfs-index.sqlite3"
+    good = index.read_bytes()
+    index.write_bytes(b"not an index" * 1000)
+    with pytest.raises(kvfs.KvfsError, match=r"kvfs-index.sqlite3 is unreadable \(file is not"):
+        kvfs.open_store_sync(cfg).__enter__()
+    assert index.read_bytes() == b"not an index" * 1000  # kept for inspection
+    index.unlink()
+    with pytest.raises(kvfs.KvfsError, match="no index at .* was the index lost or moved"):
+        kvfs.open_store_sync(cfg).__enter__()
+    assert not index.exists()
+    index.write_bytes(good)
+    reads_back(cfg, data)
