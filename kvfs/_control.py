@@ -313,7 +313,7 @@ def connect_sync(path: str | os.PathLike[str], timeout: float | None = None) -> 
         s.connect(os.fspath(path))
     except OSError as e:
         s.close()
-        if e.errno in (errno.ENOENT, errno.ECONNREFUSED, errno.ENOTSOCK):
+        if e.errno in (errno.ENOENT, errno.ECONNREFUSED, errno.ENOTSOCK, errno.ENOTDIR):
             raise DaemonUnavailable(f"no kvfs daemon answers on {path}") from e
         raise
     return s

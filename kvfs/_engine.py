@@ -144,6 +144,9 @@ class Engine:
     def __init__(self, config: StoreConfig) -> None:
         self.config = config
         self._closed = True
+        for d in (*config.data_dirs, config.index_path.parent):
+            if d.exists() and not d.is_dir():
+                raise KvfsError(f"{d} is not a directory; data and index directories must be")
         self._lock = DirLock(config.lock_path)
         self._lock.acquire()
         try:

@@ -409,3 +409,10 @@ def test_an_unreadable_or_lost_index_is_named(tmp_path) -> None:  # noqa: ANN001
     assert not index.exists()
     index.write_bytes(good)
     reads_back(cfg, data)
+
+
+def test_a_data_directory_that_is_a_file_is_named(tmp_path) -> None:  # noqa: ANN001
+    (tmp_path / "f").write_bytes(b"not a directory")
+    with pytest.raises(kvfs.KvfsError, match=r"f is not a directory"):
+        kvfs.open_store_sync(kvfs.StoreConfig(data_dirs=(tmp_path / "f",))).__enter__()
+    assert (tmp_path / "f").read_bytes() == b"not a directory"
