@@ -152,6 +152,14 @@ class Engine:
         try:
             self._open()
         except BaseException:
+            index = getattr(self, "index", None)
+            if index is not None:
+                with contextlib.suppress(Exception):  # closed already by some failure paths
+                    index.close()
+            for name in ("io_pool", "hash_pool", "_atime_pool"):
+                pool = getattr(self, name, None)
+                if pool is not None:
+                    pool.shutdown(wait=False)
             self._lock.release()
             raise
 

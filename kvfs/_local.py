@@ -129,7 +129,16 @@ class LocalTier:
             (root / "blobs").mkdir(parents=True, exist_ok=True)
             marker = root / DEVICE_MARKER
             if marker.exists():
-                info = msgpack.unpackb(marker.read_bytes())
+                try:
+                    info = msgpack.unpackb(marker.read_bytes())
+                    if not isinstance(info, dict):
+                        raise ValueError(f"a {type(info).__name__}, not a map")
+                except (ValueError, msgpack.UnpackException) as e:
+                    raise KvfsError(
+                        f"{marker} is unreadable ({e}): it says which store and device {root} "
+                        f"is, and kvfs will not guess (this store's device {i} would hold "
+                        f"{{'store': {store_id!r}, 'index': {i}}} in msgpack)"
+                    ) from e
                 if info.get("store") != store_id or info.get("index") != i:
                     raise KvfsError(
                         f"{root} is device {info.get('index')} of store {info.get('store')}, "

@@ -416,3 +416,15 @@ def test_a_data_directory_that_is_a_file_is_named(tmp_path) -> None:  # noqa: AN
     with pytest.raises(kvfs.KvfsError, match=r"f is not a directory"):
         kvfs.open_store_sync(kvfs.StoreConfig(data_dirs=(tmp_path / "f",))).__enter__()
     assert (tmp_path / "f").read_bytes() == b"not a directory"
+
+
+def test_an_unreadable_device_marker_is_named(tmp_path) -> None:  # noqa: ANN001
+    cfg, data = two_device_store(tmp_path)
+    marker = tmp_path / "n1" / ".kvfs-device"
+    good = marker.read_bytes()
+    marker.write_bytes(b"garbage")
+    with pytest.raises(kvfs.KvfsError, match=r"n1/.kvfs-device is unreadable .* will not guess"):
+        kvfs.open_store_sync(cfg).__enter__()
+    assert marker.read_bytes() == b"garbage"
+    marker.write_bytes(good)
+    reads_back(cfg, data)  # the failed open left the store as it was (and its lock free)
