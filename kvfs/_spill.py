@@ -171,7 +171,17 @@ class Spiller:
         async for key in self.store.list(MANIFESTS):
             try:
                 m = parse_manifest(await self.store.get(key))  # type: ignore[arg-type]
-            except (ValueError, FileNotFoundError):
+            except FileNotFoundError:
+                continue  # deleted since the listing
+            except ValueError as e:  # not listed; said, so a lost session is not a mystery
+                log_event(
+                    "error",
+                    level=logging.WARNING,
+                    what="archived session manifest",
+                    key=key,
+                    error="CorruptPage",
+                    message=f"unreadable, not listed: {e}",
+                )
                 continue
             referenced.update(bytes(p["hash"]).hex() for p in m["pages"])
         gone = []
@@ -190,7 +200,17 @@ class Spiller:
         async for key in self.store.list(MANIFESTS):
             try:
                 m = parse_manifest(await self.store.get(key))  # type: ignore[arg-type]
-            except (ValueError, FileNotFoundError):
+            except FileNotFoundError:
+                continue  # deleted since the listing
+            except ValueError as e:  # not listed; said, so a lost session is not a mystery
+                log_event(
+                    "error",
+                    level=logging.WARNING,
+                    what="archived session manifest",
+                    key=key,
+                    error="CorruptPage",
+                    message=f"unreadable, not listed: {e}",
+                )
                 continue
             out.append(
                 {

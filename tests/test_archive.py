@@ -395,3 +395,20 @@ def test_session_restore_with_a_corrupt_object_restores_the_rest(make_config, s3
         assert st.extra["archive"]["blobs_restored"] == 7
         assert st.used_bytes > 0
         assert s.fsck()["orphans"] == []
+
+
+def test_an_unreadable_manifest_is_left_out_of_the_listing_with_a_warning(
+    make_config, archive_url: str, caplog: pytest.LogCaptureFixture
+) -> None:  # noqa: ANN001
+    from kvfs._manifest import manifest_key
+
+    with kvfs.open_store_sync(archived_cfg(make_config, archive_url)) as s:
+        fill(s, "good", 1)
+        fill(s, "bad", 1, seed=1)
+        s.spill("good")
+        s.spill("bad")
+        policy = s.engine.policy  # type: ignore[attr-defined]
+        policy.call(policy.store.put, manifest_key("sessions/bad"), b"\xc1 not msgpack")
+        with caplog.at_level("WARNING", logger="kvfs"):
+            assert [x["session"] for x in s.archived_sessions()] == ["good"]
+        assert "unreadable, not listed" in caplog.text and "sessions%2Fbad" in caplog.text
