@@ -6,10 +6,11 @@ and disk work goes to worker threads.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING
+from collections.abc import AsyncGenerator, Callable
+from typing import TYPE_CHECKING, Any
 
 import msgpack
 import trio
@@ -168,22 +169,21 @@ class Spiller:
         if not forget:
             return
         referenced: set[str] = set()
-        async for key in self.store.list(MANIFESTS):
-            try:
-                m = parse_manifest(await self.store.get(key))  # type: ignore[arg-type]
-            except FileNotFoundError:
-                continue  # deleted since the listing
-            except ValueError as e:  # not listed; said, so a lost session is not a mystery
-                log_event(
-                    "error",
-                    level=logging.WARNING,
-                    what="archived session manifest",
-                    key=key,
-                    error="CorruptPage",
-                    message=f"unreadable, not listed: {e}",
-                )
-                continue
-            referenced.update(bytes(p["hash"]).hex() for p in m["pages"])
+        async with contextlib.aclosing(self._manifests()) as manifests:
+            async for key, m in manifests:
+                if m is None:
+                    # Its pages are unknown, so no object is known to be unreferenced: delete
+                    # nothing (the queue stays for a later pass) rather than what it names.
+                    log_event(
+                        "error",
+                        level=logging.WARNING,
+                        what="archive object deletion",
+                        key=key,
+                        error="CorruptPage",
+                        message="a manifest is unreadable; nothing deleted this pass",
+                    )
+                    return
+                referenced.update(bytes(p["hash"]).hex() for p in m["pages"])
         gone = []
         for hx in forget:
             b = await _thread(self.engine.index.blob, bytes.fromhex(hx))
@@ -193,23 +193,33 @@ class Spiller:
             gone.append(hx)
         await _thread(self.aindex.done, "forget", gone)
 
+    async def _manifests(self) -> AsyncGenerator[tuple[str, dict[str, Any] | None], None]:
+        """Every manifest in the archive, parsed (None: unreadable); those deleted since
+        the listing are skipped."""
+        for key in await self.store.list_all(MANIFESTS):  # no listing left open on an exit
+            try:
+                raw = await self.store.get(key)
+            except FileNotFoundError:
+                continue
+            try:
+                m: dict[str, Any] | None = parse_manifest(raw)  # type: ignore[arg-type]
+            except ValueError:
+                m = None
+            yield key, m
+
     # -- other hosts' sessions ------------------------------------------------------------
     async def archived_sessions(self) -> list[dict[str, object]]:
         """Every session with a manifest in the archive (from any host sharing it)."""
         out = []
-        async for key in self.store.list(MANIFESTS):
-            try:
-                m = parse_manifest(await self.store.get(key))  # type: ignore[arg-type]
-            except FileNotFoundError:
-                continue  # deleted since the listing
-            except ValueError as e:  # not listed; said, so a lost session is not a mystery
+        async for key, m in self._manifests():  # read to the end: no early exit to close
+            if m is None:  # not listed; said, so a lost session is not a mystery
                 log_event(
                     "error",
                     level=logging.WARNING,
                     what="archived session manifest",
                     key=key,
                     error="CorruptPage",
-                    message=f"unreadable, not listed: {e}",
+                    message="unreadable, not listed",
                 )
                 continue
             out.append(

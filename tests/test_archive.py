@@ -412,3 +412,37 @@ def test_an_unreadable_manifest_is_left_out_of_the_listing_with_a_warning(
         with caplog.at_level("WARNING", logger="kvfs"):
             assert [x["session"] for x in s.archived_sessions()] == ["good"]
         assert "unreadable, not listed" in caplog.text and "sessions%2Fbad" in caplog.text
+
+
+def test_an_unreadable_manifest_stops_archive_object_deletion(
+    make_config, archive_url: str
+) -> None:  # noqa: ANN001
+    """Host B's session names the same content as host A's. A deletes its session while
+    B's manifest is unreadable: the object may be B's, so A deletes nothing; once the
+    manifest reads again, it names the object and the object stays."""
+    from kvfs._keys import session_dir
+    from kvfs._manifest import blob_key, manifest_key
+
+    content = kv_page(5)
+    with kvfs.open_store_sync(archived_cfg(make_config, archive_url, name="host-b")) as b:
+        b.put(PageKey.semantic("y", "p", 0), content)
+        b.spill("y")
+        h = bytes.fromhex(b.stat(PageKey.semantic("y", "p", 0)).checksum)
+    with kvfs.open_store_sync(archived_cfg(make_config, archive_url, name="host-a")) as a:
+        a.put(PageKey.semantic("x", "p", 0), content)
+        a.spill("x")
+        policy = a.engine.policy  # type: ignore[attr-defined]
+        store, y_manifest = policy.store, manifest_key(session_dir("y"))
+        good = policy.call(store.get, y_manifest)
+        policy.call(store.put, y_manifest, b"\xc1 unreadable")
+        a.delete_session("x")
+        policy.call(policy.spiller.flush_pending)
+        assert policy.call(store.exists, blob_key(h))  # B's data survived
+        assert policy.aindex.pending("forget", 0)  # still queued: decided on a later pass
+        policy.call(store.put, y_manifest, good)
+        policy.call(policy.spiller.flush_pending)
+        assert policy.call(store.exists, blob_key(h))  # named by B's manifest: kept
+        assert not policy.aindex.pending("forget", 0)
+    with kvfs.open_store_sync(archived_cfg(make_config, archive_url, name="host-b")) as b:
+        b.evict(session="y")
+        assert b.get(PageKey.semantic("y", "p", 0)) == content
