@@ -115,7 +115,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--repair",
         action="store_true",
-        help="remove orphans; delete pages whose data is missing or corrupt",
+        help="remove orphans; restore damaged copies of archived data from the archive; "
+        "delete the pages whose data is missing or corrupt and held nowhere else",
     )
     add_store_flags(p)
     p.set_defaults(func=cmd_fsck)

@@ -393,13 +393,29 @@ class ArchivingPolicy(TieringPolicy):
         self.count("bytes_spilled", len(obj))
         return len(obj)
 
-    def drop_local(self, h: bytes, reason: str) -> int:
-        """Drop the local copy of an archived blob. Returns bytes freed."""
+    def drop_local(self, h: bytes, reason: str, extents: object = None) -> int:
+        """Drop the local copy of an archived blob (only the copy in ``extents``, when
+        given). Returns bytes freed."""
         eng = self.engine
-        row = eng.index.drop_local(h)
+        row = eng.index.drop_local(h, extents)
         if row is None:
             return 0
         return self.forget_local(row, reason)
+
+    def heal(self, blob: BlobRow, reason: str) -> BlobRow | None:
+        """A local copy that failed its checksum, of a blob the archive also holds: drop that
+        copy (its files go once no reader holds them) and restore the blob from the archive,
+        verified there. Another reader may have healed it first: then its copy is used.
+        None when the archive has no copy. Raises what a restore raises."""
+        if not blob.archived:
+            return None
+        if self.drop_local(blob.hash, reason, blob.extents):
+            self.count("blobs_healed")
+            log_event("heal", content=blob.hash.hex()[:16], reason=reason, bytes=blob.size)
+        cur = self.engine.index.blob(blob.hash)
+        if cur is None:
+            return None
+        return cur if cur.local else self.restore_blob(cur)
 
     def forget_local(self, row: BlobRow, reason: str) -> int:
         """After the index dropped ``row``'s local copy: remove its files, count and log."""
@@ -897,6 +913,7 @@ class ArchivingPolicy(TieringPolicy):
                 "dedup_skipped": c.get("dedup_skipped", 0),
                 "restore_coalesced": c.get("restore_coalesced", 0),
                 "corrupt_objects": c.get("corrupt_objects", 0),
+                "blobs_healed": c.get("blobs_healed", 0),
                 "errors": c.get("errors", 0),
                 "restore_p50_s": pct(0.5),
                 "restore_p99_s": pct(0.99),

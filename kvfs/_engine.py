@@ -609,7 +609,8 @@ class Engine:
         self, *, repair: bool = False, verify_data: bool = True, progress: object = None
     ) -> dict[str, builtins.list[str]]:
         """Check the index against the files: missing files, wrong sizes, bad checksums,
-        orphans. With ``repair``, orphans are removed and pages with missing or corrupt
-        data are deleted (they cannot be served). Returns findings by kind."""
+        orphans. With ``repair``, orphans are removed, damaged local copies of archived data
+        are restored from the archive, and pages whose data is held nowhere else are
+        deleted (they cannot be served). Returns findings by kind."""
         self._check_open()
         return _maint.fsck(self, repair=repair, verify_data=verify_data, progress=progress)

@@ -617,11 +617,14 @@ class Index:
             self._touch_session(db, dst_session, time.time())
         return p, freed
 
-    def drop_local(self, h: bytes) -> BlobRow | None:
-        """Forget a blob's local copy (the archive holds it). Returns the row as it was."""
+    def drop_local(self, h: bytes, extents: object = None) -> BlobRow | None:
+        """Forget a blob's local copy (the archive holds it); only if it is still the copy in
+        ``extents``, when given (a copy restored since is kept). Returns the row as it was."""
         with self.transaction() as db:
             r = db.execute(f"SELECT {_BLOB_COLS} FROM blobs WHERE hash=?", (h,)).fetchone()
             if r is None or r[4] is None:
+                return None
+            if extents is not None and _blob(r).extents != extents:
                 return None
             db.execute("UPDATE blobs SET extents=NULL, disk_bytes=0 WHERE hash=?", (h,))
             return _blob(r)

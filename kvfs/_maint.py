@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 from ._aligned import aligned_buffer
 from ._checksum import leaf_hash, tree_hash
-from ._errors import PageNotFound, SessionNotFound
+from ._errors import KvfsError, PageNotFound, SessionNotFound
 from ._events import log_event
 from ._index import BlobRow, PageRow
 from ._keys import PageKey, as_key, session_dir
@@ -205,6 +205,20 @@ def fsck(
             except FileNotFoundError:
                 pass
         for b in bad:
+            # A damaged local copy of archived data comes back from the archive (or, while
+            # the archive cannot be reached, is dropped: restored on access); data held
+            # nowhere else cannot be served, so its pages go.
+            try:
+                healed = eng.policy.heal(b, "fsck")
+            except KvfsError as e:
+                out["repaired"].append(
+                    f"dropped the damaged local copy of {b.hash.hex()[:16]}; the archive "
+                    f"holds it (restored on access; now: {e})"
+                )
+                continue
+            if healed is not None:
+                out["repaired"].append(f"restored {b.hash.hex()[:16]} from the archive")
+                continue
             n = eng.delete_blob_pages(b, "fsck")
             out["repaired"].append(f"deleted pages of {b.hash.hex()[:16]} ({n} bytes)")
     return out

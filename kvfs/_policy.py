@@ -79,6 +79,12 @@ class TieringPolicy:
     def close(self) -> None:
         """Release what the policy holds (called by ``Engine.close``)."""
 
+    def heal(self, blob: BlobRow, reason: str) -> BlobRow | None:
+        """``blob``'s local copy failed its checksum: replace it from another copy and return
+        the row to read instead, or None when there is no other copy (without an archive
+        there is none; the read then fails with CorruptPage)."""
+        return None
+
     def restore_blob(self, blob: BlobRow) -> BlobRow:
         """Bring a blob that is not held locally back; without an archive there is nowhere to
         bring it from."""

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import builtins
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from ._aligned import aligned_buffer, as_bytes_view
 from ._checksum import DIGEST, LEAF, leaf_hash, leaf_hasher
@@ -25,6 +25,8 @@ from ._types import Extent, PageInfo, SessionInfo
 
 if TYPE_CHECKING:
     from ._engine import Engine
+
+T = TypeVar("T")
 
 __all__ = ["get", "list_pages", "page_info", "read_held", "read_range", "session_info", "stat"]
 
@@ -74,14 +76,14 @@ def get(eng: Engine, k: PageKey, into: object | None) -> bytes | int:
             blob = eng._restore(blob, page)
         if into is None:
             buf = aligned_buffer(blob.size)
-            _read_verified(eng, page, blob, buf, 0, blob.size)
+            _or_healed(eng, page, blob, lambda b: _read_verified(eng, page, b, buf, 0, b.size))
             return bytes(buf)
         dest = as_bytes_view(into, "the buffer to read into", writable=True)
         if len(dest) < blob.size:
             raise ValueError(
                 f"buffer of {len(dest)} bytes is smaller than page {k.path!r} ({blob.size} bytes)"
             )
-        _read_verified(eng, page, blob, dest, 0, blob.size)
+        _or_healed(eng, page, blob, lambda b: _read_verified(eng, page, b, dest, 0, b.size))
         return blob.size
 
 
@@ -96,7 +98,7 @@ def read_range(eng: Engine, k: PageKey, offset: int, size: int) -> bytes:
         lo = offset - offset % LEAF
         hi = min(blob.size, -(-end // LEAF) * LEAF)
         buf = aligned_buffer(hi - lo)
-        _read_verified(eng, page, blob, buf, lo, hi - lo)
+        _or_healed(eng, page, blob, lambda b: _read_verified(eng, page, b, buf, lo, hi - lo))
         return bytes(buf[offset - lo : end - lo])
 
 
@@ -112,11 +114,27 @@ def read_held(
     lo = offset - offset % LEAF
     hi = min(blob.size, -(-end // LEAF) * LEAF)
     if buffered:
-        data = _read_buffered(eng, page, blob, lo, hi - lo)
+        data = _or_healed(eng, page, blob, lambda b: _read_buffered(eng, page, b, lo, hi - lo))
         return memoryview(data)[offset - lo : end - lo]
     buf = aligned_buffer(hi - lo)
-    _read_verified(eng, page, blob, buf, lo, hi - lo)
+    _or_healed(eng, page, blob, lambda b: _read_verified(eng, page, b, buf, lo, hi - lo))
     return buf[offset - lo : end - lo]
+
+
+def _or_healed(eng: Engine, page: PageRow, blob: BlobRow, read: Callable[[BlobRow], T]) -> T:
+    """``read(blob)``; when the local copy fails its checksum (or a file is missing) and the
+    archive holds the blob, the copy is replaced from the archive and read again (counted in
+    ``corrupt_reads`` all the same). Raises CorruptPage when there is no good copy."""
+    try:
+        return read(blob)
+    except CorruptPage as e:
+        try:
+            healed = eng.policy.heal(blob, "corrupt")
+        except KvfsError as e2:
+            raise CorruptPage(f"{e}; its archived copy could not be brought back: {e2}") from e2
+        if healed is None:
+            raise
+        return read(healed)
 
 
 def _read_buffered(eng: Engine, page: PageRow, blob: BlobRow, off: int, n: int) -> bytearray:

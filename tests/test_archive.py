@@ -3,6 +3,7 @@ deletes, corruption, restart and a second host sharing the bucket. S3 is moto ov
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -87,10 +88,12 @@ def test_shared_prefix_is_stored_once(make_config, s3_server) -> None:  # noqa: 
     url = f"s3://{bucket}?endpoint={s3_server.endpoint}"
     with kvfs.open_store_sync(archived_cfg(make_config, url)) as s:
         system_prompt = [kv_page(100 + i) for i in range(4)]
-        for sess in ("a", "b", "c"):
+        for j, sess in enumerate(("a", "b", "c")):
             for i, v in enumerate(system_prompt):
                 s.put(PageKey.semantic(sess, "sys", i), v)
-            s.put(PageKey.semantic(sess, "turn", 0), kv_page(hash(sess) % 1000))
+            # a turn page of its own (a fixed seed: hash() of a str changes every run, and
+            # 1 run in ~100 made two pages equal)
+            s.put(PageKey.semantic(sess, "turn", 0), kv_page(500 + j))
         first = s.spill("a")
         assert first > 0
         assert s.spill("b") < first  # only its own turn page is new
@@ -446,3 +449,57 @@ def test_an_unreadable_manifest_stops_archive_object_deletion(
     with kvfs.open_store_sync(archived_cfg(make_config, archive_url, name="host-b")) as b:
         b.evict(session="y")
         assert b.get(PageKey.semantic("y", "p", 0)) == content
+
+
+def test_a_damaged_local_copy_of_archived_data_comes_back_from_the_archive(
+    make_config, archive_url: str
+) -> None:  # noqa: ANN001
+    """A flipped byte, or a data file gone, in the local copy of a page the archive holds:
+    the read still returns the page (the copy is replaced from the archive, verified there),
+    the detection is counted, and the damaged file goes."""
+    from _corrupt import flip_stored_byte
+
+    with kvfs.open_store_sync(archived_cfg(make_config, archive_url)) as s:
+        data = fill(s, "a", 3)
+        s.spill("a")
+        s.restore("a")
+        k0, k1, k2 = data
+        before = s.stat(k0)
+        assert before.tier == "local+archive"
+        flip_stored_byte(before, 1000)
+        assert s.get(k0) == data[k0]
+        after = s.stat(k0)
+        assert after.tier == "local+archive" and after.extents != before.extents
+        assert not os.path.exists(before.extents[0].path)  # the damaged file is gone
+        info = s.stat(k1)
+        for e in info.extents:
+            os.unlink(e.path)  # a file lost behind the store's back
+        assert s.read_range(k1, 10, 100) == data[k1][10:110]
+        st = s.statistics()
+        assert st.corrupt_reads >= 2 and st.extra["archive"]["blobs_healed"] == 2
+        assert s.get(k2) == data[k2]
+        assert not any(s.fsck()[x] for x in ("missing", "corrupt", "orphans"))
+
+
+def test_fsck_repair_restores_archived_copies_and_deletes_what_is_held_nowhere_else(
+    make_config, archive_url: str
+) -> None:  # noqa: ANN001
+    from _corrupt import flip_stored_byte
+
+    with kvfs.open_store_sync(archived_cfg(make_config, archive_url)) as s:
+        archived = fill(s, "a", 1)
+        s.spill("a")
+        s.restore("a")
+        local_only = fill(s, "b", 1, seed=3)
+        for k in (*archived, *local_only):
+            flip_stored_byte(s.stat(k), 7)
+        found = s.fsck()
+        assert len(found["corrupt"]) == 2 and found["repaired"] == []
+        repaired = s.fsck(repair=True)["repaired"]
+        assert sum("from the archive" in r for r in repaired) == 1
+        assert sum(r.startswith("deleted pages") for r in repaired) == 1
+        (ka,) = archived
+        assert s.get(ka) == archived[ka]
+        with pytest.raises(kvfs.PageNotFound):
+            s.stat(*local_only)
+        assert not any(s.fsck()[x] for x in ("missing", "corrupt", "orphans"))
