@@ -63,3 +63,30 @@ async def test_read_spilled_pages_through_mount(
                 assert ei.value.errno == errno.EIO
             finally:
                 nursery.cancel_scope.cancel()
+
+
+async def test_a_damaged_local_copy_heals_through_the_mount(
+    make_config: Callable[..., kvfs.StoreConfig], tmp_path: Path
+) -> None:
+    """A flipped byte in the local copy of an archived page: reading the file through the
+    mount returns the right bytes (the copy comes back from the archive), twice over."""
+    from _corrupt import flip_stored_byte
+
+    cfg = make_config(ndev=1, archive_url=f"file://{tmp_path / 'archive'}")
+    mp = tmp_path / "mnt"
+    mp.mkdir()
+    k, data = PageKey.semantic("agent", "p0", 0), os.urandom(3 << 20)
+    async with kvfs.open_store(cfg) as store:
+        await store.put(k, data)
+        await store.spill("agent")
+        await store.restore("agent")
+        flip_stored_byte(await store.stat(k), (2 << 20) + 5)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(serve_mount, store, mp, MountOptions(auto_unmount=False))
+            try:
+                for _ in range(2):
+                    assert await trio.to_thread.run_sync((mp / k.path).read_bytes) == data
+                st = await store.statistics()
+                assert st.corrupt_reads >= 1 and st.extra["archive"]["blobs_healed"] == 1
+            finally:
+                nursery.cancel_scope.cancel()
