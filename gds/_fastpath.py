@@ -20,9 +20,10 @@ from typing import Any
 
 import trio
 
-from kvfs import PageInfo, PageKey
+from kvfs import CorruptPage, KvfsError, PageInfo, PageKey
 from kvfs._aligned import BouncePool
 from kvfs._checksum import LEAF
+from kvfs._keys import as_key
 
 from ._gpu import (
     BackendUnavailable,
@@ -205,9 +206,45 @@ class FastPath:
         raises CorruptPage.
         """
         eng = self._need_engine()
-        return self._start(
-            lambda: source_from_engine(eng, key), into, backend, verify, allow_unaligned
-        )
+
+        def start() -> Future[int]:
+            return self._start(
+                lambda: source_from_engine(eng, key), into, backend, verify, allow_unaligned
+            )
+
+        out: Future[int] = Future()
+        out.set_running_or_notify_cancel()  # as the read's own: one in flight is not called back
+        start().add_done_callback(lambda f: self._heal_or_pass(eng, key, f, out, start))
+        return out
+
+    @staticmethod
+    def _heal_or_pass(
+        eng: Any,
+        key: KeyLike,
+        done: Future[int],
+        out: Future[int],
+        again: Callable[[], Future[int]],
+    ) -> None:
+        """``done``'s outcome into ``out``; when the local copy failed its checksum and the
+        archive holds the page, the copy is replaced from the archive (as ``get`` does) and
+        the read runs once more."""
+        err = done.exception()
+        if not isinstance(err, CorruptPage):
+            _settle(out, done)
+            return
+        try:
+            found = eng.index.page_and_blob(as_key(key).path)
+            healed = eng.policy.heal(found[1], "corrupt") if found is not None else None
+            if healed is None:
+                out.set_exception(err)
+                return
+            again().add_done_callback(lambda f: _settle(out, f))
+        except KvfsError as e:
+            out.set_exception(
+                CorruptPage(f"{err}; its archived copy could not be brought back: {e}")
+            )
+        except BaseException as e:  # never leave ``out`` unresolved
+            out.set_exception(e)
 
     def read_path(
         self,
@@ -306,3 +343,12 @@ class FastPath:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _settle(out: Future[int], done: Future[int]) -> None:
+    """Copy a finished future's result or exception into ``out``."""
+    err = done.exception()
+    if err is not None:
+        out.set_exception(err)
+    else:
+        out.set_result(done.result())

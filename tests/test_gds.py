@@ -362,3 +362,26 @@ print("ok")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "ok"
+
+
+def test_a_damaged_local_copy_of_archived_data_heals_on_the_fast_path(
+    make_config: Callable[..., kvfs.StoreConfig], tmp_path: Any
+) -> None:
+    """As with ``get``: the fast path's read of a page whose local copy fails its checksum,
+    while the archive holds it, replaces the copy from the archive and reads it again."""
+    cfg = make_config(ndev=2, archive_url=f"file://{tmp_path / 'archive'}")
+    with kvfs.open_store_sync(cfg) as s, gds.FastPath(s) as path:
+        k, data = kvfs.PageKey.semantic("a", "p", 0), rand(3 * MiB + 5)
+        s.put(k, data)
+        s.spill("a")
+        s.restore("a")
+        flip_stored_byte(s.stat(k), MiB + 3)
+        dest = aligned(len(data))
+        assert path.read(k, dest).result(timeout=60) == len(data)
+        assert np.array_equal(dest[: len(data)], data)
+        assert s.statistics().extra["archive"]["blobs_healed"] == 1
+        other = kvfs.PageKey.semantic("b", "p", 0)
+        s.put(other, rand(MiB))  # local only: nothing to heal from
+        flip_stored_byte(s.stat(other), 10)
+        with pytest.raises(kvfs.CorruptPage):
+            path.read(other, aligned(MiB)).result(timeout=60)
