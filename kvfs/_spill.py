@@ -174,14 +174,7 @@ class Spiller:
                 if m is None:
                     # Its pages are unknown, so no object is known to be unreferenced: delete
                     # nothing (the queue stays for a later pass) rather than what it names.
-                    log_event(
-                        "error",
-                        level=logging.WARNING,
-                        what="archive object deletion",
-                        key=key,
-                        error="CorruptPage",
-                        message="a manifest is unreadable; nothing deleted this pass",
-                    )
+                    _unreadable(key, "archive object deletion", "nothing deleted this pass")
                     return
                 referenced.update(bytes(p["hash"]).hex() for p in m["pages"])
         gone = []
@@ -213,14 +206,7 @@ class Spiller:
         out = []
         async for key, m in self._manifests():  # read to the end: no early exit to close
             if m is None:  # not listed; said, so a lost session is not a mystery
-                log_event(
-                    "error",
-                    level=logging.WARNING,
-                    what="archived session manifest",
-                    key=key,
-                    error="CorruptPage",
-                    message="unreadable, not listed",
-                )
+                _unreadable(key, "archived session manifest", "not listed")
                 continue
             out.append(
                 {
@@ -307,3 +293,15 @@ class Spiller:
             )
             n += 1
         return n
+
+
+def _unreadable(key: str, what: str, outcome: str) -> None:
+    """A warning event for a manifest that cannot be parsed, and what was done about it."""
+    log_event(
+        "error",
+        level=logging.WARNING,
+        what=what,
+        key=key,
+        error="CorruptPage",
+        message=f"the manifest is unreadable; {outcome}",
+    )

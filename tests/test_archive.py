@@ -414,7 +414,7 @@ def test_an_unreadable_manifest_is_left_out_of_the_listing_with_a_warning(
         policy.call(policy.store.put, manifest_key("sessions/bad"), b"\xc1 not msgpack")
         with caplog.at_level("WARNING", logger="kvfs"):
             assert [x["session"] for x in s.archived_sessions()] == ["good"]
-        assert "unreadable, not listed" in caplog.text and "sessions%2Fbad" in caplog.text
+        assert "unreadable; not listed" in caplog.text and "sessions%2Fbad" in caplog.text
 
 
 def test_an_unreadable_manifest_stops_archive_object_deletion(
