@@ -170,31 +170,27 @@ class Engine:
         if release_reserve(cfg.index_path.parent):
             log.debug("index reserve released for the open")
         self.index = _open_index(cfg)
-        try:
-            store_id = self.index.get_meta("store_id")
-            known = 0 if store_id is None else _devices_known(self.index)
-            if len(cfg.data_dirs) < known:
+        store_id = self.index.get_meta("store_id")
+        known = 0 if store_id is None else _devices_known(self.index)
+        if len(cfg.data_dirs) < known:
+            raise KvfsError(
+                f"this store has {known} data directories, {len(cfg.data_dirs)} are "
+                "configured: the pages striped over the others would be missing; "
+                "configure all of them, in their original order"
+            )
+        for i, d in enumerate(cfg.data_dirs):
+            if i < known and not (d / DEVICE_MARKER).exists():
                 raise KvfsError(
-                    f"this store has {known} data directories, {len(cfg.data_dirs)} are "
-                    "configured: the pages striped over the others would be missing; "
-                    "configure all of them, in their original order"
+                    f"{d} is device {i} of this store but holds no {DEVICE_MARKER}: is its "
+                    "disk mounted? The store does not open without it (the pages striped "
+                    "there would be missing); mount it, or keep the directories in their "
+                    "original order"
                 )
-            for i, d in enumerate(cfg.data_dirs):
-                if i < known and not (d / DEVICE_MARKER).exists():
-                    raise KvfsError(
-                        f"{d} is device {i} of this store but holds no {DEVICE_MARKER}: is its "
-                        "disk mounted? The store does not open without it (the pages striped "
-                        "there would be missing); mount it, or keep the directories in their "
-                        "original order"
-                    )
-                d.mkdir(parents=True, exist_ok=True)
-            if store_id is None:
-                store_id = uuid.uuid4().hex
-                self.index.set_meta("store_id", store_id)
-            self.store_id: str = str(store_id)
-        except BaseException:
-            self.index.close()
-            raise
+            d.mkdir(parents=True, exist_ok=True)
+        if store_id is None:
+            store_id = uuid.uuid4().hex
+            self.index.set_meta("store_id", store_id)
+        self.store_id: str = str(store_id)
         self.io_pool = ThreadPoolExecutor(cfg.io_threads, thread_name_prefix="kvfs-io")
         self.hash_threads = max(2, os.cpu_count() or 2)
         self.hash_pool = ThreadPoolExecutor(self.hash_threads, thread_name_prefix="kvfs-hash")
@@ -245,14 +241,7 @@ class Engine:
         if cfg.archive_url:
             from ._archive import ArchivingPolicy  # imports objectstore/boto3 only when used
 
-            try:
-                self.policy = ArchivingPolicy(self)
-            except BaseException:
-                self._closed = True
-                self.io_pool.shutdown()
-                self.hash_pool.shutdown()
-                self.index.close()
-                raise
+            self.policy = ArchivingPolicy(self)  # a failure: __init__ closes what is open
         keep_reserve(cfg.index_path.parent)
 
     def _account(self, b: BlobRow, sign: int) -> None:
@@ -276,9 +265,8 @@ class Engine:
             self._atime_pool.shutdown(wait=True)
             try:
                 self.flush_atimes()
-            except (
-                CapacityExceeded
-            ) as e:  # access times are hints: a full disk must not stop a close
+            except CapacityExceeded as e:
+                # access times are hints: a full disk must not stop a close
                 log.warning("access times not saved at close: %s", e)
             self.policy.close()
             with self._cap_lock:
