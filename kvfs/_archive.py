@@ -36,7 +36,7 @@ import trio
 
 from ._checksum import leaves_of, tree_hash
 from ._codec import CodecChoice, elem_size, encode
-from ._errors import ArchiveUnavailable, CorruptPage, PageNotFound
+from ._errors import ArchiveUnavailable, CapacityExceeded, CorruptPage, PageNotFound
 from ._events import log_event
 from ._index import BlobRow, PageRow
 from ._local import fsync_dir
@@ -691,13 +691,16 @@ class ArchivingPolicy(TieringPolicy):
         jobs: list[RestoreJob] = []
 
         def reserve_all() -> None:
+            held = 0  # reserved here: no write of it starts before this loop ends, so a
+            # reservation must not wait for it (it waited out RESERVE_WAIT_SECONDS for itself)
             for b in blobs:
                 need = eng.tier.disk_bytes(b.size)
                 try:
-                    eng._reserve(need)
+                    eng._reserve(need, own=held)
                 except Exception as e:  # no room for this one: the others still come back
                     settle(b.hash, e)
                     continue
+                held += need
                 w = eng.tier.writer(eng.tier.next_start(), direct=True)
                 pending[b.hash] = (b, w, need)
                 jobs.append(RestoreJob(b.hash, b.size, blob_key(b.hash), w.start, w.nonce))
@@ -829,8 +832,16 @@ class ArchivingPolicy(TieringPolicy):
         thread; the total grows when the manifest adds pages). Every page is tried, then
         the first error is raised (the manifest's first): the known pages may be local
         again even when the manifest could not be read. Returns bytes restored. Raises
-        SessionNotFound, ArchiveUnavailable, CorruptPage."""
-        return self.call(self._restore_session, d, progress)
+        SessionNotFound, ArchiveUnavailable, CorruptPage, CapacityExceeded (saying how much
+        of the session is local: what fits stays)."""
+        try:
+            return self.call(self._restore_session, d, progress)
+        except CapacityExceeded as e:
+            u = self.engine.index.session_usage(d)
+            raise CapacityExceeded(
+                f"{d}: {u['local_bytes']} of its {u['bytes']} bytes are local; the rest does "
+                f"not fit: {e}"
+            ) from e
 
     def _archived_blobs(self, d: str, skip: Collection[bytes] = ()) -> list[BlobRow]:
         idx = self.engine.index

@@ -503,3 +503,22 @@ def test_fsck_repair_restores_archived_copies_and_deletes_what_is_held_nowhere_e
         with pytest.raises(kvfs.PageNotFound):
             s.stat(*local_only)
         assert not any(s.fsck()[x] for x in ("missing", "corrupt", "orphans"))
+
+
+def test_a_session_larger_than_the_capacity_restores_what_fits(
+    make_config, archive_url: str
+) -> None:  # noqa: ANN001
+    cfg = make_config(
+        ndev=1, capacity=6 * 1024 * KiB, archive_url=archive_url, extra={"archive": {"interval": 0}}
+    )
+    with kvfs.open_store_sync(cfg) as s:
+        data = {PageKey.semantic("big", "p", i): kv_page(i, 1024 * KiB) for i in range(8)}
+        for k, v in data.items():
+            s.put(k, v)
+        s.spill("big")
+        with pytest.raises(kvfs.CapacityExceeded, match=r"sessions/big: \d+ of its \d+ bytes are"):
+            s.restore("big")
+        local = [k for k in data if s.stat(k).tier == "local+archive"]
+        assert 0 < len(local) < 8
+        assert s.statistics().reserved_bytes == 0
+        assert all(s.get(k) == v for k, v in data.items())  # the rest: restored on access
