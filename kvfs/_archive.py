@@ -40,7 +40,7 @@ from ._errors import ArchiveUnavailable, CapacityExceeded, CorruptPage, PageNotF
 from ._events import log_event
 from ._index import BlobRow, PageRow
 from ._local import fsync_dir
-from ._manifest import ArchiveIndex, blob_key
+from ._manifest import MANIFESTS, ArchiveIndex, blob_key, session_of_manifest_key
 from ._policy import TieringPolicy
 from ._spill import Spiller
 from ._uploader import (
@@ -117,6 +117,17 @@ class ArchiveConfig:
         return cfg
 
 
+def archive_identity(url: str | None) -> str:
+    """Where an archive's objects are, without the options that only say how to reach them
+    (endpoint, region, deadlines): ``s3://bucket/prefix`` or ``file:///real/path``."""
+    from objectstore import parse_url
+
+    scheme, where, q = parse_url(str(url))
+    if scheme == "file":
+        return f"file://{os.path.realpath(where)}"
+    return f"s3://{where}/{q.get('prefix', '')}"
+
+
 def worth_probing(refs: int) -> bool:
     """Whether a spill should HEAD a blob's object before uploading it.
 
@@ -160,6 +171,11 @@ class ArchivingPolicy(TieringPolicy):
         self.aindex = ArchiveIndex(engine.index)
         self._token: trio.lowlevel.TrioToken | None = None
         self.store = trio.run(lambda: open_objectstore(self.url, **(self.cfg.store_options or {})))
+        try:
+            self._check_identity()
+        except BaseException:
+            trio.run(self.store.aclose)
+            raise
         self._lock = threading.Lock()
         self._inflight: dict[bytes, Future[BlobRow]] = {}
         # File removals after a spill (an unlink costs ~2.5 ms here; several at once ~half)
@@ -186,6 +202,30 @@ class ArchivingPolicy(TieringPolicy):
                 codec=self.cfg.codec,
             )
         self.spiller = Spiller(self)
+
+    def _check_identity(self) -> None:
+        """The index's archived flags are only true of the archive they were set against: an
+        archive-only page would be unreadable in another one, and an eviction would drop the
+        last local copy of a page it only believes archived. So a store whose index has
+        archived anything opens only with the archive it recorded, or with one that holds
+        its sessions (a copy, moved there). Raises ArchiveUnavailable."""
+        idx = self.engine.index
+        ident = archive_identity(self.url)
+        recorded = idx.get_meta("archive")
+        if recorded == ident:
+            return
+        if recorded is not None and idx.has_archived():
+            ours = {x.dir for x in idx.sessions()}
+            keys = trio.run(self.store.list_all, MANIFESTS)
+            if not any(session_of_manifest_key(k) in ours for k in keys):
+                raise ArchiveUnavailable(
+                    f"this store's archived pages are in {recorded}, but the archive configured "
+                    f"is {self.url}, which holds none of its sessions: configure {recorded} "
+                    "again, or copy its objects to the new location first (kvfs then accepts "
+                    "it)"
+                )
+            log.warning("archive moved: %s -> %s (it holds this store's sessions)", recorded, ident)
+        idx.set_meta("archive", ident)
 
     # -- bridging sync callers to the async object store ----------------------------------
     def call(self, afn: Callable[..., Awaitable[T]], *args: Any) -> T:

@@ -404,6 +404,10 @@ class Index:
             0
         ][0]
 
+    def has_archived(self) -> bool:
+        """Whether any blob is marked as held by the archive."""
+        return bool(self._q("SELECT 1 FROM blobs WHERE archived=1 LIMIT 1"))
+
     def counts(self) -> dict[str, int]:
         with self.snapshot() as db:
             pages, logical = db.execute(

@@ -522,3 +522,25 @@ def test_a_session_larger_than_the_capacity_restores_what_fits(
         assert 0 < len(local) < 8
         assert s.statistics().reserved_bytes == 0
         assert all(s.get(k) == v for k, v in data.items())  # the rest: restored on access
+
+
+def test_an_archive_that_is_not_this_stores_is_refused(make_config, tmp_path: Path) -> None:  # noqa: ANN001
+    """Archived flags are only true of the archive they were set against: opening with
+    another archive, which holds none of this store's sessions, is refused (an eviction
+    would otherwise drop the last copy of pages only believed archived); a copy of the
+    archive is accepted, and a store that never archived anything may switch freely."""
+    import shutil
+
+    first, other = f"file://{tmp_path / 'ar1'}", f"file://{tmp_path / 'ar2'}"
+    with kvfs.open_store_sync(archived_cfg(make_config, first)) as s:
+        data = fill(s, "a", 2)
+        s.spill("a")
+    with pytest.raises(kvfs.ArchiveUnavailable, match="archived pages are in file://.*ar1"):
+        kvfs.open_store_sync(archived_cfg(make_config, other)).__enter__()
+    shutil.copytree(tmp_path / "ar1", tmp_path / "ar2", dirs_exist_ok=True)
+    with kvfs.open_store_sync(archived_cfg(make_config, other)) as s:
+        assert all(s.get(k) == v for k, v in data.items())  # from the copy
+    with kvfs.open_store_sync(archived_cfg(make_config, first, name="fresh")) as s:
+        s.put(PageKey.semantic("b", "p", 0), kv_page(1))  # nothing archived yet
+    with kvfs.open_store_sync(archived_cfg(make_config, other, name="fresh")) as s:
+        assert s.get(PageKey.semantic("b", "p", 0)) == kv_page(1)
