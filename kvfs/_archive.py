@@ -548,8 +548,7 @@ class ArchivingPolicy(TieringPolicy):
         try:
             obj = await self.store.get(blob_key(blob.hash))
         except ObjectNotFound:
-            self.engine._count("corrupt_reads")
-            raise CorruptPage(
+            raise self.engine.corrupt_read(
                 f"archive object {blob_key(blob.hash)} is missing from {self.store.url}"
             ) from None
         assert isinstance(obj, bytes)
@@ -564,8 +563,8 @@ class ArchivingPolicy(TieringPolicy):
             data = decode_verified(
                 obj, blob.hash, blob.size, f"archive object {blob_key(blob.hash)}"
             )
-        except CorruptPage:
-            self._count_corrupt()
+        except CorruptPage as e:
+            self._count_corrupt(str(e))
             raise
         need = eng.tier.disk_bytes(len(data))
         eng._reserve(need)
@@ -577,8 +576,8 @@ class ArchivingPolicy(TieringPolicy):
             raise
         return _Staged(blob.hash, len(data), w, extents, disk, need, tuple(w.new_dirs))
 
-    def _count_corrupt(self) -> None:
-        self.engine._count("corrupt_reads")
+    def _count_corrupt(self, message: str) -> None:
+        self.engine.corrupt_read(message)
         self.count("corrupt_objects")
 
     def _adopt(self, staged: list[_Staged], t0: float) -> list[BlobRow | BaseException]:
@@ -764,10 +763,9 @@ class ArchivingPolicy(TieringPolicy):
                 if r.error is not None:
                     err = r.error
                     if isinstance(err, MissingObject):
-                        self.engine._count("corrupt_reads")
-                        err = CorruptPage(str(err))
+                        err = self.engine.corrupt_read(str(err))
                     elif isinstance(err, CorruptPage):
-                        self._count_corrupt()
+                        self._count_corrupt(str(err))
                     settle(r.h, err)  # the worker left no files; release() frees the room
                     continue
                 blob, w, need = pending.pop(r.h)

@@ -33,10 +33,12 @@ from ._config import StoreConfig
 from ._errors import (
     ArchiveUnavailable,
     CapacityExceeded,
+    CorruptPage,
     KvfsError,
     PageNotFound,
     StoreClosed,
 )
+from ._events import log_event
 from ._index import BlobRow, Index, PageRow
 from ._keys import PageKey, as_key, session_dir
 from ._local import DEVICE_MARKER, LocalTier, device_store
@@ -443,6 +445,13 @@ class Engine:
     def _count(self, name: str, n: int = 1) -> None:
         with self._cap_lock:
             self._counters[name] += n
+
+    def corrupt_read(self, message: str) -> CorruptPage:
+        """A read found corrupt or missing data: count it, log it (the mount answers only
+        EIO, so the log is where an operator learns why), and return the error to raise."""
+        self._count("corrupt_reads")
+        log_event("error", level=logging.WARNING, what="read", error="CorruptPage", message=message)
+        return CorruptPage(message)
 
     def touch(self, page: PageRow) -> None:
         """Note a read's access time; they reach the index in batches, written by a

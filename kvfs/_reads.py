@@ -219,11 +219,9 @@ def _as_corrupt(eng: Engine, page: PageRow, e: OSError) -> CorruptPage | None:
     """A failed data-file read: a missing or short data file is a CorruptPage (counted);
     None for any other OSError (EIO, EMFILE...), which the caller re-raises as it is."""
     if isinstance(e, FileNotFoundError):
-        eng._count("corrupt_reads")
-        return CorruptPage(f"page {page.path!r}: a data file is missing ({e.filename})")
+        return eng.corrupt_read(f"page {page.path!r}: a data file is missing ({e.filename})")
     if isinstance(e, KvfsError):
-        eng._count("corrupt_reads")
-        return CorruptPage(f"page {page.path!r}: {e}")
+        return eng.corrupt_read(f"page {page.path!r}: {e}")
     return None
 
 
@@ -235,8 +233,7 @@ def _check_leaves(
     for j, digest in enumerate(digests):
         bad = first + j
         if digest != blob.leaves[bad * DIGEST : (bad + 1) * DIGEST]:
-            eng._count("corrupt_reads")
-            raise CorruptPage(
+            raise eng.corrupt_read(
                 f"page {page.path!r} is corrupt: bytes {bad * LEAF}-"
                 f"{min(blob.size, (bad + 1) * LEAF)} do not match the checksum"
             )

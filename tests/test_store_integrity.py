@@ -126,3 +126,16 @@ def test_dedup_of_a_large_page_leaves_no_second_copy(
         assert store.statistics().used_bytes == used
         assert store.fsck()["orphans"] == []
         assert store.get("b/1") == data
+
+
+def test_a_corrupt_read_is_logged_with_its_cause(
+    make_config: Callable[..., kvfs.StoreConfig], caplog: pytest.LogCaptureFixture
+) -> None:
+    """The mount can only answer EIO: the log says which page and which bytes failed."""
+    with kvfs.open_store_sync(make_config(ndev=1)) as s:
+        s.put("a/p", os.urandom(3 * LEAF))
+        flip_stored_byte(s.stat("a/p"), LEAF + 9)
+        with caplog.at_level("WARNING", logger="kvfs"), pytest.raises(kvfs.CorruptPage):
+            s.get("a/p")
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert any("'a/p' is corrupt: bytes 1048576-2097152" in m for m in warned), warned
