@@ -60,13 +60,31 @@ MAGIC = b"KVFSBLB1"
 DEVICE_MARKER = ".kvfs-device"
 
 
-def device_store(root: Path) -> str | None:
-    """The store id a device directory's marker names, or None (no marker, unreadable)."""
+def read_marker(root: Path, hint: str = "") -> dict[str, Any] | None:
+    """A device directory's marker, or None when it has none. Raises KvfsError when it
+    cannot be read (``hint``: what it should hold, added to the message)."""
+    marker = root / DEVICE_MARKER
     try:
-        info = msgpack.unpackb((root / DEVICE_MARKER).read_bytes())
-    except (OSError, ValueError, msgpack.UnpackException):
+        raw = marker.read_bytes()
+    except FileNotFoundError:
         return None
-    return str(info["store"]) if isinstance(info, dict) and "store" in info else None
+    try:
+        info = msgpack.unpackb(raw)
+        if not isinstance(info, dict):
+            raise ValueError(f"a {type(info).__name__}, not a map")
+    except (ValueError, msgpack.UnpackException) as e:
+        raise KvfsError(
+            f"{marker} is unreadable ({e}): it says which store and device {root} is, and "
+            f"kvfs will not guess{hint}"
+        ) from e
+    return info
+
+
+def device_store(root: Path) -> str | None:
+    """The store id a device directory's marker names, or None when it has none. Raises
+    KvfsError when the marker cannot be read."""
+    info = read_marker(root)
+    return None if info is None else str(info.get("store"))
 
 
 MAX_PIECE = 8 << 20
@@ -128,17 +146,9 @@ class LocalTier:
         for i, root in enumerate(self.roots):
             (root / "blobs").mkdir(parents=True, exist_ok=True)
             marker = root / DEVICE_MARKER
-            if marker.exists():
-                try:
-                    info = msgpack.unpackb(marker.read_bytes())
-                    if not isinstance(info, dict):
-                        raise ValueError(f"a {type(info).__name__}, not a map")
-                except (ValueError, msgpack.UnpackException) as e:
-                    raise KvfsError(
-                        f"{marker} is unreadable ({e}): it says which store and device {root} "
-                        f"is, and kvfs will not guess (this store's device {i} would hold "
-                        f"{{'store': {store_id!r}, 'index': {i}}} in msgpack)"
-                    ) from e
+            hint = f" (this store's device {i} would hold {{'store': {store_id!r}, 'index': {i}}})"
+            info = read_marker(root, hint)
+            if info is not None:
                 if info.get("store") != store_id or info.get("index") != i:
                     raise KvfsError(
                         f"{root} is device {info.get('index')} of store {info.get('store')}, "
