@@ -20,7 +20,7 @@ from typing import Any
 
 import trio
 
-from kvfs import CorruptPage, KvfsError, PageInfo, PageKey
+from kvfs import CorruptPage, PageInfo, PageKey
 from kvfs._aligned import BouncePool
 from kvfs._checksum import LEAF
 from kvfs._keys import as_key
@@ -234,15 +234,10 @@ class FastPath:
             return
         try:
             found = eng.index.page_and_blob(as_key(key).path)
-            healed = eng.policy.heal(found[1], "corrupt") if found is not None else None
-            if healed is None:
-                out.set_exception(err)
-                return
+            if found is None:
+                raise err
+            eng.heal(found[1], err)  # raises err when there is no other copy
             again().add_done_callback(lambda f: _settle(out, f))
-        except KvfsError as e:
-            out.set_exception(
-                CorruptPage(f"{err}; its archived copy could not be brought back: {e}")
-            )
         except BaseException as e:  # never leave ``out`` unresolved
             out.set_exception(e)
 

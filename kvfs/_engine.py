@@ -446,6 +446,18 @@ class Engine:
         with self._cap_lock:
             self._counters[name] += n
 
+    def heal(self, blob: BlobRow, err: CorruptPage) -> BlobRow:
+        """After ``err`` (``blob``'s local copy failed its checksum, or lost a file): the row
+        to read again, its copy replaced from the archive. Raises ``err`` when there is no
+        other copy, CorruptPage when the archive's cannot be brought back."""
+        try:
+            healed = self.policy.heal(blob, "corrupt")
+        except KvfsError as e:
+            raise CorruptPage(f"{err}; its archived copy could not be brought back: {e}") from e
+        if healed is None:
+            raise err
+        return healed
+
     def corrupt_read(self, message: str) -> CorruptPage:
         """A read found corrupt or missing data: count it, log it (the mount answers only
         EIO, so the log is where an operator learns why), and return the error to raise."""

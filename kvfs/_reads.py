@@ -128,13 +128,7 @@ def _or_healed(eng: Engine, page: PageRow, blob: BlobRow, read: Callable[[BlobRo
     try:
         return read(blob)
     except CorruptPage as e:
-        try:
-            healed = eng.policy.heal(blob, "corrupt")
-        except KvfsError as e2:
-            raise CorruptPage(f"{e}; its archived copy could not be brought back: {e2}") from e2
-        if healed is None:
-            raise
-        return read(healed)
+        return read(eng.heal(blob, e))
 
 
 def _read_buffered(eng: Engine, page: PageRow, blob: BlobRow, off: int, n: int) -> bytearray:
