@@ -146,6 +146,9 @@ class Engine:
     def __init__(self, config: StoreConfig) -> None:
         self.config = config
         self._closed = True
+        #: the process that opened the store: a forked child inherits this object, but not
+        #: its threads, and must not share its SQLite connections, lock or files
+        self._pid = os.getpid()
         for d in (*config.data_dirs, config.index_path.parent):
             if d.exists() and not d.is_dir():
                 raise KvfsError(f"{d} is not a directory; data and index directories must be")
@@ -263,6 +266,10 @@ class Engine:
         if self._closed:
             return
         self._closed = True
+        if os.getpid() != self._pid:
+            # A forked child unwinding its copy (a ``with`` block, an exit handler): the
+            # index, the files, the lock and the worker threads are the parent's. Leave them.
+            return
         try:
             self._atime_pool.shutdown(wait=True)
             try:
@@ -295,6 +302,13 @@ class Engine:
             self._lock.release()
 
     def _check_open(self) -> None:
+        if os.getpid() != self._pid:
+            raise StoreClosed(
+                f"this store was opened by process {self._pid}; process {os.getpid()} is a "
+                "fork of it and cannot use it (its threads did not survive the fork, and "
+                "one process owns a data directory): open the store after forking, in the "
+                "one process that uses it, and reach it from others through its mount"
+            )
         if self._closed:
             raise StoreClosed("the store is closed")
 

@@ -10,6 +10,7 @@ state they use; the engine's public methods are the entry points and hold the le
 from __future__ import annotations
 
 import builtins
+import os
 import threading
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
@@ -53,8 +54,14 @@ class _Concurrent:
         with self._lock:
             self.n -= 1
 
+    def reset(self) -> None:
+        """In a forked child: the parent's reads are not its own, nor perhaps its lock."""
+        self._lock = threading.Lock()
+        self.n = 0
+
 
 _reading = _Concurrent()
+os.register_at_fork(after_in_child=_reading.reset)
 
 
 def read_piece_size(concurrent: int) -> int:

@@ -561,6 +561,18 @@ def _shared_workers(processes: int) -> _Workers:
         return w
 
 
+def _forget_workers() -> None:
+    # A forked child inherits the dict but not the threads that feed the workers (nor,
+    # if the fork came while one held it, a usable lock), and the workers are its
+    # parent's: it starts its own if it ever spills, and its exit leaves the parent's be.
+    global _workers_lock
+    _workers_lock = threading.Lock()
+    _workers.clear()
+
+
+os.register_at_fork(after_in_child=_forget_workers)
+
+
 @atexit.register
 def shutdown_workers() -> None:
     """Stop every upload worker of this process (they start again on next use)."""

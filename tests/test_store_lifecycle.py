@@ -428,3 +428,100 @@ def test_an_unreadable_device_marker_is_named(tmp_path) -> None:  # noqa: ANN001
     assert marker.read_bytes() == b"garbage"
     marker.write_bytes(good)
     reads_back(cfg, data)  # the failed open left the store as it was (and its lock free)
+
+
+# -- fork ---------------------------------------------------------------------------------
+# Engines fork (multiprocessing's default start method on Linux, pre-fork servers). A child
+# inherits the store object but not its threads; before, its first put of a page hashed on
+# the pool hung for ever, and its exit unwound the parent's store (lock, index).
+_FORKED = """
+import os, signal, sys, kvfs
+root = sys.argv[1]
+
+def cfg(name):
+    return kvfs.StoreConfig(
+        data_dirs=[f"{root}/{name}"],
+        archive_url=f"file://{root}/archive-{name}",
+        extra={"archive": {"interval": 0, "upload_processes": 1}},
+    )
+
+def key(s, i):
+    return kvfs.PageKey.semantic(s, "p", i)
+"""
+
+
+def _run_forked(tmp_path, body: str) -> list[str]:  # noqa: ANN001
+    script = tmp_path / "forked.py"
+    script.write_text(_FORKED + textwrap.dedent(body))
+    out = subprocess.run(
+        [sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, timeout=90
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    return out.stdout.splitlines()
+
+
+def test_a_forked_child_is_refused_and_leaves_the_parents_store_be(tmp_path) -> None:  # noqa: ANN001
+    lines = _run_forked(
+        tmp_path,
+        """
+        with kvfs.open_store_sync(cfg("parent")) as s:
+            s.put(key("a", 0), os.urandom(3 << 20))
+            s.spill("a")  # the upload worker runs
+            s.restore("a")
+            pid = os.fork()
+            if pid == 0:
+                signal.alarm(60)  # a child that hangs (as before) must not outlive the test
+                for what, call in (
+                    ("get", lambda: s.get(key("a", 0))),
+                    ("put", lambda: s.put(key("a", 1), os.urandom(8 << 20))),  # hash pool
+                    ("spill", lambda: s.spill("a")),
+                ):
+                    try:
+                        call()
+                        print("CHILD", what, "served")
+                    except kvfs.StoreClosed as e:
+                        print("CHILD", what, "refused:", e)
+                sys.stdout.flush()
+                sys.exit(0)  # unwinds the with block and runs the exit handlers, in the child
+            assert os.waitpid(pid, 0)[1] == 0
+            print("OWNER", open(cfg("parent").lock_path).read())
+            s.put(key("a", 2), os.urandom(8 << 20))
+            print("SPILLED", s.spill("a"))
+        with kvfs.open_store_sync(cfg("parent")) as s:
+            print("PAGES", sorted(p.path for p in s.list(session="a")))
+        """,
+    )
+    child = [ln for ln in lines if ln.startswith("CHILD")]
+    assert len(child) == 3, lines
+    for ln in child:
+        assert " refused: this store was opened by process " in ln, ln
+        assert "is a fork of it and cannot use it" in ln
+    owner = next(ln for ln in lines if ln.startswith("OWNER"))
+    assert '"pid": ' in owner  # the child's exit did not clear the parent's lock file
+    assert int(next(ln for ln in lines if ln.startswith("SPILLED")).split()[1]) > 8 << 20
+    assert lines[-1] == ("PAGES ['sessions/a/p/layer-000', 'sessions/a/p/layer-002']")
+
+
+def test_a_forked_child_can_open_a_store_of_its_own_and_spill(tmp_path) -> None:  # noqa: ANN001
+    # The parent's upload workers are fed by threads the child does not have: the child
+    # must start its own, not queue behind dead threads (it hung before).
+    lines = _run_forked(
+        tmp_path,
+        """
+        with kvfs.open_store_sync(cfg("parent")) as s:
+            s.put(key("a", 0), os.urandom(3 << 20))
+            s.spill("a")
+            pid = os.fork()
+            if pid == 0:
+                signal.alarm(60)
+                with kvfs.open_store_sync(cfg("child")) as c:
+                    c.put(key("b", 0), os.urandom(3 << 20))
+                    print("CHILD", c.spill("b"), flush=True)
+                os._exit(0)
+            assert os.waitpid(pid, 0)[1] == 0
+            s.put(key("a", 1), os.urandom(3 << 20))
+            print("PARENT", s.spill("a"))
+        """,
+    )
+    assert [ln.split()[0] for ln in lines] == ["CHILD", "PARENT"]
+    assert all(int(ln.split()[1]) >= 3 << 20 for ln in lines), lines  # bytes uploaded
