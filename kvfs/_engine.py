@@ -440,10 +440,12 @@ class Engine:
     ) -> memoryview:
         """:meth:`read_range` for data held by :meth:`lease`: reads exactly the leased page even
         if its key has since been replaced or deleted (an open file on the mount). Returns a
-        view of a fresh buffer (no extra copy). ``buffered``: plain preads through the page
-        cache on this thread (the mount: kernel read-ahead on the data files, no fresh
-        mmap per request, no hop to the I/O pool). Raises CorruptPage, PageNotFound (data
-        gone from every tier)."""
+        view of a fresh buffer (no extra copy), read on this thread: with O_DIRECT into heap
+        memory (the mount's cached files: the kernel keeps the bytes in the mount's page
+        cache, so a second copy in the data files' cache would be waste), or with
+        ``buffered`` through the data files' page cache (a reader with no cache of its own:
+        a ``direct_io`` file on the mount). Raises CorruptPage, PageNotFound (data gone from
+        every tier)."""
         self._check_open()
         return _reads.read_held(self, page, blob, offset, size, buffered=buffered)
 

@@ -85,7 +85,7 @@ class KvfsOperations(FileOps, pyfuse3.Operations):
         threads: int = 16,
         entry_timeout: float = 1.0,
         attr_timeout: float = 1.0,
-        read_ahead: int = 8,
+        read_ahead: int = 16,
         write_behind: int = 8,
     ) -> None:
         super().__init__()

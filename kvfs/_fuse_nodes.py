@@ -77,6 +77,7 @@ class Handle:
     held: tuple[PageRow, BlobRow] | None = None
     content: bytes | None = None  # the metadata file's bytes, fixed at open
     ahead: Any = None  # a ReadAhead while a page is open for reading
+    direct: bool = False  # opened with direct_io: no page cache of the mount's own
     behind: Any = None  # a WriteBehind once a file being written gets writes
     writable: bool = False
     wrote: bool = False

@@ -16,7 +16,9 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, TypeVar
 
-from ._aligned import aligned_buffer, as_bytes_view
+import numpy as np
+
+from ._aligned import ALIGN, aligned_buffer, as_bytes_view
 from ._checksum import DIGEST, LEAF, leaf_hash, leaf_hasher
 from ._errors import CorruptPage, InvalidKey, KvfsError, PageNotFound, SessionNotFound
 from ._index import BlobRow, PageRow
@@ -120,12 +122,8 @@ def read_held(
     end = min(blob.size, offset + size)
     lo = offset - offset % LEAF
     hi = min(blob.size, -(-end // LEAF) * LEAF)
-    if buffered:
-        data = _or_healed(eng, page, blob, lambda b: _read_buffered(eng, page, b, lo, hi - lo))
-        return memoryview(data)[offset - lo : end - lo]
-    buf = aligned_buffer(hi - lo)
-    _or_healed(eng, page, blob, lambda b: _read_verified(eng, page, b, buf, lo, hi - lo))
-    return buf[offset - lo : end - lo]
+    data = _or_healed(eng, page, blob, lambda b: _read_here(eng, page, b, lo, hi - lo, buffered))
+    return data[offset - lo : end - lo]
 
 
 def _or_healed(eng: Engine, page: PageRow, blob: BlobRow, read: Callable[[BlobRow], T]) -> T:
@@ -138,22 +136,37 @@ def _or_healed(eng: Engine, page: PageRow, blob: BlobRow, read: Callable[[BlobRo
         return read(eng.heal(blob, e))
 
 
-def _read_buffered(eng: Engine, page: PageRow, blob: BlobRow, off: int, n: int) -> bytearray:
-    """Page bytes [off, off+n) (leaf-aligned start) read with plain preads on this thread
-    into one buffer, every leaf verified before anything is returned. Raises CorruptPage."""
+def heap_view(n: int) -> memoryview:
+    """An ``n``-byte, 4 KiB-aligned, writable view of memory from the heap (not zeroed).
+
+    For O_DIRECT reads that are answered from the buffer and then dropped: a fresh mmap
+    (:func:`~kvfs._aligned.aligned_buffer`) costs page faults and zeroing on every call,
+    while heap blocks are reused warm (the mount keeps freed blocks in its heap, see
+    ``kvfs._fuse.keep_heap``). The view keeps its block alive."""
+    raw = np.empty(n + ALIGN, dtype=np.uint8)
+    start = -raw.ctypes.data % ALIGN
+    return memoryview(raw[start : start + n])  # type: ignore[arg-type]
+
+
+def _read_here(
+    eng: Engine, page: PageRow, blob: BlobRow, off: int, n: int, buffered: bool
+) -> memoryview:
+    """Page bytes [off, off+n) (leaf-aligned start) read on this thread into one buffer,
+    every leaf verified before anything is returned: with O_DIRECT into :func:`heap_view`
+    memory, or with plain preads through the data files' page cache when ``buffered``.
+    Raises CorruptPage."""
     assert blob.extents is not None and off % LEAF == 0
-    data = bytearray(n)
-    mv = memoryview(data)
+    mv = memoryview(bytearray(n)) if buffered else heap_view(n)
     try:
         for p in eng.tier.pieces(blob.extents, off, n):
-            eng.tier.read_piece(p, mv, direct=False)
+            eng.tier.read_piece(p, mv, direct=not buffered)
     except OSError as e:
         if (corrupt := _as_corrupt(eng, page, e)) is None:
             raise
         raise corrupt from e
     digests = (leaf_hash(mv[j * LEAF : (j + 1) * LEAF]) for j in range(-(-n // LEAF)))
     _check_leaves(eng, page, blob, off // LEAF, digests, n)
-    return data
+    return mv
 
 
 def _read_verified(

@@ -396,6 +396,96 @@ async def test_read_ahead_serves_sequential_and_random_reads(ops: KvfsOperations
         ops.nursery = None
 
 
+def _resident(path: str) -> int:
+    """How many pages of ``path`` are in the page cache (mincore)."""
+    import ctypes
+    import mmap
+
+    size = os.path.getsize(path)
+    libc = ctypes.CDLL(None, use_errno=True)
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY) as m:
+        anchor = ctypes.c_char.from_buffer(m)
+        try:
+            vec = (ctypes.c_ubyte * -(-size // mmap.PAGESIZE))()
+            addr = ctypes.c_void_p(ctypes.addressof(anchor))
+            if libc.mincore(addr, ctypes.c_size_t(size), vec) != 0:
+                raise OSError(ctypes.get_errno(), "mincore")
+            return sum(v & 1 for v in vec)
+        finally:
+            del anchor
+
+
+@pytest.mark.parametrize("direct", [False, True])
+async def test_data_files_are_read_past_their_page_cache_for_cached_files(
+    ops: KvfsOperations, direct: bool
+) -> None:
+    """A file the kernel caches (the default) has its bytes in the mount's page cache: the
+    daemon reads the data files with O_DIRECT, so they are not cached twice. A direct_io
+    file has no cache but the data files': those reads go through it."""
+    import trio
+
+    from kvfs._aligned import open_direct
+
+    ops.direct_io = direct
+    data = os.urandom(6 * MiB + 17)
+    ino = await write_file(ops, ROOT, "twice", data)
+    files, _ = decode_extents((await ops.getxattr(ino, b"user.kvfs.extents", CTX)).decode())
+    fd, odirect = open_direct(files[0], os.O_RDONLY)
+    os.close(fd)
+    if not odirect:
+        pytest.skip(f"{files[0]} is on a file system without O_DIRECT (tmpfs?)")
+    for path in files:  # written through the page cache: empty it (the files are synced)
+        fd = os.open(path, os.O_RDONLY)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.close(fd)
+        assert _resident(path) == 0
+    async with trio.open_nursery() as nursery:
+        ops.nursery = nursery  # read-ahead on, as in the mount
+        fi = await ops.open(ino, os.O_RDONLY, CTX)
+        assert fi.direct_io == direct
+        got = b"".join([bytes(await ops.read(fi.fh, off, MiB)) for off in range(0, len(data), MiB)])
+        await ops.release(fi.fh)
+        ops.nursery = None
+    assert got == data
+    cached = sum(_resident(p) for p in files)
+    assert (cached > 0) if direct else (cached == 0), cached
+
+
+async def test_read_ahead_refills_as_fetches_complete() -> None:
+    """The window moves on when a fetch completes, not only when a request arrives (the
+    reader may be waiting on the kernel), with at most MAX_FETCHES fetches in flight."""
+    import trio
+
+    from kvfs._fuse_ahead import MAX_FETCHES, ReadAhead
+
+    started: list[int] = []
+    release = trio.Event()
+    running = 0
+    most = 0
+
+    async def fetch(off: int, n: int) -> bytes:
+        nonlocal running, most
+        started.append(off)
+        running += 1
+        most = max(most, running)
+        if off:  # prefetches wait; the requests themselves are answered at once
+            await release.wait()
+        running -= 1
+        return bytes(n)
+
+    async with trio.open_nursery() as nursery:
+        ra = ReadAhead(fetch, 64 * MiB, 16, nursery)
+        await ra.read(0, MiB)  # one request, then the reader sends nothing more
+        await trio.testing.wait_all_tasks_blocked()
+        assert sorted(started) == [0, MiB, 5 * MiB][: 1 + MAX_FETCHES]  # groups of 4 requests
+        release.set()
+        await trio.testing.wait_all_tasks_blocked()
+        # the completions refilled the window up to 16 requests past the reader: 17 MiB
+        assert sorted(started)[-1] == 13 * MiB and len(started) == 5, started
+        assert most == MAX_FETCHES
+        await ra.aclose()
+
+
 async def test_write_behind_keeps_order_and_reports_failures(ops: KvfsOperations) -> None:
     import trio
 
