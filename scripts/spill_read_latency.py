@@ -4,10 +4,14 @@ A diagnostic beside ``kvfs bench archive`` (which has the goal): starts a moto S
 loopback, then times 256 KiB gets of hot local pages, first idle, then while ``--sessions``
 sessions of 24 x 2 MiB KV pages spill one after the other. ``--stub-unlinks`` leaves the
 dropped local files in place (measuring only: the store's accounting is then wrong) to show
-what the unlinks cost the reader.
+what the unlinks cost the reader. ``--idle-workers`` puts the upload worker processes in
+the idle CPU scheduling class (SCHED_IDLE) and, with ``--idle-io``, the idle I/O class too;
+``--idle-server`` does the same to the moto server (an endpoint on other machines would
+not share the CPUs): what scheduling alone could give the reader.
 
     .venv/bin/python scripts/spill_read_latency.py
     .venv/bin/python scripts/spill_read_latency.py --stub-unlinks
+    .venv/bin/python scripts/spill_read_latency.py --idle-workers --idle-io --idle-server
 """
 
 from __future__ import annotations
@@ -15,12 +19,14 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import subprocess
 import tempfile
 import threading
 from pathlib import Path
 
 import kvfs
 import kvfs._local as L
+import kvfs._uploader as U
 from kvfs.bench.archive import _HOT, _moto, _pages_from, _reader, _reads_until, kv_tensors
 
 
@@ -28,10 +34,22 @@ def pct(xs: list[float], q: float) -> float:
     return sorted(xs)[min(len(xs) - 1, int(q * len(xs)))] * 1e3
 
 
+def to_idle_class(pid: int, io: bool) -> None:
+    """Every thread of ``pid`` to SCHED_IDLE (threads started later inherit it), and to the
+    idle I/O class (``ionice -c 3``) if ``io``."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        os.sched_setscheduler(int(tid), os.SCHED_IDLE, os.sched_param(0))
+        if io:
+            subprocess.run(["ionice", "-c", "3", "-p", tid], check=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sessions", type=int, default=4)
     ap.add_argument("--stub-unlinks", action="store_true")
+    ap.add_argument("--idle-workers", action="store_true")
+    ap.add_argument("--idle-io", action="store_true", help="with --idle-workers")
+    ap.add_argument("--idle-server", action="store_true")
     args = ap.parse_args()
     for k, v in (("AWS_ACCESS_KEY_ID", "bench"), ("AWS_SECRET_ACCESS_KEY", "bench")):
         os.environ.setdefault(k, v)
@@ -43,7 +61,10 @@ def main() -> None:
     d = Path(tempfile.mkdtemp())
     busy: list[float] = []
     try:
-        with _moto() as ep:
+        server: dict[str, int] = {}
+        with _moto(0, server) as ep:
+            if args.idle_server:
+                to_idle_class(server["pid"], False)
             boto3.client("s3", endpoint_url=ep).create_bucket(Bucket="spill-latency")
             cfg = kvfs.StoreConfig(
                 data_dirs=(d / "store",),
@@ -56,6 +77,10 @@ def main() -> None:
                 read = _reader(s)
                 s.put(kvfs.PageKey.semantic("warm", "p", 0), pages[0][::-1])
                 s.spill("warm")  # workers started, connections open
+                if args.idle_workers:
+                    for w in list(U._workers.values()):
+                        for pid in w.pids():
+                            to_idle_class(pid, args.idle_io)
                 if args.stub_unlinks:
                     L.LocalTier.unlink = lambda self, extents: None  # type: ignore[method-assign]
                 idle = [read(i) for i in range(500)]
@@ -77,7 +102,9 @@ def main() -> None:
     finally:
         shutil.rmtree(d, ignore_errors=True)
     print(
-        f"{'unlinks stubbed' if args.stub_unlinks else 'as is'}: idle p99 {pct(idle, 0.99):.2f} ms;"
+        f"{'unlinks stubbed' if args.stub_unlinks else 'as is'}"
+        f"{', idle workers' if args.idle_workers else ''}{' (cpu+io)' if args.idle_io else ''}"
+        f"{', idle server' if args.idle_server else ''}: idle p99 {pct(idle, 0.99):.2f} ms;"
         f" during spills p50 {pct(busy, 0.5):.2f} ms, p99 {pct(busy, 0.99):.2f} ms"
         f" ({len(busy)} reads)"
     )
