@@ -15,6 +15,7 @@ __all__ = [
     "address_of",
     "as_bytes_view",
     "aligned_buffer",
+    "heap_view",
     "is_aligned",
     "open_direct",
     "round_up",
@@ -31,6 +32,18 @@ def aligned_buffer(size: int) -> memoryview:
     """A zero-filled, page-aligned, writable buffer (anonymous mmap) of ``size`` bytes."""
     m = mmap.mmap(-1, max(size, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     return memoryview(m)[:size]
+
+
+def heap_view(n: int) -> memoryview:
+    """An ``n``-byte, 4 KiB-aligned, writable view of memory from the heap (not zeroed).
+
+    For O_DIRECT I/O through short-lived buffers: a fresh mmap (:func:`aligned_buffer`)
+    costs page faults and zeroing on every call, while heap blocks are reused warm (the
+    mount keeps freed blocks in its heap, see ``kvfs._fuse.keep_heap``). The view keeps its
+    block alive."""
+    raw = np.empty(n + ALIGN, dtype=np.uint8)
+    start = -raw.ctypes.data % ALIGN
+    return memoryview(raw[start : start + n])  # type: ignore[arg-type]
 
 
 def address_of(buf: Any) -> int:

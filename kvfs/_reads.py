@@ -16,9 +16,7 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, TypeVar
 
-import numpy as np
-
-from ._aligned import ALIGN, aligned_buffer, as_bytes_view
+from ._aligned import aligned_buffer, as_bytes_view, heap_view
 from ._checksum import DIGEST, LEAF, leaf_hash, leaf_hasher
 from ._errors import CorruptPage, InvalidKey, KvfsError, PageNotFound, SessionNotFound
 from ._index import BlobRow, PageRow
@@ -134,18 +132,6 @@ def _or_healed(eng: Engine, page: PageRow, blob: BlobRow, read: Callable[[BlobRo
         return read(blob)
     except CorruptPage as e:
         return read(eng.heal(blob, e))
-
-
-def heap_view(n: int) -> memoryview:
-    """An ``n``-byte, 4 KiB-aligned, writable view of memory from the heap (not zeroed).
-
-    For O_DIRECT reads that are answered from the buffer and then dropped: a fresh mmap
-    (:func:`~kvfs._aligned.aligned_buffer`) costs page faults and zeroing on every call,
-    while heap blocks are reused warm (the mount keeps freed blocks in its heap, see
-    ``kvfs._fuse.keep_heap``). The view keeps its block alive."""
-    raw = np.empty(n + ALIGN, dtype=np.uint8)
-    start = -raw.ctypes.data % ALIGN
-    return memoryview(raw[start : start + n])  # type: ignore[arg-type]
 
 
 def _read_here(
