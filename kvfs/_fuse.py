@@ -19,6 +19,7 @@ import pyfuse3
 import trio
 
 from ._errors import KvfsError, PageNotFound
+from ._fuse_ahead import Budget
 from ._fuse_files import FileOps
 from ._fuse_guard import child_of, decode_name, fuse_error, guard
 from ._fuse_nodes import Handle, Kind, Node, NodeTable, owner
@@ -86,6 +87,7 @@ class KvfsOperations(FileOps, pyfuse3.Operations):
         entry_timeout: float = 1.0,
         attr_timeout: float = 1.0,
         read_ahead: int = 16,
+        read_ahead_budget: int = 256 << 20,
         write_behind: int = 8,
     ) -> None:
         super().__init__()
@@ -106,6 +108,8 @@ class KvfsOperations(FileOps, pyfuse3.Operations):
         self.write_behind = write_behind
         #: requests prefetched past a sequential reader (0: off); needs :attr:`nursery`
         self.read_ahead = read_ahead
+        #: bytes prefetched and not yet read, over all open files, at most
+        self.read_ahead_budget = Budget(read_ahead_budget)
         #: where read-ahead runs; the mount sets it (without one, no read-ahead)
         self.nursery: trio.Nursery | None = None
 

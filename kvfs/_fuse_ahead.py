@@ -19,7 +19,7 @@ from typing import Any
 
 import trio
 
-__all__ = ["ReadAhead"]
+__all__ = ["Budget", "ReadAhead"]
 
 #: Prefetches are fetched this many requests at a time (one thread hop, one larger pread and
 #: the leaves hashed together), and each request is then answered with its slice.
@@ -41,9 +41,21 @@ class _Slot:
         self.done = trio.Event()
 
 
+class Budget:
+    """Bytes prefetched (or being fetched) and not yet asked for, over every open file of a
+    mount. Read-ahead stops at ``limit``: an engine that holds many pages open and reads
+    only the start of each (a safetensors header) must not make the daemon hold a window
+    for every one of them. Touched only from the trio thread."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.held = 0
+
+
 class ReadAhead:
     """Prefetch up to ``depth`` requests past the last sequential read of a ``size``-byte page,
-    in fetches that end at multiples of ``align`` (the stripe unit) where requests allow."""
+    in fetches that end at multiples of ``align`` (the stripe unit) where requests allow,
+    while the mount's ``budget`` has room."""
 
     def __init__(
         self,
@@ -52,7 +64,9 @@ class ReadAhead:
         depth: int,
         nursery: trio.Nursery,
         align: int = 0,
+        budget: Budget | None = None,
     ) -> None:
+        self._budget = budget or Budget(1 << 62)
         self._fetch = fetch
         self._align = align
         self._size = size
@@ -68,9 +82,11 @@ class ReadAhead:
 
     async def read(self, off: int, n: int) -> Any:
         slot = self._slots.pop(off, None)
+        if slot is not None:
+            self._budget.held -= slot.n
         sequential = slot is not None or off in (0, self._last_end)
         if not sequential:
-            self._slots.clear()  # fetches in flight finish; their results are dropped
+            self._drop()  # fetches in flight finish; their results are dropped
             self._ahead_end = 0
         self._last_end = max(self._last_end, off + n) if sequential else off + n
         self._sequential, self._n = sequential and n > 0, n
@@ -92,11 +108,13 @@ class ReadAhead:
             pos < limit
             and (limit - pos >= group * n or limit == self._size)
             and self._fetching < MAX_FETCHES
+            and self._budget.held + min(group * n, limit - pos) <= self._budget.limit
         ):
             slots: list[_Slot] = []
             while pos < limit and len(slots) < group:
                 slot = _Slot(n)
                 self._slots[pos] = slot
+                self._budget.held += n
                 slots.append(slot)
                 pos += n
                 if self._align > n and pos % self._align == 0:
@@ -121,9 +139,14 @@ class ReadAhead:
             if self._sequential and not self._closed:
                 self._schedule(self._last_end, self._n)
 
+    def _drop(self) -> list[_Slot]:
+        """Forget every prefetched request (and give its room back); returns them."""
+        slots, self._slots = list(self._slots.values()), {}
+        self._budget.held -= sum(slot.n for slot in slots)
+        return slots
+
     async def aclose(self) -> None:
         """Stop prefetching and wait for fetches in flight (they read under the file's lease)."""
         self._closed = True
-        slots, self._slots = list(self._slots.values()), {}
-        for slot in slots:
+        for slot in self._drop():
             await slot.done.wait()

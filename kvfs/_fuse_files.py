@@ -28,7 +28,7 @@ import pyfuse3
 import trio
 
 from ._engine import Engine
-from ._fuse_ahead import ReadAhead
+from ._fuse_ahead import Budget, ReadAhead
 from ._fuse_behind import WriteBehind
 from ._fuse_guard import child_of, fuse_error, guard
 from ._fuse_nodes import Handle, Kind, Node, NodeTable, Pending
@@ -54,6 +54,7 @@ class FileOps:
     handles: dict[int, Handle]
     _next_fh: int
     read_ahead: int
+    read_ahead_budget: Budget
     write_behind: int
     nursery: trio.Nursery | None
 
@@ -162,6 +163,7 @@ class FileOps:
                 self.read_ahead,
                 self.nursery,
                 self.engine.tier.unit,
+                self.read_ahead_budget,
             )
         fh = self._fh(h)
         return pyfuse3.FileInfo(fh=fh, direct_io=direct, keep_cache=not direct)

@@ -20,6 +20,7 @@ import pytest
 import kvfs
 from gds._source import decode_extents
 from kvfs._fuse import XATTRS, KvfsOperations
+from kvfs._fuse_ahead import Budget
 from kvfs._fuse_xattr import extents_xattr
 
 KiB = 1024
@@ -449,6 +450,33 @@ async def test_data_files_are_read_past_their_page_cache_for_cached_files(
     assert got == data
     cached = sum(_resident(p) for p in files)
     assert (cached > 0) if direct else (cached == 0), cached
+
+
+async def test_read_ahead_is_bounded_over_all_open_files(ops: KvfsOperations) -> None:
+    """An engine that holds many pages open and reads only the start of each must not make
+    the daemon hold a read-ahead window for every one: the mount's budget bounds the bytes
+    prefetched and not yet read, over all files; a sequential reader still reads right."""
+    import trio
+
+    ops.read_ahead_budget = Budget(6 * MiB)
+    pages = {f"p{i}": os.urandom(4 * MiB) for i in range(6)}
+    inos = {name: await write_file(ops, ROOT, name, data) for name, data in pages.items()}
+    async with trio.open_nursery() as nursery:
+        ops.nursery = nursery
+        fhs = {}
+        for name, ino in inos.items():  # open all, read the first MiB of each
+            fhs[name] = (await ops.open(ino, os.O_RDONLY, CTX)).fh
+            assert bytes(await ops.read(fhs[name], 0, MiB)) == pages[name][:MiB]
+            await trio.testing.wait_all_tasks_blocked()
+            assert ops.read_ahead_budget.held <= 6 * MiB
+        assert ops.read_ahead_budget.held > 0  # the first files did get their windows
+        for name, fh in fhs.items():  # and every file still reads back whole
+            got = b"".join([bytes(await ops.read(fh, off, MiB)) for off in range(0, 4 * MiB, MiB)])
+            assert got == pages[name]
+        for fh in fhs.values():
+            await ops.release(fh)
+        assert ops.read_ahead_budget.held == 0  # closed files give their room back
+        ops.nursery = None
 
 
 async def test_read_ahead_refills_as_fetches_complete() -> None:
