@@ -20,6 +20,7 @@ import trio
 
 from ._errors import KvfsError, PageNotFound
 from ._fuse_ahead import Budget
+from ._fuse_behind import Budget as WriteBudget
 from ._fuse_files import FileOps
 from ._fuse_guard import child_of, decode_name, fuse_error, guard
 from ._fuse_nodes import Handle, Kind, Node, NodeTable, owner
@@ -89,6 +90,7 @@ class KvfsOperations(FileOps, pyfuse3.Operations):
         read_ahead: int = 16,
         read_ahead_budget: int = 256 << 20,
         write_behind: int = 8,
+        write_behind_budget: int = 256 << 20,
     ) -> None:
         super().__init__()
         keep_heap()
@@ -106,6 +108,8 @@ class KvfsOperations(FileOps, pyfuse3.Operations):
         self._next_fh = 1
         #: writes accepted ahead of the disk per file being written (0: off); needs a nursery
         self.write_behind = write_behind
+        #: bytes accepted ahead of the disk over all files being written, at most
+        self.write_behind_budget = WriteBudget(write_behind_budget)
         #: requests prefetched past a sequential reader (0: off); needs :attr:`nursery`
         self.read_ahead = read_ahead
         #: bytes prefetched and not yet read, over all open files, at most

@@ -15,6 +15,10 @@ cache) exits when the queue has been empty for a moment.
 The first failure is kept and raised by the next ``submit``, and by ``drain`` (which the
 commit calls), so a file that lost a write is never published: the error comes back from a
 later ``write`` or from ``close``. Writes queued after a failure are dropped.
+
+A mount-wide :class:`Budget` bounds the bytes queued over all files: a writer that spreads
+its writes over many files at once (a layer per file) waits for room as one that fills one
+file's queue does, instead of the daemon holding ``depth`` writes for every file.
 """
 
 from __future__ import annotations
@@ -26,16 +30,55 @@ from collections.abc import Callable
 
 import trio
 
-__all__ = ["WriteBehind"]
+__all__ = ["Budget", "WriteBehind"]
 
 #: How long an idle writer thread waits for the next write before it exits.
 LINGER = 0.05
 
 
+class Budget:
+    """Bytes accepted by write-behind and not yet in their data files, over every file of a
+    mount. :meth:`take` waits (in trio) for room; writer threads :meth:`give` it back."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.held = 0
+        self._lock = threading.Lock()
+        self._wake: trio.Event | None = None
+        self._token: trio.lowlevel.TrioToken | None = None
+
+    async def take(self, n: int) -> None:
+        """Hold ``n`` more bytes once they fit (a write larger than the limit alone, once
+        nothing else is held)."""
+        while True:
+            with self._lock:
+                if self.held == 0 or self.held + n <= self.limit:
+                    self.held += n
+                    return
+                if self._wake is None:
+                    self._wake = trio.Event()
+                    self._token = trio.lowlevel.current_trio_token()
+                ev = self._wake
+            await ev.wait()  # every waiter wakes at the next give, and looks again
+
+    def give(self, n: int) -> None:
+        """Give ``n`` bytes back (from any thread)."""
+        with self._lock:
+            self.held -= n
+            ev, self._wake = self._wake, None
+            token = self._token
+        if ev is not None and token is not None:
+            with contextlib.suppress(trio.RunFinishedError):
+                token.run_sync_soon(ev.set)
+
+
 class WriteBehind:
-    def __init__(self, write: Callable[[int, bytes], object], depth: int) -> None:
+    def __init__(
+        self, write: Callable[[int, bytes], object], depth: int, budget: Budget | None = None
+    ) -> None:
         self._write = write
         self._depth = max(1, depth)
+        self._budget = budget or Budget(1 << 62)
         self._token = trio.lowlevel.current_trio_token()
         self._cond = threading.Condition()
         self._queue: collections.deque[tuple[int, bytes]] = collections.deque()
@@ -53,7 +96,9 @@ class WriteBehind:
         if self.error is not None:
             raise self.error
         await self._wait_until(self._depth - 1)
+        await self._budget.take(len(buf))
         if self.error is not None:
+            self._budget.give(len(buf))
             raise self.error
         with self._cond:
             self._queue.append((off, buf))
@@ -98,6 +143,7 @@ class WriteBehind:
                     self._write(off, buf)
                 except BaseException as e:  # kept for submit/drain, which raise it
                     self.error = e
+            self._budget.give(len(buf))
             del buf
             with self._cond:
                 self._pending -= 1

@@ -29,6 +29,7 @@ import trio
 
 from ._engine import Engine
 from ._fuse_ahead import Budget, ReadAhead
+from ._fuse_behind import Budget as WriteBudget
 from ._fuse_behind import WriteBehind
 from ._fuse_guard import child_of, fuse_error, guard
 from ._fuse_nodes import Handle, Kind, Node, NodeTable, Pending
@@ -56,6 +57,7 @@ class FileOps:
     read_ahead: int
     read_ahead_budget: Budget
     write_behind: int
+    write_behind_budget: WriteBudget
     nursery: trio.Nursery | None
 
     async def _resolve(self, parent: Node, name: str) -> Node:
@@ -200,7 +202,9 @@ class FileOps:
         try:
             if self.nursery is not None and self.write_behind > 0:
                 if h.behind is None:
-                    h.behind = WriteBehind(node.pending.writer.write, self.write_behind)
+                    h.behind = WriteBehind(
+                        node.pending.writer.write, self.write_behind, self.write_behind_budget
+                    )
                 await h.behind.submit(off, buf)
                 return len(buf)
             return await self._thread(node.pending.writer.write, off, buf)

@@ -540,6 +540,43 @@ async def test_write_behind_keeps_order_and_reports_failures(ops: KvfsOperations
         ops.nursery = None
 
 
+async def test_write_behind_budget_bounds_writes_spread_over_files() -> None:
+    """A writer that spreads its writes over many files (a layer per file) is held to the
+    mount's write-behind budget, as one that fills a single file's queue is to its depth."""
+    import threading
+
+    import trio
+
+    from kvfs._fuse_behind import Budget as WriteBudget
+    from kvfs._fuse_behind import WriteBehind
+
+    gate = threading.Event()
+    written: list[int] = []
+
+    def write(off: int, buf: bytes) -> None:
+        assert gate.wait(10)
+        written.append(len(buf))
+
+    budget = WriteBudget(3 * MiB)
+    files = [WriteBehind(write, 8, budget) for _ in range(5)]
+    submitted = 0
+
+    async def spread() -> None:
+        nonlocal submitted
+        for wb in files:
+            await wb.submit(0, bytes(MiB))
+            submitted += 1
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(spread)
+        await trio.testing.wait_all_tasks_blocked()
+        assert submitted == 3 and budget.held == 3 * MiB  # the fourth waits for room
+        gate.set()
+    for wb in files:
+        await wb.drain()
+    assert submitted == 5 and written == [MiB] * 5 and budget.held == 0
+
+
 def test_page_writer_checksums_whole_leaves_as_written(sync_store: kvfs.SyncStore) -> None:
     """The FUSE writer's page checksum: leaves hashed during write() must equal the bytes."""
     e = sync_store.engine
