@@ -19,8 +19,8 @@ import pyfuse3
 import trio
 
 from ._errors import KvfsError, PageNotFound
-from ._fuse_ahead import Budget
-from ._fuse_behind import Budget as WriteBudget
+from ._fuse_ahead import AheadBudget
+from ._fuse_behind import BehindBudget
 from ._fuse_files import FileOps
 from ._fuse_guard import child_of, decode_name, fuse_error, guard
 from ._fuse_nodes import Handle, Kind, Node, NodeTable, owner
@@ -109,11 +109,11 @@ class KvfsOperations(FileOps, pyfuse3.Operations):
         #: writes accepted ahead of the disk per file being written (0: off); needs a nursery
         self.write_behind = write_behind
         #: bytes accepted ahead of the disk over all files being written, at most
-        self.write_behind_budget = WriteBudget(write_behind_budget)
+        self.write_behind_budget = BehindBudget(write_behind_budget)
         #: requests prefetched past a sequential reader (0: off); needs :attr:`nursery`
         self.read_ahead = read_ahead
         #: bytes prefetched and not yet read, over all open files, at most
-        self.read_ahead_budget = Budget(read_ahead_budget)
+        self.read_ahead_budget = AheadBudget(read_ahead_budget)
         #: where read-ahead runs; the mount sets it (without one, no read-ahead)
         self.nursery: trio.Nursery | None = None
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import trio
 
-__all__ = ["Budget", "ReadAhead"]
+__all__ = ["AheadBudget", "ReadAhead"]
 
 #: Prefetches are fetched this many requests at a time (one thread hop, one larger pread and
 #: the leaves hashed together), and each request is then answered with its slice.
@@ -41,7 +41,7 @@ class _Slot:
         self.done = trio.Event()
 
 
-class Budget:
+class AheadBudget:
     """Bytes prefetched (or being fetched) and not yet asked for, over every open file of a
     mount. Read-ahead stops at ``limit``: an engine that holds many pages open and reads
     only the start of each (a safetensors header) must not make the daemon hold a window
@@ -64,9 +64,9 @@ class ReadAhead:
         depth: int,
         nursery: trio.Nursery,
         align: int = 0,
-        budget: Budget | None = None,
+        budget: AheadBudget | None = None,
     ) -> None:
-        self._budget = budget or Budget(1 << 62)
+        self._budget = budget or AheadBudget(1 << 62)
         self._fetch = fetch
         self._align = align
         self._size = size

@@ -16,7 +16,7 @@ The first failure is kept and raised by the next ``submit``, and by ``drain`` (w
 commit calls), so a file that lost a write is never published: the error comes back from a
 later ``write`` or from ``close``. Writes queued after a failure are dropped.
 
-A mount-wide :class:`Budget` bounds the bytes queued over all files: a writer that spreads
+A mount-wide :class:`BehindBudget` bounds the bytes queued over all files: a writer that spreads
 its writes over many files at once (a layer per file) waits for room as one that fills one
 file's queue does, instead of the daemon holding ``depth`` writes for every file.
 """
@@ -30,13 +30,13 @@ from collections.abc import Callable
 
 import trio
 
-__all__ = ["Budget", "WriteBehind"]
+__all__ = ["BehindBudget", "WriteBehind"]
 
 #: How long an idle writer thread waits for the next write before it exits.
 LINGER = 0.05
 
 
-class Budget:
+class BehindBudget:
     """Bytes accepted by write-behind and not yet in their data files, over every file of a
     mount. :meth:`take` waits (in trio) for room; writer threads :meth:`give` it back."""
 
@@ -74,11 +74,11 @@ class Budget:
 
 class WriteBehind:
     def __init__(
-        self, write: Callable[[int, bytes], object], depth: int, budget: Budget | None = None
+        self, write: Callable[[int, bytes], object], depth: int, budget: BehindBudget | None = None
     ) -> None:
         self._write = write
         self._depth = max(1, depth)
-        self._budget = budget or Budget(1 << 62)
+        self._budget = budget or BehindBudget(1 << 62)
         self._token = trio.lowlevel.current_trio_token()
         self._cond = threading.Condition()
         self._queue: collections.deque[tuple[int, bytes]] = collections.deque()

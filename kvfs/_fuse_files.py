@@ -28,9 +28,8 @@ import pyfuse3
 import trio
 
 from ._engine import Engine
-from ._fuse_ahead import Budget, ReadAhead
-from ._fuse_behind import Budget as WriteBudget
-from ._fuse_behind import WriteBehind
+from ._fuse_ahead import AheadBudget, ReadAhead
+from ._fuse_behind import BehindBudget, WriteBehind
 from ._fuse_guard import child_of, fuse_error, guard
 from ._fuse_nodes import Handle, Kind, Node, NodeTable, Pending
 from ._fuse_ns import ATTR_GID, ATTR_UID, DirTable, session_json, session_of, validate_page
@@ -55,9 +54,9 @@ class FileOps:
     handles: dict[int, Handle]
     _next_fh: int
     read_ahead: int
-    read_ahead_budget: Budget
+    read_ahead_budget: AheadBudget
     write_behind: int
-    write_behind_budget: WriteBudget
+    write_behind_budget: BehindBudget
     nursery: trio.Nursery | None
 
     async def _resolve(self, parent: Node, name: str) -> Node:

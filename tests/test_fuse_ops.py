@@ -20,7 +20,7 @@ import pytest
 import kvfs
 from gds._source import decode_extents
 from kvfs._fuse import XATTRS, KvfsOperations
-from kvfs._fuse_ahead import Budget
+from kvfs._fuse_ahead import AheadBudget
 from kvfs._fuse_xattr import extents_xattr
 
 KiB = 1024
@@ -458,7 +458,7 @@ async def test_read_ahead_is_bounded_over_all_open_files(ops: KvfsOperations) ->
     prefetched and not yet read, over all files; a sequential reader still reads right."""
     import trio
 
-    ops.read_ahead_budget = Budget(6 * MiB)
+    ops.read_ahead_budget = AheadBudget(6 * MiB)
     pages = {f"p{i}": os.urandom(4 * MiB) for i in range(6)}
     inos = {name: await write_file(ops, ROOT, name, data) for name, data in pages.items()}
     async with trio.open_nursery() as nursery:
@@ -547,8 +547,7 @@ async def test_write_behind_budget_bounds_writes_spread_over_files() -> None:
 
     import trio
 
-    from kvfs._fuse_behind import Budget as WriteBudget
-    from kvfs._fuse_behind import WriteBehind
+    from kvfs._fuse_behind import BehindBudget, WriteBehind
 
     gate = threading.Event()
     written: list[int] = []
@@ -557,7 +556,7 @@ async def test_write_behind_budget_bounds_writes_spread_over_files() -> None:
         assert gate.wait(10)
         written.append(len(buf))
 
-    budget = WriteBudget(3 * MiB)
+    budget = BehindBudget(3 * MiB)
     files = [WriteBehind(write, 8, budget) for _ in range(5)]
     submitted = 0
 
