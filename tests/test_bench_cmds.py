@@ -54,6 +54,13 @@ def test_bench_fuse_json(
         assert r["ratio_cold_vs_backing"] == r["cold_mount"] / r["cold_backing"]
     assert res["cache_drop"] == "fadvise"
     assert list(tmp_path.iterdir()) == []
+    # --repeat: each figure is the median of the rounds, which --json lists
+    args = ["bench", "fuse", "--sizes", "1", "--clients", "1", "--total", "1", "--repeat", "3"]
+    assert main([*args, "--dir", str(tmp_path), "--json"]) == 0
+    (r,) = json.loads(capsys.readouterr().out)["results"]
+    assert len(r["rounds"]) == 3
+    for k in ("write_mount", "cold_mount", "ratio_cold_vs_backing", "ratio_warm_vs_plain"):
+        assert r[k] == sorted(x[k] for x in r["rounds"])[1], k
 
 
 def test_bench_archive_json(capsys: pytest.CaptureFixture[str]) -> None:

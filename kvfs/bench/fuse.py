@@ -14,6 +14,8 @@ One run, one scratch directory on one file system, for every page size and clien
 
 Throughput is bytes / wall time for all clients together. Ratios: cold mount / cold backing
 files, warm mount / warm plain files, write mount / plain write (and / plain write+fsync).
+With ``--repeat N`` each cell is measured N times over (fresh pages each round): every
+throughput and ratio shown is the median of the rounds, and ``--json`` has each round.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import contextlib
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -63,6 +66,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         "temp dir); it must be on a disk file system, not tmpfs",
     )
     p.add_argument("--direct-io", action="store_true", help="mount with --direct-io")
+    p.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="measure each cell N times; show the medians (default 1)",
+    )
 
 
 @contextlib.contextmanager
@@ -182,7 +191,12 @@ def _split(items: list[Any], clients: int) -> list[list[Any]]:
 
 
 def run_fuse_bench(
-    sizes: list[int], clients: list[int], total_mib: int, root: Path, direct_io: bool = False
+    sizes: list[int],
+    clients: list[int],
+    total_mib: int,
+    root: Path,
+    direct_io: bool = False,
+    repeat: int = 1,
 ) -> dict[str, Any]:
     import numpy as np
 
@@ -198,53 +212,74 @@ def run_fuse_bench(
             )
             for c in clients:
                 per = max(1, total_mib // (size_mib * c))
-                names = [f"page-{size_mib}-{c}-{i}" for i in range(per * c)]
-                mine = [mp / "bench" / n for n in names]
-                theirs = [plain / n for n in names]
-                (mp / "bench").mkdir(exist_ok=True)
-                log(f"fuse bench: {size_mib} MiB pages, {c} clients, {len(names)} pages")
-                r: dict[str, Any] = {"size_mib": size_mib, "clients": c, "pages": len(names)}
-                r["write_plain"] = _parallel(
-                    [partial(_write_files, ps, size, src, False) for ps in _split(theirs, c)]
-                )
-                for p in theirs:
-                    p.unlink()
-                r["write_plain_fsync"] = _parallel(
-                    [partial(_write_files, ps, size, src, True) for ps in _split(theirs, c)]
-                )
-                r["write_mount"] = _parallel(
-                    [partial(_write_files, ps, size, src, False) for ps in _split(mine, c)]
-                )
-                extents = [_extents(p) for p in mine]
-                backing = sorted({e[0] for page in extents for e in page})
-                all_files = [str(p) for p in theirs] + backing
-                for label, fn, group in (
-                    ("plain", _read_files, theirs),
-                    ("backing", _read_extents, extents),
-                    ("mount", _read_files, mine),
-                ):
-                    method = _drop_caches(all_files + [str(p) for p in mine])
-                    r[f"cold_{label}"] = _parallel([partial(fn, g) for g in _split(group, c)])
-                for label, fn, group in (
-                    ("plain", _read_files, theirs),
-                    ("mount", _read_files, mine),
-                ):
-                    fn(group)  # fill the caches
-                    r[f"warm_{label}"] = _parallel([partial(fn, g) for g in _split(group, c)])
-                r["ratio_cold_vs_backing"] = r["cold_mount"] / r["cold_backing"]
-                r["ratio_warm_vs_plain"] = r["warm_mount"] / r["warm_plain"]
-                r["ratio_write_vs_plain"] = r["write_mount"] / r["write_plain"]
-                r["ratio_write_vs_plain_fsync"] = r["write_mount"] / r["write_plain_fsync"]
+                rounds: list[dict[str, Any]] = []
+                for rnd in range(max(1, repeat)):
+                    names = [f"page-{size_mib}-{c}-{rnd}-{i}" for i in range(per * c)]
+                    log(
+                        f"fuse bench: {size_mib} MiB pages, {c} clients, {len(names)} pages"
+                        + (f", round {rnd + 1}/{repeat}" if repeat > 1 else "")
+                    )
+                    cell, method = _cell(mp, plain, names, size, src, c)
+                    rounds.append(cell)
+                r = {k: statistics.median(x[k] for x in rounds) for k in rounds[0]}
+                r.update(size_mib=size_mib, clients=c, pages=per * c)
+                if repeat > 1:
+                    r["rounds"] = rounds
                 rows.append(r)
-                for p in mine + theirs:
-                    p.unlink()
     return {
         "machine": machine(),
         "direct_io": direct_io,
         "cache_drop": method,
         "io_size": IO,
+        "repeat": max(1, repeat),
         "results": rows,
     }
+
+
+def _cell(
+    mp: Path, plain: Path, names: list[str], size: int, src: memoryview, c: int
+) -> tuple[dict[str, float], str]:
+    """One round of one cell: the writes, the cold and the warm reads, and the ratios (the
+    pages are removed afterwards); and how the page cache was emptied."""
+    mine = [mp / "bench" / n for n in names]
+    theirs = [plain / n for n in names]
+    (mp / "bench").mkdir(exist_ok=True)
+    r: dict[str, float] = {}
+    method = ""
+    r["write_plain"] = _parallel(
+        [partial(_write_files, ps, size, src, False) for ps in _split(theirs, c)]
+    )
+    for p in theirs:
+        p.unlink()
+    r["write_plain_fsync"] = _parallel(
+        [partial(_write_files, ps, size, src, True) for ps in _split(theirs, c)]
+    )
+    r["write_mount"] = _parallel(
+        [partial(_write_files, ps, size, src, False) for ps in _split(mine, c)]
+    )
+    extents = [_extents(p) for p in mine]
+    backing = sorted({e[0] for page in extents for e in page})
+    all_files = [str(p) for p in theirs] + backing
+    for label, fn, group in (
+        ("plain", _read_files, theirs),
+        ("backing", _read_extents, extents),
+        ("mount", _read_files, mine),
+    ):
+        method = _drop_caches(all_files + [str(p) for p in mine])
+        r[f"cold_{label}"] = _parallel([partial(fn, g) for g in _split(group, c)])
+    for label, fn, group in (
+        ("plain", _read_files, theirs),
+        ("mount", _read_files, mine),
+    ):
+        fn(group)  # fill the caches
+        r[f"warm_{label}"] = _parallel([partial(fn, g) for g in _split(group, c)])
+    r["ratio_cold_vs_backing"] = r["cold_mount"] / r["cold_backing"]
+    r["ratio_warm_vs_plain"] = r["warm_mount"] / r["warm_plain"]
+    r["ratio_write_vs_plain"] = r["write_mount"] / r["write_plain"]
+    r["ratio_write_vs_plain_fsync"] = r["write_mount"] / r["write_plain_fsync"]
+    for p in mine + theirs:
+        p.unlink()
+    return r, method
 
 
 def _main(args: argparse.Namespace) -> int:
@@ -253,7 +288,7 @@ def _main(args: argparse.Namespace) -> int:
     base = Path(args.dir) if args.dir else Path(tempfile.gettempdir())
     root = Path(tempfile.mkdtemp(prefix="kvfs-bench-fuse-", dir=base))
     try:
-        out = run_fuse_bench(sizes, clients, args.total, root, args.direct_io)
+        out = run_fuse_bench(sizes, clients, args.total, root, args.direct_io, args.repeat)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     if args.json:
@@ -297,6 +332,7 @@ def _main(args: argparse.Namespace) -> int:
     )
     print(
         f"\nGB/s; cold caches dropped with {out['cache_drop']}; "
-        f"{'direct_io' if out['direct_io'] else 'page cache'} mount; 1 MiB I/O calls."
+        f"{'direct_io' if out['direct_io'] else 'page cache'} mount; 1 MiB I/O calls"
+        + (f"; medians of {out['repeat']} rounds." if out["repeat"] > 1 else ".")
     )
     return 0
