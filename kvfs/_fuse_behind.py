@@ -16,9 +16,9 @@ The first failure is kept and raised by the next ``submit``, and by ``drain`` (w
 commit calls), so a file that lost a write is never published: the error comes back from a
 later ``write`` or from ``close``. Writes queued after a failure are dropped.
 
-A mount-wide :class:`BehindBudget` bounds the bytes queued over all files: a writer that spreads
-its writes over many files at once (a layer per file) waits for room as one that fills one
-file's queue does, instead of the daemon holding ``depth`` writes for every file.
+A mount-wide :class:`BehindBudget` bounds the bytes queued over all files: a writer that
+spreads its writes over many files at once (a layer per file) waits for room as one that
+fills one file's queue does, instead of the daemon holding ``depth`` writes for every file.
 """
 
 from __future__ import annotations
