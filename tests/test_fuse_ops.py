@@ -434,7 +434,7 @@ async def test_data_files_are_read_past_their_page_cache_for_cached_files(
     fd, odirect = open_direct(files[0], os.O_RDONLY)
     os.close(fd)
     if not odirect:
-        pytest.skip(f"{files[0]} is on a file system without O_DIRECT (tmpfs?)")
+        pytest.skip(f"{files[0]} is on a file system without O_DIRECT (tmpfs?); CI's /tmp has it")
     for path in files:  # written through the page cache: empty it (the files are synced)
         fd = os.open(path, os.O_RDONLY)
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
