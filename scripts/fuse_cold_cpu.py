@@ -4,13 +4,15 @@ A diagnostic for the cold-read gap of ``kvfs bench fuse`` (``docs/benchmarks.md`
 mount): mounts a fresh store with a ``kvfs mount`` daemon, writes ``--pages`` pages of
 ``--mib`` MiB through it, then ``--rounds`` times drops the page cache and reads every page
 with 1 MiB reads, each time after reading the same bytes cold from the data files (the
-baseline of ``kvfs bench fuse``). It prints both throughputs, the CPU time of each of the daemon's threads
-(the FUSE loop is the thread named ``python``; the others are its worker threads) as a share
-of the reading time, and the whole machine's user, system, I/O-wait and idle time during
-the reads only. ``--warm-backing`` reads the data files once after each drop, so that the
-daemon's own disk reads hit the page cache: what the mount gives when the disk is not the
-limit. ``--read-ahead-kb N`` sets the mount's kernel read-ahead (the daemon sets 1024) once
-it is up: how many read requests the kernel keeps in flight for one reader.
+baseline of ``kvfs bench fuse``). It prints both throughputs, the CPU time of each of the
+daemon's threads (the FUSE loop is the thread named ``python``; the others are its worker
+threads) as a share of the reading time, and the whole machine's user, system, I/O-wait and
+idle time during the reads only. ``--warm-backing`` reads the data files once after each
+drop, into their page cache: before the daemon read them with O_DIRECT (commit 4b8c2ac)
+its reads then hit memory, which showed what the mount gave when the disk was not the
+limit; since then the daemon reads past that cache, so the option shows no difference.
+``--read-ahead-kb N`` sets the mount's kernel read-ahead (the daemon sets 1024) once it is
+up: how many read requests the kernel keeps in flight for one reader.
 
     .venv/bin/python scripts/fuse_cold_cpu.py
     .venv/bin/python scripts/fuse_cold_cpu.py --warm-backing
