@@ -106,6 +106,7 @@ class KvfsOperations(FileOps, pyfuse3.Operations):
         self.settling: dict[str, trio.Event] = {}
         self.handles: dict[int, Handle] = {}
         self._next_fh = 1
+        self._stale: dict[str, float] = {}  # path -> when an open of it was answered ESTALE
         #: writes accepted ahead of the disk per file being written (0: off); needs a nursery
         self.write_behind = write_behind
         #: bytes accepted ahead of the disk over all files being written, at most

@@ -53,6 +53,7 @@ class FileOps:
     settling: dict[str, trio.Event]
     handles: dict[int, Handle]
     _next_fh: int
+    _stale: dict[str, float]
     read_ahead: int
     read_ahead_budget: AheadBudget
     write_behind: int
@@ -75,6 +76,18 @@ class FileOps:
         # direct_io file has no cache but theirs.
         assert h.held is not None
         return self.engine.read_held(*h.held, off, size, buffered=h.direct)
+
+    def _first_stale(self, path: str) -> bool:
+        """True (and remembered for a second) unless ``path`` was answered ESTALE in the
+        last second: the kernel retries an open once, so a second ESTALE would reach the
+        caller."""
+        now = time.monotonic()
+        if len(self._stale) > 1024:
+            self._stale = {p: t for p, t in self._stale.items() if now - t < 1.0}
+        if now - self._stale.get(path, float("-inf")) < 1.0:
+            return False
+        self._stale[path] = now
+        return True
 
     def _fh(self, h: Handle) -> int:
         fh, self._next_fh = self._next_fh, self._next_fh + 1
@@ -148,14 +161,19 @@ class FileOps:
         # open + close 0.30-0.31 -> 0.18-0.26 ms on the dev VM). Data I/O stays in threads.
         held = lease.__enter__()
         direct = self.direct_io or node.uncached
-        if held[1].hash != node.page.hash:
+        if held[1].hash != node.page.hash or node.uncached:
             # The name was replaced after the kernel looked it up (an open racing a rename):
-            # the old bytes are gone, so this open gets the new ones, past the page cache,
-            # which may hold the old content for this inode. So does every later open of
-            # this inode (a cached open would mix cached old pages with new ones), and the
-            # name gets a fresh inode, with an empty cache, at its next lookup.
+            # this inode's page cache may hold the old bytes, so it must never serve the new
+            # ones cached. The name gets a fresh inode at its next lookup, and ESTALE makes
+            # the kernel redo this open's lookup with revalidation (namei's LOOKUP_REVAL
+            # retry), which finds it: the caller's open then succeeds, mmap included. If
+            # the retry races again, that open gets the new bytes past the page cache
+            # (direct_io: read works, mmap fails with ENODEV) instead of a second ESTALE.
             node.page, node.uncached, direct = held[0], True, True
             self.table.unbind(node)
+            if not self.direct_io and self._first_stale(node.path):
+                await self._thread(lease.__exit__, None, None, None)
+                raise fuse_error(errno.ESTALE)
         h = Handle(node, lease=lease, held=held, direct=direct)
         if self.nursery is not None and self.read_ahead > 0:
             h.ahead = ReadAhead(

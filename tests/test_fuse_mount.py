@@ -373,6 +373,21 @@ def test_concurrent_publishers_and_readers(mnt: Path) -> None:
     assert sorted(x for x in os.listdir(mnt) if x.startswith("shared")) == ["shared"]
 
 
+def test_mmap_of_a_name_replaced_behind_the_mount(make_mount: object) -> None:
+    """An open through a dentry the kernel still caches for the replaced page is answered
+    ESTALE; the kernel redoes the lookup and opens the new page normally, so mmap (which a
+    page-cache-bypassing open refuses with ENODEV) works and shows the new bytes."""
+    m = make_mount()  # type: ignore[operator]
+    old, new = b"o" * 8192, b"n" * 12288
+    write(m.mp / "r", old)
+    assert (m.mp / "r").read_bytes() == old  # the kernel now caches the name (1 s)
+    with kvfs.open_remote_store_sync(m.data / "kvfs.sock") as st:
+        st.put("r", new, replace=True)
+    for _ in range(2):
+        with open(m.mp / "r", "rb") as f, mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as mm:
+            assert mm[:] == new
+
+
 def test_enospc_with_small_capacity(make_mount: object) -> None:
     m = make_mount("small", "--capacity", "8MiB", "--stripe-unit", "1MiB")  # type: ignore[operator]
     with pytest.raises(OSError) as ei:
