@@ -621,13 +621,17 @@ class ArchivingPolicy(TieringPolicy):
             )
         return out
 
-    async def _restore_many(self, blobs: list[BlobRow], progress: Progress | None = None) -> int:
+    async def _restore_many(
+        self, blobs: list[BlobRow], progress: Progress | None = None, missing_ok: bool = False
+    ) -> int:
         """Restore blobs: in the upload worker processes when there are any (each worker
         downloads, decodes, verifies and writes its batch's files; see
         :meth:`_restore_in_workers`), else in this process (:meth:`_restore_here`). The
         local copies are committed in batches, so a session costs a few index fsyncs, not
         one per page. Concurrent readers of these blobs wait for them (one download).
-        Returns bytes restored; raises the first error after every blob has been tried."""
+        Returns bytes restored; raises the first error after every blob has been tried.
+        With ``missing_ok`` a blob deleted meanwhile (PageNotFound) is no error: a session's
+        restore brings back what the session still holds."""
         from ._uploader import _wait
 
         owned: dict[bytes, Future[BlobRow]] = {}
@@ -679,6 +683,9 @@ class ArchivingPolicy(TieringPolicy):
         for fut in [*owned.values(), *others]:
             try:
                 total += (await _wait(fut)).size
+            except PageNotFound as e:
+                if not missing_ok:
+                    first = first or e
             except Exception as e:
                 first = first or e
         if first is not None:
@@ -891,7 +898,7 @@ class ArchivingPolicy(TieringPolicy):
         if not known:  # nothing to start on before the manifest says what the session holds
             await self.spiller.import_session(d)
             later = await trio.to_thread.run_sync(self._archived_blobs, d)
-            return await self._restore_many(later, progress)
+            return await self._restore_many(later, progress, missing_ok=True)
         # The pages this index already knows come back while the manifest is fetched (a
         # round trip to the archive, ~6 ms of a 100 ms restore on loopback); pages only the
         # manifest names (another host added them) follow. As before, every page is tried
@@ -915,7 +922,7 @@ class ArchivingPolicy(TieringPolicy):
         async with trio.open_nursery() as n:
             n.start_soon(fetch_manifest)
             try:
-                done = await self._restore_many(known, first)
+                done = await self._restore_many(known, first, missing_ok=True)
             except Exception as e:
                 errors.append(e)
         later = await trio.to_thread.run_sync(self._archived_blobs, d, {b.hash for b in known})
@@ -923,7 +930,7 @@ class ArchivingPolicy(TieringPolicy):
             base = first_total[0]
             more = None if progress is None else (lambda i, t: progress(base + i, base + t))
             try:
-                done += await self._restore_many(later, more)
+                done += await self._restore_many(later, more, missing_ok=True)
             except Exception as e:
                 errors.append(e)
         if errors:

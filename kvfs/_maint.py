@@ -48,7 +48,7 @@ def delete(eng: Engine, k: PageKey) -> None:
 def delete_session(eng: Engine, session: str) -> int:
     d = session_dir(session)
     if eng.index.session(d) is None:
-        raise SessionNotFound(f"no session {session!r}")
+        raise SessionNotFound(f"no session {d!r}")
     gone, freed = eng.index.delete_pages(p.path for p in eng.index.pages(session=d))
     _after_delete(eng, gone, freed)
     with eng.index.transaction() as db:
@@ -102,7 +102,7 @@ def evict(eng: Engine, target: PageKey | str | None, session: str | None, reason
     if session is not None:
         d = session_dir(session)
         if eng.index.session(d) is None:
-            raise SessionNotFound(f"no session {session!r}")
+            raise SessionNotFound(f"no session {d!r}")
         hashes = {p.hash for p in eng.index.pages(session=d)}
     elif target is not None:
         p = eng.index.page(as_key(target).path)

@@ -321,6 +321,30 @@ def test_known_pages_come_back_while_the_manifest_is_fetched(make_config, archiv
         assert all(s.get(k) == v for k, v in data.items())
 
 
+def test_a_page_deleted_during_its_sessions_restore_is_no_error(
+    make_config, archive_url: str
+) -> None:  # noqa: ANN001
+    """A session's restore brings back what the session still holds: a page deleted after
+    the restore listed it (an engine's unlink racing `kvfs restore`) is left out."""
+    with kvfs.open_store_sync(archived_cfg(make_config, archive_url)) as s:
+        data = fill(s, "a", 3)
+        s.spill("a")
+        policy = s.engine.policy  # type: ignore[attr-defined]
+        listed = policy._archived_blobs
+        gone = next(iter(data))
+
+        def then_delete(d: str, *skip: object) -> object:
+            rows = listed(d, *skip)
+            if not skip:
+                s.engine.delete(gone)
+            return rows
+
+        policy._archived_blobs = then_delete
+        assert s.restore("a") == sum(len(v) for k, v in data.items() if k != gone)
+        assert not s.exists(gone)
+        assert all(s.get(k) == v for k, v in data.items() if k != gone)
+
+
 def test_unreadable_manifest_fails_the_restore_after_the_known_pages(
     make_config, archive_url: str
 ) -> None:  # noqa: ANN001
