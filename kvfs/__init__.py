@@ -11,6 +11,7 @@ The object API::
 from ._aligned import aligned_buffer
 from ._checksum import checksum
 from ._config import StoreConfig, parse_size
+from ._control import DaemonUnavailable
 from ._engine import Engine, PageWriter
 from ._errors import (
     ArchiveUnavailable,
@@ -36,6 +37,7 @@ __all__ = [
     "ArchiveUnavailable",
     "CapacityExceeded",
     "CorruptPage",
+    "DaemonUnavailable",
     "DeviceStatistics",
     "Engine",
     "Extent",

@@ -14,7 +14,8 @@ import pytest
 import trio
 
 import kvfs
-from kvfs._control import DaemonUnavailable, control_service, encode, read_frame_sync
+from kvfs import DaemonUnavailable  # public: engines catch it
+from kvfs._control import control_service, encode, read_frame_sync
 from kvfs._metrics import metrics_service, render_metrics
 from kvfs._remote import RemoteStore, SyncRemoteStore, open_remote_store
 
