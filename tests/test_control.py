@@ -88,6 +88,12 @@ async def test_errors_keep_their_class(
         n.cancel_scope.cancel()
     events = [rec.getMessage() for rec in caplog.records if rec.name == "kvfs.events"]
     assert any(e.startswith("event=error method=get") and "PageNotFound" in e for e in events)
+    # the caller's mistakes, spill without an archive tier included, are warnings: a
+    # daemon's log at ERROR is for what went wrong in the daemon
+    levels = {
+        r.getMessage().split()[1]: r.levelname for r in caplog.records if r.name == "kvfs.events"
+    }
+    assert levels["method=spill"] == levels["method=get"] == "WARNING", levels
 
 
 async def test_spill_restore_evict_are_logged(
