@@ -29,14 +29,14 @@ import threading
 import time
 from collections.abc import Awaitable, Callable, Collection
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import trio
 
 from ._checksum import leaves_of, tree_hash
 from ._codec import CodecChoice, elem_size, encode
-from ._errors import ArchiveUnavailable, CapacityExceeded, CorruptPage, PageNotFound
+from ._errors import ArchiveUnavailable, CapacityExceeded, CorruptPage, KvfsError, PageNotFound
 from ._events import log_event
 from ._index import BlobRow, PageRow
 from ._local import fsync_dir
@@ -531,6 +531,8 @@ class ArchivingPolicy(TieringPolicy):
 
     def _restore_one(self, blob: BlobRow) -> BlobRow:
         cur = self.engine.index.blob(blob.hash)
+        if cur is None and self.engine.is_leased(blob.hash):
+            return self._restore_unlisted(blob)
         if cur is None:
             raise PageNotFound(f"page data {blob.hash.hex()[:16]} was deleted")
         if cur.local:
@@ -542,17 +544,43 @@ class ArchivingPolicy(TieringPolicy):
             raise got
         return got
 
+    def _restore_unlisted(self, blob: BlobRow) -> BlobRow:
+        """A local copy of archive-only data whose pages were deleted while a reader holds
+        it (a file open on the mount, then unlinked or replaced: POSIX keeps it readable).
+        The copy is written like any restore but named by no index row; it counts against
+        the capacity and its files go when the last lease ends. The archive object outlives
+        the deletion while the data is leased (:meth:`Spiller.flush_pending`)."""
+        eng = self.engine
+        held = eng.unlisted_copy(blob.hash)
+        if held is not None:
+            return held
+        x = self._stage(blob, self.call(self._get_object, blob))
+        row = replace(blob, extents=x.extents, disk_bytes=x.disk, refs=0)
+        with eng._cap_lock:
+            eng.reserved -= x.need
+            eng._account(row, +1)
+        eng._drop_files(row)  # deferred until the last lease ends (now, if it just did)
+        return row
+
     async def _get_object(self, blob: BlobRow) -> bytes:
         from objectstore import ObjectNotFound
 
         try:
             obj = await self.store.get(blob_key(blob.hash))
         except ObjectNotFound:
-            raise self.engine.corrupt_read(
-                f"archive object {blob_key(blob.hash)} is missing from {self.store.url}"
+            raise self._missing(
+                blob.hash, f"archive object {blob_key(blob.hash)} is missing from {self.store.url}"
             ) from None
         assert isinstance(obj, bytes)
         return obj
+
+    def _missing(self, h: bytes, message: str) -> KvfsError:
+        """The error for an archive object found missing: PageNotFound when its data was
+        deleted meanwhile (no page names it, no reader holds it: the object went with it),
+        else a corrupt read (counted and logged)."""
+        if self.engine.index.blob(h) is None and not self.engine.is_leased(h):
+            return PageNotFound(f"page data {h.hex()[:16]} was deleted during its restore")
+        return self.engine.corrupt_read(message)
 
     def _stage(self, blob: BlobRow, obj: bytes) -> _Staged:
         """Decode and verify an object, then write it as durable local files that no index
@@ -770,7 +798,7 @@ class ArchivingPolicy(TieringPolicy):
                 if r.error is not None:
                     err = r.error
                     if isinstance(err, MissingObject):
-                        err = self.engine.corrupt_read(str(err))
+                        err = self._missing(r.h, str(err))
                     elif isinstance(err, CorruptPage):
                         self._count_corrupt(str(err))
                     settle(r.h, err)  # the worker left no files; release() frees the room

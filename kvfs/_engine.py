@@ -356,6 +356,12 @@ class Engine:
             self._cap_changed.notify_all()
 
     # -- leases -----------------------------------------------------------------------
+    def unlisted_copy(self, h: bytes) -> BlobRow | None:
+        """A local copy of leased data that no index row names any more (deleted while a
+        reader held it), waiting for its last lease to end; None if there is none."""
+        with self._cap_lock:
+            return next((b for b in self._deferred.get(h, ()) if b.local), None)
+
     def is_leased(self, h: bytes) -> bool:
         with self._cap_lock:
             return self._leases[h] > 0

@@ -159,11 +159,17 @@ class ArchiveIndex:
     # -- import from another host's manifest ---------------------------------------------
     def import_manifest(self, m: dict) -> int:
         """Add the manifest's pages that this index does not have, as archive-only data.
-        Returns the number of pages added. One transaction: all or nothing."""
+        Returns the number of pages added. One transaction: all or nothing. Nothing is added
+        while this host has a rewrite of the session's manifest queued (it deleted or
+        renamed pages since the manifest was fetched: they must not come back)."""
         d = m["session"]
         now = time.time()
         added = 0
         with self.index.transaction() as db:
+            if db.execute(
+                "SELECT 1 FROM archive_pending WHERE kind='manifest' AND k=?", (d,)
+            ).fetchone():
+                return 0
             for p in m["pages"]:
                 if db.execute("SELECT 1 FROM pages WHERE path=?", (p["path"],)).fetchone():
                     continue

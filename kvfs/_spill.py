@@ -179,6 +179,8 @@ class Spiller:
                 referenced.update(bytes(p["hash"]).hex() for p in m["pages"])
         gone = []
         for hx in forget:
+            if self.engine.is_leased(bytes.fromhex(hx)):
+                continue  # a reader holds it (an open file): stays queued for a later pass
             b = await _thread(self.engine.index.blob, bytes.fromhex(hx))
             if b is None and hx not in referenced:
                 await self.store.delete(blob_key(bytes.fromhex(hx)))
@@ -230,6 +232,10 @@ class Spiller:
         index nor the archive knows the session."""
         from objectstore import ObjectNotFound
 
+        if d in await _thread(self.aindex.pending, "manifest"):
+            # This host changed the session (a delete, a rename) since its manifest was
+            # written: importing the stale one would bring deleted pages back. Write it now.
+            await self.write_manifest(d)
         try:
             raw = await self.store.get(manifest_key(d))
         except ObjectNotFound:

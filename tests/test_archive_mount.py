@@ -90,3 +90,49 @@ async def test_a_damaged_local_copy_heals_through_the_mount(
                 assert st.corrupt_reads >= 1 and st.extra["archive"]["blobs_healed"] == 1
             finally:
                 nursery.cancel_scope.cancel()
+
+
+async def test_an_open_spilled_file_stays_readable_after_its_unlink(
+    make_config: Callable[..., kvfs.StoreConfig], tmp_path: Path
+) -> None:
+    """POSIX keeps an unlinked file readable through the descriptors open on it. For a page
+    held only in the archive, the object outlives the unlink while the file is open, the
+    read brings back a copy no index row names, and that copy goes with the last close."""
+    cfg = make_config(
+        ndev=1,
+        archive_url=f"file://{tmp_path / 'archive'}",
+        extra={"archive": {"interval": 0.05, "idle_seconds": 3600}},
+    )
+    mp = tmp_path / "mnt"
+    mp.mkdir()
+    k, data = PageKey.semantic("agent", "p0", 0), os.urandom(3 << 20)
+    async with kvfs.open_store(cfg) as store:
+        await store.put(k, data)
+        obj = tmp_path / "archive" / "blobs" / (await store.stat(k)).checksum
+        await store.spill("agent")
+        async with trio.open_nursery() as nursery:
+            await nursery.start(serve_mount, store, mp, MountOptions(auto_unmount=False))
+            try:
+
+                def unlink_then_read() -> tuple[bytes, bytes]:
+                    # (no mmap here: copying from a mapping holds the GIL through the page
+                    # faults this process's own mount must answer; see _kvfs_mount.py)
+                    with open(mp / k.path, "rb") as f, open(mp / k.path, "rb") as g:
+                        os.unlink(mp / k.path)
+                        assert not (mp / k.path).exists()
+                        tail = os.pread(g.fileno(), 1 << 20, len(data) - (1 << 20))
+                        return f.read(), tail
+
+                got, tail = await trio.to_thread.run_sync(unlink_then_read)
+                assert got == data and tail == data[-(1 << 20) :]
+                assert not await store.exists(k)
+                assert obj.exists()
+                # closed (the kernel sends the release after close returns): the unnamed
+                # copy goes, and the object with the spiller's next pass
+                with trio.fail_after(10):
+                    while (await store.statistics()).used_bytes or obj.exists():
+                        await trio.sleep(0.05)
+                blobs = cfg.data_dirs[0] / "blobs"
+                assert not [f for f in blobs.rglob("*") if f.is_file()]
+            finally:
+                nursery.cancel_scope.cancel()
