@@ -226,10 +226,10 @@ async def _dispatch(
         result = True if method == "ping" else await getattr(store, method)(*args, **kwargs)
     except Exception as e:  # noqa: BLE001 - every failure goes back to the client
         # A caller's mistake (no such page, bad key, spill or restore where no archive tier
-        # is configured) is a warning; anything else an error.
-        expected = isinstance(e, (FileNotFoundError, FileExistsError, ValueError)) or (
-            isinstance(e, _errors.ArchiveUnavailable) and not store.engine.config.archive_url
-        )
+        # is configured) or a full cache (the capacity) is a warning; anything else an error.
+        expected = isinstance(
+            e, (FileNotFoundError, FileExistsError, ValueError, _errors.CapacityExceeded)
+        ) or (isinstance(e, _errors.ArchiveUnavailable) and not store.engine.config.archive_url)
         log_event(
             "error",
             level=logging.WARNING if expected else logging.ERROR,

@@ -334,7 +334,9 @@ def test_restore_does_not_bring_back_a_page_deleted_before_the_manifest_was_rewr
         s.delete(gone)
         assert s.restore("a") == sum(len(v) for k, v in data.items() if k != gone)
         assert not s.exists(gone)
-        assert sorted(i.path for i in s.list(session="a")) == sorted(k.path for k in data if k != gone)
+        assert sorted(i.path for i in s.list(session="a")) == sorted(
+            k.path for k in data if k != gone
+        )
 
 
 @pytest.mark.parametrize("when", ["listed", "checked"])
