@@ -20,16 +20,25 @@ if not os.path.exists("/dev/fuse") or shutil.which("fusermount3") is None:  # pr
     pytest.fail("these tests need /dev/fuse and fusermount3", pytrace=False)
 
 
-async def test_read_spilled_pages_through_mount(
-    make_config: Callable[..., kvfs.StoreConfig], tmp_path: Path
-) -> None:
+def spilling_store(
+    make_config: Callable[..., kvfs.StoreConfig], tmp_path: Path, ndev: int
+) -> tuple[kvfs.StoreConfig, Path]:
+    """A store with a file:// archive whose spiller runs every 50 ms but finds nothing cold
+    (spills are asked for), and an empty mountpoint."""
     cfg = make_config(
-        ndev=2,
+        ndev=ndev,
         archive_url=f"file://{tmp_path / 'archive'}",
         extra={"archive": {"interval": 0.05, "idle_seconds": 3600}},
     )
     mp = tmp_path / "mnt"
     mp.mkdir()
+    return cfg, mp
+
+
+async def test_read_spilled_pages_through_mount(
+    make_config: Callable[..., kvfs.StoreConfig], tmp_path: Path
+) -> None:
+    cfg, mp = spilling_store(make_config, tmp_path, ndev=2)
     pages = {PageKey.semantic("agent", "p0", i): os.urandom(300_000 + i) for i in range(3)}
     async with kvfs.open_store(cfg) as store:
         for k, v in pages.items():
@@ -98,13 +107,7 @@ async def test_an_open_spilled_file_stays_readable_after_its_unlink(
     """POSIX keeps an unlinked file readable through the descriptors open on it. For a page
     held only in the archive, the object outlives the unlink while the file is open, the
     read brings back a copy no index row names, and that copy goes with the last close."""
-    cfg = make_config(
-        ndev=1,
-        archive_url=f"file://{tmp_path / 'archive'}",
-        extra={"archive": {"interval": 0.05, "idle_seconds": 3600}},
-    )
-    mp = tmp_path / "mnt"
-    mp.mkdir()
+    cfg, mp = spilling_store(make_config, tmp_path, ndev=1)
     k, data = PageKey.semantic("agent", "p0", 0), os.urandom(3 << 20)
     async with kvfs.open_store(cfg) as store:
         await store.put(k, data)
