@@ -23,6 +23,7 @@ single indexed reads itself (a lookup costs less than the hop to a thread, docs/
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import sqlite3
@@ -221,6 +222,9 @@ class Index:
         self._gc_lock = threading.Lock()  # the group-commit queue (see commit_page)
         self._gc_queue: list[_Pending] = []
         self._gc_leading = False
+        #: per session: how many times pages left it (delete, rename away or over), bumped
+        #: inside the transaction that does it (the archive's import compares it)
+        self.removals: collections.Counter[str] = collections.Counter()
         self._db = sqlite3.connect(
             str(path), check_same_thread=False, isolation_level=None, timeout=30
         )
@@ -598,6 +602,7 @@ class Index:
                 if r is None:
                     continue
                 p = _page(r)
+                self.removals[p.session] += 1
                 db.execute("DELETE FROM pages WHERE path=?", (path,))
                 gone.append(p)
                 b = self._unref(db, p.hash)
@@ -612,6 +617,8 @@ class Index:
             if r is None:
                 raise KeyError(src)
             p = _page(r)
+            self.removals[p.session] += 1
+            self.removals[dst_session] += 1
             freed = None
             old = db.execute("SELECT hash FROM pages WHERE path=?", (dst,)).fetchone()
             if old is not None:

@@ -19,6 +19,7 @@ interrupted is done later, not forgotten.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from urllib.parse import quote, unquote
 
 import msgpack
@@ -157,18 +158,22 @@ class ArchiveIndex:
         ]
 
     # -- import from another host's manifest ---------------------------------------------
-    def import_manifest(self, m: dict) -> int:
+    def import_manifest(self, m: dict, unchanged: Callable[[], bool] = lambda: True) -> int:
         """Add the manifest's pages that this index does not have, as archive-only data.
         Returns the number of pages added. One transaction: all or nothing. Nothing is added
         while this host has a rewrite of the session's manifest queued (it deleted or
-        renamed pages since the manifest was fetched: they must not come back)."""
+        renamed pages since the manifest was fetched: they must not come back), or when
+        ``unchanged()``, asked inside the transaction, says pages left the session since."""
         d = m["session"]
         now = time.time()
         added = 0
         with self.index.transaction() as db:
-            if db.execute(
-                "SELECT 1 FROM archive_pending WHERE kind='manifest' AND k=?", (d,)
-            ).fetchone():
+            if (
+                db.execute(
+                    "SELECT 1 FROM archive_pending WHERE kind='manifest' AND k=?", (d,)
+                ).fetchone()
+                or not unchanged()
+            ):
                 return 0
             for p in m["pages"]:
                 if db.execute("SELECT 1 FROM pages WHERE path=?", (p["path"],)).fetchone():

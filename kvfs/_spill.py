@@ -48,6 +48,8 @@ class Spiller:
         self.store = policy.store
         self.aindex = policy.aindex
         self._active: set[str] = set()
+        #: per session: the index's removal count its last manifest written here reflects
+        self.written: dict[str, int] = {}
 
     def queue_length(self) -> int:
         return len(self._active) + len(self.aindex.pending("manifest"))
@@ -149,6 +151,7 @@ class Spiller:
         """Write (or delete, when nothing of it is archived) the manifest of session ``d``."""
         with self.policy._lock:
             codecs = dict(self.policy.codecs)
+        seen = self.engine.index.removals[d]  # what this manifest reflects, at least
         m = await trio.to_thread.run_sync(
             lambda: build_manifest(self.engine.index, d, self.engine.store_id, codecs)
         )
@@ -156,6 +159,7 @@ class Spiller:
             await self.store.delete(manifest_key(d))
         else:
             await self.store.put(manifest_key(d), msgpack.packb(m, use_bin_type=True))
+        self.written[d] = max(self.written.get(d, 0), seen)
         await _thread(self.aindex.done, "manifest", [d])
 
     # -- keeping the archive in step with deletes --------------------------------------------
@@ -236,6 +240,12 @@ class Spiller:
             # This host changed the session (a delete, a rename) since its manifest was
             # written: importing the stale one would bring deleted pages back. Write it now.
             await self.write_manifest(d)
+        # Nor may a delete that lands while the manifest is fetched, or one this host made
+        # and has not written yet (its rewrite not even queued): the import adds nothing
+        # unless every removal from the session is in a manifest written before the fetch.
+        removals = self.engine.index.removals
+        at_fetch = removals[d]
+        written = self.written.get(d, 0) >= at_fetch
         try:
             raw = await self.store.get(manifest_key(d))
         except ObjectNotFound:
@@ -246,7 +256,9 @@ class Spiller:
             m = parse_manifest(raw)  # type: ignore[arg-type]
         except ValueError as e:
             raise CorruptPage(f"manifest of {d!r} in {self.store.url} is unreadable: {e}") from e
-        return await _thread(self.aindex.import_manifest, m)
+        return await _thread(
+            self.aindex.import_manifest, m, lambda: written and removals[d] == at_fetch
+        )
 
     # -- background -------------------------------------------------------------------------
     async def run(self) -> None:

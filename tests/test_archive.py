@@ -339,7 +339,7 @@ def test_restore_does_not_bring_back_a_page_deleted_before_the_manifest_was_rewr
         )
 
 
-@pytest.mark.parametrize("when", ["listed", "checked"])
+@pytest.mark.parametrize("when", ["listed", "fetched", "checked"])
 def test_a_page_deleted_during_its_sessions_restore_is_no_error(
     make_config, archive_url: str, when: str
 ) -> None:  # noqa: ANN001
@@ -361,6 +361,18 @@ def test_a_page_deleted_during_its_sessions_restore_is_no_error(
                 return rows
 
             policy._archived_blobs = then_delete
+        elif when == "fetched":  # the old manifest is in hand; the rewrite lands before import
+            from kvfs._manifest import manifest_key
+
+            fetch = policy.store.get
+
+            async def then_delete_fetched(key: str, *a: object, **kw: object) -> object:
+                raw = await fetch(key, *a, **kw)
+                if key == manifest_key("sessions/a") and s.exists(gone):
+                    await trio.to_thread.run_sync(s.engine.delete, gone)
+                return raw
+
+            policy.store.get = then_delete_fetched
         else:
             from kvfs._manifest import blob_key
 
