@@ -256,7 +256,7 @@ class Chaos:
             os.unlink(self.mp / name)
             self.bump("unlink")
         except FileNotFoundError:
-            pass
+            self.bump("unlink: ENOENT")  # the name was not there (never written, or gone)
         except OSError as e:
             self.oserror("unlink", e)
         time.sleep(0.05)
