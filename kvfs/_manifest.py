@@ -161,19 +161,13 @@ class ArchiveIndex:
     def import_manifest(self, m: dict, unchanged: Callable[[], bool] = lambda: True) -> int:
         """Add the manifest's pages that this index does not have, as archive-only data.
         Returns the number of pages added. One transaction: all or nothing. Nothing is added
-        while this host has a rewrite of the session's manifest queued (it deleted or
-        renamed pages since the manifest was fetched: they must not come back), or when
-        ``unchanged()``, asked inside the transaction, says pages left the session since."""
+        when ``unchanged()``, asked inside the transaction, is False: pages left the session
+        here that the manifest may still name, and they must not come back."""
         d = m["session"]
         now = time.time()
         added = 0
         with self.index.transaction() as db:
-            if (
-                db.execute(
-                    "SELECT 1 FROM archive_pending WHERE kind='manifest' AND k=?", (d,)
-                ).fetchone()
-                or not unchanged()
-            ):
+            if not unchanged():
                 return 0
             for p in m["pages"]:
                 if db.execute("SELECT 1 FROM pages WHERE path=?", (p["path"],)).fetchone():

@@ -183,11 +183,12 @@ class Spiller:
                 referenced.update(bytes(p["hash"]).hex() for p in m["pages"])
         gone = []
         for hx in forget:
-            if self.engine.is_leased(bytes.fromhex(hx)):
+            h = bytes.fromhex(hx)
+            if self.engine.is_leased(h):
                 continue  # a reader holds it (an open file): stays queued for a later pass
-            b = await _thread(self.engine.index.blob, bytes.fromhex(hx))
+            b = await _thread(self.engine.index.blob, h)
             if b is None and hx not in referenced:
-                await self.store.delete(blob_key(bytes.fromhex(hx)))
+                await self.store.delete(blob_key(h))
                 log_event("archive-delete", content=hx[:16], reason="last-reference")
             gone.append(hx)
         await _thread(self.aindex.done, "forget", gone)
