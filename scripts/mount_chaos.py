@@ -194,8 +194,7 @@ class Chaos:
         g = self.gen()
         data = page(name, g, random.choice([4096, 100_000, 300_000, MiB, 3 * MiB]))
         try:
-            with contextlib.suppress(FileExistsError):
-                (self.mp / d).mkdir(exist_ok=True)
+            (self.mp / d).mkdir(exist_ok=True)
             if random.random() < 0.5:
                 tmp = self.mp / d / f".tmp{g}"
                 with open(tmp, "wb") as f:
@@ -354,7 +353,11 @@ class Chaos:
             stuck = [t for t in threads if t.is_alive()]
             if stuck:
                 self.error(f"{len(stuck)} worker threads still blocked after 120 s")
-        self.final_check()
+        try:
+            self.final_check()
+        finally:
+            if self.mount is not None:  # a no-op once final_check stopped it
+                self.mount.stop()
         enodev = self.counts.get("read by mmap: ENODEV", 0)
         if enodev > max(3, 0.01 * self.counts.get("read by mmap", 0)):
             self.error(f"mmap failed with ENODEV {enodev} times: more than 1% of mmap reads")
@@ -433,8 +436,6 @@ def main() -> int:
             print("  ", e)
         return 1 if chaos.errors else 0
     finally:
-        if chaos_mount := getattr(locals().get("chaos"), "mount", None):
-            chaos_mount.stop()
         if args.keep:
             print("scratch:", root)
         else:
