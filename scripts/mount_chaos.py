@@ -324,6 +324,11 @@ class Chaos:
                         if op != "ls" or isinstance(e, kvfs.KvfsError):
                             raise  # e.g. a restore failing on a page deleted meanwhile
                         self.bump("ls: ENOENT")
+                    except OSError as e:
+                        if op != "ls" or isinstance(e, kvfs.KvfsError):
+                            raise
+                        # a listing through the mount as the daemon is killed: ENOTCONN...
+                        self.oserror("ls", e)
                     time.sleep(0.1)
         except kvfs.DaemonUnavailable:
             if not self.just_killed() and not self.stop.is_set():
