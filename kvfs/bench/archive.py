@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 
 import kvfs
-from kvfs._codec import encode, shuffle
+from kvfs._codec import CODECS, encode, shuffle
 from kvfs.bench._common import log, machine, new_parser
 
 __all__ = ["register", "run_archive_bench"]
@@ -78,6 +78,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--latency-reads", type=int, default=400, help="reads per latency phase")
     p.add_argument("--level", type=int, default=1, help="zstd level (1, the default)")
+    p.add_argument(
+        "--codec",
+        choices=["auto", *CODECS],
+        default="auto",
+        help="how spilled pages are encoded (auto, the default; raw shows what decoding costs)",
+    )
     p.add_argument(
         "--cpu-slots",
         type=int,
@@ -263,6 +269,7 @@ def run_archive_bench(
                         "interval": 0,
                         "concurrency": args.concurrency,
                         "zstd_level": args.level,
+                        "codec": args.codec,
                         "cpu_slots": args.cpu_slots,
                         "upload_processes": args.upload_processes,
                     }
@@ -467,6 +474,7 @@ def _main(args: argparse.Namespace) -> int:
         "endpoint": where,
         "kv_source": source,
         "zstd_level": args.level,
+        "codec": args.codec,
         "compression": comp,
         **res,
         "wall_s": time.perf_counter() - t0,
@@ -485,7 +493,7 @@ def _print(o: dict[str, Any]) -> None:
 
     print(
         f"kvfs bench archive: {o['endpoint']}; {o['pages']} pages x "
-        f"{o['page_bytes'] / MiB:.1f} MiB, concurrency {o['concurrency']}; MB/s (1e6 B/s)"
+        f"{o['page_bytes'] / MiB:.1f} MiB, concurrency {o['concurrency']}, codec {o['codec']}; MB/s (1e6 B/s)"
     )
     print_table(
         ["", "kvfs", "boto3 alone", "ratio"],
