@@ -16,6 +16,7 @@ the medians of the rounds and the ratios.
 
     .venv/bin/python scripts/fuse_ceiling.py --mib 64 --pages 8 --rounds 5
     .venv/bin/python scripts/fuse_ceiling.py --clients 4
+    .venv/bin/python scripts/fuse_ceiling.py --writeback   # the kernel's writeback cache too
 """
 
 from __future__ import annotations
@@ -38,22 +39,25 @@ from typing import Any
 MiB = 1 << 20
 
 
-def serve_null(mountpoint: str) -> None:
+def serve_null(mountpoint: str, writeback: bool) -> None:
     """Mount the null file system on ``mountpoint`` and serve it until unmounted."""
     import pyfuse3
     import trio
 
     class Null(pyfuse3.Operations):
+        enable_writeback_cache = writeback
+
         def __init__(self) -> None:
             super().__init__()
             self.names: dict[bytes, int] = {}
             self.sizes: dict[int, int] = {}
+            self.last = pyfuse3.ROOT_INODE
 
         def _attr(self, ino: int) -> Any:
             a = pyfuse3.EntryAttributes()
             a.st_ino = ino
-            a.st_mode = (stat.S_IFDIR | 0o755) if ino == pyfuse3.ROOT_INODE else (
-                stat.S_IFREG | 0o644
+            a.st_mode = (
+                (stat.S_IFDIR | 0o755) if ino == pyfuse3.ROOT_INODE else (stat.S_IFREG | 0o644)
             )
             a.st_size = self.sizes.get(ino, 0)
             a.st_blksize = 4096
@@ -69,13 +73,19 @@ def serve_null(mountpoint: str) -> None:
             return self._attr(self.names[name])
 
         async def create(self, parent: int, name: bytes, mode: int, flags: int, ctx: Any) -> Any:
-            ino = self.names[name] = len(self.names) + 2
+            self.last += 1  # inode numbers never come back: the kernel may still know one
+            ino = self.names[name] = self.last
             self.sizes[ino] = 0
             return pyfuse3.FileInfo(fh=ino), self._attr(ino)
 
         async def write(self, fh: int, off: int, buf: bytes) -> int:
             self.sizes[fh] = max(self.sizes[fh], off + len(buf))
             return len(buf)
+
+        async def setattr(self, inode: int, attr: Any, fields: Any, fh: Any, ctx: Any) -> Any:
+            if fields.update_size:  # the writeback cache sets sizes and times itself
+                self.sizes[inode] = attr.st_size
+            return self._attr(inode)
 
         async def flush(self, fh: int) -> None:
             pass
@@ -125,8 +135,8 @@ def empty(where: Path, tag: str, pages: int, clients: int) -> None:
 
 
 def main() -> None:
-    if len(sys.argv) == 3 and sys.argv[1] == "--serve-null":
-        serve_null(sys.argv[2])
+    if len(sys.argv) == 4 and sys.argv[1] == "--serve-null":
+        serve_null(sys.argv[2], sys.argv[3] == "writeback")
         return
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--mib", type=int, default=64, help="page size in MiB (64)")
@@ -134,28 +144,41 @@ def main() -> None:
     ap.add_argument("--clients", type=int, default=1, help="concurrent writers (1)")
     ap.add_argument("--rounds", type=int, default=5, help="counted rounds (5)")
     ap.add_argument("--dir", default="/var/tmp", help="scratch directory on a disk (/var/tmp)")
+    ap.add_argument(
+        "--writeback",
+        action="store_true",
+        help="also a null file system with the kernel's FUSE writeback cache on",
+    )
     args = ap.parse_args()
 
     from kvfs.bench.fuse import _mounted
 
     root = Path(tempfile.mkdtemp(dir=args.dir))
-    plain, null_mp = root / "plain", root / "null"
+    plain = root / "plain"
     plain.mkdir()
-    null_mp.mkdir()
-    null = subprocess.Popen([sys.executable, __file__, "--serve-null", str(null_mp)])
+    nulls = {"null pyfuse3": root / "null"}
+    if args.writeback:
+        nulls["null, writeback"] = root / "null-wb"
+    procs = []
     try:
-        deadline = time.monotonic() + 30
-        while not os.path.ismount(null_mp):
-            if null.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("the null file system did not mount")
-            time.sleep(0.05)
+        for name, mp in nulls.items():
+            mp.mkdir()
+            mode = "writeback" if "writeback" in name else "plain"
+            procs.append(
+                subprocess.Popen([sys.executable, __file__, "--serve-null", str(mp), mode])
+            )
+            deadline = time.monotonic() + 30
+            while not os.path.ismount(mp):
+                if procs[-1].poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"the {name} file system did not mount")
+                time.sleep(0.05)
         with _mounted(root, False) as kv_mp:
             (kv_mp / "pages").mkdir()
             kv = kv_mp / "pages"
             targets: dict[str, tuple[Path, bool]] = {
                 "plain": (plain, False),
                 "plain+fsync": (plain, True),
-                "null pyfuse3": (null_mp, False),
+                **{name: (mp, False) for name, mp in nulls.items()},
                 "kvfs mount": (kv, False),
             }
             got: dict[str, list[float]] = {k: [] for k in targets}
@@ -172,8 +195,10 @@ def main() -> None:
                     line.append(f"{name} {gbps:.2f}")
                 print(f"round {r}{' (warm-up)' if r == 0 else ''}: " + ", ".join(line), flush=True)
     finally:
-        subprocess.run(["fusermount3", "-u", "-z", str(null_mp)], capture_output=True)
-        null.wait(timeout=30)
+        for mp in nulls.values():
+            subprocess.run(["fusermount3", "-u", "-z", str(mp)], capture_output=True)
+        for p in procs:
+            p.wait(timeout=30)
         shutil.rmtree(root, ignore_errors=True)
 
     med: Callable[[str], float] = lambda k: statistics.median(got[k])  # noqa: E731
@@ -182,7 +207,7 @@ def main() -> None:
         f"GB/s, medians of {args.rounds} rounds"
     )
     for k in names:
-        print(f"  {k:13s} {med(k):6.2f}")
+        print(f"  {k:15s} {med(k):6.2f}")
     print(
         f"  null pyfuse3 / plain {med('null pyfuse3') / med('plain'):.2f}x, "
         f"/ plain+fsync {med('null pyfuse3') / med('plain+fsync'):.2f}x\n"
