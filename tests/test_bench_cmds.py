@@ -35,9 +35,10 @@ def test_bench_ttft_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
 def test_bench_fuse_json(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Through a real mount: every figure present and positive, the scratch removed. The
-    cold phases drop only the benchmark's own files from the cache (as a user who is not
-    root gets), not the whole machine's."""
+    """Through a real mount (and the null pyfuse3 file system beside it): every figure
+    present and positive, both unmounted, the scratch removed. The cold phases drop only
+    the benchmark's own files from the cache (as a user who is not root gets), not the whole
+    machine's."""
     from kvfs.bench import fuse
 
     monkeypatch.setattr(fuse, "_drop_caches", fuse._fadvise_dontneed)
@@ -49,11 +50,14 @@ def test_bench_fuse_json(
         (1, 2, 2),
     ]
     for r in res["results"]:
-        for k in ("write_plain", "write_mount", "cold_backing", "cold_mount", "warm_mount"):
+        for k in ("write_plain", "write_null", "write_mount", "cold_backing", "cold_mount"):
             assert r[k] > 0, k
+        assert r["warm_mount"] > 0
         assert r["ratio_cold_vs_backing"] == r["cold_mount"] / r["cold_backing"]
+        assert r["ratio_write_vs_null"] == r["write_mount"] / r["write_null"]
     assert res["cache_drop"] == "fadvise"
     assert list(tmp_path.iterdir()) == []
+    assert "kvfs-null" not in Path("/proc/mounts").read_text()
     # --repeat: each figure is the median of the rounds, which --json lists
     args = ["bench", "fuse", "--sizes", "1", "--clients", "1", "--total", "1", "--repeat", "3"]
     assert main([*args, "--dir", str(tmp_path), "--json"]) == 0

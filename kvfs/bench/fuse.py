@@ -4,8 +4,10 @@ One run, one scratch directory on one file system, for every page size and clien
 
 * **write**: each client writes its pages (each distinct, so nothing is deduplicated) with
   1 MiB ``write`` calls and closes them:
-  through the mount (a close commits the page: checksums, fsync, index commit), and into a
-  plain directory on the same file system, once without and once with ``fsync`` before close;
+  through the mount (a close commits the page: checksums, fsync, index commit), into a
+  plain directory on the same file system, once without and once with ``fsync`` before close,
+  and through a do-nothing pyfuse3 file system (``kvfs/bench/_nullfs.py``: it answers every
+  write and keeps nothing), the most any pyfuse3 mount can write on this machine;
 * **cold read**: page cache dropped first (``/proc/sys/vm/drop_caches`` as root, else
   ``posix_fadvise(DONTNEED)`` on every file); each client reads its pages with 1 MiB
   ``readinto`` calls: through the mount, from the mount's backing files directly (the
@@ -13,7 +15,8 @@ One run, one scratch directory on one file system, for every page size and clien
 * **warm read**: the same reads again with the caches left full.
 
 Throughput is bytes / wall time for all clients together. Ratios: cold mount / cold backing
-files, warm mount / warm plain files, write mount / plain write (and / plain write+fsync).
+files, warm mount / warm plain files, write mount / plain write (and / plain write+fsync,
+/ the null pyfuse3 file system).
 With ``--repeat N`` each cell is measured N times over (fresh pages each round): every
 throughput and ratio shown is the median of the rounds, and ``--json`` has each round.
 """
@@ -37,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from kvfs.bench._common import add_sweep, log, machine, new_parser
+from kvfs.bench._nullfs import null_mount
 
 __all__ = ["register", "run_fuse_bench"]
 
@@ -204,7 +208,8 @@ def run_fuse_bench(
     plain.mkdir()
     rows: list[dict[str, Any]] = []
     method = ""
-    with _mounted(root, direct_io) as mp:
+    (root / "null").mkdir()
+    with _mounted(root, direct_io) as mp, null_mount(root / "null") as null:
         for size_mib in sizes:
             size = size_mib * MiB
             src = memoryview(
@@ -219,7 +224,7 @@ def run_fuse_bench(
                         f"fuse bench: {size_mib} MiB pages, {c} clients, {len(names)} pages"
                         + (f", round {rnd + 1}/{repeat}" if repeat > 1 else "")
                     )
-                    cell, method = _cell(mp, plain, names, size, src, c)
+                    cell, method = _cell(mp, plain, null, names, size, src, c)
                     rounds.append(cell)
                 r = {k: statistics.median(x[k] for x in rounds) for k in rounds[0]}
                 r.update(size_mib=size_mib, clients=c, pages=per * c)
@@ -237,12 +242,13 @@ def run_fuse_bench(
 
 
 def _cell(
-    mp: Path, plain: Path, names: list[str], size: int, src: memoryview, c: int
+    mp: Path, plain: Path, null: Path, names: list[str], size: int, src: memoryview, c: int
 ) -> tuple[dict[str, float], str]:
     """One round of one cell: the writes, the cold and the warm reads, and the ratios (the
     pages are removed afterwards); and how the page cache was emptied."""
     mine = [mp / "bench" / n for n in names]
     theirs = [plain / n for n in names]
+    nothing = [null / n for n in names]
     (mp / "bench").mkdir(exist_ok=True)
     r: dict[str, float] = {}
     method = ""
@@ -254,6 +260,11 @@ def _cell(
     r["write_plain_fsync"] = _parallel(
         [partial(_write_files, ps, size, src, True) for ps in _split(theirs, c)]
     )
+    r["write_null"] = _parallel(
+        [partial(_write_files, ps, size, src, False) for ps in _split(nothing, c)]
+    )
+    for p in nothing:
+        p.unlink()
     r["write_mount"] = _parallel(
         [partial(_write_files, ps, size, src, False) for ps in _split(mine, c)]
     )
@@ -277,6 +288,7 @@ def _cell(
     r["ratio_warm_vs_plain"] = r["warm_mount"] / r["warm_plain"]
     r["ratio_write_vs_plain"] = r["write_mount"] / r["write_plain"]
     r["ratio_write_vs_plain_fsync"] = r["write_mount"] / r["write_plain_fsync"]
+    r["ratio_write_vs_null"] = r["write_mount"] / r["write_null"]
     for p in mine + theirs:
         p.unlink()
     return r, method
@@ -303,8 +315,10 @@ def _main(args: argparse.Namespace) -> int:
             "clients",
             "write plain",
             "+fsync",
+            "null FUSE",
             "mount",
             "ratio",
+            "vs null",
             "cold backing",
             "mount",
             "ratio",
@@ -318,8 +332,10 @@ def _main(args: argparse.Namespace) -> int:
                 r["clients"],
                 f"{r['write_plain'] / g:.2f}",
                 f"{r['write_plain_fsync'] / g:.2f}",
+                f"{r['write_null'] / g:.2f}",
                 f"{r['write_mount'] / g:.2f}",
                 f"{r['ratio_write_vs_plain']:.2f}x",
+                f"{r['ratio_write_vs_null']:.2f}x",
                 f"{r['cold_backing'] / g:.2f}",
                 f"{r['cold_mount'] / g:.2f}",
                 f"{r['ratio_cold_vs_backing']:.2f}x",
