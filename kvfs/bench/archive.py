@@ -493,7 +493,8 @@ def _print(o: dict[str, Any]) -> None:
 
     print(
         f"kvfs bench archive: {o['endpoint']}; {o['pages']} pages x "
-        f"{o['page_bytes'] / MiB:.1f} MiB, concurrency {o['concurrency']}, codec {o['codec']}; MB/s (1e6 B/s)"
+        f"{o['page_bytes'] / MiB:.1f} MiB, concurrency {o['concurrency']}, codec {o['codec']}; "
+        "MB/s (1e6 B/s)"
     )
     print_table(
         ["", "kvfs", "boto3 alone", "ratio"],
