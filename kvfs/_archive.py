@@ -470,17 +470,31 @@ class ArchivingPolicy(TieringPolicy):
 
     # -- TieringPolicy overrides ------------------------------------------------------------
     def evict_blob(self, blob: BlobRow, reason: str) -> int:
-        """Upload (if not archived yet), then drop the local copy. Returns 0 when the archive
-        cannot take it: the data stays local, nothing is lost."""
-        if not blob.archived:
-            try:
-                self.call(self.upload_blob, blob.hash)
-            except (ArchiveUnavailable, CorruptPage) as e:
-                log.warning("cannot evict %s: %s", blob.hash.hex()[:16], e)
-                return 0
-            # The sessions holding it need their manifests to list it (done in the background).
-            self.aindex.enqueue("manifest", self.aindex.sessions_of_blob(blob.hash))
-        return self.drop_local(blob.hash, reason)
+        return self.evict_blobs([blob], reason)[0]
+
+    def evict_blobs(self, blobs: list[BlobRow], reason: str) -> list[int]:
+        """Upload what is not archived yet, write the manifests that do not name these
+        contents yet (see :meth:`Spiller.name_in_manifests`), then drop the local copies.
+        Bytes freed per blob: 0 where the archive cannot take it (its data stays local,
+        nothing is lost). When the batch fails, each blob is tried alone: one bad local copy
+        (CorruptPage) keeps only itself."""
+        hashes = [b.hash for b in blobs]
+
+        async def archive() -> None:
+            fresh: set[bytes] = set()
+            todo = [b.hash for b in blobs if not b.archived]
+            if todo:
+                await self.upload_many(todo, fresh=fresh)
+            await self.spiller.name_in_manifests(hashes, fresh)
+
+        try:
+            self.call(archive)
+        except (ArchiveUnavailable, CorruptPage) as e:
+            if len(blobs) > 1:
+                return [self.evict_blob(b, reason) for b in blobs]
+            log.warning("cannot evict %s: %s", blobs[0].hash.hex()[:16], e)
+            return [0]
+        return [self.drop_local(h, reason) for h in hashes]
 
     def forget_blob(self, blob: BlobRow) -> None:
         if blob.archived:

@@ -112,14 +112,10 @@ def evict(eng: Engine, target: PageKey | str | None, session: str | None, reason
     else:
         raise ValueError("evict needs a page or a session")
     evictable = {b.hash for b in eng.index.eviction_candidates(1 << 62)}
-    freed = 0
     with eng._evict_lock:
-        for h in hashes:
-            b = eng.index.blob(h)
-            if b is None or not b.local or h not in evictable or eng.is_leased(h):
-                continue
-            freed += eng.policy.evict_blob(b, reason)
-    return freed
+        blobs = [b for b in map(eng.index.blob, sorted(hashes)) if b is not None and b.local]
+        blobs = [b for b in blobs if b.hash in evictable and not eng.is_leased(b.hash)]
+        return sum(eng.policy.evict_blobs(blobs, reason)) if blobs else 0
 
 
 # -- statistics ---------------------------------------------------------------------------

@@ -40,24 +40,27 @@ class TieringPolicy:
                 for b in self.engine.index.eviction_candidates(self.batch + len(skipped))
                 if b.hash not in skipped
             ]
-            if not cands:
-                break
-            progress = False
-            for blob in cands:
+            batch: list[BlobRow] = []
+            want = need - freed
+            for blob in cands:  # least recently used first, as many as the room needs
                 if self.engine.is_leased(blob.hash):
                     skipped.add(blob.hash)
                     continue
-                got = self.evict_blob(blob, reason)
-                if got == 0:
-                    skipped.add(blob.hash)
-                    continue
-                freed += got
-                progress = True
-                if freed >= need:
+                batch.append(blob)
+                want -= blob.disk_bytes
+                if want <= 0:
                     break
-            if not progress:
+            if not batch:
                 break
+            got = self.evict_blobs(batch, reason)
+            # each pass frees something or skips a blob from then on: the loop ends
+            skipped.update(b.hash for b, n in zip(batch, got, strict=True) if n == 0)
+            freed += sum(got)
         return freed
+
+    def evict_blobs(self, blobs: list[BlobRow], reason: str) -> list[int]:
+        """Evict several blobs at once; the bytes each freed (0: that one was not evicted)."""
+        return [self.evict_blob(b, reason) for b in blobs]
 
     def evict_blob(self, blob: BlobRow, reason: str) -> int:
         """Remove a blob's local copy; return the bytes freed (0 if it could not be evicted).

@@ -50,6 +50,8 @@ class Spiller:
         self._active: set[str] = set()
         #: per session: the index's removal count its last manifest written here reflects
         self.written: dict[str, int] = {}
+        #: per session: the contents its manifest, as this host last wrote it, names
+        self.named: dict[str, set[bytes]] = {}
 
     def queue_length(self) -> int:
         return len(self._active) + len(self.aindex.pending("manifest"))
@@ -97,6 +99,25 @@ class Spiller:
             return uploaded
         finally:
             self._active.discard(d)
+
+    async def name_in_manifests(self, hashes: list[bytes], fresh: set[bytes]) -> None:
+        """Before the local copies of archived blobs go: write the manifest of every session
+        holding one of ``hashes`` that its manifest (as this host last wrote it) does not
+        name yet, then check that the objects exist, re-uploading any that another host
+        collected meanwhile (``fresh``: stored by this call, not asked again).
+
+        A page held only in the archive must be named by a manifest: other hosts sharing
+        the bucket delete any object no manifest names, and a host rebuilt from the archive
+        knows only what manifests list. Raises ArchiveUnavailable."""
+        holders: dict[str, set[bytes]] = {}
+        for h in hashes:
+            for d in await _thread(self.aindex.sessions_of_blob, h):
+                holders.setdefault(d, set()).add(h)
+        stale = [d for d, hs in sorted(holders.items()) if not hs <= self.named.get(d, set())]
+        for d in stale:
+            await self.write_manifest(d)
+        if stale:
+            await self._verify_referenced([h for h in hashes if h not in fresh])
 
     async def _verify_referenced(self, hashes: list[bytes]) -> None:
         """Every blob a fresh manifest names exists (another host may have collected one
@@ -160,6 +181,7 @@ class Spiller:
         else:
             await self.store.put(manifest_key(d), msgpack.packb(m, use_bin_type=True))
         self.written[d] = max(self.written.get(d, 0), seen)
+        self.named[d] = set() if m is None else {bytes(p["hash"]) for p in m["pages"]}
         await _thread(self.aindex.done, "manifest", [d])
 
     # -- keeping the archive in step with deletes --------------------------------------------

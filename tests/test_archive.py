@@ -269,6 +269,35 @@ def test_second_host_lists_and_restores(make_config, archive_url: str, tmp_path:
         assert [x["pages"] for x in b.archived_sessions()] == [5]
 
 
+def test_an_evicted_page_is_in_its_manifest_before_its_local_copy_goes(
+    make_config,  # noqa: ANN001
+    archive_url: str,
+    tmp_path: Path,
+) -> None:
+    """Eviction drops a local copy only once the session's manifest names the page. Before,
+    the manifest was only queued: a host sharing the bucket that deleted the same content
+    found no manifest naming its object and deleted it, and the evicted page was lost (found
+    by tests/test_archive_hosts.py). A host rebuilt from the archive alone finds it too."""
+    import shutil
+
+    same = kv_page(7)
+    with kvfs.open_store_sync(archived_cfg(make_config, archive_url, name="host-b")) as b:
+        kb = PageKey.semantic("b", "p", 0)
+        b.put(kb, same)
+        assert b.evict(session="b") > 0  # archived, then the local copy dropped
+        assert [x["session"] for x in b.archived_sessions()] == ["b"]
+        with kvfs.open_store_sync(archived_cfg(make_config, archive_url, name="host-a")) as a:
+            ka = PageKey.semantic("a", "p", 0)
+            a.put(ka, same)
+            a.spill("a")
+            a.delete(ka)  # A's last reference: A deletes the object unless a manifest names it
+        assert b.get(kb) == same
+    shutil.rmtree(tmp_path / "host-b")  # B's disks are lost: the archive alone has the page
+    with kvfs.open_store_sync(archived_cfg(make_config, archive_url, name="host-c")) as c:
+        c.restore("b")
+        assert c.get(kb) == same
+
+
 def test_restore_of_a_known_session_also_brings_pages_another_host_added(
     make_config, archive_url: str
 ) -> None:  # noqa: ANN001
