@@ -18,7 +18,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-import msgpack
+from _archive_dir import named, objects
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
@@ -146,14 +146,9 @@ class SharedArchive(RuleBasedStateMachine):
         try:
             for s in self.store.values():
                 s.close()  # writes queued manifests and deletes what nothing names
-            objects = {p.name for p in (self.archive / "blobs").glob("*")}
-            named: set[str] = set()
-            for m in (self.archive / "manifests").glob("*"):
-                man = msgpack.unpackb(m.read_bytes(), raw=False)
-                for p in man["pages"]:
-                    assert p["hash"].hex() in objects, "a manifest names a missing object"
-                    named.add(p["hash"].hex())
-            assert objects <= named, f"orphan objects: {objects - named}"
+            stored, listed = objects(self.archive), named(self.archive)
+            assert listed <= stored, f"manifests name missing objects: {listed - stored}"
+            assert stored <= listed, f"orphan objects: {stored - listed}"
         finally:
             shutil.rmtree(self.root, ignore_errors=True)
 

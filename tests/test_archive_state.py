@@ -9,7 +9,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-import msgpack
+from _archive_dir import named, objects
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -86,16 +86,13 @@ class TieredStore(RuleBasedStateMachine):
 
     def teardown(self) -> None:
         try:
-            arch = self.root / "archive"
-            objects = {p.name for p in (arch / "blobs").glob("*")}
+            stored = objects(self.root / "archive")
             held = {
                 i.checksum for i in self.store.list(path_prefix="sessions/") if "archive" in i.tier
             }
-            assert objects <= held, f"orphan objects: {objects - held}"
-            for m in (arch / "manifests").glob("*"):
-                man = msgpack.unpackb(m.read_bytes(), raw=False)
-                for p in man["pages"]:
-                    assert p["hash"].hex() in objects, "a manifest names a missing object"
+            assert stored <= held, f"orphan objects: {stored - held}"
+            listed = named(self.root / "archive")
+            assert listed <= stored, f"manifests name missing objects: {listed - stored}"
         finally:
             self.store.close()
             shutil.rmtree(self.root, ignore_errors=True)
