@@ -75,10 +75,10 @@ def serve(mountpoint: str, writeback: bool) -> None:
             return self._attr(inode)
 
         async def flush(self, fh: int) -> None:
-            pass
+            """Nothing was kept, so nothing to write out."""
 
         async def release(self, fh: int) -> None:
-            pass
+            """No state per open file."""
 
         async def unlink(self, parent: int, name: bytes, ctx: Any) -> None:
             self.sizes.pop(self.names.pop(name, 0), None)
