@@ -29,36 +29,26 @@ import os
 import shutil
 import statistics
 import tempfile
-import threading
-import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 MiB = 1 << 20
 
 
 def write_pages(where: Path, tag: str, mib: int, pages: int, clients: int, sync: bool) -> float:
-    """Every client writes its own ``pages`` files; returns GB/s for all of them together."""
-    buf = os.urandom(MiB)
+    """Every client writes its own ``pages`` files as ``kvfs bench fuse`` writes them (1 MiB
+    calls, each page distinct); returns GB/s for all of them together."""
+    from kvfs.bench.fuse import _parallel, _write_files
 
-    def client(c: int) -> None:
-        for i in range(pages):
-            fd = os.open(where / f"{tag}-{c}-{i}", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-            try:
-                for _ in range(mib):
-                    os.write(fd, buf)
-                if sync:
-                    os.fsync(fd)
-            finally:
-                os.close(fd)
-
-    threads = [threading.Thread(target=client, args=(c,)) for c in range(clients)]
-    t0 = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return clients * pages * mib * MiB / (time.perf_counter() - t0) / 1e9
+    src = memoryview(os.urandom(mib * MiB))
+    jobs = [
+        partial(
+            _write_files, [where / f"{tag}-{c}-{i}" for i in range(pages)], mib * MiB, src, sync
+        )
+        for c in range(clients)
+    ]
+    return _parallel(jobs) / 1e9
 
 
 def empty(where: Path, tag: str, pages: int, clients: int) -> None:
