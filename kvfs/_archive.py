@@ -96,6 +96,10 @@ class ArchiveConfig:
     #: seconds a deleted blob waits before its archive object is removed (other hosts' spills
     #: that are just adding a reference finish first)
     gc_grace: float = 0.0
+    #: seconds that bound one collection of unreferenced objects: a collection stops
+    #: deleting half this after announcing itself, and another host waits at most this for
+    #: one left unfinished (kvfs/_collect.py)
+    gc_window: float = 300.0
     #: without a background task, seconds a delete may spend updating the archive (the rest
     #: stays queued in the index and is done by the next spill, close or background pass)
     sync_cleanup_seconds: float = 5.0
@@ -112,6 +116,8 @@ class ArchiveConfig:
         cfg = cls(**raw)
         if cfg.upload_processes < 0:
             raise ValueError("archive upload_processes must be >= 0")
+        if cfg.gc_window <= 0:
+            raise ValueError("archive gc_window must be > 0 seconds")
         if not 0 < cfg.low_watermark <= cfg.high_watermark <= 1:
             raise ValueError("archive watermarks need 0 < low_watermark <= high_watermark <= 1")
         return cfg
@@ -479,13 +485,14 @@ class ArchivingPolicy(TieringPolicy):
         nothing is lost). When the batch fails, each blob is tried alone: one bad local copy
         (CorruptPage) keeps only itself."""
         hashes = [b.hash for b in blobs]
+        started = time.monotonic()
 
         async def archive() -> None:
             fresh: set[bytes] = set()
             todo = [b.hash for b in blobs if not b.archived]
             if todo:
                 await self.upload_many(todo, fresh=fresh)
-            await self.spiller.name_in_manifests(hashes, fresh)
+            await self.spiller.name_in_manifests(hashes, fresh, started)
 
         try:
             self.call(archive)
@@ -1013,6 +1020,8 @@ class ArchivingPolicy(TieringPolicy):
                 "corrupt_objects": c.get("corrupt_objects", 0),
                 "blobs_healed": c.get("blobs_healed", 0),
                 "errors": c.get("errors", 0),
+                "collection_waits": c.get("collection_waits", 0),
+                "collections_presumed_dead": c.get("collections_presumed_dead", 0),
                 "restore_p50_s": pct(0.5),
                 "restore_p99_s": pct(0.99),
             }

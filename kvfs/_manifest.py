@@ -4,6 +4,8 @@ Bucket (or directory) layout under the configured prefix::
 
     blobs/<checksum hex>                 one object per distinct page content (see _codec)
     manifests/<quoted session dir>       msgpack: the session and every archived page of it
+    gc/<store id>-<time>-<random>[.done] collection intents of hosts deleting objects
+                                         (kvfs/_collect.py)
 
 A manifest lists only pages whose content is in ``blobs/``; it is written after those
 objects are confirmed, in one PUT, so a reader sees the previous manifest or the new one.

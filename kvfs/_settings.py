@@ -152,6 +152,14 @@ OPTIONS: tuple[Option, ...] = (
         "seconds a deleted page's archive object waits before removal (hosts sharing a bucket)",
     ),
     Option(
+        "archive",
+        "gc_window",
+        "float",
+        300.0,
+        "seconds that bound one deletion pass over archive objects: it stops deleting after "
+        "half of it, and other hosts wait at most this long for one a crash left unfinished",
+    ),
+    Option(
         "daemon",
         "control_socket",
         "str",

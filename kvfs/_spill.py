@@ -17,6 +17,7 @@ import trio
 
 from objectstore._abc import one_error_nursery
 
+from ._collect import Collector
 from ._errors import ArchiveUnavailable, CorruptPage, SessionNotFound
 from ._events import log_event
 from ._manifest import (
@@ -52,6 +53,9 @@ class Spiller:
         self.written: dict[str, int] = {}
         #: per session: the contents its manifest, as this host last wrote it, names
         self.named: dict[str, set[bytes]] = {}
+        self.collector = Collector(
+            self.store, self.engine.store_id, policy.cfg.gc_window, policy.count
+        )
 
     def queue_length(self) -> int:
         return len(self._active) + len(self.aindex.pending("manifest"))
@@ -71,6 +75,7 @@ class Spiller:
         if await _thread(idx.session, d) is None:
             raise SessionNotFound(f"no session {d!r}")
         self._active.add(d)
+        started = time.monotonic()
         try:
             pages = await trio.to_thread.run_sync(lambda: idx.pages(session=d))
             hashes = sorted({p.hash for p in pages})
@@ -92,7 +97,7 @@ class Spiller:
             uploaded = await self.policy.upload_many(todo, mark=False, fresh=fresh, done=done)
             await _thread(self.aindex.mark_archived, todo)
             await self.write_manifest(d)
-            await self._verify_referenced([h for h in hashes if h not in fresh])
+            await self._verify_referenced(await self.collector.settle(hashes, fresh, started))
             if drop:
                 await _thread(self._drop_all, hashes, d)
             self.policy.count("sessions_spilled")
@@ -100,11 +105,14 @@ class Spiller:
         finally:
             self._active.discard(d)
 
-    async def name_in_manifests(self, hashes: list[bytes], fresh: set[bytes]) -> None:
+    async def name_in_manifests(
+        self, hashes: list[bytes], fresh: set[bytes], started: float
+    ) -> None:
         """Before the local copies of archived blobs go: write the manifest of every session
         holding one of ``hashes`` that its manifest (as this host last wrote it) does not
-        name yet, then check that the objects exist, re-uploading any that another host
-        collected meanwhile (``fresh``: stored by this call, not asked again).
+        name yet, then make sure the objects exist (:meth:`Collector.settle`), re-uploading
+        any that another host collected meanwhile (``fresh``: stored by this operation,
+        which began at ``time.monotonic()`` == ``started``).
 
         A page held only in the archive must be named by a manifest: other hosts sharing
         the bucket delete any object no manifest names, and a host rebuilt from the archive
@@ -116,8 +124,7 @@ class Spiller:
         stale = [d for d, hs in sorted(holders.items()) if not hs <= self.named.get(d, set())]
         for d in stale:
             await self.write_manifest(d)
-        if stale:
-            await self._verify_referenced([h for h in hashes if h not in fresh])
+        await self._verify_referenced(await self.collector.settle(hashes, fresh, started))
 
     async def _verify_referenced(self, hashes: list[bytes]) -> None:
         """Every blob a fresh manifest names exists (another host may have collected one
@@ -192,28 +199,36 @@ class Spiller:
             await self.write_manifest(d)
             log_event("spill", target=d, reason="pending-manifest")
         forget = await _thread(self.aindex.pending, "forget", self.policy.cfg.gc_grace)
-        if not forget:
-            return
-        referenced: set[str] = set()
-        async with contextlib.aclosing(self._manifests()) as manifests:
-            async for key, m in manifests:
-                if m is None:
-                    # Its pages are unknown, so no object is known to be unreferenced: delete
-                    # nothing (the queue stays for a later pass) rather than what it names.
-                    _unreadable(key, "archive object deletion", "nothing deleted this pass")
-                    return
-                referenced.update(bytes(p["hash"]).hex() for p in m["pages"])
-        gone = []
+        cands = []
         for hx in forget:
             h = bytes.fromhex(hx)
             if self.engine.is_leased(h):
                 continue  # a reader holds it (an open file): stays queued for a later pass
-            b = await _thread(self.engine.index.blob, h)
-            if b is None and hx not in referenced:
-                await self.store.delete(blob_key(h))
-                log_event("archive-delete", content=hx[:16], reason="last-reference")
-            gone.append(hx)
-        await _thread(self.aindex.done, "forget", gone)
+            cands.append(h)
+        if not cands:
+            return
+
+        async def referenced() -> set[bytes] | None:
+            named: set[bytes] = set()
+            async with contextlib.aclosing(self._manifests()) as manifests:
+                async for key, m in manifests:
+                    if m is None:
+                        # Its pages are unknown, so no object is known to be unreferenced:
+                        # delete nothing (the queue stays for a later pass).
+                        _unreadable(key, "archive object deletion", "nothing deleted this pass")
+                        return None
+                    named.update(bytes(p["hash"]) for p in m["pages"])
+            return named
+
+        async def unheld(h: bytes) -> bool:  # held again here meanwhile: its object stays
+            return not self.engine.is_leased(h) and await _thread(self.engine.index.blob, h) is None
+
+        async def delete(h: bytes) -> None:
+            await self.store.delete(blob_key(h))
+            log_event("archive-delete", content=h.hex()[:16], reason="last-reference")
+
+        gone = await self.collector.collect(cands, referenced, unheld, delete)
+        await _thread(self.aindex.done, "forget", [h.hex() for h in gone])
 
     async def _manifests(self) -> AsyncGenerator[tuple[str, dict[str, Any] | None], None]:
         """Every manifest in the archive, parsed (None: unreadable); those deleted since

@@ -1,0 +1,170 @@
+"""Deleting archive objects while other hosts share the bucket (kvfs/_collect.py).
+
+Host A deletes its last reference to some content and collects the object once no manifest
+names it; host B, at the same moment, evicts its own copy of that content. These tests hold
+A's object deletions at a gate (the real store underneath), so the interleaving that lost
+B's page before the collection intents existed happens every time. File and S3 archives."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import kvfs
+from kvfs import PageKey
+from tests.test_archive import archive_url, archived_cfg, kv_page  # noqa: F401 - fixture
+
+__all__ = ["archive_url"]
+
+
+def gate_blob_deletes(s: kvfs.SyncStore) -> tuple[threading.Event, threading.Event]:
+    """Make ``s``'s deletions of blob objects wait for the returned ``gate``; ``reached`` is
+    set when the first one is about to go (A has read the manifests and found none naming
+    it)."""
+    import trio
+
+    gate, reached = threading.Event(), threading.Event()
+    store = s.engine.policy.store  # type: ignore[attr-defined]
+    real = store.delete
+
+    async def gated(key: str) -> None:
+        if key.startswith("blobs/"):
+            reached.set()
+            await trio.to_thread.run_sync(gate.wait)
+        await real(key)
+
+    store.delete = gated
+    return gate, reached
+
+
+def in_thread(fn: Callable[[], object]) -> tuple[threading.Thread, list[BaseException]]:
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            fn()
+        except BaseException as e:  # reported by the test, not lost in the thread
+            errors.append(e)
+
+    t = threading.Thread(target=run)
+    t.start()
+    return t, errors
+
+
+def test_an_eviction_racing_another_hosts_collection_keeps_the_page(
+    make_config,  # noqa: ANN001
+    archive_url: str,  # noqa: F811
+) -> None:
+    """A reads every manifest (none names the content) and is about to delete its object
+    when B writes a manifest naming it and drops its local copy. Before the intents, B's
+    check that the object exists came before A's delete and B's page was lost."""
+    same = kv_page(7)
+    ka, kb = PageKey.semantic("a", "p", 0), PageKey.semantic("b", "p", 0)
+    with (
+        kvfs.open_store_sync(archived_cfg(make_config, archive_url, name="host-a")) as a,
+        kvfs.open_store_sync(archived_cfg(make_config, archive_url, name="host-b")) as b,
+    ):
+        a.put(ka, same)
+        a.spill("a")  # the object exists, and only A's manifest names it
+        b.put(kb, same)
+        gate, reached = gate_blob_deletes(a)
+        collecting, a_errors = in_thread(lambda: a.delete(ka))  # A's last reference
+        assert reached.wait(30), "A never got to deleting the object"
+        evicting, b_errors = in_thread(lambda: b.evict(session="b"))
+        evicting.join(1.0)
+        b_waited = evicting.is_alive()  # B must wait for A's collection to finish
+        gate.set()
+        collecting.join(30)
+        evicting.join(30)
+        assert not a_errors and not b_errors, (a_errors, b_errors)
+        assert b_waited, "B dropped its copy while A's collection of the content was under way"
+        assert b.stat(kb).tier == "archive"  # the local copy is gone ...
+        assert b.get(kb) == same  # ... and the archive still has the page
+        assert b.statistics().extra["archive"]["collection_waits"] >= 1
+
+
+def test_an_unfinished_collection_of_a_dead_host_delays_others_once(
+    make_config,  # noqa: ANN001
+    archive_url: str,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    """A host killed mid-collection leaves its intent behind, unfinished. Another host
+    waits for it at most ``gc_window`` seconds from first seeing it (by then the dead host
+    would have stopped deleting), removes it, and keeps the page. The dead host, restarted,
+    finishes its own leftovers."""
+    same = kv_page(8)
+    ka, kb = PageKey.semantic("a", "p", 0), PageKey.semantic("b", "p", 0)
+    window = 1.5
+    a_cfg = archived_cfg(make_config, archive_url, name="host-a", gc_window=window)
+    with kvfs.open_store_sync(a_cfg) as a:
+        a.put(ka, same)
+        a.spill("a")
+        policy = a.engine.policy  # type: ignore[attr-defined]
+        # What a SIGKILL between announcing and finishing leaves: the intent alone.
+        policy.call(policy.spiller.collector.announce, [bytes.fromhex(a.stat(ka).checksum)])
+    b_cfg = archived_cfg(make_config, archive_url, name="host-b", gc_window=window)
+    with kvfs.open_store_sync(b_cfg) as b:
+        b.put(kb, same)
+        t0 = time.monotonic()
+        b.evict(session="b")
+        took = time.monotonic() - t0
+        assert took >= window, f"B did not wait for the unfinished collection ({took:.2f} s)"
+        assert b.get(kb) == same
+        st = b.statistics().extra["archive"]
+        assert st["collection_waits"] == 1 and st["collections_presumed_dead"] == 1
+        t0 = time.monotonic()
+        b.put(PageKey.semantic("b", "p", 1), same)
+        b.evict(session="b")
+        assert time.monotonic() - t0 < window, "the dead collection was waited for twice"
+        intents = b.engine.policy.call(b.engine.policy.store.list_all, "gc/")  # type: ignore[attr-defined]
+        assert intents == []
+
+
+def test_a_restarted_host_finishes_the_collection_its_crash_left(
+    make_config,  # noqa: ANN001
+    archive_url: str,  # noqa: F811
+) -> None:
+    """Only one process owns a store, so its own unfinished intent from before a restart can
+    delete nothing any more: finished at once, never waited for."""
+    same = kv_page(9)
+    k = PageKey.semantic("a", "p", 0)
+    cfg = archived_cfg(make_config, archive_url, name="host-a", gc_window=60)
+    with kvfs.open_store_sync(cfg) as a:
+        a.put(k, same)
+        a.spill("a")
+        policy = a.engine.policy  # type: ignore[attr-defined]
+        left = policy.call(policy.spiller.collector.announce, [bytes.fromhex(a.stat(k).checksum)])
+    with kvfs.open_store_sync(cfg) as a:
+        a.restore("a")
+        t0 = time.monotonic()
+        a.evict(session="a")
+        assert time.monotonic() - t0 < 30, "waited for its own dead collection"
+        policy = a.engine.policy  # type: ignore[attr-defined]
+        assert policy.call(policy.store.exists, left + ".done")
+        assert a.statistics().extra["archive"]["collection_waits"] == 0
+        assert a.get(k) == same
+
+
+def test_finished_intents_linger_for_the_window_then_go(
+    make_config,  # noqa: ANN001
+    archive_url: str,  # noqa: F811
+) -> None:
+    """A finished intent stays listed for ``gc_window`` (a host whose operation began before
+    the collection finished still sees it), then the next collection removes it."""
+    window = 0.5
+    with kvfs.open_store_sync(
+        archived_cfg(make_config, archive_url, name="host-a", gc_window=window)
+    ) as a:
+        policy = a.engine.policy  # type: ignore[attr-defined]
+        for i in range(3):
+            a.put(PageKey.semantic("a", "p", i), kv_page(20 + i))
+        a.spill("a")
+        a.delete(PageKey.semantic("a", "p", 0))  # collects its object
+        first = policy.call(policy.store.list_all, "gc/")
+        assert len(first) == 2 and first[1] == first[0] + ".done"
+        time.sleep(window * 1.5)
+        a.delete(PageKey.semantic("a", "p", 1))
+        second = policy.call(policy.store.list_all, "gc/")
+        assert len(second) == 2 and not set(first) & set(second)
