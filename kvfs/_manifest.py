@@ -74,8 +74,11 @@ class ArchiveIndex:
     def enqueue(self, kind: str, keys: list[str]) -> None:
         if keys:
             with self.index.transaction() as db:
+                # The latest request's time: a manifest written from an index read before it
+                # does not settle it (see done).
                 db.executemany(
-                    "INSERT OR IGNORE INTO archive_pending VALUES (?,?,?)",
+                    "INSERT INTO archive_pending VALUES (?,?,?)"
+                    " ON CONFLICT (kind, k) DO UPDATE SET since=excluded.since",
                     [(kind, k, time.time()) for k in keys],
                 )
 
@@ -89,20 +92,16 @@ class ArchiveIndex:
             )
         ]
 
-    def done(self, kind: str, keys: list[str]) -> None:
+    def done(self, kind: str, keys: list[str], asked_before: float = float("inf")) -> None:
+        """Settle queued work; with ``asked_before``, only requests older than it (a
+        manifest built from the index at that time does not reflect a removal made after)."""
         # Usually nothing is queued (a plain spill): a read, not a write transaction whose
-        # fsync would hold the index lock that foreground reads need. Something queued after
-        # the read stays queued, which is right: it asked for a newer manifest.
-        keys = [
-            k
-            for k in keys
-            if self.index._q("SELECT 1 FROM archive_pending WHERE kind=? AND k=?", (kind, k))
-        ]
+        # fsync would hold the index lock that foreground reads need.
+        sql = "FROM archive_pending WHERE kind=? AND k=? AND since<?"
+        keys = [k for k in keys if self.index._q("SELECT 1 " + sql, (kind, k, asked_before))]
         if keys:
             with self.index.transaction() as db:
-                db.executemany(
-                    "DELETE FROM archive_pending WHERE kind=? AND k=?", [(kind, k) for k in keys]
-                )
+                db.executemany("DELETE " + sql, [(kind, k, asked_before) for k in keys])
 
     # -- blob state ---------------------------------------------------------------------
     def mark_archived(self, hashes: list[bytes]) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import time
 from collections.abc import AsyncGenerator, Callable
 from typing import TYPE_CHECKING, Any
@@ -53,6 +54,8 @@ class Spiller:
         self.written: dict[str, int] = {}
         #: per session: the contents its manifest, as this host last wrote it, names
         self.named: dict[str, set[bytes]] = {}
+        #: per session: held while its manifest is built and stored (write_manifest)
+        self._manifest_locks: dict[str, threading.Lock] = {}
         self.collector = Collector(
             self.store, self.engine.store_id, policy.cfg.gc_window, policy.count
         )
@@ -176,20 +179,31 @@ class Spiller:
         return encode(data, level=self.policy.cfg.zstd_level)[0]
 
     async def write_manifest(self, d: str) -> None:
-        """Write (or delete, when nothing of it is archived) the manifest of session ``d``."""
-        with self.policy._lock:
-            codecs = dict(self.policy.codecs)
-        seen = self.engine.index.removals[d]  # what this manifest reflects, at least
-        m = await trio.to_thread.run_sync(
-            lambda: build_manifest(self.engine.index, d, self.engine.store_id, codecs)
-        )
-        if m is None:
-            await self.store.delete(manifest_key(d))
-        else:
-            await self.store.put(manifest_key(d), msgpack.packb(m, use_bin_type=True))
-        self.written[d] = max(self.written.get(d, 0), seen)
-        self.named[d] = set() if m is None else {bytes(p["hash"]) for p in m["pages"]}
-        await _thread(self.aindex.done, "manifest", [d])
+        """Write (or delete, when nothing of it is archived) the manifest of session ``d``.
+
+        One at a time per session (callers run on the daemon's loop and on callers' own
+        loops): two writes whose index reads and PUTs interleaved could leave the older
+        read in the archive, naming less than this host has already dropped locally."""
+        lock = self._manifest_locks.setdefault(d, threading.Lock())
+        if not lock.acquire(blocking=False):
+            await trio.to_thread.run_sync(lock.acquire)  # not cancellable: never leaked
+        try:
+            with self.policy._lock:
+                codecs = dict(self.policy.codecs)
+            asked = time.time()  # removal requests older than this are reflected below
+            seen = self.engine.index.removals[d]  # what this manifest reflects, at least
+            m = await trio.to_thread.run_sync(
+                lambda: build_manifest(self.engine.index, d, self.engine.store_id, codecs)
+            )
+            if m is None:
+                await self.store.delete(manifest_key(d))
+            else:
+                await self.store.put(manifest_key(d), msgpack.packb(m, use_bin_type=True))
+            self.written[d] = max(self.written.get(d, 0), seen)
+            self.named[d] = set() if m is None else {bytes(p["hash"]) for p in m["pages"]}
+        finally:
+            lock.release()
+        await _thread(self.aindex.done, "manifest", [d], asked)
 
     # -- keeping the archive in step with deletes --------------------------------------------
     async def flush_pending(self) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -652,3 +653,21 @@ def test_an_archive_that_is_not_this_stores_is_refused(make_config, tmp_path: Pa
         s.put(PageKey.semantic("b", "p", 0), kv_page(1))  # nothing archived yet
     with kvfs.open_store_sync(archived_cfg(make_config, other, name="fresh")) as s:
         assert s.get(PageKey.semantic("b", "p", 0)) == kv_page(1)
+
+
+def test_a_manifest_read_before_a_removal_does_not_settle_it(make_config, tmp_path: Path) -> None:  # noqa: ANN001
+    """A manifest rewrite settles the queued requests older than its read of the index; a
+    removal queued after that read (or queued again after it) stays for the next rewrite.
+    Before, any rewrite cleared the queue entry, and a manifest built just before a delete
+    kept naming the deleted page (restored elsewhere, its object never collected)."""
+    cfg = archived_cfg(make_config, f"file://{tmp_path / 'archive'}")
+    with kvfs.open_store_sync(cfg) as s:
+        aindex = s.engine.policy.aindex  # type: ignore[attr-defined]
+        aindex.enqueue("manifest", ["sessions/x"])
+        read_at = time.time()
+        time.sleep(0.01)
+        aindex.enqueue("manifest", ["sessions/x"])  # asked again, after the read
+        aindex.done("manifest", ["sessions/x"], read_at)
+        assert aindex.pending("manifest") == ["sessions/x"]
+        aindex.done("manifest", ["sessions/x"], time.time() + 1)
+        assert aindex.pending("manifest") == []
