@@ -100,6 +100,10 @@ class ArchiveConfig:
     #: deleting half this after announcing itself, and another host waits at most this for
     #: one left unfinished (kvfs/_collect.py)
     gc_window: float = 300.0
+    #: bytes a put that must make room frees beyond its own need (at most an eighth of the
+    #: capacity): the puts after it find room, and a session's manifest is rewritten once
+    #: per batch of evictions instead of once per evicted page
+    evict_ahead: int = 64 << 20
     #: without a background task, seconds a delete may spend updating the archive (the rest
     #: stays queued in the index and is done by the next spill, close or background pass)
     sync_cleanup_seconds: float = 5.0
@@ -116,6 +120,8 @@ class ArchiveConfig:
         cfg = cls(**raw)
         if cfg.upload_processes < 0:
             raise ValueError("archive upload_processes must be >= 0")
+        if cfg.evict_ahead < 0:
+            raise ValueError("archive evict_ahead must be >= 0 bytes")
         if cfg.gc_window <= 0:
             raise ValueError("archive gc_window must be > 0 seconds")
         if not 0 < cfg.low_watermark <= cfg.high_watermark <= 1:
@@ -475,6 +481,14 @@ class ArchivingPolicy(TieringPolicy):
         return row.disk_bytes
 
     # -- TieringPolicy overrides ------------------------------------------------------------
+    def make_room(self, need: int, reason: str = "capacity") -> int:
+        """Evicting to the archive loses nothing, and each eviction pass uploads and names
+        its blobs in their sessions' manifests (a rewrite of the whole manifest): free
+        ``evict_ahead`` more than asked, so that under steady pressure those costs are paid
+        per batch, not per put."""
+        ahead = max(0, min(self.cfg.evict_ahead, self.engine.capacity // 8))
+        return super().make_room(need + ahead, reason)
+
     def evict_blob(self, blob: BlobRow, reason: str) -> int:
         return self.evict_blobs([blob], reason)[0]
 
@@ -1020,6 +1034,7 @@ class ArchivingPolicy(TieringPolicy):
                 "corrupt_objects": c.get("corrupt_objects", 0),
                 "blobs_healed": c.get("blobs_healed", 0),
                 "errors": c.get("errors", 0),
+                "manifests_written": c.get("manifests_written", 0),
                 "collection_waits": c.get("collection_waits", 0),
                 "collections_presumed_dead": c.get("collections_presumed_dead", 0),
                 "restore_p50_s": pct(0.5),

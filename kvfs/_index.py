@@ -375,6 +375,17 @@ class Index:
             sql += f" LIMIT {int(limit)}"
         return [_page(r) for r in self._q(sql, args)]
 
+    def archived_pages(self, session: str) -> list[tuple[PageRow, bytes]]:
+        """The session's pages whose content is archived, each with its blob's leaf hashes,
+        by path: one statement (one consistent state; no query per page)."""
+        cols = ", ".join(f"p.{c.strip()}" for c in _PAGE_COLS.split(","))
+        rows = self._q(
+            f"SELECT {cols}, b.leaves FROM pages p JOIN blobs b ON b.hash = p.hash"
+            " WHERE p.session=? AND b.archived ORDER BY p.path",
+            (session,),
+        )
+        return [(_page(r[:-1]), r[-1]) for r in rows]
+
     def pages_of_blob(self, h: bytes) -> list[PageRow]:
         return [_page(r) for r in self._q(f"SELECT {_PAGE_COLS} FROM pages WHERE hash=?", (h,))]
 

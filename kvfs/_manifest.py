@@ -218,23 +218,19 @@ def build_manifest(index: Index, d: str, store_id: str, codecs: dict[bytes, str]
     s = index.session(d)
     if s is None:
         return None
-    pages = []
-    for p in index.pages(session=d):
-        b = index.blob(p.hash)
-        if b is None or not b.archived:
-            continue
-        pages.append(
-            {
-                "path": p.path,
-                "size": p.size,
-                "hash": p.hash,
-                "leaves": b.leaves,
-                "codec": codecs.get(p.hash, "see-object"),
-                "created": p.created,
-                "pinned": p.pinned,
-                "attrs": p.attrs,
-            }
-        )
+    pages = [
+        {
+            "path": p.path,
+            "size": p.size,
+            "hash": p.hash,
+            "leaves": leaves,
+            "codec": codecs.get(p.hash, "see-object"),
+            "created": p.created,
+            "pinned": p.pinned,
+            "attrs": p.attrs,
+        }
+        for p, leaves in index.archived_pages(d)
+    ]
     if not pages:
         return None
     name = d.split("/", 1)[1] if d.startswith("sessions/") else d

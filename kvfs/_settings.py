@@ -153,6 +153,14 @@ OPTIONS: tuple[Option, ...] = (
     ),
     Option(
         "archive",
+        "evict_ahead",
+        "size",
+        64 << 20,
+        "bytes a put that must make room evicts beyond its need (at most capacity / 8), so "
+        "uploads and manifest rewrites are paid per batch, not per put",
+    ),
+    Option(
+        "archive",
         "gc_window",
         "float",
         300.0,

@@ -199,6 +199,7 @@ class Spiller:
                 await self.store.delete(manifest_key(d))
             else:
                 await self.store.put(manifest_key(d), msgpack.packb(m, use_bin_type=True))
+            self.policy.count("manifests_written")
             self.written[d] = max(self.written.get(d, 0), seen)
             self.named[d] = set() if m is None else {bytes(p["hash"]) for p in m["pages"]}
         finally:

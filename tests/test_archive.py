@@ -209,6 +209,42 @@ def test_capacity_eviction_spills_instead_of_deleting(make_config, archive_url: 
             assert s.get(k) == v
 
 
+@pytest.mark.parametrize("ahead", [None, 0])
+def test_puts_under_pressure_rewrite_a_manifest_per_batch_not_per_put(
+    make_config,  # noqa: ANN001
+    tmp_path: Path,
+    ahead: int | None,
+) -> None:
+    """A put that must make room evicts ``evict_ahead`` more (capped at capacity / 8), so a
+    growing session's manifest (rewritten by every eviction pass, all its pages each time)
+    is rewritten once per batch. With evict_ahead 0 it was once per put: the cost of a put
+    grew with the session (scripts/put_under_pressure.py, docs/benchmarks.md)."""
+    archive: dict[str, object] = {"interval": 0}
+    if ahead is not None:
+        archive["evict_ahead"] = ahead
+    page, cap = 16 * KiB, 64 * 16 * KiB
+    url = f"file://{tmp_path / 'archive'}"
+    cfg = make_config(ndev=1, capacity=cap, archive_url=url, extra={"archive": archive})
+    data = {}
+    with kvfs.open_store_sync(cfg) as s:
+        for i in range(192):
+            k = PageKey.semantic("grow", f"p{i:03d}", 0)
+            data[k] = os.urandom(page)
+            s.put(k, data[k])
+            assert s.statistics().used_bytes <= cap
+        st = s.statistics()
+        evicted = sum(1 for k in data if s.stat(k).tier == "archive")
+        written = st.extra["archive"]["manifests_written"]
+        assert evicted >= 192 - 64
+        print(f"evict_ahead {ahead}: {evicted} pages evicted, {written} manifests written")
+        if ahead is None:  # 128 KiB ahead: 8 pages a pass
+            assert written <= evicted // 6, (written, evicted)
+        else:
+            assert written >= evicted - 1, (written, evicted)
+        for k, v in data.items():
+            assert s.get(k) == v
+
+
 def test_delete_removes_archived_copy_and_updates_manifest(make_config, s3_server) -> None:  # noqa: ANN001
     bucket = s3_server.new_bucket()
     url = f"s3://{bucket}?endpoint={s3_server.endpoint}"
