@@ -3,15 +3,18 @@
 Bucket (or directory) layout under the configured prefix::
 
     blobs/<checksum hex>                 one object per distinct page content (see _codec)
-    manifests/<quoted session dir>       msgpack: the session and every archived page of it
+    manifests/<quoted session dir>@<store id>  msgpack: the session and every archived page
+                                         of it, as that host holds it (one per host)
     gc/<store id>-<time>-<random>[.done] collection intents of hosts deleting objects
                                          (kvfs/_collect.py)
 
 A manifest lists only pages whose content is in ``blobs/``; it is written after those
 objects are confirmed, in one PUT, so a reader sees the previous manifest or the new one.
 Its fields: ``v``, ``session`` (directory), ``name``, ``created``, ``atime``, ``pinned``,
-``attrs``, ``store_id`` and ``spilled_at`` of the host that wrote it, and ``pages``: a list
-of ``{path, size, hash, leaves, codec, created, pinned, attrs}``.
+``attrs``, ``store_id`` and ``spilled_at`` of the host that wrote it, ``supersedes`` (the
+other hosts' manifest versions it imported: ``{store id: spilled_at}``) and ``pages``: a list
+of ``{path, size, hash, leaves, codec, created, pinned, attrs}``. A session's view is
+:func:`merge_manifests` of its hosts' manifests.
 
 The index keeps a small queue table, ``archive_pending``, of manifests to rewrite and blob
 objects to delete, so work that the archive could not take (endpoint down) or that a crash
@@ -39,12 +42,52 @@ def blob_key(h: bytes) -> str:
     return BLOBS + h.hex()
 
 
-def manifest_key(session_dir: str) -> str:
+def manifest_key(session_dir: str, store_id: str) -> str:
+    """This host's manifest of a session: every host sharing the archive writes its own.
+    (``@`` never occurs in the quoted session; not a sub-directory, so that a file archive
+    can hold it beside a manifest of the older layout.)"""
+    return legacy_manifest_key(session_dir) + "@" + store_id
+
+
+def legacy_manifest_key(session_dir: str) -> str:
+    """Where kvfs before the eighth session kept a session's one manifest (still read)."""
     return MANIFESTS + quote(session_dir, safe="")
 
 
+def is_session_manifest(key: str, session_dir: str) -> bool:
+    legacy = legacy_manifest_key(session_dir)
+    return key == legacy or key.startswith(legacy + "@")
+
+
 def session_of_manifest_key(key: str) -> str:
-    return unquote(key[len(MANIFESTS) :])
+    return unquote(key[len(MANIFESTS) :].split("@", 1)[0])
+
+
+def merge_manifests(ms: list[dict]) -> dict:
+    """One view of a session from the manifests of the hosts that hold it: the union of
+    their pages (for a path several name, the page created last), leaving out a manifest
+    that another one supersedes (its writer imported that version and wrote its own since,
+    so what that one lacks was deleted there, not added elsewhere). Session metadata comes
+    from the newest manifest."""
+    live = [
+        m
+        for m in ms
+        if not any(
+            o is not m and o.get("supersedes", {}).get(m["store_id"], -1.0) >= m["spilled_at"]
+            for o in ms
+        )
+    ] or ms
+    live.sort(key=lambda m: m["spilled_at"])
+    pages: dict[str, dict] = {}
+    for m in live:
+        for p in m["pages"]:
+            q = pages.get(p["path"])
+            if q is None or p.get("created", 0.0) >= q.get("created", 0.0):
+                pages[p["path"]] = p
+    out = dict(live[-1])
+    out["pages"] = [pages[k] for k in sorted(pages)]
+    out["versions"] = {m["store_id"]: m["spilled_at"] for m in ms}
+    return out
 
 
 def parse_manifest(data: bytes) -> dict:
@@ -69,6 +112,19 @@ class ArchiveIndex:
                 " kind TEXT NOT NULL, k TEXT NOT NULL, since REAL NOT NULL,"
                 " PRIMARY KEY (kind, k))"
             )
+            # Per session: the other hosts' manifest versions this index imported; this
+            # host's own manifest supersedes them (see merge_manifests).
+            db.execute(
+                "CREATE TABLE IF NOT EXISTS archive_imported ("
+                " session TEXT NOT NULL, store_id TEXT NOT NULL, spilled_at REAL NOT NULL,"
+                " PRIMARY KEY (session, store_id))"
+            )
+
+    def imported(self, session: str) -> dict[str, float]:
+        rows = self.index._q(
+            "SELECT store_id, spilled_at FROM archive_imported WHERE session=?", (session,)
+        )
+        return {r[0]: r[1] for r in rows}
 
     # -- pending work -------------------------------------------------------------------
     def enqueue(self, kind: str, keys: list[str]) -> None:
@@ -159,17 +215,26 @@ class ArchiveIndex:
         ]
 
     # -- import from another host's manifest ---------------------------------------------
-    def import_manifest(self, m: dict, unchanged: Callable[[], bool] = lambda: True) -> int:
-        """Add the manifest's pages that this index does not have, as archive-only data.
-        Returns the number of pages added. One transaction: all or nothing. Nothing is added
-        when ``unchanged()``, asked inside the transaction, is False: pages left the session
-        here that the manifest may still name, and they must not come back."""
+    def import_manifest(
+        self, m: dict, unchanged: Callable[[], bool] = lambda: True, own: str = ""
+    ) -> int:
+        """Add the manifest's pages that this index does not have, as archive-only data,
+        and record the other hosts' manifest versions it came from (``m["versions"]``; this
+        host's own manifests supersede them from now on). Returns the number of pages added.
+        One transaction: all or nothing. Nothing is added when ``unchanged()``, asked inside
+        the transaction, is False: pages left the session here that the manifest may still
+        name, and they must not come back."""
         d = m["session"]
         now = time.time()
         added = 0
         with self.index.transaction() as db:
             if not unchanged():
                 return 0
+            db.executemany(
+                "INSERT INTO archive_imported VALUES (?,?,?) ON CONFLICT (session, store_id)"
+                " DO UPDATE SET spilled_at=max(spilled_at, excluded.spilled_at)",
+                [(d, sid, at) for sid, at in m.get("versions", {}).items() if sid != own],
+            )
             for p in m["pages"]:
                 if db.execute("SELECT 1 FROM pages WHERE path=?", (p["path"],)).fetchone():
                     continue
@@ -212,7 +277,13 @@ class ArchiveIndex:
         return added
 
 
-def build_manifest(index: Index, d: str, store_id: str, codecs: dict[bytes, str]) -> dict | None:
+def build_manifest(
+    index: Index,
+    d: str,
+    store_id: str,
+    codecs: dict[bytes, str],
+    supersedes: dict[str, float] | None = None,
+) -> dict | None:
     """The manifest of session ``d`` from the index: its pages whose data is archived.
     None when the session has no archived page (its manifest should be deleted)."""
     s = index.session(d)
@@ -244,5 +315,6 @@ def build_manifest(index: Index, d: str, store_id: str, codecs: dict[bytes, str]
         "attrs": s.attrs,
         "store_id": store_id,
         "spilled_at": time.time(),
+        "supersedes": supersedes or {},
         "pages": pages,
     }

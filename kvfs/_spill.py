@@ -25,8 +25,12 @@ from ._manifest import (
     MANIFESTS,
     blob_key,
     build_manifest,
+    is_session_manifest,
+    legacy_manifest_key,
     manifest_key,
+    merge_manifests,
     parse_manifest,
+    session_of_manifest_key,
 )
 
 if TYPE_CHECKING:
@@ -56,6 +60,8 @@ class Spiller:
         self.named: dict[str, set[bytes]] = {}
         #: per session: held while its manifest is built and stored (write_manifest)
         self._manifest_locks: dict[str, threading.Lock] = {}
+        #: sessions whose manifest in the single-manifest layout was looked for
+        self._legacy_checked: set[str] = set()
         self.collector = Collector(
             self.store, self.engine.store_id, policy.cfg.gc_window, policy.count
         )
@@ -192,19 +198,54 @@ class Spiller:
                 codecs = dict(self.policy.codecs)
             asked = time.time()  # removal requests older than this are reflected below
             seen = self.engine.index.removals[d]  # what this manifest reflects, at least
+            sid = self.engine.store_id
+            supersedes = await _thread(self.aindex.imported, d)
             m = await trio.to_thread.run_sync(
-                lambda: build_manifest(self.engine.index, d, self.engine.store_id, codecs)
+                lambda: build_manifest(self.engine.index, d, sid, codecs, supersedes)
             )
             if m is None:
-                await self.store.delete(manifest_key(d))
+                await self.store.delete(manifest_key(d, sid))
             else:
-                await self.store.put(manifest_key(d), msgpack.packb(m, use_bin_type=True))
+                await self.store.put(manifest_key(d, sid), msgpack.packb(m, use_bin_type=True))
+            if d not in self._legacy_checked:
+                await self._drop_own_legacy(d)
             self.policy.count("manifests_written")
             self.written[d] = max(self.written.get(d, 0), seen)
             self.named[d] = set() if m is None else {bytes(p["hash"]) for p in m["pages"]}
         finally:
             lock.release()
         await _thread(self.aindex.done, "manifest", [d], asked)
+
+    async def _drop_own_legacy(self, d: str) -> None:
+        """A manifest this store wrote in the single-manifest layout (before the eighth
+        session) is replaced by the one just written: delete it (another host's stays)."""
+        try:
+            m = parse_manifest(await self.store.get(legacy_manifest_key(d)))  # type: ignore[arg-type]
+        except (FileNotFoundError, ValueError):
+            m = None
+        if m is not None and m.get("store_id") == self.engine.store_id:
+            await self.store.delete(legacy_manifest_key(d))
+        self._legacy_checked.add(d)
+
+    async def session_manifests(self, d: str) -> list[dict[str, Any]]:
+        """Every host's manifest of session ``d`` (one LIST, then the GETs). Raises
+        CorruptPage naming an unreadable one."""
+        keys = [
+            k
+            for k in await self.store.list_all(legacy_manifest_key(d))
+            if is_session_manifest(k, d)
+        ]
+        out = []
+        for key in keys:
+            try:
+                raw = await self.store.get(key)
+            except FileNotFoundError:
+                continue  # deleted since the listing
+            try:
+                out.append(parse_manifest(raw))  # type: ignore[arg-type]
+            except ValueError as e:
+                raise CorruptPage(f"manifest {key} in {self.store.url} is unreadable: {e}") from e
+        return out
 
     # -- keeping the archive in step with deletes --------------------------------------------
     async def flush_pending(self) -> None:
@@ -261,12 +302,17 @@ class Spiller:
 
     # -- other hosts' sessions ------------------------------------------------------------
     async def archived_sessions(self) -> list[dict[str, object]]:
-        """Every session with a manifest in the archive (from any host sharing it)."""
-        out = []
+        """Every session with a manifest in the archive (from any host sharing it); a session
+        several hosts hold is listed once, with the union of their pages."""
+        by_session: dict[str, list[dict[str, Any]]] = {}
         async for key, m in self._manifests():  # read to the end: no early exit to close
             if m is None:  # not listed; said, so a lost session is not a mystery
                 _unreadable(key, "archived session manifest", "not listed")
                 continue
+            by_session.setdefault(session_of_manifest_key(key), []).append(m)
+        out = []
+        for ms in by_session.values():
+            m = merge_manifests(ms)
             out.append(
                 {
                     "session": m["name"],
@@ -279,6 +325,7 @@ class Spiller:
                     "atime": m["atime"],
                     "spilled_at": m["spilled_at"],
                     "store_id": m["store_id"],
+                    "hosts": len(ms),
                 }
             )
         return out
@@ -287,8 +334,6 @@ class Spiller:
         """Add the pages of the session's manifest this index lacks (archive-only: they list
         and restore on access). Returns pages added. Raises SessionNotFound when neither the
         index nor the archive knows the session."""
-        from objectstore import ObjectNotFound
-
         if d in await _thread(self.aindex.pending, "manifest"):
             # This host changed the session (a delete, a rename) since its manifest was
             # written: importing the stale one would bring deleted pages back. Write it now.
@@ -299,18 +344,16 @@ class Spiller:
         removals = self.engine.index.removals
         at_fetch = removals[d]
         written = self.written.get(d, 0) >= at_fetch
-        try:
-            raw = await self.store.get(manifest_key(d))
-        except ObjectNotFound:
+        ms = await self.session_manifests(d)
+        if not ms:
             if await _thread(self.engine.index.session, d) is None:
-                raise SessionNotFound(f"no session {d!r} here or in {self.store.url}") from None
+                raise SessionNotFound(f"no session {d!r} here or in {self.store.url}")
             return 0
-        try:
-            m = parse_manifest(raw)  # type: ignore[arg-type]
-        except ValueError as e:
-            raise CorruptPage(f"manifest of {d!r} in {self.store.url} is unreadable: {e}") from e
         return await _thread(
-            self.aindex.import_manifest, m, lambda: written and removals[d] == at_fetch
+            self.aindex.import_manifest,
+            merge_manifests(ms),
+            lambda: written and removals[d] == at_fetch,
+            self.engine.store_id,
         )
 
     # -- background -------------------------------------------------------------------------

@@ -15,6 +15,6 @@ def objects(archive: Path) -> set[str]:
 def named(archive: Path) -> set[str]:
     """Every blob any manifest names (checksums, hex)."""
     out: set[str] = set()
-    for m in (archive / "manifests").glob("*"):
+    for m in (p for p in (archive / "manifests").rglob("*") if p.is_file()):
         out.update(p["hash"].hex() for p in msgpack.unpackb(m.read_bytes(), raw=False)["pages"])
     return out

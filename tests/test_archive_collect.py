@@ -168,3 +168,78 @@ def test_finished_intents_linger_for_the_window_then_go(
         a.delete(PageKey.semantic("a", "p", 1))
         second = policy.call(policy.store.list_all, "gc/")
         assert len(second) == 2 and not set(first) & set(second)
+
+
+def test_hosts_writing_the_same_directory_keep_each_others_pages(
+    make_config,  # noqa: ANN001
+    archive_url: str,  # noqa: F811
+) -> None:
+    """LMCache, vLLM and llm-d on every host write into the same directory of their mount,
+    so every host holds a session of the same name. Each writes its own manifest of it:
+    before, the last host to write replaced the others' pages in the one manifest, and a
+    page evicted on the first host was named nowhere (its object collectable, invisible to
+    a host restoring the directory). A third host restores the union."""
+    mine = {h: PageKey.from_path(f"lmcache/model@1@{h}@hash.data") for h in ("a", "b")}
+    data = {h: kv_page(30 + i) for i, h in enumerate(mine)}
+    for h in mine:
+        with kvfs.open_store_sync(archived_cfg(make_config, archive_url, name=f"host-{h}")) as s:
+            s.put(mine[h], data[h])
+            s.evict(session="lmcache/")  # archive-only here: only the manifest names it
+    with kvfs.open_store_sync(archived_cfg(make_config, archive_url, name="host-c")) as c:
+        [listed] = c.archived_sessions()
+        assert listed["dir"] == "lmcache" and listed["pages"] == 2 and listed["hosts"] == 2
+        c.restore("lmcache/")
+        assert {i.path: c.get(PageKey.from_path(i.path)) for i in c.list(session="lmcache/")} == {
+            mine[h].path: data[h] for h in mine
+        }
+
+
+def test_a_host_that_took_a_session_over_decides_what_it_holds(
+    make_config,  # noqa: ANN001
+    archive_url: str,  # noqa: F811
+) -> None:
+    """An agent moves from host A to host B: B restores A's session, deletes one page and
+    adds another. B's manifest supersedes the version of A's it imported, so a third host
+    restores B's view, without the deleted page; until A writes its manifest again."""
+    keys = [PageKey.semantic("agent", "p", i) for i in range(3)]
+    with kvfs.open_store_sync(archived_cfg(make_config, archive_url, name="host-a")) as a:
+        for i, k in enumerate(keys[:2]):
+            a.put(k, kv_page(40 + i))
+        a.spill("agent")
+    with kvfs.open_store_sync(archived_cfg(make_config, archive_url, name="host-b")) as b:
+        b.restore("agent")
+        b.delete(keys[0])
+        b.put(keys[2], kv_page(42))
+        b.spill("agent")
+    with kvfs.open_store_sync(archived_cfg(make_config, archive_url, name="host-c")) as c:
+        c.restore("agent")
+        assert sorted(i.path for i in c.list(session="agent")) == [k.path for k in keys[1:]]
+        assert c.get(keys[1]) == kv_page(41) and c.get(keys[2]) == kv_page(42)
+
+
+def test_a_manifest_in_the_single_manifest_layout_is_read_and_replaced(
+    make_config,  # noqa: ANN001
+    archive_url: str,  # noqa: F811
+) -> None:
+    """A bucket written before per-host manifests holds ``manifests/<session>``: it is still
+    listed and restored, and its own host replaces it with its per-host manifest."""
+    from kvfs._manifest import legacy_manifest_key, manifest_key
+
+    k = PageKey.semantic("old", "p", 0)
+    a_cfg = archived_cfg(make_config, archive_url, name="host-a")
+    with kvfs.open_store_sync(a_cfg) as a:
+        a.put(k, kv_page(50))
+        a.spill("old")
+        policy = a.engine.policy  # type: ignore[attr-defined]
+        store, new = policy.store, manifest_key("sessions/old", a.engine.store_id)  # type: ignore[attr-defined]
+        policy.call(store.put, legacy_manifest_key("sessions/old"), policy.call(store.get, new))
+        policy.call(store.delete, new)
+    with kvfs.open_store_sync(archived_cfg(make_config, archive_url, name="host-c")) as c:
+        assert [x["dir"] for x in c.archived_sessions()] == ["sessions/old"]
+        c.restore("old")
+        assert c.get(k) == kv_page(50)
+    with kvfs.open_store_sync(a_cfg) as a:
+        a.put(PageKey.semantic("old", "p", 1), kv_page(51))
+        a.spill("old")
+        policy = a.engine.policy  # type: ignore[attr-defined]
+        assert policy.call(policy.store.list_all, "manifests/") == [new]

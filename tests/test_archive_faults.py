@@ -103,7 +103,8 @@ def test_sigkill_mid_spill_then_restart(s3_server, proxy, tmp_path: Path) -> Non
         again = s.spill("victim")  # redo: what is already there is not uploaded again
         assert again > 0
         assert len(s3_server.keys(bucket, "blobs/")) == n
-        assert s3_server.keys(bucket, "manifests/") == ["manifests/sessions%2Fvictim"]
+        sid = s.engine.store_id  # type: ignore[attr-defined]
+        assert s3_server.keys(bucket, "manifests/") == [f"manifests/sessions%2Fvictim@{sid}"]
         assert s.statistics().extra["archive"]["dedup_skipped"] >= len(uploaded)
         assert all(i.tier == "archive" for i in s.list(session="victim"))
         for i in range(n):
