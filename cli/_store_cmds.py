@@ -210,14 +210,15 @@ def _ls_archived(args: argparse.Namespace, sessions: list[dict[str, Any]]) -> in
         print_json(sessions)
         return 0
     print_table(
-        ["SESSION", "PAGES", "SIZE", "SPILLED", "STORE"],
+        ["SESSION", "PAGES", "SIZE", "SPILLED", "STORE", "HOSTS"],
         [
             [
                 s["session"],
                 s.get("pages", ""),
                 fmt_bytes(int(s.get("bytes", 0))),
                 fmt_time(float(s.get("spilled_at", 0))),
-                str(s.get("store_id", ""))[:12],
+                str(s.get("store_id", ""))[:12],  # the host that wrote last
+                s.get("hosts", 1),
             ]
             for s in sessions
         ],

@@ -123,8 +123,10 @@ def test_spill_and_restore(run: Run, tmp_path: Path) -> None:
     assert rc == 0 and json.loads(out)[0]["bytes"] > 0
     assert tier(run, d) == "archive"
     rc, out, _ = run("ls", "--archived", "--json", *d)
-    assert [x["session"] for x in json.loads(out)] == ["a"]
-    assert "SPILLED" in run("ls", "--archived", *d)[1]
+    assert [(x["session"], x["hosts"]) for x in json.loads(out)] == [("a", 1)]
+    header, _rule, row = run("ls", "--archived", *d)[1].splitlines()[:3]
+    assert header.split() == ["SESSION", "PAGES", "SIZE", "SPILLED", "STORE", "HOSTS"]
+    assert row.split()[0] == "a" and row.split()[-1] == "1"
     rc, out, _ = run("restore", "a", *d)
     assert rc == 0 and "restored a" in out
     assert tier(run, d) == "local+archive"
