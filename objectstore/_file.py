@@ -178,8 +178,10 @@ class FileStore(ObjectStore):
 
     async def list(self, prefix: str = "") -> AsyncIterator[str]:  # type: ignore[override]
         def walk() -> list[str]:
+            # Only the directory the prefix names is walked (``gc/`` does not read ``blobs/``).
+            base = prefix.rpartition("/")[0]
             out = []
-            for dirpath, dirnames, filenames in os.walk(self.root):
+            for dirpath, dirnames, filenames in os.walk(os.path.join(self.root, base)):
                 rel = os.path.relpath(dirpath, self.root)
                 if rel == ".":
                     dirnames[:] = [d for d in dirnames if d != TMP]

@@ -193,3 +193,32 @@ async def test_second_opener_without_sweep_keeps_in_flight_puts(tmp_path: Path) 
     assert await s.get("k") == b"v"
     await open_objectstore(f"file://{root}")  # a first opener sweeps, as after a crash
     assert not inflight.exists()
+
+
+async def test_file_store_lists_a_prefix_without_reading_other_directories(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Listing ``gc/`` walks ``gc/`` only, not the (large) ``blobs/`` beside it."""
+    async with await open_objectstore(f"file://{tmp_path}") as st:
+        for k in ("blobs/aa", "gc/x", "manifests/sessions%2Fa@1", "manifests/sessions%2Fab@1"):
+            await st.put(k, b"1")
+        walked: list[str] = []
+        walk = os.walk
+
+        def spy(top: str, *a: object, **kw: object) -> object:
+            walked.append(os.path.relpath(top, tmp_path))
+            return walk(top, *a, **kw)  # type: ignore[call-overload]
+
+        monkeypatch.setattr(os, "walk", spy)
+        assert await st.list_all("gc/") == ["gc/x"]
+        assert await st.list_all("manifests/sessions%2Fa") == [
+            "manifests/sessions%2Fa@1",
+            "manifests/sessions%2Fab@1",
+        ]
+        assert walked == ["gc", "manifests"]
+        assert await st.list_all("") == [
+            "blobs/aa",
+            "gc/x",
+            "manifests/sessions%2Fa@1",
+            "manifests/sessions%2Fab@1",
+        ]
