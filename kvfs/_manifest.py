@@ -285,34 +285,39 @@ def build_manifest(
     supersedes: dict[str, float] | None = None,
 ) -> dict | None:
     """The manifest of session ``d`` from the index: its pages whose data is archived.
-    None when the session has no archived page (its manifest should be deleted)."""
+    None when the session has no archived page (its manifest should be deleted), unless it
+    supersedes other hosts' manifests: then a manifest without pages says so (a tombstone;
+    deleting it would bring back what those name and this host deleted)."""
     s = index.session(d)
-    if s is None:
-        return None
-    pages = [
-        {
-            "path": p.path,
-            "size": p.size,
-            "hash": p.hash,
-            "leaves": leaves,
-            "codec": codecs.get(p.hash, "see-object"),
-            "created": p.created,
-            "pinned": p.pinned,
-            "attrs": p.attrs,
-        }
-        for p, leaves in index.archived_pages(d)
-    ]
-    if not pages:
+    pages = (
+        []
+        if s is None
+        else [
+            {
+                "path": p.path,
+                "size": p.size,
+                "hash": p.hash,
+                "leaves": leaves,
+                "codec": codecs.get(p.hash, "see-object"),
+                "created": p.created,
+                "pinned": p.pinned,
+                "attrs": p.attrs,
+            }
+            for p, leaves in index.archived_pages(d)
+        ]
+    )
+    if not pages and not supersedes:
         return None
     name = d.split("/", 1)[1] if d.startswith("sessions/") else d
+    now = time.time()
     return {
         "v": VERSION,
         "session": d,
         "name": name,
-        "created": s.created,
-        "atime": s.atime,
-        "pinned": s.pinned,
-        "attrs": s.attrs,
+        "created": now if s is None else s.created,
+        "atime": now if s is None else s.atime,
+        "pinned": False if s is None else s.pinned,
+        "attrs": {} if s is None else s.attrs,
         "store_id": store_id,
         "spilled_at": time.time(),
         "supersedes": supersedes or {},

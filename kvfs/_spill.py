@@ -313,6 +313,8 @@ class Spiller:
         out = []
         for ms in by_session.values():
             m = merge_manifests(ms)
+            if not m["pages"]:
+                continue  # deleted on the hosts whose manifests count (tombstones)
             out.append(
                 {
                     "session": m["name"],
@@ -345,7 +347,7 @@ class Spiller:
         at_fetch = removals[d]
         written = self.written.get(d, 0) >= at_fetch
         ms = await self.session_manifests(d)
-        if not ms:
+        if not ms or not merge_manifests(ms)["pages"]:
             if await _thread(self.engine.index.session, d) is None:
                 raise SessionNotFound(f"no session {d!r} here or in {self.store.url}")
             return 0

@@ -243,3 +243,29 @@ def test_a_manifest_in_the_single_manifest_layout_is_read_and_replaced(
         a.spill("old")
         policy = a.engine.policy  # type: ignore[attr-defined]
         assert policy.call(policy.store.list_all, "manifests/") == [new]
+
+
+def test_a_session_deleted_by_the_host_that_took_it_over_stays_deleted(
+    make_config,  # noqa: ANN001
+    archive_url: str,  # noqa: F811
+) -> None:
+    """A host rebuilt after losing its disks (a new store id) restores its session from the
+    manifest of its former self and deletes the pages. Its manifest, now without pages,
+    still supersedes the old one (a tombstone): deleting it would let the old manifest bring
+    the pages back. Found by the two-host state machine run longer than CI runs it."""
+    from pytest import raises
+
+    k0, k1 = PageKey.semantic("a", "p", 0), PageKey.semantic("a", "p", 1)
+    with kvfs.open_store_sync(archived_cfg(make_config, archive_url, name="old")) as old:
+        old.put(k1, kv_page(60))
+        old.evict(session="a")
+    with kvfs.open_store_sync(archived_cfg(make_config, archive_url, name="new")) as new:
+        new.restore("a")
+        new.delete(k1)
+        new.put(k0, kv_page(60))
+        new.restore("a")
+        assert [i.path for i in new.list(session="a")] == [k0.path]
+        assert new.archived_sessions() == []
+    third = archived_cfg(make_config, archive_url, name="third")
+    with kvfs.open_store_sync(third) as c, raises(kvfs.SessionNotFound):
+        c.restore("a")
