@@ -185,7 +185,8 @@ class Spiller:
         return encode(data, level=self.policy.cfg.zstd_level)[0]
 
     async def write_manifest(self, d: str) -> None:
-        """Write (or delete, when nothing of it is archived) the manifest of session ``d``.
+        """Write this host's manifest of session ``d``: delete it when nothing of the session
+        is archived here, unless it supersedes other hosts' (then it stays, without pages).
 
         One at a time per session (callers run on the daemon's loop and on callers' own
         loops): two writes whose index reads and PUTs interleaved could leave the older
