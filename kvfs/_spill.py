@@ -348,13 +348,14 @@ class Spiller:
         at_fetch = removals[d]
         written = self.written.get(d, 0) >= at_fetch
         ms = await self.session_manifests(d)
-        if not ms or not merge_manifests(ms)["pages"]:
+        merged = merge_manifests(ms) if ms else None
+        if merged is None or not merged["pages"]:
             if await _thread(self.engine.index.session, d) is None:
                 raise SessionNotFound(f"no session {d!r} here or in {self.store.url}")
             return 0
         return await _thread(
             self.aindex.import_manifest,
-            merge_manifests(ms),
+            merged,
             lambda: written and removals[d] == at_fetch,
             self.engine.store_id,
         )
