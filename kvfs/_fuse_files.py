@@ -174,6 +174,9 @@ class FileOps:
             if not self.direct_io and self._first_stale(node.path):
                 await self._thread(lease.__exit__, None, None, None)
                 raise fuse_error(errno.ESTALE)
+        # An open is an access: reads the kernel's page cache answers never reach kvfs, and
+        # eviction order and retention (archive.retention) go by access times.
+        self.engine.touch(held[0])
         h = Handle(node, lease=lease, held=held, direct=direct)
         if self.nursery is not None and self.read_ahead > 0:
             h.ahead = ReadAhead(

@@ -186,6 +186,24 @@ async def test_open_page_survives_unlink(ops: KvfsOperations) -> None:
     assert await fuse_errno(ops.lookup(ROOT, b"p", CTX)) == errno.ENOENT
 
 
+async def test_an_open_is_an_access(ops: KvfsOperations) -> None:
+    """Reads the kernel's page cache answers never reach the daemon; opens do, and count as
+    the page's and its session's access (eviction order and retention go by it)."""
+    import time
+
+    ino = await write_file(ops, ROOT, "p", b"x" * 100)
+    eng = ops.engine
+    eng.flush_atimes()
+    before = eng.index.page("p").atime  # type: ignore[union-attr]
+    session = eng.index.page("p").session  # type: ignore[union-attr]
+    time.sleep(0.01)
+    fi = await ops.open(ino, os.O_RDONLY, CTX)  # no read
+    await ops.release(fi.fh)
+    eng.flush_atimes()
+    assert eng.index.page("p").atime > before  # type: ignore[union-attr]
+    assert eng.index.session(session).atime > before  # type: ignore[union-attr]
+
+
 async def test_replaced_behind_the_mount(ops: KvfsOperations) -> None:
     ino = await write_file(ops, ROOT, "q", b"one")
     await ops.store.put("q", b"two!", replace=True)
