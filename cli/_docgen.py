@@ -89,7 +89,8 @@ def configuration_markdown() -> str:
         "in `./kvfs-archive` through `file://`);",
         "2. one TOML file: `--config FILE`, else `$KVFS_CONFIG`, else none;",
         "3. environment variables `KVFS_<OPTION>` (lists comma-separated, sizes as "
-        "`64MiB`/`2GB`/bytes, booleans `true`/`false`/`1`/`0`);",
+        "`64MiB`/`2GB`/bytes, durations as seconds or `30m`/`12h`/`7d`, booleans "
+        "`true`/`false`/`1`/`0`);",
         "4. command-line flags (`--data`, `--archive`, `--socket`, and on `kvfs mount` "
         "also `--capacity`, `--stripe-unit`, `--metrics-port`, `--log-level`).",
         "",

@@ -15,7 +15,16 @@ from typing import Any
 import kvfs
 
 from ._target import add_store_flags, open_target
-from ._util import EXIT, Progress, Refused, fmt_bytes, fmt_time, print_json, print_table
+from ._util import (
+    EXIT,
+    Progress,
+    Refused,
+    fmt_bytes,
+    fmt_duration,
+    fmt_time,
+    print_json,
+    print_table,
+)
 
 __all__ = ["register", "render_stats"]
 
@@ -314,9 +323,15 @@ def render_stats(st: kvfs.StoreStatistics) -> str:
         def sec(v: object) -> str:
             return f"{float(v) * 1000:.1f} ms" if isinstance(v, (int, float)) else "-"
 
+        retention = float(a.get("retention_s") or 0)  # type: ignore[arg-type]
+        kept = (
+            f"sessions expired {a.get('sessions_expired', 0)} (retention {fmt_duration(retention)})"
+            if retention
+            else "retention: keep"
+        )
         out.append(
             f"archive {a.get('url')}: spill queue {a.get('spill_queue', 0)}, sessions "
-            f"spilled {a.get('sessions_spilled', 0)}, restore latency p50 "
+            f"spilled {a.get('sessions_spilled', 0)}, {kept}, restore latency p50 "
             f"{sec(a.get('restore_p50_s'))} p99 {sec(a.get('restore_p99_s'))}"
         )
     else:

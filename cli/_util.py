@@ -96,6 +96,14 @@ def fmt_bytes(n: float) -> str:
     return f"{n:.1f} TiB"
 
 
+def fmt_duration(seconds: float) -> str:
+    """``604800`` -> ``7d``: the largest unit that divides the duration, else seconds."""
+    for unit, n in (("w", 604800), ("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= n and seconds % n == 0:
+            return f"{seconds / n:.0f}{unit}"
+    return f"{seconds:g}s"
+
+
 def fmt_time(t: float) -> str:
     if not t:
         return "-"

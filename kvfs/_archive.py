@@ -36,6 +36,7 @@ import trio
 
 from ._checksum import leaves_of, tree_hash
 from ._codec import CodecChoice, elem_size, encode
+from ._config import parse_duration
 from ._errors import ArchiveUnavailable, CapacityExceeded, CorruptPage, KvfsError, PageNotFound
 from ._events import log_event
 from ._index import BlobRow, PageRow
@@ -104,6 +105,10 @@ class ArchiveConfig:
     #: capacity): the puts after it find room, and a session's manifest is rewritten once
     #: per batch of evictions instead of once per evicted page
     evict_ahead: int = 64 << 20
+    #: seconds a session may stay untouched before the background task deletes it from every
+    #: tier (this host's and the archive's); pinned sessions and sessions holding a pinned
+    #: page are kept. 0: sessions are kept until deleted
+    retention: float = 0.0
     #: without a background task, seconds a delete may spend updating the archive (the rest
     #: stays queued in the index and is done by the next spill, close or background pass)
     sync_cleanup_seconds: float = 5.0
@@ -117,11 +122,15 @@ class ArchiveConfig:
         unknown = set(raw) - names
         if unknown:
             raise ValueError(f"unknown archive setting(s): {', '.join(sorted(unknown))}")
+        if "retention" in raw:
+            raw["retention"] = parse_duration(raw["retention"])
         cfg = cls(**raw)
         if cfg.upload_processes < 0:
             raise ValueError("archive upload_processes must be >= 0")
         if cfg.evict_ahead < 0:
             raise ValueError("archive evict_ahead must be >= 0 bytes")
+        if cfg.retention < 0:
+            raise ValueError("archive retention must be >= 0 seconds (0: keep sessions)")
         if cfg.gc_window <= 0:
             raise ValueError("archive gc_window must be > 0 seconds")
         if not 0 < cfg.low_watermark <= cfg.high_watermark <= 1:
@@ -1028,6 +1037,8 @@ class ArchivingPolicy(TieringPolicy):
                 "bytes_spilled": c.get("bytes_spilled", 0),
                 "bytes_restored": c.get("bytes_restored", 0),
                 "sessions_spilled": c.get("sessions_spilled", 0),
+                "sessions_expired": c.get("sessions_expired", 0),
+                "retention_s": self.cfg.retention,
                 "blobs_restored": c.get("blobs_restored", 0),
                 "dedup_skipped": c.get("dedup_skipped", 0),
                 "restore_coalesced": c.get("restore_coalesced", 0),

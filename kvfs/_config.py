@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["StoreConfig", "parse_size"]
+__all__ = ["StoreConfig", "parse_duration", "parse_size"]
 
 KiB = 1024
 MiB = 1024 * KiB
@@ -46,6 +46,24 @@ def parse_size(text: str | int) -> int:
     if unit not in _UNITS or not num:
         raise ValueError(f"not a size: {text!r} (examples: 4096, 64MiB, 2GB)")
     return int(float(num) * _UNITS[unit])
+
+
+_SECONDS = {"": 1, "s": 1, "m": 60, "min": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+
+
+def parse_duration(text: str | float) -> float:
+    """``"7d"`` -> 604800.0 seconds. Accepts numbers (seconds) and s, m, h, d, w suffixes."""
+    if isinstance(text, (int, float)) and not isinstance(text, bool):
+        return float(text)
+    s = str(text).strip().lower().replace(" ", "")
+    num = s.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = s[len(num) :]
+    try:
+        if unit in _SECONDS and num:
+            return float(num) * _SECONDS[unit]
+    except ValueError:
+        pass
+    raise ValueError(f"not a duration: {text!r} (examples: 90, 30m, 12h, 7d)")
 
 
 @dataclass(frozen=True)

@@ -558,6 +558,12 @@ class Engine:
         self._check_open()
         return _maint.delete_session(self, session)
 
+    def expire_session(self, d: str, untouched_since: float) -> int | None:
+        """Retention: remove an unpinned session (directory ``d``) last touched before
+        ``untouched_since`` from every tier; None when it was touched or pinned meanwhile."""
+        self._check_open()
+        return _maint.expire_session(self, d, untouched_since)
+
     def delete_blob_pages(self, blob: BlobRow, reason: str) -> int:
         """Evict by deletion (no archive): every page sharing this data goes. Returns bytes freed."""
         return _maint.delete_blob_pages(self, blob, reason)

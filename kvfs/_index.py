@@ -605,21 +605,50 @@ class Index:
 
     def delete_pages(self, paths: Iterable[str]) -> tuple[list[PageRow], list[BlobRow]]:
         """Delete pages; return the rows deleted and the blobs whose last reference went."""
+        with self.transaction() as db:
+            return self._delete_pages(db, paths)
+
+    def _delete_pages(
+        self, db: sqlite3.Connection, paths: Iterable[str]
+    ) -> tuple[list[PageRow], list[BlobRow]]:
         gone: list[PageRow] = []
         freed: list[BlobRow] = []
-        with self.transaction() as db:
-            for path in paths:
-                r = db.execute(f"SELECT {_PAGE_COLS} FROM pages WHERE path=?", (path,)).fetchone()
-                if r is None:
-                    continue
-                p = _page(r)
-                self.removals[p.session] += 1
-                db.execute("DELETE FROM pages WHERE path=?", (path,))
-                gone.append(p)
-                b = self._unref(db, p.hash)
-                if b is not None:
-                    freed.append(b)
+        for path in paths:
+            r = db.execute(f"SELECT {_PAGE_COLS} FROM pages WHERE path=?", (path,)).fetchone()
+            if r is None:
+                continue
+            p = _page(r)
+            self.removals[p.session] += 1
+            db.execute("DELETE FROM pages WHERE path=?", (path,))
+            gone.append(p)
+            b = self._unref(db, p.hash)
+            if b is not None:
+                freed.append(b)
         return gone, freed
+
+    def delete_session(
+        self, d: str, *, untouched_since: float | None = None
+    ) -> tuple[list[PageRow], list[BlobRow]] | None:
+        """Delete a session's pages and its own row in one transaction (a put committed
+        after it starts the session afresh). None when there is no such session.
+
+        With ``untouched_since`` (a retention pass), also None unless the session is
+        unpinned, holds no pinned page, and was last touched before that time: a session
+        touched or pinned since the caller looked is kept."""
+        with self.transaction() as db:
+            row = db.execute("SELECT atime, pinned FROM sessions WHERE dir=?", (d,)).fetchone()
+            if row is None:
+                return None
+            if untouched_since is not None:
+                pinned_page = db.execute(
+                    "SELECT 1 FROM pages WHERE session=? AND pinned=1 LIMIT 1", (d,)
+                ).fetchone()
+                if row[1] or pinned_page is not None or row[0] >= untouched_since:
+                    return None
+            paths = [r[0] for r in db.execute("SELECT path FROM pages WHERE session=?", (d,))]
+            deleted = self._delete_pages(db, paths)
+            db.execute("DELETE FROM sessions WHERE dir=?", (d,))
+            return deleted
 
     def rename_page(self, src: str, dst: str, dst_session: str) -> tuple[PageRow, BlobRow | None]:
         """Move a page to a new path atomically, replacing what was there (returns its freed blob)."""

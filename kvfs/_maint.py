@@ -31,6 +31,7 @@ __all__ = [
     "delete_blob_pages",
     "delete_session",
     "evict",
+    "expire_session",
     "fsck",
     "rename",
     "statistics",
@@ -47,13 +48,21 @@ def delete(eng: Engine, k: PageKey) -> None:
 
 def delete_session(eng: Engine, session: str) -> int:
     d = session_dir(session)
-    if eng.index.session(d) is None:
+    deleted = eng.index.delete_session(d)
+    if deleted is None:
         raise SessionNotFound(f"no session {d!r}")
-    gone, freed = eng.index.delete_pages(p.path for p in eng.index.pages(session=d))
-    _after_delete(eng, gone, freed)
-    with eng.index.transaction() as db:
-        db.execute("DELETE FROM sessions WHERE dir=?", (d,))
-    return len(gone)
+    _after_delete(eng, *deleted)
+    return len(deleted[0])
+
+
+def expire_session(eng: Engine, d: str, untouched_since: float) -> int | None:
+    """Delete an unpinned session untouched since ``untouched_since`` from every tier;
+    returns the pages removed, or None when it was touched or pinned meanwhile (or gone)."""
+    deleted = eng.index.delete_session(d, untouched_since=untouched_since)
+    if deleted is None:
+        return None
+    _after_delete(eng, *deleted)
+    return len(deleted[0])
 
 
 def _after_delete(eng: Engine, gone: builtins.list[PageRow], freed: builtins.list[BlobRow]) -> None:

@@ -113,6 +113,7 @@ def render_metrics(
             ("bytes_spilled", "Bytes uploaded to the archive."),
             ("bytes_restored", "Bytes restored from the archive."),
             ("sessions_spilled", "Sessions spilled."),
+            ("sessions_expired", "Sessions deleted by the retention setting."),
             ("errors", "Archive errors."),
         ):
             w(f"kvfs_archive_{key}_total", c, help, a.get(key, 0))  # type: ignore[arg-type]

@@ -22,7 +22,7 @@ from typing import Any
 
 import tomllib
 
-from ._config import StoreConfig, parse_size
+from ._config import StoreConfig, parse_duration, parse_size
 
 __all__ = [
     "OPTIONS",
@@ -41,7 +41,7 @@ class Option:
 
     section: str
     name: str
-    kind: str  # "str", "int", "float", "size", "bool", "paths"
+    kind: str  # "str", "int", "float", "size", "duration", "bool", "paths"
     default: object
     help: str
 
@@ -168,6 +168,15 @@ OPTIONS: tuple[Option, ...] = (
         "half of it, and other hosts wait at most this long for one a crash left unfinished",
     ),
     Option(
+        "archive",
+        "retention",
+        "duration",
+        0.0,
+        "a session untouched this long is deleted from every tier, this host's and the "
+        "archive's (seconds, or 30m, 12h, 7d); pinned sessions and sessions holding a pinned "
+        "page are kept; 0: keep every session until it is deleted",
+    ),
+    Option(
         "daemon",
         "control_socket",
         "str",
@@ -243,6 +252,11 @@ class Settings:
             },
         )
         ArchiveConfig.from_extra(cfg.extra)  # the archive settings' combination (watermarks)
+        if v["retention"] and not cfg.archive_url:
+            raise ValueError(
+                "archive.retention deletes sessions from the archive tier, and none is "
+                "configured (archive.archive_url is empty): set one, or leave retention at 0"
+            )
         return cfg
 
     def archive_url(self) -> str:
@@ -273,6 +287,10 @@ def _convert(opt: Option, raw: object, where: str) -> object:
             raise ValueError("a list of directories is needed")
         if opt.kind == "size":
             return parse_size(raw if isinstance(raw, (int, str)) else str(raw))
+        if opt.kind == "duration":
+            if isinstance(raw, bool):
+                raise ValueError("a duration is needed")
+            return parse_duration(raw)  # type: ignore[arg-type]
         if opt.kind == "int":
             if isinstance(raw, bool):
                 raise ValueError("an integer is needed")

@@ -60,6 +60,8 @@ class Spiller:
         self.named: dict[str, set[bytes]] = {}
         #: per session: held while its manifest is built and stored (write_manifest)
         self._manifest_locks: dict[str, threading.Lock] = {}
+        #: time.monotonic() before which the next retention pass does not run
+        self._next_expiry = 0.0
         #: sessions whose manifest in the single-manifest layout was looked for
         self._legacy_checked: set[str] = set()
         self.collector = Collector(
@@ -372,6 +374,7 @@ class Spiller:
             try:
                 await self.flush_pending()
                 await self.relieve_pressure()
+                await self.expire_sessions()
             except (ArchiveUnavailable, CorruptPage) as e:
                 self.policy.count("errors")
                 log_event(
@@ -410,6 +413,30 @@ class Spiller:
                 "spill", target=s.dir, reason="pressure", bytes=sent, seconds=time.monotonic() - t0
             )
             n += 1
+        return n
+
+    async def expire_sessions(self) -> int:
+        """One retention pass (``retention`` > 0): delete from every tier each unpinned
+        session, holding no pinned page, untouched for ``retention`` seconds. Runs at most
+        every tenth of the retention (a minute at most), since it lists every session.
+        Returns the number of sessions deleted."""
+        eng, retention = self.engine, self.policy.cfg.retention
+        if retention <= 0 or time.monotonic() < self._next_expiry:
+            return 0
+        self._next_expiry = time.monotonic() + min(60.0, retention / 10)
+        await _thread(eng.flush_atimes)
+        now = time.time()
+        cutoff = now - retention
+        n = 0
+        for s in await _thread(eng.index.sessions):
+            if s.pinned or s.atime >= cutoff or s.dir in self._active:
+                continue
+            pages = await _thread(eng.expire_session, s.dir, cutoff)
+            if pages is None:
+                continue  # touched or pinned since the listing
+            n += 1
+            self.policy.count("sessions_expired")
+            log_event("expire", target=s.dir, pages=pages, idle_seconds=round(now - s.atime))
         return n
 
 

@@ -72,7 +72,7 @@ def test_stats_table_and_json(run: Run, tmp_path: Path) -> None:
     d = one_page(run, tmp_path, b"y" * 5000, archive=True)
     rc, out, _ = run("stats", *d)
     assert rc == 0 and "DEVICE" in out and "HIT RATE" in out and "spill queue" in out
-    assert "evictions:" in out
+    assert "evictions:" in out and "retention: keep" in out
     rc, out, _ = run("stats", "--json", *d)
     st = json.loads(out)
     assert st["pages"] == 1 and len(st["devices"]) == 2 and "archive" in st["extra"]

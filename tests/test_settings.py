@@ -129,3 +129,22 @@ def test_archive_policy_is_configurable_like_any_option(tmp_path: Path) -> None:
         load_settings(env={"KVFS_IDLE_SECONDS": "soon"})
     with pytest.raises(ValueError, match="watermark"):
         load_settings(f, env={"KVFS_LOW_WATERMARK": "0.95"}).store_config()
+
+
+def test_retention_takes_a_duration_and_needs_an_archive(tmp_path: Path) -> None:
+    from kvfs._archive import ArchiveConfig
+
+    for text, seconds in (("90", 90.0), ("1.5s", 1.5), ("30m", 1800.0), ("12h", 43200.0)):
+        assert load_settings(env={"KVFS_RETENTION": text})["retention"] == seconds
+    f = tmp_path / "kvfs.toml"
+    f.write_text('[archive]\nretention = "7d"\n')
+    cfg = load_settings(f, env={}).store_config()  # the embedded default archive
+    assert ArchiveConfig.from_extra(cfg.extra).retention == 7 * 86400
+    assert ArchiveConfig.from_extra({"archive": {"retention": "2w"}}).retention == 14 * 86400
+    with pytest.raises(ValueError, match=r"\$KVFS_RETENTION.*not a duration"):
+        load_settings(env={"KVFS_RETENTION": "soon"})
+    with pytest.raises(ValueError, match="retention must be >= 0"):
+        load_settings(env={"KVFS_RETENTION": "-1"}).store_config()
+    no_archive = load_settings(env={"KVFS_RETENTION": "1d", "KVFS_ARCHIVE_URL": ""})
+    with pytest.raises(ValueError, match="retention deletes sessions from the archive tier"):
+        no_archive.store_config()
