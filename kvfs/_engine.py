@@ -36,6 +36,7 @@ from ._errors import (
     CorruptPage,
     KvfsError,
     PageNotFound,
+    SessionNotFound,
     StoreClosed,
 )
 from ._events import log_event
@@ -541,11 +542,26 @@ class Engine:
 
     def session_info(self, session: str) -> SessionInfo:
         self._check_open()
-        return _reads.session_info(self, session_dir(session))
+        return _reads.session_info(self, self.resolve_session(session))
+
+    def resolve_session(self, session: str) -> str:
+        """The directory a session name means. ``agent-42`` is the semantic session
+        ``sessions/agent-42``; when no such session exists here but a top-level engine
+        directory ``agent-42`` does (what ``ls`` shows for it), the name means that
+        directory. ``agent-42/`` (or any name with a '/') is always the directory."""
+        d = session_dir(session)
+        if (
+            d != session
+            and "/" not in session
+            and self.index.session(d) is None
+            and self.index.session(session) is not None
+        ):
+            return session
+        return d
 
     def set_session_attrs(self, session: str, attrs: dict[str, str]) -> None:
         self._check_open()
-        self.index.set_session_attrs(session_dir(session), check_attrs(attrs))
+        self.index.set_session_attrs(self.resolve_session(session), check_attrs(attrs))
 
     # -- delete, evict (kvfs/_maint.py) -----------------------------------------------
     def delete(self, key: PageKey | str) -> None:
@@ -583,7 +599,7 @@ class Engine:
     def pin_session(self, session: str, pinned: bool = True) -> None:
         """Pin a session (it may have no pages yet: pinning reserves its place)."""
         self._check_open()
-        self.index.set_session_pinned(session_dir(session), pinned)
+        self.index.set_session_pinned(self.resolve_session(session), pinned)
 
     # -- eviction ---------------------------------------------------------------------
     def evict(
@@ -614,7 +630,7 @@ class Engine:
         copies (pinned sessions too: this is the explicit request); ``progress(page bytes
         archived, page bytes to archive)`` as uploads finish. Returns bytes uploaded.
         Raises SessionNotFound, ArchiveUnavailable (then nothing local was dropped)."""
-        return int(self._archive().spill(session_dir(session), progress))
+        return int(self._archive().spill(self.resolve_session(session), progress))
 
     def restore(self, session: str, *, progress: Callable[[int, int], None] | None = None) -> int:
         """Bring a session back: import its manifest's pages this store lacks (from any host
@@ -622,7 +638,16 @@ class Engine:
         manifest is fetched); ``progress(bytes done, bytes to restore)`` as they come.
         Returns bytes restored. Raises SessionNotFound, ArchiveUnavailable, CorruptPage
         (after every page was tried)."""
-        return int(self._archive().restore_session(session_dir(session), progress))
+        archive = self._archive()
+        d = self.resolve_session(session)
+        try:
+            return int(archive.restore_session(d, progress))
+        except SessionNotFound:
+            if d == session or "/" in session:
+                raise
+        # Neither here nor in the archive as a semantic session: a top-level engine
+        # directory of that name, archived by this host or another one sharing the bucket.
+        return int(archive.restore_session(session, progress))
 
     def archived_sessions(self) -> builtins.list[dict[str, object]]:
         """Sessions that have a manifest in the archive, from every host sharing it."""

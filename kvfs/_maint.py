@@ -19,7 +19,7 @@ from ._checksum import leaf_hash, tree_hash
 from ._errors import KvfsError, PageNotFound, SessionNotFound
 from ._events import log_event
 from ._index import BlobRow, PageRow
-from ._keys import PageKey, as_key, session_dir
+from ._keys import PageKey, as_key
 from ._types import DeviceStatistics, StoreStatistics
 from ._writes import leaves_now
 
@@ -47,7 +47,7 @@ def delete(eng: Engine, k: PageKey) -> None:
 
 
 def delete_session(eng: Engine, session: str) -> int:
-    d = session_dir(session)
+    d = eng.resolve_session(session)
     deleted = eng.index.delete_session(d)
     if deleted is None:
         raise SessionNotFound(f"no session {d!r}")
@@ -109,7 +109,7 @@ def rename(eng: Engine, s: PageKey, d: PageKey) -> None:
 # -- eviction -----------------------------------------------------------------------------
 def evict(eng: Engine, target: PageKey | str | None, session: str | None, reason: str) -> int:
     if session is not None:
-        d = session_dir(session)
+        d = eng.resolve_session(session)
         if eng.index.session(d) is None:
             raise SessionNotFound(f"no session {d!r}")
         hashes = {p.hash for p in eng.index.pages(session=d)}

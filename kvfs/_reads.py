@@ -20,7 +20,7 @@ from ._aligned import aligned_buffer, as_bytes_view, heap_view
 from ._checksum import DIGEST, LEAF, leaf_hash, leaf_hasher
 from ._errors import CorruptPage, InvalidKey, KvfsError, PageNotFound, SessionNotFound
 from ._index import BlobRow, PageRow
-from ._keys import PageKey, session_dir
+from ._keys import PageKey
 from ._local import wait_all
 from ._types import Extent, PageInfo, SessionInfo
 
@@ -274,7 +274,7 @@ def list_pages(
 ) -> builtins.list[PageInfo]:
     if prefix is not None and session is None:
         raise InvalidKey("prefix needs a session")
-    sd = session_dir(session) if session is not None else None
+    sd = eng.resolve_session(session) if session is not None else None
     pp = path_prefix
     if prefix is not None:
         pp = f"{sd}/{prefix}/"

@@ -716,3 +716,20 @@ def test_a_manifest_read_before_a_removal_does_not_settle_it(make_config, tmp_pa
         assert aindex.pending("manifest") == ["sessions/x"]
         aindex.done("manifest", ["sessions/x"], time.time() + 1)
         assert aindex.pending("manifest") == []
+
+
+def test_a_top_level_engine_directory_restores_by_the_name_ls_shows(
+    make_config,  # noqa: ANN001
+    archive_url: str,
+) -> None:
+    """``kvfs restore lmcache`` on a host that never held it: the name is no semantic
+    session, here or in the archive, so it means the engine directory."""
+    with kvfs.open_store_sync(archived_cfg(make_config, archive_url, name="host-a")) as a:
+        a.put("lmcache/llama@1@0@5e0c@bf16.data", kv_page(5))
+        assert a.spill("lmcache") > 0
+    with kvfs.open_store_sync(archived_cfg(make_config, archive_url, name="host-b")) as b:
+        assert "lmcache" in {x["session"] for x in b.archived_sessions()}
+        assert b.restore("lmcache") > 0
+        assert b.get("lmcache/llama@1@0@5e0c@bf16.data") == kv_page(5)
+        with pytest.raises(kvfs.SessionNotFound):
+            b.restore("nothing")

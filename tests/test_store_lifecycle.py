@@ -12,6 +12,7 @@ import pytest
 import trio
 
 import kvfs
+from kvfs import PageKey
 from kvfs._aligned import open_direct
 from kvfs._local import LocalTier
 
@@ -525,3 +526,28 @@ def test_a_forked_child_can_open_a_store_of_its_own_and_spill(tmp_path) -> None:
     )
     assert [ln.split()[0] for ln in lines] == ["CHILD", "PARENT"]
     assert all(int(ln.split()[1]) >= 3 << 20 for ln in lines), lines  # bytes uploaded
+
+
+def test_a_top_level_engine_directory_is_named_as_ls_shows_it(
+    sync_store: kvfs.SyncStore,
+) -> None:
+    """LMCache writes ``lmcache/<file>`` at the mount's top: its session is ``lmcache``, as
+    ``ls`` shows it, though a name without '/' means a semantic session. The semantic
+    session wins when both exist; ``lmcache/`` always means the directory."""
+    s = sync_store
+    s.put("lmcache/llama@1@0@5e0c@bf16.data", b"x" * 5000)
+    assert [i.session for i in s.sessions()] == ["lmcache"]
+    assert s.session_info("lmcache").pages == 1
+    assert [p.path for p in s.list(session="lmcache")] == ["lmcache/llama@1@0@5e0c@bf16.data"]
+    s.pin_session("lmcache")
+    assert s.session_info("lmcache/").pinned
+    s.unpin_session("lmcache")
+    assert s.evict(session="lmcache") > 0  # no archive: eviction deletes
+    s.put("lmcache/a.data", b"a" * 10)
+    s.put(PageKey.semantic("lmcache", "p", 0), b"b" * 10)  # now both exist
+    assert s.session_info("lmcache").session == "lmcache" and [
+        p.path for p in s.list(session="lmcache")
+    ] == [PageKey.semantic("lmcache", "p", 0).path]
+    assert s.delete_session("lmcache/") == 1 and s.exists(PageKey.semantic("lmcache", "p", 0))
+    with pytest.raises(kvfs.SessionNotFound):
+        s.session_info("nothing")
