@@ -11,6 +11,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -196,3 +197,59 @@ def test_worker_processes_share_the_daemon_store(daemon: Daemon) -> None:
         assert out.strip() == str(20 * 5000)
     for w in range(3):
         assert (daemon.mp / f"sessions/w{w}/p/layer-019").read_bytes() == bytes([w]) * 5000
+
+
+def test_retention_through_a_mounted_daemon(tmp_path: Path, run: Run) -> None:
+    """A daemon with ``retention`` deletes an engine directory nobody opened for that long,
+    spilled or not, and keeps one whose file is opened and read all along, though the
+    kernel's page cache answers those reads (the opens reach the daemon)."""
+    conf = tmp_path / "kvfs.toml"
+    conf.write_text(
+        f'[archive]\narchive_url = "file://{tmp_path}/arch"\n'
+        'retention = "2s"\nspill_interval = 0.1\n'
+    )
+    d = Daemon(tmp_path / "m", "--config", str(conf))
+    stop, misreads = threading.Event(), []
+
+    def use(path: Path) -> None:  # an engine reading its cache all along
+        while not stop.is_set():
+            try:
+                if path.read_bytes() != b"used" * 20_000:
+                    misreads.append("wrong bytes")
+            except OSError as e:
+                misreads.append(repr(e))
+            time.sleep(0.2)
+
+    try:
+        flags = ["--data", str(d.data), "--daemon"]
+        used = d.mp / "used" / "model@0@hash.data"
+        (d.mp / "used").mkdir()
+        used.write_bytes(b"used" * 20_000)
+        reader = threading.Thread(target=use, args=(used,))
+        reader.start()
+        for name in ("idle", "spilled"):
+            (d.mp / name).mkdir()
+            (d.mp / name / "model@0@hash.data").write_bytes(name.encode() * 20_000)
+        assert run("spill", "spilled", *flags)[0] == 0  # the name ls shows
+        t0 = time.monotonic()
+        while (d.mp / "idle" / "model@0@hash.data").exists() or (
+            d.mp / "spilled" / "model@0@hash.data"
+        ).exists():
+            assert time.monotonic() - t0 < 60, "the untouched directories were never deleted"
+            time.sleep(0.2)
+        time.sleep(2.5)  # a whole retention more: "used" is still being used
+        stop.set()
+        reader.join()
+        assert not misreads, misreads[:3]
+        sessions = {s["session"] for s in json.loads(run("ls", "--json", *flags)[1])}
+        assert sessions == {"used"}
+        assert os.listdir(d.mp / "idle") == []  # made with mkdir: it stays, empty
+        assert not json.loads(run("ls", "--archived", "--json", *flags)[1])
+        st = json.loads(run("stats", "--json", *flags)[1])["extra"]["archive"]
+        assert st["sessions_expired"] == 2 and st["retention_s"] == 2.0
+        assert "retention 2s" in run("stats", *flags)[1]
+        assert "event=expire target=idle" in d.log.read_text()
+    finally:
+        stop.set()
+        d.stop()
+    assert not d.errors()
