@@ -95,6 +95,13 @@ class ObjectStore(abc.ABC):
         """Whether ``key`` holds an object. Raises ArchiveUnavailable."""
 
     @abc.abstractmethod
+    async def modified(self, key: str) -> float | None:
+        """When ``key`` was last written, in seconds since the epoch by the store's own
+        clock (S3: the server's ``LastModified``, whole seconds), or None when absent.
+        Hosts sharing a store compare these, never their own clocks. Raises
+        ArchiveUnavailable."""
+
+    @abc.abstractmethod
     async def delete(self, key: str) -> None:
         """Remove ``key`` (no error when it is absent). Raises ArchiveUnavailable."""
 

@@ -157,6 +157,17 @@ class FileStore(ObjectStore):
         path = self._path(key)
         return await self._call(path.is_file, f"exists {key}")
 
+    async def modified(self, key: str) -> float | None:
+        path = self._path(key)
+
+        def mtime() -> float | None:
+            try:
+                return path.stat().st_mtime
+            except (FileNotFoundError, NotADirectoryError):
+                return None
+
+        return await self._call(mtime, f"stat {key}")
+
     async def delete(self, key: str) -> None:
         path = self._path(key)
 

@@ -338,6 +338,17 @@ class S3Store(ObjectStore):
                 return False
             raise self._permanent(e, f"head {key}") from e
 
+    async def modified(self, key: str) -> float | None:
+        try:
+            r = await self._call(
+                f"head {key}", self._client.head_object, Bucket=self.bucket, Key=self._key(key)
+            )
+        except bce.ClientError as e:
+            if _status(e) == 404 or _code(e) in ("404", "NoSuchKey", "NotFound"):
+                return None
+            raise self._permanent(e, f"head {key}") from e
+        return float(r["LastModified"].timestamp())
+
     async def delete(self, key: str) -> None:
         try:
             await self._call(

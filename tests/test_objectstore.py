@@ -87,6 +87,20 @@ async def test_delete(store: ObjectStore) -> None:
     await store.delete("a/b")  # absent: no error
 
 
+async def test_modified_is_the_stores_clock(store: ObjectStore) -> None:
+    import time
+
+    assert await store.modified("m/absent") is None
+    before = time.time()
+    await store.put("m/k", b"x")
+    first = await store.modified("m/k")
+    assert first is not None and abs(first - before) < 60  # same machine: clocks agree
+    await trio.sleep(1.1)  # S3 keeps whole seconds
+    await store.put("m/k", b"y")
+    second = await store.modified("m/k")
+    assert second is not None and second > first
+
+
 async def test_list_prefix_sorted(store: ObjectStore) -> None:
     for k in ["m/2", "m/1", "b/x", "m/sub/3", "mz"]:
         await store.put(k, k.encode())
