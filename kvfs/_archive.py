@@ -1018,7 +1018,9 @@ class ArchivingPolicy(TieringPolicy):
         if self.uploads is not None:
             self.uploads.warm()  # a daemon will spill: start the workers before it must
         try:
-            await self.spiller.run()
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self.spiller.heartbeats)
+                await self.spiller.run()
         finally:
             self._token = None
 
@@ -1038,6 +1040,7 @@ class ArchivingPolicy(TieringPolicy):
                 "bytes_restored": c.get("bytes_restored", 0),
                 "sessions_spilled": c.get("sessions_spilled", 0),
                 "sessions_expired": c.get("sessions_expired", 0),
+                "hosts_retired": c.get("hosts_retired", 0),
                 "retention_s": self.cfg.retention,
                 "blobs_restored": c.get("blobs_restored", 0),
                 "dedup_skipped": c.get("dedup_skipped", 0),

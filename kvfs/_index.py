@@ -375,6 +375,15 @@ class Index:
             sql += f" LIMIT {int(limit)}"
         return [_page(r) for r in self._q(sql, args)]
 
+    def sessions_with_archived_pages(self) -> list[str]:
+        return [
+            r[0]
+            for r in self._q(
+                "SELECT DISTINCT p.session FROM pages p JOIN blobs b ON b.hash=p.hash"
+                " WHERE b.archived ORDER BY p.session"
+            )
+        ]
+
     def archived_pages(self, session: str) -> list[tuple[PageRow, bytes]]:
         """The session's pages whose content is archived, each with its blob's leaf hashes,
         by path: one statement (one consistent state; no query per page)."""

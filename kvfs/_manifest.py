@@ -7,6 +7,7 @@ Bucket (or directory) layout under the configured prefix::
                                          of it, as that host holds it (one per host)
     gc/<store id>-<time>-<random>[.done] collection intents of hosts deleting objects
                                          (kvfs/_collect.py)
+    hosts/<store id>                     a host's heartbeat: its retention (kvfs/_hosts.py)
 
 A manifest lists only pages whose content is in ``blobs/``; it is written after those
 objects are confirmed, in one PUT, so a reader sees the previous manifest or the new one.

@@ -114,6 +114,7 @@ def render_metrics(
             ("bytes_restored", "Bytes restored from the archive."),
             ("sessions_spilled", "Sessions spilled."),
             ("sessions_expired", "Sessions deleted by the retention setting."),
+            ("hosts_retired", "Hosts sharing the archive retired after their silence."),
             ("errors", "Archive errors."),
         ):
             w(f"kvfs_archive_{key}_total", c, help, a.get(key, 0))  # type: ignore[arg-type]

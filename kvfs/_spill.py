@@ -21,6 +21,7 @@ from objectstore._abc import one_error_nursery
 from ._collect import Collector
 from ._errors import ArchiveUnavailable, CorruptPage, SessionNotFound
 from ._events import log_event
+from ._hosts import Hosts
 from ._manifest import (
     MANIFESTS,
     blob_key,
@@ -66,6 +67,13 @@ class Spiller:
         self._legacy_checked: set[str] = set()
         self.collector = Collector(
             self.store, self.engine.store_id, policy.cfg.gc_window, policy.count
+        )
+        self.hosts = Hosts(
+            self.store,
+            self.engine.store_id,
+            policy.cfg.retention,
+            policy.count,
+            self.rewrite_all_manifests,
         )
 
     def queue_length(self) -> int:
@@ -385,6 +393,36 @@ class Spiller:
                     message=str(e),
                     retry="next pass",
                 )
+
+    async def rewrite_all_manifests(self) -> None:
+        """Queue a manifest rewrite for every session holding archived pages (this host's
+        heartbeat was missing: another host may have deleted its manifests). The rewrites,
+        and the existence checks before any local copy is dropped, follow as usual."""
+        self.named.clear()
+        self.written.clear()
+        sessions = await _thread(self.engine.index.sessions_with_archived_pages)
+        if sessions:
+            await _thread(self.aindex.enqueue, "manifest", sessions)
+
+    async def heartbeats(self) -> None:
+        """Forever, beside :meth:`run` (a long spill pass must not silence this host): this
+        host's heartbeat, and the retirement of hosts silent for good (kvfs/_hosts.py)."""
+        while True:
+            try:
+                retired = await self.hosts.tick()
+                if retired:  # collected by a later pass, once no manifest names them
+                    await _thread(self.aindex.enqueue, "forget", [h.hex() for h in retired])
+            except ArchiveUnavailable as e:
+                self.policy.count("errors")
+                log_event(
+                    "error",
+                    level=logging.WARNING,
+                    what="archive heartbeat",
+                    error=type(e).__name__,
+                    message=str(e),
+                    retry="next heartbeat",
+                )
+            await trio.sleep(self.hosts.interval)
 
     async def relieve_pressure(self) -> int:
         """One watermark pass. Returns the number of sessions spilled."""

@@ -83,10 +83,10 @@ def test_a_session_touched_after_the_pass_looked_is_kept(
     after the retention pass listed it is kept."""
     with kvfs.open_store_sync(archived_cfg(make_config, archive_url)) as s:
         k = PageKey.semantic("a", "p", 0)
+        looked = time.time()  # the pass's cutoff, taken before this put
         s.put(k, kv_page(1))
         eng = s.engine
         eng.flush_atimes()
-        looked = time.time() - 0.001  # the pass's cutoff came before this put
         assert eng.expire_session("sessions/a", looked) is None
         s.pin(k)
         assert eng.expire_session("sessions/a", time.time() + 1) is None  # a pinned page
@@ -97,3 +97,109 @@ def test_a_session_touched_after_the_pass_looked_is_kept(
         assert eng.expire_session("sessions/a", time.time() + 1) == 1
         assert not s.exists(k) and s.sessions() == []
         assert eng.expire_session("sessions/a", time.time() + 1) is None  # gone already
+
+
+async def _objects(s: kvfs.Store, prefix: str) -> list[str]:
+    return await s.engine.policy.store.list_all(prefix)  # type: ignore[attr-defined, no-any-return]
+
+
+def _hashes(blob_keys: list[str]) -> set[bytes]:
+    return {bytes.fromhex(k.rsplit("/", 1)[1]) for k in blob_keys}
+
+
+def test_a_host_silent_for_good_is_retired_but_its_pins_stay(
+    make_config: Callable[..., kvfs.StoreConfig],
+    archive_url: str,  # noqa: F811
+) -> None:
+    """Host B spills and goes away for good. Once B has been silent for twice its retention
+    (plus two heartbeats), host A deletes B's manifests, except a pinned session's, and
+    collects the objects only they named; content A's own manifest names stays."""
+    shared = kv_page(50)
+    b_cfg = archived_cfg(make_config, archive_url, name="host-b", interval=0.05, retention=1.5)
+    a_cfg = archived_cfg(make_config, archive_url, name="host-a", interval=0.05, retention=1)
+
+    async def main() -> None:
+        async with kvfs.open_store(b_cfg) as b:
+            await b.pin_session("kept")
+            for sess, page in (("gone", kv_page(51)), ("kept", kv_page(52)), ("both", shared)):
+                await b.put(PageKey.semantic(sess, "p", 0), page)
+                await b.spill(sess)
+            only_b = _hashes(await _objects(b, "blobs/")) - {kvfs.checksum(shared)}
+        async with kvfs.open_store(a_cfg) as a:
+            assert [k for k in await _objects(a, "manifests/") if "gone" in k]  # B's, still
+            await a.pin_session("mine")  # A's own retention keeps it
+            await a.put(PageKey.semantic("mine", "p", 0), shared)
+            await a.spill("mine")
+            with trio.fail_after(60):
+                while (await a.statistics()).extra["archive"]["hosts_retired"] == 0:
+                    await trio.sleep(0.1)
+            left = await _objects(a, "manifests/")
+            assert not [k for k in left if "gone" in k] and [k for k in left if "kept" in k]
+            kept = kvfs.checksum(kv_page(52))  # the pinned session's page
+            with trio.fail_after(60):  # collected: what only B's deleted manifests named
+                while _hashes(await _objects(a, "blobs/")) & (only_b - {kept}):
+                    await trio.sleep(0.1)
+            blobs = _hashes(await _objects(a, "blobs/"))
+            assert kvfs.checksum(shared) in blobs  # A's manifest names it
+            assert blobs & only_b == {kept}
+            assert any(k.startswith("hosts/") for k in await _objects(a, "hosts/"))  # B's stays
+
+    trio.run(main)
+
+
+def test_a_host_that_keeps_beating_is_never_retired(
+    make_config: Callable[..., kvfs.StoreConfig],
+    archive_url: str,  # noqa: F811
+) -> None:
+    """Host B is alive, its spilled session in use; host A watches for more than B's
+    silence limit and deletes none of B's manifests."""
+    b_cfg = archived_cfg(make_config, archive_url, name="host-b", interval=0.05, retention=1)
+    a_cfg = archived_cfg(make_config, archive_url, name="host-a", interval=0.05, retention=1)
+    k = PageKey.semantic("live", "p", 0)
+
+    async def main() -> None:
+        async with kvfs.open_store(b_cfg) as b, kvfs.open_store(a_cfg) as a:
+            await b.put(k, kv_page(60))
+            await b.spill("live")
+            t0 = time.monotonic()
+            while time.monotonic() - t0 < 4:  # B's limit: 2 x 1 s + 2 x 0.25 s
+                assert await b.get(k) == kv_page(60)  # B in use: its retention keeps it
+                await trio.sleep(0.1)
+            assert [m for m in await _objects(a, "manifests/") if "live" in m]
+            assert (await a.statistics()).extra["archive"]["hosts_retired"] == 0
+
+    trio.run(main)
+
+
+def test_a_host_taken_for_gone_writes_its_manifests_again(
+    make_config: Callable[..., kvfs.StoreConfig],
+    archive_url: str,  # noqa: F811
+) -> None:
+    """What another host does to one it takes for gone (cut off from the archive for twice
+    its retention) is delete its unpinned manifests and its heartbeat. The host, back,
+    finds its heartbeat missing and writes its manifests again."""
+    cfg = archived_cfg(make_config, archive_url, name="host-a", interval=0.05, retention=2)
+    k = PageKey.semantic("s", "p", 0)
+
+    async def main() -> None:
+        async with kvfs.open_store(cfg) as a:
+            store = a.engine.policy.store  # type: ignore[attr-defined]
+            await a.put(k, kv_page(70))
+            await a.spill("s")
+            assert await a.get(k) == kv_page(70)  # local again, and still archived
+            with trio.fail_after(30):
+                while not await _objects(a, "hosts/"):
+                    await trio.sleep(0.05)
+            for key in await _objects(a, "manifests/") + await _objects(a, "hosts/"):
+                await store.delete(key)
+            with trio.fail_after(30):
+                while not await _objects(a, "manifests/"):
+                    assert await a.get(k) == kv_page(70)  # in use: its retention keeps it
+                    await trio.sleep(0.05)
+            assert await _objects(a, "hosts/")
+
+    trio.run(main)
+    with kvfs.open_store_sync(archived_cfg(make_config, archive_url, name="host-b")) as b:
+        assert "s" in {x["session"] for x in b.archived_sessions()}
+        b.restore("s")
+        assert b.get(k) == kv_page(70)

@@ -1,0 +1,150 @@
+"""Hosts sharing an archive: heartbeats, and retiring the manifests of hosts gone for good.
+
+Retention (``archive.retention``) is applied by each host to its own sessions. A host that
+never runs again (its disks gone, a node scaled away) applies nothing, and its manifests
+would keep their objects in the bucket forever. So every host with a background task writes
+a heartbeat, ``hosts/<store id>`` (msgpack: its retention and heartbeat interval), at start
+and every ``interval`` seconds, and looks at the others' heartbeats as often:
+
+* A host's silence is measured by the store's own clock (the heartbeat object's modification
+  time against that of the looking host's heartbeat, just written), never by comparing the
+  hosts' clocks.
+* A host silent for more than twice its retention plus two of its heartbeat intervals has
+  not touched any of its sessions for longer than its retention: it would have deleted
+  them itself. Its manifests are deleted, except those of a session that is pinned or holds a
+  pinned page (pins are never expired), and the objects they named are queued for this host's
+  collection, which deletes them only once no manifest of any host names them
+  (kvfs/_collect.py). Its heartbeat is deleted with its last manifest.
+* A host whose retention is 0 keeps everything, so nobody retires it; a host that never
+  wrote a heartbeat (kvfs before the ninth session, a store used without a background task)
+  is never retired either.
+
+A host retired this way that does start again finds its heartbeat gone and logs it; its own
+retention pass then deletes the sessions it did not touch meanwhile (all of them, unless
+pinned), and a page of another one read before that fails as missing from the archive
+(docs/archive.md, failure table).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+import msgpack
+
+from ._events import log_event
+from ._manifest import MANIFESTS, parse_manifest
+
+if TYPE_CHECKING:
+    from objectstore import ObjectStore
+
+__all__ = ["HOSTS", "Hosts", "heartbeat_interval"]
+
+HOSTS = "hosts/"
+log = logging.getLogger("kvfs.archive")
+
+
+def heartbeat_interval(retention: float) -> float:
+    """Seconds between heartbeats: a quarter of the retention, an hour at most."""
+    return min(retention / 4, 3600.0) if retention > 0 else 3600.0
+
+
+class Hosts:
+    """This host's heartbeat, and the retirement of hosts silent for good."""
+
+    def __init__(
+        self,
+        store: ObjectStore,
+        store_id: str,
+        retention: float,
+        count: Callable[[str, int], None],
+        absent: Callable[[], Awaitable[None]],
+    ) -> None:
+        self.store, self.store_id, self.retention = store, store_id, retention
+        self.interval = heartbeat_interval(retention)
+        self.count = count
+        #: called before a heartbeat is written where none is: this host's manifests may
+        #: have been deleted by another host that took it for gone
+        self.absent = absent
+        self._beaten = False
+
+    @property
+    def key(self) -> str:
+        return HOSTS + self.store_id
+
+    async def beat(self) -> float | None:
+        """Write this host's heartbeat; return its modification time (the store's "now")."""
+        if await self.store.modified(self.key) is None:
+            # A first start (or kvfs from before heartbeats), or another host retired this
+            # one: its manifests may be gone. Write every one again (a no-op for a new host).
+            if self._beaten:
+                log.warning(
+                    "archive heartbeat %s was deleted: another host took this one for gone "
+                    "(silent for twice its retention); writing its manifests again",
+                    self.key,
+                )
+            await self.absent()
+        body = {"v": 1, "retention": self.retention, "interval": self.interval}
+        await self.store.put(self.key, msgpack.packb(body))
+        self._beaten = True
+        return await self.store.modified(self.key)
+
+    async def tick(self) -> list[bytes]:
+        """Beat, then retire hosts silent for good. Returns the objects their deleted
+        manifests named, for this host's collection queue."""
+        now = await self.beat()
+        if now is None:
+            return []
+        retired: list[bytes] = []
+        for key in await self.store.list_all(HOSTS):
+            host = key[len(HOSTS) :]
+            if host != self.store_id:
+                retired += await self._retire_if_silent(host, now)
+        return retired
+
+    async def _retire_if_silent(self, host: str, now: float) -> list[bytes]:
+        key = HOSTS + host
+        try:
+            info = msgpack.unpackb(await self.store.get(key), raw=False)
+            retention, interval = float(info["retention"]), float(info["interval"])
+        except FileNotFoundError:
+            return []  # retired by another host meanwhile
+        except Exception as e:  # noqa: BLE001 - a damaged heartbeat: that host is kept
+            log.warning("archive heartbeat %s is unreadable (%s); host kept", key, e)
+            return []
+        seen = await self.store.modified(key)
+        if retention <= 0 or seen is None or now - seen <= 2 * retention + 2 * interval:
+            return []
+        hashes: list[bytes] = []
+        deleted = kept = 0
+        for mkey in await self.store.list_all(MANIFESTS):
+            if not mkey.endswith("@" + host):
+                continue
+            try:
+                m: dict[str, Any] = parse_manifest(await self.store.get(mkey))  # type: ignore[arg-type]
+            except FileNotFoundError:
+                continue
+            except ValueError:
+                kept += 1  # unreadable: what it names is unknown, so it stays
+                continue
+            if m.get("pinned") or any(p.get("pinned") for p in m["pages"]):
+                kept += 1
+                continue
+            await self.store.delete(mkey)
+            hashes.extend(bytes(p["hash"]) for p in m["pages"])
+            deleted += 1
+        if not kept:
+            await self.store.delete(key)  # nothing left to look at again
+        if deleted or not kept:
+            self.count("hosts_retired", 1)
+            log_event(
+                "host-retired",
+                level=logging.WARNING,
+                host=host,
+                manifests=deleted,
+                kept_pinned=kept,
+                silent_seconds=round(now - seen),
+                message=f"silent for more than twice its retention ({retention:g} s)",
+            )
+        return hashes
