@@ -329,6 +329,8 @@ def render_stats(st: kvfs.StoreStatistics) -> str:
             if retention
             else "retention: keep"
         )
+        if a.get("hosts_retired"):
+            kept += f", hosts retired {a['hosts_retired']}"
         out.append(
             f"archive {a.get('url')}: spill queue {a.get('spill_queue', 0)}, sessions "
             f"spilled {a.get('sessions_spilled', 0)}, {kept}, restore latency p50 "
