@@ -384,15 +384,19 @@ class Spiller:
                 await self.relieve_pressure()
                 await self.expire_sessions()
             except (ArchiveUnavailable, CorruptPage) as e:
-                self.policy.count("errors")
-                log_event(
-                    "error",
-                    level=logging.WARNING,
-                    what="background spill pass",
-                    error=type(e).__name__,
-                    message=str(e),
-                    retry="next pass",
-                )
+                self._failed("background spill pass", e, "next pass")
+
+    def _failed(self, what: str, e: Exception, retry: str) -> None:
+        """A background task's failure: counted, logged as a warning, retried later."""
+        self.policy.count("errors")
+        log_event(
+            "error",
+            level=logging.WARNING,
+            what=what,
+            error=type(e).__name__,
+            message=str(e),
+            retry=retry,
+        )
 
     async def rewrite_all_manifests(self) -> None:
         """Queue a manifest rewrite for every session holding archived pages (this host's
@@ -413,15 +417,7 @@ class Spiller:
                 if retired:  # collected by a later pass, once no manifest names them
                     await _thread(self.aindex.enqueue, "forget", [h.hex() for h in retired])
             except ArchiveUnavailable as e:
-                self.policy.count("errors")
-                log_event(
-                    "error",
-                    level=logging.WARNING,
-                    what="archive heartbeat",
-                    error=type(e).__name__,
-                    message=str(e),
-                    retry="next heartbeat",
-                )
+                self._failed("archive heartbeat", e, "next heartbeat")
             await trio.sleep(self.hosts.interval)
 
     async def relieve_pressure(self) -> int:
