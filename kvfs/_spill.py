@@ -6,11 +6,10 @@ and disk work goes to worker threads.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 import time
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import msgpack
@@ -61,6 +60,8 @@ class Spiller:
         self.named: dict[str, set[bytes]] = {}
         #: per session: held while its manifest is built and stored (write_manifest)
         self._manifest_locks: dict[str, threading.Lock] = {}
+        #: manifest key -> (its version tag, the contents it names), for collections
+        self._named_cache: dict[str, tuple[str, frozenset[bytes]]] = {}
         #: time.monotonic() before which the next retention pass does not run
         self._next_expiry = 0.0
         #: sessions whose manifest in the single-manifest layout was looked for
@@ -276,16 +277,7 @@ class Spiller:
             return
 
         async def referenced() -> set[bytes] | None:
-            named: set[bytes] = set()
-            async with contextlib.aclosing(self._manifests()) as manifests:
-                async for key, m in manifests:
-                    if m is None:
-                        # Its pages are unknown, so no object is known to be unreferenced:
-                        # delete nothing (the queue stays for a later pass).
-                        _unreadable(key, "archive object deletion", "nothing deleted this pass")
-                        return None
-                    named.update(bytes(p["hash"]) for p in m["pages"])
-            return named
+            return await self._named(frozenset(cands))
 
         async def unheld(h: bytes) -> bool:  # held again here meanwhile: its object stays
             return not self.engine.is_leased(h) and await _thread(self.engine.index.blob, h) is None
@@ -297,26 +289,71 @@ class Spiller:
         gone = await self.collector.collect(cands, referenced, unheld, delete)
         await _thread(self.aindex.done, "forget", [h.hex() for h in gone])
 
-    async def _manifests(self) -> AsyncGenerator[tuple[str, dict[str, Any] | None], None]:
-        """Every manifest in the archive, parsed (None: unreadable); those deleted since
-        the listing are skipped."""
-        for key in await self.store.list_all(MANIFESTS):  # no listing left open on an exit
+    async def _named(self, want: frozenset[bytes]) -> set[bytes] | None:
+        """Which of ``want`` any manifest in the archive names; None when one is unreadable
+        (its pages are unknown, so nothing is known to be unreferenced: the caller deletes
+        nothing and its queue stays for a later pass).
+
+        A manifest whose version tag (S3: the ETag its listing returns) is the one this host
+        read before is not read again: a collection costs a LIST per 1,000 manifests plus
+        a GET per manifest changed since the last one, not a GET per manifest. Stores
+        without tags (``file://``, a local directory) are read whole every time."""
+        listing = await self.store.list_versions(MANIFESTS)
+        cache = self._named_cache
+        stale = [k for k, v in listing if not v or k not in cache or cache[k][0] != v]
+        read = await self._read_manifests(stale)
+        named: set[bytes] = set()
+        kept: dict[str, tuple[str, frozenset[bytes]]] = {}
+        for key, version in listing:
+            if key in read:
+                m = read[key]
+                if m is None:
+                    _unreadable(key, "archive object deletion", "nothing deleted this pass")
+                    return None
+                hashes = frozenset(bytes(p["hash"]) for p in m["pages"])
+            elif key in cache and version and cache[key][0] == version:
+                hashes = cache[key][1]
+            else:
+                continue  # deleted since the listing
+            if version:
+                kept[key] = (version, hashes)
+            named |= want & hashes
+        self._named_cache = kept
+        return named
+
+    async def _read_manifests(self, keys: list[str]) -> dict[str, dict[str, Any] | None]:
+        """These manifests, parsed (None: unreadable), read ``concurrency`` at a time; those
+        deleted since they were listed are left out."""
+        out: dict[str, dict[str, Any] | None] = {}
+        limit = trio.CapacityLimiter(max(1, self.policy.cfg.concurrency))
+
+        async def one(key: str) -> None:
+            async with limit:
+                try:
+                    raw = await self.store.get(key)
+                except FileNotFoundError:
+                    return
             try:
-                raw = await self.store.get(key)
-            except FileNotFoundError:
-                continue
-            try:
-                m: dict[str, Any] | None = parse_manifest(raw)  # type: ignore[arg-type]
+                out[key] = parse_manifest(raw)  # type: ignore[arg-type]
             except ValueError:
-                m = None
-            yield key, m
+                out[key] = None
+
+        async with trio.open_nursery() as nursery:
+            for key in keys:
+                nursery.start_soon(one, key)
+        return out
 
     # -- other hosts' sessions ------------------------------------------------------------
     async def archived_sessions(self) -> list[dict[str, object]]:
         """Every session with a manifest in the archive (from any host sharing it); a session
         several hosts hold is listed once, with the union of their pages."""
         by_session: dict[str, list[dict[str, Any]]] = {}
-        async for key, m in self._manifests():  # read to the end: no early exit to close
+        keys = await self.store.list_all(MANIFESTS)
+        read = await self._read_manifests(keys)
+        for key in keys:
+            if key not in read:
+                continue  # deleted since the listing
+            m = read[key]
             if m is None:  # not listed; said, so a lost session is not a mystery
                 _unreadable(key, "archived session manifest", "not listed")
                 continue

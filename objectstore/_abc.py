@@ -117,6 +117,12 @@ class ObjectStore(abc.ABC):
         """:meth:`list` collected into a list."""
         return [k async for k in self.list(prefix)]
 
+    async def list_versions(self, prefix: str = "") -> builtins.list[tuple[str, str]]:
+        """Every key starting with ``prefix``, in order, each with a tag that changes
+        whenever its content does (S3: the ETag from the listing itself), or "" where the
+        store has none (read the object to know). Raises ArchiveUnavailable."""
+        return [(k, "") async for k in self.list(prefix)]
+
     async def get_many(self, keys: Iterable[str], *, concurrency: int = 8) -> dict[str, bytes]:
         """Fetch several objects concurrently; raises the first error (others are cancelled)."""
         keys = list(keys)

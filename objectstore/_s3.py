@@ -8,6 +8,7 @@ with backoff, jitter and a deadline. Every boto3 call runs in a worker thread.
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import functools
 from collections.abc import AsyncIterator, Callable
@@ -359,6 +360,14 @@ class S3Store(ObjectStore):
                 raise self._permanent(e, f"delete {key}") from e
 
     async def list(self, prefix: str = "") -> AsyncIterator[str]:  # type: ignore[override]
+        async for obj in self._listing(prefix):
+            yield obj["Key"][len(self.prefix) :]
+
+    async def list_versions(self, prefix: str = "") -> builtins.list[tuple[str, str]]:
+        # An ETag changes with the content (single-part: its MD5; multipart: per part).
+        return [(o["Key"][len(self.prefix) :], str(o["ETag"])) async for o in self._listing(prefix)]
+
+    async def _listing(self, prefix: str) -> AsyncIterator[dict[str, Any]]:
         token: str | None = None
         full = self.prefix + prefix
         while True:
@@ -372,7 +381,7 @@ class S3Store(ObjectStore):
             except bce.ClientError as e:
                 raise self._permanent(e, f"list {prefix or '(all)'}") from e
             for obj in r.get("Contents", ()):
-                yield obj["Key"][len(self.prefix) :]
+                yield obj
             if not r.get("IsTruncated"):
                 return
             token = r["NextContinuationToken"]

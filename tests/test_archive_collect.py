@@ -275,3 +275,35 @@ def test_a_session_deleted_by_the_host_that_took_it_over_stays_deleted(
     third = archived_cfg(make_config, archive_url, name="third")
     with kvfs.open_store_sync(third) as c, raises(kvfs.SessionNotFound):
         c.restore("a")
+
+
+def test_a_collection_reads_only_the_manifests_changed_since_the_last(
+    make_config,  # noqa: ANN001
+    s3_server,  # noqa: ANN001
+) -> None:
+    """A collection must know every manifest's pages. On S3 the listing gives each
+    manifest's ETag, so a manifest unchanged since this host's last collection is not read
+    again: one GET for the one manifest a delete rewrote, not one per session."""
+    url = f"s3://{s3_server.new_bucket()}/kv?endpoint={s3_server.endpoint}&addressing=path"
+    with kvfs.open_store_sync(archived_cfg(make_config, url)) as s:
+        for n in range(6):
+            for i in range(2):
+                s.put(PageKey.semantic(f"s{n}", "p", i), kv_page(100 * n + i))
+            s.spill(f"s{n}")
+        store = s.engine.policy.store  # type: ignore[attr-defined]
+        real, read = store.get, []
+
+        async def counting(key: str, **kw: object) -> object:
+            if key.startswith("manifests/"):
+                read.append(key)
+            return await real(key, **kw)
+
+        store.get = counting
+        s.delete(PageKey.semantic("s0", "p", 0))  # the first collection reads them all
+        assert len(read) == 6
+        read.clear()
+        s.delete(PageKey.semantic("s1", "p", 0))
+        assert len(read) == 1 and "s1" in read[0]
+        gone = "blobs/" + kvfs.checksum(kv_page(100)).hex()  # s1's deleted page: collected
+        assert not s.engine.policy.call(store.exists, gone)  # type: ignore[attr-defined]
+        assert s.get(PageKey.semantic("s2", "p", 1)) == kv_page(201)

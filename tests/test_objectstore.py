@@ -101,6 +101,19 @@ async def test_modified_is_the_stores_clock(store: ObjectStore) -> None:
     assert second is not None and second > first
 
 
+async def test_list_versions_change_with_the_content(store: ObjectStore) -> None:
+    await store.put("v/a", b"one")
+    await store.put("v/b", b"two")
+    first = dict(await store.list_versions("v/"))
+    assert sorted(first) == ["v/a", "v/b"]
+    await store.put("v/a", b"three")
+    second = dict(await store.list_versions("v/"))
+    if isinstance(store, S3Store):  # the ETag of each object, from the listing itself
+        assert second["v/a"] != first["v/a"] and second["v/b"] == first["v/b"] != ""
+    else:  # no tags: "" says "read it to know"
+        assert set(first.values()) == set(second.values()) == {""}
+
+
 async def test_list_prefix_sorted(store: ObjectStore) -> None:
     for k in ["m/2", "m/1", "b/x", "m/sub/3", "mz"]:
         await store.put(k, k.encode())
