@@ -21,6 +21,7 @@ from ._util import (
     Refused,
     fmt_bytes,
     fmt_duration,
+    fmt_span,
     fmt_time,
     print_json,
     print_table,
@@ -48,6 +49,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     add_store_flags(p)
     p.set_defaults(func=cmd_ls)
+
+    p = sub.add_parser(
+        "hosts",
+        help="the hosts sharing the archive: sessions, retention, last heartbeat, when the "
+        "others take a silent one for gone",
+    )
+    add_store_flags(p)
+    p.set_defaults(func=cmd_hosts)
 
     p = sub.add_parser(
         "stats",
@@ -230,6 +239,40 @@ def _ls_archived(args: argparse.Namespace, sessions: list[dict[str, Any]]) -> in
                 s.get("hosts", 1),
             ]
             for s in sessions
+        ],
+    )
+    return 0
+
+
+def cmd_hosts(args: argparse.Namespace) -> int:
+    with open_target(args) as store:
+        hosts = store.archive_hosts()
+    if args.json:
+        print_json(hosts)
+        return 0
+
+    def when(t: object) -> str:
+        return fmt_time(float(t)) if isinstance(t, (int, float)) else "-"
+
+    def retire(h: dict[str, Any]) -> str:
+        at = h.get("retire_at")
+        if not isinstance(at, (int, float)):
+            return "never"
+        left = at - time.time()
+        return f"in {fmt_span(left)}" if left > 0 else "due"
+
+    print_table(
+        ["STORE", "THIS", "SESSIONS", "RETENTION", "HEARTBEAT", "RETIRED IF SILENT"],
+        [
+            [
+                str(h["store_id"]),
+                "yes" if h.get("this") else "",
+                h.get("sessions", 0),
+                fmt_duration(float(h["retention_s"])) if h.get("retention_s") else "keep",
+                when(h.get("last_heartbeat")),
+                retire(h),
+            ]
+            for h in hosts
         ],
     )
     return 0

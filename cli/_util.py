@@ -104,6 +104,14 @@ def fmt_duration(seconds: float) -> str:
     return f"{seconds:g}s"
 
 
+def fmt_span(seconds: float) -> str:
+    """A rough length of time: ``93784`` -> ``26h``, in the largest unit that gives 2 or more."""
+    for unit, n in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= 2 * n:
+            return f"{seconds / n:.0f}{unit}"
+    return f"{seconds:.0f}s"
+
+
 def fmt_time(t: float) -> str:
     if not t:
         return "-"

@@ -1012,6 +1012,9 @@ class ArchivingPolicy(TieringPolicy):
     def archived_sessions(self) -> list[dict[str, object]]:
         return self.call(self.spiller.archived_sessions)
 
+    def archive_hosts(self) -> list[dict[str, object]]:
+        return self.call(self.spiller.hosts.survey)
+
     async def background(self) -> None:
         """The background spiller; run it in the nursery of ``open_store``."""
         self._token = trio.lowlevel.current_trio_token()

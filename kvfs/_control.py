@@ -77,6 +77,7 @@ METHODS = frozenset(
         "spill",
         "restore",
         "archived_sessions",
+        "archive_hosts",
         "ping",
     }
 )

@@ -653,6 +653,10 @@ class Engine:
         """Sessions that have a manifest in the archive, from every host sharing it."""
         return list(self._archive().archived_sessions())
 
+    def archive_hosts(self) -> builtins.list[dict[str, object]]:
+        """The hosts sharing the archive (heartbeats and manifests): see kvfs/_hosts.py."""
+        return list(self._archive().archive_hosts())
+
     def _restore(self, blob: BlobRow, page: PageRow) -> BlobRow:
         """Bring one page's data back from the archive for a read (counted as a miss)."""
         with self._cap_lock:

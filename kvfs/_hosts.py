@@ -90,6 +90,45 @@ class Hosts:
         self._beaten = True
         return await self.store.modified(self.key)
 
+    async def survey(self) -> list[dict[str, object]]:
+        """Every host the archive knows of, from heartbeats and manifests, by store id:
+        ``this`` (this host), ``sessions`` (its manifests), ``retention_s`` and
+        ``heartbeat_s`` (None: no heartbeat), ``last_heartbeat`` (the archive's time of
+        it) and ``retire_at`` (when others will take it for gone if it stays silent; None:
+        never). Reads each heartbeat, never a manifest; writes nothing."""
+        sessions: dict[str, int] = {}
+        for key in await self.store.list_all(MANIFESTS):
+            head, at, host = key.rpartition("@")
+            if at and head:
+                sessions[host] = sessions.get(host, 0) + 1
+        beats = {k[len(HOSTS) :] for k in await self.store.list_all(HOSTS)}
+        out = []
+        for host in sorted(beats | set(sessions)):
+            row: dict[str, object] = {
+                "store_id": host,
+                "this": host == self.store_id,
+                "sessions": sessions.get(host, 0),
+                "retention_s": None,
+                "heartbeat_s": None,
+                "last_heartbeat": None,
+                "retire_at": None,
+            }
+            if host in beats:
+                try:
+                    info = msgpack.unpackb(await self.store.get(HOSTS + host), raw=False)
+                    seen = await self.store.modified(HOSTS + host)
+                    retention, interval = float(info["retention"]), float(info["interval"])
+                except FileNotFoundError:
+                    pass  # retired meanwhile
+                except Exception as e:  # noqa: BLE001 - shown as a host without a heartbeat
+                    log.warning("archive heartbeat %s is unreadable (%s)", HOSTS + host, e)
+                else:
+                    row.update(retention_s=retention, heartbeat_s=interval, last_heartbeat=seen)
+                    if retention > 0 and seen is not None:
+                        row["retire_at"] = seen + 2 * retention + 2 * interval
+            out.append(row)
+        return out
+
     async def tick(self) -> list[bytes]:
         """Beat, then retire hosts silent for good. Returns the objects their deleted
         manifests named, for this host's collection queue."""

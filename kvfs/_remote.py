@@ -137,6 +137,9 @@ class _Api:
     def archived_sessions(self) -> Any:
         return self._call("archived_sessions")
 
+    def archive_hosts(self) -> Any:
+        return self._call("archive_hosts")
+
     def begin_write(self, key: KeyLike) -> Any:
         raise NotImplementedError("begin_write is not offered over the control channel; use put")
 

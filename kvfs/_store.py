@@ -206,6 +206,9 @@ class Store:
     async def archived_sessions(self) -> builtins.list[dict[str, object]]:
         return await self._run(self._engine.archived_sessions)
 
+    async def archive_hosts(self) -> builtins.list[dict[str, object]]:
+        return await self._run(self._engine.archive_hosts)
+
     async def aclose(self) -> None:
         """Close the store (idempotent). Waits for calls in flight."""
         await trio.to_thread.run_sync(self._engine.close)
@@ -351,6 +354,9 @@ class SyncStore:
 
     def archived_sessions(self) -> builtins.list[dict[str, object]]:
         return self._engine.archived_sessions()
+
+    def archive_hosts(self) -> builtins.list[dict[str, object]]:
+        return self._engine.archive_hosts()
 
     def close(self) -> None:
         self._engine.close()

@@ -4,6 +4,7 @@ holding a pinned page, and sessions in use stay. File and S3 archives."""
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
 
@@ -203,3 +204,46 @@ def test_a_host_taken_for_gone_writes_its_manifests_again(
         assert "s" in {x["session"] for x in b.archived_sessions()}
         b.restore("s")
         assert b.get(k) == kv_page(70)
+
+
+def test_kvfs_hosts_lists_who_shares_the_archive(
+    make_config: Callable[..., kvfs.StoreConfig],
+    archive_url: str,  # noqa: F811
+    run: Callable[..., tuple[int, str, str]],
+) -> None:
+    """Heartbeats and manifests name the hosts: a retention host (retired if silent), a
+    keep-everything host (never), and a host that only a script ever used (no heartbeat)."""
+    a_cfg = archived_cfg(make_config, archive_url, name="host-a", interval=0.05, retention=60)
+    b_cfg = archived_cfg(make_config, archive_url, name="host-b", interval=0.05)
+    c_cfg = archived_cfg(make_config, archive_url, name="host-c")
+    with kvfs.open_store_sync(c_cfg) as c:
+        c.put(PageKey.semantic("c", "p", 0), kv_page(80))
+        c.spill("c")
+        c_id = c.engine.store_id
+
+    async def main() -> list[dict[str, object]]:
+        async with kvfs.open_store(a_cfg) as a, kvfs.open_store(b_cfg) as b:
+            await a.put(PageKey.semantic("a", "p", 0), kv_page(81))
+            await a.spill("a")
+            with trio.fail_after(30):
+                while len(await _objects(a, "hosts/")) < 2:
+                    await trio.sleep(0.05)
+            ids = a.engine.store_id, b.engine.store_id
+            return [h for h in await a.archive_hosts() if h["store_id"] in ids]
+
+    ha, hb = trio.run(main)
+    if ha["this"] is False:
+        ha, hb = hb, ha
+    assert ha["this"] and ha["sessions"] == 1 and ha["retention_s"] == 60.0
+    assert ha["heartbeat_s"] == 15.0
+    assert ha["retire_at"] == ha["last_heartbeat"] + 2 * 60 + 2 * 15  # type: ignore[operator]
+    assert not hb["this"] and hb["sessions"] == 0 and hb["retention_s"] == 0.0
+    assert hb["retire_at"] is None
+    archive = ["--archive", archive_url]
+    rc, out, _ = run("hosts", "--json", "--data", ",".join(map(str, a_cfg.data_dirs)), *archive)
+    assert rc == 0
+    rows = {h["store_id"]: h for h in json.loads(out)}
+    assert rows[c_id]["sessions"] == 1 and rows[c_id]["last_heartbeat"] is None
+    assert len(rows) == 3
+    rc, out, _ = run("hosts", "--data", ",".join(map(str, a_cfg.data_dirs)), *archive)
+    assert rc == 0 and "RETIRED IF SILENT" in out and "never" in out and "in " in out
