@@ -116,7 +116,9 @@ def test_a_host_silent_for_good_is_retired_but_its_pins_stay(
     (plus two heartbeats), host A deletes B's manifests, except a pinned session's, and
     collects the objects only they named; content A's own manifest names stays."""
     shared = kv_page(50)
-    b_cfg = archived_cfg(make_config, archive_url, name="host-b", interval=0.05, retention=1.5)
+    # B's retention is long enough that B itself expires nothing while it runs (its puts
+    # and spills on a loaded machine), short enough that A retires it within seconds (7.5)
+    b_cfg = archived_cfg(make_config, archive_url, name="host-b", interval=0.05, retention=3)
     a_cfg = archived_cfg(make_config, archive_url, name="host-a", interval=0.05, retention=1)
 
     async def main() -> None:
@@ -154,7 +156,7 @@ def test_a_host_that_keeps_beating_is_never_retired(
 ) -> None:
     """Host B is alive, its spilled session in use; host A watches for more than B's
     silence limit and deletes none of B's manifests."""
-    b_cfg = archived_cfg(make_config, archive_url, name="host-b", interval=0.05, retention=1)
+    b_cfg = archived_cfg(make_config, archive_url, name="host-b", interval=0.05, retention=1.5)
     a_cfg = archived_cfg(make_config, archive_url, name="host-a", interval=0.05, retention=1)
     k = PageKey.semantic("live", "p", 0)
 
@@ -163,7 +165,7 @@ def test_a_host_that_keeps_beating_is_never_retired(
             await b.put(k, kv_page(60))
             await b.spill("live")
             t0 = time.monotonic()
-            while time.monotonic() - t0 < 4:  # B's limit: 2 x 1 s + 2 x 0.25 s
+            while time.monotonic() - t0 < 5:  # B's limit: 2 x 1.5 s + 2 x 0.375 s
                 assert await b.get(k) == kv_page(60)  # B in use: its retention keeps it
                 await trio.sleep(0.1)
             assert [m for m in await _objects(a, "manifests/") if "live" in m]
