@@ -31,7 +31,8 @@ def test_untouched_sessions_go_from_every_tier_and_the_rest_stay(
     async def main() -> None:
         async with kvfs.open_store(cfg) as s:
             policy = s.engine.policy  # type: ignore[attr-defined]
-            await s.pin_session("pinned")
+            for sess in SESSIONS:  # pinned while set up, however long that takes here
+                await s.pin_session(sess)
             start = time.monotonic()  # no session is touched last before this
             for n, ks in enumerate(keys.values()):
                 for i, k in enumerate(ks):
@@ -39,7 +40,9 @@ def test_untouched_sessions_go_from_every_tier_and_the_rest_stay(
             await s.pin(keys["pinned-page"][0])
             for sess in ("spilled", "pinned", "pinned-page"):
                 await s.spill(sess)  # in the archive only: retention must reach it there
-            spilled = {bytes.fromhex((await s.stat(k)).checksum) for k in keys["spilled"]}
+            spilled = {kvfs.checksum(kv_page(i)) for i in range(3)}
+            for sess in ("spilled", "local", "busy", "pinned-page"):
+                await s.unpin_session(sess)  # an unpin is a touch: retention counts from here
             with trio.fail_after(60):
                 while {"spilled", "local"} & {i.session for i in await s.sessions()}:
                     # "busy" is read all along: in use, it is never untouched that long
@@ -116,18 +119,24 @@ def test_a_host_silent_for_good_is_retired_but_its_pins_stay(
     (plus two heartbeats), host A deletes B's manifests, except a pinned session's, and
     collects the objects only they named; content A's own manifest names stays."""
     shared = kv_page(50)
-    # B's retention is long enough that B itself expires nothing while it runs (its puts
-    # and spills on a loaded machine), short enough that A retires it within seconds (7.5)
-    b_cfg = archived_cfg(make_config, archive_url, name="host-b", interval=0.05, retention=3)
+    # B's sessions are set up without a background task (so B expires nothing of its own
+    # however long that takes here); then B runs once with retention 1.5 s and no spill
+    # passes, long enough to write its heartbeat, and goes. A retires it 3.75 s later.
+    b_setup = archived_cfg(make_config, archive_url, name="host-b")
+    b_cfg = archived_cfg(make_config, archive_url, name="host-b", interval=60, retention=1.5)
     a_cfg = archived_cfg(make_config, archive_url, name="host-a", interval=0.05, retention=1)
+    with kvfs.open_store_sync(b_setup) as b_sync:
+        b_sync.pin_session("kept")
+        for sess, page in (("gone", kv_page(51)), ("kept", kv_page(52)), ("both", shared)):
+            b_sync.put(PageKey.semantic(sess, "p", 0), page)
+            b_sync.spill(sess)
+    only_b = {kvfs.checksum(kv_page(51)), kvfs.checksum(kv_page(52))}
 
     async def main() -> None:
         async with kvfs.open_store(b_cfg) as b:
-            await b.pin_session("kept")
-            for sess, page in (("gone", kv_page(51)), ("kept", kv_page(52)), ("both", shared)):
-                await b.put(PageKey.semantic(sess, "p", 0), page)
-                await b.spill(sess)
-            only_b = _hashes(await _objects(b, "blobs/")) - {kvfs.checksum(shared)}
+            with trio.fail_after(30):
+                while not await _objects(b, "hosts/"):
+                    await trio.sleep(0.05)
         async with kvfs.open_store(a_cfg) as a:
             assert [k for k in await _objects(a, "manifests/") if "gone" in k]  # B's, still
             await a.pin_session("mine")  # A's own retention keeps it
@@ -156,7 +165,8 @@ def test_a_host_that_keeps_beating_is_never_retired(
 ) -> None:
     """Host B is alive, its spilled session in use; host A watches for more than B's
     silence limit and deletes none of B's manifests."""
-    b_cfg = archived_cfg(make_config, archive_url, name="host-b", interval=0.05, retention=1.5)
+    # B's limit is 2 x 3 s + 2 x 0.75 s: a heartbeat may take seconds on a loaded machine
+    b_cfg = archived_cfg(make_config, archive_url, name="host-b", interval=0.05, retention=3)
     a_cfg = archived_cfg(make_config, archive_url, name="host-a", interval=0.05, retention=1)
     k = PageKey.semantic("live", "p", 0)
 
@@ -165,7 +175,7 @@ def test_a_host_that_keeps_beating_is_never_retired(
             await b.put(k, kv_page(60))
             await b.spill("live")
             t0 = time.monotonic()
-            while time.monotonic() - t0 < 5:  # B's limit: 2 x 1.5 s + 2 x 0.375 s
+            while time.monotonic() - t0 < 8:  # past B's limit
                 assert await b.get(k) == kv_page(60)  # B in use: its retention keeps it
                 await trio.sleep(0.1)
             assert [m for m in await _objects(a, "manifests/") if "live" in m]
