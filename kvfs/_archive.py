@@ -109,6 +109,9 @@ class ArchiveConfig:
     #: tier (this host's and the archive's); pinned sessions and sessions holding a pinned
     #: page are kept. 0: sessions are kept until deleted
     retention: float = 0.0
+    #: bytes of archive-only pages kept in memory to serve reads when the local tier has no
+    #: room for them (its capacity held by pinned pages, open files or writes in flight)
+    memory_copies: int = 256 << 20
     #: without a background task, seconds a delete may spend updating the archive (the rest
     #: stays queued in the index and is done by the next spill, close or background pass)
     sync_cleanup_seconds: float = 5.0
@@ -127,6 +130,8 @@ class ArchiveConfig:
         cfg = cls(**raw)
         if cfg.upload_processes < 0:
             raise ValueError("archive upload_processes must be >= 0")
+        if cfg.memory_copies < 0:
+            raise ValueError("archive memory_copies must be >= 0 bytes")
         if cfg.evict_ahead < 0:
             raise ValueError("archive evict_ahead must be >= 0 bytes")
         if cfg.retention < 0:
@@ -199,6 +204,9 @@ class ArchivingPolicy(TieringPolicy):
             raise
         self._lock = threading.Lock()
         self._inflight: dict[bytes, Future[BlobRow]] = {}
+        #: archive-only pages served from memory for want of local room (copy_in_memory)
+        self._memory: collections.OrderedDict[bytes, bytes] = collections.OrderedDict()
+        self._memory_bytes = 0
         # File removals after a spill (an unlink costs ~2.5 ms here; several at once ~half)
         self._io = ThreadPoolExecutor(self.cfg.concurrency, thread_name_prefix="kvfs-archive-io")
         self.restore_latencies: collections.deque[float] = collections.deque(maxlen=1024)
@@ -581,12 +589,60 @@ class ArchivingPolicy(TieringPolicy):
             raise PageNotFound(f"page data {blob.hash.hex()[:16]} was deleted")
         if cur.local:
             return cur
+        # Room first (evicting if need be): a restore that cannot fit downloads nothing.
+        need = self.engine.tier.disk_bytes(blob.size)
+        self.engine._reserve(need)
+        self.engine._unreserve(need)
         t0 = time.monotonic()
         obj = self.call(self._get_object, blob)
         got = self._adopt([self._stage(blob, obj)], t0)[0]
         if isinstance(got, BaseException):
             raise got
         return got
+
+    def memory_copy(self, h: bytes) -> bytes | None:
+        with self._lock:
+            data = self._memory.get(h)
+            if data is not None:
+                self._memory.move_to_end(h)
+                self.counters["memory_reads"] += 1
+            return data
+
+    def copy_in_memory(self, blob: BlobRow, no_room: Exception) -> bytes:
+        """Archive-only data that has no local room (the capacity is held by pinned pages,
+        open files or writes in flight), downloaded, verified and kept in memory, least
+        recently used first out, up to ``memory_copies`` bytes in all, so reads are served
+        without a local copy. Raises ``no_room`` for a page larger than that."""
+        if blob.size > self.cfg.memory_copies:
+            raise CapacityExceeded(
+                f"{no_room} (and the page, {blob.size} bytes, is larger than the "
+                f"{self.cfg.memory_copies} bytes archive.memory_copies may hold in memory)"
+            ) from no_room
+        held = self.memory_copy(blob.hash)
+        if held is not None:
+            return held
+        obj = self.call(self._get_object, blob)
+        key = f"archive object {blob_key(blob.hash)}"
+        try:
+            data = bytes(decode_verified(obj, blob.hash, blob.size, key))
+        except CorruptPage as e:
+            self._count_corrupt(str(e))
+            raise
+        with self._lock:
+            if blob.hash not in self._memory:  # (another reader may have put it there)
+                self._memory[blob.hash] = data
+                self._memory_bytes += len(data)
+            while self._memory_bytes > self.cfg.memory_copies:
+                _, old = self._memory.popitem(last=False)
+                self._memory_bytes -= len(old)
+            self.counters["memory_reads"] += 1
+        log_event(
+            "restore-in-memory",
+            content=blob.hash.hex()[:16],
+            bytes=blob.size,
+            reason="no local room",
+        )
+        return data
 
     def _restore_unlisted(self, blob: BlobRow) -> BlobRow:
         """A local copy of archive-only data whose pages were deleted while a reader holds
@@ -1044,6 +1100,8 @@ class ArchivingPolicy(TieringPolicy):
                 "sessions_spilled": c.get("sessions_spilled", 0),
                 "sessions_expired": c.get("sessions_expired", 0),
                 "hosts_retired": c.get("hosts_retired", 0),
+                "memory_reads": c.get("memory_reads", 0),
+                "memory_copies_bytes": self._memory_bytes,
                 "retention_s": self.cfg.retention,
                 "blobs_restored": c.get("blobs_restored", 0),
                 "dedup_skipped": c.get("dedup_skipped", 0),

@@ -657,11 +657,19 @@ class Engine:
         """The hosts sharing the archive (heartbeats and manifests): see kvfs/_hosts.py."""
         return list(self._archive().archive_hosts())
 
-    def _restore(self, blob: BlobRow, page: PageRow) -> BlobRow:
-        """Bring one page's data back from the archive for a read (counted as a miss)."""
+    def _restore(self, blob: BlobRow, page: PageRow) -> BlobRow | bytes:
+        """Bring one page's data back from the archive for a read (counted as a miss): its
+        local copy's row, or, when the local tier has no room for it, its verified bytes
+        held in memory (the archive's ``memory_copies``)."""
+        held = self.policy.memory_copy(blob.hash)
+        if held is not None:
+            return held
         with self._cap_lock:
             self._counters["misses"] += 1
-        b = self.policy.restore_blob(blob)
+        try:
+            b = self.policy.restore_blob(blob)
+        except CapacityExceeded as e:
+            return self.policy.copy_in_memory(blob, e)
         if not b.local:
             raise PageNotFound(f"page {page.path!r} could not be restored")
         return b

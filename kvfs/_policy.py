@@ -88,6 +88,16 @@ class TieringPolicy:
         there is none; the read then fails with CorruptPage)."""
         return None
 
+    def memory_copy(self, h: bytes) -> bytes | None:
+        """A verified copy of archive-only data held in memory (see the archive tier's
+        ``copy_in_memory``); without an archive there is none."""
+        return None
+
+    def copy_in_memory(self, blob: BlobRow, no_room: Exception) -> bytes:
+        """Archive-only data, verified, held in memory because no local room was left;
+        without an archive, ``no_room`` is raised."""
+        raise no_room
+
     def restore_blob(self, blob: BlobRow) -> BlobRow:
         """Bring a blob that is not held locally back; without an archive there is nowhere to
         bring it from."""

@@ -80,7 +80,10 @@ def get(eng: Engine, k: PageKey, into: object | None) -> bytes | int:
     """:meth:`Engine.get` once the store is known open and the key parsed."""
     with eng.lease(k) as (page, blob):
         if not blob.local:
-            blob = eng._restore(blob, page)
+            got = eng._restore(blob, page)
+            if isinstance(got, bytes):  # no local room: served from memory
+                return _from_memory(got, into, k)
+            blob = got
         if into is None:
             buf = aligned_buffer(blob.size)
             _or_healed(eng, page, blob, lambda b: _read_verified(eng, page, b, buf, 0, b.size))
@@ -100,7 +103,10 @@ def read_range(eng: Engine, k: PageKey, offset: int, size: int) -> bytes:
         if offset >= blob.size or size <= 0:
             return b""
         if not blob.local:
-            blob = eng._restore(blob, page)
+            got = eng._restore(blob, page)
+            if isinstance(got, bytes):  # no local room: served from memory
+                return got[offset : offset + size]
+            blob = got
         end = min(blob.size, offset + size)
         lo = offset - offset % LEAF
         hi = min(blob.size, -(-end // LEAF) * LEAF)
@@ -116,12 +122,28 @@ def read_held(
     if offset >= blob.size or size <= 0:
         return memoryview(b"")
     if not blob.local:
-        blob = eng._restore(blob, page)
+        got = eng._restore(blob, page)
+        if isinstance(got, bytes):  # no local room: served from memory
+            return memoryview(got)[offset : offset + size]
+        blob = got
     end = min(blob.size, offset + size)
     lo = offset - offset % LEAF
     hi = min(blob.size, -(-end // LEAF) * LEAF)
     data = _or_healed(eng, page, blob, lambda b: _read_here(eng, page, b, lo, hi - lo, buffered))
     return data[offset - lo : end - lo]
+
+
+def _from_memory(data: bytes, into: object | None, k: PageKey) -> bytes | int:
+    """:func:`get`'s answer from a verified copy held in memory."""
+    if into is None:
+        return data
+    dest = as_bytes_view(into, "the buffer to read into", writable=True)
+    if len(dest) < len(data):
+        raise ValueError(
+            f"buffer of {len(dest)} bytes is smaller than page {k.path!r} ({len(data)} bytes)"
+        )
+    dest[: len(data)] = data
+    return len(data)
 
 
 def _or_healed(eng: Engine, page: PageRow, blob: BlobRow, read: Callable[[BlobRow], T]) -> T:

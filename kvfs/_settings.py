@@ -169,6 +169,14 @@ OPTIONS: tuple[Option, ...] = (
     ),
     Option(
         "archive",
+        "memory_copies",
+        "size",
+        256 << 20,
+        "bytes of archive-only pages held in memory to serve reads when the local tier has "
+        "no room for them (its capacity held by pinned pages, open files or writes in flight)",
+    ),
+    Option(
+        "archive",
         "retention",
         "duration",
         0.0,

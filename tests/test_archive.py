@@ -3,10 +3,11 @@ deletes, corruption, restart and a second host sharing the bucket. S3 is moto ov
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -733,3 +734,65 @@ def test_a_top_level_engine_directory_restores_by_the_name_ls_shows(
         assert b.get("lmcache/llama@1@0@5e0c@bf16.data") == kv_page(5)
         with pytest.raises(kvfs.SessionNotFound):
             b.restore("nothing")
+
+
+@contextlib.contextmanager
+def _no_room_for_the_archive(
+    make_config,  # noqa: ANN001
+    archive_url: str,
+    **archive: object,
+) -> Iterator[tuple[kvfs.SyncStore, PageKey]]:
+    """A store whose capacity is all held by pinned pages, with one archive-only page."""
+    cfg = make_config(
+        ndev=1,
+        capacity=4 * 1024 * KiB,
+        archive_url=archive_url,
+        extra={"archive": {"interval": 0, **archive}},
+    )
+    with kvfs.open_store_sync(cfg) as s:
+        k = PageKey.semantic("cold", "p", 0)
+        s.put(k, kv_page(90, 1024 * KiB))
+        s.spill("cold")
+        s.pin_session("hold")
+        i = 0
+        while True:  # fill the cap with pinned pages: nothing is left to evict
+            try:
+                s.put(PageKey.semantic("hold", "p", i), kv_page(91 + i, 512 * KiB))
+            except kvfs.CapacityExceeded:
+                break
+            i += 1
+        yield s, k
+
+
+def test_an_archive_only_page_with_no_local_room_is_served_from_memory(
+    make_config,  # noqa: ANN001
+    archive_url: str,
+) -> None:
+    """Pinned pages hold the whole capacity: a read of an archive-only page cannot restore
+    it locally, so its verified bytes are held in memory and served from there (before,
+    CapacityExceeded; ENOSPC on the mount)."""
+    with _no_room_for_the_archive(make_config, archive_url) as (s, k):
+        want = kv_page(90, 1024 * KiB)
+        assert s.get(k) == want
+        buf = bytearray(len(want))
+        assert s.get(k, into=buf) == len(want) and buf == want
+        assert s.engine.read_range(k, 1000, 5000) == want[1000:6000]
+        assert s.stat(k).tier == "archive"  # no local copy was made
+        st = s.statistics()
+        assert st.extra["archive"]["memory_reads"] == 3
+        assert st.extra["archive"]["memory_copies_bytes"] == len(want)
+        assert st.reserved_bytes == 0 and st.used_bytes <= st.capacity_bytes
+        s.unpin_session("hold")  # room again: the next read restores it locally
+        s.evict(session="hold")
+        s.engine.policy._memory.clear()  # type: ignore[attr-defined]
+        assert s.get(k) == want and s.stat(k).tier == "local+archive"
+
+
+def test_a_page_larger_than_memory_copies_still_gets_a_clear_error(
+    make_config,  # noqa: ANN001
+    archive_url: str,
+) -> None:
+    with _no_room_for_the_archive(make_config, archive_url, memory_copies=512 * KiB) as (s, k):
+        with pytest.raises(kvfs.CapacityExceeded, match="archive.memory_copies"):
+            s.get(k)
+        assert s.statistics().extra["archive"]["memory_reads"] == 0

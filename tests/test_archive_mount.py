@@ -139,3 +139,52 @@ async def test_an_open_spilled_file_stays_readable_after_its_unlink(
                 assert not [f for f in blobs.rglob("*") if f.is_file()]
             finally:
                 nursery.cancel_scope.cancel()
+
+
+async def test_a_spilled_page_reads_through_the_mount_with_no_local_room(
+    make_config: Callable[..., kvfs.StoreConfig], tmp_path: Path
+) -> None:
+    """Every byte of the capacity held by pinned pages: ``cat`` and ``mmap`` of a spilled
+    file still read it, from a verified copy in memory (before: ENOSPC, and SIGBUS through
+    a mapping)."""
+    import mmap
+
+    cfg = make_config(
+        ndev=1,
+        capacity=4 << 20,
+        archive_url=f"file://{tmp_path / 'archive'}",
+        extra={"archive": {"interval": 0}},
+    )
+    mp = tmp_path / "mnt"
+    mp.mkdir()
+    k = PageKey.semantic("cold", "p", 0)
+    want = os.urandom(3 << 20)
+    async with kvfs.open_store(cfg) as store:
+        await store.put(k, want)
+        await store.spill("cold")
+        await store.pin_session("hold")
+        i = 0
+        while True:  # nothing evictable left
+            try:
+                await store.put(PageKey.semantic("hold", "p", i), os.urandom(512 << 10))
+            except kvfs.CapacityExceeded:
+                break
+            i += 1
+        async with trio.open_nursery() as nursery:
+            await nursery.start(serve_mount, store, mp, MountOptions(auto_unmount=False))
+            try:
+                got = await trio.to_thread.run_sync((mp / k.path).read_bytes)
+                assert got == want
+
+                def mapped() -> bytes:
+                    with (
+                        open(mp / k.path, "rb") as f,
+                        mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as m,
+                    ):
+                        return bytes(m[-4096:])
+
+                assert await trio.to_thread.run_sync(mapped) == want[-4096:]
+                assert (await store.stat(k)).tier == "archive"
+                assert (await store.statistics()).extra["archive"]["memory_reads"] >= 1
+            finally:
+                nursery.cancel_scope.cancel()
