@@ -259,3 +259,40 @@ def test_kvfs_hosts_lists_who_shares_the_archive(
     assert len(rows) == 3
     rc, out, _ = run("hosts", "--data", ",".join(map(str, a_cfg.data_dirs)), *archive)
     assert rc == 0 and "RETIRED IF SILENT" in out and "never" in out and "in " in out
+
+
+def test_heartbeats_with_the_endpoint_down_are_retried_and_reads_go_on(
+    make_config: Callable[..., kvfs.StoreConfig],
+    s3_server,  # noqa: ANN001
+    proxy,  # noqa: ANN001
+) -> None:
+    """The archive unreachable: each failed heartbeat is counted as an archive error and
+    tried again at the next one; the store serves its local pages meanwhile; once the
+    endpoint answers, the heartbeat is written."""
+    bucket = s3_server.new_bucket()
+    url = f"s3://{bucket}?endpoint={proxy.endpoint}&deadline=1&connect_timeout=0.5"
+    cfg = make_config(
+        ndev=1, archive_url=url, extra={"archive": {"interval": 0.05, "retention": 2}}
+    )
+    k = PageKey.semantic("s", "p", 0)
+
+    async def main() -> None:
+        async with kvfs.open_store(cfg) as s:  # (opening checks the bucket: up then)
+            await s.put(k, kv_page(95))
+            with trio.fail_after(30):
+                while not await _objects(s, "hosts/"):
+                    await trio.sleep(0.05)
+            store = s.engine.policy.store  # type: ignore[attr-defined]
+            for key in await _objects(s, "hosts/"):
+                await store.delete(key)  # so its coming back shows the retry worked
+            proxy.down()
+            with trio.fail_after(60):
+                while (await s.statistics()).extra["archive"]["errors"] < 2:
+                    assert await s.get(k) == kv_page(95)
+                    await trio.sleep(0.1)
+            proxy.up()
+            with trio.fail_after(60):
+                while not await _objects(s, "hosts/"):
+                    await trio.sleep(0.1)
+
+    trio.run(main)

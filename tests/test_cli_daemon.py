@@ -249,6 +249,8 @@ def test_retention_through_a_mounted_daemon(tmp_path: Path, run: Run) -> None:
         assert st["sessions_expired"] == 2 and st["retention_s"] == 4.0
         assert "retention 4s" in run("stats", *flags)[1]
         assert "event=expire target=idle" in d.log.read_text()
+        (me,) = json.loads(run("hosts", "--json", *flags)[1])  # through the daemon
+        assert me["this"] and me["retention_s"] == 4.0 and me["sessions"] == 0
     finally:
         stop.set()
         d.stop()
