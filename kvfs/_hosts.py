@@ -19,10 +19,11 @@ and every ``interval`` seconds, and looks at the others' heartbeats as often:
   wrote a heartbeat (kvfs before the ninth session, a store used without a background task)
   is never retired either.
 
-A host retired this way that does start again finds its heartbeat gone and logs it; its own
-retention pass then deletes the sessions it did not touch meanwhile (all of them, unless
-pinned), and a page of another one read before that fails as missing from the archive
-(docs/archive.md, failure table).
+A host retired this way that does start again (or was only cut off) finds its heartbeat gone
+(its index records that it wrote one) and writes all its manifests again; its own retention
+pass deletes the sessions it did not touch meanwhile (all of them, unless pinned), and a page
+of another one read before that fails as missing from the archive (docs/archive.md, failure
+table).
 """
 
 from __future__ import annotations
@@ -76,8 +77,8 @@ class Hosts:
     async def beat(self) -> float | None:
         """Write this host's heartbeat; return its modification time (the store's "now")."""
         if await self.store.modified(self.key) is None:
-            # A first start (or kvfs from before heartbeats), or another host retired this
-            # one: its manifests may be gone. Write every one again (a no-op for a new host).
+            # A first start, or another host retired this one (its manifests may be gone):
+            # the callback tells them apart and writes the manifests again in the second case.
             if self._beaten:
                 log.warning(
                     "archive heartbeat %s was deleted: another host took this one for gone "

@@ -74,7 +74,7 @@ class Spiller:
             self.engine.store_id,
             policy.cfg.retention,
             policy.count,
-            self.rewrite_all_manifests,
+            self.heartbeat_missing,
         )
 
     def queue_length(self) -> int:
@@ -435,9 +435,19 @@ class Spiller:
             retry=retry,
         )
 
+    async def heartbeat_missing(self) -> None:
+        """This host's heartbeat is not in the archive. The first time (a new store, or one
+        that never ran a background task) nothing follows; when this store wrote one
+        before, another host took it for gone and may have deleted its manifests: every
+        one is written again (:meth:`rewrite_all_manifests`)."""
+        idx = self.engine.index
+        if await _thread(idx.get_meta, "heartbeat_written") is None:
+            await _thread(idx.set_meta, "heartbeat_written", 1)
+            return
+        await self.rewrite_all_manifests()
+
     async def rewrite_all_manifests(self) -> None:
-        """Queue a manifest rewrite for every session holding archived pages (this host's
-        heartbeat was missing: another host may have deleted its manifests). The rewrites,
+        """Queue a manifest rewrite for every session holding archived pages. The rewrites,
         and the existence checks before any local copy is dropped, follow as usual."""
         self.named.clear()
         self.written.clear()

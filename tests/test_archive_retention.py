@@ -296,3 +296,27 @@ def test_heartbeats_with_the_endpoint_down_are_retried_and_reads_go_on(
                     await trio.sleep(0.1)
 
     trio.run(main)
+
+
+def test_a_first_heartbeat_rewrites_nothing(
+    make_config: Callable[..., kvfs.StoreConfig],
+    archive_url: str,  # noqa: F811
+) -> None:
+    """A store that spilled without a background task (a script) and then runs as a daemon
+    writes its first heartbeat; that is no sign another host retired it, so none of its
+    manifests is written again (only a heartbeat this store wrote before, gone, is)."""
+    with kvfs.open_store_sync(archived_cfg(make_config, archive_url)) as s:
+        s.put(PageKey.semantic("s", "p", 0), kv_page(97))
+        s.spill("s")
+
+    async def main() -> None:
+        cfg = archived_cfg(make_config, archive_url, interval=0.05, retention=3600)
+        async with kvfs.open_store(cfg) as s:
+            with trio.fail_after(30):
+                while not await _objects(s, "hosts/"):
+                    await trio.sleep(0.05)
+            await trio.sleep(0.3)  # a few spill passes
+            st = (await s.statistics()).extra["archive"]
+            assert st["spill_queue"] == 0 and st["manifests_written"] == 0
+
+    trio.run(main)
