@@ -6,6 +6,7 @@ Loading from TOML / environment / flags builds on :meth:`StoreConfig.replace`.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 from dataclasses import dataclass, field
@@ -58,11 +59,9 @@ def parse_duration(text: str | float) -> float:
     s = str(text).strip().lower().replace(" ", "")
     num = s.rstrip("abcdefghijklmnopqrstuvwxyz")
     unit = s[len(num) :]
-    try:
-        if unit in _SECONDS and num:
+    if unit in _SECONDS and num:
+        with contextlib.suppress(ValueError):  # "1.2.3d": the error below
             return float(num) * _SECONDS[unit]
-    except ValueError:
-        pass
     raise ValueError(f"not a duration: {text!r} (examples: 90, 30m, 12h, 7d)")
 
 

@@ -114,21 +114,29 @@ class Hosts:
                 "last_heartbeat": None,
                 "retire_at": None,
             }
-            if host in beats:
-                try:
-                    info = msgpack.unpackb(await self.store.get(HOSTS + host), raw=False)
-                    seen = await self.store.modified(HOSTS + host)
-                    retention, interval = float(info["retention"]), float(info["interval"])
-                except FileNotFoundError:
-                    pass  # retired meanwhile
-                except Exception as e:  # noqa: BLE001 - shown as a host without a heartbeat
-                    log.warning("archive heartbeat %s is unreadable (%s)", HOSTS + host, e)
-                else:
-                    row.update(retention_s=retention, heartbeat_s=interval, last_heartbeat=seen)
-                    if retention > 0 and seen is not None:
-                        row["retire_at"] = seen + 2 * retention + 2 * interval
+            beat = await self._heartbeat(host) if host in beats else None
+            if beat is not None:
+                retention, interval, seen = beat
+                row.update(retention_s=retention, heartbeat_s=interval, last_heartbeat=seen)
+                if retention > 0:
+                    row["retire_at"] = seen + 2 * retention + 2 * interval
             out.append(row)
         return out
+
+    async def _heartbeat(self, host: str) -> tuple[float, float, float] | None:
+        """A host's heartbeat: its retention, its interval and when it was written (the
+        archive's clock); None when it is gone, or unreadable (that host is then kept)."""
+        key = HOSTS + host
+        try:
+            info = msgpack.unpackb(await self.store.get(key), raw=False)
+            retention, interval = float(info["retention"]), float(info["interval"])
+        except FileNotFoundError:
+            return None  # retired by another host meanwhile
+        except Exception as e:  # noqa: BLE001 - a damaged heartbeat: that host is kept
+            log.warning("archive heartbeat %s is unreadable (%s); host kept", key, e)
+            return None
+        seen = await self.store.modified(key)
+        return None if seen is None else (retention, interval, seen)
 
     async def tick(self) -> list[bytes]:
         """Beat, then retire hosts silent for good. Returns the objects their deleted
@@ -144,17 +152,11 @@ class Hosts:
         return retired
 
     async def _retire_if_silent(self, host: str, now: float) -> list[bytes]:
-        key = HOSTS + host
-        try:
-            info = msgpack.unpackb(await self.store.get(key), raw=False)
-            retention, interval = float(info["retention"]), float(info["interval"])
-        except FileNotFoundError:
-            return []  # retired by another host meanwhile
-        except Exception as e:  # noqa: BLE001 - a damaged heartbeat: that host is kept
-            log.warning("archive heartbeat %s is unreadable (%s); host kept", key, e)
+        beat = await self._heartbeat(host)
+        if beat is None:
             return []
-        seen = await self.store.modified(key)
-        if retention <= 0 or seen is None or now - seen <= 2 * retention + 2 * interval:
+        retention, interval, seen = beat
+        if retention <= 0 or now - seen <= 2 * retention + 2 * interval:
             return []
         hashes: list[bytes] = []
         deleted = kept = 0
@@ -175,7 +177,7 @@ class Hosts:
             hashes.extend(bytes(p["hash"]) for p in m["pages"])
             deleted += 1
         if not kept:
-            await self.store.delete(key)  # nothing left to look at again
+            await self.store.delete(HOSTS + host)  # nothing left to look at again
         if deleted or not kept:
             self.count("hosts_retired", 1)
             log_event(
