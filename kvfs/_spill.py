@@ -449,8 +449,7 @@ class Spiller:
     async def rewrite_all_manifests(self) -> None:
         """Queue a manifest rewrite for every session holding archived pages. The rewrites,
         and the existence checks before any local copy is dropped, follow as usual."""
-        self.named.clear()
-        self.written.clear()
+        self.named, self.written = {}, {}  # (new dicts: other tasks may be reading these)
         sessions = await _thread(self.engine.index.sessions_with_archived_pages)
         if sessions:
             await _thread(self.aindex.enqueue, "manifest", sessions)
