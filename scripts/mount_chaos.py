@@ -349,8 +349,10 @@ class Chaos:
             while time.monotonic() - t0 < seconds and len(self.errors) < 50:
                 time.sleep(0.5)
                 if self.kill_every and time.monotonic() - last_kill >= self.kill_every:
-                    self.kill()
+                    # Kill to kill, not restart to kill: a slow restart (a loaded machine)
+                    # does not push the next kill out of a short run.
                     last_kill = time.monotonic()
+                    self.kill()
         finally:
             self.stop.set()
             for t in threads:
