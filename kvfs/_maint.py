@@ -48,16 +48,17 @@ def delete(eng: Engine, k: PageKey) -> None:
 
 def delete_session(eng: Engine, session: str) -> int:
     d = eng.resolve_session(session)
-    deleted = eng.index.delete_session(d)
-    if deleted is None:
+    n = expire_session(eng, d, None)
+    if n is None:
         raise SessionNotFound(f"no session {d!r}")
-    _after_delete(eng, *deleted)
-    return len(deleted[0])
+    return n
 
 
-def expire_session(eng: Engine, d: str, untouched_since: float) -> int | None:
-    """Delete an unpinned session untouched since ``untouched_since`` from every tier;
-    returns the pages removed, or None when it was touched or pinned meanwhile (or gone)."""
+def expire_session(eng: Engine, d: str, untouched_since: float | None) -> int | None:
+    """Delete session directory ``d`` from every tier; returns the pages removed, or None
+    when there is no such session. With ``untouched_since`` (retention), only an unpinned
+    session holding no pinned page and untouched since then (None otherwise: it was
+    touched or pinned meanwhile)."""
     deleted = eng.index.delete_session(d, untouched_since=untouched_since)
     if deleted is None:
         return None

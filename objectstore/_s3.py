@@ -329,15 +329,7 @@ class S3Store(ObjectStore):
             raise
 
     async def exists(self, key: str) -> bool:
-        try:
-            await self._call(
-                f"head {key}", self._client.head_object, Bucket=self.bucket, Key=self._key(key)
-            )
-            return True
-        except bce.ClientError as e:
-            if _status(e) == 404 or _code(e) in ("404", "NoSuchKey", "NotFound"):
-                return False
-            raise self._permanent(e, f"head {key}") from e
+        return await self.modified(key) is not None
 
     async def modified(self, key: str) -> float | None:
         try:
