@@ -14,7 +14,9 @@ and every ``interval`` seconds, and looks at the others' heartbeats as often:
   them itself. Its manifests are deleted, except those of a session that is pinned or holds a
   pinned page (pins are never expired), and the objects they named are queued for this host's
   collection, which deletes them only once no manifest of any host names them
-  (kvfs/_collect.py). Its heartbeat is deleted with its last manifest.
+  (kvfs/_collect.py). Its collection intents (``gc/<store id>-*``, finished or not) are
+  deleted too: only their host removes them otherwise, and a host silent that long stopped
+  deleting long ago. Its heartbeat is deleted with its last manifest.
 * A host whose retention is 0 keeps everything, so nobody retires it; a host that never
   wrote a heartbeat (kvfs before the ninth session, a store used without a background task)
   is never retired either.
@@ -34,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgpack
 
+from ._collect import INTENTS
 from ._events import log_event
 from ._manifest import MANIFESTS, parse_manifest
 
@@ -176,6 +179,11 @@ class Hosts:
             await self.store.delete(mkey)
             hashes.extend(bytes(p["hash"]) for p in m["pages"])
             deleted += 1
+        # Its intents would linger in every settle's listing forever: a collection stops
+        # deleting half a window after its intent is written, long before this.
+        intents = await self.store.list_all(INTENTS + host + "-")
+        for k in intents:
+            await self.store.delete(k)
         if not kept:
             await self.store.delete(HOSTS + host)  # nothing left to look at again
         if deleted or not kept:
@@ -186,6 +194,7 @@ class Hosts:
                 host=host,
                 manifests=deleted,
                 kept_pinned=kept,
+                intents=len(intents),
                 silent_seconds=round(now - seen),
                 message=f"silent for more than twice its retention ({retention:g} s)",
             )

@@ -8,6 +8,7 @@ import json
 import time
 from collections.abc import Callable
 
+import msgpack
 import pytest
 import trio
 
@@ -139,6 +140,12 @@ def test_a_host_silent_for_good_is_retired_but_its_pins_stay(
                     await trio.sleep(0.05)
         async with kvfs.open_store(a_cfg) as a:
             assert [k for k in await _objects(a, "manifests/") if "gone" in k]  # B's, still
+            # what a collection of B's killed before it finished, and one finished, leave
+            gone = next(k for k in await _objects(a, "manifests/") if "gone" in k)
+            b_id = gone.rpartition("@")[2]
+            intent = msgpack.packb({"v": 1, "store_id": b_id, "hashes": []})  # names nothing
+            for leftover in (f"gc/{b_id}-1-dead", f"gc/{b_id}-2-done", f"gc/{b_id}-2-done.done"):
+                await a.engine.policy.store.put(leftover, intent)  # type: ignore[attr-defined]
             await a.pin_session("mine")  # A's own retention keeps it
             await a.put(PageKey.semantic("mine", "p", 0), shared)
             await a.spill("mine")
@@ -155,6 +162,7 @@ def test_a_host_silent_for_good_is_retired_but_its_pins_stay(
             assert kvfs.checksum(shared) in blobs  # A's manifest names it
             assert blobs & only_b == {kept}
             assert any(k.startswith("hosts/") for k in await _objects(a, "hosts/"))  # B's stays
+            assert not [k for k in await _objects(a, "gc/") if b_id in k]  # B's intents went
 
     trio.run(main)
 
