@@ -25,6 +25,8 @@ from ._retry import Backoff, retry
 __all__ = ["FileStore"]
 
 TMP = ".objectstore-tmp"
+#: tries at making a key's directory and linking into it while deletes remove it again
+_MKDIR_TRIES = 8
 T = TypeVar("T")
 _TEMPORARY = {errno.EAGAIN, errno.EINTR, errno.ESTALE, errno.ETIMEDOUT, errno.EBUSY}
 
@@ -129,8 +131,17 @@ class FileStore(ObjectStore):
     async def put(self, key: str, data: bytes | memoryview, *, if_absent: bool = False) -> bool:
         path = self._path(key)
 
+        def publish(tmp: Path) -> bool:
+            if if_absent:
+                try:
+                    os.link(tmp, path)
+                except FileExistsError:
+                    return False
+            else:
+                os.replace(tmp, path)
+            return True
+
         def write() -> bool:
-            path.parent.mkdir(parents=True, exist_ok=True)
             tmp = self.root / TMP / uuid.uuid4().hex
             try:
                 with open(tmp, "wb") as f:
@@ -138,16 +149,19 @@ class FileStore(ObjectStore):
                     f.flush()
                     if self.durable:
                         os.fsync(f.fileno())
-                if if_absent:
+                # A concurrent delete removes the directories it leaves empty (``delete``):
+                # the key's directory may vanish between making it and linking into it.
+                for attempt in range(_MKDIR_TRIES):
                     try:
-                        os.link(tmp, path)
-                    except FileExistsError:
-                        return False
-                else:
-                    os.replace(tmp, path)
+                        path.parent.mkdir(parents=True, exist_ok=True)
+                        stored = publish(tmp)
+                        break
+                    except (FileNotFoundError, FileExistsError):
+                        if attempt == _MKDIR_TRIES - 1 or path.parent.is_file():
+                            raise
                 if self.durable:
                     _fsync_dir(path.parent)
-                return True
+                return stored
             finally:
                 tmp.unlink(missing_ok=True)
 

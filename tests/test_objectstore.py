@@ -87,6 +87,24 @@ async def test_delete(store: ObjectStore) -> None:
     await store.delete("a/b")  # absent: no error
 
 
+async def test_puts_racing_deletes_of_the_last_object_in_a_directory(store: ObjectStore) -> None:
+    """A file store's delete removes the directory it leaves empty; a put into it at that
+    moment found it gone (ENOENT, not retried) and failed with ArchiveUnavailable: a
+    collection's intent racing its tidy-up, a spill's upload racing a collection."""
+
+    async def churn(tag: int) -> None:
+        for i in range(100):
+            assert await store.put(f"gc/{tag}-{i}", b"x", if_absent=True)
+            await store.put(f"gc/{tag}-{i}.done", b"y")
+            await store.delete(f"gc/{tag}-{i}")
+            await store.delete(f"gc/{tag}-{i}.done")
+
+    async with trio.open_nursery() as n:
+        for tag in range(4):
+            n.start_soon(churn, tag)
+    assert await store.list_all("gc/") == []
+
+
 async def test_modified_is_the_stores_clock(store: ObjectStore) -> None:
     import time
 
