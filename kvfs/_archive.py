@@ -532,7 +532,10 @@ class ArchivingPolicy(TieringPolicy):
                 return [self.evict_blob(b, reason) for b in blobs]
             log.warning("cannot evict %s: %s", blobs[0].hash.hex()[:16], e)
             return [0]
-        return [self.drop_local(h, reason) for h in hashes]
+        # One transaction for the batch; a blob that a put shared into another session since
+        # the manifests were written stays local (drop_local_many).
+        rows = {r.hash: r for r in self.aindex.drop_local_many(hashes, self.spiller.named)}
+        return [self.forget_local(rows[h], reason) if h in rows else 0 for h in hashes]
 
     def forget_blob(self, blob: BlobRow) -> None:
         if blob.archived:
@@ -1022,6 +1025,16 @@ class ArchivingPolicy(TieringPolicy):
         return [b for h in hashes if (b := idx.blob(h)) is not None and not b.local]
 
     async def _restore_session(self, d: str, progress: Progress | None) -> int:
+        try:
+            return await self._restore_session_pages(d, progress)
+        finally:
+            # A restore is an access (an engine's hint that the agent resumes): the session's
+            # last access is now, not the one its manifest recorded, or retention here would
+            # delete it, from every host's view, at its next pass.
+            with trio.CancelScope(shield=True):
+                await trio.to_thread.run_sync(self.engine.index.touch_session, d)
+
+    async def _restore_session_pages(self, d: str, progress: Progress | None) -> int:
         known = await trio.to_thread.run_sync(self._archived_blobs, d)
         if not known:  # nothing to start on before the manifest says what the session holds
             await self.spiller.import_session(d)

@@ -64,6 +64,7 @@ class Hosts:
         retention: float,
         count: Callable[[str, int], None],
         absent: Callable[[], Awaitable[None]],
+        forget: Callable[[list[bytes]], Awaitable[None]],
     ) -> None:
         self.store, self.store_id, self.retention = store, store_id, retention
         self.interval = heartbeat_interval(retention)
@@ -71,6 +72,8 @@ class Hosts:
         #: called before a heartbeat is written where none is: this host's manifests may
         #: have been deleted by another host that took it for gone
         self.absent = absent
+        #: queues objects for this host's collection (durably: before a manifest goes)
+        self.forget = forget
         self._beaten = False
 
     @property
@@ -141,27 +144,23 @@ class Hosts:
         seen = await self.store.modified(key)
         return None if seen is None else (retention, interval, seen)
 
-    async def tick(self) -> list[bytes]:
-        """Beat, then retire hosts silent for good. Returns the objects their deleted
-        manifests named, for this host's collection queue."""
+    async def tick(self) -> None:
+        """Beat, then retire hosts silent for good."""
         now = await self.beat()
         if now is None:
-            return []
-        retired: list[bytes] = []
+            return
         for key in await self.store.list_all(HOSTS):
             host = key[len(HOSTS) :]
             if host != self.store_id:
-                retired += await self._retire_if_silent(host, now)
-        return retired
+                await self._retire_if_silent(host, now)
 
-    async def _retire_if_silent(self, host: str, now: float) -> list[bytes]:
+    async def _retire_if_silent(self, host: str, now: float) -> None:
         beat = await self._heartbeat(host)
         if beat is None:
-            return []
+            return
         retention, interval, seen = beat
         if retention <= 0 or now - seen <= 2 * retention + 2 * interval:
-            return []
-        hashes: list[bytes] = []
+            return
         deleted = kept = 0
         for mkey in await self.store.list_all(MANIFESTS):
             if not mkey.endswith("@" + host):
@@ -176,8 +175,10 @@ class Hosts:
             if m.get("pinned") or any(p.get("pinned") for p in m["pages"]):
                 kept += 1
                 continue
+            # Queued before the manifest goes: a failure (or a kill) in between leaves the
+            # manifest, retired again next time, never objects that nothing would collect.
+            await self.forget([bytes(p["hash"]) for p in m["pages"]])
             await self.store.delete(mkey)
-            hashes.extend(bytes(p["hash"]) for p in m["pages"])
             deleted += 1
         # Its intents would linger in every settle's listing forever: a collection stops
         # deleting half a window after its intent is written, long before this.
@@ -198,4 +199,3 @@ class Hosts:
                 silent_seconds=round(now - seen),
                 message=f"silent for more than twice its retention ({retention:g} s)",
             )
-        return hashes

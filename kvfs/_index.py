@@ -707,6 +707,11 @@ class Index:
                 > 0
             )
 
+    def touch_session(self, d: str) -> None:
+        """The session was used now (when it exists)."""
+        with self.transaction() as db:
+            db.execute("UPDATE sessions SET atime=MAX(atime, ?) WHERE dir=?", (time.time(), d))
+
     def set_session_pinned(self, d: str, pinned: bool) -> None:
         with self.transaction() as db:
             self._touch_session(db, d, time.time())

@@ -25,7 +25,7 @@ interrupted is done later, not forgotten.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Mapping
 from urllib.parse import quote, unquote
 
 import msgpack
@@ -165,9 +165,18 @@ class ArchiveIndex:
         with self.index.transaction() as db:
             db.executemany("UPDATE blobs SET archived=1 WHERE hash=?", [(h,) for h in hashes])
 
-    def drop_local_many(self, hashes: list[bytes]) -> list[BlobRow]:
+    def drop_local_many(
+        self, hashes: list[bytes], named: Mapping[str, Collection[bytes]]
+    ) -> list[BlobRow]:
         """Forget the local copies of archived blobs, in one transaction (the same update as
-        ``Index.drop_local``). Returns the rows as they were, for those that were local."""
+        ``Index.drop_local``). Returns the rows as they were, for those that were local.
+
+        A copy goes only where every session holding the blob is in ``named`` (session ->
+        the blobs this host's manifest of it names) with that blob, checked inside the
+        transaction: a page only the archive holds must be named by its session's manifest
+        (other hosts delete any object no manifest names, and a host rebuilt from the
+        archive knows only what manifests list). A put that shared the content into another
+        session after those manifests were written keeps it local."""
         out: list[BlobRow] = []
         if not hashes:
             return out
@@ -175,6 +184,9 @@ class ArchiveIndex:
             for h in hashes:
                 r = db.execute(f"SELECT {_BLOB_COLS} FROM blobs WHERE hash=?", (h,)).fetchone()
                 if r is None or r[4] is None:
+                    continue
+                holders = db.execute("SELECT DISTINCT session FROM pages WHERE hash=?", (h,))
+                if any(h not in named.get(s, ()) for (s,) in holders):
                     continue
                 db.execute("UPDATE blobs SET extents=NULL, disk_bytes=0 WHERE hash=?", (h,))
                 out.append(_blob(r))

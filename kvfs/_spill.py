@@ -40,6 +40,10 @@ __all__ = ["Spiller"]
 
 log = logging.getLogger("kvfs.archive")
 
+#: a session whose watermark spill failed (not for the archive: a damaged local page) is
+#: not tried again for this long
+SPILL_RETRY_SECONDS = 300.0
+
 
 async def _thread(fn, *args):  # type: ignore[no-untyped-def]
     return await trio.to_thread.run_sync(lambda: fn(*args))
@@ -62,6 +66,8 @@ class Spiller:
         self._manifest_locks: dict[str, threading.Lock] = {}
         #: manifest key -> (its version tag, the contents it names), for collections
         self._named_cache: dict[str, tuple[str, frozenset[bytes]]] = {}
+        #: session -> time.monotonic() before which a watermark pass does not try it again
+        self._spill_failed: dict[str, float] = {}
         #: time.monotonic() before which the next retention pass does not run
         self._next_expiry = 0.0
         #: sessions whose manifest in the single-manifest layout was looked for
@@ -75,6 +81,7 @@ class Spiller:
             policy.cfg.retention,
             policy.count,
             self.heartbeat_missing,
+            self._forget_retired,
         )
 
     def queue_length(self) -> int:
@@ -82,11 +89,21 @@ class Spiller:
 
     # -- spill ----------------------------------------------------------------------------
     async def spill_session(
-        self, d: str, drop: bool = True, progress: Callable[[int, int], None] | None = None
+        self,
+        d: str,
+        drop: bool = True,
+        progress: Callable[[int, int], None] | None = None,
+        keep_pinned: bool = False,
     ) -> int:
         """Upload the session's pages that the archive lacks, write its manifest, then (with
-        ``drop``) drop local copies no other pinned session needs; ``progress(page bytes
-        archived, page bytes to archive)`` as uploads finish. Returns bytes uploaded.
+        ``drop``) drop the local copies of its content that no other session still needs
+        here: content another session also holds stays local until that session's manifest
+        names it too (it spilled as well), so a prefix many live sessions share is not taken
+        from under them by one going cold; content a pinned page or another pinned session
+        holds stays, and with ``keep_pinned`` (a background pass, not a request) so does
+        what the session's own pinned pages hold.
+        ``progress(page bytes archived, page bytes to archive)`` as uploads finish. Returns
+        bytes uploaded.
 
         Raises SessionNotFound, ArchiveUnavailable (nothing local was dropped), CorruptPage
         (a local copy failed its checksum: that page is not archived, nothing dropped).
@@ -119,7 +136,7 @@ class Spiller:
             await self.write_manifest(d)
             await self._verify_referenced(await self.collector.settle(hashes, fresh, started))
             if drop:
-                await _thread(self._drop_all, hashes, d)
+                await _thread(self._drop_all, hashes, None if keep_pinned else d)
             self.policy.count("sessions_spilled")
             return uploaded
         finally:
@@ -166,10 +183,10 @@ class Spiller:
             for h in hashes:
                 n.start_soon(one, h)
 
-    def _drop_all(self, hashes: list[bytes], d: str) -> None:
-        """Drop the local copies the session no longer needs: one index transaction for all
-        of them (a commit per page cost 1-2 ms of fsync each), then the files, several at
-        once."""
+    def _drop_all(self, hashes: list[bytes], d: str | None) -> None:
+        """Drop the local copies the session no longer needs (pins of session ``d`` do not
+        count: it was asked for): one index transaction for all of them (a commit per page
+        cost 1-2 ms of fsync each), then the files, several at once."""
         idx, eng = self.engine.index, self.engine
         want = []
         for h in hashes:
@@ -182,7 +199,7 @@ class Spiller:
                 and self.aindex.droppable(h, d)
             ):
                 want.append(h)
-        rows = self.aindex.drop_local_many(want)
+        rows = self.aindex.drop_local_many(want, self.named)
         list(self.policy._io.map(lambda r: self.policy.forget_local(r, "spill"), rows))
 
     def _encode_local(self, h: bytes) -> bytes:
@@ -414,18 +431,26 @@ class Spiller:
         cfg = self.policy.cfg
         if cfg.interval <= 0:
             await trio.sleep_forever()
+        steps = (
+            ("archive manifests and deletes", self.flush_pending),
+            ("watermark spill pass", self.relieve_pressure),
+            ("retention pass", self.expire_sessions),
+        )
         while True:
             await trio.sleep(cfg.interval)
-            try:
-                await self.flush_pending()
-                await self.relieve_pressure()
-                await self.expire_sessions()
-            except (ArchiveUnavailable, CorruptPage) as e:
-                self._failed("background spill pass", e, "next pass")
+            # Each step on its own: manifests queued while the endpoint is down must not
+            # stop retention here, nor one session that cannot spill stop the others.
+            for what, step in steps:
+                try:
+                    await step()
+                except Exception as e:  # noqa: BLE001 - one pass lost, never the daemon
+                    self._failed(what, e, "next pass")
 
     def _failed(self, what: str, e: Exception, retry: str) -> None:
-        """A background task's failure: counted, logged as a warning, retried later."""
+        """A background task's failure: counted, logged as a warning (with the traceback
+        when it is not one of the archive's expected failures), retried later."""
         self.policy.count("errors")
+        expected = isinstance(e, (ArchiveUnavailable, CorruptPage))
         log_event(
             "error",
             level=logging.WARNING,
@@ -434,6 +459,14 @@ class Spiller:
             message=str(e),
             retry=retry,
         )
+        if not expected:
+            log.error("unexpected error in the %s", what, exc_info=e)
+
+    async def _forget_retired(self, hashes: list[bytes]) -> None:
+        """Queue what a retired host's manifest named for collection, before that manifest
+        is deleted (collected once no manifest names it; queued first, nothing is missed)."""
+        if hashes:
+            await _thread(self.aindex.enqueue, "forget", sorted({h.hex() for h in hashes}))
 
     async def heartbeat_missing(self) -> None:
         """This host's heartbeat is not in the archive. The first time (a new store, or one
@@ -459,10 +492,8 @@ class Spiller:
         host's heartbeat, and the retirement of hosts silent for good (kvfs/_hosts.py)."""
         while True:
             try:
-                retired = await self.hosts.tick()
-                if retired:  # collected by a later pass, once no manifest names them
-                    await _thread(self.aindex.enqueue, "forget", [h.hex() for h in retired])
-            except ArchiveUnavailable as e:
+                await self.hosts.tick()
+            except Exception as e:  # noqa: BLE001 - one heartbeat lost, never the daemon
                 self._failed("archive heartbeat", e, "next heartbeat")
             await trio.sleep(self.hosts.interval)
 
@@ -485,10 +516,22 @@ class Spiller:
         for s in cands:
             if eng.used <= cfg.low_watermark * eng.capacity:
                 break
+            if self._spill_failed.get(s.dir, 0.0) > time.monotonic():
+                continue  # failed a little while ago: the others first
             if (await _thread(eng.index.session_usage, s.dir))["local_bytes"] == 0:
                 continue
             t0 = time.monotonic()
-            sent = await self.spill_session(s.dir, True)
+            try:
+                sent = await self.spill_session(s.dir, True, keep_pinned=True)
+            except SessionNotFound:
+                continue  # deleted since the listing
+            except ArchiveUnavailable:
+                raise  # the next session would fail the same way
+            except Exception as e:  # noqa: BLE001 - one session (a damaged page) only
+                self._spill_failed[s.dir] = time.monotonic() + SPILL_RETRY_SECONDS
+                self._failed(f"watermark spill of {s.dir}", e, f"in {SPILL_RETRY_SECONDS:g} s")
+                continue
+            self._spill_failed.pop(s.dir, None)
             log_event(
                 "spill", target=s.dir, reason="pressure", bytes=sent, seconds=time.monotonic() - t0
             )

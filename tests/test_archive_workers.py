@@ -279,8 +279,12 @@ def test_spill_probes_only_shared_content(s3_server, proxy, make_config, process
         assert proxy.sent - before < len(page(2)) // 4  # a HEAD found it: no body sent
         assert s2.statistics().extra["archive"]["dedup_skipped"] == 2
         assert len(s3_server.keys(bucket, "blobs/")) == 2
-        for sess, i in (("u", 1), ("v", 2)):
+        assert s2.session_info("u").local_bytes == 0
+        assert s2.session_info("v").local_bytes == len(page(2))  # w, not spilled, holds it
+        s2.spill("w")
+        for sess in ("u", "v", "w"):
             assert s2.session_info(sess).local_bytes == 0
+        for sess, i in (("u", 1), ("v", 2), ("w", 2)):
             assert s2.get(PageKey.semantic(sess, "p", 0)) == page(i)
 
 

@@ -1,0 +1,261 @@
+"""The archive tier's background passes and the rules on what leaves the local tier:
+content shared with a session still in use stays local; a page only the archive holds is
+always named by its session's manifest; pins hold against the watermark pass; one session
+that cannot spill, or a session deleted under the pass, costs neither the other sessions
+nor the daemon; a restore counts as an access; retiring a host leaves nothing uncollected.
+
+Found by a review of the tier (tenth session); each test fails on the code before it."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import trio
+from _archive_dir import named, objects
+from _corrupt import flip_stored_byte
+
+import kvfs
+from kvfs import ArchiveUnavailable, PageKey
+from tests.test_archive import archived_cfg, kv_page
+
+Config = Callable[..., kvfs.StoreConfig]
+
+
+def _url(tmp_path: Path) -> str:
+    return f"file://{tmp_path / 'archive'}"
+
+
+def _pressured(make_config: Config, url: str, **archive: object) -> kvfs.StoreConfig:
+    """A 4 MiB store whose watermark pass spills any session at once."""
+    archive = {"upload_processes": 0, "idle_seconds": 0, **archive}
+    archive.setdefault("high_watermark", 0.1)
+    archive.setdefault("low_watermark", 0.05)
+    return archived_cfg(make_config, url, **archive).replace(capacity=4 << 20)
+
+
+def test_spilling_a_session_keeps_content_another_session_still_holds(
+    make_config: Config, tmp_path: Path
+) -> None:
+    """Sessions d and e hold the same content. Spilling d used to drop the shared local copy
+    while no manifest of e named it: e's page lived only in the archive, unlisted there, and
+    once d was deleted another host's collection deleted the object. Now the copy stays
+    until e's manifest names it too (e spills), and e reads it after all of that."""
+    url = _url(tmp_path)
+    same = kv_page(1)
+    kd, ke = PageKey.semantic("d", "p", 0), PageKey.semantic("e", "p", 0)
+    a_cfg = archived_cfg(make_config, url, name="a", upload_processes=0)
+    with kvfs.open_store_sync(a_cfg) as a:
+        a.put(kd, same)
+        a.put(ke, same)
+        a.put(PageKey.semantic("d", "p", 1), kv_page(2))  # d's own content goes
+        a.spill("d")
+        assert a.stat(ke).tier == "local+archive"
+        assert a.stat(PageKey.semantic("d", "p", 1)).tier == "archive"
+        a.delete_session("d")
+    with kvfs.open_store_sync(archived_cfg(make_config, url, name="b", upload_processes=0)) as b:
+        kb = PageKey.semantic("x", "p", 0)
+        b.put(kb, same)
+        b.spill("x")
+        b.delete_session("x")  # no manifest names the object now: it is collected
+    assert kvfs.checksum(same).hex() not in objects(tmp_path / "archive")
+    with kvfs.open_store_sync(a_cfg) as a:
+        assert a.get(ke) == same  # its local copy
+        a.spill("e")  # e's manifest names it: now it may go
+        assert a.stat(ke).tier == "archive"
+        assert a.get(ke) == same
+
+
+def test_content_shared_by_spilled_sessions_leaves_with_the_last(
+    make_config: Config, tmp_path: Path
+) -> None:
+    url = _url(tmp_path)
+    prompt = kv_page(3)
+    with kvfs.open_store_sync(archived_cfg(make_config, url, upload_processes=0)) as s:
+        for sess in ("a", "b", "c"):
+            s.put(PageKey.semantic(sess, "sys", 0), prompt)
+        s.spill("a")
+        s.spill("b")
+        assert s.stat(PageKey.semantic("c", "sys", 0)).tier == "local+archive"  # c uses it
+        s.spill("c")
+        assert {s.stat(PageKey.semantic(x, "sys", 0)).tier for x in "abc"} == {"archive"}
+        assert s.statistics().used_bytes == 0
+        assert kvfs.checksum(prompt).hex() in named(tmp_path / "archive")
+
+
+def test_a_drop_skips_content_a_session_without_a_naming_manifest_holds(
+    make_config: Config, tmp_path: Path
+) -> None:
+    """The check sits inside the drop's transaction: a put that shared the content into a
+    new session after the manifests were written keeps the copy local (an eviction or a
+    spill racing a put)."""
+    with kvfs.open_store_sync(archived_cfg(make_config, _url(tmp_path), upload_processes=0)) as s:
+        same = kv_page(4)
+        s.put(PageKey.semantic("a", "p", 0), same)
+        pol = s.engine.policy
+        pol.call(pol.spiller.spill_session, "sessions/a", False)  # archived and named, kept
+        h = kvfs.checksum(same)
+        s.put(PageKey.semantic("late", "p", 0), same)  # after a's manifest was written
+        both = {"sessions/a": {h}, "sessions/late": {h}}
+        assert pol.aindex.drop_local_many([h], {"sessions/a": {h}}) == []
+        assert s.engine.index.blob(h).local
+        assert [r.hash for r in pol.aindex.drop_local_many([h], both)] == [h]
+
+
+def test_the_watermark_pass_keeps_a_pinned_page_local(make_config: Config, tmp_path: Path) -> None:
+    """An unpinned cold session holding a pinned page spills, but the pinned page stays local
+    (an explicit `kvfs spill` of the session still takes it: it was asked for)."""
+    with kvfs.open_store_sync(_pressured(make_config, _url(tmp_path))) as s:
+        pinned = PageKey.semantic("s", "p", 0)
+        s.put(pinned, kv_page(0), pin=True)
+        for i in range(1, 8):
+            s.put(PageKey.semantic("s", "p", i), kv_page(i))
+        pol = s.engine.policy
+        assert pol.call(pol.spiller.relieve_pressure) == 1
+        assert s.stat(PageKey.semantic("s", "p", 1)).tier == "archive"
+        assert s.stat(pinned).tier == "local+archive"
+        s.spill("s")
+        assert s.stat(pinned).tier == "archive"
+
+
+def test_a_session_deleted_under_the_watermark_pass_costs_neither_the_pass_nor_the_store(
+    make_config: Config, tmp_path: Path
+) -> None:
+    """The pass lists cold sessions, then spills them one by one; a user's delete of one
+    in between made spill_session raise SessionNotFound out of the background task, which
+    took the whole store (the daemon) down."""
+    cfg = _pressured(make_config, _url(tmp_path), interval=0.05)
+
+    async def main() -> None:
+        async with kvfs.open_store(cfg) as s:
+            eng = s.engine
+            spiller = eng.policy.spiller
+            real = spiller.spill_session
+            deleted: list[str] = []
+
+            async def spill(d: str, *args: object, **kw: object) -> int:
+                if d == "sessions/s2" and not deleted:  # the delete lands in the window
+                    await trio.to_thread.run_sync(eng.delete_session, "s2")
+                    deleted.append(d)
+                return await real(d, *args, **kw)  # type: ignore[arg-type]
+
+            spiller.spill_session = spill  # type: ignore[method-assign]
+            for n, sess in enumerate(("s1", "s2", "s3")):
+                for i in range(8):
+                    await s.put(PageKey.semantic(sess, "p", i), kv_page(100 * n + i))
+            with trio.fail_after(30):
+                while not deleted or eng.index.session_usage("sessions/s3")["local_bytes"]:
+                    await trio.sleep(0.05)
+            assert await s.get(PageKey.semantic("s3", "p", 0)) == kv_page(200)  # still up
+
+    trio.run(main)
+
+
+def test_a_session_that_cannot_spill_holds_up_neither_the_others_nor_retention(
+    make_config: Config, tmp_path: Path
+) -> None:
+    """A cold session with a damaged local page failed every pass first: no other session
+    spilled, and the retention step after it in the same pass never ran."""
+    # 8 pages of 48 KiB are under the high watermark, 16 above it
+    cfg = _pressured(make_config, _url(tmp_path), interval=0.05, high_watermark=0.15)
+
+    async def main() -> None:
+        async with kvfs.open_store(cfg) as s:
+            eng = s.engine
+            for n, sess in enumerate(("bad", "good")):
+                for i in range(8):
+                    await s.put(PageKey.semantic(sess, "p", i), kv_page(100 * n + i))
+                if sess == "bad":  # damaged before the pressure begins
+                    flip_stored_byte(await s.stat(PageKey.semantic("bad", "p", 3)), 100)
+            with trio.fail_after(30):  # "good" spills although "bad" fails first every pass
+                while (await s.statistics()).extra["archive"]["sessions_spilled"] == 0:
+                    await trio.sleep(0.05)
+            assert eng.index.session_usage("sessions/good")["local_bytes"] == 0
+            assert eng.index.session_usage("sessions/bad")["local_bytes"] > 0
+            assert (await s.statistics()).extra["archive"]["errors"] >= 1
+
+    trio.run(main)
+
+    # retention runs although the pass before it fails every time
+    cfg = _pressured(
+        make_config, _url(tmp_path), name="r", interval=0.05, high_watermark=0.15, retention=1
+    )
+
+    async def expiring() -> None:
+        async with kvfs.open_store(cfg) as s:
+            eng = s.engine
+            for i in range(16):
+                await s.put(PageKey.semantic("bad", "p", i), kv_page(300 + i))
+                if i == 3:
+                    flip_stored_byte(await s.stat(PageKey.semantic("bad", "p", 3)), 100)
+            await s.put(PageKey.semantic("old", "p", 0), kv_page(400))
+            with trio.fail_after(30):
+                while any(x.session == "old" for x in eng.sessions()):
+                    await trio.sleep(0.05)
+
+    trio.run(expiring)
+
+
+def test_a_restored_session_is_not_expired_by_the_next_retention_pass(
+    make_config: Config, tmp_path: Path
+) -> None:
+    """Host B restores a session host A spilled longer ago than B's retention. The restore
+    kept A's last access, so B's next retention pass deleted the session it had just been
+    asked for, and B's manifest, superseding A's, hid it from every host."""
+    url = _url(tmp_path)
+    data = kv_page(5)
+    with kvfs.open_store_sync(archived_cfg(make_config, url, name="a", upload_processes=0)) as a:
+        a.put(PageKey.semantic("agent", "p", 0), data)
+        a.spill("agent")
+    time.sleep(2.5)
+    b_cfg = archived_cfg(make_config, url, name="b", upload_processes=0, retention=2)
+    with kvfs.open_store_sync(b_cfg) as b:
+        assert b.restore("agent") == len(data)
+        assert time.time() - b.session_info("agent").atime < 2
+        pol = b.engine.policy
+        assert pol.call(pol.spiller.expire_sessions) == 0
+        assert [x.session for x in b.sessions()] == ["agent"]
+        assert [x["session"] for x in b.archived_sessions()] == ["agent"]
+
+
+def test_an_archive_failure_while_retiring_a_host_leaves_nothing_uncollected(
+    make_config: Config, tmp_path: Path
+) -> None:
+    """The objects a retired host's manifests named were queued for collection only after
+    all of them were deleted: a failure between two deletes left objects no manifest names
+    and no queue holds, in the bucket for good. Each is now queued before its manifest goes."""
+    arch = tmp_path / "archive"
+    url = _url(tmp_path)
+    h_cfg = archived_cfg(make_config, url, name="h", upload_processes=0, retention=1)
+    with kvfs.open_store_sync(h_cfg) as h:
+        for n, sess in enumerate(("s1", "s2")):
+            h.put(PageKey.semantic(sess, "p", 0), kv_page(10 + n))
+            h.spill(sess)
+        pol = h.engine.policy
+        pol.call(pol.spiller.hosts.tick)  # its heartbeat
+        hid = h.engine.store_id
+    os.utime(arch / "hosts" / hid, (1, 1))  # silent for decades
+    r_cfg = archived_cfg(make_config, url, name="r", upload_processes=0, retention=1)
+    with kvfs.open_store_sync(r_cfg) as r:
+        pol = r.engine.policy
+        store = pol.store
+        real = store.delete
+        deletes = [0]
+
+        async def flaky(key: str) -> None:
+            if key.startswith("manifests/"):
+                deletes[0] += 1
+                if deletes[0] == 2:
+                    raise ArchiveUnavailable(f"delete {key}: endpoint down (injected)")
+            await real(key)
+
+        store.delete = flaky  # type: ignore[method-assign]
+        with pytest.raises(ArchiveUnavailable, match="injected"):
+            pol.call(pol.spiller.hosts.tick)
+        store.delete = real  # type: ignore[method-assign]
+        pol.call(pol.spiller.hosts.tick)  # retires the rest
+        pol.call(pol.spiller.flush_pending)  # r's collection
+        assert not named(arch) and not objects(arch)
