@@ -41,7 +41,7 @@ from ._errors import ArchiveUnavailable, CapacityExceeded, CorruptPage, KvfsErro
 from ._events import log_event
 from ._index import BlobRow, PageRow
 from ._local import fsync_dir
-from ._manifest import MANIFESTS, ArchiveIndex, blob_key, session_of_manifest_key
+from ._manifest import ArchiveIndex, blob_key
 from ._policy import TieringPolicy
 from ._spill import Spiller
 from ._uploader import (
@@ -65,6 +65,9 @@ if TYPE_CHECKING:
 __all__ = ["ArchiveConfig", "ArchivingPolicy"]
 
 T = TypeVar("T")
+
+#: archived blobs looked for in an archive configured in place of the recorded one
+IDENTITY_SAMPLE = 8
 #: ``progress(done, total)`` for a long operation, in bytes
 Progress = Callable[[int, int], None]
 log = logging.getLogger("kvfs.archive")
@@ -237,23 +240,31 @@ class ArchivingPolicy(TieringPolicy):
         archive-only page would be unreadable in another one, and an eviction would drop the
         last local copy of a page it only believes archived. So a store whose index has
         archived anything opens only with the archive it recorded, or with one that holds
-        its sessions (a copy, moved there). Raises ArchiveUnavailable."""
+        its objects (a copy, moved there): a few of them are looked for. (Holding sessions
+        of the same names says nothing: engines name their directories alike on every
+        host.) Raises ArchiveUnavailable."""
         idx = self.engine.index
         ident = archive_identity(self.url)
         recorded = idx.get_meta("archive")
         if recorded == ident:
             return
         if recorded is not None and idx.has_archived():
-            ours = {x.dir for x in idx.sessions()}
-            keys = trio.run(self.store.list_all, MANIFESTS)
-            if not any(session_of_manifest_key(k) in ours for k in keys):
+            sample = idx.archived_sample(IDENTITY_SAMPLE)
+
+            async def holds_one() -> bool:
+                for h in sample:
+                    if await self.store.exists(blob_key(h)):
+                        return True
+                return False
+
+            if not trio.run(holds_one):
                 raise ArchiveUnavailable(
                     f"this store's archived pages are in {recorded}, but the archive configured "
-                    f"is {self.url}, which holds none of its sessions: configure {recorded} "
-                    "again, or copy its objects to the new location first (kvfs then accepts "
-                    "it)"
+                    f"is {self.url}, which holds none of the {len(sample)} of its objects "
+                    f"looked for: configure {recorded} again, or copy its objects to the new "
+                    "location first (kvfs then accepts it)"
                 )
-            log.warning("archive moved: %s -> %s (it holds this store's sessions)", recorded, ident)
+            log.warning("archive moved: %s -> %s (it holds this store's objects)", recorded, ident)
         idx.set_meta("archive", ident)
 
     # -- bridging sync callers to the async object store ----------------------------------

@@ -432,6 +432,15 @@ class Index:
         """Whether any blob is marked as held by the archive."""
         return bool(self._q("SELECT 1 FROM blobs WHERE archived=1 LIMIT 1"))
 
+    def archived_sample(self, n: int) -> list[bytes]:
+        """Up to ``n`` blobs marked as held by the archive, the most recently created first."""
+        return [
+            r[0]
+            for r in self._q(
+                "SELECT hash FROM blobs WHERE archived=1 ORDER BY created DESC LIMIT ?", (n,)
+            )
+        ]
+
     def counts(self) -> dict[str, int]:
         with self.snapshot() as db:
             pages, logical = db.execute(

@@ -692,6 +692,13 @@ def test_an_archive_that_is_not_this_stores_is_refused(make_config, tmp_path: Pa
         s.spill("a")
     with pytest.raises(kvfs.ArchiveUnavailable, match="archived pages are in file://.*ar1"):
         kvfs.open_store_sync(archived_cfg(make_config, other)).__enter__()
+    # another store's archive holding a session of the same name (engines name their
+    # directories alike on every host) is not a copy of this one's
+    with kvfs.open_store_sync(archived_cfg(make_config, other, name="elsewhere")) as e:
+        fill(e, "a", 2, seed=9)
+        e.spill("a")
+    with pytest.raises(kvfs.ArchiveUnavailable, match="holds none of the 2 of its objects"):
+        kvfs.open_store_sync(archived_cfg(make_config, other)).__enter__()
     shutil.copytree(tmp_path / "ar1", tmp_path / "ar2", dirs_exist_ok=True)
     with kvfs.open_store_sync(archived_cfg(make_config, other)) as s:
         assert all(s.get(k) == v for k, v in data.items())  # from the copy
