@@ -330,9 +330,10 @@ class Engine:
                 if self.used + self.reserved + n <= self.capacity:
                     self.reserved += n
                     return
-                if n > self.capacity:
+                if own + n > self.capacity:
+                    # (a streaming writer past the whole cap: evicting would buy nothing)
                     raise CapacityExceeded(
-                        f"a page of {n} bytes on disk is larger than the "
+                        f"a page of {own + n} bytes on disk is larger than the "
                         f"capacity cap of {self.capacity} bytes"
                     )
             with self._evict_lock:

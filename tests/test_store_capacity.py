@@ -196,3 +196,21 @@ def test_put_waits_for_writes_in_flight_instead_of_failing(
         st = store.statistics()
         assert st.used_bytes <= cfg.capacity and st.reserved_bytes == 0
         assert st.evictions.get("capacity") == 1
+
+
+def test_a_streaming_write_growing_past_the_cap_says_so(
+    make_config: Callable[..., kvfs.StoreConfig],
+) -> None:
+    """A file written in pieces (`dd` onto the mount) that grows past the whole capacity can
+    never fit: it is told so at once (it was told "nothing left that may be evicted" after
+    one more eviction attempt), and gives its room back."""
+    cfg = make_config(ndev=1, stripe_unit=64 * KiB, capacity=1 * MiB)
+    with kvfs.open_store_sync(cfg) as store:
+        store.put("cache/p0", os.urandom(100 * KiB))
+        w = store.begin_write("engine/huge.bin")
+        with pytest.raises(kvfs.CapacityExceeded, match="larger than the capacity cap"):
+            for off in range(0, 2 * MiB, 128 * KiB):
+                w.write(off, bytes(128 * KiB))
+        w.abort()
+        st = store.statistics()
+        assert st.reserved_bytes == 0 and st.used_bytes <= cfg.capacity
