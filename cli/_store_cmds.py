@@ -148,9 +148,11 @@ def _resolve(store: Any, target: str) -> tuple[str, str]:
     except (kvfs.PageNotFound, kvfs.InvalidKey):
         pass
     try:
-        return "session", store.session_info(target).session
+        d = store.session_info(target).dir
     except (kvfs.SessionNotFound, kvfs.InvalidKey):
         raise kvfs.PageNotFound(f"no page or session {target!r}") from None
+    # the directory itself: a bare name could mean sessions/<name> to the next call
+    return "session", d if "/" in d or d == "." else d + "/"
 
 
 def _emit(args: argparse.Namespace, result: Any, lines: list[str]) -> None:

@@ -99,6 +99,20 @@ def test_pin_unpin_rm(run: Run, tmp_path: Path) -> None:
     assert rc == 3 and "no page or session 'nothing'" in err
 
 
+def test_a_directory_and_a_session_of_the_same_name_stay_apart(run: Run, tmp_path: Path) -> None:
+    """`kvfs pin bar/` resolved the directory bar's session, then pinned it by its bare
+    name, which means sessions/bar when that exists."""
+    d = data(tmp_path)
+    (tmp_path / "f").write_bytes(b"z" * 100)
+    run("put", "f", "sessions/bar/p/layer-000", *d)
+    run("put", "f", "bar/engine-file", *d)
+    assert run("pin", "bar/", *d)[0] == 0
+    pinned = {s["dir"]: s["pinned"] for s in json.loads(run("ls", "--json", *d)[1])}
+    assert pinned == {"bar": True, "sessions/bar": False}
+    assert run("rm", "bar/", *d)[0] == 0
+    assert [s["dir"] for s in json.loads(run("ls", "--json", *d)[1])] == ["sessions/bar"]
+
+
 def test_evict_refuses_the_only_copy_without_force(run: Run, tmp_path: Path) -> None:
     d = one_page(run, tmp_path, os.urandom(8192))
     rc, _, err = run("evict", "a", *d)
