@@ -119,6 +119,10 @@ class KvfsOperations(FileOps, pyfuse3.Operations):
         self.nursery: trio.Nursery | None = None
 
     # -- names ------------------------------------------------------------------------
+    def _writing_under(self, path: str) -> bool:
+        """A file is being written somewhere below directory ``path``."""
+        return any(p.startswith(path + "/") for p in self.pending)
+
     async def _resolve(self, parent: Node, name: str) -> Node:
         """The node ``name`` in ``parent`` means now. Raises FUSEError(ENOENT)."""
         path = child_path(parent.path, name)
@@ -137,9 +141,7 @@ class KvfsOperations(FileOps, pyfuse3.Operations):
         row = self.engine.index.page(path)
         if row is not None:
             return self.table.bind(path, Kind.PAGE, row)
-        if any(p.startswith(path + "/") for p in self.pending) or dir_exists(
-            self.engine, self.dirs, path
-        ):
+        if self._writing_under(path) or dir_exists(self.engine, self.dirs, path):
             return self.table.bind(path, Kind.DIR)
         raise fuse_error(errno.ENOENT)
 
@@ -152,13 +154,13 @@ class KvfsOperations(FileOps, pyfuse3.Operations):
             node = parent
         elif name == b"..":
             node = self.table.bind(parent.path.rpartition("/")[0], Kind.DIR)
+        elif len(name) > MAX_NAME_BYTES:
+            raise fuse_error(errno.ENAMETOOLONG)
         else:
             try:
                 node = await self._resolve(parent, name.decode("utf-8"))
             except UnicodeDecodeError:
                 raise fuse_error(errno.ENOENT) from None  # no page can have this name
-            if len(name) > MAX_NAME_BYTES:
-                raise fuse_error(errno.ENAMETOOLONG)
         attrs = await self._entry(node)
         node.nlookup += 1
         return attrs
@@ -212,9 +214,12 @@ class KvfsOperations(FileOps, pyfuse3.Operations):
                 if row is not None and row.hash == node.page.hash:
                     node.page = row
         elif node.kind is Kind.DIR:
-            if node.path in ("", SESSIONS_DIR) and (fields.update_uid or fields.update_gid):
-                raise fuse_error(errno.EPERM)
             a = self._attrs(node)
+            if node.path in ("", SESSIONS_DIR) and (
+                (fields.update_uid and attr.st_uid != a.st_uid)
+                or (fields.update_gid and attr.st_gid != a.st_gid)
+            ):
+                raise fuse_error(errno.EPERM)  # (to the owner it has: a no-op, as tar -x does)
             drow = DirRow(
                 node.path,
                 attr.st_mode if fields.update_mode else a.st_mode,
@@ -295,7 +300,7 @@ class KvfsOperations(FileOps, pyfuse3.Operations):
         if node is not None and node.kind is not Kind.DIR:
             raise fuse_error(errno.ENOTDIR)
         ls = await self._thread(list_dir, self.engine, self.dirs, path)
-        if ls.dirs or ls.pages or any(p.startswith(path + "/") for p in self.pending):
+        if ls.dirs or ls.pages or self._writing_under(path):
             raise fuse_error(errno.ENOTEMPTY)
         if node is None and not await self._thread(dir_exists, self.engine, self.dirs, path):
             raise fuse_error(errno.ENOENT)
@@ -306,7 +311,8 @@ class KvfsOperations(FileOps, pyfuse3.Operations):
         self.dirs.remove(path)
         if self.engine.index.session(path) is not None:
             with contextlib.suppress(KvfsError):  # gone meanwhile
-                self.engine.delete_session(path)
+                # "bar/", not "bar": a bare name means sessions/bar when that exists
+                self.engine.delete_session(path + "/")
 
     @guard
     async def unlink(self, parent_inode: int, name: bytes, ctx: Any) -> None:
@@ -358,7 +364,9 @@ class KvfsOperations(FileOps, pyfuse3.Operations):
             raise fuse_error(errno.EISDIR)
         elif node.kind is Kind.PENDING:
             validate_page(dst)
-            h = next(x for x in self.handles.values() if x.node is node and x.writable)
+            h = next((x for x in self.handles.values() if x.node is node and x.writable), None)
+            if h is None:  # its writer closed it this instant: being committed
+                raise fuse_error(errno.EBUSY)
             await self._finish(h, dst)
         else:
             validate_page(dst)
@@ -374,11 +382,11 @@ class KvfsOperations(FileOps, pyfuse3.Operations):
     async def _rename_dir(self, src: str, dst: str, target: Node | None) -> None:
         validate_dir(dst)
         ls = await self._thread(list_dir, self.engine, self.dirs, src)
-        if ls.dirs or ls.pages or ls.meta:
+        if ls.dirs or ls.pages or ls.meta or self._writing_under(src):
             raise fuse_error(errno.EXDEV)  # not atomic for a tree of pages: mv copies instead
         if target is not None:
             tl = await self._thread(list_dir, self.engine, self.dirs, dst)
-            if tl.dirs or tl.pages:
+            if tl.dirs or tl.pages or self._writing_under(dst):
                 raise fuse_error(errno.ENOTEMPTY)
         row = self.dirs.get(src)
         await self._thread(self.dirs.remove, src)
@@ -442,11 +450,13 @@ class KvfsOperations(FileOps, pyfuse3.Operations):
 
     @guard
     async def setxattr(self, inode: int, name: bytes, value: bytes, ctx: Any) -> None:
-        raise fuse_error(errno.EPERM if name.startswith(b"user.kvfs.") else errno.ENOTSUP)
+        # ENOTSUP, also for the read-only user.kvfs.* ones: the errno cp -a, mv and rsync -X
+        # skip quietly (with EPERM, mv within the mount printed an error per attribute)
+        raise fuse_error(errno.ENOTSUP)
 
     @guard
     async def removexattr(self, inode: int, name: bytes, ctx: Any) -> None:
-        raise fuse_error(errno.EPERM if name.startswith(b"user.kvfs.") else errno.ENOTSUP)
+        raise fuse_error(errno.ENOTSUP)
 
     # -- shutdown ---------------------------------------------------------------------
     async def aclose(self) -> None:

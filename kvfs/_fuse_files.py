@@ -160,7 +160,13 @@ class FileOps:
         # the thread hop cost more than the lookup (scripts/mount_metadata_latency.py: an
         # open + close 0.30-0.31 -> 0.18-0.26 ms on the dev VM). Data I/O stays in threads.
         held = lease.__enter__()
-        direct = self.direct_io or node.uncached
+        # While a writer's next version of the page is in this inode's page cache, uncommitted,
+        # readers go past the cache; once it is committed (or dropped) the next open drops
+        # the cache, which may hold its bytes.
+        direct = self.direct_io or node.uncached or node.rewriting > 0
+        keep = not direct and not node.stale_cache
+        if not direct:
+            node.stale_cache = False
         if held[1].hash != node.page.hash or node.uncached:
             # The name was replaced after the kernel looked it up (an open racing a rename):
             # this inode's page cache may hold the old bytes, so it must never serve the new
@@ -188,7 +194,7 @@ class FileOps:
                 self.read_ahead_budget,
             )
         fh = self._fh(h)
-        return pyfuse3.FileInfo(fh=fh, direct_io=direct, keep_cache=not direct)
+        return pyfuse3.FileInfo(fh=fh, direct_io=direct, keep_cache=keep and not direct)
 
     @guard
     async def read(self, fh: int, off: int, size: int) -> Any:
@@ -213,9 +219,12 @@ class FileOps:
             # This handle's own flush committed the page and its writer goes on writing.
             if self.table.by_path.get(node.path) != node.ino:
                 return len(buf)  # unlinked or replaced since: bytes no name will ever show
-            if h.again is None:
-                h.again = await self._thread(self._next_version, node)
-            return await self._thread(h.again.writer.write, off, buf)
+            async with h.again_lock:
+                if h.again is None:
+                    h.again = await self._thread(self._next_version, node)
+                    node.rewriting += 1
+                    node.stale_cache = True
+                return await self._thread(h.again.writer.write, off, buf)
         if not h.writable or h.committed or node.pending is None:
             raise fuse_error(errno.EPERM if node.kind is Kind.PAGE else errno.EBADF)
         h.wrote = True
@@ -251,8 +260,14 @@ class FileOps:
 
     async def _commit_again(self, h: Handle) -> None:
         """Commit a handle's next version of its page over the current one."""
-        again, h.again = h.again, None
-        assert again is not None
+        async with h.again_lock:
+            again, h.again = h.again, None
+            if again is None:
+                return  # committed by another flush meanwhile
+            h.node.rewriting -= 1
+            await self._commit_version(h, again)
+
+    async def _commit_version(self, h: Handle, again: Pending) -> None:
         node = h.node
         if self.table.by_path.get(node.path) != node.ino:  # unlinked or replaced meanwhile:
             await self._thread(again.writer.abort)  # its bytes have no name to go to

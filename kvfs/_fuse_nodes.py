@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pyfuse3
+import trio
 
 from ._engine import PageWriter
 from ._fuse_ns import ATTR_GID, ATTR_MTIME, ATTR_UID, DirRow, page_mode
@@ -66,6 +67,12 @@ class Node:
     #: the name's content changed under this inode (a replace raced an open, see
     #: ``open``): the kernel may cache the old bytes for it, so opens go past the cache
     uncached: bool = False
+    #: handles writing a next version of this committed page (see ``Handle.again``): the
+    #: writes land in this inode's page cache before they are committed, so opens go past it
+    rewriting: int = 0
+    #: this inode's page cache may hold bytes its page does not (a next version was written
+    #: through it): the next open drops it (no keep_cache)
+    stale_cache: bool = False
 
 
 @dataclass(eq=False)
@@ -86,6 +93,9 @@ class Handle:
     #: writes after this handle's page was committed (a dup'd fd closed first): the next
     #: version of the page, committed over it by the next flush or the release
     again: Pending | None = None
+    #: held while ``again`` is made, written or committed: the kernel sends a mapping's
+    #: writeback as several WRITEs at once, and each would otherwise make its own version
+    again_lock: trio.Lock = field(default_factory=trio.Lock)
     #: a directory handle's listing: (path, kind, page row)
     entries: list[tuple[str, Kind, PageRow | None]] = field(default_factory=list)
 

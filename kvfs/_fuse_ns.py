@@ -88,7 +88,10 @@ class DirTable:
     mirrored in memory. Thread-safe. A crash loses nothing committed; the table holds no data."""
 
     def __init__(self, path: Path) -> None:
+        #: guards the in-memory rows, which the FUSE loop reads: never held across a commit
         self._lock = threading.Lock()
+        #: serialises the commits (each an fsync), in threads
+        self._write = threading.Lock()
         self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute(
@@ -113,24 +116,28 @@ class DirTable:
         pre = path + "/" if path else ""
         with self._lock:
             return [
-                p[len(pre) :] for p in self._rows if p.startswith(pre) and "/" not in p[len(pre) :]
+                p[len(pre) :]
+                for p in self._rows
+                if p != path and p.startswith(pre) and "/" not in p[len(pre) :]
             ]
 
     def put(self, row: DirRow) -> None:
-        with self._lock:
+        with self._write:
             self._db.execute(
                 "INSERT OR REPLACE INTO dirs VALUES (?,?,?,?,?)",
                 (row.path, row.mode, row.uid, row.gid, row.mtime_ns),
             )
-            self._rows[row.path] = row
+            with self._lock:
+                self._rows[row.path] = row
 
     def remove(self, path: str) -> None:
-        with self._lock:
+        with self._write:
             self._db.execute("DELETE FROM dirs WHERE path=?", (path,))
-            self._rows.pop(path, None)
+            with self._lock:
+                self._rows.pop(path, None)
 
     def close(self) -> None:
-        with self._lock:
+        with self._write, self._lock:
             self._db.close()
 
 
