@@ -280,7 +280,19 @@ class Spiller:
     async def flush_pending(self) -> None:
         """Rewrite queued manifests, then delete queued blob objects that no manifest in the
         archive references (manifests first: no manifest ever names a deleted object)."""
-        for d in await _thread(self.aindex.pending, "manifest"):
+        pending = await _thread(self.aindex.pending, "manifest")
+        if len(pending) > 1:
+            # Manifests that will name content they do not name yet go first (a rename's
+            # destination before its source): a failure between the two writes leaves a
+            # page named twice for a while, never by no manifest at all.
+            idx = self.engine.index
+
+            def gains(d: str) -> bool:
+                return not {p.hash for p, _ in idx.archived_pages(d)} <= self.named.get(d, set())
+
+            first = await trio.to_thread.run_sync(lambda: {d for d in pending if gains(d)})
+            pending.sort(key=lambda d: d not in first)
+        for d in pending:
             await self.write_manifest(d)
             log_event("spill", target=d, reason="pending-manifest")
         forget = await _thread(self.aindex.pending, "forget", self.policy.cfg.gc_grace)

@@ -259,3 +259,37 @@ def test_an_archive_failure_while_retiring_a_host_leaves_nothing_uncollected(
         pol.call(pol.spiller.hosts.tick)  # retires the rest
         pol.call(pol.spiller.flush_pending)  # r's collection
         assert not named(arch) and not objects(arch)
+
+
+def test_a_renamed_archive_only_page_is_always_named_by_some_manifest(
+    make_config: Config, tmp_path: Path
+) -> None:
+    """A rename queues the manifests of both sessions. The source's was written first: when
+    the destination's write then failed, the page was named by no manifest until the retry
+    (and another host deleting the same content could collect its object). Now the
+    manifests that gain content go first."""
+    arch = tmp_path / "archive"
+    with kvfs.open_store_sync(archived_cfg(make_config, _url(tmp_path), upload_processes=0)) as s:
+        page = kv_page(20)
+        s.put(PageKey.semantic("a", "p", 0), page)
+        s.spill("a")
+        s.put(PageKey.semantic("b", "p", 0), kv_page(21))
+        s.spill("b")
+        pol = s.engine.policy
+        store = pol.store
+        real = store.put
+
+        async def down_for_b(key: str, data: bytes, **kw: object) -> bool:
+            if "sessions%2Fb@" in key:
+                raise ArchiveUnavailable(f"put {key}: endpoint down (injected)")
+            return await real(key, data, **kw)  # type: ignore[arg-type]
+
+        store.put = down_for_b  # type: ignore[method-assign]
+        s.rename(PageKey.semantic("a", "p", 0), PageKey.semantic("b", "p", 1))
+        with pytest.raises(ArchiveUnavailable, match="injected"):
+            pol.call(pol.spiller.flush_pending)
+        assert kvfs.checksum(page).hex() in named(arch)  # a's manifest still names it
+        store.put = real  # type: ignore[method-assign]
+        pol.call(pol.spiller.flush_pending)
+        assert kvfs.checksum(page).hex() in named(arch)
+        assert s.get(PageKey.semantic("b", "p", 1)) == page
