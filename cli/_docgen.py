@@ -25,7 +25,8 @@ EXIT_MEANING = {
     "not_found": "no such page, session, store or file",
     "no_space": "capacity exceeded",
     "corrupt": "corrupt data (checksum mismatch; fsck found problems)",
-    "locked": "the data directory is owned by another process that does not answer",
+    "locked": "the data directory is owned by another process that does not answer (with "
+    "--offline: also by the daemon serving it)",
     "no_daemon": "no daemon answers (with --daemon), or it died during the command",
     "archive": "archive unavailable or not configured",
     "refused": "refused because it would lose data (evict: use --force)",
@@ -63,7 +64,16 @@ def cli_markdown() -> str:
         "|---:|---|",
     ]
     out += [f"| {code} | {EXIT_MEANING.get(name, name)} |" for name, code in EXIT.items()]
-    out += ["| 130 | interrupted |", "", "## kvfs", "", "```", top.format_help().rstrip(), "```"]
+    out += [
+        "| 130 | interrupted |",
+        "| 141 | the reader of its output went away (`kvfs ls \\| head`); nothing is printed |",
+        "",
+        "## kvfs",
+        "",
+        "```",
+        top.format_help().rstrip(),
+        "```",
+    ]
 
     def walk(prefix: str, parser: argparse.ArgumentParser) -> None:
         for name, sub in _subparsers(parser).items():

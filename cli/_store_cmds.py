@@ -7,9 +7,11 @@ the data directory itself otherwise (:mod:`cli._target`). Every command has ``--
 from __future__ import annotations
 
 import argparse
+import contextlib
 import io
 import sys
 import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import kvfs
@@ -25,6 +27,7 @@ from ._util import (
     fmt_time,
     print_json,
     print_table,
+    seconds,
 )
 
 __all__ = ["register", "render_stats"]
@@ -64,7 +67,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--watch",
-        type=float,
+        type=seconds,
         metavar="SECONDS",
         nargs="?",
         const=2.0,
@@ -450,22 +453,41 @@ def cmd_get(args: argparse.Namespace) -> int:
 
 # -- rm / pin / unpin / evict ---------------------------------------------------------
 def _each(args: argparse.Namespace, page_op: str, session_op: str, verb: str) -> int:
-    results = []
+    results: list[dict[str, Any]] = []
+
+    def emit() -> None:
+        _emit(
+            args,
+            results,
+            [
+                f"{verb} {r['kind']} {r['target']}"
+                + (f" ({r['result']} pages)" if isinstance(r["result"], int) else "")
+                for r in results
+            ],
+        )
+
     with open_target(args) as store:
-        for t in args.targets:
-            kind, name = _resolve(store, t)
-            r = getattr(store, page_op if kind == "page" else session_op)(name)
-            results.append({"target": t, "kind": kind, "result": r})
-    _emit(
-        args,
-        results,
-        [
-            f"{verb} {r['kind']} {r['target']}"
-            + (f" ({r['result']} pages)" if isinstance(r["result"], int) else "")
-            for r in results
-        ],
-    )
+        # Every target is checked before any is acted on: a typo in the last one must not
+        # leave the others half done.
+        plan = [(t, *_resolve(store, t)) for t in args.targets]
+        with _partial(emit, results, verb):
+            for t, kind, name in plan:
+                r = getattr(store, page_op if kind == "page" else session_op)(name)
+                results.append({"target": t, "kind": kind, "result": r})
+    emit()
     return 0
+
+
+@contextlib.contextmanager
+def _partial(emit: Callable[[], None], results: list[Any], verb: str) -> Iterator[None]:
+    """When a command over several targets fails midway, say what it did before the error."""
+    try:
+        yield
+    except Exception:
+        if results:
+            emit()
+            print(f"(only the {len(results)} above {verb}; then:)", file=sys.stderr)
+        raise
 
 
 def cmd_rm(args: argparse.Namespace) -> int:
@@ -512,8 +534,28 @@ def cmd_evict(args: argparse.Namespace) -> int:
 
 # -- spill / restore / fsck -----------------------------------------------------------
 def cmd_spill_restore(args: argparse.Namespace) -> int:
-    results = []
-    with open_target(args) as store, Progress(args.op, len(args.sessions), unit=" sessions") as bar:
+    results: list[dict[str, Any]] = []
+    verb = "spilled" if args.op == "spill" else "restored"
+
+    def emit() -> None:
+        _emit(
+            args,
+            results,
+            [
+                f"{verb} {r['session']}: {fmt_bytes(r['bytes'])} in {r['seconds']:.2f}s"
+                for r in results
+            ],
+        )
+
+    with (
+        open_target(args) as store,
+        Progress(args.op, len(args.sessions), unit=" sessions") as bar,
+        _partial(emit, results, verb),
+    ):
+        if args.op == "spill" and len(args.sessions) > 1:  # (a restore may name a session
+            # only the archive knows)
+            for s in args.sessions:
+                store.session_info(s)  # raises SessionNotFound before anything is spilled
         for s in args.sessions:
             t0 = time.perf_counter()
             # and the page bytes of each session as they are archived or come back
@@ -529,12 +571,7 @@ def cmd_spill_restore(args: argparse.Namespace) -> int:
                 {"session": s, "bytes": n, "seconds": round(time.perf_counter() - t0, 3)}
             )
             bar.update()
-    verb = "spilled" if args.op == "spill" else "restored"
-    _emit(
-        args,
-        results,
-        [f"{verb} {r['session']}: {fmt_bytes(r['bytes'])} in {r['seconds']:.2f}s" for r in results],
-    )
+    emit()
     return 0
 
 

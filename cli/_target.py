@@ -55,6 +55,17 @@ def add_store_flags(p: argparse.ArgumentParser, *, json_flag: bool = True) -> No
         p.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
+def _answers(socket: Any) -> bool:
+    remote = SyncRemoteStore(socket)
+    try:
+        remote.ping()
+        return True
+    except DaemonUnavailable:
+        return False
+    finally:
+        remote.close()
+
+
 def settings_from_args(args: argparse.Namespace) -> Settings:
     """Defaults < file < environment < these flags. Raises ValueError, FileNotFoundError."""
     flags: dict[str, Any] = {
@@ -99,6 +110,10 @@ def open_target(args: argparse.Namespace, *, create: bool = False) -> Iterator[A
         try:
             store = stack.enter_context(kvfs.open_store_sync(config))
         except kvfs.StoreLocked as e:
+            if mode == "offline" and _answers(settings.socket_path()):
+                raise kvfs.StoreLocked(
+                    f"{e}; its daemon serves it on {settings.socket_path()}: drop --offline"
+                ) from None
             raise kvfs.StoreLocked(f"{e}; no daemon answers on {settings.socket_path()}") from None
         yield store
 

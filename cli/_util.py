@@ -5,6 +5,7 @@ Exit codes (documented in docs/cli.md) are decided here and only here.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import sys
@@ -48,6 +49,14 @@ class Refused(kvfs.KvfsError):
 
 class NoDaemon(kvfs.KvfsError, ConnectionError):
     """No daemon answers on the control socket."""
+
+
+def seconds(text: str) -> float:
+    """An argparse type: a positive number of seconds."""
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"a positive number of seconds is needed, not {text!r}")
+    return value
 
 
 def exit_code_for(e: BaseException) -> int:

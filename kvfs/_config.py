@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,9 +45,13 @@ def parse_size(text: str | int) -> int:
     s = text.strip().lower().replace(" ", "").replace("_", "")
     num = s.rstrip("abcdefghijklmnopqrstuvwxyz")
     unit = s[len(num) :]
-    if unit not in _UNITS or not num:
+    try:
+        value = float(num) * _UNITS[unit] if unit in _UNITS and num else math.nan
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value >= 0):
         raise ValueError(f"not a size: {text!r} (examples: 4096, 64MiB, 2GB)")
-    return int(float(num) * _UNITS[unit])
+    return int(value)
 
 
 _SECONDS = {"": 1, "s": 1, "m": 60, "min": 60, "h": 3600, "d": 86400, "w": 7 * 86400}

@@ -44,6 +44,8 @@ class Option:
     kind: str  # "str", "int", "float", "size", "duration", "bool", "paths"
     default: object
     help: str
+    #: the smallest and largest value a number may take (None: any)
+    limits: tuple[float, float] | None = None
 
     @property
     def env(self) -> str:
@@ -104,9 +106,15 @@ OPTIONS: tuple[Option, ...] = (
         "float",
         0.90,
         "fraction of the capacity above which cold unpinned sessions spill, coldest first",
+        (0, 1),
     ),
     Option(
-        "archive", "low_watermark", "float", 0.75, "fraction of the capacity they spill down to"
+        "archive",
+        "low_watermark",
+        "float",
+        0.75,
+        "fraction of the capacity they spill down to",
+        (0, 1),
     ),
     Option(
         "archive",
@@ -121,6 +129,7 @@ OPTIONS: tuple[Option, ...] = (
         "int",
         1,
         "zstd level for spilled pages (1-19; 1 compresses byte-shuffled KV about as well as 3)",
+        (1, 19),
     ),
     Option(
         "archive",
@@ -193,7 +202,12 @@ OPTIONS: tuple[Option, ...] = (
         "per-user runtime path when that is too long)",
     ),
     Option(
-        "daemon", "metrics_port", "int", 0, "serve Prometheus metrics on this TCP port (0: off)"
+        "daemon",
+        "metrics_port",
+        "int",
+        0,
+        "serve Prometheus metrics on this TCP port (0: off)",
+        (0, 65535),
     ),
     Option("daemon", "metrics_address", "str", "127.0.0.1", "address the metrics port binds"),
     Option(
@@ -286,6 +300,26 @@ def _absolute_file_url(url: str) -> str:
 
 
 def _convert(opt: Option, raw: object, where: str) -> object:
+    value = _convert_kind(opt, raw, where)
+    if opt.limits is not None and isinstance(value, (int, float)):
+        lo, hi = opt.limits
+        if not lo <= value <= hi:
+            raise ValueError(
+                f"{where}: bad value {raw!r} for {opt.key}: from {lo:g} to {hi:g} is needed"
+            )
+    if opt.name == "capacity" and 0 < value < MIN_CAPACITY:  # type: ignore[operator]
+        raise ValueError(
+            f"{where}: bad value {raw!r} for {opt.key}: 0 (what the disks hold) or at least "
+            "1MiB is needed"
+        )
+    return value
+
+
+#: the smallest capacity cap a setting may give (a smaller one holds no useful KV page)
+MIN_CAPACITY = 1 << 20
+
+
+def _convert_kind(opt: Option, raw: object, where: str) -> object:
     try:
         if opt.kind == "paths":
             if isinstance(raw, str):

@@ -94,7 +94,7 @@ def test_commands_through_the_daemon(daemon: Daemon, run: Run, tmp_path: Path) -
     daemon.expected_errors = 1
     # the data directory is the daemon's: opening it directly is refused with a clear line
     rc, _, err = run("ls", "--data", str(daemon.data), "--offline")
-    assert rc == 6 and "in use by" in err
+    assert rc == 6 and "in use by" in err and "drop --offline" in err
 
 
 def test_metrics_port_and_event_logs(tmp_path: Path, run: Run) -> None:

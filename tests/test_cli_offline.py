@@ -263,3 +263,62 @@ def test_bad_arguments_and_one_line_errors(tmp_path: Path) -> None:
         cwd=tmp_path,
     )
     assert r.returncode != 0 and "Traceback" in r.stderr
+
+
+def test_a_bad_target_among_several_changes_nothing(run: Run, tmp_path: Path) -> None:
+    """`kvfs rm a b typo` deleted a and b, then reported only the typo."""
+    d = data(tmp_path)
+    (tmp_path / "f").write_bytes(b"z" * 100)
+    for s in ("a", "b"):
+        run("put", "f", f"sessions/{s}/p/layer-000", *d)
+    for cmd in ("rm", "pin", "evict"):
+        rc, _, err = run(cmd, "a", "b", "typo", "--force", *d) if cmd == "evict" else run(
+            cmd, "a", "b", "typo", *d
+        )
+        assert rc == 3 and "typo" in err
+    sessions = json.loads(run("ls", "--json", *d)[1])
+    assert [(s["session"], s["pinned"], s["local_bytes"]) for s in sessions] == [
+        ("a", False, 100),
+        ("b", False, 100),
+    ]
+    d = data(tmp_path, archive=True)
+    rc, _, err = run("spill", "a", "typo", *d)
+    assert rc == 3 and "typo" in err
+    assert json.loads(run("ls", "--json", *d)[1])[0]["archived_bytes"] == 0
+
+
+@pytest.mark.parametrize(
+    ("var", "value", "says"),
+    [
+        ("KVFS_METRICS_PORT", "99999", "from 0 to 65535"),
+        ("KVFS_CAPACITY", "1e400", "not a size"),
+        ("KVFS_CAPACITY", "-5MiB", "not a size"),
+        ("KVFS_CAPACITY", "1.5", "at least 1MiB"),
+        ("KVFS_ZSTD_LEVEL", "99", "from 1 to 19"),
+        ("KVFS_HIGH_WATERMARK", "1.5", "from 0 to 1"),
+    ],
+)
+def test_out_of_range_settings_are_refused_by_name(
+    run: Run, monkeypatch: pytest.MonkeyPatch, var: str, value: str, says: str
+) -> None:
+    """They were accepted (a port wrapped around to another, a 1-byte cap) or failed later
+    with a message that did not name the setting."""
+    monkeypatch.setenv(var, value)
+    rc, _, err = run("config")
+    assert rc == 2 and f"${var}" in err and says in err, err
+
+
+def test_a_reader_that_goes_away_is_no_error(tmp_path: Path) -> None:
+    """`kvfs config --json | head -1` printed "[Errno 32] Broken pipe" and exited 1."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVFS_")}
+    with subprocess.Popen(
+        [sys.executable, "-m", "cli", "config", "--json"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+        cwd=tmp_path,
+    ) as p:
+        assert p.stdout is not None and p.stderr is not None
+        p.stdout.close()  # before it writes
+        err = p.stderr.read()
+        assert p.wait() == 141 and err == b""
