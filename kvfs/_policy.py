@@ -14,6 +14,7 @@ from ._index import BlobRow, PageRow
 
 if TYPE_CHECKING:
     from ._engine import Engine
+    from ._manifest import ArchiveIndex
 
 __all__ = ["TieringPolicy"]
 
@@ -25,6 +26,7 @@ class TieringPolicy:
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
+        self._pending: ArchiveIndex | None = None
 
     def make_room(self, need: int, reason: str = "capacity") -> int:
         """Evict until ``need`` bytes are freed or nothing evictable is left. Returns bytes freed.
@@ -70,10 +72,29 @@ class TieringPolicy:
         return self.engine.delete_blob_pages(blob, reason)
 
     def forget_blob(self, blob: BlobRow) -> None:
-        """The last page referencing ``blob`` is gone (the archive tier deletes its copy)."""
+        """The last page referencing ``blob`` is gone (the archive tier deletes its copy).
+
+        Opened without the archive its index records (``kvfs rm --data DIR`` offline with no
+        archive URL), the deletion is queued in the index for the next open with it:
+        otherwise the session's manifest would bring the deleted pages back."""
+        if blob.archived and self._archived_before():
+            self._queue().enqueue("forget", [blob.hash.hex()])
 
     def pages_removed(self, pages: list[PageRow]) -> None:
-        """Pages were deleted (the archive tier rewrites the manifests that listed them)."""
+        """Pages were deleted (the archive tier rewrites the manifests that listed them;
+        without it, queued as for :meth:`forget_blob`)."""
+        if pages and self._archived_before():
+            self._queue().enqueue("manifest", sorted({p.session for p in pages}))
+
+    def _archived_before(self) -> bool:
+        return self.engine.index.get_meta("archive") is not None
+
+    def _queue(self) -> ArchiveIndex:
+        if self._pending is None:
+            from ._manifest import ArchiveIndex
+
+            self._pending = ArchiveIndex(self.engine.index)
+        return self._pending
 
     def statistics(self) -> dict[str, object]:
         """Policy figures merged into ``StoreStatistics.extra``."""

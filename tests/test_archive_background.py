@@ -293,3 +293,26 @@ def test_a_renamed_archive_only_page_is_always_named_by_some_manifest(
         pol.call(pol.spiller.flush_pending)
         assert kvfs.checksum(page).hex() in named(arch)
         assert s.get(PageKey.semantic("b", "p", 1)) == page
+
+
+def test_a_delete_made_without_the_archive_configured_reaches_it_later(
+    make_config: Config, tmp_path: Path
+) -> None:
+    """`kvfs rm --data DIR` offline opens the store with no archive; the deleted session's
+    manifest stayed in the archive, which listed and restored it again. The deletion is now
+    queued in the index and done at the next open with the archive."""
+    url = _url(tmp_path)
+    with kvfs.open_store_sync(archived_cfg(make_config, url, upload_processes=0)) as s:
+        for sess in ("gone", "kept"):
+            s.put(PageKey.semantic(sess, "p", 0), kv_page(30 if sess == "gone" else 31))
+            s.spill(sess)
+    with kvfs.open_store_sync(make_config(ndev=2)) as s:  # the same data, no archive
+        assert s.delete_session("gone") == 1
+    with kvfs.open_store_sync(archived_cfg(make_config, url, upload_processes=0)) as s:
+        pol = s.engine.policy
+        pol.call(pol.spiller.flush_pending)  # (a daemon's first background pass)
+        assert [x["session"] for x in s.archived_sessions()] == ["kept"]
+        with pytest.raises(kvfs.SessionNotFound):
+            s.restore("gone")
+        assert kvfs.checksum(kv_page(30)).hex() not in objects(tmp_path / "archive")
+        assert s.get(PageKey.semantic("kept", "p", 0)) == kv_page(31)
