@@ -272,8 +272,10 @@ def test_a_bad_target_among_several_changes_nothing(run: Run, tmp_path: Path) ->
     for s in ("a", "b"):
         run("put", "f", f"sessions/{s}/p/layer-000", *d)
     for cmd in ("rm", "pin", "evict"):
-        rc, _, err = run(cmd, "a", "b", "typo", "--force", *d) if cmd == "evict" else run(
-            cmd, "a", "b", "typo", *d
+        rc, _, err = (
+            run(cmd, "a", "b", "typo", "--force", *d)
+            if cmd == "evict"
+            else run(cmd, "a", "b", "typo", *d)
         )
         assert rc == 3 and "typo" in err
     sessions = json.loads(run("ls", "--json", *d)[1])
