@@ -77,8 +77,9 @@ class StoreConfig:
     #: One root directory per NVMe device; pages are striped across them.
     data_dirs: tuple[Path, ...] = (Path("kvfs-data"),)
     #: Hard cap on bytes the local tier holds on disk (headers and 4 KiB padding included).
-    #: 0 means "what the disks hold": the sum of the devices' free space at open, less a
-    #: reserve on each for the index and other writers (1%, at least 64 MiB, at most 1/4).
+    #: 0 means "what the disks hold": the sum of the devices' free space at open (a file
+    #: system holding several data directories counted once), less a reserve on each for
+    #: the index and other writers (1%, at least 64 MiB, at most 1/4).
     capacity: int = 0
     #: Stripe unit: pages larger than this are split round-robin across devices.
     stripe_unit: int = 4 * MiB

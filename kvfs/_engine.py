@@ -240,8 +240,9 @@ class Engine:
             for b in self.index.local_blobs():
                 self._account(b, +1)
         self.reserved = 0
+        # (data directories on one file system share its free space: counted once)
         self.capacity = cfg.capacity or (
-            self.used + sum(f - headroom(f) for f in self.tier.free_bytes())
+            self.used + sum(f - headroom(f) for f in self.tier.free_bytes_per_filesystem())
         )
         self._closed = False
         if cfg.archive_url:

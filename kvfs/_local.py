@@ -174,6 +174,14 @@ class LocalTier:
             out.append(st.f_bavail * st.f_frsize)
         return out
 
+    def free_bytes_per_filesystem(self) -> list[int]:
+        """Free space of each distinct file system the roots are on: two data directories
+        on one disk share its free space, which must not count twice."""
+        seen: dict[int, int] = {}
+        for r, free in zip(self.roots, self.free_bytes(), strict=True):
+            seen.setdefault(os.stat(r).st_dev, free)
+        return list(seen.values())
+
     def abspath(self, dev: int, rel: str) -> str:
         return os.path.join(self.roots[dev], rel)
 
