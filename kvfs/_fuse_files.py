@@ -234,7 +234,9 @@ class FileOps:
                     h.behind = WriteBehind(
                         node.pending.writer.write, self.write_behind, self.write_behind_budget
                     )
+                pending = node.pending
                 await h.behind.submit(off, buf)
+                pending.queued_end = max(pending.queued_end, off + len(buf))
                 return len(buf)
             return await self._thread(node.pending.writer.write, off, buf)
         except BaseException as e:

@@ -45,6 +45,9 @@ class Pending:
     gid: int
     mtime_ns: int
     unlinked: bool = False
+    #: the end of the furthest write queued behind (not in the writer yet): the size a
+    #: stat must show (numpy.memmap writes the last byte, then maps the file by its size)
+    queued_end: int = 0
 
     def commit_attrs(self) -> dict[str, str]:
         return {
@@ -219,7 +222,7 @@ class NodeTable:
             a.st_mode = stat.S_IFREG | (w.mode & 0o7777)
             a.st_nlink = 0 if w.unlinked else 1
             a.st_uid, a.st_gid = w.uid, w.gid
-            a.st_size = w.writer.size
+            a.st_size = max(w.writer.size, w.queued_end)
             a.st_atime_ns = a.st_ctime_ns = a.st_mtime_ns = w.mtime_ns
             a.entry_timeout = a.attr_timeout = 0
         else:
