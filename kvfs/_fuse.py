@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import functools
 import logging
 import time
 from typing import Any
@@ -135,8 +136,8 @@ class KvfsOperations(FileOps, pyfuse3.Operations):
         # (scripts/mount_metadata_latency.py: checking a missing name 0.18 -> 0.06 ms, a stat
         # of an uncached name 0.13 -> 0.06 ms).
         if name == META_NAME and is_session_dir(parent.path):
-            if self.engine.index.session(parent.path) is None:
-                raise fuse_error(errno.ENOENT)
+            # Also in a directory whose session has just gone (its last page deleted): `rm -r`
+            # listed the file before, and unlinks it after the pages (see unlink).
             return self.table.bind(path, Kind.META)
         row = self.engine.index.page(path)
         if row is not None:
@@ -323,7 +324,11 @@ class KvfsOperations(FileOps, pyfuse3.Operations):
             assert node.pending is not None
             node.pending.unlinked = True
         elif name == META_NAME.encode() and is_session_dir(parent.path):
-            raise fuse_error(errno.EPERM)
+            # It describes the session's pages: it goes with them (a no-op once they are
+            # gone, so that `rm -r` of a session directory succeeds), not before.
+            pages = functools.partial(self.engine.index.pages, session=parent.path, limit=1)
+            if await self._thread(pages):
+                raise fuse_error(errno.EPERM)
         else:
             try:
                 await self._thread(self.engine.delete, path)

@@ -23,9 +23,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ._engine import Engine
-from ._errors import InvalidKey
+from ._errors import InvalidKey, SessionNotFound
 from ._index import PageRow
 from ._keys import SESSIONS_DIR, PageKey, split_path
+from ._types import SessionInfo
 
 __all__ = [
     "META_NAME",
@@ -196,8 +197,13 @@ def list_dir(engine: Engine, dirs: DirTable, path: str) -> Listing:
 
 
 def session_json(engine: Engine, session_path: str) -> bytes:
-    """The contents of ``sessions/<s>/.kvfs.json``. Raises SessionNotFound."""
-    info = engine.session_info(session_path)
+    """The contents of ``sessions/<s>/.kvfs.json`` (a session with no pages left, gone
+    from the index, shows as empty)."""
+    try:
+        info = engine.session_info(session_path)
+    except SessionNotFound:
+        name = session_path.split("/", 1)[1]
+        info = SessionInfo(name, session_path, 0.0, 0.0, False, {}, 0, 0, 0, 0)
     doc = {
         "session": info.session,
         "dir": info.dir,

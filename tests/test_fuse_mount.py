@@ -735,3 +735,18 @@ def test_a_name_over_255_bytes_is_enametoolong_on_lookup_too(mnt: Path) -> None:
     with pytest.raises(OSError) as ei:
         os.stat(mnt / ("a" * 300))
     assert ei.value.errno == errno.ENAMETOOLONG
+
+
+def test_rm_r_of_a_session_directory(mnt: Path) -> None:
+    """`rm -r sessions/s` failed: rm listed .kvfs.json, removed the pages (and with them the
+    session), then found .kvfs.json gone (ENOENT), and the directory stayed."""
+    for prefix in ("p0", "p1"):
+        (mnt / "sessions" / "s" / prefix).mkdir(parents=True)
+        for layer in range(3):
+            write(mnt / "sessions" / "s" / prefix / f"layer-{layer:03d}", os.urandom(5000))
+    with pytest.raises(OSError) as ei:  # while it describes pages, it is not deleted alone
+        os.unlink(mnt / "sessions" / "s" / ".kvfs.json")
+    assert ei.value.errno == errno.EPERM
+    r = subprocess.run(["rm", "-r", str(mnt / "sessions" / "s")], capture_output=True, text=True)
+    assert r.returncode == 0 and r.stderr == "", r.stderr
+    assert os.listdir(mnt / "sessions") == []
