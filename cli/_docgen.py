@@ -29,7 +29,8 @@ EXIT_MEANING = {
     "--offline: also by the daemon serving it)",
     "no_daemon": "no daemon answers (with --daemon), or it died during the command",
     "archive": "archive unavailable or not configured",
-    "refused": "refused because it would lose data (evict: use --force)",
+    "refused": "refused: it would lose data (evict) or cut off a mount in use (umount); "
+    "--force does it anyway",
 }
 
 

@@ -11,8 +11,8 @@ import argparse
 import sys
 
 import kvfs
+from kvfs._daemon import MountBusy, stop_daemon
 from kvfs._daemon import main as daemon_main
-from kvfs._daemon import stop_daemon
 from kvfs._mount import MountOptions
 
 from ._util import EXIT, print_json
@@ -27,6 +27,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     u = sub.add_parser("umount", help="unmount: stop the daemon cleanly and wait for it")
     u.add_argument("mountpoint", metavar="MOUNTPOINT")
     u.add_argument("--timeout", type=float, default=60.0, help="seconds to wait (default 60)")
+    u.add_argument(
+        "--force",
+        action="store_true",
+        help="unmount even while in use (open files, a working directory in it): "
+        "those processes then get ENOTCONN",
+    )
     u.add_argument("--json", action="store_true", help="print the result as JSON")
     u.set_defaults(func=cmd_umount)
 
@@ -138,10 +144,13 @@ def cmd_mount(args: argparse.Namespace) -> int:
 
 def cmd_umount(args: argparse.Namespace) -> int:
     try:
-        result = stop_daemon(args.mountpoint, timeout=args.timeout)
+        result = stop_daemon(args.mountpoint, timeout=args.timeout, force=args.force)
     except FileNotFoundError as e:
         print(f"kvfs umount: {e}", file=sys.stderr)
         return EXIT["no_daemon"]
+    except MountBusy as e:
+        print(f"kvfs umount: {e.strerror}", file=sys.stderr)
+        return EXIT["refused"]
     if args.json:
         print_json(result)
     return 0

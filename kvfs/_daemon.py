@@ -11,6 +11,7 @@ page (the engine sweeps unreferenced files at the next start).
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import logging
@@ -226,17 +227,35 @@ def _mounted(mountpoint: str) -> bool:
         return any(line.split()[4] == mountpoint for line in f)
 
 
-def stop_daemon(mountpoint: str | os.PathLike[str], *, timeout: float = 60.0) -> dict[str, Any]:
-    """Stop the daemon serving ``mountpoint`` (SIGTERM) and wait until it has exited and the
-    mount is gone. Without a live daemon, unmount a leftover kvfs mount. Raises
-    FileNotFoundError when nothing is mounted there, TimeoutError."""
+class MountBusy(OSError):
+    """The mount is in use (open files, a working directory in it): not unmounted."""
+
+
+def stop_daemon(
+    mountpoint: str | os.PathLike[str], *, timeout: float = 60.0, force: bool = False
+) -> dict[str, Any]:
+    """Stop the daemon serving ``mountpoint`` and wait until it has exited and the mount is
+    gone. Like umount(8), a mount in use is left alone (MountBusy) unless ``force``: the
+    unmount comes first, and only a mount nobody uses can be unmounted, so no reader is cut
+    off halfway (it would get ENOTCONN); then SIGTERM. Without a live daemon, unmount a
+    leftover kvfs mount. Raises FileNotFoundError when nothing is mounted there, MountBusy,
+    TimeoutError."""
     mp = os.path.abspath(mountpoint)
     path = state_path(mp)
     pid = None
     with contextlib.suppress(OSError, ValueError):
         pid = int(json.loads(path.read_text())["pid"])
     if pid is not None and _alive(pid):
-        os.kill(pid, signal.SIGTERM)
+        if not force and _mounted(mp):
+            r = subprocess.run(["fusermount3", "-u", mp], capture_output=True, text=True)
+            if r.returncode != 0 and _mounted(mp) and "busy" in r.stderr.lower():
+                raise MountBusy(
+                    errno.EBUSY,
+                    f"{mp} is in use (a process has a file open or its working directory in "
+                    "it): close those, or unmount anyway with --force (they then get ENOTCONN)",
+                )
+        with contextlib.suppress(ProcessLookupError):  # (it may be gone already)
+            os.kill(pid, signal.SIGTERM)
     elif _mounted(mp):
         subprocess.run(["fusermount3", "-u", "-z", mp], check=True)
         pid = None

@@ -476,6 +476,11 @@ def test_detached_mount_and_umount(tmp_path: Path) -> None:
         assert r.returncode == 0, r.stderr
         assert mounted(mp)
         write(mp / "x", b"1")
+        # In use (a file open): refused, as umount(8) would; the reader is not cut off.
+        with open(mp / "x", "rb") as reader:
+            r = subprocess.run([*KVFS, "umount", str(mp)], capture_output=True, text=True)
+            assert r.returncode == 9 and "in use" in r.stderr and "--force" in r.stderr
+            assert mounted(mp) and reader.read() == b"1"
         r = subprocess.run(
             [*KVFS, "umount", "--json", str(mp)], capture_output=True, text=True, timeout=90
         )
@@ -491,6 +496,16 @@ def test_detached_mount_and_umount(tmp_path: Path) -> None:
             timeout=60,
         )
         assert r.returncode == 1 and "does not exist" in r.stderr
+        # --force unmounts a mount in use; its readers get ENOTCONN from then on
+        r = subprocess.run([*KVFS, "mount", "--data", str(data), str(mp)], capture_output=True)
+        assert r.returncode == 0
+        reader = open(mp / "x", "rb")  # noqa: SIM115 - its close fails too (ENOTCONN)
+        r = subprocess.run([*KVFS, "umount", "--force", str(mp)], capture_output=True)
+        assert r.returncode == 0 and not mounted(mp)
+        with pytest.raises(OSError):
+            reader.read()
+        with contextlib.suppress(OSError):
+            reader.close()
         log = (data / "kvfs-daemon.log").read_text()
         assert "ERROR" not in log and "Traceback" not in log, log
     finally:
