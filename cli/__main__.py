@@ -10,6 +10,8 @@ import os
 import sys
 from collections.abc import Sequence
 
+import kvfs
+
 from ._util import exit_code_for
 
 # Modules that each add subcommands with ``register(subparsers)``. A module listed here
@@ -30,6 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="kvfs: a store for LLM KV-cache pages (striped NVMe, FUSE mount, S3 archive).",
     )
     p.add_argument("--debug", action="store_true", help="show tracebacks and debug logs")
+    p.add_argument("--version", action="version", version=f"kvfs {kvfs.__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name in COMMAND_MODULES:
         importlib.import_module(name).register(sub)

@@ -85,8 +85,8 @@ def _model_main(args: argparse.Namespace) -> int:
         ) from None
     root = args.data.absolute()
     store, archive, mnt = root / "store", root / "archive", root / "mnt"
-    if os.path.ismount(mnt):
-        kvfs_main(["umount", str(mnt)])
+    if os.path.ismount(mnt):  # left by an earlier run
+        kvfs_main(["umount", "--force", str(mnt)])
     for d in (store, archive):  # the scenario starts from an empty store every run
         shutil.rmtree(d, ignore_errors=True)
     dirs = (store / "nvme0", store / "nvme1")

@@ -9,6 +9,7 @@ second process (a daemon started meanwhile) cannot write under it.
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from typing import Any
@@ -101,7 +102,8 @@ def open_target(args: argparse.Namespace, *, create: bool = False) -> Iterator[A
             finally:
                 remote.close()
             return
-    if not create and not config.index_path.exists():
+    new = not config.index_path.exists()
+    if not create and new:
         raise FileNotFoundError(
             f"no kvfs store in {config.data_dirs[0]} "
             "(set --data, $KVFS_DATA_DIRS or the configuration file)"
@@ -115,6 +117,9 @@ def open_target(args: argparse.Namespace, *, create: bool = False) -> Iterator[A
                     f"{e}; its daemon serves it on {settings.socket_path()}: drop --offline"
                 ) from None
             raise kvfs.StoreLocked(f"{e}; no daemon answers on {settings.socket_path()}") from None
+        if new:  # (a forgotten --config writes into a store of its own: say so)
+            dirs = ", ".join(str(d) for d in config.data_dirs)
+            print(f"kvfs: made a new store in {dirs}", file=sys.stderr)
         yield store
 
 

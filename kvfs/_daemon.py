@@ -27,7 +27,7 @@ from typing import Any
 import trio
 
 from ._config import StoreConfig
-from ._mount import MountError, MountOptions, serve_mount
+from ._mount import MountError, MountOptions, check_mountpoint, serve_mount
 from ._store import Store, open_store
 
 __all__ = ["READY_FD_ENV", "Service", "main", "run_daemon", "state_path", "stop_daemon"]
@@ -109,6 +109,15 @@ def main(
     ``--foreground``) in a new session with its output in ``log_file`` and waits for its
     readiness message. Errors are printed to stderr, one line.
     """
+    # What can be told before anything is created (the store, the detached daemon's log).
+    try:
+        check_mountpoint(Path(mountpoint).absolute())
+        for d in config.data_dirs:
+            if d.exists() and not d.is_dir():
+                raise MountError(f"data directory {d} is not a directory")
+    except MountError as e:
+        print(f"kvfs mount: {e}", file=sys.stderr)
+        return 1
     if not foreground:
         if child_argv is None:
             raise ValueError("detaching needs the foreground command line (child_argv)")

@@ -54,7 +54,7 @@ class MountOptions:
         return opts
 
 
-def _check_mountpoint(mountpoint: Path) -> None:
+def check_mountpoint(mountpoint: Path) -> None:
     try:
         st = os.stat(mountpoint)
     except FileNotFoundError:
@@ -106,7 +106,7 @@ async def serve_mount(
     """
     opts = options or MountOptions()
     mp = Path(mountpoint).absolute()
-    _check_mountpoint(mp)
+    check_mountpoint(mp)
     if opts.fsname == "kvfs":  # show which store is mounted (mount, df, /proc/mounts)
         opts = replace(opts, fsname="kvfs:" + str(store.config.data_dirs[0]).replace(",", "_"))
     ops = KvfsOperations(

@@ -324,3 +324,17 @@ def test_a_reader_that_goes_away_is_no_error(tmp_path: Path) -> None:
         p.stdout.close()  # before it writes
         err = p.stderr.read()
         assert p.wait() == 141 and err == b""
+
+
+def test_a_put_that_makes_a_new_store_says_so(run: Run, tmp_path: Path) -> None:
+    """A forgotten --config made a store in the working directory without a word."""
+    (tmp_path / "f").write_bytes(b"z")
+    rc, _, err = run("put", "f", "x/y")
+    assert rc == 0 and "made a new store in kvfs-data" in err
+    rc, _, err = run("put", "f", "x/z")
+    assert rc == 0 and "new store" not in err
+
+
+def test_version(tmp_path: Path) -> None:
+    r = subprocess.run([sys.executable, "-m", "cli", "--version"], capture_output=True, text=True)
+    assert r.returncode == 0 and r.stdout.strip() == f"kvfs {kvfs.__version__}"

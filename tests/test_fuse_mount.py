@@ -490,12 +490,20 @@ def test_detached_mount_and_umount(tmp_path: Path) -> None:
         r = subprocess.run([*KVFS, "umount", str(mp)], capture_output=True, text=True)
         assert r.returncode == 7 and "no kvfs mount" in r.stderr
         r = subprocess.run(
-            [*KVFS, "mount", "--data", str(data), str(tmp_path / "missing")],
+            [*KVFS, "mount", "--data", str(tmp_path / "new"), str(tmp_path / "missing")],
             capture_output=True,
             text=True,
             timeout=60,
         )
         assert r.returncode == 1 and "does not exist" in r.stderr
+        assert not (tmp_path / "new").exists()  # a mount that fails creates no store
+        (tmp_path / "afile").write_bytes(b"")
+        r = subprocess.run(
+            [*KVFS, "mount", "--data", str(tmp_path / "afile"), str(mp)],
+            capture_output=True,
+            text=True,
+        )
+        assert r.returncode == 1 and "afile is not a directory" in r.stderr, r.stderr
         # --force unmounts a mount in use; its readers get ENOTCONN from then on
         r = subprocess.run([*KVFS, "mount", "--data", str(data), str(mp)], capture_output=True)
         assert r.returncode == 0
