@@ -609,7 +609,12 @@ def cmd_fsck(args: argparse.Namespace) -> int:
             *lines,
             "clean"
             if not problems
-            else ("repaired" if args.repair else "problems found (--repair fixes them)"),
+            else (
+                "repaired"
+                if args.repair
+                else "problems found; --repair removes orphans, restores damaged data the "
+                "archive holds, and deletes the damaged pages it does not"
+            ),
         ],
     )
     return EXIT["ok"] if not problems or args.repair else EXIT["corrupt"]

@@ -168,6 +168,8 @@ def fsck(
         "missing": [],
         "corrupt": [],
         "orphans": [],
+        #: the pages whose data is missing or corrupt (what a user knows them by)
+        "damaged_pages": [],
         "repaired": [],
     }
     tier = eng.tier
@@ -203,6 +205,8 @@ def fsck(
                 bad.append(b)
     if callable(progress):
         progress(len(blobs), len(blobs))
+    names = {b.hash: [p.path for p in eng.index.pages_of_blob(b.hash)] for b in bad}
+    out["damaged_pages"] = sorted(p for paths in names.values() for p in paths)
     if repair:
         for path in out["orphans"]:
             try:
@@ -223,8 +227,12 @@ def fsck(
                 )
                 continue
             if healed is not None:
-                out["repaired"].append(f"restored {b.hash.hex()[:16]} from the archive")
+                out["repaired"].append(
+                    f"restored {b.hash.hex()[:16]} from the archive ({', '.join(names[b.hash])})"
+                )
                 continue
-            n = eng.delete_blob_pages(b, "fsck")
-            out["repaired"].append(f"deleted pages of {b.hash.hex()[:16]} ({n} bytes)")
+            eng.delete_blob_pages(b, "fsck")
+            out["repaired"].extend(
+                f"deleted {p}: its data was damaged and held nowhere else" for p in names[b.hash]
+            )
     return out

@@ -160,8 +160,12 @@ def test_fsck_finds_and_repairs(run: Run, tmp_path: Path) -> None:
     rc, out, _ = run("fsck", "--json", *d)
     found = json.loads(out)
     assert rc == 5 and len(found["corrupt"]) == 1
+    assert found["damaged_pages"] == ["sessions/a/p/layer-000"]  # named as the user knows it
+    rc, out, _ = run("fsck", *d)
+    assert "sessions/a/p/layer-000" in out and "deletes the damaged pages" in out
     rc, out, _ = run("fsck", "--repair", *d)
     assert rc == 0 and "repaired" in out
+    assert "deleted sessions/a/p/layer-000: its data was damaged and held nowhere else" in out
     assert run("fsck", *d)[0] == 0
     assert run("ls", "sessions/a/p/layer-000", *d)[0] == 3
 
