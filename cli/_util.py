@@ -10,6 +10,7 @@ import dataclasses
 import json
 import sys
 import time
+import unicodedata
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -143,11 +144,11 @@ def print_table(
 ) -> None:
     """A plain text table: columns padded, numbers right-aligned (or per ``align``: 'l'/'r')."""
     out = file or sys.stdout
-    rows = [[("" if c is None else str(c)) for c in r] for r in rows]
-    widths = [len(h) for h in headers]
+    rows = [[("" if c is None else _printable(str(c))) for c in r] for r in rows]
+    widths = [_width(h) for h in headers]
     for r in rows:
         for i, c in enumerate(r):
-            widths[i] = max(widths[i], len(c))
+            widths[i] = max(widths[i], _width(c))
     if align is None:
         align = "".join(
             "r" if rows and all(_numeric(r[i]) for r in rows) else "l" for i in range(len(headers))
@@ -155,7 +156,7 @@ def print_table(
 
     def line(cells: Sequence[str]) -> str:
         return "  ".join(
-            c.rjust(w) if a == "r" else c.ljust(w)
+            " " * (w - _width(c)) + c if a == "r" else c + " " * (w - _width(c))
             for c, w, a in zip(cells, widths, align, strict=False)
         ).rstrip()
 
@@ -163,6 +164,22 @@ def print_table(
     print("  ".join("-" * w for w in widths), file=out)
     for r in rows:
         print(line(r), file=out)
+
+
+def _width(s: str) -> int:
+    """Terminal columns: East Asian wide and fullwidth characters take two, combining
+    marks none."""
+    return sum(
+        0 if unicodedata.combining(ch) else 2 if unicodedata.east_asian_width(ch) in "WF" else 1
+        for ch in s
+    )
+
+
+def _printable(s: str) -> str:
+    """A cell on one line: control characters (a newline in a page name) escaped."""
+    if s.isprintable():
+        return s
+    return "".join(ch if ch.isprintable() else repr(ch)[1:-1] for ch in s)
 
 
 def _numeric(s: str) -> bool:

@@ -342,3 +342,18 @@ def test_a_put_that_makes_a_new_store_says_so(run: Run, tmp_path: Path) -> None:
 def test_version(tmp_path: Path) -> None:
     r = subprocess.run([sys.executable, "-m", "cli", "--version"], capture_output=True, text=True)
     assert r.returncode == 0 and r.stdout.strip() == f"kvfs {kvfs.__version__}"
+
+
+def test_tables_line_up_with_wide_characters_and_stay_one_line_per_row() -> None:
+    """Columns were padded by len(): a CJK session name shifted its row, and a page name
+    holding a newline broke the table."""
+    import io
+
+    from cli._util import print_table
+
+    buf = io.StringIO()
+    print_table(["SESSION", "PAGES"], [["用户-会话", 3], ["abc", 12], ["a\nb", 1]], file=buf)
+    lines = buf.getvalue().splitlines()
+    assert len(lines) == 5
+    assert lines[2] == "用户-会话      3" and lines[3] == "abc           12"
+    assert lines[4] == "a\\nb           1"
