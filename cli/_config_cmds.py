@@ -16,8 +16,12 @@ __all__ = ["register"]
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("config", help="show the effective configuration (secrets masked)")
-    add_store_flags(p)
+    p = sub.add_parser(
+        "config",
+        help="show the configuration the files, environment and flags give (secrets masked); "
+        "a running daemon's own mount flags show in kvfs stats",
+    )
+    add_store_flags(p, modes=False)
     p.set_defaults(func=cmd_config)
 
 
@@ -28,6 +32,7 @@ def cmd_config(args: argparse.Namespace) -> int:
         print_json(
             {
                 "config_file": str(s.config_file) if s.config_file else None,
+                "index": str(cfg.index_path),
                 "control_socket": str(s.socket_path()),
                 "options": {
                     o.key: {"value": masked(o.name, s[o.name]), "source": s.sources[o.name]}

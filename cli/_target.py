@@ -22,7 +22,9 @@ from kvfs._settings import Settings, load_settings
 __all__ = ["add_store_flags", "daemon_services", "open_target", "settings_from_args"]
 
 
-def add_store_flags(p: argparse.ArgumentParser, *, json_flag: bool = True) -> None:
+def add_store_flags(
+    p: argparse.ArgumentParser, *, json_flag: bool = True, modes: bool = True
+) -> None:
     g = p.add_argument_group("store selection (defaults: configuration file, then $KVFS_*)")
     g.add_argument("--config", metavar="FILE", help="TOML configuration file ($KVFS_CONFIG)")
     g.add_argument("--data", metavar="DIR[,DIR...]", help="data directories ($KVFS_DATA_DIRS)")
@@ -37,6 +39,10 @@ def add_store_flags(p: argparse.ArgumentParser, *, json_flag: bool = True) -> No
         help="the daemon's control socket "
         "(default: derived from the data directory; $KVFS_CONTROL_SOCKET)",
     )
+    if not modes:  # (a command that never talks to a daemon)
+        if json_flag:
+            p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+        return
     mode = g.add_mutually_exclusive_group()
     mode.add_argument(
         "--daemon",
