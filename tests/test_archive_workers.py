@@ -180,7 +180,13 @@ def test_spill_and_restore_with_or_without_workers(
         assert [d for d, _ in seen] == sorted(d for d, _ in seen) and len(seen) == 7
         for k, v in data.items():
             assert s.get(k) == v
-        assert s.fsck() == {"missing": [], "corrupt": [], "orphans": [], "repaired": []}
+        assert s.fsck() == {
+            "missing": [],
+            "corrupt": [],
+            "orphans": [],
+            "damaged_pages": [],
+            "repaired": [],
+        }
     other = make_config(
         ndev=1,
         name="other",

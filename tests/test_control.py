@@ -56,7 +56,13 @@ async def test_remote_store_mirrors_store(make_config: MakeConfig, tmp_path: Pat
             st = await r.statistics()
             assert isinstance(st, kvfs.StoreStatistics) and st.pages == 6
             assert isinstance(st.devices[0], kvfs.DeviceStatistics)
-            assert await r.fsck() == {"missing": [], "corrupt": [], "orphans": [], "repaired": []}
+            assert await r.fsck() == {
+                "missing": [],
+                "corrupt": [],
+                "orphans": [],
+                "damaged_pages": [],
+                "repaired": [],
+            }
             assert await r.evict(session="s2") > 0  # no archive: the local copies go
             assert await r.delete_session("s1") == 1
             with pytest.raises(NotImplementedError):

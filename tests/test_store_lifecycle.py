@@ -219,7 +219,13 @@ def test_concurrent_commits_one_winner_per_key(
         assert store.statistics().pages == 17
     with kvfs.open_store_sync(cfg) as store:  # all of it committed
         assert all(store.get(f"own/{i}") == bytes([i]) * (200 * KiB + i) for i in range(16))
-        assert store.fsck() == {"missing": [], "corrupt": [], "orphans": [], "repaired": []}
+        assert store.fsck() == {
+            "missing": [],
+            "corrupt": [],
+            "orphans": [],
+            "damaged_pages": [],
+            "repaired": [],
+        }
 
 
 def test_index_reads_do_not_wait_for_another_threads_transaction(
