@@ -9,6 +9,9 @@ second process (a daemon started meanwhile) cannot write under it.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
+import os
 import sys
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
@@ -16,6 +19,7 @@ from typing import Any
 
 import kvfs
 from kvfs._control import DaemonUnavailable
+from kvfs._keys import SESSIONS_DIR
 from kvfs._remote import SyncRemoteStore
 from kvfs._settings import Settings, load_settings
 
@@ -73,6 +77,69 @@ def _answers(socket: Any) -> bool:
         remote.close()
 
 
+def kvfs_mounts() -> list[str]:
+    """Mountpoints of kvfs file systems (``fuse.kvfs`` in /proc/self/mountinfo)."""
+    out = []
+    with contextlib.suppress(OSError), open("/proc/self/mountinfo") as f:
+        for line in f:
+            fields = line.split()
+            if "-" in fields and fields[fields.index("-") + 1] == "fuse.kvfs":
+                out.append(fields[4].encode().decode("unicode_escape"))
+    return out
+
+
+def map_mount_paths(args: argparse.Namespace) -> None:
+    """Targets given as paths on a kvfs mount (``/mnt/kv/sessions/agent-1``, or a name
+    that exists in the working directory when that is on the mount) become the store paths
+    they show, and the mount's store is the one used unless the command names another.
+    Other targets are left alone."""
+    mounts = sorted(kvfs_mounts(), key=len, reverse=True)
+    if not mounts:
+        return
+    used: set[str] = set()
+
+    def mapped(target: str) -> str:
+        if not (os.path.isabs(target) or target.startswith(".") or os.path.lexists(target)):
+            return target  # a session or page name
+        path = os.path.abspath(target)
+        for mp in mounts:
+            if path == mp or path.startswith(mp.rstrip("/") + "/"):
+                rel = path[len(mp) :].strip("/") or "."
+                used.add(mp)
+                # a directory on the mount means that directory ("name/"), not a session name
+                is_dir = os.path.isdir(path) and rel != "." and "/" not in rel
+                return rel + "/" if is_dir and rel != SESSIONS_DIR else rel
+        return target
+
+    for name in ("target", "key"):
+        value = getattr(args, name, None)
+        if isinstance(value, str):
+            setattr(args, name, mapped(value))
+    for name in ("targets", "sessions"):
+        values = getattr(args, name, None)
+        if isinstance(values, list):
+            setattr(args, name, [mapped(v) for v in values])
+    if (
+        len(used) == 1
+        and getattr(args, "data", None) is None
+        and getattr(args, "config", None) is None
+    ):
+        state = mount_state(used.pop())
+        if state is not None:
+            args.data = ",".join(state["data_dirs"])
+
+
+def mount_state(mountpoint: str) -> dict[str, Any] | None:
+    """What the daemon serving ``mountpoint`` recorded (its pid, data directories)."""
+    from kvfs._daemon import state_path
+
+    try:
+        state = json.loads(state_path(mountpoint).read_text())
+    except (OSError, ValueError):
+        return None
+    return state if isinstance(state, dict) and state.get("data_dirs") else None
+
+
 def settings_from_args(args: argparse.Namespace) -> Settings:
     """Defaults < file < environment < these flags. Raises ValueError, FileNotFoundError."""
     flags: dict[str, Any] = {
@@ -91,6 +158,7 @@ def open_target(args: argparse.Namespace, *, create: bool = False) -> Iterator[A
     owned by a process that does not answer on the control socket), FileNotFoundError (no
     store there and ``create`` is false).
     """
+    map_mount_paths(args)
     settings = settings_from_args(args)
     config = settings.store_config()
     mode = getattr(args, "mode", None)

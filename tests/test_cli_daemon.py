@@ -255,3 +255,29 @@ def test_retention_through_a_mounted_daemon(tmp_path: Path, run: Run) -> None:
         stop.set()
         d.stop()
     assert not d.errors()
+
+
+def test_targets_given_as_paths_on_the_mount(
+    daemon: Daemon, run: Run, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Users paste paths from the mount: they mean the pages and directories they show,
+    in the store the mount serves (no --data needed)."""
+    page = daemon.mp / "sessions" / "agent-1" / "p0" / "layer-000"
+    page.parent.mkdir(parents=True)
+    page.write_bytes(b"k" * 100)
+    (daemon.mp / "lmcache").mkdir()
+    (daemon.mp / "lmcache" / "f.data").write_bytes(b"v" * 10)
+    rc, out, err = run("ls", str(daemon.mp / "sessions" / "agent-1"), "--json")
+    assert rc == 0, err
+    assert [p["path"] for p in json.loads(out)] == ["sessions/agent-1/p0/layer-000"]
+    assert run("pin", str(daemon.mp / "lmcache"))[0] == 0
+    pinned = {
+        s["dir"]: s["pinned"]
+        for s in json.loads(run("ls", "--json", "--data", str(daemon.data))[1])
+    }
+    assert pinned == {"lmcache": True, "sessions/agent-1": False}
+    monkeypatch.chdir(daemon.mp / "sessions")  # a name that exists here is that directory
+    rc, out, _ = run("ls", "agent-1", "--json")
+    assert rc == 0 and json.loads(out)[0]["session"] == "agent-1"
+    rc, out, _ = run("ls", "nothing-here", "--json", "--data", str(daemon.data))
+    assert rc == 3  # (not a path on the mount: a session name, and there is none)
