@@ -31,6 +31,7 @@ table).
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
@@ -75,6 +76,8 @@ class Hosts:
         #: queues objects for this host's collection (durably: before a manifest goes)
         self.forget = forget
         self._beaten = False
+        #: time.monotonic() of this host's last heartbeat written (None: none yet)
+        self.beaten_at: float | None = None
 
     @property
     def key(self) -> str:
@@ -95,7 +98,18 @@ class Hosts:
         body = {"v": 1, "retention": self.retention, "interval": self.interval}
         await self.store.put(self.key, msgpack.packb(body))
         self._beaten = True
+        self.beaten_at = time.monotonic()
         return await self.store.modified(self.key)
+
+    def overdue(self) -> bool:
+        """This host has beaten before but not for two of its intervals (the archive was
+        unreachable, or the loop stalled): other hosts may have taken it for gone, and what
+        it last wrote may no longer be there."""
+        return (
+            self.retention > 0
+            and self.beaten_at is not None
+            and time.monotonic() - self.beaten_at > 2 * self.interval
+        )
 
     async def survey(self) -> list[dict[str, object]]:
         """Every host the archive knows of, from heartbeats and manifests, by store id:

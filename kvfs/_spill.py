@@ -114,6 +114,7 @@ class Spiller:
         self._active.add(d)
         started = time.monotonic()
         try:
+            await self._check_named()
             pages = await trio.to_thread.run_sync(lambda: idx.pages(session=d))
             hashes = sorted({p.hash for p in pages})
             rows = await trio.to_thread.run_sync(lambda: [idx.blob(h) for h in hashes])
@@ -154,6 +155,7 @@ class Spiller:
         A page held only in the archive must be named by a manifest: other hosts sharing
         the bucket delete any object no manifest names, and a host rebuilt from the archive
         knows only what manifests list. Raises ArchiveUnavailable."""
+        await self._check_named()
         holders: dict[str, set[bytes]] = {}
         for h in hashes:
             for d in await _thread(self.aindex.sessions_of_blob, h):
@@ -162,6 +164,13 @@ class Spiller:
         for d in stale:
             await self.write_manifest(d)
         await self._verify_referenced(await self.collector.settle(hashes, fresh, started))
+
+    async def _check_named(self) -> None:
+        """Before ``named`` is trusted for a drop: when this host's heartbeat is overdue,
+        another host may have taken it for gone and deleted its manifests; beat first (a
+        missing heartbeat resets ``named`` and queues every manifest to be written again)."""
+        if self.hosts.overdue():
+            await self.hosts.beat()
 
     async def _verify_referenced(self, hashes: list[bytes]) -> None:
         """Every blob a fresh manifest names exists (another host may have collected one

@@ -316,3 +316,29 @@ def test_a_delete_made_without_the_archive_configured_reaches_it_later(
             s.restore("gone")
         assert kvfs.checksum(kv_page(30)).hex() not in objects(tmp_path / "archive")
         assert s.get(PageKey.semantic("kept", "p", 0)) == kv_page(31)
+
+
+def test_a_host_back_after_being_taken_for_gone_names_its_pages_before_it_drops_them(
+    make_config: Config, tmp_path: Path
+) -> None:
+    """A host cut off from the archive for longer than twice its retention is retired by
+    the others: its manifests go. Back, it trusted what it remembered its manifests to name
+    and dropped local copies that no manifest named any more (collected by the others)
+    until its next heartbeat noticed, up to an hour later. Now a drop after an overdue
+    heartbeat beats first."""
+    arch = tmp_path / "archive"
+    cfg = archived_cfg(make_config, _url(tmp_path), upload_processes=0, retention=1)
+    with kvfs.open_store_sync(cfg) as s:
+        k = PageKey.semantic("agent", "p", 0)
+        s.put(k, kv_page(40))
+        s.spill("agent")
+        s.restore("agent")  # local again; its manifest names it
+        pol = s.engine.policy
+        pol.call(pol.spiller.hosts.tick)  # its heartbeat
+        for d in ("manifests", "hosts"):  # another host retires it meanwhile
+            for f in (arch / d).iterdir():
+                f.unlink()
+        time.sleep(2 * pol.spiller.hosts.interval + 0.2)  # its heartbeat is overdue
+        assert s.evict(k) > 0
+        assert kvfs.checksum(kv_page(40)).hex() in named(arch)  # named again before the drop
+        assert s.get(k) == kv_page(40)
