@@ -1024,13 +1024,17 @@ class ArchivingPolicy(TieringPolicy):
         try:
             return self.call(self._restore_session, d, progress)
         except CapacityExceeded as e:
-            # (the inner error counts this restore's own downloads as "writes in flight")
             u = self.engine.index.session_usage(d)
+            why = str(e)
+            if why.startswith("no room for"):  # (it counts this restore's own downloads as
+                # "writes in flight": say what the user can do instead)
+                why = (
+                    f"the capacity ({self.engine.capacity} bytes) is held by what is pinned, "
+                    "open or being written: raise it, or evict or unpin something first"
+                )
             raise CapacityExceeded(
                 f"{d}: {u['local_bytes']} of its {u['bytes']} bytes are local; the rest does "
-                f"not fit in the capacity ({self.engine.capacity} bytes) beside what is "
-                "pinned, open or being written: raise the capacity, or evict or unpin "
-                "something first (its archive-only pages still read one by one)"
+                f"not fit: {why} (its archive-only pages still read one by one)"
             ) from e
 
     def _archived_blobs(self, d: str, skip: Collection[bytes] = ()) -> list[BlobRow]:

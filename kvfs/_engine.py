@@ -331,10 +331,9 @@ class Engine:
                 if self.used + self.reserved + n <= self.capacity:
                     self.reserved += n
                     return
-                if own + n > self.capacity:
-                    # (a streaming writer past the whole cap: evicting would buy nothing)
+                if n > self.capacity:
                     raise CapacityExceeded(
-                        f"a page of {own + n} bytes on disk is larger than the "
+                        f"a page of {n} bytes on disk is larger than the "
                         f"capacity cap of {self.capacity} bytes"
                     )
             with self._evict_lock:

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 
 from ._aligned import aligned_buffer, as_bytes_view
 from ._checksum import LEAF, leaf_hash, tree_hash
-from ._errors import InvalidKey, PageExists, PageNotFound
+from ._errors import CapacityExceeded, InvalidKey, PageExists, PageNotFound
 from ._index import BlobRow, PageCommit, PageRow
 from ._keys import PageKey
 from ._local import BlobWriter
@@ -273,7 +273,13 @@ class PageWriter:
             raise ValueError("writer is closed")
         end = offset + len(data)
         with self._lock:
-            need = self.engine.tier.disk_bytes(max(end, self._size)) - self._reserved
+            whole = self.engine.tier.disk_bytes(max(end, self._size))
+            need = whole - self._reserved
+            if whole > self.engine.capacity:  # (evicting for it would buy nothing)
+                raise CapacityExceeded(
+                    f"a page of {whole} bytes on disk is larger than the capacity cap of "
+                    f"{self.engine.capacity} bytes"
+                )
             if need > 0:
                 # Reserve ahead in stripe units so small writes do not each pay the check.
                 extra = min(self.engine.tier.unit, max(0, self.engine.capacity // 64))

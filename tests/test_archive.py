@@ -678,7 +678,7 @@ def test_a_session_larger_than_the_capacity_restores_what_fits(
             kvfs.CapacityExceeded, match=r"sessions/big: \d+ of its \d+ bytes are"
         ) as ei:
             s.restore("big")
-        assert "in flight" not in str(ei.value) and "raise the capacity" in str(ei.value)
+        assert "in flight" not in str(ei.value) and "raise it" in str(ei.value)
         local = [k for k in data if s.stat(k).tier == "local+archive"]
         assert 0 < len(local) < 8
         assert s.statistics().reserved_bytes == 0
