@@ -552,8 +552,8 @@ def cmd_spill_restore(args: argparse.Namespace) -> int:
         Progress(args.op, len(args.sessions), unit=" sessions") as bar,
         _partial(emit, results, verb),
     ):
-        if args.op == "spill" and len(args.sessions) > 1:  # (a restore may name a session
-            # only the archive knows)
+        # (not for a restore: it may name a session only the archive knows)
+        if args.op == "spill" and len(args.sessions) > 1:
             for s in args.sessions:
                 store.session_info(s)  # raises SessionNotFound before anything is spilled
         for s in args.sessions:
