@@ -8,6 +8,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import urllib.parse
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -74,6 +75,12 @@ def check_mountpoint(mountpoint: Path) -> None:
         raise MountError("/dev/fuse is missing: load the fuse module (modprobe fuse)")
 
 
+def _option_safe(text: str) -> str:
+    """``text`` as a FUSE mount option value: libfuse takes ASCII only and splits at commas,
+    so those (and any other byte outside printable ASCII) are written %XX."""
+    return urllib.parse.quote(text, safe="/:@._-+~ ")
+
+
 def set_read_ahead(dev: int, kb: int) -> bool:
     """Raise the mount's read-ahead (its backing-device info is ``0:<minor>``)."""
     path = f"/sys/class/bdi/{os.major(dev)}:{os.minor(dev)}/read_ahead_kb"
@@ -108,7 +115,7 @@ async def serve_mount(
     mp = Path(mountpoint).absolute()
     check_mountpoint(mp)
     if opts.fsname == "kvfs":  # show which store is mounted (mount, df, /proc/mounts)
-        opts = replace(opts, fsname="kvfs:" + str(store.config.data_dirs[0]).replace(",", "_"))
+        opts = replace(opts, fsname="kvfs:" + _option_safe(str(store.config.data_dirs[0])))
     ops = KvfsOperations(
         store,
         direct_io=opts.direct_io,
