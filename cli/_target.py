@@ -9,7 +9,6 @@ second process (a daemon started meanwhile) cannot write under it.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import sys
@@ -20,6 +19,7 @@ from typing import Any
 import kvfs
 from kvfs._control import DaemonUnavailable
 from kvfs._keys import SESSIONS_DIR
+from kvfs._mountinfo import mounts
 from kvfs._remote import SyncRemoteStore
 from kvfs._settings import Settings, load_settings
 
@@ -79,13 +79,10 @@ def _answers(socket: Any) -> bool:
 
 def kvfs_mounts() -> list[str]:
     """Mountpoints of kvfs file systems (``fuse.kvfs`` in /proc/self/mountinfo)."""
-    out = []
-    with contextlib.suppress(OSError), open("/proc/self/mountinfo") as f:
-        for line in f:
-            fields = line.split()
-            if "-" in fields and fields[fields.index("-") + 1] == "fuse.kvfs":
-                out.append(fields[4].encode().decode("unicode_escape"))
-    return out
+    try:
+        return [mp for mp, fstype in mounts() if fstype == "fuse.kvfs"]
+    except OSError:
+        return []
 
 
 def map_mount_paths(args: argparse.Namespace) -> None:

@@ -28,6 +28,7 @@ import trio
 
 from ._config import StoreConfig
 from ._mount import MountError, MountOptions, check_mountpoint, serve_mount
+from ._mountinfo import mounts
 from ._store import Store, open_store
 
 __all__ = ["READY_FD_ENV", "Service", "main", "run_daemon", "state_path", "stop_daemon"]
@@ -232,8 +233,7 @@ def _alive(pid: int) -> bool:
 
 
 def _mounted(mountpoint: str) -> bool:
-    with open("/proc/self/mountinfo") as f:
-        return any(line.split()[4] == mountpoint for line in f)
+    return any(mp == mountpoint for mp, _ in mounts())
 
 
 class MountBusy(OSError):

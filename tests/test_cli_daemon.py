@@ -20,6 +20,8 @@ from pathlib import Path
 import pytest
 from _kvfs_mount import DaemonMount
 
+from kvfs._mountinfo import mounts as kvfs_mounts_table
+
 KVFS = [sys.executable, "-m", "cli"]
 Run = Callable[..., tuple[int, str, str]]
 
@@ -281,3 +283,27 @@ def test_targets_given_as_paths_on_the_mount(
     assert rc == 0 and json.loads(out)[0]["session"] == "agent-1"
     rc, out, _ = run("ls", "nothing-here", "--json", "--data", str(daemon.data))
     assert rc == 3  # (not a path on the mount: a session name, and there is none)
+
+
+def test_a_mountpoint_with_a_space_and_a_non_ascii_name(tmp_path: Path, run: Run) -> None:
+    """/proc/self/mountinfo escapes a space (\\040) and leaves UTF-8 as it is: paths on such
+    a mount still name its pages, and umount still sees that the mount is in use."""
+    root = tmp_path / "kv cache ü"
+    mp = root / "mnt ö"
+    mp.mkdir(parents=True)
+    d = DaemonMount([root / "data"], mp, root / "daemon.log")
+    try:
+        page = mp / "sessions" / "agent 1" / "p0" / "layer-000"
+        page.parent.mkdir(parents=True)
+        page.write_bytes(b"k" * 100)
+        rc, out, err = run("ls", str(page.parent.parent), "--json")
+        assert rc == 0, err
+        assert [p["path"] for p in json.loads(out)] == ["sessions/agent 1/p0/layer-000"]
+        with open(page, "rb"):
+            rc, _, err = run("umount", str(mp))
+            assert rc == 9 and "in use" in err
+        assert run("umount", str(mp))[0] == 0
+        assert d.proc.wait(timeout=30) == 0
+        assert str(mp) not in {m for m, _ in kvfs_mounts_table()}
+    finally:
+        d.stop()

@@ -1,0 +1,30 @@
+"""The mount table as the kernel gives it (``/proc/self/mountinfo``), with no other
+dependency: the daemon and the CLI both ask it which mounts exist."""
+
+from __future__ import annotations
+
+import os
+import re
+
+__all__ = ["mounts"]
+
+# The kernel writes a space, tab, newline and backslash in a path as a 3-digit octal escape.
+_ESCAPE = re.compile(rb"\\([0-7]{3})")
+
+
+def _unescape(field: bytes) -> str:
+    return os.fsdecode(_ESCAPE.sub(lambda m: bytes([int(m.group(1), 8)]), field))
+
+
+def mounts(path: str = "/proc/self/mountinfo") -> list[tuple[str, str]]:
+    """(mountpoint, file system type) of every mount this process sees, in table order.
+    Paths are decoded as the file system would (a space, a non-ASCII name)."""
+    out = []
+    with open(path, "rb") as f:
+        for line in f:
+            fields = line.split()
+            if b"-" not in fields[6:]:
+                continue
+            sep = fields.index(b"-", 6)
+            out.append((_unescape(fields[4]), os.fsdecode(fields[sep + 1])))
+    return out
