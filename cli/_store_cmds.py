@@ -519,7 +519,10 @@ def cmd_evict(args: argparse.Namespace) -> int:
                 )
             plan.append((t, kind, name))
         for t, kind, name in plan:
-            freed = store.evict(name) if kind == "page" else store.evict(session=name)
+            # what the archive lacks is uploaded first: the bytes as they go
+            with Progress(f"evict {t}", 1, fmt=fmt_bytes) as bar:
+                where = {"key": name} if kind == "page" else {"session": name}
+                freed = store.evict(**where, progress=_bytes_to(bar))
             results.append({"target": t, "kind": kind, "freed_bytes": freed})
     _emit(
         args,
@@ -530,6 +533,17 @@ def cmd_evict(args: argparse.Namespace) -> int:
         ],
     )
     return 0
+
+
+def _bytes_to(bar: Progress) -> Callable[[int, int], None]:
+    """A store's ``progress(bytes done, bytes in all)`` shown on ``bar``."""
+
+    def progress(done: int, total: int) -> None:
+        if total:  # nothing to move: no bar
+            bar.total = total
+            bar.update(done - bar.done)
+
+    return progress
 
 
 # -- spill / restore / fsck -----------------------------------------------------------
@@ -560,13 +574,7 @@ def cmd_spill_restore(args: argparse.Namespace) -> int:
             t0 = time.perf_counter()
             # and the page bytes of each session as they are archived or come back
             with Progress(f"{args.op} {s}", 1, fmt=fmt_bytes) as pages:
-
-                def progress(done: int, total: int, pages: Progress = pages) -> None:
-                    if total:  # nothing to move: no bar
-                        pages.total = total
-                        pages.update(done - pages.done)
-
-                n = getattr(store, args.op)(s, progress=progress)
+                n = getattr(store, args.op)(s, progress=_bytes_to(pages))
             results.append(
                 {"session": s, "bytes": n, "seconds": round(time.perf_counter() - t0, 3)}
             )

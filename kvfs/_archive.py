@@ -520,7 +520,12 @@ class ArchivingPolicy(TieringPolicy):
     def evict_blob(self, blob: BlobRow, reason: str) -> int:
         return self.evict_blobs([blob], reason)[0]
 
-    def evict_blobs(self, blobs: list[BlobRow], reason: str) -> list[int]:
+    def evict_blobs(
+        self,
+        blobs: list[BlobRow],
+        reason: str,
+        progress: Callable[[int, int], None] | None = None,
+    ) -> list[int]:
         """Upload what is not archived yet, write the manifests that do not name these
         contents yet (see :meth:`Spiller.name_in_manifests`), then drop the local copies.
         Bytes freed per blob: 0 where the archive cannot take it (its data stays local,
@@ -529,11 +534,21 @@ class ArchivingPolicy(TieringPolicy):
         hashes = [b.hash for b in blobs]
         started = time.monotonic()
 
+        todo = {b.hash: b.size for b in blobs if not b.archived}
+        total, archived = sum(todo.values()), 0
+
+        def done(hs: list[bytes]) -> None:
+            nonlocal archived
+            archived += sum(todo[h] for h in hs)
+            if progress is not None:
+                progress(archived, total)
+
         async def archive() -> None:
             fresh: set[bytes] = set()
-            todo = [b.hash for b in blobs if not b.archived]
             if todo:
-                await self.upload_many(todo, fresh=fresh)
+                if progress is not None:
+                    progress(0, total)
+                await self.upload_many(list(todo), fresh=fresh, done=done)
             await self.spiller.name_in_manifests(hashes, fresh, started)
 
         try:

@@ -253,7 +253,7 @@ def _log_done(method: str, args: list[Any], kwargs: dict[str, Any], result: Any,
 
 
 def _target(args: list[Any], kwargs: dict[str, Any]) -> str:
-    if args:
+    if args and args[0] is not None:
         return str(args[0])
     return str(kwargs.get("session") or kwargs.get("key") or "-")
 
@@ -350,7 +350,7 @@ def _recv_sync(s: socket.socket, n: int) -> bytearray:
 
 #: long operations whose caller may ask for progress frames (their engine method takes a
 #: ``progress(done, total)`` callback: contents checked, page bytes archived or restored)
-_WITH_PROGRESS = ("fsck", "spill", "restore")
+_WITH_PROGRESS = ("fsck", "spill", "restore", "evict")
 
 
 async def _with_progress(

@@ -609,13 +609,16 @@ class Engine:
         *,
         session: str | None = None,
         reason: str = "manual",
+        progress: Callable[[int, int], None] | None = None,
     ) -> int:
         """Drop local copies of one page or a whole session by policy. Returns bytes freed.
 
         Pinned and leased data is skipped. Without an archive tier this deletes the pages.
+        With one, what it lacks is uploaded first: ``progress(page bytes archived, page bytes
+        to archive)`` as uploads finish (not called when nothing needs uploading).
         """
         self._check_open()
-        return _maint.evict(self, target, session, reason)
+        return _maint.evict(self, target, session, reason, progress)
 
     # -- archive tier (kvfs/_archive.py) ---------------------------------------------
     def _archive(self):  # type: ignore[no-untyped-def]  # -> ArchivingPolicy

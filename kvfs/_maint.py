@@ -12,6 +12,7 @@ from __future__ import annotations
 import builtins
 import dataclasses
 import os
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from ._aligned import aligned_buffer
@@ -108,7 +109,13 @@ def rename(eng: Engine, s: PageKey, d: PageKey) -> None:
 
 
 # -- eviction -----------------------------------------------------------------------------
-def evict(eng: Engine, target: PageKey | str | None, session: str | None, reason: str) -> int:
+def evict(
+    eng: Engine,
+    target: PageKey | str | None,
+    session: str | None,
+    reason: str,
+    progress: Callable[[int, int], None] | None = None,
+) -> int:
     if session is not None:
         d = eng.resolve_session(session)
         if eng.index.session(d) is None:
@@ -125,7 +132,7 @@ def evict(eng: Engine, target: PageKey | str | None, session: str | None, reason
     with eng._evict_lock:
         blobs = [b for b in map(eng.index.blob, sorted(hashes)) if b is not None and b.local]
         blobs = [b for b in blobs if b.hash in evictable and not eng.is_leased(b.hash)]
-        return sum(eng.policy.evict_blobs(blobs, reason)) if blobs else 0
+        return sum(eng.policy.evict_blobs(blobs, reason, progress)) if blobs else 0
 
 
 # -- statistics ---------------------------------------------------------------------------

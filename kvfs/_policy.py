@@ -8,6 +8,7 @@ archive tier, evicting a blob deletes the pages that share it. The archive tier 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from ._index import BlobRow, PageRow
@@ -60,8 +61,14 @@ class TieringPolicy:
             freed += sum(got)
         return freed
 
-    def evict_blobs(self, blobs: list[BlobRow], reason: str) -> list[int]:
-        """Evict several blobs at once; the bytes each freed (0: that one was not evicted)."""
+    def evict_blobs(
+        self,
+        blobs: list[BlobRow],
+        reason: str,
+        progress: Callable[[int, int], None] | None = None,
+    ) -> list[int]:
+        """Evict several blobs at once; the bytes each freed (0: that one was not evicted).
+        ``progress(bytes archived, bytes to archive)`` where copies are archived first."""
         return [self.evict_blob(b, reason) for b in blobs]
 
     def evict_blob(self, blob: BlobRow, reason: str) -> int:

@@ -185,6 +185,20 @@ class SyncRemoteStore(_Api):
         bytes to restore) as the daemon reports them (a few times a second)."""
         return self._long("restore", session, progress)
 
+    def evict(  # type: ignore[override]
+        self,
+        key: KeyLike | None = None,
+        *,
+        session: str | None = None,
+        progress: Callable[[int, int], None] | None = None,
+    ) -> Any:
+        """As ``SyncStore.evict``; with ``progress``, it is called with (page bytes archived,
+        page bytes to archive) as the daemon reports them."""
+        k = None if key is None else _k(key)
+        if progress is None:
+            return self._call("evict", k, session=session)
+        return self._call("evict", k, session=session, progress=True, on_progress=progress)
+
     def _long(self, method: str, session: str, progress: Callable[[int, int], None] | None) -> Any:
         if progress is None:
             return self._call(method, session)

@@ -125,8 +125,17 @@ class Store:
     async def unpin_session(self, session: str) -> None:
         await self._run(self._engine.pin_session, session, False)
 
-    async def evict(self, key: KeyLike | None = None, *, session: str | None = None) -> int:
-        return await self._run(self._engine.evict, key, session=session)
+    async def evict(
+        self,
+        key: KeyLike | None = None,
+        *,
+        session: str | None = None,
+        progress: Callable[[int, int], None] | None = None,
+    ) -> int:
+        """Drop local copies (see Engine.evict); ``progress`` is called from a thread."""
+        return await self._run(
+            functools.partial(self._engine.evict, key, session=session, progress=progress)
+        )
 
     async def fsck(self, *, repair: bool = False) -> dict[str, builtins.list[str]]:
         return await self._run(self._engine.fsck, repair=repair)
@@ -306,8 +315,14 @@ class SyncStore:
     def unpin_session(self, session: str) -> None:
         self._engine.pin_session(session, False)
 
-    def evict(self, key: KeyLike | None = None, *, session: str | None = None) -> int:
-        return self._engine.evict(key, session=session)
+    def evict(
+        self,
+        key: KeyLike | None = None,
+        *,
+        session: str | None = None,
+        progress: Callable[[int, int], None] | None = None,
+    ) -> int:
+        return self._engine.evict(key, session=session, progress=progress)
 
     def fsck(self, *, repair: bool = False) -> dict[str, builtins.list[str]]:
         return self._engine.fsck(repair=repair)

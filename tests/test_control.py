@@ -350,6 +350,43 @@ async def test_spill_and_restore_progress_over_the_channel(
         n.cancel_scope.cancel()
 
 
+async def test_evict_progress_over_the_channel_and_in_process(
+    make_config: MakeConfig, tmp_path: Path
+) -> None:
+    """``kvfs evict`` uploads what the archive lacks before dropping the local copies: it
+    reports those bytes as they go, through a daemon and in-process; content already
+    archived is dropped with no upload and no progress."""
+    sock = tmp_path / "e.sock"
+    cfg = make_config(archive_url=f"file://{tmp_path}/arch", extra={"archive": {"interval": 0}})
+    async with kvfs.open_store(cfg) as store, trio.open_nursery() as n:
+        await n.start(control_service, store, sock)
+        for s in ("a", "b"):
+            for i in range(4):
+                await store.put(f"sessions/{s}/p/layer-{i:03d}", os.urandom(50_000 + i))
+        total = sum(50_000 + i for i in range(4))
+        remote: list[tuple[int, int]] = []
+        again: list[tuple[int, int]] = []
+
+        def evict_remotely() -> tuple[int, int]:
+            r = SyncRemoteStore(sock)
+            try:
+                freed = int(r.evict(session="a", progress=lambda d, t: remote.append((d, t))))
+                return freed, int(r.evict(session="a", progress=lambda d, t: again.append((d, t))))
+            finally:
+                r.close()
+
+        freed, freed_again = await trio.to_thread.run_sync(evict_remotely)
+        assert freed >= total and freed_again == 0  # (disk bytes: 4 KiB blocks)
+        assert remote and remote[-1] == (total, total)  # (the latest, ten times a second)
+        assert again == []  # nothing left to upload (or to drop)
+        local: list[tuple[int, int]] = []
+        key = "sessions/b/p/layer-002"
+        assert await store.evict(key, progress=lambda d, t: local.append((d, t))) >= 50_002
+        assert local == [(0, 50_002), (50_002, 50_002)]
+        assert await store.get(key) and (await store.session_info("a")).local_bytes == 0
+        n.cancel_scope.cancel()
+
+
 def test_journald_lines_carry_the_event_fields(tmp_path: Path) -> None:
     """The journald handler speaks the native protocol (checked on a socket of our own)."""
     from kvfs._events import log_event
