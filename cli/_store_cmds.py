@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import kvfs
+from kvfs._remote import SyncRemoteStore
 
 from ._target import add_store_flags, open_target
 from ._util import (
@@ -64,6 +65,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "stats",
         help="capacity, use, hits and misses, traffic, spill queue, restore latency, evictions",
+        description="Tiers: local HITS are reads served from the local tier, MISSES reads "
+        "that had to restore from the archive; archive HITS are pages restored, MISSES "
+        "restores refused because the object failed its checksum. READ and WRITTEN are page "
+        "bytes read and written (for the archive: restored and spilled). The counters are "
+        "the daemon's since it started, or this command's own when no daemon runs.",
     )
     p.add_argument(
         "--watch",
@@ -313,11 +319,13 @@ def _ls_sessions(args: argparse.Namespace, sessions: list[kvfs.SessionInfo]) -> 
 
 
 # -- stats ----------------------------------------------------------------------------
-def render_stats(st: kvfs.StoreStatistics) -> str:
+def _rate(hits: int, misses: int) -> str:
+    return f"{100 * hits / (hits + misses):.1f}%" if hits + misses else "-"
+
+
+def render_stats(st: kvfs.StoreStatistics, *, own_counters: bool = False) -> str:
     """``kvfs stats`` as text: devices, tiers, hits and misses, traffic, archive, evictions."""
     out: list[str] = []
-    lookups = st.hits + st.misses
-    rate = f"{100 * st.hits / lookups:.1f}%" if lookups else "-"
     cap = fmt_bytes(st.capacity_bytes) if st.capacity_bytes else "disk"
     out.append(
         f"local tier: {fmt_bytes(st.used_bytes)} used of {cap} "
@@ -340,7 +348,7 @@ def render_stats(st: kvfs.StoreStatistics) -> str:
                 "local",
                 st.hits,
                 st.misses,
-                rate,
+                _rate(st.hits, st.misses),
                 fmt_bytes(st.bytes_read),
                 fmt_bytes(st.bytes_written),
             ],
@@ -349,8 +357,8 @@ def render_stats(st: kvfs.StoreStatistics) -> str:
                     [
                         "archive",
                         a.get("blobs_restored", 0),
-                        a.get("corrupt_objects", 0) + a.get("errors", 0),
-                        "-",
+                        a.get("corrupt_objects", 0),
+                        _rate(a.get("blobs_restored", 0), a.get("corrupt_objects", 0)),
                         fmt_bytes(a.get("bytes_restored", 0)),
                         fmt_bytes(a.get("bytes_spilled", 0)),
                     ]
@@ -365,6 +373,7 @@ def render_stats(st: kvfs.StoreStatistics) -> str:
     out.append(
         f"puts {st.puts} (deduplicated {st.dedup_puts}), gets {st.gets}, "
         f"corrupt reads {st.corrupt_reads}"
+        + (" (this command's own counts: no daemon is running)" if own_counters else "")
     )
     if arch:
 
@@ -381,7 +390,8 @@ def render_stats(st: kvfs.StoreStatistics) -> str:
             kept += f", hosts retired {a['hosts_retired']}"
         out.append(
             f"archive {a.get('url')}: spill queue {a.get('spill_queue', 0)}, sessions "
-            f"spilled {a.get('sessions_spilled', 0)}, {kept}, restore latency p50 "
+            f"spilled {a.get('sessions_spilled', 0)}, {kept}, background errors "
+            f"{a.get('errors', 0)}, restore latency p50 "
             f"{sec(a.get('restore_p50_s'))} p99 {sec(a.get('restore_p99_s'))}"
         )
     else:
@@ -403,7 +413,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
                     sys.stdout.write("\x1b[H\x1b[2J")
                 if args.watch:
                     print(time.strftime("%H:%M:%S"))
-                print(render_stats(st))
+                print(render_stats(st, own_counters=not isinstance(store, SyncRemoteStore)))
             sys.stdout.flush()
             n += 1
             if not args.watch or (args.count and n >= args.count):

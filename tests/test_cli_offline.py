@@ -80,6 +80,26 @@ def test_stats_table_and_json(run: Run, tmp_path: Path) -> None:
     assert rc == 0 and out.count("DEVICE") == 2
 
 
+def test_stats_tiers_say_what_they_count() -> None:
+    """Archive hits are pages restored and misses restores refused (a corrupt object);
+    background failures are their own figure; counts of a command with no daemon say so."""
+    from cli._store_cmds import render_stats
+
+    st = kvfs.StoreStatistics(
+        capacity_bytes=0, used_bytes=0, reserved_bytes=0, pages=0, sessions=0, local_blobs=0,
+        local_bytes=0, logical_bytes=0, puts=0, dedup_puts=0, gets=4, hits=1, misses=3,
+        corrupt_reads=1, bytes_written=0, bytes_read=0,
+        extra={"archive": {"url": "file:///a", "blobs_restored": 3, "corrupt_objects": 1,
+                           "errors": 5, "bytes_restored": 3 << 20}},
+    )  # fmt: skip
+    rows = {x.split()[0]: x.split()[1:] for x in render_stats(st).splitlines() if ":" not in x}
+    assert rows["local"][:3] == ["1", "3", "25.0%"]
+    assert rows["archive"][:5] == ["3", "1", "75.0%", "3.0", "MiB"]
+    assert "background errors 5" in render_stats(st)
+    assert "this command's own counts" not in render_stats(st)
+    assert "this command's own counts" in render_stats(st, own_counters=True)
+
+
 def test_pin_unpin_rm(run: Run, tmp_path: Path) -> None:
     d = data(tmp_path)
     (tmp_path / "f").write_bytes(b"z" * 100)
