@@ -208,21 +208,27 @@ class Progress:
         self.done = 0
         self._last = 0.0
         self._shown = False
+        self._drawn = 0
 
     def update(self, n: int = 1) -> None:
         self.done += n
         now = time.monotonic()
         if self.enabled and (now - self._last > 0.1 or self.done >= self.total):
             self._last = now
-            self._shown = True
-            frac = min(1.0, self.done / self.total)
-            bar = "#" * int(frac * 30)
-            sys.stderr.write(
-                f"\r{self.label} [{bar:<30}] {self.fmt(self.done)}/{self.fmt(self.total)}{self.unit}"
-            )
-            sys.stderr.flush()
+            self._draw()
+
+    def _draw(self) -> None:
+        self._shown, self._drawn = True, self.done
+        frac = min(1.0, self.done / self.total)
+        bar = "#" * int(frac * 30)
+        sys.stderr.write(
+            f"\r{self.label} [{bar:<30}] {self.fmt(self.done)}/{self.fmt(self.total)}{self.unit}"
+        )
+        sys.stderr.flush()
 
     def close(self) -> None:
+        if self._shown and self._drawn != self.done:  # where it stopped (an error, say)
+            self._draw()
         if self._shown:
             sys.stderr.write("\n")
             sys.stderr.flush()

@@ -1041,7 +1041,10 @@ class ArchivingPolicy(TieringPolicy):
         except CapacityExceeded as e:
             u = self.engine.index.session_usage(d)
             why = str(e)
-            if why.startswith("no room for"):  # (it counts this restore's own downloads as
+            cap = self.engine.capacity
+            if u["bytes"] > cap:  # its own restored pages are what fills the cap
+                why = f"the session is larger than the whole capacity ({cap} bytes): raise it"
+            elif why.startswith("no room for"):  # (it counts this restore's own downloads as
                 # "writes in flight": say what the user can do instead)
                 why = (
                     f"the capacity ({self.engine.capacity} bytes) is held by what is pinned, "

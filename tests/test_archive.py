@@ -679,6 +679,7 @@ def test_a_session_larger_than_the_capacity_restores_what_fits(
         ) as ei:
             s.restore("big")
         assert "in flight" not in str(ei.value) and "raise it" in str(ei.value)
+        assert "larger than the whole capacity" in str(ei.value)  # (nothing else holds it)
         local = [k for k in data if s.stat(k).tier == "local+archive"]
         assert 0 < len(local) < 8
         assert s.statistics().reserved_bytes == 0
