@@ -39,6 +39,19 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+#: libraries whose debug logs print request headers: the session token (``X-Amz-Security-
+#: Token``) and signatures among them. kvfs logs its own S3 retries under ``objectstore``.
+_CHATTY = ("botocore", "boto3", "s3transfer", "urllib3")
+
+
+def quiet_third_party_loggers() -> None:
+    """Keep the S3 libraries at INFO or above even with ``--debug``: credentials are never
+    logged."""
+    for name in _CHATTY:
+        lg = logging.getLogger(name)
+        lg.setLevel(max(lg.getEffectiveLevel(), logging.INFO))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -46,6 +59,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=logging.DEBUG if args.debug else logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    quiet_third_party_loggers()
     try:
         rc = args.func(args)
         return int(rc or 0)

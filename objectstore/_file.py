@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import os
+import stat
 import uuid
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -79,8 +80,19 @@ class FileStore(ObjectStore):
         await self._call(prepare, "open")
         return self
 
-    def _path(self, key: str) -> Path:
+    def _check_root(self) -> None:
+        """Called on a miss: a missing object in a missing archive directory (unmounted,
+        deleted) is the archive being unavailable, not the object being absent."""
+        if not self.root.is_dir():
+            raise ArchiveUnavailable(f"archive directory {self.root} does not exist (any more)")
+
+    def _path(self, key: str, *, writing: bool = False) -> Path:
         check_key(key)
+        if writing and any(len(os.fsencode(p)) > 255 for p in key.split("/")):
+            raise ValueError(
+                f"object key {key[:60]!r}... has a component over 255 bytes, longer than a "
+                "file name in a file:// archive"
+            )
         if key.split("/", 1)[0] == TMP:
             raise ValueError(f"object key {key!r} uses the reserved name {TMP!r}")
         return self.root / key
@@ -108,6 +120,11 @@ class FileStore(ObjectStore):
             try:
                 f = open(path, "rb")  # noqa: SIM115 - closed below
             except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+                self._check_root()
+                raise ObjectNotFound(f"no object {key!r} in {self.url}") from None
+            except OSError as e:
+                if e.errno != errno.ENAMETOOLONG:  # too long to be a file: never stored
+                    raise
                 raise ObjectNotFound(f"no object {key!r} in {self.url}") from None
             with f:
                 if into is None:
@@ -129,7 +146,7 @@ class FileStore(ObjectStore):
         return await self._call(read, f"get {key}")
 
     async def put(self, key: str, data: bytes | memoryview, *, if_absent: bool = False) -> bool:
-        path = self._path(key)
+        path = self._path(key, writing=True)
 
         def publish(tmp: Path) -> bool:
             if if_absent:
@@ -168,17 +185,22 @@ class FileStore(ObjectStore):
         return await self._call(write, f"put {key}")
 
     async def exists(self, key: str) -> bool:
-        path = self._path(key)
-        return await self._call(path.is_file, f"exists {key}")
+        return await self.modified(key) is not None
 
     async def modified(self, key: str) -> float | None:
         path = self._path(key)
 
         def mtime() -> float | None:
             try:
-                return path.stat().st_mtime
+                st = path.stat()
             except (FileNotFoundError, NotADirectoryError):
+                self._check_root()
                 return None
+            except OSError as e:
+                if e.errno != errno.ENAMETOOLONG:
+                    raise
+                return None
+            return st.st_mtime if stat.S_ISREG(st.st_mode) else None
 
         return await self._call(mtime, f"stat {key}")
 
@@ -189,6 +211,11 @@ class FileStore(ObjectStore):
             try:
                 path.unlink()
             except (FileNotFoundError, NotADirectoryError):
+                self._check_root()
+                return
+            except OSError as e:
+                if e.errno != errno.ENAMETOOLONG:
+                    raise
                 return
             # Drop directories the delete left empty (never the root).
             parent = path.parent
@@ -205,6 +232,7 @@ class FileStore(ObjectStore):
         def walk() -> list[str]:
             # Only the directory the prefix names is walked (``gc/`` does not read ``blobs/``).
             base = prefix.rpartition("/")[0]
+            self._check_root()
             out = []
             for dirpath, dirnames, filenames in os.walk(os.path.join(self.root, base)):
                 rel = os.path.relpath(dirpath, self.root)

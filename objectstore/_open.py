@@ -9,7 +9,9 @@ URL forms::
 Query parameters and keyword options are the same names (keywords win): ``endpoint`` (or
 ``endpoint_url``), ``region``, ``addressing`` (auto/path/virtual), ``profile``,
 ``deadline`` (seconds the retry helper keeps trying), ``open_deadline``,
-``multipart_threshold``, ``part_size``. Credentials never go in the URL.
+``multipart_threshold``, ``part_size``; for ``file://``, ``create`` and ``durable``
+(true/false). An unknown option is an error. Credentials never go in the URL, nor in the
+endpoint's.
 """
 
 from __future__ import annotations
@@ -26,6 +28,18 @@ __all__ = ["open_objectstore", "parse_url"]
 
 _INT = {"multipart_threshold", "part_size", "max_connections"}
 _FLOAT = {"deadline", "open_deadline", "connect_timeout", "read_timeout"}
+_BOOL = {"create", "durable"}
+
+
+def _bool(name: str, v: object) -> bool:
+    if isinstance(v, bool):
+        return v
+    s = str(v).strip().lower()
+    if s in ("1", "true", "yes", "on"):
+        return True
+    if s in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"option {name} must be true or false, not {v!r}")
 
 
 def parse_url(url: str) -> tuple[str, str, dict[str, Any]]:
@@ -67,20 +81,21 @@ async def open_objectstore(url: str, *, verify: bool = True, **opts: Any) -> Obj
     if "endpoint" in merged:
         merged["endpoint_url"] = merged.pop("endpoint")
     for k in list(merged):
-        if k in _INT:
-            merged[k] = int(merged[k])
-        elif k in _FLOAT:
-            merged[k] = float(merged[k])
+        if k in _INT or k in _FLOAT:
+            try:
+                merged[k] = (int if k in _INT else float)(merged[k])
+            except (TypeError, ValueError):
+                raise ValueError(f"option {k} must be a number, not {merged[k]!r}") from None
+        elif k in _BOOL:
+            merged[k] = _bool(k, merged[k])
     deadline = merged.pop("deadline", None)
     backoff = Backoff(deadline=deadline) if deadline is not None else None
     if scheme == "file":
         merged.pop("prefix", None)
-        return await FileStore.open(
-            where,
-            backoff=backoff,
-            sweep=verify,
-            **{k: v for k, v in merged.items() if k in ("create", "durable")},
-        )
+        unknown = set(merged) - {"create", "durable"}
+        if unknown:
+            raise ValueError(f"unknown file:// option(s): {', '.join(sorted(unknown))}")
+        return await FileStore.open(where, backoff=backoff, sweep=verify, **merged)
     known = {
         "prefix",
         "endpoint_url",

@@ -1,9 +1,10 @@
 """S3-compatible object store over boto3 (AWS, MinIO, Ceph RGW, moto...).
 
 Credentials come from boto3's standard chain (environment, shared config/credentials files
-and profiles, container and instance metadata); kvfs never reads, logs or prints them.
-botocore's own retries are switched off so that the one helper in :mod:`._retry` decides,
-with backoff, jitter and a deadline. Every boto3 call runs in a worker thread.
+and profiles, container and instance metadata); kvfs never reads, logs or prints them, and
+refuses an endpoint URL that carries any (``http://user:secret@host``). botocore makes one
+attempt per call (``total_max_attempts=1``) so that the one helper in :mod:`._retry`
+decides, with backoff, jitter and a deadline. Every boto3 call runs in a worker thread.
 """
 
 from __future__ import annotations
@@ -13,11 +14,13 @@ import contextlib
 import functools
 from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
+from urllib.parse import unquote, urlsplit
 
 import boto3
 import botocore.config
 import botocore.exceptions as bce
 import trio
+import urllib3.exceptions
 
 from kvfs._errors import ArchiveUnavailable
 
@@ -77,6 +80,11 @@ def is_temporary(e: BaseException) -> bool:
             bce.ConnectTimeoutError,
             bce.ReadTimeoutError,
             bce.HTTPClientError,
+            # a response body cut off mid-stream (connection reset, short read, stall)
+            bce.ResponseStreamingError,
+            bce.IncompleteReadError,
+            urllib3.exceptions.ProtocolError,
+            urllib3.exceptions.ReadTimeoutError,
             ConnectionError,
             TimeoutError,
         ),
@@ -85,6 +93,26 @@ def is_temporary(e: BaseException) -> bool:
     if isinstance(e, bce.ClientError):
         return _code(e) in _TEMP_CODES or _status(e) >= 500 or _status(e) == 429
     return False
+
+
+def check_endpoint(url: str) -> None:
+    """Refuse an endpoint URL that is not ``http(s)://host[:port][/path]`` or that carries
+    credentials: they would be printed wherever the endpoint is (errors, ``kvfs stats``),
+    and botocore would not use them anyway. The message never repeats the URL."""
+    try:
+        u = urlsplit(url)
+        u.port  # noqa: B018 - raises ValueError for a malformed port
+    except ValueError as e:
+        raise ValueError(f"the S3 endpoint is not a valid URL ({e})") from None
+    if "@" in unquote(u.netloc):
+        raise ValueError(
+            "the S3 endpoint may not carry credentials (user:secret@host); use the standard "
+            "chain (environment, ~/.aws, instance role)"
+        )
+    if u.scheme not in ("http", "https") or not u.hostname:
+        raise ValueError(
+            f"the S3 endpoint must be http://HOST[:PORT] or https://HOST[:PORT], not {url!r}"
+        )
 
 
 class S3Store(ObjectStore):
@@ -138,20 +166,23 @@ class S3Store(ObjectStore):
             raise ValueError(f"addressing must be auto, path or virtual, not {addressing!r}")
         if part_size < 5 * MiB or multipart_threshold < part_size:
             raise ValueError("part_size must be >= 5 MiB and multipart_threshold >= part_size")
-        cfg = botocore.config.Config(
-            s3={"addressing_style": addressing},
-            retries={"max_attempts": 1, "mode": "standard"},
-            connect_timeout=connect_timeout,
-            read_timeout=read_timeout,
-            max_pool_connections=max_connections,
-        )
+        if endpoint_url is not None:
+            check_endpoint(endpoint_url)
 
-        def make() -> Any:
+        def make(read_timeout: float) -> Any:
+            cfg = botocore.config.Config(
+                s3={"addressing_style": addressing},
+                # one attempt per call: ``retry`` below is the only retry loop
+                retries={"total_max_attempts": 1, "mode": "standard"},
+                connect_timeout=min(connect_timeout, read_timeout),
+                read_timeout=read_timeout,
+                max_pool_connections=max_connections,
+            )
             session = boto3.session.Session(profile_name=profile, region_name=region)
             return session.client("s3", endpoint_url=endpoint_url, config=cfg)
 
         try:
-            client = await trio.to_thread.run_sync(make)
+            client = await trio.to_thread.run_sync(make, read_timeout)
         except (bce.ProfileNotFound, ValueError) as e:
             raise ArchiveUnavailable(f"cannot configure S3 client: {e}") from e
         self = cls(
@@ -166,9 +197,14 @@ class S3Store(ObjectStore):
         if not verify:
             return self
         where = f"bucket {bucket!r}" + (f" at {endpoint_url}" if endpoint_url else "")
+        # The check gives up after about ``open_deadline`` even on an endpoint that accepts
+        # connections and never answers: its client waits at most that long for a reply.
+        checker = client
+        if open_deadline < read_timeout:
+            checker = await trio.to_thread.run_sync(make, max(open_deadline, 0.1))
         try:
             await retry(
-                lambda: self._thread(client.head_bucket, Bucket=bucket),
+                lambda: self._thread(checker.head_bucket, Bucket=bucket),
                 is_temporary=is_temporary,
                 what=f"checking {where}",
                 backoff=Backoff(self.backoff.base, self.backoff.cap, open_deadline),
@@ -183,9 +219,12 @@ class S3Store(ObjectStore):
                 "chain (environment, config files, instance role)"
             ) from e
         except bce.ClientError as e:
-            raise self._permanent(e, f"checking {where}") from e
+            raise self._permanent(e, "checking the bucket") from e
         except bce.BotoCoreError as e:
             raise ArchiveUnavailable(f"cannot use {where}: {e}") from e
+        finally:
+            if checker is not client:
+                await trio.to_thread.run_sync(checker.close)
         return self
 
     def at_prefix(self, prefix: str) -> S3Store:
@@ -209,8 +248,7 @@ class S3Store(ObjectStore):
             why = f"access to bucket {self.bucket!r} denied ({code or status}); check credentials and policy"
         else:
             why = f"{code or status}: {e.response.get('Error', {}).get('Message', '')}".strip()
-        where = f" at {self.endpoint}" if self.endpoint else ""
-        return ArchiveUnavailable(f"{what}{where}: {why}")
+        return ArchiveUnavailable(f"{what} on {self.url}: {why}")
 
     @staticmethod
     async def _thread(fn: Callable[..., T], *args: Any, **kw: Any) -> T:
@@ -235,8 +273,13 @@ class S3Store(ObjectStore):
     async def get(self, key: str, *, into: memoryview | bytearray | None = None) -> bytes | int:
         def fetch() -> bytes:
             r = self._client.get_object(Bucket=self.bucket, Key=self._key(key))
-            with r["Body"] as body:
+            body = r["Body"]
+            try:
+                # A body cut off mid-stream raises here (urllib3 or botocore errors, all
+                # temporary): the whole GET is retried.
                 return body.read()
+            finally:
+                body.close()
 
         try:
             data = await self._call(f"get {key}", fetch)
@@ -348,7 +391,7 @@ class S3Store(ObjectStore):
                 f"delete {key}", self._client.delete_object, Bucket=self.bucket, Key=self._key(key)
             )
         except bce.ClientError as e:
-            if _status(e) != 404:
+            if _status(e) != 404 or _code(e) == "NoSuchBucket":
                 raise self._permanent(e, f"delete {key}") from e
 
     async def list(self, prefix: str = "") -> AsyncIterator[str]:  # type: ignore[override]

@@ -104,7 +104,9 @@ def _port_outside_ephemeral_range() -> int:
 class TcpProxy:
     """Forward 127.0.0.1:<port> to a target; ``down()`` refuses and cuts connections,
     ``up()`` serves again on the same port, ``delay`` sleeps per forwarded chunk;
-    ``sent`` counts the bytes forwarded from clients to the target."""
+    ``sent`` counts the bytes forwarded from clients to the target; ``cut_responses(n,
+    times)`` closes the next ``times`` connections whose response passes ``n`` bytes right
+    there (a body dropped mid-stream)."""
 
     def __init__(self, target: tuple[str, int], delay: float = 0.0) -> None:
         self.target = target
@@ -113,6 +115,7 @@ class TcpProxy:
         self._conns: list[socket.socket] = []
         self._listener: socket.socket | None = None
         self.sent = 0
+        self._cut = (0, 0)  # (after this many response bytes, this many more times)
         self.port = _port_outside_ephemeral_range()
         self.up()
 
@@ -127,6 +130,10 @@ class TcpProxy:
         s.listen(64)
         self._listener = s
         threading.Thread(target=self._accept, args=(s,), daemon=True).start()
+
+    def cut_responses(self, after: int, times: int = 1) -> None:
+        with self._lock:
+            self._cut = (after, times)
 
     def down(self) -> None:
         with self._lock:
@@ -162,6 +169,7 @@ class TcpProxy:
             threading.Thread(target=self._pipe, args=(u, c), daemon=True).start()
 
     def _pipe(self, a: socket.socket, b: socket.socket, upstream: bool = False) -> None:
+        forwarded = 0
         try:
             while True:
                 data = a.recv(65536)
@@ -169,6 +177,16 @@ class TcpProxy:
                     break
                 if self.delay:
                     time.sleep(self.delay)
+                if not upstream:
+                    with self._lock:
+                        after, times = self._cut
+                        cut = times > 0 and forwarded + len(data) > after
+                        if cut:
+                            self._cut = (after, times - 1)
+                    if cut:
+                        b.sendall(data[: after - forwarded])
+                        break
+                    forwarded += len(data)
                 b.sendall(data)
                 if upstream:
                     with self._lock:

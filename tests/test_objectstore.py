@@ -4,6 +4,8 @@ errors a bad endpoint, a missing bucket and denied access give."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -170,8 +172,117 @@ async def test_bad_keys(store: ObjectStore, bad: str) -> None:
 
 # -- errors naming the cause -------------------------------------------------------------
 async def test_missing_bucket_is_named(s3_server) -> None:  # noqa: ANN001
-    with pytest.raises(ArchiveUnavailable, match="does not exist"):
+    with pytest.raises(ArchiveUnavailable, match="does not exist") as ei:
         await open_objectstore(f"s3://no-such-bucket-kvfs?endpoint={s3_server.endpoint}")
+    assert str(ei.value).count(s3_server.endpoint) == 1  # named once, not once per layer
+
+
+async def test_a_vanished_archive_is_unavailable_not_empty(tmp_path: Path, s3_server) -> None:  # noqa: ANN001
+    """A deleted archive directory or bucket read as an archive with nothing in it: every
+    restore then failed as a corrupt object, a listing showed no sessions, a delete
+    "succeeded"."""
+    import shutil
+
+    fs = await open_objectstore(f"file://{tmp_path / 'arch'}")
+    await fs.put("blobs/aa", b"x")
+    shutil.rmtree(tmp_path / "arch")
+    for op in (fs.get("blobs/aa"), fs.list_all("blobs/"), fs.exists("blobs/aa"), fs.delete("b")):
+        with pytest.raises(ArchiveUnavailable, match="does not exist"):
+            await op
+    bucket = s3_server.new_bucket()
+    s3 = await open_objectstore(f"s3://{bucket}?endpoint={s3_server.endpoint}")
+    async with s3:
+        await s3.put("blobs/aa", b"x")
+        s3_server.client().delete_object(Bucket=bucket, Key="blobs/aa")
+        s3_server.client().delete_bucket(Bucket=bucket)
+        for op in (s3.get("blobs/aa"), s3.list_all("blobs/"), s3.delete("blobs/aa")):
+            with pytest.raises(ArchiveUnavailable, match="does not exist"):
+                await op
+
+
+async def test_options_are_parsed_and_checked(tmp_path: Path) -> None:
+    # ``create=false`` arrived as the string "false", which is true: the directory was made.
+    with pytest.raises(ArchiveUnavailable, match="does not exist"):
+        await open_objectstore(f"file://{tmp_path / 'absent'}?create=false")
+    assert not (tmp_path / "absent").exists()
+    s = await open_objectstore(f"file://{tmp_path / 'a'}?durable=no")
+    assert isinstance(s, FileStore) and s.durable is False
+    for url, match in [
+        (f"file://{tmp_path}/a?durable=maybe", "durable must be true or false"),
+        (f"file://{tmp_path}/a?endpoint=http://x", "unknown file:// option"),
+        ("s3://b?part_size=big", "part_size must be a number"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            await open_objectstore(url)
+
+
+@pytest.mark.parametrize(
+    "endpoint",
+    ["http://AKIAKEY:topsecret@127.0.0.1:9000", "http://topsecret%40127.0.0.1:9000", "ftp://x"],
+)
+async def test_an_endpoint_with_credentials_is_refused(endpoint: str) -> None:
+    with pytest.raises(ValueError, match="S3 endpoint") as ei:
+        await open_objectstore("s3://b", endpoint=endpoint)
+    if "topsecret" in endpoint:
+        assert "topsecret" not in str(ei.value) and "credentials" in str(ei.value)
+
+
+def test_debug_logs_never_show_credentials(s3_server, tmp_path: Path) -> None:  # noqa: ANN001
+    """``kvfs --debug`` turned on botocore's debug log, which prints request headers: the
+    session token among them."""
+    env = {
+        **os.environ,
+        "AWS_SESSION_TOKEN": "kvfs-test-session-token-5e1f",
+        "PYTHONPATH": str(Path(__file__).resolve().parents[1]),
+    }
+    (tmp_path / "f").write_bytes(b"page" * 1000)
+    where = ["--data", str(tmp_path / "d"), "--archive"]
+    where.append(f"s3://{s3_server.new_bucket()}?endpoint={s3_server.endpoint}")
+    err = ""
+    for cmd in (["put", "f", "sessions/a/p/layer-000"], ["spill", "a"], ["restore", "a"]):
+        r = subprocess.run(
+            [sys.executable, "-m", "cli", "--debug", *cmd, *where],
+            capture_output=True,
+            text=True,
+            env=env,
+            cwd=tmp_path,
+        )
+        assert r.returncode == 0, r.stderr
+        err += r.stderr
+    assert " DEBUG kvfs" in err  # the debug log was on
+    assert "kvfs-test-session-token-5e1f" not in err
+
+
+async def test_a_body_cut_off_mid_stream_is_retried(s3_server, proxy) -> None:  # noqa: ANN001
+    """A GET whose body the connection dropped raised urllib3's or botocore's own error,
+    which nothing retried or named."""
+    bucket = s3_server.new_bucket()
+    data = os.urandom(MiB)
+    async with (
+        await open_objectstore(f"s3://{bucket}?endpoint={s3_server.endpoint}") as direct,
+        await open_objectstore(f"s3://{bucket}?endpoint={proxy.endpoint}", deadline=3) as s,
+    ):
+        await direct.put("big", data)
+        proxy.cut_responses(after=100_000, times=2)
+        assert await s.get("big") == data
+        proxy.cut_responses(after=100_000, times=1_000_000)
+        with pytest.raises(ArchiveUnavailable, match="still failing"):
+            await s.get("big")
+
+
+async def test_an_endpoint_that_never_answers_gives_up_near_open_deadline() -> None:
+    """botocore retried once more on its own, each attempt waiting the whole read timeout
+    (60 s): a silent endpoint held ``kvfs mount`` for two minutes, not ``open_deadline``."""
+    import socket
+
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(16)  # the kernel accepts connections; nobody ever answers
+        port = listener.getsockname()[1]
+        start = trio.current_time()
+        with pytest.raises(ArchiveUnavailable, match="cannot reach"):
+            await open_objectstore(f"s3://b?endpoint=http://127.0.0.1:{port}", open_deadline=1)
+        assert trio.current_time() - start < 30  # was 120 s; about 1-2 s now
 
 
 async def test_bad_endpoint_is_named() -> None:
