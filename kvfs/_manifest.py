@@ -4,7 +4,8 @@ Bucket (or directory) layout under the configured prefix::
 
     blobs/<checksum hex>                 one object per distinct page content (see _codec)
     manifests/<quoted session dir>@<store id>  msgpack: the session and every archived page
-                                         of it, as that host holds it (one per host)
+                                         of it, as that host holds it (one per host); a
+                                         long name is cut and hashed (session_key_part)
     gc/<store id>-<time>-<random>[.done] collection intents of hosts deleting objects
                                          (kvfs/_collect.py)
     hosts/<store id>                     a host's heartbeat: its retention (kvfs/_hosts.py)
@@ -24,6 +25,7 @@ interrupted is done later, not forgotten.
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import Callable, Collection, Mapping
 from urllib.parse import quote, unquote
@@ -43,11 +45,38 @@ def blob_key(h: bytes) -> str:
     return BLOBS + h.hex()
 
 
+#: the longest quoted session kept whole in a manifest key; a longer one is cut and
+#: completed by a hash, so that the key stays one file name of a ``file://`` archive
+#: (255 bytes) with ``@`` and a store id
+NAME_IN_KEY_MAX = 160
+
+
+def session_key_part(session_dir: str) -> str:
+    """The session as it appears in its manifests' keys: quoted (``@`` and ``+`` never occur
+    in it), or, past NAME_IN_KEY_MAX, its first 100 quoted characters, ``+`` and a SHA-256
+    of the name (the manifest holds the name itself)."""
+    q = quote(session_dir, safe="")
+    if len(q) <= NAME_IN_KEY_MAX:
+        return q
+    digest = hashlib.sha256(session_dir.encode("utf-8", "surrogateescape")).hexdigest()
+    return q[:100] + "+" + digest[:40]
+
+
 def manifest_key(session_dir: str, store_id: str) -> str:
     """This host's manifest of a session: every host sharing the archive writes its own.
-    (``@`` never occurs in the quoted session; not a sub-directory, so that a file archive
-    can hold it beside a manifest of the older layout.)"""
-    return legacy_manifest_key(session_dir) + "@" + store_id
+    (Not a sub-directory, so that a file archive can hold it beside a manifest of the
+    older layout.)"""
+    return MANIFESTS + session_key_part(session_dir) + "@" + store_id
+
+
+def manifest_prefixes(session_dir: str) -> list[str]:
+    """Listing prefixes that find every manifest of a session: its own, and for a long name
+    the keys kvfs wrote before names were cut (S3 only: they could not be files)."""
+    own = MANIFESTS + session_key_part(session_dir)
+    legacy = legacy_manifest_key(session_dir)
+    if legacy == own or len(legacy.encode()) > 900:
+        return [own]
+    return [own, legacy]
 
 
 def legacy_manifest_key(session_dir: str) -> str:
@@ -57,7 +86,8 @@ def legacy_manifest_key(session_dir: str) -> str:
 
 def is_session_manifest(key: str, session_dir: str) -> bool:
     legacy = legacy_manifest_key(session_dir)
-    return key == legacy or key.startswith(legacy + "@")
+    own = MANIFESTS + session_key_part(session_dir)
+    return key == legacy or key.startswith((legacy + "@", own + "@"))
 
 
 def session_of_manifest_key(key: str) -> str:

@@ -28,6 +28,7 @@ from ._manifest import (
     is_session_manifest,
     legacy_manifest_key,
     manifest_key,
+    manifest_prefixes,
     merge_manifests,
     parse_manifest,
     session_of_manifest_key,
@@ -255,14 +256,19 @@ class Spiller:
         await _thread(self.aindex.done, "manifest", [d], asked)
 
     async def _drop_own_legacy(self, d: str) -> None:
-        """A manifest this store wrote in the single-manifest layout (before the eighth
-        session) is replaced by the one just written: delete it (another host's stays)."""
+        """A manifest this store wrote in an older layout (one per session, before the
+        eighth session; a long name uncut, before the eleventh) is replaced by the one just
+        written: delete it (another host's stays)."""
         try:
             m = parse_manifest(await self.store.get(legacy_manifest_key(d)))  # type: ignore[arg-type]
         except (FileNotFoundError, ValueError):
             m = None
         if m is not None and m.get("store_id") == self.engine.store_id:
             await self.store.delete(legacy_manifest_key(d))
+        if len(manifest_prefixes(d)) > 1:
+            # a long name: this host's manifest under the uncut name (before the eleventh
+            # session) would be read beside the new one
+            await self.store.delete(legacy_manifest_key(d) + "@" + self.engine.store_id)
         self._legacy_checked.add(d)
 
     async def session_manifests(self, d: str) -> list[dict[str, Any]]:
@@ -270,9 +276,11 @@ class Spiller:
         CorruptPage naming an unreadable one."""
         keys = [
             k
-            for k in await self.store.list_all(legacy_manifest_key(d))
+            for prefix in manifest_prefixes(d)
+            for k in await self.store.list_all(prefix)
             if is_session_manifest(k, d)
         ]
+        keys = list(dict.fromkeys(keys))
         out = []
         for key in keys:
             try:
@@ -395,7 +403,9 @@ class Spiller:
             if m is None:  # not listed; said, so a lost session is not a mystery
                 _unreadable(key, "archived session manifest", "not listed")
                 continue
-            by_session.setdefault(session_of_manifest_key(key), []).append(m)
+            # The manifest names its session; a long name's key holds only part of it.
+            d = m.get("session") if isinstance(m.get("session"), str) else None
+            by_session.setdefault(d or session_of_manifest_key(key), []).append(m)
         out = []
         for ms in by_session.values():
             m = merge_manifests(ms)

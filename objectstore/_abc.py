@@ -58,6 +58,11 @@ class ObjectNotFound(FileNotFoundError):
     """No object is stored under this key."""
 
 
+#: the longest key (S3's limit; a ``file://`` archive also limits each component, a file
+#: name, to 255 bytes)
+KEY_MAX = 1024
+
+
 def check_key(key: str) -> str:
     """Validate an object key; raises ValueError."""
     if not isinstance(key, str) or not key:
@@ -67,6 +72,8 @@ def check_key(key: str) -> str:
     for part in key.split("/"):
         if part in ("", ".", "..") or "\x00" in part:
             raise ValueError(f"object key {key!r} has an invalid component {part!r}")
+    if len(key.encode("utf-8", "surrogateescape")) > KEY_MAX:
+        raise ValueError(f"object key {key[:60]!r}... is over {KEY_MAX} bytes (S3's limit)")
     return key
 
 

@@ -312,6 +312,33 @@ def test_second_host_lists_and_restores(make_config, archive_url: str, tmp_path:
         assert [x["pages"] for x in b.archived_sessions()] == [5]
 
 
+def test_a_session_with_a_long_name_spills_and_another_host_restores_it(
+    make_config,
+    archive_url: str,
+    tmp_path: Path,  # noqa: ANN001
+) -> None:
+    """A manifest key quoted the whole session name: a long (or non-ASCII) name made a file
+    name over 255 bytes, and a file:// archive could not take the session at all."""
+    long = "agent-" + "é" * 120 + "-" + "x" * 8  # 254 bytes; 735 characters quoted
+    similar = long[:-1] + "y"  # the same first 100 quoted characters
+    with kvfs.open_store_sync(archived_cfg(make_config, archive_url, name="host-a")) as a:
+        data = {**fill(a, long, 3), **fill(a, similar, 2, seed=1)}
+        assert a.spill(long) > 0 and a.spill(similar) > 0
+        assert a.get(PageKey.semantic(long, "p0", 1)) == data[PageKey.semantic(long, "p0", 1)]
+    import shutil
+
+    shutil.rmtree(tmp_path / "host-a")
+    with kvfs.open_store_sync(archived_cfg(make_config, archive_url, name="host-b")) as b:
+        listed = sorted((x["session"], x["pages"]) for x in b.archived_sessions())
+        assert listed == sorted([(long, 3), (similar, 2)])
+        assert b.restore(long) == sum(len(v) for k, v in data.items() if k.session == long)
+        b.restore(similar)
+        for k, v in data.items():
+            assert b.get(k) == v
+        b.delete_session(similar)
+        assert [x["session"] for x in b.archived_sessions()] == [long]
+
+
 def test_an_evicted_page_is_in_its_manifest_before_its_local_copy_goes(
     make_config,  # noqa: ANN001
     archive_url: str,
