@@ -14,8 +14,10 @@ Backends (``backend=`` on the constructor or per call):
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
 from typing import Any
 
 import trio
@@ -23,13 +25,13 @@ import trio
 from kvfs import CorruptPage, PageInfo, PageKey
 from kvfs._aligned import BouncePool
 from kvfs._checksum import LEAF
-from kvfs._keys import as_key
 
 from ._gpu import (
     BackendUnavailable,
     KvikioTarget,
     PinnedPool,
     StagedTarget,
+    copy_to_device,
     device_bytes,
     import_kvikio,
 )
@@ -37,7 +39,7 @@ from ._gpu import stage_to_host as _stage_to_host
 from ._host import HostTarget, UnalignedDestination, host_view, is_device_buffer
 from ._loader import LayerLoader, wait
 from ._read import PageRead, Target
-from ._source import DEFAULT_PIECE, PageSource, source_from_engine, source_from_mount
+from ._source import ALIGN, DEFAULT_PIECE, PageSource, source_from_engine, source_from_mount
 
 __all__ = ["BACKENDS", "FastPath"]
 
@@ -77,6 +79,8 @@ class FastPath:
     ) -> None:
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, not {backend!r}")
+        if max_piece <= 0 or max_piece % ALIGN:
+            raise ValueError(f"max_piece must be a positive multiple of {ALIGN}")
         self.engine = getattr(store, "engine", store)
         self.backend = backend
         self.verify = verify
@@ -95,6 +99,10 @@ class FastPath:
         self._bounce = BouncePool(LEAF, 4)
         self._pinned = PinnedPool(LEAF, max(2, os.cpu_count() or 2))
         self._closed = False
+        # reads by key in flight: one may start again after a heal, so close waits for them
+        # before it stops the pools
+        self._inflight: set[Future[int]] = set()
+        self._inflight_lock = threading.Lock()
 
     def _pool(self, n: int, name: str) -> ThreadPoolExecutor:
         p = ThreadPoolExecutor(n, thread_name_prefix=name)
@@ -160,18 +168,18 @@ class FastPath:
         backend: str | None,
         verify: bool | None,
         allow_unaligned: bool | None,
+        *,
+        again: bool = False,
     ) -> Future[int]:
-        if self._closed:
+        if self._closed and not again:  # a heal's second read finishes a read begun before
             raise RuntimeError("this FastPath is closed")
         b = self.backend_for(into, backend)
         src = make_source()
+        unaligned = self.allow_unaligned if allow_unaligned is None else allow_unaligned
         try:
-            target = self._target(
-                b,
-                into,
-                src.size,
-                self.allow_unaligned if allow_unaligned is None else allow_unaligned,
-            )
+            if src.held is not None:
+                return self._copy_held(b, into, src, unaligned)
+            target = self._target(b, into, src.size, unaligned)
         except BaseException:
             src.release(False)
             raise
@@ -184,6 +192,23 @@ class FastPath:
             max_piece=self.max_piece,
         )
         return read.start()
+
+    def _copy_held(self, b: str, into: object, src: PageSource, unaligned: bool) -> Future[int]:
+        """A page whose verified bytes are in memory (see PageSource.held): copied into the
+        destination now, with the argument checks of a read from the backing files."""
+        data = src.held
+        assert data is not None
+        if b == "host":
+            self._target(b, into, src.size, unaligned)  # refuses what a file read refuses
+            host_view(into, src.size)[: src.size] = data
+        else:
+            flat, dev = device_bytes(into, src.size)
+            copy_to_device(flat, dev, data)
+        src.release(True)
+        out: Future[int] = Future()
+        out.set_running_or_notify_cancel()
+        out.set_result(src.size)
+        return out
 
     def _need_engine(self) -> Any:
         if self.engine is None:
@@ -206,38 +231,55 @@ class FastPath:
         raises CorruptPage.
         """
         eng = self._need_engine()
+        sources: list[PageSource] = []
 
-        def start() -> Future[int]:
-            return self._start(
-                lambda: source_from_engine(eng, key), into, backend, verify, allow_unaligned
-            )
+        def make() -> PageSource:
+            src = source_from_engine(eng, key)
+            sources.append(src)
+            return src
+
+        def start(again: bool = False) -> Future[int]:
+            return self._start(make, into, backend, verify, allow_unaligned, again=again)
 
         out: Future[int] = Future()
         out.set_running_or_notify_cancel()  # as the read's own: one in flight is not called back
-        start().add_done_callback(lambda f: self._heal_or_pass(eng, key, f, out, start))
+        first = start()
+        with self._inflight_lock:
+            self._inflight.add(out)
+        out.add_done_callback(self._forget)
+        first.add_done_callback(lambda f: self._heal_or_pass(eng, sources, f, out, start))
         return out
+
+    def _forget(self, f: Future[int]) -> None:
+        with self._inflight_lock:
+            self._inflight.discard(f)
 
     @staticmethod
     def _heal_or_pass(
         eng: Any,
-        key: KeyLike,
+        sources: list[PageSource],
         done: Future[int],
         out: Future[int],
-        again: Callable[[], Future[int]],
+        start: Callable[..., Future[int]],
     ) -> None:
         """``done``'s outcome into ``out``; when the local copy failed its checksum and the
-        archive holds the page, the copy is replaced from the archive (as ``get`` does) and
-        the read runs once more."""
+        archive holds the page, that copy (the data the failed read was given, even if the
+        key names other data by now) is replaced from the archive, as ``get`` does, and the
+        read runs once more."""
         err = done.exception()
         if not isinstance(err, CorruptPage):
             _settle(out, done)
             return
         try:
-            found = eng.index.page_and_blob(as_key(key).path)
-            if found is None:
+            eng.corrupt_read(str(err))  # counted and logged, as a get's
+            blob = sources[-1].blob if sources else None
+            if blob is None:
                 raise err
-            eng.heal(found[1], err)  # raises err when there is no other copy
-            again().add_done_callback(lambda f: _settle(out, f))
+            if eng.index.blob(blob.hash) is not None:
+                eng.heal(blob, err)  # raises err when there is no other copy
+            # else the data read is gone (its key replaced or deleted since): the key's
+            # current data, or PageNotFound, is the answer
+            start(again=True).add_done_callback(lambda f: _settle(out, f))
         except BaseException as e:  # never leave ``out`` unresolved
             out.set_exception(e)
 
@@ -269,10 +311,15 @@ class FastPath:
         return [self.read(k, d, **kw) for k, d in zip(keys, intos, strict=True)]
 
     def layer_keys(self, session: str, prefix: str) -> list[str]:
-        """The page paths of one prefix of a session, in layer order (``layer-NNN`` names
-        sort numerically), ready for :meth:`read_many` / :meth:`load_layers`."""
+        """The page paths of one prefix of a session, in layer order (``layer-NNN`` by
+        number, then other names by name), ready for :meth:`read_many` / :meth:`load_layers`."""
         eng = self._need_engine()
-        return sorted(p.path for p in eng.list(session=session, prefix=prefix))
+
+        def order(path: str) -> tuple[int, int, str]:
+            n = PageKey(path).layer_index  # layer-NNN: by number (layer-1000 after 999)
+            return (0, n, path) if n is not None else (1, 0, path)
+
+        return sorted((p.path for p in eng.list(session=session, prefix=prefix)), key=order)
 
     def load_layers(
         self, keys: Sequence[KeyLike], intos: Sequence[Any], *, ahead: int | None = None, **kw: Any
@@ -329,6 +376,9 @@ class FastPath:
         if self._closed:
             return
         self._closed = True
+        with self._inflight_lock:
+            pending = list(self._inflight)
+        wait_futures(pending)  # a read that heals reads again, on these pools
         for p in (self._writer, self._io, self._hash):
             if p in self._own:
                 p.shutdown(wait=True)

@@ -16,6 +16,7 @@ cupy nor kvikio, and the host path never calls into it.
 
 from __future__ import annotations
 
+import errno
 import os
 import threading
 from collections.abc import Callable
@@ -34,6 +35,7 @@ __all__ = [
     "KvikioTarget",
     "PinnedPool",
     "StagedTarget",
+    "copy_to_device",
     "device_bytes",
     "gpu_status",
     "stage_to_host",
@@ -173,17 +175,31 @@ class KvikioTarget:
         self._kvikio = import_kvikio(threads)
         self.flat, self.device, self.pinned = flat, device, pinned
 
-    def open(self, path: str) -> Any:
-        return self._kvikio.CuFile(path, "r")
+    def open(self, path: str) -> tuple[Any, str]:
+        try:
+            return self._kvikio.CuFile(path, "r"), path
+        except RuntimeError as e:  # kvikio reports a missing file as a RuntimeError
+            if not os.path.exists(path):
+                raise FileNotFoundError(errno.ENOENT, "no such data file", path) from e
+            raise
 
-    def close(self, handle: Any) -> None:
-        handle.close()
+    def close(self, handle: tuple[Any, str]) -> None:
+        handle[0].close()
 
-    def read(self, handle: Any, p: Piece, name: str) -> None:
+    def read(self, handle: tuple[Any, str], p: Piece, name: str) -> None:
         import cupy
 
-        with cupy.cuda.Device(self.device):
-            got = handle.pread(self.flat[p.page_off : p.page_off + p.n], p.n, p.file_off).get()
+        f, path = handle
+        try:
+            with cupy.cuda.Device(self.device):
+                got = f.pread(self.flat[p.page_off : p.page_off + p.n], p.n, p.file_off).get()
+        except RuntimeError:
+            # kvikio's compatibility mode raises for a read past the end of the file
+            if _file_size(path, name) < p.file_off + p.n:
+                raise CorruptPage(
+                    f"page {name!r}: a data file is shorter than its extents"
+                ) from None
+            raise
         if got != p.n:
             raise CorruptPage(f"page {name!r}: a data file is shorter than its extents")
 
@@ -210,9 +226,16 @@ class StagedTarget:
     kind = "staged"
 
     def __init__(self, flat: Any, device: int, size: int, *, direct: bool, bounce: Any) -> None:
+        import cupy
+
         self.flat, self.device = flat, device
         self.staging = aligned_buffer(size)
         self.host = HostTarget(self.staging, direct=direct, bounce=bounce)
+        with cupy.cuda.Device(device):
+            # the copies go on their own stream, which ``finish`` waits for: a synchronous
+            # copy from pageable memory may return before its DMA lands, and work on other
+            # non-blocking streams would not wait for it
+            self.stream = cupy.cuda.Stream(non_blocking=True)
 
     def open(self, path: str) -> Any:
         return self.host.open(path)
@@ -228,14 +251,40 @@ class StagedTarget:
         if check is not None:
             check(view)
         if hi > lo:
-            _memcpy(int(self.flat.data.ptr) + lo, address_of(view), hi - lo, _H2D, self.device)
+            import cupy
+
+            with cupy.cuda.Device(self.device):
+                cupy.cuda.runtime.memcpyAsync(
+                    int(self.flat.data.ptr) + lo, address_of(view), hi - lo, _H2D, self.stream.ptr
+                )
 
     def finish(self) -> None:
-        """Nothing to flush: each checked leaf was already copied to the device; the staging
-        buffer goes with this target."""
+        """Wait until every checked leaf's copy has landed on the device (the staging buffer
+        goes with this target)."""
+        self.stream.synchronize()
 
     def abort(self) -> None:
         """Nothing to undo: the destination is the caller's, left partly written."""
+
+
+def _file_size(path: str, name: str) -> int:
+    try:
+        return os.stat(path).st_size
+    except FileNotFoundError as e:
+        raise CorruptPage(f"page {name!r}: a data file is missing ({path})") from e
+
+
+def copy_to_device(flat: Any, device: int, data: bytes) -> None:
+    """Copy host bytes to the start of a flat device buffer and wait until they are there."""
+    if not data:
+        return
+    import cupy
+    import numpy as np
+
+    with cupy.cuda.Device(device):
+        stream = cupy.cuda.Stream(non_blocking=True)
+        flat[: len(data)].set(np.frombuffer(data, np.uint8), stream=stream)
+        stream.synchronize()
 
 
 def stage_to_host(obj: object, chunk: int = 64 * LEAF) -> memoryview:

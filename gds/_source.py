@@ -15,6 +15,7 @@ Neither reads any page data.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import sys
@@ -66,6 +67,7 @@ class PageSource:
     ``files`` are absolute paths; ``extents`` are ``(file index, offset, length)`` in page
     order. ``leaves`` holds the stored per-MiB BLAKE3 leaf digests when known (by key), or
     None (by path: only the root checksum is known, so it is checked once at the end).
+    ``held`` is set instead of files for a page whose bytes are in memory.
     """
 
     name: str
@@ -74,6 +76,12 @@ class PageSource:
     leaves: bytes | None
     files: tuple[str, ...]
     extents: tuple[tuple[int, int, int], ...]
+    #: the page's bytes, already verified, when no backing file can be read: an archive-only
+    #: page with no local room (the archive's memory copy), or a page file on the mount
+    #: that can only be read through the mount. ``files`` and ``extents`` are then empty.
+    held: bytes | None = field(default=None, repr=False)
+    #: by key: the index row of the data this source describes (what a heal replaces)
+    blob: Any = field(default=None, repr=False)
     _release: Callable[[bool], None] | None = field(default=None, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -170,20 +178,30 @@ def source_from_engine(engine: Any, key: PageKey | str) -> PageSource:
     """
     cm = engine.lease(key)
     page, blob = cm.__enter__()
+    held: bytes | None = None
     try:
         if not blob.local:
-            blob = engine._restore(blob, page)
-        assert blob.extents is not None
-        files, extents = _index_files(
-            [(engine.tier.abspath(d, rel), off, length) for d, rel, off, length in blob.extents]
-        )
+            got = engine._restore(blob, page)
+            if isinstance(got, bytes):  # no local room: the archive's verified memory copy
+                held = got
+            else:
+                blob = got
+        files: tuple[str, ...] = ()
+        extents: tuple[tuple[int, int, int], ...] = ()
+        if held is None:
+            assert blob.extents is not None
+            files, extents = _index_files(
+                [(engine.tier.abspath(d, rel), off, n) for d, rel, off, n in blob.extents]
+            )
     except BaseException:
         cm.__exit__(*sys.exc_info())
         raise
 
     def release(ok: bool) -> None:
         try:
-            if ok:
+            if ok and held is None:
+                engine.note_read(page, blob.size)
+            elif ok:
                 engine.touch(page)
         finally:
             cm.__exit__(None, None, None)
@@ -195,6 +213,8 @@ def source_from_engine(engine: Any, key: PageKey | str) -> PageSource:
         leaves=blob.leaves,
         files=files,
         extents=extents,
+        held=held,
+        blob=blob,
         _release=release,
     )
 
@@ -203,23 +223,28 @@ def source_from_mount(path: str | os.PathLike[str]) -> PageSource:
     """Open a page file on a kvfs mount and read its extents from its xattrs.
 
     The open handle keeps the page leased (the daemon does not evict or unlink data while a
-    handle is open) until the source is released. Raises FileNotFoundError,
-    NotAKvfsPage (no ``user.kvfs.extents``), CorruptPage (attributes that contradict each
-    other).
+    handle is open) until the source is released. A page the mount holds only in the
+    archive is restored first by reading one byte of it through the mount (as any reader's
+    first read does). Where the backing files cannot be used, the page is read through
+    the open handle instead (``held``): the daemon serves it from its memory copy (no local
+    room for the restore), or the name was replaced or unlinked between the open and the
+    attribute reads (ESTALE, ENOENT: the handle still reads the page it opened).
+
+    Raises FileNotFoundError, NotAKvfsPage (no ``user.kvfs.extents``), CorruptPage
+    (attributes that contradict each other).
     """
+    name = os.fspath(path)
     fd = os.open(path, os.O_RDONLY)
     try:
-        try:
-            raw = os.getxattr(fd, XATTR_EXTENTS)
-            size = int(os.getxattr(fd, XATTR_SIZE))
-            checksum = bytes.fromhex(os.getxattr(fd, XATTR_CHECKSUM).decode())
-        except OSError as e:
-            if e.errno in (61, 95):  # ENODATA, ENOTSUP
-                raise NotAKvfsPage(
-                    f"{os.fspath(path)!r} has no kvfs extents attribute: not a page on a kvfs mount"
-                ) from e
-            raise
-        files, extents = decode_extents(raw, repr(os.fspath(path)))
+        found = _mount_attrs(fd, name)
+        if found is not None and found[0] > 0 and not found[3]:
+            os.pread(fd, 1, 0)  # archive-only: a read through the mount restores it
+            found = _mount_attrs(fd, name)
+        data: bytes | None = None
+        if found is None or (found[0] > 0 and not found[3]):
+            data = _read_through(fd)
+            found = (len(data), b"", (), ())
+        size, checksum, files, extents = found
     except BaseException:
         os.close(fd)
         raise
@@ -228,11 +253,43 @@ def source_from_mount(path: str | os.PathLike[str]) -> PageSource:
         os.close(fd)
 
     return PageSource(
-        name=os.fspath(path),
+        name=name,
         size=size,
         checksum=checksum,
         leaves=None,
         files=files,
         extents=extents,
+        held=data,
         _release=release,
     )
+
+
+def _mount_attrs(
+    fd: int, name: str
+) -> tuple[int, bytes, tuple[str, ...], tuple[tuple[int, int, int], ...]] | None:
+    """``(size, checksum, files, extents)`` from an open page file's xattrs; None when the
+    name the file was opened by no longer holds its page."""
+    try:
+        raw = os.getxattr(fd, XATTR_EXTENTS)
+        size = int(os.getxattr(fd, XATTR_SIZE))
+        checksum = bytes.fromhex(os.getxattr(fd, XATTR_CHECKSUM).decode())
+    except OSError as e:
+        if e.errno in (errno.ENODATA, errno.ENOTSUP):
+            raise NotAKvfsPage(
+                f"{name!r} has no kvfs extents attribute: not a page on a kvfs mount"
+            ) from e
+        if e.errno in (errno.ESTALE, errno.ENOENT):
+            return None
+        raise
+    files, extents = decode_extents(raw, repr(name))
+    return size, checksum, files, extents
+
+
+def _read_through(fd: int) -> bytes:
+    """The whole page, read through the mount (which verifies what it serves)."""
+    chunks: list[bytes] = []
+    while True:
+        b = os.read(fd, 16 << 20)
+        if not b:
+            return b"".join(chunks)
+        chunks.append(b)

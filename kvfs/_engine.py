@@ -482,6 +482,14 @@ class Engine:
             raise err
         return healed
 
+    def note_read(self, page: PageRow, nbytes: int) -> None:
+        """Count a verified local read of ``page`` (a hit) and note its access time."""
+        with self._cap_lock:
+            self._counters["gets"] += 1
+            self._counters["hits"] += 1
+            self._counters["bytes_read"] += nbytes
+        self.touch(page)
+
     def corrupt_read(self, message: str) -> CorruptPage:
         """A read found corrupt or missing data: count it, log it (the mount answers only
         EIO, so the log is where an operator learns why), and return the error to raise."""

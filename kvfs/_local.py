@@ -129,7 +129,9 @@ class LocalTier:
         pool: ThreadPoolExecutor,
         bounce_buffers: int,
     ) -> None:
-        self.roots = tuple(Path(r) for r in roots)
+        # absolute: extents name files for other processes (the fast path, the mount's
+        # user.kvfs.extents), whose working directory is not this one's
+        self.roots = tuple(Path(os.path.abspath(r)) for r in roots)
         self.n = len(self.roots)
         self.unit = stripe_unit
         self.piece = min(stripe_unit, MAX_PIECE)

@@ -259,11 +259,7 @@ def _check_leaves(
                 f"page {page.path!r} is corrupt: bytes {bad * LEAF}-"
                 f"{min(blob.size, (bad + 1) * LEAF)} do not match the checksum"
             )
-    with eng._cap_lock:
-        eng._counters["gets"] += 1
-        eng._counters["hits"] += 1
-        eng._counters["bytes_read"] += n
-    eng.touch(page)
+    eng.note_read(page, n)
 
 
 # -- metadata -----------------------------------------------------------------------------

@@ -385,3 +385,126 @@ def test_a_damaged_local_copy_of_archived_data_heals_on_the_fast_path(
         flip_stored_byte(s.stat(other), 10)
         with pytest.raises(kvfs.CorruptPage):
             path.read(other, aligned(MiB)).result(timeout=60)
+
+
+def _archive_only_with_no_room(cfg: kvfs.StoreConfig, data: np.ndarray) -> None:
+    """Store ``data`` as key(0), spill it, and fill the capacity with pinned pages, so that
+    nothing can make room for its restore."""
+    with kvfs.open_store_sync(cfg) as s:
+        s.put(key(0), data)
+        s.spill("sess")
+        s.pin_session("hold")
+        for i in range(1 << 20):
+            try:
+                s.put(kvfs.PageKey.semantic("hold", "p", i), rand(512 * KiB, seed=100 + i))
+            except kvfs.CapacityExceeded:
+                break
+
+
+def test_an_archive_only_page_with_no_local_room_is_read_from_memory(
+    make_config: Callable[..., kvfs.StoreConfig], tmp_path: Any
+) -> None:
+    """``get`` serves such a page from the archive's verified memory copy; the fast path
+    crashed on it (AttributeError: the restore gave bytes, not a local copy)."""
+    cfg = make_config(
+        ndev=1,
+        capacity=4 * MiB,
+        archive_url=f"file://{tmp_path / 'archive'}",
+        extra={"archive": {"interval": 0}},
+    )
+    data = rand(MiB + 5)
+    _archive_only_with_no_room(cfg, data)
+    with kvfs.open_store_sync(cfg) as s, gds.FastPath(s) as fp:
+        dest = aligned(data.nbytes)
+        assert fp.read(key(0), dest).result(timeout=60) == data.nbytes
+        assert np.array_equal(dest, data)
+        assert s.stat(key(0)).tier == "archive"  # served from memory: nothing written locally
+        with pytest.raises(gds.UnalignedDestination):  # refused as for a read from files
+            fp.read(key(0), np.zeros(data.nbytes + 1, np.uint8)[1:])
+
+
+def test_relative_data_directories_give_absolute_extents(
+    make_config: Callable[..., kvfs.StoreConfig], tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The fast path (and any process reading user.kvfs.extents) was handed paths relative
+    to the store's working directory."""
+    monkeypatch.chdir(tmp_path)
+    cfg = make_config(ndev=2).replace(data_dirs=("rel0", "rel1"), index_dir=None)
+    with kvfs.open_store_sync(cfg) as s:
+        data = rand(3 * MiB)
+        info = s.put(key(0), data)
+        assert all(os.path.isabs(e.path) for e in info.extents)
+        monkeypatch.chdir("/")
+        with gds.FastPath(s) as fp:
+            dest = aligned(data.nbytes)
+            assert fp.read(key(0), dest).result() == data.nbytes
+            assert np.array_equal(dest, data)
+
+
+def test_a_heal_replaces_the_copy_that_was_read_not_the_keys_current_one(
+    make_config: Callable[..., kvfs.StoreConfig], tmp_path: Any
+) -> None:
+    """A read of damaged archived data whose key was replaced meanwhile healed the key's
+    new data (not archived: the read failed) instead of the data it read (which key(1)
+    still holds: it must be healed)."""
+    cfg = make_config(ndev=2, archive_url=f"file://{tmp_path / 'archive'}")
+    old, new = rand(2 * MiB, seed=1), rand(2 * MiB, seed=2)
+    with kvfs.open_store_sync(cfg) as s:
+        s.put(key(0), old)
+        s.put(key(1), old)  # the same data (stored once)
+        s.spill("sess")
+        s.restore("sess")
+        flip_stored_byte(s.stat(key(0)), 5)
+        held = HoldAfter(0)
+        with gds.FastPath(s, io_pool=held) as fp:
+            dest = aligned(old.nbytes)
+            fut = fp.read(key(0), dest)  # leased, its pieces held
+            s.put(key(0), new, replace=True)  # local only: no archived copy
+            held.release()
+            assert fut.result(timeout=60) == new.nbytes  # healed the old copy, read again
+            assert np.array_equal(dest, new)
+        held.shutdown()
+        assert s.statistics().extra["archive"]["blobs_healed"] == 1
+        assert s.get(key(1)) == old.tobytes()  # the healed copy
+
+
+def test_close_waits_for_a_read_that_heals(
+    make_config: Callable[..., kvfs.StoreConfig], tmp_path: Any
+) -> None:
+    """close() during a read that needed a heal turned the read into RuntimeError (its
+    second attempt found the FastPath closed)."""
+    cfg = make_config(ndev=2, archive_url=f"file://{tmp_path / 'archive'}")
+    data = rand(2 * MiB)
+    with kvfs.open_store_sync(cfg) as s:
+        s.put(key(0), data)
+        s.spill("sess")
+        s.restore("sess")
+        flip_stored_byte(s.stat(key(0)), 5)
+        held = HoldAfter(0)
+        fp = gds.FastPath(s, io_pool=held)
+        dest = aligned(data.nbytes)
+        fut = fp.read(key(0), dest)
+        closing = threading.Thread(target=fp.close)
+        closing.start()
+        closing.join(0.5)
+        assert closing.is_alive()  # close waits for the read in flight
+        held.release()
+        assert fut.result(timeout=60) == data.nbytes
+        closing.join(60)
+        assert not closing.is_alive()
+        assert np.array_equal(dest, data)
+        with pytest.raises(RuntimeError, match="closed"):
+            fp.read(key(0), dest)
+        held.shutdown()
+
+
+def test_fast_path_arguments_and_counters(store: kvfs.SyncStore, fp: gds.FastPath) -> None:
+    with pytest.raises(ValueError, match="max_piece"):  # at construction, not at first read
+        gds.FastPath(store, max_piece=1000)
+    for layer in (1000, 999, 5):
+        store.put(key(layer), rand(4096, seed=layer))
+    assert fp.layer_keys("sess", "p0") == [key(i).path for i in (5, 999, 1000)]
+    before = store.statistics()
+    fp.read(key(5), aligned(4096)).result()
+    after = store.statistics()
+    assert (after.gets, after.hits) == (before.gets + 1, before.hits + 1)

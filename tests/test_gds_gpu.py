@@ -118,3 +118,43 @@ def test_layer_loader_into_gpu(store: kvfs.SyncStore, fp: gds.FastPath) -> None:
     with fp.load_layers([key(i) for i in range(6)], dests, ahead=2) as layers:
         for i, buf in layers:
             assert np.array_equal(cp.asnumpy(buf), datas[i])
+
+
+@pytest.mark.parametrize("backend", ["kvikio", "staged"])
+@pytest.mark.parametrize("damage", ["missing", "short"])
+def test_a_missing_or_short_data_file_is_corrupt_on_the_gpu_path(
+    store: kvfs.SyncStore, fp: gds.FastPath, backend: str, damage: str
+) -> None:
+    """kvikio reports a missing file, and a read past the end in compatibility mode, as a
+    bare RuntimeError; the fast path's contract is CorruptPage."""
+    import os
+
+    import cupy as cp
+
+    info = store.put(key(0), rand(3 * MiB))
+    path = info.extents[-1].path
+    if damage == "missing":
+        os.unlink(path)
+    else:
+        os.truncate(path, info.extents[-1].offset + 4096)
+    with pytest.raises(kvfs.CorruptPage, match=damage if damage == "missing" else "shorter"):
+        fp.read(key(0), poisoned(cp, 3 * MiB), backend=backend).result(timeout=60)
+
+
+def test_a_page_held_only_in_memory_reaches_gpu_memory(make_config: Any, tmp_path: Any) -> None:
+    """An archive-only page with no local room (served from the archive's memory copy)."""
+    import cupy as cp
+    from test_gds import _archive_only_with_no_room
+
+    cfg = make_config(
+        ndev=1,
+        capacity=4 * MiB,
+        archive_url=f"file://{tmp_path / 'archive'}",
+        extra={"archive": {"interval": 0}},
+    )
+    data = rand(MiB + 5)
+    _archive_only_with_no_room(cfg, data)
+    with kvfs.open_store_sync(cfg) as s, gds.FastPath(s) as path:
+        dest = poisoned(cp, data.nbytes)
+        assert path.read(key(0), dest).result(timeout=60) == data.nbytes
+        assert np.array_equal(cp.asnumpy(dest), data)

@@ -135,3 +135,62 @@ def test_unlink_on_the_mount_during_a_read(
         assert fut.result() == data.nbytes
         assert np.array_equal(dest, data)
     pool.shutdown()
+
+
+def test_archive_only_pages_by_path(
+    make_config: Callable[..., kvfs.StoreConfig], tmp_path: Path
+) -> None:
+    """A page the mount holds only in the archive had extents covering 0 bytes, and the
+    by-path read failed as corrupt. It is restored by a read through the mount first; where
+    there is no room for that, read through the mount (the daemon's memory copy)."""
+    from test_gds import _archive_only_with_no_room, key
+
+    url = f"file://{tmp_path / 'archive'}"
+    arch = {"archive": {"interval": 0}}
+    roomy = make_config(ndev=2, name="roomy", archive_url=url, extra=arch)
+    data = rand(2 * MiB + 9)
+    with kvfs.open_store_sync(roomy) as s:
+        s.put(key(0), data)
+        s.spill("sess")
+    tight = make_config(
+        ndev=1, name="tight", capacity=4 * MiB, archive_url=f"{url}-tight", extra=arch
+    )
+    _archive_only_with_no_room(tight, data)
+    for cfg, tier in ((roomy, "local+archive"), (tight, "archive")):
+        mp = tmp_path / f"mnt-{cfg.data_dirs[0].parent.name}"
+        mp.mkdir()
+        with ServedMount(cfg, mp), gds.FastPath() as fp:
+            page = mp / key(0).path
+            assert os.getxattr(page, "user.kvfs.tier") == b"archive"
+            dest = aligned(data.nbytes)
+            assert fp.read_path(page, dest).result(timeout=60) == data.nbytes
+            assert np.array_equal(dest, data)
+            assert os.getxattr(page, "user.kvfs.tier").decode() == tier
+
+
+def test_a_page_replaced_between_open_and_attributes_is_read_through_the_handle(
+    make_config: Callable[..., kvfs.StoreConfig], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A rename onto the name after the fast path opened it made the attribute reads fail
+    with ESTALE; the open handle still reads the page it opened."""
+    mp = tmp_path / "mnt"
+    mp.mkdir()
+    with ServedMount(make_config(ndev=2, stripe_unit=64 * KiB), mp), gds.FastPath() as fp:
+        p, tmp = mp / "sessions/s/p/layer-000", mp / "sessions/s/p/.tmp"
+        old, new = rand(MiB + 3, seed=1), rand(MiB + 3, seed=2)
+        write(p, old)
+        write(tmp, new)
+        real = os.getxattr
+
+        def replaced_first(fd: int, name: str) -> bytes:
+            if tmp.exists():
+                os.rename(tmp, p)  # a publisher's rename lands right after our open
+            return real(fd, name)
+
+        monkeypatch.setattr(os, "getxattr", replaced_first)
+        dest = aligned(old.nbytes)
+        assert fp.read_path(p, dest).result(timeout=60) == old.nbytes
+        assert np.array_equal(dest, old)
+        monkeypatch.undo()
+        assert fp.read_path(p, dest).result(timeout=60) == new.nbytes
+        assert np.array_equal(dest, new)
