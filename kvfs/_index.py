@@ -395,6 +395,17 @@ class Index:
         )
         return [(_page(r[:-1]), r[-1]) for r in rows]
 
+    def archived_hashes(self, session: str) -> set[bytes]:
+        """The contents of the session's archived pages (no leaf hashes: a set test)."""
+        return {
+            bytes(r[0])
+            for r in self._q(
+                "SELECT DISTINCT p.hash FROM pages p JOIN blobs b ON b.hash = p.hash"
+                " WHERE p.session=? AND b.archived",
+                (session,),
+            )
+        }
+
     def pages_of_blob(self, h: bytes) -> list[PageRow]:
         return [_page(r) for r in self._q(f"SELECT {_PAGE_COLS} FROM pages WHERE hash=?", (h,))]
 

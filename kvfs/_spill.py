@@ -305,7 +305,7 @@ class Spiller:
             idx = self.engine.index
 
             def gains(d: str) -> bool:
-                return not {p.hash for p, _ in idx.archived_pages(d)} <= self.named.get(d, set())
+                return not idx.archived_hashes(d) <= self.named.get(d, set())
 
             first = await trio.to_thread.run_sync(lambda: {d for d in pending if gains(d)})
             pending.sort(key=lambda d: d not in first)
