@@ -686,6 +686,8 @@ class Index:
             if r is None:
                 raise KeyError(src)
             p = _page(r)
+            if src == dst:  # POSIX: renaming a file onto itself does nothing
+                return p, None
             self.removals[p.session] += 1
             self.removals[dst_session] += 1
             freed = None

@@ -100,6 +100,8 @@ def rename(eng: Engine, s: PageKey, d: PageKey) -> None:
         old, freed = eng.index.rename_page(s.path, d.path, d.session_dir)
     except KeyError:
         raise PageNotFound(f"no page {s.path!r}") from None
+    if s.path == d.path:
+        return
     if freed is not None:
         eng._drop_files(freed)
         eng.policy.forget_blob(freed)

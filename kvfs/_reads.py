@@ -97,8 +97,16 @@ def get(eng: Engine, k: PageKey, into: object | None) -> bytes | int:
         return blob.size
 
 
+def _check_range(offset: int, size: int) -> None:
+    if offset < 0 or size < 0:
+        raise ValueError(
+            f"a range needs offset >= 0 and size >= 0, not offset={offset}, size={size}"
+        )
+
+
 def read_range(eng: Engine, k: PageKey, offset: int, size: int) -> bytes:
     """:meth:`Engine.read_range` once the store is known open and the key parsed."""
+    _check_range(offset, size)
     with eng.lease(k) as (page, blob):
         if offset >= blob.size or size <= 0:
             return b""
@@ -119,6 +127,7 @@ def read_held(
     eng: Engine, page: PageRow, blob: BlobRow, offset: int, size: int, *, buffered: bool
 ) -> memoryview:
     """:meth:`Engine.read_held` once the store is known open."""
+    _check_range(offset, size)
     if offset >= blob.size or size <= 0:
         return memoryview(b"")
     if not blob.local:

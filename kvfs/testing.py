@@ -207,6 +207,10 @@ class PageStoreTests:
             (self.stripe_unit - 1, self.stripe_unit + 2),
         ]:
             assert await s.read_range(key, off, size) == data[off : off + size], (off, size)
+        for off, size in [(-5, 10), (-n, 100), (10, -1)]:
+            with pytest.raises(ValueError, match="offset >= 0 and size >= 0"):
+                await s.read_range(key, off, size)
+        assert await s.get(key) == data  # a bad range is not mistaken for a corrupt page
 
     # -- names, listing, sessions ------------------------------------------------------
     async def test_invalid_keys(self, s: as_async) -> None:
@@ -306,6 +310,19 @@ class PageStoreTests:
         assert not await s.exists(key)
         await s.put(key, payload(10))  # a deleted key is free again
         assert await s.get(key) == payload(10)
+
+    async def test_rename(self, s: as_async) -> None:
+        sess = fresh_session()
+        a, b = kvfs.PageKey.semantic(sess, "p", 0), kvfs.PageKey.semantic(sess, "p", 1)
+        await s.put(a, payload(5000, 1))
+        await s.rename(a, a)  # onto itself: nothing happens, as rename(2) does
+        assert await s.get(a) == payload(5000, 1)
+        await s.put(b, payload(7000, 2))
+        await s.rename(a, b)  # replaces b
+        assert not await s.exists(a)
+        assert await s.get(b) == payload(5000, 1)
+        with pytest.raises(kvfs.PageNotFound):
+            await s.rename(a, b)
 
     # -- pins, eviction ----------------------------------------------------------------
     async def test_pin_flags(self, s: as_async) -> None:
