@@ -147,7 +147,7 @@ _PAGE_AND_BLOB = (
     + ", ".join(f"p.{c.strip()}" for c in _PAGE_COLS.split(","))
     + ", "
     + ", ".join(f"b.{c.strip()}" for c in _BLOB_COLS.split(","))
-    + " FROM pages p JOIN blobs b ON b.hash = p.hash WHERE p.path=?"
+    + " FROM pages p LEFT JOIN blobs b ON b.hash = p.hash WHERE p.path=?"
 )
 
 
@@ -346,10 +346,10 @@ class Index:
         # One statement reads one committed state: no read transaction needed around it.
         r = self._q(_PAGE_AND_BLOB, (path,))
         if not r:
-            if self.page(path) is not None:
-                raise AssertionError(f"index inconsistent: page {path} has no blob")
             return None
         n = len(_PAGE_COLS.split(","))
+        if r[0][n] is None:  # same snapshot: a page row always has its blob row
+            raise AssertionError(f"index inconsistent: page {path} has no blob")
         return _page(r[0][:n]), _blob(r[0][n:])
 
     def pages(

@@ -266,6 +266,41 @@ def test_index_reads_do_not_wait_for_another_threads_transaction(
         assert index.page("s/a").pinned  # type: ignore[union-attr]
 
 
+def test_a_lookup_racing_a_put_sees_the_page_or_nothing(
+    make_config: Callable[..., kvfs.StoreConfig],
+) -> None:
+    """A page and its blob are looked up in one snapshot: a reader racing the put of the very
+    key it asks for gets PageNotFound or the page (two queries once let a put land between
+    them and raised 'index inconsistent')."""
+    import threading
+
+    n, errors = 1500, []
+    with kvfs.open_store_sync(make_config(ndev=1, durable=False)) as store:
+        done = threading.Event()
+
+        def chase() -> None:
+            i = 0
+            while not done.is_set():
+                try:
+                    store.stat(f"race/p{i}")
+                    i += 1
+                except kvfs.PageNotFound:
+                    pass
+                except Exception as e:  # noqa: BLE001 (any other error fails the test)
+                    errors.append(e)
+                    return
+
+        readers = [threading.Thread(target=chase) for _ in range(2)]
+        for t in readers:
+            t.start()
+        for i in range(n):
+            store.put(f"race/p{i}", b"%d" % i)
+        done.set()
+        for t in readers:
+            t.join(30)
+    assert errors == []
+
+
 # -- O_DIRECT into the caller's buffer -----------------------------------------------------
 def test_aligned_buffers_are_read_directly(
     make_config: Callable[..., kvfs.StoreConfig], monkeypatch: pytest.MonkeyPatch
