@@ -281,9 +281,20 @@ class PageWriter:
                     f"{self.engine.capacity} bytes"
                 )
             if need > 0:
-                # Reserve ahead in stripe units so small writes do not each pay the check.
-                extra = min(self.engine.tier.unit, max(0, self.engine.capacity // 64))
-                self.engine._reserve(need + extra, own=self._reserved)
+                # Reserve ahead in stripe units so small writes do not each pay the check;
+                # the room ahead is a wish: without it, reserve just what this write needs.
+                extra = min(
+                    self.engine.tier.unit,
+                    max(0, self.engine.capacity // 64),
+                    self.engine.capacity - whole,
+                )
+                try:
+                    self.engine._reserve(need + extra, own=self._reserved)
+                except CapacityExceeded:
+                    if extra == 0:
+                        raise
+                    extra = 0
+                    self.engine._reserve(need, own=self._reserved)
                 self._reserved += need + extra
             self._size = max(self._size, end)
             touched = range(offset // LEAF, -(-end // LEAF)) if end > offset else range(0)

@@ -215,3 +215,29 @@ def test_a_streaming_write_growing_past_the_cap_says_so(
         w.abort()
         st = store.statistics()
         assert st.reserved_bytes == 0 and st.used_bytes <= cfg.capacity
+
+
+def test_a_streaming_write_that_just_fits_is_not_refused(
+    make_config: Callable[..., kvfs.StoreConfig],
+) -> None:
+    """A writer reserves room ahead of its writes; near the cap that room is not there, and
+    a page that fits must still be written (it was refused for the room ahead): alone, and
+    beside a pinned page that leaves exactly its size free."""
+    cap = 4 * MiB
+    cfg = make_config(ndev=1, stripe_unit=1 * MiB, capacity=cap)
+    with kvfs.open_store_sync(cfg) as store:
+        tier = store.engine.tier
+        for name in ["alone", "beside-pin"]:
+            if name == "beside-pin":
+                store.put("pinned/p", os.urandom(cap // 2), pin=True)
+            size = cap - store.statistics().used_bytes - 12 * KiB  # (one leaf header on disk)
+            data = os.urandom(size)
+            assert tier.disk_bytes(size) <= cap - store.statistics().used_bytes
+            w = store.begin_write(f"engine/{name}.bin")
+            for off in range(0, size, 128 * KiB):
+                w.write(off, data[off : off + 128 * KiB])
+            w.commit()
+            assert store.get(f"engine/{name}.bin") == data
+            st = store.statistics()
+            assert st.used_bytes <= cap and st.reserved_bytes == 0
+            store.delete(f"engine/{name}.bin")
