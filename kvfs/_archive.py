@@ -559,7 +559,7 @@ class ArchivingPolicy(TieringPolicy):
             log.warning("cannot evict %s: %s", blobs[0].hash.hex()[:16], e)
             return [0]
         # One transaction for the batch; a blob that a put shared into another session since
-        # the manifests were written stays local (drop_local_many).
+        # the manifests were written, or that was pinned meanwhile, stays local (drop_local_many).
         rows = {r.hash: r for r in self.aindex.drop_local_many(hashes, self.spiller.named)}
         return [self.forget_local(rows[h], reason) if h in rows else 0 for h in hashes]
 

@@ -637,6 +637,24 @@ class Index:
         with self.transaction() as db:
             return self._delete_pages(db, paths)
 
+    def delete_blob_pages(
+        self, h: bytes, *, keep_pinned: bool
+    ) -> tuple[list[PageRow], list[BlobRow]] | None:
+        """Delete every page that shares blob ``h``, in one transaction. With
+        ``keep_pinned`` (eviction), None instead when one of them, or its session, is
+        pinned by now: a pin that lands after the victim was chosen keeps the data."""
+        with self.transaction() as db:
+            if keep_pinned:
+                pinned = db.execute(
+                    "SELECT 1 FROM pages p LEFT JOIN sessions s ON s.dir=p.session"
+                    " WHERE p.hash=? AND (p.pinned=1 OR s.pinned=1) LIMIT 1",
+                    (h,),
+                ).fetchone()
+                if pinned is not None:
+                    return None
+            paths = [r[0] for r in db.execute("SELECT path FROM pages WHERE hash=?", (h,))]
+            return self._delete_pages(db, paths)
+
     def _delete_pages(
         self, db: sqlite3.Connection, paths: Iterable[str]
     ) -> tuple[list[PageRow], list[BlobRow]]:

@@ -77,9 +77,11 @@ def _after_delete(eng: Engine, gone: builtins.list[PageRow], freed: builtins.lis
         eng.policy.pages_removed(gone)
 
 
-def delete_blob_pages(eng: Engine, blob: BlobRow, reason: str) -> int:
-    pages = eng.index.pages_of_blob(blob.hash)
-    gone, freed = eng.index.delete_pages(p.path for p in pages)
+def delete_blob_pages(eng: Engine, blob: BlobRow, reason: str, keep_pinned: bool = True) -> int:
+    deleted = eng.index.delete_blob_pages(blob.hash, keep_pinned=keep_pinned)
+    if deleted is None:
+        return 0  # pinned since it was chosen
+    gone, freed = deleted
     _after_delete(eng, gone, freed)
     with eng._cap_lock:
         eng._evictions[reason] += 1
@@ -240,7 +242,7 @@ def fsck(
                     f"restored {b.hash.hex()[:16]} from the archive ({', '.join(names[b.hash])})"
                 )
                 continue
-            eng.delete_blob_pages(b, "fsck")
+            eng.delete_blob_pages(b, "fsck", keep_pinned=False)
             out["repaired"].extend(
                 f"deleted {p}: its data was damaged and held nowhere else" for p in names[b.hash]
             )

@@ -40,6 +40,12 @@ MANIFESTS = "manifests/"
 BLOBS = "blobs/"
 VERSION = 1
 
+#: how many pinned pages, or pages of pinned sessions, hold blob ? (pins of session ? aside)
+_PINNED_HOLDERS = (
+    "SELECT COUNT(*) FROM pages p LEFT JOIN sessions s ON s.dir=p.session"
+    " WHERE p.hash=? AND (p.pinned=1 OR s.pinned=1) AND p.session IS NOT ?"
+)
+
 
 def blob_key(h: bytes) -> str:
     return BLOBS + h.hex()
@@ -196,7 +202,10 @@ class ArchiveIndex:
             db.executemany("UPDATE blobs SET archived=1 WHERE hash=?", [(h,) for h in hashes])
 
     def drop_local_many(
-        self, hashes: list[bytes], named: Mapping[str, Collection[bytes]]
+        self,
+        hashes: list[bytes],
+        named: Mapping[str, Collection[bytes]],
+        asked: str | None = None,
     ) -> list[BlobRow]:
         """Forget the local copies of archived blobs, in one transaction (the same update as
         ``Index.drop_local``). Returns the rows as they were, for those that were local.
@@ -206,7 +215,9 @@ class ArchiveIndex:
         transaction: a page only the archive holds must be named by its session's manifest
         (other hosts delete any object no manifest names, and a host rebuilt from the
         archive knows only what manifests list). A put that shared the content into another
-        session after those manifests were written keeps it local."""
+        session after those manifests were written keeps it local, and so does a pin that
+        landed since the caller chose its blobs (see :meth:`droppable`: pins of session
+        ``asked`` do not count)."""
         out: list[BlobRow] = []
         if not hashes:
             return out
@@ -217,6 +228,8 @@ class ArchiveIndex:
                     continue
                 holders = db.execute("SELECT DISTINCT session FROM pages WHERE hash=?", (h,))
                 if any(h not in named.get(s, ()) for (s,) in holders):
+                    continue
+                if db.execute(_PINNED_HOLDERS, (h, asked)).fetchone()[0]:
                     continue
                 db.execute("UPDATE blobs SET extents=NULL, disk_bytes=0 WHERE hash=?", (h,))
                 out.append(_blob(r))
@@ -245,12 +258,7 @@ class ArchiveIndex:
 
     def droppable(self, h: bytes, session: str | None) -> bool:
         """No pinned page or pinned session holds ``h``, other than ``session`` (asked for)."""
-        r = self.index._q(
-            "SELECT COUNT(*) FROM pages p LEFT JOIN sessions s ON s.dir=p.session"
-            " WHERE p.hash=? AND (p.pinned=1 OR s.pinned=1) AND p.session IS NOT ?",
-            (h, session),
-        )
-        return r[0][0] == 0
+        return self.index._q(_PINNED_HOLDERS, (h, session))[0][0] == 0
 
     def sessions_of_blob(self, h: bytes) -> list[str]:
         return [

@@ -209,7 +209,7 @@ class Spiller:
                 and self.aindex.droppable(h, d)
             ):
                 want.append(h)
-        rows = self.aindex.drop_local_many(want, self.named)
+        rows = self.aindex.drop_local_many(want, self.named, d)
         list(self.policy._io.map(lambda r: self.policy.forget_local(r, "spill"), rows))
 
     def _encode_local(self, h: bytes) -> bytes:

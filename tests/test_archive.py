@@ -837,3 +837,41 @@ def test_a_page_larger_than_memory_copies_still_gets_a_clear_error(
         with pytest.raises(kvfs.CapacityExceeded, match="archive.memory_copies"):
             s.get(k)
         assert s.statistics().extra["archive"]["memory_reads"] == 0
+
+
+def test_a_session_pinned_while_eviction_uploads_it_stays_local(
+    make_config,  # noqa: ANN001
+    tmp_path: Path,
+) -> None:
+    """Eviction chooses unpinned data, uploads it, then drops the local copies; a pin that
+    lands in between (here: while the victims are being chosen) keeps its pages local, as a
+    pin promises (they were dropped: nothing lost, but the next read went to the archive)."""
+    import threading
+
+    cfg = make_config(
+        ndev=1,
+        capacity=8 * 64 * KiB,
+        archive_url=f"file://{tmp_path / 'archive'}",
+        extra={"archive": {"interval": 0, "evict_ahead": 0}},
+    )
+    with kvfs.open_store_sync(cfg) as s:
+        kept = fill(s, "a", 2)
+        eng, fired = s.engine, []
+        chosen = eng.is_leased  # asked of each victim after it was chosen
+
+        def pin_meanwhile(h: bytes) -> bool:
+            if not fired:
+                fired.append(True)
+                t = threading.Thread(target=s.pin_session, args=("a",))
+                t.start()
+                t.join(30)
+            return chosen(h)
+
+        eng.is_leased = pin_meanwhile  # type: ignore[method-assign]
+        others = fill(s, "b", 10, seed=1)  # more than the cap holds: b's oldest pages go
+        assert fired
+        for k, v in kept.items():
+            assert s.stat(k).local, k
+            assert s.get(k) == v
+        assert any(not s.stat(k).local for k in others)
+        assert s.statistics().used_bytes <= cfg.capacity

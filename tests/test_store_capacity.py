@@ -241,3 +241,36 @@ def test_a_streaming_write_that_just_fits_is_not_refused(
             st = store.statistics()
             assert st.used_bytes <= cap and st.reserved_bytes == 0
             store.delete(f"engine/{name}.bin")
+
+
+def test_a_page_pinned_after_eviction_chose_its_data_is_kept(
+    make_config: Callable[..., kvfs.StoreConfig],
+) -> None:
+    """Eviction picks unpinned data, then deletes it; a client that pins a page sharing that
+    data in between (a deduplicated put with pin=True) keeps it: the pin is checked again in
+    the deleting transaction (it was deleted, acknowledged pin and all)."""
+    import threading
+
+    cfg = make_config(ndev=1, stripe_unit=64 * KiB, capacity=1 * MiB)
+    with kvfs.open_store_sync(cfg) as store:
+        shared = os.urandom(100 * KiB)
+        store.put("x/a", shared)
+        eng = store.engine
+        chosen = eng.is_leased  # asked of each victim after it was chosen
+        fired: list[bool] = []
+
+        def pin_meanwhile(h: bytes) -> bool:
+            if not fired:
+                fired.append(True)
+                t = threading.Thread(target=lambda: store.put("y/pinned", shared, pin=True))
+                t.start()
+                t.join(30)
+            return chosen(h)
+
+        eng.is_leased = pin_meanwhile  # type: ignore[method-assign]
+        with pytest.raises(kvfs.CapacityExceeded):
+            store.put("x/big", os.urandom(960 * KiB))
+        assert fired
+        assert store.get("y/pinned") == shared and store.get("x/a") == shared
+        st = store.statistics()
+        assert st.used_bytes <= cfg.capacity and st.reserved_bytes == 0
