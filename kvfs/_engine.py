@@ -51,6 +51,9 @@ from ._writes import PageWriter, check_attrs
 __all__ = ["Engine", "PageWriter"]
 
 RESERVE_WAIT_SECONDS = 10.0
+#: how long close() waits for calls in flight before it closes under them (then the index
+#: is not marked clean, and the next open recounts as after a crash)
+CLOSE_WAIT_SECONDS = 120.0
 ATIME_FLUSH_SECONDS = 5.0
 
 log = logging.getLogger("kvfs.engine")
@@ -245,6 +248,8 @@ class Engine:
             self.used + sum(f - headroom(f) for f in self.tier.free_bytes_per_filesystem())
         )
         self._closed = False
+        self._calls = 0  # API calls in flight (see _using): close() waits for them
+        self._calls_done = threading.Condition()
         if cfg.archive_url:
             from ._archive import ArchivingPolicy  # imports objectstore/boto3 only when used
 
@@ -264,14 +269,39 @@ class Engine:
             self.dev_used[dev] += sign * int(n * share if b.size else b.disk_bytes)
 
     # -- lifecycle --------------------------------------------------------------------
+    @contextmanager
+    def _using(self) -> Iterator[None]:
+        """One API call: refused (StoreClosed) once close() began; close() waits for it."""
+        with self._calls_done:
+            self._check_open()
+            self._calls += 1
+        try:
+            yield
+        finally:
+            with self._calls_done:
+                self._calls -= 1
+                if self._calls == 0:
+                    self._calls_done.notify_all()
+
     def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        if os.getpid() != self._pid:
-            # A forked child unwinding its copy (a ``with`` block, an exit handler): the
-            # index, the files, the lock and the worker threads are the parent's. Leave them.
-            return
+        with self._calls_done:
+            if self._closed:
+                return
+            self._closed = True
+            if os.getpid() != self._pid:
+                # A forked child unwinding its copy (a ``with`` block, an exit handler): the
+                # index, the files, the lock and the worker threads are the parent's.
+                return
+            # Calls already running finish first: a put committing after the accounting
+            # was saved would leave the next open a byte count too low, and the cap broken.
+            settled = self._calls_done.wait_for(lambda: self._calls == 0, CLOSE_WAIT_SECONDS)
+            if not settled:
+                log.warning(
+                    "closing with %d calls still running after %.0f s; the next open "
+                    "recounts the data, as after a crash",
+                    self._calls,
+                    CLOSE_WAIT_SECONDS,
+                )
         try:
             self._atime_pool.shutdown(wait=True)
             try:
@@ -291,8 +321,9 @@ class Engine:
             self.io_pool.shutdown(wait=True)
             self.hash_pool.shutdown(wait=True)
             try:
-                self.index.set_meta("accounting", [self.used, self.dev_used])
-                self.index.set_meta("clean", True)
+                if settled:
+                    self.index.set_meta("accounting", [self.used, self.dev_used])
+                    self.index.set_meta("clean", True)
             except CapacityExceeded as e:
                 log.warning(
                     "closed without marking the index clean (the next open recounts, as "
@@ -372,9 +403,8 @@ class Engine:
     def lease(self, key: PageKey | str) -> Iterator[tuple[PageRow, BlobRow]]:
         """Hold a page's data in place: it is not evicted, and its files are not removed
         (even by delete) until the lease ends. Raises PageNotFound."""
-        self._check_open()
         k = as_key(key)
-        with self._cap_lock:
+        with self._using(), self._cap_lock:
             found = self.index.page_and_blob(k.path)
             if found is None:
                 raise PageNotFound(f"no page {k.path!r}")
@@ -422,26 +452,26 @@ class Engine:
         Raises InvalidKey, PageExists, CapacityExceeded. On any error nothing is visible and
         nothing is left on disk.
         """
-        self._check_open()
-        return _writes.put(self, as_key(key), data, attrs=attrs, pin=pin, replace=replace)
+        with self._using():
+            return _writes.put(self, as_key(key), data, attrs=attrs, pin=pin, replace=replace)
 
     def begin_write(self, key: PageKey | str) -> PageWriter:
         """A streaming writer for a page whose size is not known up front (the FUSE mount)."""
-        self._check_open()
-        k = as_key(key)
-        return PageWriter(self, k)
+        with self._using():
+            k = as_key(key)
+            return PageWriter(self, k)
 
     # -- reads (kvfs/_reads.py) -------------------------------------------------------
     def get(self, key: PageKey | str, into: object | None = None) -> bytes | int:
         """Read a whole page. Returns bytes, or with ``into`` (a writable buffer at least the
         page's size) the number of bytes read into it. Raises PageNotFound, CorruptPage."""
-        self._check_open()
-        return _reads.get(self, as_key(key), into)
+        with self._using():
+            return _reads.get(self, as_key(key), into)
 
     def read_range(self, key: PageKey | str, offset: int, size: int) -> bytes:
         """Read ``size`` bytes at ``offset`` (short at the end), verifying the leaves touched."""
-        self._check_open()
-        return _reads.read_range(self, as_key(key), offset, size)
+        with self._using():
+            return _reads.read_range(self, as_key(key), offset, size)
 
     def read_held(
         self, page: PageRow, blob: BlobRow, offset: int, size: int, *, buffered: bool = False
@@ -454,16 +484,16 @@ class Engine:
         ``buffered`` through the data files' page cache (a reader with no cache of its own:
         a ``direct_io`` file on the mount). Raises CorruptPage, PageNotFound (data gone from
         every tier)."""
-        self._check_open()
-        return _reads.read_held(self, page, blob, offset, size, buffered=buffered)
+        with self._using():
+            return _reads.read_held(self, page, blob, offset, size, buffered=buffered)
 
     def set_page_attrs(self, key: PageKey | str, attrs: dict[str, str]) -> None:
         """Merge ``attrs`` into a page's attributes (the mount keeps file modes here).
         Raises PageNotFound, InvalidKey."""
-        self._check_open()
-        k = as_key(key)
-        if not self.index.update_page_attrs(k.path, check_attrs(attrs)):
-            raise PageNotFound(f"no page {k.path!r}")
+        with self._using():
+            k = as_key(key)
+            if not self.index.update_page_attrs(k.path, check_attrs(attrs)):
+                raise PageNotFound(f"no page {k.path!r}")
 
     # -- counters and access times ----------------------------------------------------
     def _count(self, name: str, n: int = 1) -> None:
@@ -527,12 +557,12 @@ class Engine:
 
     # -- metadata (views built in kvfs/_reads.py) -------------------------------------
     def stat(self, key: PageKey | str) -> PageInfo:
-        self._check_open()
-        return _reads.stat(self, as_key(key))
+        with self._using():
+            return _reads.stat(self, as_key(key))
 
     def exists(self, key: PageKey | str) -> bool:
-        self._check_open()
-        return self.index.page(as_key(key).path) is not None
+        with self._using():
+            return self.index.page(as_key(key).path) is not None
 
     def list(
         self,
@@ -542,16 +572,16 @@ class Engine:
         path_prefix: str | None = None,
     ) -> builtins.list[PageInfo]:
         """Pages of a session (optionally of one prefix of it), or under a path prefix."""
-        self._check_open()
-        return _reads.list_pages(self, session, prefix, path_prefix)
+        with self._using():
+            return _reads.list_pages(self, session, prefix, path_prefix)
 
     def sessions(self) -> builtins.list[SessionInfo]:
-        self._check_open()
-        return [_reads.session_info(self, s.dir) for s in self.index.sessions()]
+        with self._using():
+            return [_reads.session_info(self, s.dir) for s in self.index.sessions()]
 
     def session_info(self, session: str) -> SessionInfo:
-        self._check_open()
-        return _reads.session_info(self, self.resolve_session(session))
+        with self._using():
+            return _reads.session_info(self, self.resolve_session(session))
 
     def resolve_session(self, session: str) -> str:
         """The directory a session name means. ``agent-42`` is the semantic session
@@ -569,25 +599,25 @@ class Engine:
         return d
 
     def set_session_attrs(self, session: str, attrs: dict[str, str]) -> None:
-        self._check_open()
-        self.index.set_session_attrs(self.resolve_session(session), check_attrs(attrs))
+        with self._using():
+            self.index.set_session_attrs(self.resolve_session(session), check_attrs(attrs))
 
     # -- delete, evict (kvfs/_maint.py) -----------------------------------------------
     def delete(self, key: PageKey | str) -> None:
         """Remove a page. Its data goes with its last reference. Raises PageNotFound."""
-        self._check_open()
-        _maint.delete(self, as_key(key))
+        with self._using():
+            _maint.delete(self, as_key(key))
 
     def delete_session(self, session: str) -> int:
         """Remove every page of a session and the session itself; returns pages removed."""
-        self._check_open()
-        return _maint.delete_session(self, session)
+        with self._using():
+            return _maint.delete_session(self, session)
 
     def expire_session(self, d: str, untouched_since: float) -> int | None:
         """Retention: remove an unpinned session (directory ``d``) last touched before
         ``untouched_since`` from every tier; None when it was touched or pinned meanwhile."""
-        self._check_open()
-        return _maint.expire_session(self, d, untouched_since)
+        with self._using():
+            return _maint.expire_session(self, d, untouched_since)
 
     def delete_blob_pages(self, blob: BlobRow, reason: str, keep_pinned: bool = True) -> int:
         """Evict by deletion (no archive): every page sharing this data goes, unless (with
@@ -596,20 +626,20 @@ class Engine:
 
     def rename(self, src: PageKey | str, dst: PageKey | str) -> None:
         """Move a page to a new key, atomically replacing any page there."""
-        self._check_open()
-        _maint.rename(self, as_key(src), as_key(dst))
+        with self._using():
+            _maint.rename(self, as_key(src), as_key(dst))
 
     # -- pin --------------------------------------------------------------------------
     def pin(self, key: PageKey | str, pinned: bool = True) -> None:
-        self._check_open()
-        k = as_key(key)
-        if not self.index.set_page_pinned(k.path, pinned):
-            raise PageNotFound(f"no page {k.path!r}")
+        with self._using():
+            k = as_key(key)
+            if not self.index.set_page_pinned(k.path, pinned):
+                raise PageNotFound(f"no page {k.path!r}")
 
     def pin_session(self, session: str, pinned: bool = True) -> None:
         """Pin a session (it may have no pages yet: pinning reserves its place)."""
-        self._check_open()
-        self.index.set_session_pinned(self.resolve_session(session), pinned)
+        with self._using():
+            self.index.set_session_pinned(self.resolve_session(session), pinned)
 
     # -- eviction ---------------------------------------------------------------------
     def evict(
@@ -626,8 +656,8 @@ class Engine:
         With one, what it lacks is uploaded first: ``progress(page bytes archived, page bytes
         to archive)`` as uploads finish (not called when nothing needs uploading).
         """
-        self._check_open()
-        return _maint.evict(self, target, session, reason, progress)
+        with self._using():
+            return _maint.evict(self, target, session, reason, progress)
 
     # -- archive tier (kvfs/_archive.py) ---------------------------------------------
     def _archive(self):  # type: ignore[no-untyped-def]  # -> ArchivingPolicy
@@ -643,7 +673,8 @@ class Engine:
         copies (pinned sessions too: this is the explicit request); ``progress(page bytes
         archived, page bytes to archive)`` as uploads finish. Returns bytes uploaded.
         Raises SessionNotFound, ArchiveUnavailable (then nothing local was dropped)."""
-        return int(self._archive().spill(self.resolve_session(session), progress))
+        with self._using():
+            return int(self._archive().spill(self.resolve_session(session), progress))
 
     def restore(self, session: str, *, progress: Callable[[int, int], None] | None = None) -> int:
         """Bring a session back: import its manifest's pages this store lacks (from any host
@@ -651,24 +682,27 @@ class Engine:
         manifest is fetched); ``progress(bytes done, bytes to restore)`` as they come.
         Returns bytes restored. Raises SessionNotFound, ArchiveUnavailable, CorruptPage
         (after every page was tried)."""
-        archive = self._archive()
-        d = self.resolve_session(session)
-        try:
-            return int(archive.restore_session(d, progress))
-        except SessionNotFound:
-            if d == session or "/" in session:
-                raise
-        # Neither here nor in the archive as a semantic session: a top-level engine
-        # directory of that name, archived by this host or another one sharing the bucket.
-        return int(archive.restore_session(session, progress))
+        with self._using():
+            archive = self._archive()
+            d = self.resolve_session(session)
+            try:
+                return int(archive.restore_session(d, progress))
+            except SessionNotFound:
+                if d == session or "/" in session:
+                    raise
+            # Neither here nor in the archive as a semantic session: a top-level engine
+            # directory of that name, archived by this host or another one sharing the bucket.
+            return int(archive.restore_session(session, progress))
 
     def archived_sessions(self) -> builtins.list[dict[str, object]]:
         """Sessions that have a manifest in the archive, from every host sharing it."""
-        return list(self._archive().archived_sessions())
+        with self._using():
+            return list(self._archive().archived_sessions())
 
     def archive_hosts(self) -> builtins.list[dict[str, object]]:
         """The hosts sharing the archive (heartbeats and manifests): see kvfs/_hosts.py."""
-        return list(self._archive().archive_hosts())
+        with self._using():
+            return list(self._archive().archive_hosts())
 
     def _restore(self, blob: BlobRow, page: PageRow) -> BlobRow | bytes:
         """Bring one page's data back from the archive for a read (counted as a miss): its
@@ -689,8 +723,8 @@ class Engine:
 
     # -- statistics, verification (kvfs/_maint.py) -----------------------------------
     def statistics(self) -> StoreStatistics:
-        self._check_open()
-        return _maint.statistics(self)
+        with self._using():
+            return _maint.statistics(self)
 
     def fsck(
         self, *, repair: bool = False, verify_data: bool = True, progress: object = None
@@ -699,5 +733,5 @@ class Engine:
         orphans. With ``repair``, orphans are removed, damaged local copies of archived data
         are restored from the archive, and pages whose data is held nowhere else are
         deleted (they cannot be served). Returns findings by kind."""
-        self._check_open()
-        return _maint.fsck(self, repair=repair, verify_data=verify_data, progress=progress)
+        with self._using():
+            return _maint.fsck(self, repair=repair, verify_data=verify_data, progress=progress)

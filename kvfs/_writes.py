@@ -269,6 +269,10 @@ class PageWriter:
         return self._size
 
     def write(self, offset: int, data: bytes | memoryview) -> int:
+        with self.engine._using():
+            return self._write(offset, data)
+
+    def _write(self, offset: int, data: bytes | memoryview) -> int:
         if self._done:
             raise ValueError("writer is closed")
         end = offset + len(data)
@@ -348,7 +352,12 @@ class PageWriter:
     def commit(
         self, *, attrs: dict[str, str] | None = None, replace: bool = False, pin: bool = False
     ) -> PageInfo:
-        """Make the written bytes a page. Raises PageExists (unless replace), CapacityExceeded."""
+        """Make the written bytes a page. Raises PageExists (unless replace), CapacityExceeded,
+        StoreClosed (then abort() removes what was written)."""
+        with self.engine._using():
+            return self._commit(attrs, replace, pin)
+
+    def _commit(self, attrs: dict[str, str] | None, replace: bool, pin: bool) -> PageInfo:
         if self._done:
             raise ValueError("writer is closed")
         self._done = True

@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from collections.abc import Callable
 
 import pytest
@@ -264,6 +265,51 @@ def test_index_reads_do_not_wait_for_another_threads_transaction(
             t.join(30)
         assert seen_inside[0] is not None and seen_inside[0].pinned
         assert index.page("s/a").pinned  # type: ignore[union-attr]
+
+
+def test_close_waits_for_calls_in_flight_and_refuses_new_ones(
+    make_config: Callable[..., kvfs.StoreConfig],
+) -> None:
+    """close() lets a put already running commit before it saves the byte count: the count
+    saved once went to disk without that page, the next open trusted it, and the cap was
+    overrun. A call made once close() began is told StoreClosed (it got sqlite errors)."""
+    import threading
+
+    cfg = make_config(ndev=1, capacity=64 * MiB)
+    opened = kvfs.open_store_sync(cfg)
+    store = opened.__enter__()
+    index, committing, results = store.engine.index, threading.Event(), []
+    commit_page = index.commit_page
+
+    def slow_commit(c, **kw):  # noqa: ANN001, ANN003, ANN202
+        committing.set()
+        time.sleep(0.5)  # close() starts meanwhile
+        return commit_page(c, **kw)
+
+    index.commit_page = slow_commit  # type: ignore[method-assign]
+
+    def put() -> None:
+        try:
+            results.append(store.put("s/late", b"x" * (3 * MiB)))
+        except Exception as e:  # noqa: BLE001
+            results.append(e)
+
+    t = threading.Thread(target=put)
+    t.start()
+    assert committing.wait(30)
+    store.close()
+    t.join(30)
+    assert isinstance(results[0], kvfs.PageInfo), results
+    with pytest.raises(kvfs.StoreClosed):
+        store.put("s/after", b"y")
+    with pytest.raises(kvfs.StoreClosed):
+        store.stat("s/late")
+    with kvfs.open_store_sync(cfg) as again:
+        on_disk = sum(
+            f.stat().st_size for d in cfg.data_dirs for f in d.rglob("blobs/**/*") if f.is_file()
+        )
+        assert again.statistics().used_bytes == on_disk > 3 * MiB
+        assert again.get("s/late") == b"x" * (3 * MiB)
 
 
 def test_a_lookup_racing_a_put_sees_the_page_or_nothing(
