@@ -619,10 +619,10 @@ class Engine:
         with self._using():
             return _maint.expire_session(self, d, untouched_since)
 
-    def delete_blob_pages(self, blob: BlobRow, reason: str, keep_pinned: bool = True) -> int:
-        """Evict by deletion (no archive): every page sharing this data goes, unless (with
-        ``keep_pinned``) one of them is pinned by now. Returns bytes freed."""
-        return _maint.delete_blob_pages(self, blob, reason, keep_pinned)
+    def delete_blob_pages(self, blob: BlobRow, reason: str) -> int:
+        """Evict by deletion (no archive): every page sharing this data goes, unless one of
+        them is pinned by now. Returns bytes freed."""
+        return _maint.delete_blob_pages(self, blob, reason)
 
     def rename(self, src: PageKey | str, dst: PageKey | str) -> None:
         """Move a page to a new key, atomically replacing any page there."""

@@ -638,12 +638,17 @@ class Index:
             return self._delete_pages(db, paths)
 
     def delete_blob_pages(
-        self, h: bytes, *, keep_pinned: bool
+        self, h: bytes, *, keep_pinned: bool, copy: object = None
     ) -> tuple[list[PageRow], list[BlobRow]] | None:
         """Delete every page that shares blob ``h``, in one transaction. With
         ``keep_pinned`` (eviction), None instead when one of them, or its session, is
-        pinned by now: a pin that lands after the victim was chosen keeps the data."""
+        pinned by now: a pin that lands after the victim was chosen keeps the data. With
+        ``copy`` (extents), None unless the blob's local copy is still that one."""
         with self.transaction() as db:
+            if copy is not None:
+                r = db.execute(f"SELECT {_BLOB_COLS} FROM blobs WHERE hash=?", (h,)).fetchone()
+                if r is None or _blob(r).extents != copy:
+                    return None
             if keep_pinned:
                 pinned = db.execute(
                     "SELECT 1 FROM pages p LEFT JOIN sessions s ON s.dir=p.session"

@@ -23,6 +23,7 @@ import functools
 import os
 import threading
 import uuid
+import weakref
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -133,6 +134,10 @@ class LocalTier:
         # user.kvfs.extents), whose working directory is not this one's
         self.roots = tuple(Path(os.path.abspath(r)) for r in roots)
         self.n = len(self.roots)
+        # Writers whose files the index may not name yet: a writer lives until its files
+        # are committed or removed (see writing_files).
+        self._writers: weakref.WeakSet[BlobWriter] = weakref.WeakSet()
+        self._writers_lock = threading.Lock()
         self.unit = stripe_unit
         self.piece = min(stripe_unit, MAX_PIECE)
         self.direct = direct
@@ -208,7 +213,18 @@ class LocalTier:
 
     # -- writing ----------------------------------------------------------------------
     def writer(self, start: int, *, direct: bool, nonce: str | None = None) -> BlobWriter:
-        return BlobWriter(self, start, direct=direct and self.direct, nonce=nonce)
+        w = BlobWriter(self, start, direct=direct and self.direct, nonce=nonce)
+        with self._writers_lock:
+            self._writers.add(w)
+        return w
+
+    def writing_files(self) -> set[tuple[int, str]]:
+        """Every (device, file) a writer of this process may have created that the index
+        may not name yet: a put or a file on the mount being written, a restore (also one
+        a worker process writes). Files a writer committed can be among them."""
+        with self._writers_lock:
+            rels = {w.rel for w in list(self._writers)}
+        return {(dev, rel) for rel in rels for dev in range(self.n)}
 
     # -- reading ----------------------------------------------------------------------
     def pieces(

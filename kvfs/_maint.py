@@ -77,8 +77,8 @@ def _after_delete(eng: Engine, gone: builtins.list[PageRow], freed: builtins.lis
         eng.policy.pages_removed(gone)
 
 
-def delete_blob_pages(eng: Engine, blob: BlobRow, reason: str, keep_pinned: bool = True) -> int:
-    deleted = eng.index.delete_blob_pages(blob.hash, keep_pinned=keep_pinned)
+def delete_blob_pages(eng: Engine, blob: BlobRow, reason: str) -> int:
+    deleted = eng.index.delete_blob_pages(blob.hash, keep_pinned=True)
     if deleted is None:
         return 0  # pinned since it was chosen
     gone, freed = deleted
@@ -184,10 +184,16 @@ def fsck(
         "repaired": [],
     }
     tier = eng.tier
-    known = eng.index.all_extent_files()
-    for dev, rel in tier.all_files():
-        if (dev, rel) not in known:
-            out["orphans"].append(tier.abspath(dev, rel))
+    # Files first, then what may own them: a file written meanwhile is either not listed,
+    # or its writer is still alive (uncommitted), or the index names it (committed).
+    listed = builtins.list(tier.all_files())
+    owned = tier.writing_files()
+    with eng._cap_lock:  # deleted while a reader holds them: they go when it is done
+        owned.update(
+            (e[0], e[1]) for bs in eng._deferred.values() for b in bs for e in b.extents or ()
+        )
+    owned |= eng.index.all_extent_files()
+    out["orphans"] = [tier.abspath(dev, rel) for dev, rel in listed if (dev, rel) not in owned]
     blobs = eng.index.local_blobs()
     bad: builtins.list[BlobRow] = []
     for i, b in enumerate(blobs):
@@ -216,6 +222,13 @@ def fsck(
                 bad.append(b)
     if callable(progress):
         progress(len(blobs), len(blobs))
+    # A copy deleted (or replaced by a new put of the same bytes) while it was checked
+    # looks missing or corrupt: only a copy the index still holds is damaged.
+    bad = [b for b in bad if _same_copy(eng, b)]
+    kept = {b.hash.hex() for b in bad}
+    out["corrupt"] = [h for h in out["corrupt"] if h in kept]
+    held = {tier.abspath(e[0], e[1]) for b in bad for e in b.extents or ()}
+    out["missing"] = [p for p in out["missing"] if p in held]
     names = {b.hash: [p.path for p in eng.index.pages_of_blob(b.hash)] for b in bad}
     out["damaged_pages"] = sorted(p for paths in names.values() for p in paths)
     if repair:
@@ -242,8 +255,18 @@ def fsck(
                     f"restored {b.hash.hex()[:16]} from the archive ({', '.join(names[b.hash])})"
                 )
                 continue
-            eng.delete_blob_pages(b, "fsck", keep_pinned=False)
+            gone = eng.index.delete_blob_pages(b.hash, keep_pinned=False, copy=b.extents)
+            if gone is None:
+                continue  # a new copy since (deleted and put again): it is not this one
+            _after_delete(eng, *gone)
+            with eng._cap_lock:
+                eng._evictions["fsck"] += 1
             out["repaired"].extend(
-                f"deleted {p}: its data was damaged and held nowhere else" for p in names[b.hash]
+                f"deleted {p.path}: its data was damaged and held nowhere else" for p in gone[0]
             )
     return out
+
+
+def _same_copy(eng: Engine, b: BlobRow) -> bool:
+    cur = eng.index.blob(b.hash)
+    return cur is not None and cur.extents == b.extents

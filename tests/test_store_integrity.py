@@ -139,3 +139,48 @@ def test_a_corrupt_read_is_logged_with_its_cause(
             s.get("a/p")
     warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert any("'a/p' is corrupt: bytes 1048576-2097152" in m for m in warned), warned
+
+
+def test_fsck_repair_on_a_live_store_touches_only_what_is_damaged(
+    make_config: Callable[..., kvfs.StoreConfig],
+) -> None:
+    """`kvfs fsck --repair` runs beside the daemon's clients. It once removed, as orphans,
+    the files of a page still being written and of a deleted page a reader still held, and
+    deleted a healthy page whose bytes were deleted and put again while it checked them."""
+    cfg = make_config(ndev=2, stripe_unit=64 * KiB)
+    with kvfs.open_store_sync(cfg) as store:
+        eng = store.engine
+        data = os.urandom(1 * MiB)
+        w = store.begin_write("engine/being-written.bin")  # a file open on the mount
+        w.write(0, data)
+        store.put("x/held", data[: 300 * KiB])
+        with eng.lease("x/held") as (page, blob):  # a reader of a file deleted meanwhile
+            store.delete("x/held")
+            found = store.fsck(repair=True)
+            assert found["orphans"] == [] and found["repaired"] == []
+            assert bytes(eng.read_held(page, blob, 0, 4096)) == data[:4096]
+        w.commit()
+        assert store.get("engine/being-written.bin") == data
+
+        store.put("x/a", data)
+        local_blobs = eng.index.local_blobs
+
+        def delete_and_put_again() -> list[object]:  # another client, while fsck checks
+            rows = local_blobs()
+            store.delete("x/a")
+            store.put("y/b", data)
+            return rows
+
+        eng.index.local_blobs = delete_and_put_again  # type: ignore[method-assign]
+        found = store.fsck(repair=True)
+        eng.index.local_blobs = local_blobs  # type: ignore[method-assign]
+        assert found["missing"] == [] and found["damaged_pages"] == [], found
+        assert found["repaired"] == []
+        assert store.get("y/b") == data
+        assert store.fsck() == {
+            "missing": [],
+            "corrupt": [],
+            "orphans": [],
+            "damaged_pages": [],
+            "repaired": [],
+        }
