@@ -107,14 +107,17 @@ class FileOps:
             raise fuse_error(errno.ENOTDIR)
         return n
 
-    def _attrs(self, node: Node, meta_size: int = 0) -> pyfuse3.EntryAttributes:
-        return self.table.attrs(node, self.dirs.get(node.path), meta_size)
+    def _attrs(self, node: Node) -> pyfuse3.EntryAttributes:
+        return self.table.attrs(node, self.dirs.get(node.path))
 
     async def _entry(self, node: Node) -> pyfuse3.EntryAttributes:
-        size = 0
         if node.kind is Kind.META:
-            size = len(await self._thread(session_json, self.engine, session_of(node.path)))
-        return self._attrs(node, size)
+            await self._render_meta(node)
+        return self._attrs(node)
+
+    async def _render_meta(self, node: Node) -> bytes:
+        data = await self._thread(session_json, self.engine, session_of(node.path))
+        return node.render_meta(data)
 
     @guard
     async def create(
@@ -146,7 +149,7 @@ class FileOps:
         if node.kind is Kind.META:
             if write:
                 raise fuse_error(errno.EACCES)
-            data = await self._thread(session_json, self.engine, session_of(node.path))
+            data = await self._render_meta(node)
             return pyfuse3.FileInfo(fh=self._fh(Handle(node, content=data)), direct_io=True)
         if node.kind is Kind.PENDING:
             # Only its writer's handle may touch a page in the making.

@@ -76,6 +76,15 @@ class Node:
     #: this inode's page cache may hold bytes its page does not (a next version was written
     #: through it): the next open drops it (no keep_cache)
     stale_cache: bool = False
+    #: a ``.kvfs.json``: its last rendering and when that content first appeared, so that
+    #: stat and read agree and its mtime moves only when the session does (tar, rsync)
+    meta: bytes = b""
+    meta_ns: int = 0
+
+    def render_meta(self, content: bytes) -> bytes:
+        if content != self.meta:
+            self.meta, self.meta_ns = content, time.time_ns()
+        return content
 
 
 @dataclass(eq=False)
@@ -186,9 +195,7 @@ class NodeTable:
             del self.by_path[node.path]
 
     # -- attributes -------------------------------------------------------------------
-    def attrs(
-        self, node: Node, dirrow: DirRow | None = None, meta_size: int = 0
-    ) -> pyfuse3.EntryAttributes:
+    def attrs(self, node: Node, dirrow: DirRow | None = None) -> pyfuse3.EntryAttributes:
         a = pyfuse3.EntryAttributes()
         a.st_ino = node.ino
         a.generation = 0
@@ -228,8 +235,8 @@ class NodeTable:
         else:
             a.st_mode = stat.S_IFREG | 0o444
             a.st_nlink = 1
-            a.st_size = meta_size
-            a.st_atime_ns = a.st_mtime_ns = a.st_ctime_ns = time.time_ns()
+            a.st_size = len(node.meta)
+            a.st_atime_ns = a.st_mtime_ns = a.st_ctime_ns = node.meta_ns
             a.entry_timeout = a.attr_timeout = 0
         a.st_blocks = -(-a.st_size // 512)
         return a

@@ -18,7 +18,6 @@ import json
 import sqlite3
 import stat
 import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -216,7 +215,6 @@ def session_json(engine: Engine, session_path: str) -> bytes:
         "created": info.created,
         "atime": info.atime,
         "attrs": info.attrs,
-        "generated": time.time(),
     }
     return (json.dumps(doc, indent=2, sort_keys=True) + "\n").encode()
 

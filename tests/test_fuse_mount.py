@@ -196,6 +196,11 @@ def test_python_reads_and_semantic_layout(mnt: Path) -> None:
     del arr
     meta = json.loads((mnt / "sessions/agent-42/.kvfs.json").read_text())
     assert meta["pages"] == 3 and meta["bytes"] == 3 * len(data)
+    # a session directory backs up with tar (its .kvfs.json changed size and mtime at every
+    # stat: "file changed as we read it", exit 1, a NUL-padded copy)
+    for _ in range(3):
+        tar = ["tar", "cf", str(mnt.parent / "s.tar"), "-C", str(mnt), "sessions/agent-42"]
+        subprocess.run(tar, check=True)  # (not to /dev/null: GNU tar then reads nothing)
 
 
 def test_o_direct_read(mnt: Path) -> None:

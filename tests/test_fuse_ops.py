@@ -335,6 +335,19 @@ async def test_session_metadata_file(ops: KvfsOperations) -> None:
     doc = json.loads(bytes(await ops.read(fi.fh, 0, 1 << 20)))
     await ops.release(fi.fh)
     assert doc["session"] == "agent-1" and doc["pages"] == 1 and doc["bytes"] == 100
+    # stat and read agree, and mtime moves only when the content does (tar, rsync)
+    a1, a2 = await ops.getattr(meta.st_ino, CTX), await ops.getattr(meta.st_ino, CTX)
+    assert a1.st_size == a2.st_size and a1.st_mtime_ns == a2.st_mtime_ns
+    fi = await ops.open(meta.st_ino, os.O_RDONLY, CTX)
+    assert len(await ops.read(fi.fh, 0, 1 << 20)) == a1.st_size
+    await ops.release(fi.fh)
+    await write_file(ops, d, "layer-001", b"k" * 200)
+    a3 = await ops.getattr(meta.st_ino, CTX)
+    assert a3.st_mtime_ns > a1.st_mtime_ns
+    fi = await ops.open(meta.st_ino, os.O_RDONLY, CTX)
+    doc = json.loads(bytes(got := await ops.read(fi.fh, 0, 1 << 20)))
+    await ops.release(fi.fh)
+    assert doc["pages"] == 2 and len(got) == a3.st_size
     assert await fuse_errno(ops.unlink(s, b".kvfs.json", CTX)) == errno.EPERM
     assert await fuse_errno(ops.rmdir(s, b"p", CTX)) == errno.ENOTEMPTY
 
