@@ -311,7 +311,15 @@ class FileOps:
 
     @guard
     async def fsync(self, fh: int, datasync: bool) -> None:
-        return None  # a page is durable when committed; before that it does not exist
+        # A page is durable when committed; before that it does not exist. But a write
+        # answered at once and written behind may have failed since: say so now, as fsync
+        # reports earlier write-back errors (a writer checking fsync, not close, would
+        # believe its data safe).
+        h = self._handle(fh)
+        if h.writable and not h.committed:
+            await self._drain(h)
+            if h.failed:
+                raise fuse_error(h.failed)
 
     @guard
     async def release(self, fh: int) -> None:

@@ -403,6 +403,19 @@ def test_enospc_with_small_capacity(make_mount: object) -> None:
     assert st.f_blocks * st.f_bsize == 8 * MiB
     write(m.mp / "fits", b"y" * MiB)
     assert (m.mp / "fits").read_bytes() == b"y" * MiB
+    # fsync reports a write answered at once that failed behind it (it said success, and
+    # the close that followed discarded the file: a writer checking fsync lost its data)
+    fd = os.open(m.mp / "too-big-2", os.O_CREAT | os.O_WRONLY, 0o644)
+    try:
+        with pytest.raises(OSError) as ei:
+            for _ in range(8):  # with its header, one block more than the cap
+                os.write(fd, os.urandom(MiB))
+            os.fsync(fd)
+        assert ei.value.errno == errno.ENOSPC
+    finally:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    assert not (m.mp / "too-big-2").exists()
 
 
 def test_a_full_disk_under_the_mount(make_mount: object) -> None:
