@@ -304,7 +304,15 @@ class FileOps:
         # close() sends flush; release follows asynchronously. Committing here makes the page
         # visible when close returns. A flush before any write is a shell's dup2 + close of
         # the original fd (``echo > f``, dd): the writer is not done, release commits.
-        if h.writable and not h.committed and (h.wrote or h.failed):
+        pending = h.node.pending
+        if h.writable and not h.committed and pending is not None and pending.unlinked:
+            # A scratch file (created, then unlinked while open: TemporaryFile) lives until
+            # its last close, which is release: this flush is a dup's close (a child that
+            # had it as stdout). Only report a write that failed.
+            await self._drain(h)
+            if h.failed:
+                raise fuse_error(h.failed)
+        elif h.writable and not h.committed and (h.wrote or h.failed):
             await self._finish(h, h.node.path)
         elif h.again is not None:
             await self._commit_again(h)

@@ -15,6 +15,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -391,6 +392,29 @@ def test_mmap_of_a_name_replaced_behind_the_mount(make_mount: object) -> None:
     for _ in range(2):
         with open(m.mp / "r", "rb") as f, mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as mm:
             assert mm[:] == new
+
+
+def test_a_scratch_file_lives_until_its_last_close(mnt: Path) -> None:
+    """A file unlinked while open (tempfile.TemporaryFile on a mount: no O_TMPFILE) lives
+    until its last descriptor closes: the close of a duplicate (a child that had it as
+    stdout) discarded it, and reads then failed with ENOENT, writes with EBADF."""
+    with tempfile.TemporaryFile(dir=mnt) as f:
+        subprocess.run(["echo", "hello from the child"], stdout=f, check=True)
+        f.seek(0)
+        assert f.read() == b"hello from the child\n"
+        f.write(b"more")
+        f.seek(0)
+        assert f.read() == b"hello from the child\nmore"
+    fd, p = tempfile.mkstemp(dir=mnt)
+    try:
+        os.write(fd, b"1" * 10)
+        os.unlink(p)
+        os.close(os.dup(fd))
+        assert os.write(fd, b"2" * 10) == 10
+        assert os.pread(fd, 30, 0) == b"1" * 10 + b"2" * 10
+    finally:
+        os.close(fd)
+    assert os.listdir(mnt) == ["sessions"]  # (always there)
 
 
 def test_enospc_with_small_capacity(make_mount: object) -> None:
