@@ -372,7 +372,7 @@ class KvfsOperations(FileOps, pyfuse3.Operations):
             h = next((x for x in self.handles.values() if x.node is node and x.writable), None)
             if h is None:  # its writer closed it this instant: being committed
                 raise fuse_error(errno.EBUSY)
-            await self._finish(h, dst)
+            await self._finish(h, dst, hold=True)
         else:
             validate_page(dst)
             await self._thread(self.engine.rename, src, dst)

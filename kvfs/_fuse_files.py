@@ -28,6 +28,7 @@ import pyfuse3
 import trio
 
 from ._engine import Engine
+from ._errors import PageNotFound
 from ._fuse_ahead import AheadBudget, ReadAhead
 from ._fuse_behind import BehindBudget, WriteBehind
 from ._fuse_guard import child_of, fuse_error, guard
@@ -212,6 +213,8 @@ class FileOps:
         if node.kind is Kind.PENDING and node.pending is not None:
             await self._drain(h)
             return await self._thread(node.pending.writer.read, off, size)
+        if h.writable:  # committed, and its version is gone already (see _hold)
+            raise fuse_error(errno.ENOENT)
         return await self._thread(self.engine.read_range, node.path, off, size)
 
     @guard
@@ -278,7 +281,7 @@ class FileOps:
             await self._thread(again.writer.abort)  # its bytes have no name to go to
             return
         try:
-            await self._thread(
+            info = await self._thread(
                 functools.partial(again.writer.commit, attrs=again.commit_attrs(), replace=True)
             )
         except BaseException:
@@ -287,6 +290,23 @@ class FileOps:
         node.page = await self._thread(self.engine.index.page, node.path)
         if node.page is None:  # deleted or evicted the instant it appeared
             self.table.unbind(node)
+        await self._hold(h, node.path, info.checksum)
+
+    async def _hold(self, h: Handle, path: str, checksum: str) -> None:
+        """A write handle that stays open after its page was committed (a dup's close, a
+        rename) reads that version from now on, held by a lease: not the name, which another
+        publisher may replace or unlink. None held (reads: ENOENT) if it is gone already."""
+        lease = self.engine.lease(path)
+        try:
+            held = await self._thread(lease.__enter__)
+        except PageNotFound:
+            held = None
+        if held is not None and held[1].hash.hex() != checksum:  # replaced this instant
+            await self._thread(lease.__exit__, None, None, None)
+            held = None
+        old, (h.lease, h.held) = h.lease, ((lease, held) if held is not None else (None, None))
+        if old is not None:
+            await self._thread(old.__exit__, None, None, None)
 
     async def _drain(self, h: Handle) -> None:
         """Wait for a handle's queued writes; a failed one marks the file failed."""
@@ -313,7 +333,7 @@ class FileOps:
             if h.failed:
                 raise fuse_error(h.failed)
         elif h.writable and not h.committed and (h.wrote or h.failed):
-            await self._finish(h, h.node.path)
+            await self._finish(h, h.node.path, hold=True)
         elif h.again is not None:
             await self._commit_again(h)
 
@@ -355,8 +375,9 @@ class FileOps:
         h.node.opens -= 1
         self.table.maybe_drop(h.node)
 
-    async def _finish(self, h: Handle, dst: str) -> None:
-        """Commit (or, if unlinked, discard) the file an open handle is writing, as ``dst``."""
+    async def _finish(self, h: Handle, dst: str, *, hold: bool = False) -> None:
+        """Commit (or, if unlinked, discard) the file an open handle is writing, as ``dst``;
+        with ``hold``, the handle stays open and reads the committed version (_hold)."""
         node = h.node
         w = node.pending
         assert w is not None
@@ -377,7 +398,7 @@ class FileOps:
             self.settling[n] = settled
         try:
             w.writer.key = key
-            await self._thread(
+            info = await self._thread(
                 functools.partial(w.writer.commit, attrs=w.commit_attrs(), replace=True)
             )
             row = await self._thread(self.engine.index.page, dst)
@@ -393,3 +414,5 @@ class FileOps:
         self.table.move(node, dst)
         if row is None:  # evicted or deleted the instant it appeared
             self.table.unbind(node)
+        if hold:
+            await self._hold(h, dst, info.checksum)

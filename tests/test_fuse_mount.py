@@ -417,6 +417,27 @@ def test_a_scratch_file_lives_until_its_last_close(mnt: Path) -> None:
     assert os.listdir(mnt) == ["sessions"]  # (always there)
 
 
+def test_a_writer_reads_its_own_version_after_a_dup_committed_it(mnt: Path) -> None:
+    """Once a duplicate's close committed the page, its writer's descriptor reads the
+    version it wrote (held), not whatever the name holds: it read another publisher's
+    bytes after a replace, and ENOENT after an unlink."""
+    for then in ("replace", "unlink"):
+        with open(mnt / "out", "w+b") as f:
+            f.write(b"mine" * 10)
+            f.flush()
+            os.close(os.dup(f.fileno()))  # the first close commits the page
+            if then == "replace":
+                write(mnt / "other.tmp", b"OTHER" * 10)
+                os.replace(mnt / "other.tmp", mnt / "out")
+            else:
+                os.unlink(mnt / "out")
+            f.seek(0)
+            assert f.read() == b"mine" * 10, then
+        if then == "replace":
+            assert (mnt / "out").read_bytes() == b"OTHER" * 10
+            os.unlink(mnt / "out")
+
+
 def test_enospc_with_small_capacity(make_mount: object) -> None:
     m = make_mount("small", "--capacity", "8MiB", "--stripe-unit", "1MiB")  # type: ignore[operator]
     with pytest.raises(OSError) as ei:
