@@ -37,6 +37,7 @@ from ._fuse_ns import (
     dir_exists,
     is_session_dir,
     list_dir,
+    parent_of,
     validate_dir,
     validate_page,
 )
@@ -242,6 +243,7 @@ class KvfsOperations(FileOps, pyfuse3.Operations):
     async def readdir(self, fh: int, start_id: int, token: Any) -> None:
         h = self._handle(fh)
         if start_id == 0:
+            await self._settle_closed_empty(h.node.path)
             # The listing is taken once per pass, so offsets stay stable while it is read.
             ls = await self._thread(list_dir, self.engine, self.dirs, h.node.path)
             base = h.node.path
@@ -261,6 +263,25 @@ class KvfsOperations(FileOps, pyfuse3.Operations):
                 self.table.maybe_drop(node)
                 break
             node.nlookup += 1
+
+    async def _settle_closed_empty(self, d: str) -> None:
+        """Wait (briefly) for the files of directory ``d`` closed without a write to be
+        committed: ``touch f; ls`` must list f, but the kernel sends the release that
+        commits it after close returned, and it may come after this readdir. A shell's
+        dup2 (a descriptor closed, writes to follow) is not committed: the wait ends."""
+        deadline = trio.current_time() + 0.1
+        while trio.current_time() < deadline:
+            waiting = [
+                p
+                for p, n in self.pending.items()
+                if n.pending is not None and n.pending.closed_empty and parent_of(p) == d
+            ]
+            if not waiting:
+                break
+            await trio.sleep(0.002)
+        for settled in [e for p, e in self.settling.items() if parent_of(p) == d]:
+            with trio.move_on_after(1.0):
+                await settled.wait()
 
     @guard
     async def releasedir(self, fh: int) -> None:

@@ -234,6 +234,7 @@ class FileOps:
         if not h.writable or h.committed or node.pending is None:
             raise fuse_error(errno.EPERM if node.kind is Kind.PAGE else errno.EBADF)
         h.wrote = True
+        node.pending.closed_empty = False
         try:
             if self.nursery is not None and self.write_behind > 0:
                 if h.behind is None:
@@ -334,6 +335,8 @@ class FileOps:
                 raise fuse_error(h.failed)
         elif h.writable and not h.committed and (h.wrote or h.failed):
             await self._finish(h, h.node.path, hold=True)
+        elif h.writable and not h.committed and pending is not None:
+            pending.closed_empty = True
         elif h.again is not None:
             await self._commit_again(h)
 

@@ -48,6 +48,9 @@ class Pending:
     #: the end of the furthest write queued behind (not in the writer yet): the size a
     #: stat must show (numpy.memmap writes the last byte, then maps the file by its size)
     queued_end: int = 0
+    #: a descriptor of it was closed before any write: a ``touch``, whose release (the
+    #: commit) the kernel sends after close returned, or a shell's dup2 (writes follow)
+    closed_empty: bool = False
 
     def commit_attrs(self) -> dict[str, str]:
         return {

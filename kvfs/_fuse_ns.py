@@ -36,6 +36,7 @@ __all__ = [
     "dir_exists",
     "is_session_dir",
     "list_dir",
+    "parent_of",
     "session_json",
     "session_of",
     "validate_dir",
@@ -50,6 +51,11 @@ ATTR_MODE, ATTR_UID, ATTR_GID, ATTR_MTIME = "fs.mode", "fs.uid", "fs.gid", "fs.m
 
 def child_path(parent: str, name: str) -> str:
     return f"{parent}/{name}" if parent else name
+
+
+def parent_of(path: str) -> str:
+    """The directory holding ``path`` ("" for the mount's root)."""
+    return path.rpartition("/")[0]
 
 
 def _depth_under_sessions(path: str) -> int | None:

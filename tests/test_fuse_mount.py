@@ -438,6 +438,17 @@ def test_a_writer_reads_its_own_version_after_a_dup_committed_it(mnt: Path) -> N
             os.unlink(mnt / "out")
 
 
+def test_a_file_closed_without_writes_is_listed_once_close_returns(mnt: Path) -> None:
+    """`touch f; ls` lists f: the release that commits an empty file comes after close
+    returned, and a listing taken meanwhile missed it (most of the time)."""
+    (mnt / "t").mkdir()
+    for i in range(60):
+        open(mnt / "t" / f"py{i}", "wb").close()
+        assert f"py{i}" in os.listdir(mnt / "t"), i
+        subprocess.run(["touch", str(mnt / "t" / f"touch{i}")], check=True)
+        assert f"touch{i}" in os.listdir(mnt / "t"), i
+
+
 def test_enospc_with_small_capacity(make_mount: object) -> None:
     m = make_mount("small", "--capacity", "8MiB", "--stripe-unit", "1MiB")  # type: ignore[operator]
     with pytest.raises(OSError) as ei:
