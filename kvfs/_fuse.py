@@ -250,8 +250,9 @@ class KvfsOperations(FileOps, pyfuse3.Operations):
             h.entries = [
                 (child_path(base, d), Kind.DIR, None) for d in sorted(ls.dirs) if d not in ls.pages
             ]
-            if ls.meta:
-                h.entries.append((child_path(base, META_NAME), Kind.META, None))
+            # (.kvfs.json is not listed, as ZFS's .zfs is not: reached by name only, it is
+            # not copied by the tools that copy or move a session directory (cp -a, rsync,
+            # tar, mv's copy), whose destination generates its own)
             h.entries += [(r.path, Kind.PAGE, r) for _n, r in sorted(ls.pages.items())]
         for i in range(start_id, len(h.entries)):
             path, kind, row = h.entries[i]

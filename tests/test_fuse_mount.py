@@ -174,7 +174,7 @@ def test_python_reads_and_semantic_layout(mnt: Path) -> None:
     for layer in range(3):
         write(mnt / "sessions/agent-42/9f3ab1" / f"layer-{layer:03d}", data)
     assert os.listdir(mnt / "sessions") == ["agent-42"]
-    assert sorted(os.listdir(mnt / "sessions/agent-42")) == [".kvfs.json", "9f3ab1"]
+    assert os.listdir(mnt / "sessions/agent-42") == ["9f3ab1"]  # (.kvfs.json: by name only)
     assert os.listdir(mnt / "sessions/agent-42/9f3ab1") == ["layer-000", "layer-001", "layer-002"]
     p = mnt / "sessions/agent-42/9f3ab1/layer-001"
     assert p.stat().st_size == len(data)
@@ -197,10 +197,11 @@ def test_python_reads_and_semantic_layout(mnt: Path) -> None:
     del arr
     meta = json.loads((mnt / "sessions/agent-42/.kvfs.json").read_text())
     assert meta["pages"] == 3 and meta["bytes"] == 3 * len(data)
-    # a session directory backs up with tar (its .kvfs.json changed size and mtime at every
-    # stat: "file changed as we read it", exit 1, a NUL-padded copy)
+    # a session directory backs up with tar, even naming .kvfs.json (it changed size and
+    # mtime at every stat: "file changed as we read it", exit 1, a NUL-padded copy)
     for _ in range(3):
         tar = ["tar", "cf", str(mnt.parent / "s.tar"), "-C", str(mnt), "sessions/agent-42"]
+        tar.append("sessions/agent-42/.kvfs.json")
         subprocess.run(tar, check=True)  # (not to /dev/null: GNU tar then reads nothing)
 
 
@@ -447,6 +448,31 @@ def test_a_file_closed_without_writes_is_listed_once_close_returns(mnt: Path) ->
         assert f"py{i}" in os.listdir(mnt / "t"), i
         subprocess.run(["touch", str(mnt / "t" / f"touch{i}")], check=True)
         assert f"touch{i}" in os.listdir(mnt / "t"), i
+
+
+def test_a_session_directory_moves_and_copies_with_ordinary_tools(
+    mnt: Path, tmp_path: Path
+) -> None:
+    """mv, cp -a and rsync -a of a session directory succeed: its generated .kvfs.json is
+    not listed, so they do not try to copy it (it could be neither moved nor made in the
+    destination: mv failed with the pages in both places, cp -a and rsync exited non-zero)."""
+    src = mnt / "sessions" / "a" / "p"
+    src.mkdir(parents=True)
+    for i in range(2):
+        write(src / f"layer-00{i}", b"%d" % i * 5000)
+    subprocess.run(["mv", str(mnt / "sessions/a"), str(mnt / "sessions/b")], check=True)
+    assert not (mnt / "sessions/a").exists()
+    assert sorted(os.listdir(mnt / "sessions/b/p")) == ["layer-000", "layer-001"]
+    backup = tmp_path / "backup"
+    subprocess.run(["cp", "-a", str(mnt / "sessions/b"), str(backup)], check=True)
+    assert not (backup / ".kvfs.json").exists()
+    subprocess.run(["cp", "-a", str(backup), str(mnt / "sessions/c")], check=True)
+    subprocess.run(["rsync", "-a", f"{backup}/", f"{mnt}/sessions/d/"], check=True)
+    for s in "bcd":
+        assert (mnt / "sessions" / s / "p/layer-001").read_bytes() == b"1" * 5000
+        assert json.loads((mnt / "sessions" / s / ".kvfs.json").read_text())["pages"] == 2
+    subprocess.run(["rm", "-r", *(str(mnt / "sessions" / s) for s in "bcd")], check=True)
+    assert os.listdir(mnt / "sessions") == []
 
 
 def test_enospc_with_small_capacity(make_mount: object) -> None:
