@@ -230,11 +230,13 @@ class FileOps:
                     h.again = await self._thread(self._next_version, node)
                     node.rewriting += 1
                     node.stale_cache = True
+                h.again.mtime_ns = time.time_ns()
                 return await self._thread(h.again.writer.write, off, buf)
         if not h.writable or h.committed or node.pending is None:
             raise fuse_error(errno.EPERM if node.kind is Kind.PAGE else errno.EBADF)
         h.wrote = True
         node.pending.closed_empty = False
+        node.pending.mtime_ns = time.time_ns()  # a write sets mtime (make, find -newer)
         try:
             if self.nursery is not None and self.write_behind > 0:
                 if h.behind is None:

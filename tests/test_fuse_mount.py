@@ -475,6 +475,27 @@ def test_a_session_directory_moves_and_copies_with_ordinary_tools(
     assert os.listdir(mnt / "sessions") == []
 
 
+def test_a_write_sets_the_files_mtime(mnt: Path) -> None:
+    """mtime is the last write's time, while written and once committed (it was the
+    create's: make, find -newer and cp -u saw the file older than it is); a utime after
+    the writes (cp -p, rsync -a, tar -x) is kept."""
+    fd = os.open(mnt / "f", os.O_CREAT | os.O_WRONLY, 0o644)
+    try:
+        os.write(fd, b"a")
+        time.sleep(0.3)
+        before_last = time.time_ns()
+        os.write(fd, b"b")
+        assert os.fstat(fd).st_mtime_ns >= before_last
+    finally:
+        os.close(fd)
+    assert os.stat(mnt / "f").st_mtime_ns >= before_last
+    with open(mnt / "g", "wb") as f:
+        f.write(b"g")
+        f.flush()
+        os.utime(f.fileno(), ns=(10**18, 10**18))
+    assert os.stat(mnt / "g").st_mtime_ns == 10**18
+
+
 def test_enospc_with_small_capacity(make_mount: object) -> None:
     m = make_mount("small", "--capacity", "8MiB", "--stripe-unit", "1MiB")  # type: ignore[operator]
     with pytest.raises(OSError) as ei:
