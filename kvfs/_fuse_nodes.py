@@ -219,7 +219,7 @@ class NodeTable:
             p = node.page
             assert p is not None
             a.st_mode = page_mode(p)
-            a.st_nlink = 1
+            a.st_nlink = 1 if self.by_path.get(node.path) == node.ino else 0  # 0: unlinked
             a.st_uid = int(p.attrs.get(ATTR_UID, self.uid))
             a.st_gid = int(p.attrs.get(ATTR_GID, self.gid))
             a.st_size = p.size

@@ -496,6 +496,25 @@ def test_a_write_sets_the_files_mtime(mnt: Path) -> None:
     assert os.stat(mnt / "g").st_mtime_ns == 10**18
 
 
+def test_an_open_page_whose_name_went_has_no_links(mnt: Path) -> None:
+    """fstat of an open page whose name was unlinked or replaced says st_nlink 0, as for
+    a file being written (it said 1)."""
+    for then in ("unlink", "replace"):
+        write(mnt / "p", b"old")
+        with open(mnt / "p", "rb") as f:
+            assert os.fstat(f.fileno()).st_nlink == 1
+            if then == "unlink":
+                os.unlink(mnt / "p")
+            else:
+                write(mnt / "p.tmp", b"new")
+                os.replace(mnt / "p.tmp", mnt / "p")
+            assert os.fstat(f.fileno()).st_nlink == 0, then
+            assert f.read() == b"old"
+        if then == "replace":
+            assert os.stat(mnt / "p").st_nlink == 1
+            os.unlink(mnt / "p")
+
+
 def test_enospc_with_small_capacity(make_mount: object) -> None:
     m = make_mount("small", "--capacity", "8MiB", "--stripe-unit", "1MiB")  # type: ignore[operator]
     with pytest.raises(OSError) as ei:
