@@ -177,7 +177,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
     with open_target(args) as store:
         if args.archived:
             return _ls_archived(args, store.archived_sessions())
-        if args.target is None:
+        if args.target in (None, "."):  # ("." : the mount's root, see map_mount_paths)
             return _ls_sessions(args, store.sessions())
         try:
             pages = [store.stat(args.target)]

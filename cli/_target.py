@@ -124,6 +124,9 @@ def map_mount_paths(args: argparse.Namespace) -> None:
         state = mount_state(used.pop())
         if state is not None:
             args.data = ",".join(state["data_dirs"])
+            args.index_dir = state.get("index_dir")
+            if getattr(args, "socket", None) is None:
+                args.socket = state.get("control_socket")
 
 
 def mount_state(mountpoint: str) -> dict[str, Any] | None:
@@ -143,6 +146,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         "data_dirs": getattr(args, "data", None),
         "archive_url": getattr(args, "archive", None),
         "control_socket": getattr(args, "socket", None),
+        "index_dir": getattr(args, "index_dir", None),  # (a mount's, see map_mount_paths)
     }
     return load_settings(getattr(args, "config", None), flags=flags)
 

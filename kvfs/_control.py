@@ -271,11 +271,9 @@ async def control_service(
     A leftover socket file is replaced: the caller owns the data directory's lock, so no
     other daemon can be serving it. The socket is removed at exit. Raises OSError.
     """
-    from ._settings import control_socket_path
+    from ._settings import config_socket_path
 
-    daemon = store.config.extra.get("daemon") or {}
-    explicit = str(daemon.get("control_socket") or "") if isinstance(daemon, dict) else ""
-    sock_path = Path(path) if path else control_socket_path(store.config, explicit)
+    sock_path = Path(path) if path else config_socket_path(store.config)
     sock_path.parent.mkdir(parents=True, exist_ok=True)
     with contextlib.suppress(FileNotFoundError):
         sock_path.unlink()

@@ -29,6 +29,7 @@ import trio
 from ._config import StoreConfig
 from ._mount import MountError, MountOptions, check_mountpoint, serve_mount
 from ._mountinfo import mounts
+from ._settings import config_socket_path
 from ._store import Store, open_store
 
 __all__ = ["READY_FD_ENV", "Service", "main", "run_daemon", "state_path", "stop_daemon"]
@@ -180,7 +181,11 @@ def _write_state(path: Path, mountpoint: str | os.PathLike[str], config: StoreCo
             {
                 "pid": os.getpid(),
                 "mountpoint": os.path.abspath(mountpoint),
-                "data_dirs": [str(d) for d in config.data_dirs],
+                # absolute, and where the index and the control socket are: a command
+                # given a path on the mount reaches this store from any directory
+                "data_dirs": [os.path.abspath(d) for d in config.data_dirs],
+                "index_dir": os.path.abspath(config.index_dir) if config.index_dir else None,
+                "control_socket": str(config_socket_path(config).absolute()),
             }
         )
     )

@@ -29,6 +29,7 @@ __all__ = [
     "Option",
     "Settings",
     "as_toml",
+    "config_socket_path",
     "control_socket_path",
     "load_settings",
     "masked",
@@ -323,7 +324,7 @@ def _convert_kind(opt: Option, raw: object, where: str) -> object:
     try:
         if opt.kind == "paths":
             if isinstance(raw, str):
-                return [p for p in raw.split(",") if p]
+                return [p.strip() for p in raw.split(",") if p.strip()]
             if isinstance(raw, list) and all(isinstance(p, str) for p in raw) and raw:
                 return list(raw)
             raise ValueError("a list of directories is needed")
@@ -427,6 +428,14 @@ def masked(name: str, value: object) -> object:
             r"((?:secret|password|token|credential)[a-z_]*=)[^&]*", r"\1***", value, flags=re.I
         )
     return value
+
+
+def config_socket_path(config: StoreConfig) -> Path:
+    """The control socket of a daemon serving ``config`` (its ``extra['daemon']
+    ['control_socket']``, else :func:`control_socket_path`'s default)."""
+    daemon = config.extra.get("daemon") or {}
+    explicit = str(daemon.get("control_socket") or "") if isinstance(daemon, dict) else ""
+    return control_socket_path(config, explicit)
 
 
 def control_socket_path(config: StoreConfig, explicit: str = "") -> Path:

@@ -283,6 +283,41 @@ def test_targets_given_as_paths_on_the_mount(
     assert rc == 0 and json.loads(out)[0]["session"] == "agent-1"
     rc, out, _ = run("ls", "nothing-here", "--json", "--data", str(daemon.data))
     assert rc == 3  # (not a path on the mount: a session name, and there is none)
+    # the mount's root lists the sessions, as `kvfs ls` does (it was "no page '.'")
+    (daemon.mp / "top.bin").write_bytes(b"t" * 10)
+    for root in (str(daemon.mp), ".."):
+        rc, out, err = run("ls", root, "--json")
+        assert rc == 0, err
+        assert {s["dir"] for s in json.loads(out)} == {".", "lmcache", "sessions/agent-1"}
+
+
+def test_paths_on_a_mount_reach_its_store_wherever_it_keeps_things(
+    tmp_path: Path, run: Run, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A path on the mount reaches the store its daemon serves with no other option, also
+    when the daemon was started with relative data directories (from another working
+    directory), its own control socket, and its index elsewhere (they were not found)."""
+    monkeypatch.chdir(tmp_path)
+    cfg = tmp_path / "kvfs.toml"
+    cfg.write_text(f'[store]\nindex_dir = "{tmp_path / "index"}"\n')
+    mp = tmp_path / "mnt"
+    mp.mkdir()
+    sock = tmp_path / "own.sock"
+    d = DaemonMount(
+        [Path("data")], mp, tmp_path / "daemon.log", "--config", str(cfg), "--socket", str(sock)
+    )
+    try:
+        page = mp / "sessions" / "a" / "p0" / "layer-000"
+        page.parent.mkdir(parents=True)
+        page.write_bytes(b"k" * 100)
+        monkeypatch.chdir("/")
+        rc, out, err = run("ls", str(page.parent.parent), "--json")
+        assert rc == 0, err
+        assert [p["path"] for p in json.loads(out)] == ["sessions/a/p0/layer-000"]
+        assert run("pin", str(page))[0] == 0
+        assert json.loads(run("ls", str(page), "--json")[1])[0]["pinned"]
+    finally:
+        d.stop()
 
 
 def test_a_mountpoint_with_a_space_and_a_non_ascii_name(tmp_path: Path, run: Run) -> None:

@@ -40,6 +40,12 @@ def test_file_then_env_then_flags(tmp_path: Path) -> None:
     assert cfg.extra["daemon"]["metrics_port"] == 9100  # type: ignore[index]
     # configured data dirs without an archive URL: no archive tier ("auto")
     assert load_settings(env={"KVFS_DATA_DIRS": "/x,/y"}).store_config().archive_url == ""
+    # a space after a comma is not part of the next directory (it made " /y", relative)
+    for given in ("/x, /y", " /x ,/y ,"):
+        cfg = load_settings(env={"KVFS_DATA_DIRS": given}).store_config()
+        assert cfg.data_dirs == (Path("/x"), Path("/y"))
+        cfg = load_settings(env={}, flags={"data_dirs": given}).store_config()
+        assert cfg.data_dirs == (Path("/x"), Path("/y"))
 
 
 def test_config_file_from_environment(tmp_path: Path) -> None:
