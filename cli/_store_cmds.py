@@ -77,7 +77,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         metavar="SECONDS",
         nargs="?",
         const=2.0,
-        help="refresh every SECONDS (default 2) until interrupted",
+        help="refresh every SECONDS (default 2) until interrupted; with --json, one "
+        "object per line (JSON Lines)",
     )
     p.add_argument("--count", type=int, default=0, help="with --watch: stop after N refreshes")
     add_store_flags(p)
@@ -407,7 +408,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
         while True:
             st = store.statistics()
             if args.json:
-                print_json(st)
+                print_json(st, line=bool(args.watch))  # watching: one object per line
             else:
                 if args.watch and sys.stdout.isatty():
                     sys.stdout.write("\x1b[H\x1b[2J")

@@ -93,8 +93,10 @@ def to_jsonable(obj: Any) -> Any:
     return obj
 
 
-def print_json(obj: Any) -> None:
-    json.dump(to_jsonable(obj), sys.stdout, indent=2, sort_keys=False)
+def print_json(obj: Any, *, line: bool = False) -> None:
+    """``obj`` as indented JSON, or with ``line`` as one line (JSON Lines: a stream of
+    records, such as a watch's refreshes, that a reader parses line by line)."""
+    json.dump(to_jsonable(obj), sys.stdout, indent=None if line else 2, sort_keys=False)
     sys.stdout.write("\n")
 
 

@@ -78,6 +78,9 @@ def test_stats_table_and_json(run: Run, tmp_path: Path) -> None:
     assert st["pages"] == 1 and len(st["devices"]) == 2 and "archive" in st["extra"]
     rc, out, _ = run("stats", "--watch", "0.01", "--count", "2", *d)
     assert rc == 0 and out.count("DEVICE") == 2
+    rc, out, _ = run("stats", "--watch", "0.01", "--count", "2", "--json", *d)
+    lines = out.splitlines()  # JSON Lines (back-to-back indented objects parsed as neither)
+    assert rc == 0 and len(lines) == 2 and all(json.loads(x)["pages"] == 1 for x in lines)
 
 
 def test_stats_tiers_say_what_they_count() -> None:
