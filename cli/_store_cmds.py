@@ -175,7 +175,7 @@ def _emit(args: argparse.Namespace, result: Any, lines: list[str]) -> None:
 
 # -- ls -------------------------------------------------------------------------------
 def cmd_ls(args: argparse.Namespace) -> int:
-    with open_target(args) as store:
+    with open_target(args, from_archive=args.archived) as store:
         if args.archived:
             return _ls_archived(args, store.archived_sessions())
         if args.target in (None, "."):  # ("." : the mount's root, see map_mount_paths)
@@ -573,7 +573,7 @@ def cmd_spill_restore(args: argparse.Namespace) -> int:
         )
 
     with (
-        open_target(args) as store,
+        open_target(args, from_archive=args.op == "restore") as store,
         Progress(args.op, len(args.sessions), unit=" sessions") as bar,
         _partial(emit, results, verb),
     ):

@@ -152,8 +152,14 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
 
 
 @contextmanager
-def open_target(args: argparse.Namespace, *, create: bool = False) -> Iterator[Any]:
+def open_target(
+    args: argparse.Namespace, *, create: bool = False, from_archive: bool = False
+) -> Iterator[Any]:
     """A SyncStore-like object for the command: the daemon's store or the local one.
+
+    ``from_archive``: the command reads the archive (a restore, ``ls --archived``), so on
+    a fresh host, one that shares an archive another host spilled to, the store is made
+    when an archive is configured (not the embedded default).
 
     Raises DaemonUnavailable (``--daemon`` and none answers), StoreLocked (the directory is
     owned by a process that does not answer on the control socket), FileNotFoundError (no
@@ -178,6 +184,8 @@ def open_target(args: argparse.Namespace, *, create: bool = False) -> Iterator[A
                 remote.close()
             return
     new = not config.index_path.exists()
+    if from_archive and config.archive_url and settings.sources["archive_url"] != "default":
+        create = True
     if not create and new:
         raise FileNotFoundError(
             f"no kvfs store in {config.data_dirs[0]} "

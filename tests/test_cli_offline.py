@@ -169,6 +169,19 @@ def test_spill_and_restore(run: Run, tmp_path: Path) -> None:
     assert tier(run, d) == "local+archive"
     rc, _, err = run("spill", "a", *data(tmp_path))
     assert rc == 8 and "archive" in err
+    # a fresh host sharing the archive lists and restores the session with nothing made
+    # first (it was "no kvfs store in ..." until a put made one)
+    fresh = ["--data", f"{tmp_path}/h2", "--archive", f"file://{tmp_path}/arch"]
+    rc, out, err = run("ls", "--archived", "--json", *fresh)
+    assert rc == 0, err
+    assert [x["session"] for x in json.loads(out)] == ["a"]
+    rc, out, err = run("restore", "a", *fresh)
+    assert rc == 0 and "restored a" in out, err
+    assert run("get", "sessions/a/p/layer-000", "again", *fresh)[0] == 0
+    assert (tmp_path / "again").read_bytes() == (tmp_path / "f").read_bytes()
+    # without an archive given, a missing store is still an error, not a new empty one
+    rc, _, err = run("restore", "a", "--data", f"{tmp_path}/h3")
+    assert rc == 3 and "no kvfs store" in err and not (tmp_path / "h3").exists()
 
 
 def test_fsck_finds_and_repairs(run: Run, tmp_path: Path) -> None:
