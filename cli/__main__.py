@@ -60,6 +60,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     quiet_third_party_loggers()
+    events = logging.getLogger("kvfs.events")
+    events_level = events.level
+    if args.command != "mount" and not args.debug:
+        # The event log is the daemon's record; a command says what went wrong in its own
+        # one line (an offline read of a corrupt page logged it twice, timestamped first).
+        events.setLevel(logging.CRITICAL)
     try:
         rc = args.func(args)
         return int(rc or 0)
@@ -78,6 +84,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         print(f"kvfs {args.command}: {e}", file=sys.stderr)
         return exit_code_for(e)
+    finally:
+        events.setLevel(events_level)
 
 
 if __name__ == "__main__":

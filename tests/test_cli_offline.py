@@ -193,6 +193,12 @@ def test_fsck_finds_and_repairs(run: Run, tmp_path: Path) -> None:
         f.seek(ext.offset + 10)
         f.write(b"\xff\xfe\xfd")
     (tmp_path / "d1" / "stray").write_bytes(b"")
+    # one line on stderr, from a process of its own (in this one pytest owns the logging):
+    # the event log's record of the failed read came first, timestamped
+    cmd = [sys.executable, "-m", "cli", "get", "sessions/a/p/layer-000", "out", *d]
+    got = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert got.returncode == 5 and got.stderr.startswith("kvfs get: "), got.stderr
+    assert got.stderr.count("\n") == 1, got.stderr
     rc, out, _ = run("fsck", "--json", *d)
     found = json.loads(out)
     assert rc == 5 and len(found["corrupt"]) == 1
