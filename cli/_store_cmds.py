@@ -128,11 +128,22 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_store_flags(p)
     p.set_defaults(func=cmd_evict)
 
-    for name, text in (
-        ("spill", "upload sessions to the archive and drop the local copies"),
-        ("restore", "bring sessions back from the archive"),
+    for name, text, more in (
+        (
+            "spill",
+            "upload sessions to the archive and drop the local copies",
+            "Prints the page bytes that left the local tier and, beside them, the bytes "
+            "uploaded (compressed, and only what the archive lacked).",
+        ),
+        (
+            "restore",
+            "bring sessions back from the archive",
+            "Prints the page bytes brought back. With --archive (or an archive in the "
+            "configuration) and no store in --data yet, makes one: a new host sharing the "
+            "archive restores what the others spilled.",
+        ),
     ):
-        p = sub.add_parser(name, help=text)
+        p = sub.add_parser(name, help=text, description=f"{text[0].upper()}{text[1:]}. {more}")
         p.add_argument("sessions", nargs="+", metavar="SESSION")
         add_store_flags(p)
         p.set_defaults(func=cmd_spill_restore, op=name)
@@ -568,6 +579,7 @@ def cmd_spill_restore(args: argparse.Namespace) -> int:
             results,
             [
                 f"{verb} {r['session']}: {fmt_bytes(r['bytes'])} in {r['seconds']:.2f}s"
+                + (f" ({fmt_bytes(r['uploaded_bytes'])} uploaded)" if "uploaded_bytes" in r else "")
                 for r in results
             ],
         )
@@ -584,14 +596,28 @@ def cmd_spill_restore(args: argparse.Namespace) -> int:
         for s in args.sessions:
             t0 = time.perf_counter()
             # and the page bytes of each session as they are archived or come back
+            local = _local_bytes(store, s) if args.op == "spill" else 0
             with Progress(f"{args.op} {s}", 1, fmt=fmt_bytes) as pages:
                 n = getattr(store, args.op)(s, progress=_bytes_to(pages))
-            results.append(
-                {"session": s, "bytes": n, "seconds": round(time.perf_counter() - t0, 3)}
-            )
+            r = {"session": s, "bytes": n, "seconds": round(time.perf_counter() - t0, 3)}
+            if args.op == "spill":
+                # page bytes that left the local tier, as a restore counts what comes back;
+                # what the upload sent (compressed, only what the archive lacked) beside it
+                r["bytes"] = max(0, local - _local_bytes(store, s))
+                r["uploaded_bytes"] = n
+            results.append(r)
             bar.update()
     emit()
     return 0
+
+
+def _local_bytes(store: Any, session: str) -> int:
+    """A session's page bytes held locally (0 when there is no such session: the command
+    itself then says what is wrong, or that there is no archive)."""
+    try:
+        return int(store.session_info(session).local_bytes)
+    except kvfs.SessionNotFound:
+        return 0
 
 
 def cmd_fsck(args: argparse.Namespace) -> int:

@@ -157,7 +157,8 @@ def test_evict_with_an_archive_keeps_the_page(run: Run, tmp_path: Path) -> None:
 def test_spill_and_restore(run: Run, tmp_path: Path) -> None:
     d = one_page(run, tmp_path, os.urandom(20000), archive=True)
     rc, out, _ = run("spill", "a", "--json", *d)
-    assert rc == 0 and json.loads(out)[0]["bytes"] > 0
+    spilled = json.loads(out)[0]  # page bytes, as a restore counts; the upload beside them
+    assert rc == 0 and spilled["bytes"] == 20000 and spilled["uploaded_bytes"] > 0
     assert tier(run, d) == "archive"
     rc, out, _ = run("ls", "--archived", "--json", *d)
     assert [(x["session"], x["hosts"]) for x in json.loads(out)] == [("a", 1)]
@@ -165,8 +166,10 @@ def test_spill_and_restore(run: Run, tmp_path: Path) -> None:
     assert header.split() == ["SESSION", "PAGES", "SIZE", "SPILLED", "STORE", "HOSTS"]
     assert row.split()[0] == "a" and row.split()[-1] == "1"
     rc, out, _ = run("restore", "a", *d)
-    assert rc == 0 and "restored a" in out
+    assert rc == 0 and "restored a: 19.5 KiB" in out
     assert tier(run, d) == "local+archive"
+    rc, out, _ = run("spill", "a", *d)  # again: nothing to upload, the local copy goes
+    assert rc == 0 and "spilled a: 19.5 KiB" in out and "(0 B uploaded)" in out, out
     rc, _, err = run("spill", "a", *data(tmp_path))
     assert rc == 8 and "archive" in err
     # a fresh host sharing the archive lists and restores the session with nothing made
