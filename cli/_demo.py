@@ -99,9 +99,15 @@ def _model_main(args: argparse.Namespace) -> int:
     )
     mounted = False
     prefixes: list[str] = []
+    # The commands below, as printed, work when pasted into a shell after this line (the
+    # demo runs them with the same settings as flags).
+    print(
+        f"\n$ export KVFS_DATA_DIRS={','.join(map(str, dirs))} KVFS_ARCHIVE_URL={url}",
+        flush=True,
+    )
     if not args.no_mount:
         mnt.mkdir(parents=True, exist_ok=True)
-        print(f"\n$ kvfs mount --data ... --archive {url} {mnt}", flush=True)
+        print(f"$ kvfs mount {mnt}", flush=True)
         mounted = kvfs_main(["mount", *sel, str(mnt)]) == 0
     try:
         if mounted:

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -74,3 +77,18 @@ def test_model_demo_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert "agent-demo" in out and "local+archive" in out  # kvfs ls through the daemon
     assert "DEVICE" in out and "TIER" in out  # kvfs stats tables
     assert not (tmp_path / "d" / "mnt").is_mount()
+    # the commands it shows work as printed, pasted after its `export` line (it printed
+    # `kvfs ls` and ran it with --data and --archive a user could not see)
+    export = next(x for x in out.splitlines() if x.startswith("$ export "))
+    env = dict(kv.split("=", 1) for kv in export.removeprefix("$ export ").split())
+    assert "$ kvfs ls\n" in out
+    got = subprocess.run(
+        [sys.executable, "-m", "cli", "ls", "--json"],
+        env={**os.environ, **env},
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert got.returncode == 0, got.stderr
+    assert "agent-demo" in [s["session"] for s in json.loads(got.stdout)]
