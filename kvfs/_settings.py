@@ -275,6 +275,10 @@ class Settings:
             },
         )
         ArchiveConfig.from_extra(cfg.extra)  # the archive settings' combination (watermarks)
+        if cfg.archive_url:
+            from objectstore import parse_url
+
+            parse_url(cfg.archive_url)  # a bad one is told before a daemon detaches
         if v["retention"] and not cfg.archive_url:
             raise ValueError(
                 "archive.retention deletes sessions from the archive tier, and none is "

@@ -402,3 +402,14 @@ def test_tables_line_up_with_wide_characters_and_stay_one_line_per_row() -> None
     assert len(lines) == 5
     assert lines[2] == "用户-会话      3" and lines[3] == "abc           12"
     assert lines[4] == "a\\nb           1"
+
+
+def test_a_bad_archive_url_is_told_before_anything_starts(run: Run, tmp_path: Path) -> None:
+    """`kvfs mount` with an archive URL no backend takes says so at once, exit 2, as `ls`
+    does (it detached a daemon that then failed: "ValueError: ...", exit 1)."""
+    (tmp_path / "mnt").mkdir()
+    for cmd in (["mount", str(tmp_path / "mnt")], ["ls"]):
+        rc, _, err = run(*cmd, "--data", str(tmp_path / "d"), "--archive", "http://x")
+        assert rc == 2 and err.count("\n") == 1, err
+        assert "unsupported archive URL 'http://x'" in err and "ValueError" not in err
+    assert not (tmp_path / "d").exists()
