@@ -131,6 +131,11 @@ def cmd_mount(args: argparse.Namespace) -> int:
     from ._target import daemon_services
 
     config = build_config(args)
+    daemon = config.extra.get("daemon")
+    if not args.foreground and isinstance(daemon, dict) and daemon.get("log_target") == "journald":
+        from kvfs._metrics import JournaldHandler
+
+        JournaldHandler().close()  # journald there? told here, not by the detached daemon
     return daemon_main(
         config,
         args.mountpoint,

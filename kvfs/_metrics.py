@@ -205,10 +205,8 @@ class JournaldHandler(logging.Handler):
 
     def __init__(self, path: str = "/run/systemd/journal/socket") -> None:
         super().__init__()
-        if not os.path.exists(path):
-            raise FileNotFoundError(
-                f'journald is not running here (no {path}); use log_target = "stderr"'
-            )
+        if not os.path.exists(path):  # a setting that cannot work here: a usage error
+            raise ValueError(f'journald is not running here (no {path}); use log_target = "stderr"')
         self.path = path
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
 
@@ -235,7 +233,7 @@ class JournaldHandler(logging.Handler):
 
 def setup_logging(level: str = "info", target: str = "stderr") -> None:
     """Send the ``kvfs`` loggers at ``level`` to stderr or journald. Raises ValueError for an
-    unknown level or target, FileNotFoundError when journald is asked for but absent."""
+    unknown level or target, or journald asked for but absent."""
     lvl = logging.getLevelName(level.upper())
     if not isinstance(lvl, int):
         raise ValueError(f"unknown log level {level!r}")

@@ -413,3 +413,18 @@ def test_a_bad_archive_url_is_told_before_anything_starts(run: Run, tmp_path: Pa
         assert rc == 2 and err.count("\n") == 1, err
         assert "unsupported archive URL 'http://x'" in err and "ValueError" not in err
     assert not (tmp_path / "d").exists()
+
+
+def test_journald_asked_for_where_it_is_not_running(
+    run: Run, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """log_target = "journald" without journald: `kvfs mount` says so at once, exit 2 (the
+    detached daemon failed, and the parent said only "the daemon exited (3)")."""
+    import kvfs._metrics
+
+    absent = str(tmp_path / "no-journal-socket")
+    monkeypatch.setattr(kvfs._metrics.JournaldHandler.__init__, "__defaults__", (absent,))
+    monkeypatch.setenv("KVFS_LOG_TARGET", "journald")
+    (tmp_path / "mnt").mkdir()
+    rc, _, err = run("mount", "--data", str(tmp_path / "d"), str(tmp_path / "mnt"))
+    assert rc == 2 and "journald is not running here" in err and err.count("\n") == 1, err
