@@ -79,7 +79,8 @@ def add_mount_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--log",
         metavar="FILE",
-        help="daemon log when detached (default: kvfs-daemon.log in the first data dir)",
+        help="daemon log when detached (default: kvfs-daemon.log beside the index: in "
+        "index_dir if set, else in the first data dir)",
     )
 
 

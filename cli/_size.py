@@ -61,7 +61,12 @@ DTYPES = {
 def geometry_from_hf(path: str | Path) -> Geometry:
     """A Hugging Face ``config.json`` (its ``text_config`` for multimodal models). Raises
     ValueError when the fields are missing, FileNotFoundError."""
-    doc = json.loads(Path(path).read_text())
+    try:
+        doc = json.loads(Path(path).read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not JSON ({e})") from None
+    if not isinstance(doc, dict):
+        raise ValueError(f"{path}: not a transformer config.json (a JSON object is needed)")
     doc = doc.get("text_config", doc)
     try:
         layers = int(doc["num_hidden_layers"])

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import re
 
-__all__ = ["mounts"]
+__all__ = ["fs_type", "mounts"]
 
 # The kernel writes a space, tab, newline and backslash in a path as a 3-digit octal escape.
 _ESCAPE = re.compile(rb"\\([0-7]{3})")
@@ -28,3 +28,15 @@ def mounts(path: str = "/proc/self/mountinfo") -> list[tuple[str, str]]:
             sep = fields.index(b"-", 6)
             out.append((_unescape(fields[4]), os.fsdecode(fields[sep + 1])))
     return out
+
+
+def fs_type(path: str | os.PathLike[str]) -> str:
+    """The type of the file system ``path`` is on (the last mount over its deepest
+    mountpoint above it: a later mount hides an earlier one)."""
+    real = os.path.realpath(path)
+    best, kind = "", ""
+    for mp, t in mounts():
+        inside = real == mp or real.startswith(mp.rstrip("/") + "/")
+        if inside and len(mp) >= len(best):
+            best, kind = mp, t
+    return kind

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from cli.__main__ import main
+from kvfs._mountinfo import fs_type
 
 
 def test_demo(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -64,7 +65,31 @@ def test_bench_store_index(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
 
 def test_bench_store_rejects_bad_sizes(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", "store", "--sizes", "0"]) == 2
-    assert "must be positive" in capsys.readouterr().err
+    assert "--sizes takes positive integers" in capsys.readouterr().err
+
+
+def test_bad_inputs_are_told_in_one_line(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """What a first user typed wrong is named, exit 2, before any work: Python's own int()
+    message, a bench run on tmpfs, a bench endpoint without a bucket (after minutes of
+    tensor generation), a config.json that is not JSON (no file name)."""
+    bad_json = tmp_path / "config.json"
+    bad_json.write_text("{bad")
+    cases = [
+        (["bench", "store", "--sizes", "abc"], "--sizes takes positive integers"),
+        (["bench", "fuse", "--clients", "1,x"], "--clients takes positive integers"),
+        (["bench", "archive", "--endpoint", "http://127.0.0.1:1"], "--endpoint needs --bucket"),
+        (["size", "--hf-config", str(bad_json)], f"{bad_json}: not JSON"),
+    ]
+    if fs_type("/dev/shm") == "tmpfs":
+        cases.append((["bench", "fuse", "--dir", "/dev/shm"], "/dev/shm is on tmpfs"))
+    for argv, said in cases:
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert said in err and err.count("\n") == 1, (argv, err)
+    assert main(["size", "--model", "Llama-3.1-8B", "--archive", "1PB", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["archive_tokens"] > 0
 
 
 def test_model_demo_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

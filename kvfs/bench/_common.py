@@ -51,6 +51,18 @@ def add_sweep(
     p.add_argument("--total", type=int, default=total, help=f"{total_help} (default {total})")
 
 
+def positive_ints(text: str, flag: str) -> list[int]:
+    """A comma list of positive integers (``--sizes 1,16``). Raises ValueError naming the
+    flag."""
+    try:
+        out = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        out = []
+    if not out or min(out) < 1:
+        raise ValueError(f"{flag} takes positive integers separated by commas, not {text!r}")
+    return out
+
+
 def log(msg: str) -> None:
     """A progress line on stderr, flushed at once."""
     print(msg, file=sys.stderr, flush=True)

@@ -447,13 +447,13 @@ def _latency_beside_boto3(
 
 
 def _main(args: argparse.Namespace) -> int:
+    if args.endpoint and not args.bucket:  # (before minutes of work)
+        raise ValueError("--endpoint needs --bucket (a new bucket is made only on moto)")
     t0 = time.perf_counter()
     log("generating KV tensors...")
     arrs, source = kv_tensors(args.tokens, args.layers, args.numpy_kv)
     comp = compression(arrs, args.level)
     if args.endpoint:
-        if not args.bucket:
-            raise SystemExit("--endpoint needs --bucket")
         res = run_archive_bench(args.endpoint, args.bucket, args, arrs)
         where = args.endpoint
     else:

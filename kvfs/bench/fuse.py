@@ -39,7 +39,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from kvfs.bench._common import add_sweep, log, machine, new_parser
+from kvfs.bench._common import add_sweep, log, machine, new_parser, positive_ints
 from kvfs.bench._nullfs import null_mount
 
 __all__ = ["register", "run_fuse_bench"]
@@ -295,9 +295,16 @@ def _cell(
 
 
 def _main(args: argparse.Namespace) -> int:
-    sizes = [int(x) for x in args.sizes.split(",") if x]
-    clients = [int(x) for x in args.clients.split(",") if x]
+    sizes = positive_ints(args.sizes, "--sizes")
+    clients = positive_ints(args.clients, "--clients")
     base = Path(args.dir) if args.dir else Path(tempfile.gettempdir())
+    from kvfs._mountinfo import fs_type
+
+    if fs_type(base) in ("tmpfs", "ramfs"):  # (no cold read there: memory is the disk)
+        raise ValueError(
+            f"{base} is on {fs_type(base)}: the reads it compares need a disk file system "
+            "(give one with --dir)"
+        )
     root = Path(tempfile.mkdtemp(prefix="kvfs-bench-fuse-", dir=base))
     try:
         out = run_fuse_bench(sizes, clients, args.total, root, args.direct_io, args.repeat)

@@ -33,7 +33,7 @@ import numpy as np
 
 import kvfs
 from kvfs._aligned import open_direct
-from kvfs.bench._common import log, machine, new_parser
+from kvfs.bench._common import log, machine, new_parser, positive_ints
 
 MiB = 1 << 20
 
@@ -149,7 +149,7 @@ def run(args: argparse.Namespace) -> int:
     import gds
     from cli._util import print_json, print_table
 
-    sizes = [int(s) for s in args.sizes.split(",") if s]
+    sizes = positive_ints(args.sizes, "--sizes")
     cp = _gpu(args.gpu)
     base = Path(args.dir) if args.dir else Path(tempfile.gettempdir())
     rows: list[dict[str, Any]] = []

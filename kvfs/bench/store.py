@@ -33,7 +33,7 @@ from typing import Any
 
 import kvfs
 from kvfs._aligned import aligned_buffer, open_direct
-from kvfs.bench._common import add_sweep, log, machine, new_parser
+from kvfs.bench._common import add_sweep, log, machine, new_parser, positive_ints
 
 __all__ = ["register", "run_store_bench"]
 
@@ -273,10 +273,10 @@ def print_store_bench(res: dict[str, Any]) -> None:
 def _main(args: argparse.Namespace) -> int:
     from cli._util import print_json
 
-    sizes = [int(x) for x in args.sizes.split(",") if x.strip()]
-    clients = [int(x) for x in args.clients.split(",") if x.strip()]
-    if not sizes or not clients or min(sizes) < 1 or min(clients) < 1 or args.total < 1:
-        raise ValueError("--sizes, --clients and --total must be positive integers")
+    sizes = positive_ints(args.sizes, "--sizes")
+    clients = positive_ints(args.clients, "--clients")
+    if args.total < 1:
+        raise ValueError("--total must be positive")
     scratch = None
     if args.data:
         dirs = [Path(d) / "kvfs-bench-store" for d in args.data.split(",") if d.strip()]
