@@ -6,6 +6,7 @@ Secrets are masked; each value says where it came from.
 from __future__ import annotations
 
 import argparse
+import sys
 
 from kvfs._settings import OPTIONS, as_toml, masked
 
@@ -27,22 +28,33 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def cmd_config(args: argparse.Namespace) -> int:
     s = settings_from_args(args)
-    cfg = s.store_config()  # validates the combination (ValueError: exit 2)
+    try:
+        cfg = s.store_config()  # validates the combination
+    except ValueError as e:
+        # Shown all the same (masked): it is what the user has to fix. Then exit 2.
+        problem: ValueError | None = e
+        index = socket = "(none: the configuration is not valid)"
+    else:
+        problem, index, socket = None, str(cfg.index_path), str(s.socket_path())
     if args.json:
         print_json(
             {
                 "config_file": str(s.config_file) if s.config_file else None,
-                "index": str(cfg.index_path),
-                "control_socket": str(s.socket_path()),
+                "index": index,
+                "control_socket": socket,
                 "options": {
                     o.key: {"value": masked(o.name, s[o.name]), "source": s.sources[o.name]}
                     for o in OPTIONS
                 },
+                "error": str(problem) if problem else None,
             }
         )
-        return 0
-    print(f"# configuration file: {s.config_file or 'none'}")
-    print(f"# index: {cfg.index_path}")
-    print(f"# control socket: {s.socket_path()}")
-    print(as_toml(s), end="")
+    else:
+        print(f"# configuration file: {s.config_file or 'none'}")
+        print(f"# index: {index}")
+        print(f"# control socket: {socket}")
+        print(as_toml(s), end="")
+    if problem is not None:
+        print(f"kvfs config: {problem}", file=sys.stderr)
+        return 2
     return 0

@@ -221,13 +221,19 @@ def test_config_shows_sources_and_masks(
     f = tmp_path / "k.toml"
     f.write_text('[store]\nio_threads = 5\n[archive]\narchive_url = "s3://K:hidden@b/p"\n')
     monkeypatch.setenv("KVFS_CAPACITY", "1GiB")
-    rc, out, _ = run("config", "--config", str(f), "--data", "dd")
-    assert rc == 0 and "hidden" not in out and "s3://***@b/p" in out
+    # credentials in the URL are refused (exit 2), and the configuration is shown all the
+    # same, masked: it is what the user has to fix
+    rc, out, err = run("config", "--config", str(f), "--data", "dd")
+    assert rc == 2 and "hidden" not in out + err and "s3://***@b/p" in out
+    assert "credentials may not be given in the archive URL" in err
     assert "io_threads = 5  # " + str(f) in out and "# $KVFS_CAPACITY" in out
     rc, out, _ = run("config", "--config", str(f), "--json")
     doc = json.loads(out)
     assert doc["options"]["store.io_threads"] == {"value": 5, "source": str(f)}
-    assert "hidden" not in out
+    assert "hidden" not in out and "credentials" in doc["error"]
+    f.write_text('[store]\nio_threads = 5\n[archive]\narchive_url = "s3://b/p"\n')
+    rc, out, _ = run("config", "--config", str(f), "--json")
+    assert rc == 0 and json.loads(out)["error"] is None
     rc, _, err = run("config", "--config", str(tmp_path / "none.toml"))
     assert rc == 3
 
