@@ -448,12 +448,23 @@ class Spiller:
             if await _thread(self.engine.index.session, d) is None:
                 raise SessionNotFound(f"no session {d!r} here or in {self.store.url}")
             return 0
-        return await _thread(
+        added = await _thread(
             self.aindex.import_manifest,
             merged,
             lambda: written and removals[d] == at_fetch,
             self.engine.store_id,
         )
+        if added:
+            # The pages just added are archive-only here: a manifest of this host's must
+            # name them before anything else happens, or another host deleting the session
+            # deletes their objects (no manifest would name them) while this host lists
+            # them. Queued first, so that an archive down now still gets it written later.
+            await _thread(self.aindex.enqueue, "manifest", [d])
+            try:
+                await self.write_manifest(d)
+            except ArchiveUnavailable as e:
+                self._failed(f"the manifest of {d} after its import", e, "next pass")
+        return added
 
     # -- background -------------------------------------------------------------------------
     async def run(self) -> None:

@@ -312,6 +312,38 @@ def test_second_host_lists_and_restores(make_config, archive_url: str, tmp_path:
         assert [x["pages"] for x in b.archived_sessions()] == [5]
 
 
+def test_pages_a_host_imported_survive_the_owners_delete(make_config, tmp_path: Path) -> None:  # noqa: ANN001
+    """Host B restores A's session but has room for only part of it: the rest stays
+    archive-only on B, which lists it. A then deletes the session, and its cleanup deletes
+    every object no manifest names: B's manifest, written right after the import, names
+    them (none did: B's archive-only pages became unreadable)."""
+    url = f"file://{tmp_path / 'archive'}"
+    with kvfs.open_store_sync(archived_cfg(make_config, url, name="host-a")) as a:
+        data = fill(a, "agent", 8)
+        a.spill("agent")
+    page_disk = 4 * KiB + 48 * KiB
+    b_cfg = make_config(
+        ndev=1,
+        name="host-b",
+        capacity=10 * page_disk,
+        archive_url=url,
+        extra={"archive": {"interval": 0, "memory_copies": 0}},
+    )
+    with kvfs.open_store_sync(b_cfg) as b:
+        for i in range(4):
+            b.put(PageKey.semantic("mine", "p", i), kv_page(5000 + i))
+        b.pin_session("mine")  # B's room: 6 pages
+        with pytest.raises(kvfs.CapacityExceeded):
+            b.restore("agent")
+        assert any(not i.local for i in b.list(session="agent"))
+        with kvfs.open_store_sync(archived_cfg(make_config, url, name="host-a")) as a:
+            a.delete_session("agent")
+        b.unpin_session("mine")
+        b.delete_session("mine")
+        for k, v in data.items():
+            assert b.get(k) == v
+
+
 def test_a_session_with_a_long_name_spills_and_another_host_restores_it(
     make_config,
     archive_url: str,
