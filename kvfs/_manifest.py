@@ -32,7 +32,9 @@ from urllib.parse import quote, unquote
 
 import msgpack
 
+from ._checksum import tree_hash
 from ._index import _BLOB_COLS, BlobRow, Index, _blob, _pack
+from ._keys import as_key
 
 __all__ = ["ArchiveIndex", "blob_key", "build_manifest", "manifest_key", "parse_manifest"]
 
@@ -135,7 +137,60 @@ def parse_manifest(data: bytes) -> dict:
         raise ValueError(f"not a manifest: {e}") from e
     if not isinstance(m, dict) or m.get("v") != VERSION or not isinstance(m.get("pages"), list):
         raise ValueError("not a version-1 kvfs manifest")
+    _check_fields(m, _MANIFEST_FIELDS, "manifest")
+    if not all(isinstance(v, (int, float)) for v in m.get("supersedes", {}).values()):
+        raise ValueError("manifest field 'supersedes' is not {store id: time}")
+    d = m["session"]
+    for p in m["pages"]:
+        if not isinstance(p, dict):
+            raise ValueError("a manifest page is not a record")
+        _check_fields(p, _PAGE_FIELDS, "manifest page")
+        try:
+            key = as_key(p["path"])
+        except ValueError as e:
+            raise ValueError(f"manifest page {p['path']!r}: {e}") from None
+        if key.session_dir != d:
+            raise ValueError(f"manifest of {d!r} names page {p['path']!r} of another session")
+        # Its checksum is the tree hash of its size and leaves: a manifest whose bytes
+        # changed (msgpack has no checksum of its own) is refused, never trusted.
+        try:
+            ok = tree_hash(p["size"], bytes(p["leaves"])) == bytes(p["hash"])
+        except ValueError:
+            ok = False
+        if p["size"] < 0 or not ok:
+            raise ValueError(f"manifest page {p['path']!r}: size, leaves and checksum disagree")
     return m
+
+
+#: what a manifest and each of its pages must hold, and of which type (see the module doc)
+_MANIFEST_FIELDS: dict[str, type | tuple[type, ...]] = {
+    "session": str,
+    "name": str,
+    "created": (int, float),
+    "atime": (int, float),
+    "pinned": bool,
+    "attrs": dict,
+    "store_id": str,
+    "spilled_at": (int, float),
+}
+_PAGE_FIELDS: dict[str, type | tuple[type, ...]] = {
+    "path": str,
+    "size": int,
+    "hash": bytes,
+    "leaves": bytes,
+}
+
+
+def _check_fields(r: dict, fields: Mapping[str, type | tuple[type, ...]], what: str) -> None:
+    for name, kind in fields.items():
+        if not isinstance(r.get(name), kind) or (kind is int and isinstance(r[name], bool)):
+            raise ValueError(f"{what} field {name!r} is missing or not a {_kind_name(kind)}")
+    if "supersedes" in r and not isinstance(r["supersedes"], dict):
+        raise ValueError(f"{what} field 'supersedes' is not a map")
+
+
+def _kind_name(kind: type | tuple[type, ...]) -> str:
+    return "number" if isinstance(kind, tuple) else kind.__name__
 
 
 class ArchiveIndex:

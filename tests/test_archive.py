@@ -630,6 +630,53 @@ def test_an_unreadable_manifest_is_left_out_of_the_listing_with_a_warning(
         assert "unreadable; not listed" in caplog.text and "sessions%2Fbad" in caplog.text
 
 
+def test_a_manifest_that_decodes_but_is_not_sound_is_unreadable(
+    make_config,  # noqa: ANN001
+    tmp_path: Path,
+) -> None:
+    """msgpack has no checksum: a manifest with a flipped byte often still decodes. One
+    missing a field, with a page whose checksum is not its leaves' tree hash, or naming a
+    page of another session is treated as unreadable (left out, restore CorruptPage,
+    deletion paused): it was trusted, and KeyError broke listing, restores, the deletes of
+    every session and close."""
+    import msgpack
+
+    from kvfs._manifest import manifest_key, parse_manifest
+
+    url = f"file://{tmp_path / 'archive'}"
+    with kvfs.open_store_sync(archived_cfg(make_config, url, name="host-a")) as a:
+        fill(a, "good", 2)
+        fill(a, "odd", 2, seed=1)
+        a.spill("good")
+        a.spill("odd")
+        policy, key = a.engine.policy, manifest_key("sessions/odd", a.engine.store_id)  # type: ignore[attr-defined]
+        raw = policy.call(policy.store.get, key)
+    m = parse_manifest(raw)
+    p0 = m["pages"][0]
+    bad = {
+        "a key's byte flipped": raw.replace(b"hash", b"hasi", 1),
+        "no store_id": msgpack.packb({k: v for k, v in m.items() if k != "store_id"}),
+        "a checksum flipped": raw.replace(p0["hash"], bytes([p0["hash"][0] ^ 1]) + p0["hash"][1:]),
+        "another session's page": raw.replace(b"sessions/odd/", b"sessions/ggg/"),
+    }
+    for i, (what, body) in enumerate(bad.items()):
+        with pytest.raises(ValueError):
+            parse_manifest(body)
+        with kvfs.open_store_sync(archived_cfg(make_config, url, name=f"host-b{i}")) as b:
+            policy = b.engine.policy  # type: ignore[attr-defined]
+            policy.call(policy.store.put, key, body)
+            assert [x["session"] for x in b.archived_sessions()] == ["good"], what
+            with pytest.raises(kvfs.CorruptPage):
+                b.restore("odd")
+            b.restore("good")
+            fill(b, "mine", 1, seed=2)
+            b.spill("mine")
+            b.delete_session("mine")  # (its objects: kept while a manifest is unreadable)
+    with kvfs.open_store_sync(archived_cfg(make_config, url, name="host-a")) as a:
+        a.engine.policy.call(a.engine.policy.store.put, key, raw)  # type: ignore[attr-defined]
+        assert sorted(x["session"] for x in a.archived_sessions()) == ["good", "odd"]
+
+
 def test_an_unreadable_manifest_stops_archive_object_deletion(
     make_config, archive_url: str
 ) -> None:  # noqa: ANN001
