@@ -353,13 +353,23 @@ class ArchivingPolicy(TieringPolicy):
             return total
         uploads = self.uploads
         jobs = await trio.to_thread.run_sync(self._jobs, hashes)
+        stored: list[bytes] = []
+
+        def batch_done(us: list[Uploaded]) -> None:
+            stored.extend(u.h for u in us)
+            if done is not None:
+                done([u.h for u in us])
+
         try:
-            answers = await uploads.upload(
-                jobs, self._release, None if done is None else lambda us: done([u.h for u in us])
-            )
+            answers = await uploads.upload(jobs, self._release, batch_done)
         except WorkerUnavailable as e:
             self._without_workers(e)
             return await self.upload_many(hashes, mark=mark, fresh=fresh, done=done)
+        except BaseException:
+            if mark:  # what was stored before the failure is known (see mark_archived)
+                with trio.CancelScope(shield=True):
+                    await trio.to_thread.run_sync(self.aindex.mark_archived, stored)
+            raise
         if mark:
             await trio.to_thread.run_sync(self.aindex.mark_archived, [u.h for u in answers])
         return self._account_uploads(answers, fresh)

@@ -252,9 +252,21 @@ class ArchiveIndex:
                 db.executemany("DELETE " + sql, [(kind, k, asked_before) for k in keys])
 
     # -- blob state ---------------------------------------------------------------------
-    def mark_archived(self, hashes: list[bytes]) -> None:
+    def mark_archived(self, hashes: list[bytes]) -> list[bytes]:
+        """Record that the archive holds these blobs' objects. Returns those with no blob
+        row here any more (deleted while they uploaded): their objects are queued to be
+        forgotten, in the same transaction, or nothing would ever delete them."""
+        gone = []
         with self.index.transaction() as db:
-            db.executemany("UPDATE blobs SET archived=1 WHERE hash=?", [(h,) for h in hashes])
+            for h in hashes:
+                if db.execute("UPDATE blobs SET archived=1 WHERE hash=?", (h,)).rowcount == 0:
+                    gone.append(h)
+            db.executemany(
+                "INSERT INTO archive_pending VALUES ('forget', ?, ?)"
+                " ON CONFLICT (kind, k) DO UPDATE SET since=excluded.since",
+                [(h.hex(), time.time()) for h in gone],
+            )
+        return gone
 
     def drop_local_many(
         self,

@@ -124,8 +124,11 @@ class Spiller:
             total = sum(sizes[h] for h in todo)
             archived = 0
 
+            stored: list[bytes] = []
+
             def done(hs: list[bytes]) -> None:
                 nonlocal archived
+                stored.extend(hs)
                 archived += sum(sizes[h] for h in hs)
                 if progress is not None:
                     progress(archived, total)
@@ -133,7 +136,15 @@ class Spiller:
             if progress is not None:
                 progress(0, total)
             fresh: set[bytes] = set()
-            uploaded = await self.policy.upload_many(todo, mark=False, fresh=fresh, done=done)
+            try:
+                uploaded = await self.policy.upload_many(todo, mark=False, fresh=fresh, done=done)
+            except BaseException:
+                # What was stored before the failure is recorded (or, deleted meanwhile,
+                # queued to be forgotten): else no delete would ever remove those objects.
+                with trio.CancelScope(shield=True):
+                    await _thread(self.aindex.mark_archived, stored)
+                raise
+            # (a page deleted while it uploaded: its object is queued to be forgotten)
             await _thread(self.aindex.mark_archived, todo)
             await self.write_manifest(d)
             await self._verify_referenced(await self.collector.settle(hashes, fresh, started))

@@ -195,9 +195,11 @@ def upload_batch(
     level: int,
     codec: str,
     concurrency: int,
-) -> list[Uploaded]:
-    """Worker entry point: make sure ``blobs/<h>`` exists for every job. Raises
-    ArchiveUnavailable, CorruptPage (the first error; the batch stops there)."""
+) -> tuple[list[Uploaded], Exception | None]:
+    """Worker entry point: make sure ``blobs/<h>`` exists for every job. Returns the
+    answers and, when one failed (the batch stops there), its ArchiveUnavailable or
+    CorruptPage: the objects stored before it must still be known (or nothing would ever
+    delete them)."""
     from objectstore._abc import one_error_nursery
 
     from ._manifest import blob_key
@@ -235,8 +237,11 @@ def upload_batch(
             for job in jobs:
                 n.start_soon(one, job, limit)
 
-    trio.run(run)
-    return out
+    try:
+        trio.run(run)
+    except (ArchiveUnavailable, CorruptPage) as e:
+        return out, e
+    return out, None
 
 
 # -- restores ------------------------------------------------------------------------------
@@ -682,13 +687,21 @@ class UploadPool:
         """Upload ``jobs`` in batches spread over the workers; ``batch_done(answers)`` as
         each batch's answers come. ``release(batch)`` is called once per batch when its
         worker is done with the files (also after a failure or a cancellation of the
-        caller). Raises ArchiveUnavailable, CorruptPage."""
+        caller). A batch that fails does not stop the others: every object stored is
+        answered (the caller records it, or nothing would ever delete it), then the first
+        error is raised: ArchiveUnavailable, CorruptPage."""
         out: list[Uploaded] = []
+        errors: list[Exception] = []
 
-        async def answered(batch: list[BlobJob], done: list[Uploaded]) -> None:
+        async def answered(
+            batch: list[BlobJob], result: tuple[list[Uploaded], Exception | None]
+        ) -> None:
+            done, error = result
             out.extend(done)
             if batch_done is not None:
                 batch_done(done)
+            if error is not None:
+                errors.append(error)
 
         await self._run(
             jobs,
@@ -700,6 +713,8 @@ class UploadPool:
             release,
             "nothing dropped",
         )
+        if errors:
+            raise errors[0]
         return out
 
     async def restore(

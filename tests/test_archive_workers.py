@@ -142,6 +142,77 @@ def test_corrupt_local_copy_is_not_uploaded_by_a_worker(s3_server, make_config) 
         assert s.stat(k).tier == "local"
 
 
+@pytest.mark.parametrize("processes", [0, 2], ids=["threads", "workers"])
+def test_what_a_failed_spill_stored_is_collected_with_its_session(
+    s3_server,  # noqa: ANN001
+    make_config,  # noqa: ANN001
+    processes: int,
+) -> None:
+    """A spill that fails part-way (here: one damaged local page) has stored some objects;
+    deleting the session collects them (they were never recorded, so nothing ever deleted
+    them: leaked, with threads and with workers, whose other batches were abandoned)."""
+    from _corrupt import flip_stored_byte
+
+    bucket = s3_server.new_bucket()
+    url = f"s3://{bucket}?endpoint={s3_server.endpoint}"
+    cfg = make_config(
+        ndev=1,
+        archive_url=url,
+        extra={"archive": {"interval": 0, "upload_processes": processes, "gc_grace": 0}},
+    )
+    with kvfs.open_store_sync(cfg) as s:
+        for i in range(8):
+            s.put(PageKey.semantic("victim", "p", i), page(i))
+        flip_stored_byte(s.stat(PageKey.semantic("victim", "p", 7)), 100)
+        with pytest.raises(kvfs.CorruptPage):
+            s.spill("victim")
+        assert s3_server.keys(bucket, "blobs/")  # some were stored before it stopped
+        s.delete_session("victim")
+        policy = s.engine.policy  # type: ignore[attr-defined]
+        policy.call(policy.spiller.flush_pending)
+        assert s3_server.keys(bucket, "blobs/") == []
+
+
+def test_a_session_deleted_while_it_spills_leaves_nothing_in_the_archive(
+    s3_server,  # noqa: ANN001
+    make_config,  # noqa: ANN001
+) -> None:
+    """An engine's rm races a spill: the objects uploaded for pages deleted meanwhile are
+    collected (they stayed forever: a blob's object is forgotten only once it is recorded as
+    archived, which a deleted blob never was)."""
+    import trio
+
+    bucket = s3_server.new_bucket()
+    url = f"s3://{bucket}?endpoint={s3_server.endpoint}"
+    cfg = make_config(
+        ndev=1,
+        archive_url=url,
+        extra={"archive": {"interval": 0, "upload_processes": 0, "gc_grace": 0}},
+    )
+    with kvfs.open_store_sync(cfg) as s:
+        for i in range(6):
+            s.put(PageKey.semantic("victim", "p", i), page(i))
+        policy = s.engine.policy  # type: ignore[attr-defined]
+        real_put, gate, reached = policy.store.put, threading.Event(), threading.Event()
+
+        async def gated(key: str, data: bytes, **kw: object) -> object:
+            r = await real_put(key, data, **kw)
+            if key.startswith("blobs/"):
+                reached.set()
+                await trio.to_thread.run_sync(gate.wait)
+            return r
+
+        policy.store.put = gated
+        t, result = start_call(s.spill, "victim")
+        assert reached.wait(30)
+        s.delete_session("victim")
+        gate.set()
+        t.join(60)
+        policy.store.put = real_put
+        policy.call(policy.spiller.flush_pending)
+        assert s3_server.keys(bucket, "blobs/") == [], result
+
+
 @pytest.mark.parametrize(
     ("processes", "direct"),
     [(0, True), (1, True), (1, False)],
