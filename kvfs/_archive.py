@@ -41,7 +41,7 @@ from ._errors import ArchiveUnavailable, CapacityExceeded, CorruptPage, KvfsErro
 from ._events import log_event
 from ._index import BlobRow, PageRow
 from ._local import fsync_dir
-from ._manifest import ArchiveIndex, blob_key
+from ._manifest import MANIFESTS, ArchiveIndex, blob_key
 from ._policy import TieringPolicy
 from ._spill import Spiller
 from ._uploader import (
@@ -246,8 +246,6 @@ class ArchivingPolicy(TieringPolicy):
         idx = self.engine.index
         ident = archive_identity(self.url)
         recorded = idx.get_meta("archive")
-        if recorded == ident:
-            return
         if recorded is not None and idx.has_archived():
             sample = idx.archived_sample(IDENTITY_SAMPLE)
 
@@ -257,15 +255,40 @@ class ArchivingPolicy(TieringPolicy):
                         return True
                 return False
 
-            if not trio.run(holds_one):
+            async def any_manifest() -> bool:
+                keys = self.store.list(MANIFESTS)
+                try:
+                    async for _ in keys:
+                        return True
+                    return False
+                finally:
+                    close = getattr(keys, "aclose", None)
+                    if close is not None:
+                        await close()
+
+            held = trio.run(holds_one)
+            if not held and recorded != ident:
                 raise ArchiveUnavailable(
                     f"this store's archived pages are in {recorded}, but the archive configured "
                     f"is {self.url}, which holds none of the {len(sample)} of its objects "
                     f"looked for: configure {recorded} again, or copy its objects to the new "
                     "location first (kvfs then accepts it)"
                 )
-            log.warning("archive moved: %s -> %s (it holds this store's objects)", recorded, ident)
-        idx.set_meta("archive", ident)
+            # The same URL can name another place than before: a file:// archive on a share
+            # not mounted now (an empty directory, or one made again), an emptied bucket.
+            # Spills there would drop local copies that a remount then hides.
+            if not held and not trio.run(any_manifest):
+                raise ArchiveUnavailable(
+                    f"the archive {self.url} holds none of the {len(sample)} of this store's "
+                    "objects looked for, and no manifest at all: is its file system mounted, "
+                    "is it the right bucket? (nothing was changed)"
+                )
+            if recorded != ident:
+                log.warning(
+                    "archive moved: %s -> %s (it holds this store's objects)", recorded, ident
+                )
+        if recorded != ident:
+            idx.set_meta("archive", ident)
 
     # -- bridging sync callers to the async object store ----------------------------------
     def call(self, afn: Callable[..., Awaitable[T]], *args: Any) -> T:

@@ -819,6 +819,20 @@ def test_an_archive_that_is_not_this_stores_is_refused(make_config, tmp_path: Pa
         s.put(PageKey.semantic("b", "p", 0), kv_page(1))  # nothing archived yet
     with kvfs.open_store_sync(archived_cfg(make_config, other, name="fresh")) as s:
         assert s.get(PageKey.semantic("b", "p", 0)) == kv_page(1)
+    # The same URL naming another place than before: a file:// archive on a share that is
+    # not mounted now (an empty directory where it was) is refused too; it was trusted, and
+    # spills there dropped local copies that remounting the share then hid.
+    with kvfs.open_store_sync(archived_cfg(make_config, first, name="store-3")) as s:
+        fill(s, "c", 2, seed=3)
+        s.spill("c")
+    shutil.move(tmp_path / "ar1", tmp_path / "ar1.share")
+    (tmp_path / "ar1").mkdir()
+    with pytest.raises(kvfs.ArchiveUnavailable, match="is its file system mounted"):
+        kvfs.open_store_sync(archived_cfg(make_config, first, name="store-3")).__enter__()
+    shutil.rmtree(tmp_path / "ar1")
+    shutil.move(tmp_path / "ar1.share", tmp_path / "ar1")  # mounted again
+    with kvfs.open_store_sync(archived_cfg(make_config, first, name="store-3")) as s:
+        assert s.get(PageKey.semantic("c", "p0", 0)) == kv_page(3000)
 
 
 def test_a_manifest_read_before_a_removal_does_not_settle_it(make_config, tmp_path: Path) -> None:  # noqa: ANN001
