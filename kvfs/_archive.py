@@ -999,7 +999,27 @@ class ArchivingPolicy(TieringPolicy):
     ) -> None:
         """Restore in this process, ``concurrency`` downloads at once: each object is then
         decoded, verified and written in a thread, and one task commits what is written in
-        batches (what is written while a commit runs goes into the next)."""
+        batches (what is written while a commit runs goes into the next).
+
+        Each blob is leased while the restore runs: room made for a later one must not be
+        made by evicting one this restore just brought back (it reported success with part
+        of the session evicted again). The worker path reserves everything first instead."""
+        eng = self.engine
+        with eng._cap_lock:
+            for b in blobs:
+                eng._leases[b.hash] += 1
+        try:
+            await self._restore_here_leased(blobs, settle, t0)
+        finally:
+            for b in blobs:
+                eng._unlease(b.hash)
+
+    async def _restore_here_leased(
+        self,
+        blobs: list[BlobRow],
+        settle: Callable[[bytes, BlobRow | BaseException], None],
+        t0: float,
+    ) -> None:
         from objectstore._abc import one_error_nursery
 
         ready: list[_Staged] = []

@@ -769,11 +769,17 @@ def test_fsck_repair_restores_archived_copies_and_deletes_what_is_held_nowhere_e
         assert not any(s.fsck()[x] for x in ("missing", "corrupt", "orphans"))
 
 
+@pytest.mark.parametrize("processes", [0, 2], ids=["threads", "workers"])
 def test_a_session_larger_than_the_capacity_restores_what_fits(
-    make_config, archive_url: str
+    make_config, archive_url: str, processes: int
 ) -> None:  # noqa: ANN001
+    """Also in this process (threads): there a restore made room for its later pages by
+    evicting the ones it had just brought back, and returned as if it had succeeded."""
     cfg = make_config(
-        ndev=1, capacity=6 * 1024 * KiB, archive_url=archive_url, extra={"archive": {"interval": 0}}
+        ndev=1,
+        capacity=6 * 1024 * KiB,
+        archive_url=archive_url,
+        extra={"archive": {"interval": 0, "upload_processes": processes}},
     )
     with kvfs.open_store_sync(cfg) as s:
         data = {PageKey.semantic("big", "p", i): kv_page(i, 1024 * KiB) for i in range(8)}
