@@ -327,10 +327,25 @@ def write_restored(w: BlobWriter, data: memoryview) -> tuple[tuple[Extent, ...],
         raise
 
 
+#: the store process this worker serves (set by _serve): files written for it once it is
+#: gone would be orphans no one accounts for (it swept its data directories when it opened
+#: again, before they appeared), so a worker stops writing when it sees it gone
+_PARENT: int | None = None
+
+
+def _store_gone() -> bool:
+    return _PARENT is not None and os.getppid() != _PARENT
+
+
 def _restore_one(spec: TierSpec, job: RestoreJob, obj: bytes) -> Restored:
     data = decode_verified(obj, job.h, job.size, f"archive object {job.key}")
+    if _store_gone():
+        raise ArchiveUnavailable("the store that asked for this restore is gone")
     w = _tier(spec).writer(job.start, direct=True, nonce=job.nonce)
     extents, disk = write_restored(w, data)
+    if _store_gone():  # (died while this was written: nothing may be left behind)
+        w.abort()
+        raise ArchiveUnavailable("the store that asked for this restore is gone")
     return Restored(job.h, extents, disk, tuple(w.new_dirs))
 
 
@@ -371,6 +386,8 @@ def restore_batch(
 
 def _serve(rfd: int, wfd: int) -> None:
     """A worker's loop: run ``(fn, args)`` jobs from the daemon until it closes the pipe."""
+    global _PARENT
+    _PARENT = os.getppid()
     _worker_init()
     jobs, answers = Connection(rfd, writable=False), Connection(wfd, readable=False)
     while True:

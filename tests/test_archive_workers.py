@@ -480,3 +480,41 @@ def test_corrupt_or_missing_object_restored_by_a_worker_is_refused(s3_server, ma
         assert st.corrupt_reads >= 4
         assert st.extra["archive"]["corrupt_objects"] >= 2
         nothing_left_behind(s)
+
+
+def test_a_worker_whose_store_died_writes_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Restore workers are processes of their own: once the store that asked is gone
+    (SIGKILL), a worker writes no more files, and removes one it was writing (they appeared
+    after the store, opened again, had swept its directories: orphans outside the cap)."""
+    import os as _os
+    import uuid
+
+    from kvfs import _uploader
+    from kvfs._checksum import leaves_of, tree_hash
+    from kvfs._codec import encode
+
+    data = page(3)
+    h = tree_hash(len(data), leaves_of(data))
+    obj = encode(data, level=1)[0]
+    root = tmp_path / "d0"
+    root.mkdir()
+    spec = _uploader.TierSpec((str(root),), 64 * KiB, direct=False, durable=False)
+
+    def job() -> _uploader.RestoreJob:
+        return _uploader.RestoreJob(h, len(data), "blobs/x", 0, uuid.uuid4().hex)
+
+    monkeypatch.setattr(_uploader, "_PARENT", _os.getppid())  # the store: alive
+    assert _uploader._restore_one(spec, job(), obj).extents
+    files = sorted(p for p in root.rglob("*") if p.is_file())
+    assert len(files) == 1
+    monkeypatch.setattr(_uploader, "_PARENT", _os.getppid() + 1)  # it died, before or during
+    with pytest.raises(kvfs.ArchiveUnavailable, match="is gone"):
+        _uploader._restore_one(spec, job(), obj)
+    assert sorted(p for p in root.rglob("*") if p.is_file()) == files
+    died = iter([False, True])  # alive when the write starts, gone when it ends
+    monkeypatch.setattr(_uploader, "_store_gone", lambda: next(died))
+    with pytest.raises(kvfs.ArchiveUnavailable, match="is gone"):
+        _uploader._restore_one(spec, job(), obj)
+    assert sorted(p for p in root.rglob("*") if p.is_file()) == files
