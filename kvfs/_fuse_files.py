@@ -28,12 +28,13 @@ import pyfuse3
 import trio
 
 from ._engine import Engine
-from ._errors import PageNotFound
+from ._errors import KvfsError
 from ._fuse_ahead import AheadBudget, ReadAhead
 from ._fuse_behind import BehindBudget, WriteBehind
 from ._fuse_guard import child_of, fuse_error, guard
 from ._fuse_nodes import Handle, Kind, Node, NodeTable, Pending
 from ._fuse_ns import ATTR_GID, ATTR_UID, DirTable, session_json, session_of, validate_page
+from ._index import PageRow
 
 __all__ = ["FileOps"]
 
@@ -284,30 +285,36 @@ class FileOps:
             await self._thread(again.writer.abort)  # its bytes have no name to go to
             return
         try:
-            info = await self._thread(
-                functools.partial(again.writer.commit, attrs=again.commit_attrs(), replace=True)
-            )
+            node.page, lease, held = await self._thread(self._commit, again, node.path, True)
         except BaseException:
             await self._thread(again.writer.abort)
             raise
-        node.page = await self._thread(self.engine.index.page, node.path)
         if node.page is None:  # deleted or evicted the instant it appeared
             self.table.unbind(node)
-        await self._hold(h, node.path, info.checksum)
+        await self._hold(h, lease, held)
 
-    async def _hold(self, h: Handle, path: str, checksum: str) -> None:
-        """A write handle that stays open after its page was committed (a dup's close, a
-        rename) reads that version from now on, held by a lease: not the name, which another
-        publisher may replace or unlink. None held (reads: ENOENT) if it is gone already."""
+    def _commit(self, w: Pending, path: str, hold: bool) -> tuple[PageRow | None, Any, Any]:
+        """(thread) Commit ``w`` as ``path``: its row, and with ``hold`` a lease on that
+        version and what it holds. A write handle that stays open after its page was
+        committed (a dup's close, a rename) reads that version from then on: not the name,
+        which another publisher may replace or unlink (none held, reads ENOENT, when it is
+        gone already). One thread hop for all of it."""
+        info = w.writer.commit(attrs=w.commit_attrs(), replace=True)
+        row = self.engine.index.page(path)
+        if not hold:
+            return row, None, None
         lease = self.engine.lease(path)
         try:
-            held = await self._thread(lease.__enter__)
-        except PageNotFound:
-            held = None
-        if held is not None and held[1].hash.hex() != checksum:  # replaced this instant
-            await self._thread(lease.__exit__, None, None, None)
-            held = None
-        old, (h.lease, h.held) = h.lease, ((lease, held) if held is not None else (None, None))
+            held = lease.__enter__()
+        except KvfsError:  # gone already
+            return row, None, None
+        if held[1].hash.hex() != info.checksum:  # replaced this instant
+            lease.__exit__(None, None, None)
+            return row, None, None
+        return row, lease, held
+
+    async def _hold(self, h: Handle, lease: Any, held: Any) -> None:
+        old, h.lease, h.held = h.lease, lease, held
         if old is not None:
             await self._thread(old.__exit__, None, None, None)
 
@@ -403,10 +410,7 @@ class FileOps:
             self.settling[n] = settled
         try:
             w.writer.key = key
-            info = await self._thread(
-                functools.partial(w.writer.commit, attrs=w.commit_attrs(), replace=True)
-            )
-            row = await self._thread(self.engine.index.page, dst)
+            row, lease, held = await self._thread(self._commit, w, dst, hold)
         except BaseException:
             self.table.unbind(node)
             raise
@@ -420,4 +424,4 @@ class FileOps:
         if row is None:  # evicted or deleted the instant it appeared
             self.table.unbind(node)
         if hold:
-            await self._hold(h, dst, info.checksum)
+            await self._hold(h, lease, held)
