@@ -177,10 +177,4 @@ def test_fsck_repair_on_a_live_store_touches_only_what_is_damaged(
         assert found["missing"] == [] and found["damaged_pages"] == [], found
         assert found["repaired"] == []
         assert store.get("y/b") == data
-        assert store.fsck() == {
-            "missing": [],
-            "corrupt": [],
-            "orphans": [],
-            "damaged_pages": [],
-            "repaired": [],
-        }
+        assert not any(store.fsck().values())  # nothing missing, corrupt or orphaned
