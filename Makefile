@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 
 .PHONY: demo test lint bench clean
 
-$(VENV)/.bootstrapped: pyproject.toml scripts/bootstrap.sh
+$(VENV)/.bootstrapped: pyproject.toml scripts/bootstrap.sh scripts/constraints.txt
 	bash scripts/bootstrap.sh
 
 demo: $(VENV)/.bootstrapped

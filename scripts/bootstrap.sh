@@ -30,6 +30,6 @@ case ",$EXTRAS," in
         "$VENV/bin/python" -m pip install -q "torch==2.13.0" 2>&1 | { grep -vE '^(WARNING: Location|DEPRECATION)' || true; } ;;
 esac
 echo "bootstrap: installing kvfs[$EXTRAS] into $VENV"
-"$VENV/bin/python" -m pip install -q -e ".[$EXTRAS]" 2>&1 | { grep -vE '^(WARNING: Location|DEPRECATION)' || true; }
+"$VENV/bin/python" -m pip install -q -c scripts/constraints.txt -e ".[$EXTRAS]" 2>&1 | { grep -vE '^(WARNING: Location|DEPRECATION)' || true; }
 "$VENV/bin/python" -c "import kvfs, pyfuse3, trio, blake3" 
 touch "$VENV/.bootstrapped"

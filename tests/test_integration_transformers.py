@@ -33,6 +33,7 @@ from kvfs.integrations import (  # noqa: E402
     GeometryMismatch,
     chunk_names,
 )
+from kvfs.integrations._hfcompat import cache_of, forward  # noqa: E402
 from kvfs.integrations._models import ModelShape, greedy_decode, random_llama  # noqa: E402
 from kvfs.integrations._tcache import build_cache, cache_tensors  # noqa: E402
 from kvfs.integrations.transformers import TransformersKV  # noqa: E402
@@ -64,8 +65,8 @@ def tokens(n: int, seed: int, vocab: int = 1000) -> list[int]:
 
 @torch.inference_mode()
 def prefill(model: Any, ids: list[int], cache: Any = None) -> tuple[int, Any]:
-    out = model(input_ids=torch.tensor([ids]), past_key_values=cache, use_cache=True)
-    return int(out.logits[0, -1].argmax()), out.past_key_values
+    out = forward(model, torch.tensor([ids]), cache)
+    return int(out.logits[0, -1].argmax()), cache_of(out)
 
 
 @pytest.fixture(params=["object-api", "fast-path", "mount", "directory"])
@@ -413,7 +414,7 @@ def test_batched_cache_is_refused(tmp_path: Path) -> None:
         TransformersKV(tmp_path, model, model_id=shape.model_id, chunk_tokens=CHUNK) as kv,
         pytest.raises(ValueError, match="batch size 2"),
     ):
-        kv.save("s", tokens(CHUNK, 12), out.past_key_values)
+        kv.save("s", tokens(CHUNK, 12), cache_of(out))
 
 
 def test_decodes_identically_after_spill_and_restore(

@@ -153,6 +153,8 @@ def kv_tensors(tokens: int, layers: int, numpy_kv: bool) -> tuple[list[Any], str
             import torch
             from transformers import LlamaConfig, LlamaForCausalLM
 
+            from kvfs.integrations._hfcompat import cache_of
+
             torch.manual_seed(0)
             cfg = LlamaConfig(
                 hidden_size=1024,
@@ -168,7 +170,7 @@ def kv_tensors(tokens: int, layers: int, numpy_kv: bool) -> tuple[list[Any], str
             ids = torch.randint(0, cfg.vocab_size, (1, tokens))
             with torch.no_grad():
                 out = model(ids, use_cache=True)
-            cache = out.past_key_values
+            cache = cache_of(out)
             arrs = []
             for i in range(layers):
                 if hasattr(cache, "layers"):

@@ -168,6 +168,7 @@ def run_ttft(
 
     import kvfs
     from kvfs.integrations import FastPathPages
+    from kvfs.integrations._hfcompat import cache_of, forward
     from kvfs.integrations.transformers import TransformersKV
 
     shape, m = load_model(model)
@@ -194,7 +195,7 @@ def run_ttft(
             first = int(out.logits[0, -1].argmax())
             prefill = time.perf_counter() - t0
             session = f"ttft-{n}"
-            saved = kv.save(session, ids, out.past_key_values)
+            saved = kv.save(session, ids, cache_of(out))
             del out
             extents = [e for p in store.list(session=session) for e in p.extents]
             raws: list[float] = []
@@ -207,9 +208,7 @@ def run_ttft(
                     t0 = time.perf_counter()
                     hit = loader.load(session, ids, max_tokens=n - 1)
                     loaded = time.perf_counter() - t0
-                    res = m(
-                        input_ids=ids[:, hit.tokens :], past_key_values=hit.cache, use_cache=True
-                    )
+                    res = forward(m, ids[:, hit.tokens :], hit.cache)
                     tok = int(res.logits[0, -1].argmax())
                     ttfts[name].append(time.perf_counter() - t0)
                     loads[name].append(loaded)
@@ -224,7 +223,7 @@ def run_ttft(
                 t0 = time.perf_counter()
                 hit = kv.load(session, ids, max_tokens=n - 1)
                 arch["archive_load_s"] = time.perf_counter() - t0
-                res = m(input_ids=ids[:, hit.tokens :], past_key_values=hit.cache, use_cache=True)
+                res = forward(m, ids[:, hit.tokens :], hit.cache)
                 arch["archive_ttft_s"] = time.perf_counter() - t0
                 arch["archive_speedup"] = prefill / arch["archive_ttft_s"]
                 same = same and int(res.logits[0, -1].argmax()) == first and hit.tokens == n - 1

@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from ._hfcompat import cache_of, forward
+
 __all__ = ["BENCH_MODEL", "ModelShape", "greedy_decode", "random_llama"]
 
 
@@ -69,8 +71,8 @@ def greedy_decode(model: Any, first_token: int, cache: Any, steps: int) -> list[
     out = [first_token]
     tok = first_token
     for _ in range(steps - 1):
-        res = model(input_ids=torch.tensor([[tok]]), past_key_values=cache, use_cache=True)
-        cache = res.past_key_values
+        res = forward(model, torch.tensor([[tok]]), cache)
+        cache = cache_of(res)
         tok = int(res.logits[0, -1].argmax())
         out.append(tok)
     return out

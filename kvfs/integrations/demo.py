@@ -92,6 +92,7 @@ def model_scenario(
     """
     import torch
 
+    from ._hfcompat import cache_of
     from ._models import greedy_decode
     from .transformers import TransformersKV
 
@@ -112,14 +113,14 @@ def model_scenario(
             first = int(out.logits[0, -1].argmax())
             recompute = time.perf_counter() - t0
         echo(f"prefill of the agent's {tokens}-token context: {recompute:.2f} s (recompute)")
-        saved = kv.save(SESSION, ids, out.past_key_values)
+        saved = kv.save(SESSION, ids, cache_of(out))
         pages = store.list(session=SESSION)
         echo(
             f"saved to kvfs session {SESSION!r}: {len(pages)} pages, "
             f"{sum(p.size for p in pages) / 2**20:.0f} MiB in {saved.seconds:.2f} s (also "
             f"named under 'prefix-cache' for other sessions; the bytes are stored once)"
         )
-        want = greedy_decode(model, first, out.past_key_values, decode)
+        want = greedy_decode(model, first, cache_of(out), decode)
         del out
         spilled = None
         if config.archive_url:

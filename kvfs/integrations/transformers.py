@@ -3,9 +3,9 @@
 ::
 
     kv = TransformersKV(store, model, model_id="meta-llama/Llama-3.1-8B@main")
-    kv.save("agent-42", input_ids, out.past_key_values)          # after a prefill
+    kv.save("agent-42", input_ids, out.past_key_values)          # after a prefill (5.24+: out.cache)
     hit = kv.load("agent-43", new_input_ids, max_tokens=len(new_input_ids) - 1)
-    out = model(input_ids=new_ids[hit.tokens:], past_key_values=hit.cache)
+    out = model(input_ids=new_ids[hit.tokens:], past_key_values=hit.cache)  # 5.24+: cache=
 
     with kv.load_layers("agent-43", new_input_ids) as layers:    # layer by layer
         for i, k, v in layers:                                     # i+1.. still in flight
@@ -42,6 +42,7 @@ from .._errors import CorruptPage, PageNotFound
 from .._keys import PageKey
 from ._chain import chunk_names
 from ._format import FORMAT, Geometry, GeometryMismatch, PageLayout, parse_header
+from ._hfcompat import cache_of, forward
 from ._sources import PageSource, as_source
 from ._tcache import build_cache, cache_tensors
 
@@ -382,12 +383,12 @@ class TransformersKV:
         t0 = time.perf_counter()
         cache = hit.cache if hit.cache is not None else build_cache(self.model.config, [])
         ids = torch.tensor([toks[hit.tokens :]], dtype=torch.long, device=self.device)
-        out = self.model(input_ids=ids, past_key_values=cache, use_cache=True)
+        out = forward(self.model, ids, cache)
         compute = time.perf_counter() - t0
-        saved = self.save(session, toks, out.past_key_values) if save else None
+        saved = self.save(session, toks, cache_of(out)) if save else None
         return PrefillResult(
             logits=out.logits[0, -1],
-            cache=out.past_key_values,
+            cache=cache_of(out),
             reused_tokens=hit.tokens,
             computed_tokens=len(toks) - hit.tokens,
             load_seconds=hit.seconds,
