@@ -276,8 +276,11 @@ class ArchivingPolicy(TieringPolicy):
                 )
             # The same URL can name another place than before: a file:// archive on a share
             # not mounted now (an empty directory, or one made again), an emptied bucket.
-            # Spills there would drop local copies that a remount then hides.
-            if not held and not trio.run(any_manifest):
+            # Spills there would drop local copies that a remount then hides. Only a store
+            # with pages held by the archive alone knows that something must be there: what
+            # it also holds locally may have been collected (no manifest named it), and a
+            # spill checks and uploads that again.
+            if not held and idx.has_archive_only() and not trio.run(any_manifest):
                 raise ArchiveUnavailable(
                     f"the archive {self.url} holds none of the {len(sample)} of this store's "
                     "objects looked for, and no manifest at all: is its file system mounted, "

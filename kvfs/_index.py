@@ -443,6 +443,10 @@ class Index:
         """Whether any blob is marked as held by the archive."""
         return bool(self._q("SELECT 1 FROM blobs WHERE archived=1 LIMIT 1"))
 
+    def has_archive_only(self) -> bool:
+        """Whether any blob is held by the archive alone (no local copy)."""
+        return bool(self._q("SELECT 1 FROM blobs WHERE archived=1 AND extents IS NULL LIMIT 1"))
+
     def archived_sample(self, n: int) -> list[bytes]:
         """Up to ``n`` blobs marked as held by the archive, the most recently created first."""
         return [
