@@ -148,13 +148,19 @@ class Store:
         items: Iterable[tuple[KeyLike, object]],
         *,
         attrs: dict[str, str] | None = None,
+        pin: bool = False,
+        replace: bool = False,
         concurrency: int = 4,
     ) -> builtins.list[PageInfo]:
         """Put several pages concurrently; results in input order. The first error cancels the rest
         (pages already stored stay stored)."""
         items = list(items)
         return await self._gather(
-            [functools.partial(self.put, k, d, attrs=attrs) for k, d in items], concurrency
+            [
+                functools.partial(self.put, k, d, attrs=attrs, pin=pin, replace=replace)
+                for k, d in items
+            ],
+            concurrency,
         )
 
     async def get_many(
@@ -175,7 +181,7 @@ class Store:
         calls: builtins.list[Callable[[], Awaitable[T]]], concurrency: int
     ) -> builtins.list[T]:
         results: builtins.list[Any] = [None] * len(calls)
-        sem = trio.Semaphore(concurrency)
+        sem = trio.Semaphore(max(1, concurrency))  # as the sync facade: 0 would never start
         first: builtins.list[Exception] = []
 
         async def one(i: int) -> None:
@@ -232,6 +238,9 @@ async def open_store(config: StoreConfig | None = None, **overrides: Any) -> Asy
     cfg = (config or StoreConfig()).replace(**overrides) if overrides else (config or StoreConfig())
     engine = await trio.to_thread.run_sync(Engine, cfg)
     store = Store(engine, trio.CapacityLimiter(max(4, cfg.io_threads * 2)))
+    # The body runs inside the nursery of the store's background tasks; an error it raises
+    # leaves the block as it is (PageNotFound, not an ExceptionGroup holding it).
+    raised: BaseException | None = None
     try:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(_flush_atimes_forever, engine)
@@ -240,8 +249,12 @@ async def open_store(config: StoreConfig | None = None, **overrides: Any) -> Asy
                 nursery.start_soon(background)
             try:
                 yield store
+            except BaseException as e:
+                raised = e
             finally:
                 nursery.cancel_scope.cancel()
+        if raised is not None:
+            raise raised
     finally:
         with trio.CancelScope(shield=True):
             await store.aclose()

@@ -163,6 +163,22 @@ async def test_async_many_tasks(make_config: Callable[..., kvfs.StoreConfig]) ->
     await store.aclose()  # idempotent
 
 
+async def test_async_errors_leave_the_block_as_they_are(
+    make_config: Callable[..., kvfs.StoreConfig],
+) -> None:
+    """The body of ``async with open_store()`` runs in the store's nursery; its errors used to
+    leave it wrapped in an ExceptionGroup, which ``except PageNotFound`` does not catch."""
+    with pytest.raises(kvfs.PageNotFound):
+        async with kvfs.open_store(make_config(ndev=1)) as store:
+            await store.get("a/missing")
+    async with kvfs.open_store(make_config(ndev=1)) as store:
+        with trio.fail_after(30):  # concurrency 0 never started a call
+            infos = await store.put_many([("a/1", b"x"), ("a/2", b"y")], pin=True, concurrency=0)
+        assert [i.pinned for i in infos] == [True, True]
+        await store.put_many([("a/1", b"z")], replace=True)
+        assert await store.get_many(["a/1", "a/2"], concurrency=0) == [b"z", b"y"]
+
+
 async def test_async_overrides_and_lock(make_config: Callable[..., kvfs.StoreConfig]) -> None:
     cfg = make_config(ndev=1)
     async with kvfs.open_store(cfg, stripe_unit=8 * KiB) as store:
