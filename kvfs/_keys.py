@@ -98,9 +98,20 @@ def session_dir(session: str) -> str:
 
 @dataclass(frozen=True, order=True, slots=True)
 class PageKey:
-    """The validated name of a page. Build with :meth:`semantic` or :meth:`from_path`."""
+    """The validated name of a page. Build with :meth:`semantic` or :meth:`from_path` (or
+    ``PageKey(path)``, which checks the same). Raises :class:`InvalidKey`."""
 
     path: str
+
+    def __post_init__(self) -> None:
+        # Every key is checked where it is made, ``PageKey("../x")`` included: a key held
+        # is a valid key, in-process as through the daemon.
+        parts = split_path(self.path)
+        if parts[0] == SESSIONS_DIR and len(parts) != 4:
+            raise InvalidKey(
+                f"{self.path!r}: pages under {SESSIONS_DIR}/ are named "
+                f"{SESSIONS_DIR}/<session>/<prefix>/<layer>"
+            )
 
     @classmethod
     def semantic(cls, session: str, prefix: str, layer: int | str) -> PageKey:
@@ -112,15 +123,7 @@ class PageKey:
     @classmethod
     def from_path(cls, path: str | PageKey) -> PageKey:
         """Key for a relative path. Under ``sessions/`` only ``sessions/<s>/<prefix>/<layer>``."""
-        if isinstance(path, PageKey):
-            return path
-        parts = split_path(path)
-        if parts[0] == SESSIONS_DIR and len(parts) != 4:
-            raise InvalidKey(
-                f"{path!r}: pages under {SESSIONS_DIR}/ are named "
-                f"{SESSIONS_DIR}/<session>/<prefix>/<layer>"
-            )
-        return cls("/".join(parts))
+        return path if isinstance(path, PageKey) else cls(path)
 
     @property
     def parts(self) -> tuple[str, ...]:

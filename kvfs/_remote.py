@@ -14,16 +14,20 @@ took effect is unknown (a ``put`` may be checked with ``exists``).
 from __future__ import annotations
 
 import builtins
+import functools
 import os
+import select
 import socket
 import threading
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 from typing import Any
 
 import trio
 
+from ._aligned import as_bytes_view
 from ._control import (
     DaemonUnavailable,
     call_sync,
@@ -32,8 +36,10 @@ from ._control import (
     recv_frame,
     send_frame,
 )
-from ._keys import PageKey
+from ._gather import gather_first_error, one_buffer_per_key
+from ._keys import PageKey, as_key
 from ._types import PageInfo
+from ._writes import check_attrs
 
 __all__ = ["RemoteStore", "SyncRemoteStore", "open_remote_store", "open_remote_store_sync"]
 
@@ -41,15 +47,26 @@ KeyLike = PageKey | str
 
 
 def _k(key: KeyLike) -> str:
-    return key.path if isinstance(key, PageKey) else key
+    # Checked here, as in-process: a bad key gets InvalidKey, not an error from packing it.
+    return as_key(key).path
 
 
 def _copy_into(data: bytes, into: object) -> int:
-    dest = memoryview(into).cast("B")  # type: ignore[arg-type]
+    dest = as_bytes_view(into, "the buffer to read into", writable=True)
     if len(dest) < len(data):
         raise ValueError(f"buffer of {len(dest)} bytes is too small for {len(data)}")
     dest[: len(data)] = data
     return len(data)
+
+
+def _dropped(fd: int) -> bool:
+    """Whether an idle pooled connection is unusable: an idle connection has nothing to
+    read, so one that is readable has been closed by its daemon (stopped or restarted)."""
+    try:
+        readable, _, _ = select.select([fd], [], [], 0)
+    except (OSError, ValueError):
+        return True
+    return bool(readable)
 
 
 class _Api:
@@ -69,7 +86,11 @@ class _Api:
         pin: bool = False,
         replace: bool = False,
     ) -> Any:
-        return self._call("put", _k(key), data, attrs=attrs, pin=pin, replace=replace)
+        # As in-process: data must be a flat buffer (TypeError, ValueError when strided) and
+        # attrs str to str (InvalidKey), checked before anything is sent.
+        return self._call(
+            "put", _k(key), as_bytes_view(data), attrs=check_attrs(attrs), pin=pin, replace=replace
+        )
 
     def read_range(self, key: KeyLike, offset: int, size: int) -> Any:
         return self._call("read_range", _k(key), offset, size)
@@ -96,7 +117,7 @@ class _Api:
         return self._call("session_info", session)
 
     def set_session_attrs(self, session: str, attrs: dict[str, str]) -> Any:
-        return self._call("set_session_attrs", session, attrs)
+        return self._call("set_session_attrs", session, check_attrs(attrs))
 
     def delete(self, key: KeyLike) -> Any:
         return self._call("delete", _k(key))
@@ -155,10 +176,15 @@ class SyncRemoteStore(_Api):
         self._closed = False
 
     def _call(self, method: str, *args: Any, on_progress: Any = None, **kw: Any) -> Any:
-        with self._lock:
-            s = self._idle.pop() if self._idle else None
-        if s is None:
-            s = connect_sync(self.path, self._timeout)
+        s = None
+        while s is None:
+            with self._lock:
+                s = self._idle.pop() if self._idle else None
+            if s is None:
+                s = connect_sync(self.path, self._timeout)
+            elif _dropped(s.fileno()):  # its daemon went away while it sat in the pool
+                s.close()
+                s = None
         try:
             result = call_sync(s, method, args, kw, on_progress=on_progress)
         except BaseException:
@@ -223,16 +249,27 @@ class SyncRemoteStore(_Api):
         return data if into is None else _copy_into(data, into)
 
     def put_many(
-        self, items: Iterable[tuple[KeyLike, object]], **kw: Any
+        self, items: Iterable[tuple[KeyLike, object]], *, concurrency: int = 4, **kw: Any
     ) -> builtins.list[PageInfo]:
-        return [self.put(k, v, **kw) for k, v in items]
+        """As ``SyncStore.put_many``: ``concurrency`` calls at a time, each on its own
+        connection; the first error is raised after the calls in flight finish."""
+        its = builtins.list(items)
+        with ThreadPoolExecutor(
+            max(1, min(concurrency, len(its) or 1)), thread_name_prefix="kvfs-put-many"
+        ) as ex:
+            return builtins.list(ex.map(lambda kd: self.put(kd[0], kd[1], **kw), its))
 
     def get_many(
-        self, keys: Iterable[KeyLike], into: Iterable[object] | None = None, **_: Any
+        self, keys: Iterable[KeyLike], into: Iterable[object] | None = None, *, concurrency: int = 4
     ) -> builtins.list[bytes | int]:
         ks = builtins.list(keys)
-        bufs = builtins.list(into) if into is not None else [None] * len(ks)
-        return [self.get(k, b) for k, b in zip(ks, bufs, strict=True)]
+        bufs = one_buffer_per_key(ks, into)
+        with ThreadPoolExecutor(
+            max(1, min(concurrency, len(ks) or 1)), thread_name_prefix="kvfs-get-many"
+        ) as ex:
+            return builtins.list(
+                ex.map(lambda kb: self.get(kb[0], kb[1]), zip(ks, bufs, strict=True))
+            )
 
     def close(self) -> None:
         """Close the pooled connections (idempotent)."""
@@ -249,20 +286,36 @@ class RemoteStore(_Api):
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
         self._idle: builtins.list[trio.SocketStream] = []
+        self._fresh: set[trio.SocketStream] = set()  # just connected: not yet checked
         self._closed = False
 
     async def _connect(self) -> trio.SocketStream:
         try:
-            return await trio.open_unix_socket(os.fspath(self.path))
+            stream = await trio.open_unix_socket(os.fspath(self.path))
         except (FileNotFoundError, ConnectionRefusedError) as e:
             raise DaemonUnavailable(f"no kvfs daemon answers on {self.path}") from e
+        self._fresh.add(stream)
+        return stream
 
-    async def _call(self, method: str, *args: Any, **kw: Any) -> Any:  # type: ignore[override]
-        stream = self._idle.pop() if self._idle else await self._connect()
+    async def _call(  # type: ignore[override]
+        self, method: str, *args: Any, on_progress: Any = None, **kw: Any
+    ) -> Any:
+        stream = None
+        while stream is None:
+            stream = self._idle.pop() if self._idle else await self._connect()
+            if stream in self._fresh:
+                self._fresh.discard(stream)
+            elif _dropped(stream.socket.fileno()):  # its daemon went away meanwhile
+                await trio.aclose_forcefully(stream)
+                stream = None
         try:
             try:
                 await send_frame(stream, [method, builtins.list(args), kw])
                 reply = await recv_frame(stream)
+                while reply is not None and reply[0] == 2:  # progress, then the answer
+                    if on_progress is not None:
+                        on_progress(reply[1], reply[2])
+                    reply = await recv_frame(stream)
                 if reply is None:
                     raise EOFError
             except (
@@ -292,30 +345,65 @@ class RemoteStore(_Api):
         data: bytes = await self._call("get", _k(key))
         return data if into is None else _copy_into(data, into)
 
+    async def spill(  # type: ignore[override]
+        self, session: str, *, progress: Callable[[int, int], None] | None = None
+    ) -> Any:
+        """As ``Store.spill``; ``progress`` gets (page bytes archived, page bytes to archive)
+        as the daemon reports them (a few times a second)."""
+        return await self._long("spill", session, progress)
+
+    async def restore(  # type: ignore[override]
+        self, session: str, *, progress: Callable[[int, int], None] | None = None
+    ) -> Any:
+        """As ``Store.restore``; ``progress`` gets (bytes restored, bytes to restore)."""
+        return await self._long("restore", session, progress)
+
+    async def evict(  # type: ignore[override]
+        self,
+        key: KeyLike | None = None,
+        *,
+        session: str | None = None,
+        progress: Callable[[int, int], None] | None = None,
+    ) -> Any:
+        """As ``Store.evict``; ``progress`` gets (page bytes archived, page bytes to archive)."""
+        k = None if key is None else _k(key)
+        if progress is None:
+            return await self._call("evict", k, session=session)
+        return await self._call("evict", k, session=session, progress=True, on_progress=progress)
+
+    async def _long(
+        self, method: str, session: str, progress: Callable[[int, int], None] | None
+    ) -> Any:
+        if progress is None:
+            return await self._call(method, session)
+        return await self._call(method, session, progress=True, on_progress=progress)
+
     async def put_many(
-        self, items: Iterable[tuple[KeyLike, object]], *, concurrency: int = 4, **kw: Any
+        self,
+        items: Iterable[tuple[KeyLike, object]],
+        *,
+        attrs: dict[str, str] | None = None,
+        pin: bool = False,
+        replace: bool = False,
+        concurrency: int = 4,
     ) -> builtins.list[PageInfo]:
-        its = builtins.list(items)
-        out: builtins.list[Any] = [None] * len(its)
-
-        async def one(i: int) -> None:
-            out[i] = await self.put(its[i][0], its[i][1], **kw)
-
-        await _bounded(one, len(its), concurrency)
-        return out
+        """As ``Store.put_many``: the first error cancels the rest and is raised as it is."""
+        return await gather_first_error(
+            [
+                functools.partial(self.put, k, d, attrs=attrs, pin=pin, replace=replace)
+                for k, d in items
+            ],
+            concurrency,
+        )
 
     async def get_many(
         self, keys: Iterable[KeyLike], into: Iterable[object] | None = None, *, concurrency: int = 4
     ) -> builtins.list[bytes | int]:
         ks = builtins.list(keys)
-        bufs = builtins.list(into) if into is not None else [None] * len(ks)
-        out: builtins.list[Any] = [None] * len(ks)
-
-        async def one(i: int) -> None:
-            out[i] = await self.get(ks[i], bufs[i])
-
-        await _bounded(one, len(ks), concurrency)
-        return out
+        bufs = one_buffer_per_key(ks, into)
+        return await gather_first_error(
+            [functools.partial(self.get, k, b) for k, b in zip(ks, bufs, strict=True)], concurrency
+        )
 
     async def aclose(self) -> None:
         """Close the pooled connections (idempotent)."""
@@ -323,18 +411,6 @@ class RemoteStore(_Api):
         idle, self._idle = self._idle, []
         for s in idle:
             await s.aclose()
-
-
-async def _bounded(fn: Any, n: int, concurrency: int) -> None:
-    limit = trio.CapacityLimiter(max(1, concurrency))
-
-    async def run(i: int) -> None:
-        async with limit:
-            await fn(i)
-
-    async with trio.open_nursery() as nursery:
-        for i in range(n):
-            nursery.start_soon(run, i)
 
 
 @asynccontextmanager

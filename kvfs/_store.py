@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import builtins
 import functools
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager, contextmanager
 from typing import Any, TypeVar
@@ -22,6 +22,7 @@ import trio
 
 from ._config import StoreConfig
 from ._engine import Engine, PageWriter
+from ._gather import gather_first_error, one_buffer_per_key
 from ._keys import PageKey
 from ._types import PageInfo, SessionInfo, StoreStatistics
 
@@ -155,7 +156,7 @@ class Store:
         """Put several pages concurrently; results in input order. The first error cancels the rest
         (pages already stored stay stored)."""
         items = list(items)
-        return await self._gather(
+        return await gather_first_error(
             [
                 functools.partial(self.put, k, d, attrs=attrs, pin=pin, replace=replace)
                 for k, d in items
@@ -168,38 +169,11 @@ class Store:
     ) -> builtins.list[bytes | int]:
         """Get several pages concurrently, optionally each into its own buffer."""
         keys = list(keys)
-        bufs = list(into) if into is not None else [None] * len(keys)
-        if len(bufs) != len(keys):
-            raise ValueError("need one buffer per key")
-        return await self._gather(
+        bufs = one_buffer_per_key(keys, into)
+        return await gather_first_error(
             [functools.partial(self.get, k, b) for k, b in zip(keys, bufs, strict=True)],
             concurrency,
         )
-
-    @staticmethod
-    async def _gather(
-        calls: builtins.list[Callable[[], Awaitable[T]]], concurrency: int
-    ) -> builtins.list[T]:
-        results: builtins.list[Any] = [None] * len(calls)
-        sem = trio.Semaphore(max(1, concurrency))  # as the sync facade: 0 would never start
-        first: builtins.list[Exception] = []
-
-        async def one(i: int) -> None:
-            async with sem:
-                try:
-                    results[i] = await calls[i]()
-                except Exception as e:
-                    # Raise the store's own error (PageExists...), not an ExceptionGroup.
-                    if not first:
-                        first.append(e)
-                    n.cancel_scope.cancel()
-
-        async with trio.open_nursery() as n:
-            for i in range(len(calls)):
-                n.start_soon(one, i)
-        if first:
-            raise first[0]
-        return results
 
     async def statistics(self) -> StoreStatistics:
         return await self._run(self._engine.statistics)
@@ -361,9 +335,7 @@ class SyncStore:
     ) -> builtins.list[bytes | int]:
         """Get several pages (optionally each into its own buffer); results in input order."""
         keys = list(keys)
-        bufs = list(into) if into is not None else [None] * len(keys)
-        if len(bufs) != len(keys):
-            raise ValueError("need one buffer per key")
+        bufs = one_buffer_per_key(keys, into)
         with ThreadPoolExecutor(
             max(1, min(concurrency, len(keys) or 1)), thread_name_prefix="kvfs-get-many"
         ) as ex:

@@ -56,6 +56,11 @@ def check_attrs(attrs: dict[str, str] | None) -> dict[str, str]:
     for k, v in attrs.items():
         if not isinstance(k, str) or not isinstance(v, str):
             raise InvalidKey(f"attrs must map str to str; got {k!r}: {type(v).__name__}")
+        for text in (k, v):
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError:
+                raise InvalidKey(f"attrs: {text!r} is not valid UTF-8 text") from None
     return dict(attrs)
 
 
