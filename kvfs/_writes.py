@@ -280,7 +280,11 @@ class PageWriter:
     def _write(self, offset: int, data: bytes | memoryview) -> int:
         if self._done:
             raise ValueError("writer is closed")
-        end = offset + len(data)
+        if not isinstance(offset, int) or offset < 0:
+            raise ValueError(f"offset must be a non-negative int, not {offset!r}")
+        # In bytes, whatever the buffer's item type: len() of a float32 array counts items.
+        mv = as_bytes_view(data)
+        end = offset + len(mv)
         with self._lock:
             whole = self.engine.tier.disk_bytes(max(end, self._size))
             need = whole - self._reserved
@@ -312,7 +316,6 @@ class PageWriter:
                 self._busy[i] += 1
                 self._gen[i] += 1
             gens = {i: self._gen[i] for i in touched}
-        mv = memoryview(data)
         hashes: dict[int, bytes] = {}
         try:
             self._w.write(offset, mv)
@@ -328,9 +331,11 @@ class PageWriter:
                     else:
                         self._leaf_hashes.pop(i, None)
                         self._gen[i] += 1
-        return len(data)
+        return len(mv)
 
     def truncate(self, size: int) -> None:
+        if not isinstance(size, int) or size < 0:
+            raise ValueError(f"size must be a non-negative int, not {size!r}")
         with self._lock:
             if size < self._size:
                 raise ValueError("a page being written cannot shrink")

@@ -207,6 +207,31 @@ def test_page_writer_out_of_order_and_abort(make_config: Callable[..., kvfs.Stor
         assert st.reserved_bytes == 0 and store.fsck()["orphans"] == []
 
 
+def test_page_writer_counts_bytes_and_refuses_negative_offsets(
+    make_config: Callable[..., kvfs.StoreConfig],
+) -> None:
+    """A float32 array of 1000 items made a 1000-byte page (len() counts items), and a
+    negative offset overwrote the data file's header."""
+    import numpy as np
+
+    with kvfs.open_store_sync(make_config(ndev=2, stripe_unit=16 * KiB)) as store:
+        arr = np.arange(1000, dtype=np.float32)
+        grid = np.arange(4000, dtype=np.uint8).reshape(40, 100)
+        w = store.begin_write("eng/typed.bin")
+        assert w.write(0, arr) == 4000
+        assert w.write(4000, memoryview(grid)) == 4000
+        with pytest.raises(ValueError, match="non-negative"):
+            w.write(-4096, b"Z" * 16)
+        with pytest.raises(ValueError, match="C-contiguous"):
+            w.write(8000, np.arange(64, dtype=np.uint8)[::2])
+        with pytest.raises(ValueError, match="non-negative"):
+            w.truncate(-1)
+        info = w.commit()
+        assert info.size == 8000
+        assert store.get("eng/typed.bin") == arr.tobytes() + grid.tobytes()
+        assert store.fsck()["corrupt"] == []
+
+
 # -- group commit ------------------------------------------------------------------------
 def test_concurrent_commits_one_winner_per_key(
     make_config: Callable[..., kvfs.StoreConfig],
