@@ -69,7 +69,14 @@ class LayerLoader(Generic[T]):
         self._futures: list[Future[int]] = []
         self._next = 0
         self._closed = False
-        self._top_up()
+        try:
+            self._top_up()
+        except BaseException:
+            # A later layer failed to start (a missing page): the reads already started
+            # are still writing into their buffers, and the caller, with no loader to
+            # leave, would reuse them at once. Wait for those reads, then raise.
+            self.close()
+            raise
 
     @property
     def submitted(self) -> int:

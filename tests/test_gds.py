@@ -232,6 +232,27 @@ def test_layer_loader_yields_a_layer_while_the_next_is_in_flight(store: kvfs.Syn
     io.shutdown()
 
 
+def test_a_missing_later_layer_raises_after_the_started_reads_end(store: kvfs.SyncStore) -> None:
+    """load_layers raised PageNotFound (a later key missing) while the first layer's read
+    still wrote into its buffer: the caller, told it failed, reused a buffer being written."""
+    data = rand(64 * KiB, seed=7)
+    store.put(key(0), data)
+    io = HoldAfter(0)  # every read waits until released
+    with gds.FastPath(store, io_pool=io) as fp:
+        dest = aligned(64 * KiB)
+        release = threading.Timer(0.3, io.release)
+        release.start()
+        try:
+            with pytest.raises(kvfs.PageNotFound):
+                fp.load_layers([key(0), "no/such-page"], [dest, aligned(4 * KiB)])
+            assert np.array_equal(dest, data)  # its read had ended when the error came
+        finally:
+            release.cancel()
+            io.release()
+        assert not store.engine._leases
+    io.shutdown()
+
+
 def test_layer_loader_raises_at_the_corrupt_layer(store: kvfs.SyncStore, fp: gds.FastPath) -> None:
     infos = [store.put(key(i), rand(256 * KiB, seed=i)) for i in range(3)]
     flip_stored_byte(infos[1], 5)
