@@ -141,7 +141,12 @@ def configuration_markdown() -> str:
         "(like `kvfs.Store`) or `with kvfs.open_remote_store_sync(socket) as store:` (like "
         "`kvfs.SyncStore`). `begin_write` is not offered (use `put`); `get(key, into=buf)` "
         "copies into host buffers. If the daemon dies during a call the call raises "
-        "`DaemonUnavailable` and its effect is unknown (`exists` tells for a `put`).",
+        "`DaemonUnavailable` and its effect is unknown (`exists` tells for a `put`). "
+        "After a daemon restart the first call reaches the new daemon (pooled connections to "
+        "the old one are dropped before use). The same arguments and the same errors as "
+        "in-process: `put_many`/`get_many` raise the store's error (`PageExists`, "
+        "`PageNotFound`), not an `ExceptionGroup`, and `spill`/`restore`/`evict` take "
+        "`progress=`.",
         "",
         "## Observability",
         "",

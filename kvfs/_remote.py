@@ -8,7 +8,10 @@ pooled), so concurrent calls run concurrently in the daemon.
 Differences from the in-process store: ``begin_write`` is not offered (use ``put``);
 ``get(key, into=buf)`` copies the received bytes into ``buf`` (host buffers only). If the
 daemon dies during a call the call raises :class:`DaemonUnavailable`, and whether the call
-took effect is unknown (a ``put`` may be checked with ``exists``).
+took effect is unknown (a ``put`` may be checked with ``exists``). A pooled connection
+whose daemon went away meanwhile (stopped, restarted) is dropped before it is used, so the
+first call after a restart reaches the new daemon. Arguments are checked as in-process
+(InvalidKey, TypeError, ValueError) before anything is sent.
 """
 
 from __future__ import annotations
