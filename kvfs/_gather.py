@@ -1,11 +1,15 @@
-"""Run calls concurrently and raise the first error as it is (no ExceptionGroup)."""
+"""Run calls concurrently and raise the first error as it is (no ExceptionGroup); the
+async clients' batched put and get, built on it."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, TypeVar
 
 import trio
+
+from ._types import PageInfo
 
 T = TypeVar("T")
 
@@ -42,3 +46,41 @@ def one_buffer_per_key(keys: list[Any], into: Iterable[object] | None) -> list[A
     if len(bufs) != len(keys):
         raise ValueError("need one buffer per key")
     return bufs
+
+
+class BatchCalls:
+    """``put_many``/``get_many`` over a class's own ``put``/``get`` (Store, RemoteStore)."""
+
+    put: Callable[..., Awaitable[PageInfo]]
+    get: Callable[..., Awaitable[bytes | int]]
+
+    async def put_many(
+        self,
+        items: Iterable[tuple[Any, object]],
+        *,
+        attrs: dict[str, str] | None = None,
+        pin: bool = False,
+        replace: bool = False,
+        concurrency: int = 4,
+    ) -> list[PageInfo]:
+        """Put several pages concurrently; results in input order. The first error cancels
+        the rest and is raised as it is (pages already stored stay stored)."""
+        return await gather_first_error(
+            [
+                functools.partial(self.put, k, d, attrs=attrs, pin=pin, replace=replace)
+                for k, d in items
+            ],
+            concurrency,
+        )
+
+    async def get_many(
+        self, keys: Iterable[Any], into: Iterable[object] | None = None, *, concurrency: int = 4
+    ) -> list[bytes | int]:
+        """Get several pages concurrently, optionally each into its own buffer (one per key,
+        else ValueError before any read)."""
+        ks = list(keys)
+        bufs = one_buffer_per_key(ks, into)
+        return await gather_first_error(
+            [functools.partial(self.get, k, b) for k, b in zip(ks, bufs, strict=True)],
+            concurrency,
+        )

@@ -17,7 +17,6 @@ first call after a restart reaches the new daemon. Arguments are checked as in-p
 from __future__ import annotations
 
 import builtins
-import functools
 import os
 import select
 import socket
@@ -39,7 +38,7 @@ from ._control import (
     recv_frame,
     send_frame,
 )
-from ._gather import gather_first_error, one_buffer_per_key
+from ._gather import BatchCalls, one_buffer_per_key
 from ._keys import PageKey, as_key
 from ._types import PageInfo
 from ._writes import check_attrs
@@ -283,7 +282,7 @@ class SyncRemoteStore(_Api):
             s.close()
 
 
-class RemoteStore(_Api):
+class RemoteStore(_Api, BatchCalls):
     """:class:`~kvfs.Store`'s interface over the control socket, on trio."""
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
@@ -380,33 +379,6 @@ class RemoteStore(_Api):
         if progress is None:
             return await self._call(method, session)
         return await self._call(method, session, progress=True, on_progress=progress)
-
-    async def put_many(
-        self,
-        items: Iterable[tuple[KeyLike, object]],
-        *,
-        attrs: dict[str, str] | None = None,
-        pin: bool = False,
-        replace: bool = False,
-        concurrency: int = 4,
-    ) -> builtins.list[PageInfo]:
-        """As ``Store.put_many``: the first error cancels the rest and is raised as it is."""
-        return await gather_first_error(
-            [
-                functools.partial(self.put, k, d, attrs=attrs, pin=pin, replace=replace)
-                for k, d in items
-            ],
-            concurrency,
-        )
-
-    async def get_many(
-        self, keys: Iterable[KeyLike], into: Iterable[object] | None = None, *, concurrency: int = 4
-    ) -> builtins.list[bytes | int]:
-        ks = builtins.list(keys)
-        bufs = one_buffer_per_key(ks, into)
-        return await gather_first_error(
-            [functools.partial(self.get, k, b) for k, b in zip(ks, bufs, strict=True)], concurrency
-        )
 
     async def aclose(self) -> None:
         """Close the pooled connections (idempotent)."""

@@ -22,7 +22,7 @@ import trio
 
 from ._config import StoreConfig
 from ._engine import Engine, PageWriter
-from ._gather import gather_first_error, one_buffer_per_key
+from ._gather import BatchCalls, one_buffer_per_key
 from ._keys import PageKey
 from ._types import PageInfo, SessionInfo, StoreStatistics
 
@@ -32,7 +32,7 @@ T = TypeVar("T")
 KeyLike = PageKey | str
 
 
-class Store:
+class Store(BatchCalls):
     """Async page store. Get one with ``async with kvfs.open_store(config) as store``."""
 
     def __init__(self, engine: Engine, limiter: trio.CapacityLimiter) -> None:
@@ -143,37 +143,6 @@ class Store:
 
     async def begin_write(self, key: KeyLike) -> PageWriter:
         return await self._run(self._engine.begin_write, key)
-
-    async def put_many(
-        self,
-        items: Iterable[tuple[KeyLike, object]],
-        *,
-        attrs: dict[str, str] | None = None,
-        pin: bool = False,
-        replace: bool = False,
-        concurrency: int = 4,
-    ) -> builtins.list[PageInfo]:
-        """Put several pages concurrently; results in input order. The first error cancels the rest
-        (pages already stored stay stored)."""
-        items = list(items)
-        return await gather_first_error(
-            [
-                functools.partial(self.put, k, d, attrs=attrs, pin=pin, replace=replace)
-                for k, d in items
-            ],
-            concurrency,
-        )
-
-    async def get_many(
-        self, keys: Iterable[KeyLike], into: Iterable[object] | None = None, *, concurrency: int = 4
-    ) -> builtins.list[bytes | int]:
-        """Get several pages concurrently, optionally each into its own buffer."""
-        keys = list(keys)
-        bufs = one_buffer_per_key(keys, into)
-        return await gather_first_error(
-            [functools.partial(self.get, k, b) for k, b in zip(keys, bufs, strict=True)],
-            concurrency,
-        )
 
     async def statistics(self) -> StoreStatistics:
         return await self._run(self._engine.statistics)
