@@ -64,11 +64,12 @@ def _copy_into(data: bytes, into: object) -> int:
 def _dropped(fd: int) -> bool:
     """Whether an idle pooled connection is unusable: an idle connection has nothing to
     read, so one that is readable has been closed by its daemon (stopped or restarted)."""
+    poller = select.poll()  # (not select(): no limit on the descriptor's number)
+    poller.register(fd, select.POLLIN | select.POLLPRI)
     try:
-        readable, _, _ = select.select([fd], [], [], 0)
-    except (OSError, ValueError):
+        return bool(poller.poll(0))
+    except OSError:
         return True
-    return bool(readable)
 
 
 class _Api:
