@@ -285,6 +285,148 @@ def test_corrupt_page_ends_the_prefix(
         assert torch.equal(cache_tensors(hit.cache)[1][1], cache_tensors(cache)[1][1][:, :, :CHUNK])
 
 
+def _flip_or_cut(path: Path, how: str) -> None:
+    if how == "truncated":
+        os.truncate(path, 4096)  # the header alone: a power loss with durable=False
+    else:
+        with open(path, "r+b") as f:
+            f.seek(-100, os.SEEK_END)
+            b = f.read(1)
+            f.seek(-100, os.SEEK_END)
+            f.write(bytes([b[0] ^ 0x01]))
+
+
+@pytest.mark.parametrize("how", ["truncated", "flipped"])
+def test_a_damaged_page_in_a_plain_directory_ends_the_prefix(tmp_path: Path, how: str) -> None:
+    """A plain directory has no kvfs checksum: a truncated page loaded the previous page's
+    KV (left in the reused buffer) and a flipped byte loaded as it was. The page's own
+    digest and size now end the prefix there."""
+    shape = GEOMETRIES["fp32-gqa-2layers"]
+    model = model_of(shape)
+    ids = tokens(3 * CHUNK, seed=21)
+    _, cache = prefill(model, ids)
+    with TransformersKV(
+        tmp_path, model, model_id=shape.model_id, chunk_tokens=CHUNK, shared_session=None
+    ) as kv:
+        kv.save("s", ids, cache)
+        names = chunk_names(ids, kv.geometry)
+        page = tmp_path / "sessions" / "s" / names[1] / "layer-000"
+        size = page.stat().st_size
+        _flip_or_cut(page, how)
+        hit = kv.load("s", ids)
+    assert hit.tokens == CHUNK and "chunk 1 (layer 0)" in hit.note, hit.note
+    assert hit.bytes_read == shape.layers * size  # the chunk kept, not the ones dropped
+    for (k, v), (k0, v0) in zip(cache_tensors(hit.cache), cache_tensors(cache), strict=True):
+        assert torch.equal(k, k0[:, :, :CHUNK]) and torch.equal(v, v0[:, :, :CHUNK])
+
+
+def test_kv_saved_on_the_mount_loads_through_the_object_api_and_fails_clean(
+    make_config: Callable[..., kvfs.StoreConfig], tmp_path: Path
+) -> None:
+    """Pages written through the mount carry the file's attrs, not the format's: the
+    object API refused them as "not kvfs-kv/1" (for every session sharing the prefix), and
+    a page failing its checksum on the mount raised OSError(EIO) from load()."""
+    shape = GEOMETRIES["fp32-gqa-2layers"]
+    model = model_of(shape)
+    ids = tokens(3 * CHUNK, seed=22)
+    _, cache = prefill(model, ids)
+    cfg, mp = make_config(ndev=1), tmp_path / "mnt"
+    mp.mkdir()
+    with (
+        ServedMount(cfg, mp),
+        TransformersKV(mp, model, model_id=shape.model_id, chunk_tokens=CHUNK) as kv,
+    ):
+        kv.save("agent", ids, cache)
+    with kvfs.open_store_sync(cfg) as store:
+        with TransformersKV(store, model, model_id=shape.model_id, chunk_tokens=CHUNK) as kv:
+            assert kv.load("agent", ids).tokens == 3 * CHUNK
+            assert kv.load("other-agent", ids).tokens == 3 * CHUNK  # the shared prefix
+            names = chunk_names(ids, kv.geometry)
+        ext = store.stat(f"sessions/agent/{names[2]}/layer-001").extents[0]
+    with open(ext.path, "r+b") as f:
+        f.seek(ext.offset + ext.length - 100)
+        b = f.read(1)
+        f.seek(ext.offset + ext.length - 100)
+        f.write(bytes([b[0] ^ 0xFF]))
+    with (
+        ServedMount(cfg, mp),
+        TransformersKV(
+            mp, model, model_id=shape.model_id, chunk_tokens=CHUNK, shared_session=None
+        ) as kv,
+    ):
+        hit = kv.load("agent", ids)
+        assert hit.tokens == 2 * CHUNK and "chunk 2 (layer 1)" in hit.note, hit.note
+        with pytest.raises(kvfs.CorruptPage), kv.load_layers("agent", ids) as layers:
+            list(layers)
+
+
+def test_a_static_cache_saves_the_tokens_it_holds(tmp_path: Path) -> None:
+    """A StaticCache is allocated longer than what it holds: its zeros were saved as KV
+    under the prefix's name (and shared), or the save was refused for too few ids."""
+    from transformers import StaticCache
+
+    shape = GEOMETRIES["fp32-gqa-2layers"]
+    model = model_of(shape)
+    ids = tokens(2 * CHUNK + 10, seed=23)
+    static = StaticCache(config=model.config, max_cache_len=4 * CHUNK)
+    _, cache = prefill(model, ids, static)
+    with TransformersKV(tmp_path, model, model_id=shape.model_id, chunk_tokens=CHUNK) as kv:
+        assert kv.save("a", ids, cache).chunks == 2  # was refused: "holds 256 tokens"
+        assert kv.save("b", ids + tokens(3 * CHUNK, seed=24), cache).chunks == 2  # was 4
+        hit = kv.load("b", ids + tokens(3 * CHUNK, seed=24))
+    assert hit.tokens == 2 * CHUNK
+    _, ref = prefill(model, ids[: 2 * CHUNK])
+    for (k, v), (k0, v0) in zip(cache_tensors(hit.cache), cache_tensors(ref), strict=True):
+        assert torch.allclose(k, k0, atol=1e-5) and torch.allclose(v, v0, atol=1e-5)
+
+
+def test_a_session_holding_other_files_is_named_the_same_way_by_every_source(
+    make_config: Callable[..., kvfs.StoreConfig], tmp_path: Path
+) -> None:
+    shape = GEOMETRIES["fp32-gqa-2layers"]
+    model = model_of(shape)
+    ids = tokens(CHUNK, seed=25)
+    d = tmp_path / "dir"
+    (d / "sessions" / "notes" / "misc").mkdir(parents=True)
+    (d / "sessions" / "notes" / "misc" / "readme.txt").write_text("hello, not a KV page\n")
+    with kvfs.open_store_sync(make_config(ndev=1)) as store:
+        store.put("sessions/notes/misc/readme.txt", b"hello, not a KV page\n")
+        for where in (d, store):
+            with (
+                TransformersKV(where, model, model_id=shape.model_id, chunk_tokens=CHUNK) as kv,
+                pytest.raises(GeometryMismatch, match="not kvfs-kv/1 KV pages"),
+            ):
+                kv.load("notes", ids)
+
+
+def test_a_page_source_of_ones_own_needs_only_the_four_calls(tmp_path: Path) -> None:
+    """The guide's four calls were not enough: a ``label`` was required too."""
+
+    class Mine:
+        def __init__(self, root: Path) -> None:
+            self.inner = DirectoryPages(root)
+
+        def stat(self, key: kvfs.PageKey) -> Any:
+            return self.inner.stat(key)
+
+        def read_into(self, key: kvfs.PageKey, buf: memoryview) -> int:
+            return self.inner.read_into(key, buf)
+
+        def write(self, key: kvfs.PageKey, data: memoryview, attrs: dict[str, str]) -> bool:
+            return self.inner.write(key, data, attrs)
+
+        def sample_attrs(self, session: str) -> dict[str, str] | None:
+            return self.inner.sample_attrs(session)
+
+    shape = GEOMETRIES["fp32-gqa-2layers"]
+    model = model_of(shape)
+    ids = tokens(2 * CHUNK, seed=26)
+    _, cache = prefill(model, ids)
+    with TransformersKV(Mine(tmp_path), model, model_id=shape.model_id, chunk_tokens=CHUNK) as kv:
+        kv.save("s", ids, cache)
+        assert kv.load("s", ids).tokens == 2 * CHUNK
+
+
 class LoggedPages:
     """A real page source (plain files) that logs the layer of every page read, in order."""
 

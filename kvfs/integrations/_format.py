@@ -11,8 +11,9 @@ One page holds the keys and values of one layer for one chunk of tokens. It is a
 The tensor data starts at a 4 KiB-aligned offset, so the file can be mmap-ed, read with
 O_DIRECT into an aligned buffer, or read by cuFile straight into GPU memory. The header's
 ``__metadata__`` (all strings) records the format, the model geometry, the chunk's token
-range and its prefix hash; kvfs stores the same dictionary as the page's attrs, so the
-object API can check a page without reading it.
+range, its prefix hash and ``digest``, ``blake3:<hex>`` of the tensor data, so a copy of a
+page anywhere (a plain directory, an rsync of one) can be checked; kvfs stores the same
+dictionary as the page's attrs, so the object API can check a page without reading it.
 
 Nothing here imports torch: the format is bytes, shapes and dtype names.
 """
@@ -22,6 +23,8 @@ from __future__ import annotations
 import json
 import struct
 from dataclasses import dataclass
+
+import blake3
 
 from .._aligned import ALIGN, aligned_buffer, round_up
 from .._errors import CorruptPage, KvfsError
@@ -34,6 +37,7 @@ __all__ = [
     "PageHeader",
     "PageLayout",
     "parse_header",
+    "check_page",
 ]
 
 FORMAT = "kvfs-kv/1"
@@ -46,6 +50,15 @@ DTYPES: dict[str, tuple[str, int]] = {
 _ST_TO_NAME = {st: name for name, (st, _) in DTYPES.items()}
 # Read this much first: the header of any page kvfs writes fits (it is padded to 4 KiB).
 HEADER_READ = ALIGN
+DIGEST = "digest"
+_DIGEST_ALGO = "blake3:"
+# Stands in for the digest until the data is in: same length, so the header's length and
+# the data's offset do not change when the real one is written.
+_NO_DIGEST_YET = _DIGEST_ALGO + "0" * 64
+
+
+def _digest(data: memoryview) -> str:
+    return _DIGEST_ALGO + blake3.blake3(data).hexdigest()
 
 
 class GeometryMismatch(KvfsError, ValueError):
@@ -152,6 +165,8 @@ class PageLayout:
 
     @classmethod
     def build(cls, g: Geometry, tokens: int, metadata: dict[str, str]) -> PageLayout:
+        """The layout of a page; its header's digest is a placeholder until :meth:`seal`."""
+        metadata = {**metadata, DIGEST: _NO_DIGEST_YET}
         shape = [g.kv_heads, tokens, g.head_dim]
         n = g.kv_heads * tokens * g.head_dim * g.itemsize
         st = DTYPES[g.dtype][0]
@@ -182,6 +197,20 @@ class PageLayout:
         buf = aligned_buffer(self.size)
         buf[: self.data_start] = self.header
         return buf
+
+    def seal(self, buf: memoryview) -> dict[str, str]:
+        """Write the digest of the tensor data now in ``buf`` into its header; returns the
+        page's metadata (its attrs), digest included."""
+        n = struct.unpack("<Q", self.header[:8])[0]
+        head = json.loads(self.header[8 : 8 + n])
+        meta: dict[str, str] = head["__metadata__"]
+        meta[DIGEST] = _digest(buf[self.data_start : self.size])
+        js = json.dumps(head, separators=(",", ":"), sort_keys=True).encode()
+        js += b" " * (n - len(js))
+        if len(js) != n:
+            raise AssertionError("the sealed header changed length")
+        buf[8 : 8 + n] = js
+        return meta
 
 
 @dataclass(frozen=True, slots=True)
@@ -240,3 +269,19 @@ def parse_header(buf: bytes | memoryview, where: str = "page") -> PageHeader:
         value_offset=start + vb,
         tensor_bytes=nbytes,
     )
+
+
+def check_page(h: PageHeader, page: memoryview, where: str = "page", *, digest: bool) -> None:
+    """Check that ``page`` (all of it, as read) is as long as its header ``h`` says and,
+    with ``digest``, that its tensor data matches the header's digest. Raises CorruptPage.
+    (A page written before pages carried a digest has none: only its size is checked.)"""
+    end = h.value_offset + h.tensor_bytes
+    if len(page) != end:
+        raise CorruptPage(f"{where}: {len(page)} bytes; its header describes a page of {end}")
+    want = h.metadata.get(DIGEST)
+    if not digest or want is None:
+        return
+    if not want.startswith(_DIGEST_ALGO):
+        raise CorruptPage(f"{where}: unknown digest {want[:20]!r}")
+    if _digest(page[h.key_offset : end]) != want:
+        raise CorruptPage(f"{where}: the KV data does not match the page's digest")

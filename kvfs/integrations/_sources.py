@@ -14,22 +14,27 @@ find, read and write them. Three sources exist:
 * :class:`FastPathPages` reads through the fast path (``gds.FastPath``): metadata from the
   object API, data straight from the backing files with O_DIRECT.
 
-Any other object with the four calls of :class:`PageSource` plugs in the same way.
+Any other object with the four calls of :class:`PageSource` plugs in the same way. A
+source whose reads are not verified by kvfs (a plain directory, an object of your own) has
+each page checked against the digest in its header instead.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import struct
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 from .._engine import Engine
-from .._errors import PageNotFound, SessionNotFound
+from .._errors import CorruptPage, PageNotFound, SessionNotFound
 from .._keys import SESSIONS_DIR, PageKey
-from ._format import HEADER_READ, PageHeader, parse_header
+from .._mountinfo import fs_type
+from ._format import HEADER_READ, GeometryMismatch, PageHeader, parse_header
 
 __all__ = [
     "DirectoryPages",
@@ -52,10 +57,12 @@ class PageStat:
 
 @runtime_checkable
 class PageSource(Protocol):
-    """Where pages live. Implementations must be safe to call from several threads."""
+    """Where pages live. Implementations must be safe to call from several threads.
 
-    #: Short label for reports ("object API", "directory /mnt/kvfs"...).
-    label: str
+    Optional attributes: ``label``, a short name for reports ("object API", "directory
+    /mnt/kvfs"...), and ``verifies``, True when ``read_into`` itself fails on a damaged
+    page (kvfs checksums); otherwise each page read is checked against its header's digest.
+    """
 
     def stat(self, key: PageKey) -> PageStat | None:
         """Size (and attrs where cheap) of a page, or None if it does not exist."""
@@ -73,8 +80,23 @@ class PageSource(Protocol):
         ...
 
     def sample_attrs(self, session: str) -> dict[str, str] | None:
-        """The attrs (page metadata) of any one page of ``session``, or None if it has none."""
+        """The kvfs-kv/1 metadata of any one page of ``session`` ({} if that page is not a
+        kvfs-kv/1 page), or None if the session has no pages."""
         ...
+
+
+def _kv_attrs(attrs: dict[str, str] | None) -> dict[str, str] | None:
+    # Pages written through the mount carry the file's attrs (fs.mode...), not the
+    # format's: those say nothing about the page, which its header then tells.
+    return attrs if attrs is not None and "format" in attrs else None
+
+
+def _header_attrs(read: Callable[[], PageHeader]) -> dict[str, str]:
+    """A page's metadata from its header ({} for a file that is not a kvfs-kv/1 page)."""
+    try:
+        return dict(read().metadata)
+    except (CorruptPage, GeometryMismatch):
+        return {}
 
 
 class StorePages:
@@ -88,13 +110,14 @@ class StorePages:
             )
         self.engine = engine
         self.label = "object API"
+        self.verifies = True  # every read is checked against the page's checksum
 
     def stat(self, key: PageKey) -> PageStat | None:
         try:
             info = self.engine.stat(key)
         except PageNotFound:
             return None
-        return PageStat(size=info.size, attrs=info.attrs)
+        return PageStat(size=info.size, attrs=_kv_attrs(info.attrs))
 
     def read_into(self, key: PageKey, buf: memoryview) -> int:
         n = self.engine.get(key, into=buf)
@@ -115,7 +138,22 @@ class StorePages:
             pages = self.engine.list(session=session)
         except SessionNotFound:
             return None
-        return pages[0].attrs if pages else None
+        if not pages:
+            return None
+        attrs = _kv_attrs(pages[0].attrs)
+        if attrs is not None:
+            return attrs
+        key = PageKey.from_path(pages[0].path)
+
+        def header() -> PageHeader:
+            head = self.engine.read_range(key, 0, HEADER_READ)
+            if len(head) >= 8:
+                need = 8 + struct.unpack("<Q", head[:8])[0]
+                if len(head) < need <= 100_000_000:
+                    head += self.engine.read_range(key, len(head), need - len(head))
+            return parse_header(head, key.path)
+
+        return _header_attrs(header)
 
 
 class DirectoryPages:
@@ -128,6 +166,9 @@ class DirectoryPages:
         #: fsync each page before renaming it into place (a mount does its own durability).
         self.durable = durable
         self.label = f"directory {self.root}"
+        #: A kvfs mount checks every read against the page's checksum (EIO otherwise);
+        #: pages in any other directory are checked against their digest.
+        self.verifies = fs_type(self.root) == "fuse.kvfs"
 
     def path(self, key: PageKey) -> Path:
         return self.root.joinpath(*key.parts)
@@ -149,7 +190,12 @@ class DirectoryPages:
                 raise ValueError(f"buffer of {len(buf)} bytes is smaller than {size}")
             done = 0
             while done < size:
-                n = f.readinto(buf[done:size])
+                try:
+                    n = f.readinto(buf[done:size])
+                except OSError as e:
+                    if e.errno == errno.EIO:  # the kvfs mount: the page failed its checksum
+                        raise CorruptPage(f"{self.path(key)}: {e.strerror}") from e
+                    raise
                 if not n:
                     raise PageNotFound(f"{self.path(key)} shrank while being read")
                 done += n
@@ -184,7 +230,7 @@ class DirectoryPages:
             for page in sorted(prefix.iterdir()) if prefix.is_dir() else ():
                 if ".tmp-" in page.name:
                     continue
-                return dict(read_file_header(page).metadata)
+                return _header_attrs(lambda p=page: read_file_header(p))  # type: ignore[misc]
         return None
 
 
@@ -207,6 +253,7 @@ class FastPathPages(StorePages):
             self._own = None
         self.fast_path = fast_path
         self.label = "fast path"
+        self.verifies = bool(getattr(fast_path, "verify", False))
 
     def read_into(self, key: PageKey, buf: memoryview) -> int:
         return int(self.fast_path.read(key, buf).result())  # type: ignore[attr-defined]

@@ -17,7 +17,8 @@ is one page ``sessions/<session>/<chunk name>/layer-NNN`` in the ``kvfs-kv/1`` f
 seeded by the model geometry (:mod:`kvfs.integrations._chain`). Only full chunks are
 stored. Every page is also published under a shared session (``prefix-cache`` unless told
 otherwise) so that another session with the same prefix finds it; kvfs deduplicates the
-identical bytes, so the second name costs an index row, not a copy.
+identical bytes, so the second name costs an index row, not a copy (a plain directory
+that is not a kvfs mount holds a second copy).
 
 ``store`` may be a kvfs store (object API), a directory (plain files: the kvfs mount or any
 directory), or any :class:`~kvfs.integrations.PageSource`. Batch size 1 and full-attention
@@ -41,7 +42,14 @@ from .._aligned import aligned_buffer, round_up
 from .._errors import CorruptPage, PageNotFound
 from .._keys import PageKey
 from ._chain import chunk_names
-from ._format import FORMAT, Geometry, GeometryMismatch, PageLayout, parse_header
+from ._format import (
+    FORMAT,
+    Geometry,
+    GeometryMismatch,
+    PageLayout,
+    check_page,
+    parse_header,
+)
 from ._hfcompat import cache_of, forward
 from ._sources import PageSource, as_source
 from ._tcache import build_cache, cache_tensors
@@ -182,6 +190,9 @@ class TransformersKV:
         kvs = cache_tensors(cache)
         self._check_tensors(kvs)
         length = kvs[0][0].shape[2]
+        seq_length = getattr(cache, "get_seq_length", None)
+        if callable(seq_length):  # a static cache is allocated longer than what it holds
+            length = min(length, int(seq_length()))
         if length > len(toks):
             raise ValueError(
                 f"the cache holds {length} tokens but only {len(toks)} token ids were given"
@@ -212,6 +223,7 @@ class TransformersKV:
             k, v = kvs[layer]
             self._view(buf, lay.key_offset).copy_(k[0, :, sl, :])
             self._view(buf, lay.value_offset).copy_(v[0, :, sl, :])
+            meta = lay.seal(buf)  # the data's digest, into the header and the attrs
             wrote = sum(self.source.write(key, buf, meta) for key in missing)
             return wrote, len(targets) - wrote, wrote * lay.size
 
@@ -314,14 +326,15 @@ class TransformersKV:
             return LoadResult(None, 0, 0, 0, time.perf_counter() - t0)
         C, plan, ntok = self.geometry.chunk_tokens, reads.plan, reads.tokens
         pages = [reads.submit(layer) for layer in range(self.geometry.layers)]
-        bad_chunk, note, nbytes = len(plan), "", 0
+        bad_chunk, note, per_chunk = len(plan), "", [0] * len(plan)
         for layer, (_done, futs) in enumerate(pages):
             for c, f in enumerate(futs):
                 try:
-                    nbytes += f.result()
+                    per_chunk[c] += f.result()
                 except (PageNotFound, CorruptPage) as e:
                     if c < bad_chunk:
                         bad_chunk, note = c, f"stopped at chunk {c} (layer {layer}): {e}"
+        nbytes = sum(per_chunk[:bad_chunk])  # (the chunks kept)
         ks, vs = [k for k, _ in reads.layers], [v for _, v in reads.layers]
         if bad_chunk < len(plan):
             ntok = min(ntok, bad_chunk * C)
@@ -468,10 +481,14 @@ class _Reads:
         Geometry.from_attrs(h.metadata).check_same(g, key.path)
         if (
             h.shape != (g.kv_heads, C, g.head_dim)
+            or h.dtype != g.dtype
             or h.metadata.get("prefix") != self.names[c]
             or h.metadata.get("layer") != str(layer)
         ):
             raise CorruptPage(f"{key.path}: the page's header names another chunk or layer")
+        # The whole page, and (where the source does not verify its reads) its digest: a
+        # truncated file would leave the buffer's previous page in place of this one.
+        check_page(h, buf[:n], key.path, digest=not getattr(kv.source, "verifies", False))
         take = min(C, self.tokens - c * C)
         dst = slice(c * C, c * C + take)
         k, v = self.layers[layer]
