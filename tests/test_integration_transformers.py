@@ -17,6 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import blake3
 import pytest
 
 pytest.importorskip("torch", reason="needs the engines extra: pip install -e .[engines]")
@@ -33,6 +34,7 @@ from kvfs.integrations import (  # noqa: E402
     GeometryMismatch,
     chunk_names,
 )
+from kvfs.integrations._format import Geometry, PageLayout, check_page, parse_header  # noqa: E402
 from kvfs.integrations._hfcompat import cache_of, forward  # noqa: E402
 from kvfs.integrations._models import ModelShape, greedy_decode, random_llama  # noqa: E402
 from kvfs.integrations._tcache import build_cache, cache_tensors  # noqa: E402
@@ -226,6 +228,26 @@ def test_pages_are_aligned_safetensors(tmp_path: Path) -> None:
         loaded = load_file(str(f))
         assert torch.equal(loaded["key"], k[0, :, :CHUNK]) and loaded["key"].dtype == torch.bfloat16
         assert torch.equal(loaded["value"], v[0, :, :CHUNK])
+        # any tool can check a copy: the digest is BLAKE3 of the tensor data
+        h = parse_header(raw)
+        assert h.metadata["digest"] == "blake3:" + blake3.blake3(raw[h.key_offset :]).hexdigest()
+
+
+def test_a_page_checks_against_its_digest_once_sealed() -> None:
+    g = Geometry("m", layers=1, kv_heads=1, head_dim=4, dtype="float32", chunk_tokens=8)
+    lay = PageLayout.build(g, 8, {**g.to_attrs(), "prefix": "p", "layer": "0"})
+    buf = lay.buffer()
+    buf[lay.data_start :] = os.urandom(lay.size - lay.data_start)
+    unsealed = parse_header(buf)  # (PageLayout used alone: no digest, size checked only)
+    check_page(unsealed, buf, digest=True)
+    with pytest.raises(kvfs.CorruptPage, match="describes a page of"):
+        check_page(unsealed, buf[:-1], digest=True)
+    assert lay.seal(buf)["digest"] == parse_header(buf).metadata["digest"]
+    check_page(parse_header(buf), buf, digest=True)
+    buf[lay.size - 1] ^= 1
+    with pytest.raises(kvfs.CorruptPage, match="digest"):
+        check_page(parse_header(buf), buf, digest=True)
+    check_page(parse_header(buf), buf, digest=False)  # a source that verifies its reads
 
 
 def test_chunk_names_are_the_same_in_another_process() -> None:

@@ -165,7 +165,8 @@ class PageLayout:
 
     @classmethod
     def build(cls, g: Geometry, tokens: int, metadata: dict[str, str]) -> PageLayout:
-        """The layout of a page; its header's digest is a placeholder until :meth:`seal`."""
+        """The layout of a page; its header's digest is a placeholder until :meth:`seal`
+        (a page written unsealed has no digest: it is checked for size only)."""
         metadata = {**metadata, DIGEST: _NO_DIGEST_YET}
         shape = [g.kv_heads, tokens, g.head_dim]
         n = g.kv_heads * tokens * g.head_dim * g.itemsize
@@ -279,7 +280,7 @@ def check_page(h: PageHeader, page: memoryview, where: str = "page", *, digest: 
     if len(page) != end:
         raise CorruptPage(f"{where}: {len(page)} bytes; its header describes a page of {end}")
     want = h.metadata.get(DIGEST)
-    if not digest or want is None:
+    if not digest or want is None or want == _NO_DIGEST_YET:
         return
     if not want.startswith(_DIGEST_ALGO):
         raise CorruptPage(f"{where}: unknown digest {want[:20]!r}")
