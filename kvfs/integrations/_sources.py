@@ -144,16 +144,9 @@ class StorePages:
         if attrs is not None:
             return attrs
         key = PageKey.from_path(pages[0].path)
-
-        def header() -> PageHeader:
-            head = self.engine.read_range(key, 0, HEADER_READ)
-            if len(head) >= 8:
-                need = 8 + struct.unpack("<Q", head[:8])[0]
-                if len(head) < need <= 100_000_000:
-                    head += self.engine.read_range(key, len(head), need - len(head))
-            return parse_header(head, key.path)
-
-        return _header_attrs(header)
+        return _header_attrs(
+            lambda: read_header(lambda o, n: self.engine.read_range(key, o, n), key.path)
+        )
 
 
 class DirectoryPages:
@@ -264,15 +257,21 @@ class FastPathPages(StorePages):
             self._own = None
 
 
+def read_header(read_at: Callable[[int, int], bytes], where: str) -> PageHeader:
+    """Parse the header of a page that ``read_at(offset, size)`` reads, reading only the
+    header's bytes."""
+    head = read_at(0, HEADER_READ)
+    if len(head) >= 8:
+        need = 8 + struct.unpack("<Q", head[:8])[0]
+        if len(head) < need <= 100_000_000:
+            head += read_at(len(head), need - len(head))
+    return parse_header(head, where)
+
+
 def read_file_header(path: Path) -> PageHeader:
     """Parse the header of a page file, reading only the header's bytes."""
     with open(path, "rb") as f:
-        head = f.read(HEADER_READ)
-        if len(head) >= 8:
-            need = 8 + struct.unpack("<Q", head[:8])[0]
-            if len(head) < need <= 100_000_000:
-                head += f.read(need - len(head))
-    return parse_header(head, str(path))
+        return read_header(lambda o, n: os.pread(f.fileno(), n, o), str(path))
 
 
 def as_source(target: object) -> PageSource:
