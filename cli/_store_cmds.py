@@ -117,13 +117,14 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser(
         "evict",
-        help="drop local copies (refuses to drop the only copy of unarchived data unless --force)",
+        help="drop local copies, archived first (with no archive tier: refuses to delete unless --force)",
     )
     p.add_argument("targets", nargs="+", metavar="SESSION|PATH")
     p.add_argument(
         "--force",
         action="store_true",
-        help="drop local copies even where no archive holds the data (data loss)",
+        help="with no archive tier, delete the pages named (their data stays where another "
+        "session shares it): data loss",
     )
     add_store_flags(p)
     p.set_defaults(func=cmd_evict)
@@ -532,12 +533,23 @@ def cmd_evict(args: argparse.Namespace) -> int:
         for t in args.targets:
             kind, name = _resolve(store, t)
             pages = [store.stat(name)] if kind == "page" else store.list(session=name)
-            only = [p.path for p in pages if p.local and "archive" not in p.tier]
-            if only and not archived_tier and not args.force:
+            # Without an archive tier an evict deletes, archived or not: a page archived
+            # before has its copy there forgotten too (the index queues it for the next
+            # open with the archive).
+            held = kind == "session" and store.session_info(name).pinned
+            doomed = [p for p in pages if p.local and not p.pinned and not held]
+            if doomed and not archived_tier and not args.force:
+                archived = sum("archive" in p.tier for p in doomed)
                 raise Refused(
-                    f"{t}: {len(only)} page(s) have no copy but the local one and no "
-                    "archive tier is configured; evicting would delete them "
-                    "(--force to do it anyway)"
+                    f"{t}: no archive tier is configured, so evicting would delete "
+                    f"{len(doomed)} page(s)"
+                    + (
+                        f" ({archived} of them archived before: open with --archive "
+                        "to evict them to it)"
+                        if archived
+                        else ""
+                    )
+                    + " (--force to do it anyway)"
                 )
             plan.append((t, kind, name))
         for t, kind, name in plan:

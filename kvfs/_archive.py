@@ -553,6 +553,17 @@ class ArchivingPolicy(TieringPolicy):
         ahead = max(0, min(self.cfg.evict_ahead, self.engine.capacity // 8))
         return super().make_room(need + ahead, reason)
 
+    def evict_pages(
+        self,
+        pages: list[PageRow],
+        blobs: list[BlobRow],
+        reason: str,
+        progress: Callable[[int, int], None] | None = None,
+    ) -> int:
+        """Evicting to the archive drops the local copy of shared data for every page
+        sharing it: they all stay readable from the archive."""
+        return sum(self.evict_blobs(blobs, reason, progress))
+
     def evict_blob(self, blob: BlobRow, reason: str) -> int:
         return self.evict_blobs([blob], reason)[0]
 

@@ -624,6 +624,11 @@ class Engine:
         them is pinned by now. Returns bytes freed."""
         return _maint.delete_blob_pages(self, blob, reason)
 
+    def delete_evicted_pages(self, pages: builtins.list[PageRow], reason: str) -> int:
+        """Evict by deletion (no archive), by name: these pages go, data another page
+        shares stays. Returns bytes freed."""
+        return _maint.delete_evicted_pages(self, pages, reason)
+
     def rename(self, src: PageKey | str, dst: PageKey | str) -> None:
         """Move a page to a new key, atomically replacing any page there."""
         with self._using():
@@ -652,7 +657,8 @@ class Engine:
     ) -> int:
         """Drop local copies of one page or a whole session by policy. Returns bytes freed.
 
-        Pinned and leased data is skipped. Without an archive tier this deletes the pages.
+        Pinned and leased data is skipped. Without an archive tier this deletes the pages
+        (theirs only: data that a page of another session shares stays, and is not freed).
         With one, what it lacks is uploaded first: ``progress(page bytes archived, page bytes
         to archive)`` as uploads finish (not called when nothing needs uploading).
         """

@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 __all__ = [
     "delete",
     "delete_blob_pages",
+    "delete_evicted_pages",
     "delete_session",
     "evict",
     "expire_session",
@@ -97,6 +98,17 @@ def delete_blob_pages(eng: Engine, blob: BlobRow, reason: str) -> int:
     return n
 
 
+def delete_evicted_pages(eng: Engine, pages: builtins.list[PageRow], reason: str) -> int:
+    gone, freed = eng.index.delete_pages(p.path for p in pages)
+    _after_delete(eng, gone, freed)
+    n = sum(b.disk_bytes for b in freed if b.extents is not None)
+    if gone:
+        with eng._cap_lock:
+            eng._evictions[reason] += 1
+        log_event("evict", reason=reason, pages=len(gone), bytes=n, archived=False)
+    return n
+
+
 def rename(eng: Engine, s: PageKey, d: PageKey) -> None:
     try:
         old, freed = eng.index.rename_page(s.path, d.path, d.session_dir)
@@ -124,19 +136,22 @@ def evict(
         d = eng.resolve_session(session)
         if eng.index.session(d) is None:
             raise SessionNotFound(f"no session {d!r}")
-        hashes = {p.hash for p in eng.index.pages(session=d)}
+        pages = eng.index.pages(session=d)
     elif target is not None:
         p = eng.index.page(as_key(target).path)
         if p is None:
             raise PageNotFound(f"no page {as_key(target).path!r}")
-        hashes = {p.hash}
+        pages = [p]
     else:
         raise ValueError("evict needs a page or a session")
     evictable = {b.hash for b in eng.index.eviction_candidates(1 << 62)}
     with eng._evict_lock:
-        blobs = [b for b in map(eng.index.blob, sorted(hashes)) if b is not None and b.local]
+        hashes = sorted({p.hash for p in pages})
+        blobs = [b for b in map(eng.index.blob, hashes) if b is not None and b.local]
         blobs = [b for b in blobs if b.hash in evictable and not eng.is_leased(b.hash)]
-        return sum(eng.policy.evict_blobs(blobs, reason, progress)) if blobs else 0
+        kept = {b.hash for b in blobs}
+        pages = [p for p in pages if p.hash in kept]
+        return eng.policy.evict_pages(pages, blobs, reason, progress) if blobs else 0
 
 
 # -- statistics ---------------------------------------------------------------------------

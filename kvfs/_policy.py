@@ -71,6 +71,20 @@ class TieringPolicy:
         ``progress(bytes archived, bytes to archive)`` where copies are archived first."""
         return [self.evict_blob(b, reason) for b in blobs]
 
+    def evict_pages(
+        self,
+        pages: list[PageRow],
+        blobs: list[BlobRow],
+        reason: str,
+        progress: Callable[[int, int], None] | None = None,
+    ) -> int:
+        """A targeted evict (``Store.evict`` of a page or a session): drop the local copies
+        of ``blobs``, the data of ``pages``; return the bytes freed.
+
+        Without an archive tier that deletes ``pages``, and only them: a page of another
+        session sharing their data keeps it (then its bytes are not freed)."""
+        return self.engine.delete_evicted_pages(pages, reason)
+
     def evict_blob(self, blob: BlobRow, reason: str) -> int:
         """Remove a blob's local copy; return the bytes freed (0 if it could not be evicted).
 

@@ -145,6 +145,34 @@ def test_evict_refuses_the_only_copy_without_force(run: Run, tmp_path: Path) -> 
     assert rc == 0 and json.loads(out)[0]["freed_bytes"] > 0
 
 
+def test_evict_without_the_archive_refuses_archived_pages_too(run: Run, tmp_path: Path) -> None:
+    """Opened without its archive, an evict deletes: a page archived before (local+archive)
+    was taken as safe, and was deleted here and, at the next open with the archive, there."""
+    d = one_page(run, tmp_path, os.urandom(8192), archive=True)
+    assert run("spill", "a", *d)[0] == 0 and run("restore", "a", *d)[0] == 0
+    assert tier(run, d) == "local+archive"
+    rc, _, err = run("evict", "a", *data(tmp_path))
+    assert rc == 9 and "1 page(s) (1 of them archived before" in err and "--archive" in err
+    assert tier(run, d) == "local+archive"
+    assert run("evict", "a", *d)[0] == 0 and tier(run, d) == "archive"
+
+
+def test_evict_force_deletes_the_target_not_what_shares_its_data(run: Run, tmp_path: Path) -> None:
+    """Without an archive, `evict a --force` deleted every page sharing a's data: session b
+    with the same bytes was gone too."""
+    d = one_page(run, tmp_path, os.urandom(8192))
+    assert run("put", "f", "sessions/b/p/layer-000", *d)[0] == 0
+    rc, _, err = run("evict", "a", *d)
+    assert rc == 9 and "would delete 1 page(s) (--force" in err
+    rc, out, _ = run("evict", "a", "--force", "--json", *d)
+    assert rc == 0 and json.loads(out)[0]["freed_bytes"] == 0  # b still holds the data
+    assert [s["session"] for s in json.loads(run("ls", "--json", *d)[1])] == ["b"]
+    assert run("get", "sessions/b/p/layer-000", "back", *d)[0] == 0
+    assert (tmp_path / "back").read_bytes() == (tmp_path / "f").read_bytes()
+    rc, out, _ = run("evict", "b", "--force", "--json", *d)
+    assert rc == 0 and json.loads(out)[0]["freed_bytes"] > 0
+
+
 def test_evict_with_an_archive_keeps_the_page(run: Run, tmp_path: Path) -> None:
     d = one_page(run, tmp_path, os.urandom(8192), archive=True)
     rc, out, _ = run("evict", "sessions/a/p/layer-000", "--json", *d)
