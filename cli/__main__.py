@@ -8,6 +8,7 @@ import importlib
 import logging
 import os
 import sys
+import traceback
 from collections.abc import Sequence
 
 import kvfs
@@ -80,8 +81,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit:
         raise
     except BaseException as e:  # noqa: BLE001 - one clear line, or the traceback with --debug
-        if args.debug:
-            raise
+        if args.debug:  # the traceback, then the same line and exit code as without
+            traceback.print_exc()
         print(f"kvfs {args.command}: {e}", file=sys.stderr)
         return exit_code_for(e)
     finally:

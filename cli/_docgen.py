@@ -57,7 +57,7 @@ def cli_markdown() -> str:
         "directory's control socket (see docs/configuration.md), and on the data "
         "directory itself otherwise; `--daemon` and `--offline` force one or the other. "
         "Errors are one line on stderr (`kvfs COMMAND: message`); `kvfs --debug ...` "
-        "shows the traceback.",
+        "prints the traceback before that line (the exit code is the same).",
         "",
         "## Exit codes",
         "",

@@ -345,7 +345,9 @@ def test_bad_arguments_and_one_line_errors(tmp_path: Path) -> None:
         env=env,
         cwd=tmp_path,
     )
-    assert r.returncode != 0 and "Traceback" in r.stderr
+    # the traceback, then the same exit code and last line as without --debug (it was 1)
+    assert r.returncode == 3 and "Traceback" in r.stderr
+    assert r.stderr.strip().splitlines()[-1].startswith("kvfs ls: ")
 
 
 def test_a_bad_target_among_several_changes_nothing(run: Run, tmp_path: Path) -> None:
