@@ -199,7 +199,17 @@ class ArchivingPolicy(TieringPolicy):
         self.url = engine.config.archive_url
         self.aindex = ArchiveIndex(engine.index)
         self._token: trio.lowlevel.TrioToken | None = None
-        self.store = trio.run(lambda: open_objectstore(self.url, **(self.cfg.store_options or {})))
+        options = dict(self.cfg.store_options or {})
+        idx = engine.index
+        if (
+            self.url.startswith("file:")
+            and idx.get_meta("archive") == archive_identity(self.url)
+            and idx.has_archive_only()
+        ):
+            # It holds pages this store has nowhere else: a missing directory is a share not
+            # mounted now, not a new archive to create (in the empty mount point).
+            options.setdefault("create", False)
+        self.store = trio.run(lambda: open_objectstore(self.url, **options))
         try:
             self._check_identity()
         except BaseException:

@@ -71,9 +71,10 @@ class FileStore(ObjectStore):
                 raise FileNotFoundError(
                     errno.ENOENT, "archive directory does not exist", str(self.root)
                 )
+            # (its temporary directory is made by the first put: an open that is refused
+            # later, a kvfs store finding this is not its archive, leaves nothing here)
             tmp = self.root / TMP
-            tmp.mkdir(exist_ok=True)
-            if sweep:
+            if sweep and tmp.is_dir():
                 for f in tmp.iterdir():  # leftovers of puts a crash interrupted
                     f.unlink(missing_ok=True)
 
@@ -161,7 +162,13 @@ class FileStore(ObjectStore):
         def write() -> bool:
             tmp = self.root / TMP / uuid.uuid4().hex
             try:
-                with open(tmp, "wb") as f:
+                try:
+                    f = open(tmp, "wb")  # noqa: SIM115 - closed below
+                except FileNotFoundError:
+                    self._check_root()
+                    tmp.parent.mkdir(exist_ok=True)
+                    f = open(tmp, "wb")  # noqa: SIM115
+                with f:
                     f.write(data)
                     f.flush()
                     if self.durable:

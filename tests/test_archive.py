@@ -835,7 +835,12 @@ def test_an_archive_that_is_not_this_stores_is_refused(make_config, tmp_path: Pa
     (tmp_path / "ar1").mkdir()
     with pytest.raises(kvfs.ArchiveUnavailable, match="is its file system mounted"):
         kvfs.open_store_sync(archived_cfg(make_config, first, name="store-3")).__enter__()
+    assert list((tmp_path / "ar1").iterdir()) == []  # nothing made there: it was refused
+    # the archive a directory below the mount point: not there now, and not created there
     shutil.rmtree(tmp_path / "ar1")
+    with pytest.raises(kvfs.ArchiveUnavailable, match="does not exist"):
+        kvfs.open_store_sync(archived_cfg(make_config, first, name="store-3")).__enter__()
+    assert not (tmp_path / "ar1").exists()
     shutil.move(tmp_path / "ar1.share", tmp_path / "ar1")  # mounted again
     with kvfs.open_store_sync(archived_cfg(make_config, first, name="store-3")) as s:
         assert s.get(PageKey.semantic("c", "p0", 0)) == kv_page(3000)

@@ -336,12 +336,29 @@ async def test_filestore_crash_leftovers_are_invisible(tmp_path: Path) -> None:
     assert await s2.get("k") == b"v"
 
 
+async def test_filestore_open_leaves_only_the_directory(tmp_path: Path) -> None:
+    """Opening made ``.objectstore-tmp`` at once: a kvfs store that then refused the
+    archive (a share not mounted, only its mount point there) left it behind."""
+    root = tmp_path / "arch"
+    s = await FileStore.open(root)
+    assert list(root.iterdir()) == []
+    await s.put("k", b"v")  # the first put makes it
+    assert await s.get("k") == b"v" and await s.list_all() == ["k"]
+    for f in root.iterdir():
+        subprocess.run(["rm", "-r", str(f)], check=True)
+    root.rmdir()
+    with pytest.raises(ArchiveUnavailable, match="does not exist"):
+        await s.put("k2", b"v")
+    assert not root.exists()
+
+
 async def test_second_opener_without_sweep_keeps_in_flight_puts(tmp_path: Path) -> None:
     # kvfs's upload workers open the directory their daemon opened: a sweep there would
     # remove a sibling worker's temporary file between its write and its link.
     root = tmp_path / "arch"
     await FileStore.open(root)
     inflight = root / ".objectstore-tmp" / "0123abcd"
+    inflight.parent.mkdir()  # (made by the first put)
     inflight.write_bytes(b"being written by another process")
     s = await open_objectstore(f"file://{root}", verify=False)
     assert inflight.exists()
