@@ -637,3 +637,9 @@ def test_model_demo_continues_in_a_new_process(
     assert any("reloaded 512 tokens" in line for line in lines)  # full chunks only
     with kvfs.open_store_sync(cfg) as store:
         assert len(store.list(session="agent-demo")) == 2 * 4  # 2 full chunks x 4 layers
+    # `--data DIR` prints this; `kvfs ls --data DIR` found no store (its devices are below)
+    from kvfs.integrations.demo import look_command
+
+    cmd = look_command(cfg)
+    r = subprocess.run([sys.executable, "-m", "cli", *cmd[1:]], capture_output=True, text=True)
+    assert r.returncode == 0 and "agent-demo" in r.stdout, r.stderr

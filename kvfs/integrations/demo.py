@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -235,7 +236,21 @@ def main(argv: list[str] | None = None) -> int:
             extra={"archive": {"interval": 0}},
         )
         model_scenario(cfg, tokens=a.tokens, decode=a.decode, small=a.small)
+    if a.data is not None:
+        print(f"the store stays in {a.data}: {' '.join(map(shlex.quote, look_command(cfg)))}")
     return 0
+
+
+def look_command(cfg: kvfs.StoreConfig) -> list[str]:
+    """The ``kvfs ls`` that shows the demo's store (its devices and archive, not DIR)."""
+    return [
+        "kvfs",
+        "ls",
+        "--data",
+        ",".join(str(d) for d in cfg.data_dirs),
+        "--archive",
+        str(cfg.archive_url),
+    ]
 
 
 if __name__ == "__main__":
