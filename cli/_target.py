@@ -18,7 +18,9 @@ from typing import Any
 
 import kvfs
 from kvfs._control import DaemonUnavailable
+from kvfs._engine import devices_known
 from kvfs._keys import SESSIONS_DIR
+from kvfs._local import DEVICE_MARKER
 from kvfs._mountinfo import mounts
 from kvfs._remote import SyncRemoteStore
 from kvfs._settings import Settings, load_settings
@@ -186,11 +188,7 @@ def open_target(
     new = not config.index_path.exists()
     if from_archive and config.archive_url and settings.sources["archive_url"] != "default":
         create = True
-    if not create and new:
-        raise FileNotFoundError(
-            f"no kvfs store in {config.data_dirs[0]} "
-            "(set --data, $KVFS_DATA_DIRS or the configuration file)"
-        )
+    _check_devices(config, new=new, create=create)
     with ExitStack() as stack:
         try:
             store = stack.enter_context(kvfs.open_store_sync(config))
@@ -204,6 +202,35 @@ def open_target(
             dirs = ", ".join(str(d) for d in config.data_dirs)
             print(f"kvfs: made a new store in {dirs}", file=sys.stderr)
         yield store
+
+
+def _check_devices(config: kvfs.StoreConfig, *, new: bool, create: bool) -> None:
+    """A command opens the store its directories name, and never grows it: a typo in the
+    device list (``--data d0,d0-typo``) made d0-typo a device of the store for good, and
+    every later open without it failed. A store gets a new device when its daemon starts
+    with one (``kvfs mount``) or through the object API. Raises FileNotFoundError (no store
+    there) and ValueError (a directory that is not one of the store's devices)."""
+    if new:
+        marked = [d for d in config.data_dirs[1:] if (d / DEVICE_MARKER).exists()]
+        if marked:  # the first directory holds the index
+            raise FileNotFoundError(
+                f"no kvfs store in {config.data_dirs[0]}, but {marked[0]} is a data directory "
+                "of one: give them in their original order (the first holds the index)"
+            )
+        if not create:
+            raise FileNotFoundError(
+                f"no kvfs store in {config.data_dirs[0]} "
+                "(set --data, $KVFS_DATA_DIRS or the configuration file)"
+            )
+        return
+    known = devices_known(config)
+    extra = [str(d) for d in config.data_dirs[known:]] if known else []
+    if extra:
+        raise ValueError(
+            f"{', '.join(extra)}: not a data directory of the store in {config.data_dirs[0]}, "
+            f"which has {known}; a command does not add devices to a store (its daemon does, "
+            "started with them: kvfs mount)"
+        )
 
 
 def daemon_services(config: kvfs.StoreConfig, *, setup_logs: bool = True) -> list[Any]:

@@ -40,7 +40,7 @@ from ._errors import (
     StoreClosed,
 )
 from ._events import log_event
-from ._index import BlobRow, Index, PageRow
+from ._index import BlobRow, Index, PageRow, meta_value
 from ._keys import PageKey, as_key, session_dir
 from ._local import DEVICE_MARKER, LocalTier, device_store
 from ._lock import DirLock
@@ -126,15 +126,36 @@ def _refuse_foreign_data(cfg: StoreConfig) -> None:
 
 
 def _devices_known(index: Index) -> int:
-    """How many data directories this store has had (0 for a new index); older stores
-    that did not record it: the device count of their saved accounting."""
-    n = index.get_meta("devices")
+    """How many data directories this store has had (0 for a new index)."""
+    return _device_count(index.get_meta)
+
+
+def _device_count(meta: Callable[[str], object]) -> int:
+    """The ``devices`` meta value; older stores that did not record it: the device count of
+    their saved accounting."""
+    n = meta("devices")
     if isinstance(n, int):
         return n
-    saved = index.get_meta("accounting")
+    saved = meta("accounting")
     if isinstance(saved, (list, tuple)) and len(saved) == 2:
         return len(saved[1])
     return 0
+
+
+def devices_known(cfg: StoreConfig) -> int:
+    """How many data directories the store at ``cfg`` has had, read without opening it (0
+    when its index is missing or unreadable: opening it then says why)."""
+    try:
+        db = sqlite3.connect(f"file:{cfg.index_path}?mode=ro", uri=True)
+    except sqlite3.Error:
+        return 0
+    try:
+        rows = dict(db.execute("SELECT k, v FROM meta WHERE k IN ('devices', 'accounting')"))
+    except sqlite3.Error:
+        return 0
+    finally:
+        db.close()
+    return _device_count(lambda k: meta_value(rows.get(k)))
 
 
 def headroom(free: int) -> int:

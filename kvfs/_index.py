@@ -100,6 +100,11 @@ def _unpack(b: bytes | None, default: Any = None) -> Any:
     return default if b is None else msgpack.unpackb(b, raw=False, use_list=False)
 
 
+def meta_value(b: bytes | None) -> Any:
+    """A ``meta`` row's value as :meth:`Index.get_meta` returns it (for a read-only look)."""
+    return _unpack(b)
+
+
 @dataclass(frozen=True, slots=True)
 class BlobRow:
     hash: bytes

@@ -136,6 +136,22 @@ def test_a_directory_and_a_session_of_the_same_name_stay_apart(run: Run, tmp_pat
     assert [s["dir"] for s in json.loads(run("ls", "--json", *d)[1])] == ["sessions/bar"]
 
 
+def test_a_typo_in_the_device_list_changes_nothing(run: Run, tmp_path: Path) -> None:
+    """`kvfs ls --data d0,d0-typo` made d0-typo a device of the store for good: every later
+    open with d0 alone failed. The wrong order said only that d0-typo held no store."""
+    d0, typo = tmp_path / "d0", tmp_path / "d0-typo"
+    (tmp_path / "f").write_bytes(b"z" * 100)
+    assert run("put", "f", "sessions/a/p/layer-000", "--data", str(d0), "--archive", "")[0] == 0
+    for cmd in (["ls"], ["put", "f", "sessions/a/p/layer-001"]):
+        rc, _, err = run(*cmd, "--data", f"{d0},{typo}", "--archive", "")
+        assert rc == 2 and f"{typo}: not a data directory of the store" in err, err
+        assert not typo.exists()
+    rc, out, _ = run("ls", "--json", "--data", str(d0), "--archive", "")
+    assert rc == 0 and [s["pages"] for s in json.loads(out)] == [1]
+    rc, _, err = run("ls", "--data", f"{typo},{d0}", "--archive", "")
+    assert rc == 3 and f"{d0} is a data directory of one" in err and "original order" in err
+
+
 def test_evict_refuses_the_only_copy_without_force(run: Run, tmp_path: Path) -> None:
     d = one_page(run, tmp_path, os.urandom(8192))
     rc, _, err = run("evict", "a", *d)
