@@ -10,6 +10,7 @@ entry points.
 from __future__ import annotations
 
 import builtins
+import collections
 import dataclasses
 import os
 from collections.abc import Callable
@@ -101,12 +102,14 @@ def delete_blob_pages(eng: Engine, blob: BlobRow, reason: str) -> int:
 def delete_evicted_pages(eng: Engine, pages: builtins.list[PageRow], reason: str) -> int:
     gone, freed = eng.index.delete_pages(p.path for p in pages)
     _after_delete(eng, gone, freed)
-    n = sum(b.disk_bytes for b in freed if b.extents is not None)
-    if gone:
-        with eng._cap_lock:
-            eng._evictions[reason] += 1
-        log_event("evict", reason=reason, pages=len(gone), bytes=n, archived=False)
-    return n
+    bytes_of = {b.hash: b.disk_bytes for b in freed if b.extents is not None}
+    by_content = collections.Counter(p.hash for p in gone)
+    with eng._cap_lock:
+        eng._evictions[reason] += len(by_content)
+    for h, n in by_content.items():  # one line per content, as a capacity eviction logs
+        b = bytes_of.get(h, 0)  # 0: another session's page still holds it
+        log_event("evict", content=h.hex()[:16], reason=reason, pages=n, bytes=b, archived=False)
+    return sum(bytes_of.values())
 
 
 def rename(eng: Engine, s: PageKey, d: PageKey) -> None:
