@@ -231,9 +231,12 @@ async def _dispatch(
         expected = isinstance(
             e, (FileNotFoundError, FileExistsError, ValueError, _errors.CapacityExceeded)
         ) or (isinstance(e, _errors.ArchiveUnavailable) and not store.engine.config.archive_url)
+        # A lookup that finds nothing is an answer, not a failure: `kvfs pin NAME` asks
+        # whether NAME is a page before it asks for the session, every time.
+        lookup = method in _LOOKUPS and isinstance(e, FileNotFoundError)
         log_event(
             "error",
-            level=logging.WARNING if expected else logging.ERROR,
+            level=logging.DEBUG if lookup else logging.WARNING if expected else logging.ERROR,
             method=method,
             target=_target(args, kwargs),
             error=type(e).__name__,
@@ -242,6 +245,10 @@ async def _dispatch(
         return [1, type(e).__name__, str(e)]
     _log_done(method, args, kwargs, result, t0)
     return [0, result]
+
+
+#: the methods whose "not found" is an answer (logged at DEBUG only)
+_LOOKUPS = frozenset({"stat", "session_info", "exists"})
 
 
 def _log_done(method: str, args: list[Any], kwargs: dict[str, Any], result: Any, t0: float) -> None:

@@ -74,6 +74,7 @@ async def test_remote_store_mirrors_store(make_config: MakeConfig, tmp_path: Pat
 async def test_errors_keep_their_class(
     make_config: MakeConfig, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
+    caplog.set_level(logging.DEBUG, logger="kvfs.events")
     sock = tmp_path / "c.sock"
     async with kvfs.open_store(make_config()) as store, trio.open_nursery() as n:
         await n.start(control_service, store, sock)
@@ -82,6 +83,8 @@ async def test_errors_keep_their_class(
                 await r.get("sessions/x/p/layer-000")
             with pytest.raises(kvfs.SessionNotFound):
                 await r.session_info("nope")
+            with pytest.raises(kvfs.PageNotFound):
+                await r.stat("sessions/x/p/layer-000")
             with pytest.raises(kvfs.InvalidKey):
                 await r.put("/abs", b"x")
             await r.put("a/b", b"1")
@@ -100,6 +103,8 @@ async def test_errors_keep_their_class(
         r.getMessage().split()[1]: r.levelname for r in caplog.records if r.name == "kvfs.events"
     }
     assert levels["method=spill"] == levels["method=get"] == "WARNING", levels
+    # a lookup that finds nothing is an answer (`kvfs pin NAME` stats NAME first): no alarm
+    assert levels["method=stat"] == levels["method=session_info"] == "DEBUG", levels
 
 
 async def test_spill_restore_evict_are_logged(
