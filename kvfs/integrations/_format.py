@@ -141,7 +141,8 @@ class Geometry:
             raise GeometryMismatch(f"{FORMAT} page with unreadable geometry: {e}") from e
 
     def check_same(self, other: Geometry, where: str) -> None:
-        """Raise GeometryMismatch, naming every differing field, unless ``other == self``."""
+        """Raise GeometryMismatch, naming every differing field, unless ``other`` (what
+        ``where`` holds) is this geometry (the model's here)."""
         if other == self:
             return
         diffs = [

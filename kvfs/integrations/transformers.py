@@ -173,7 +173,7 @@ class TransformersKV:
                 f"session {session!r} holds pages that are not {FORMAT} "
                 f"KV pages; use another session name"
             )
-        Geometry.from_attrs(attrs).check_same(self.geometry, f"session {session!r}")
+        self.geometry.check_same(Geometry.from_attrs(attrs), f"session {session!r}")
 
     # -- save -------------------------------------------------------------------------
     def save(self, session: str, tokens: Sequence[int] | torch.Tensor, cache: Any) -> SaveResult:
@@ -284,7 +284,7 @@ class TransformersKV:
                 if all(st is not None for st in stats):
                     for st in stats:
                         if st is not None and st.attrs is not None:
-                            Geometry.from_attrs(st.attrs).check_same(g, f"session {s!r}")
+                            g.check_same(Geometry.from_attrs(st.attrs), f"session {s!r}")
                     plan.append((s, [st.size for st in stats if st is not None]))
                     break
             else:
@@ -478,7 +478,7 @@ class _Reads:
             buf = kv._local.buf = aligned_buffer(self.stage)
         n = kv.source.read_into(key, buf)
         h = parse_header(buf[:n], key.path)
-        Geometry.from_attrs(h.metadata).check_same(g, key.path)
+        g.check_same(Geometry.from_attrs(h.metadata), key.path)
         if (
             h.shape != (g.kv_heads, C, g.head_dim)
             or h.dtype != g.dtype
