@@ -26,7 +26,14 @@ EXTRAS=${EXTRAS:-dev,engines}
 case ",$EXTRAS," in
     *,engines,*)
         # Pin the CPU build first: an unpinned torch would pull several GB of CUDA wheels.
+        # A wheel on this machine's find-links (a CPU build where one is provided) first;
+        # else PyTorch's CPU index (PyPI's torch 2.13.0 for Linux is the CUDA build).
         echo "bootstrap: installing torch==2.13.0 (CPU) into $VENV"
+        if ! "$VENV/bin/python" -c "import torch" 2>/dev/null \
+            && ! "$VENV/bin/python" -m pip install -q --no-deps --no-index "torch==2.13.0" >/dev/null 2>&1; then
+            "$VENV/bin/python" -m pip install -q --no-deps "torch==2.13.0" \
+                --index-url https://download.pytorch.org/whl/cpu
+        fi
         "$VENV/bin/python" -m pip install -q "torch==2.13.0" 2>&1 | { grep -vE '^(WARNING: Location|DEPRECATION)' || true; } ;;
 esac
 echo "bootstrap: installing kvfs[$EXTRAS] into $VENV"
