@@ -466,8 +466,12 @@ class KvfsOperations(FileOps, pyfuse3.Operations):
         field = key.rsplit(".", 1)[1]
         if field == "extents":  # work per stripe chunk: off the loop
             return await self._thread(extents_xattr, info.extents, info.size, self.engine.tier.unit)
-        if field == "pinned":
-            return b"1" if info.pinned else b"0"
+        if field == "pinned":  # kept from eviction: the page pinned, or its session
+            held = info.pinned
+            if not held:
+                row = await self._thread(self.engine.index.session, node.page.session)
+                held = row is not None and row.pinned
+            return b"1" if held else b"0"
         return str(getattr(info, field)).encode()
 
     @guard

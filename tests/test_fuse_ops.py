@@ -258,6 +258,10 @@ async def test_xattrs(ops: KvfsOperations) -> None:
             f.seek(off)
             back += f.read(length)
     assert back == data
+    ops.engine.pin_session("s")  # its session pinned keeps it too (it said 0)
+    assert await ops.getxattr(ino, b"user.kvfs.pinned", CTX) == b"1"
+    ops.engine.pin_session("s", False)
+    assert await ops.getxattr(ino, b"user.kvfs.pinned", CTX) == b"0"
     ops.engine.pin("sessions/s/p/layer-003")
     assert await ops.getxattr(ino, b"user.kvfs.pinned", CTX) == b"1"
     assert await fuse_errno(ops.getxattr(ino, b"user.other", CTX)) == pyfuse3.ENOATTR
