@@ -23,8 +23,10 @@ from typing import Any
 import trio
 
 from kvfs import CorruptPage, PageInfo, PageKey
-from kvfs._aligned import BouncePool
+from kvfs._aligned import BouncePool, as_bytes_view
 from kvfs._checksum import LEAF
+from kvfs._keys import as_key
+from kvfs._writes import check_attrs
 
 from ._gpu import (
     BackendUnavailable,
@@ -56,9 +58,10 @@ class FastPath:
     a hash pool, unless pools are given. ``verify`` (default True) checks every byte against
     the stored BLAKE3 leaves; turning it off is for benchmarks of the raw path.
 
-    Calls that return futures raise argument errors (TypeError, ValueError,
+    Calls that return futures raise argument errors (TypeError, ValueError, InvalidKey,
     UnalignedDestination, BackendUnavailable) and lookup errors (PageNotFound) at once;
-    the future raises CorruptPage (checksum mismatch, missing or short data file) or OSError.
+    the future raises CorruptPage (checksum mismatch, missing or short data file) or OSError
+    (docs/gds.md lists them all).
     A future resolves only after every byte is in the destination, the data is verified,
     and the lease is released. Futures cannot be cancelled once returned.
     """
@@ -82,6 +85,13 @@ class FastPath:
         if max_piece <= 0 or max_piece % ALIGN:
             raise ValueError(f"max_piece must be a positive multiple of {ALIGN}")
         self.engine = getattr(store, "engine", store)
+        if self.engine is not None and not hasattr(self.engine, "lease"):
+            raise TypeError(
+                "FastPath needs a store opened here (kvfs.Store, kvfs.SyncStore, kvfs.Engine) "
+                f"or None for reads by path, not {type(store).__name__}"
+            )
+        if threads <= 0:
+            raise ValueError("threads must be > 0")
         self.backend = backend
         self.verify = verify
         self.max_piece = max_piece
@@ -99,9 +109,9 @@ class FastPath:
         self._bounce = BouncePool(LEAF, 4)
         self._pinned = PinnedPool(LEAF, max(2, os.cpu_count() or 2))
         self._closed = False
-        # reads by key in flight: one may start again after a heal, so close waits for them
-        # before it stops the pools
-        self._inflight: set[Future[int]] = set()
+        # reads and writes in flight (a read by key may start again after a heal): close
+        # waits for them before it stops the pools, its own or the caller's
+        self._inflight: set[Future[Any]] = set()
         self._inflight_lock = threading.Lock()
 
     def _pool(self, n: int, name: str) -> ThreadPoolExecutor:
@@ -244,13 +254,18 @@ class FastPath:
         out: Future[int] = Future()
         out.set_running_or_notify_cancel()  # as the read's own: one in flight is not called back
         first = start()
-        with self._inflight_lock:
-            self._inflight.add(out)
-        out.add_done_callback(self._forget)
+        self._track(out)
         first.add_done_callback(lambda f: self._heal_or_pass(eng, sources, f, out, start))
         return out
 
-    def _forget(self, f: Future[int]) -> None:
+    def _track(self, f: Future[Any]) -> Future[Any]:
+        """``f`` is in flight until it resolves: :meth:`close` waits for it."""
+        with self._inflight_lock:
+            self._inflight.add(f)
+        f.add_done_callback(self._forget)
+        return f
+
+    def _forget(self, f: Future[Any]) -> None:
         with self._inflight_lock:
             self._inflight.discard(f)
 
@@ -298,17 +313,27 @@ class FastPath:
         checksum is known by path, so corruption is reported once all bytes are in.
         Raises FileNotFoundError, NotAKvfsPage now; the future raises CorruptPage.
         """
-        return self._start(lambda: source_from_mount(path), into, backend, verify, allow_unaligned)
+        return self._track(
+            self._start(lambda: source_from_mount(path), into, backend, verify, allow_unaligned)
+        )
 
     def read_many(
         self, keys: Sequence[KeyLike], intos: Sequence[object], **kw: Any
     ) -> list[Future[int]]:
         """Start reading many pages at once (all layers of a prefix); their pieces share the
         pool in order, so the reads overlap and the first pages finish first. If a lookup
-        fails, the reads already started run on and the error is raised."""
+        fails, the reads already started are waited for, then the error is raised: nothing
+        writes into a destination after that (a caller may prefill into them)."""
         if len(keys) != len(intos):
             raise ValueError("need one destination per key")
-        return [self.read(k, d, **kw) for k, d in zip(keys, intos, strict=True)]
+        started: list[Future[int]] = []
+        try:
+            for k, d in zip(keys, intos, strict=True):
+                started.append(self.read(k, d, **kw))
+        except BaseException:
+            wait_futures(started)
+            raise
+        return started
 
     def layer_keys(self, session: str, prefix: str) -> list[str]:
         """The page paths of one prefix of a session, in layer order (``layer-NNN`` by
@@ -345,17 +370,24 @@ class FastPath:
         GPU memory is first copied into page-aligned host memory; the store then writes the
         striped files with O_DIRECT, computes the BLAKE3 leaves of exactly those bytes and
         commits the index entry, so index and checksum are right by construction. The
-        source buffer may be reused once the future resolves. The future raises PageExists,
-        CapacityExceeded, InvalidKey as ``Store.put`` does.
+        source buffer may be reused once the future resolves. Raises InvalidKey (the key,
+        attrs), TypeError, ValueError (not a C-contiguous buffer) now; the future raises
+        PageExists, CapacityExceeded as ``Store.put`` does.
         """
         eng = self._need_engine()
+        if self._closed:
+            raise RuntimeError("this FastPath is closed")
+        # The arguments are checked at the call, as a read's are; the future raises what
+        # the store answers
+        k, attrs = as_key(key), check_attrs(attrs)
         device = is_device_buffer(data)
+        host_data = None if device else as_bytes_view(data, kinds="or GPU memory")
 
         def run() -> PageInfo:
-            host = _stage_to_host(data) if device else data
-            return eng.put(key, host, attrs=attrs, pin=pin, replace=replace)
+            host = _stage_to_host(data) if device else host_data
+            return eng.put(k, host, attrs=attrs, pin=pin, replace=replace)
 
-        return self._writer.submit(run)
+        return self._track(self._writer.submit(run))
 
     # -- trio -------------------------------------------------------------------------
     async def aread(self, key: KeyLike, into: object, **kw: Any) -> int:

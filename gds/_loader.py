@@ -53,8 +53,9 @@ class LayerLoader(Generic[T]):
 
     Reads for the next ``ahead`` layers are in flight while the caller computes on the one
     just yielded; ``ahead=None`` starts them all at once. Iterate with ``for`` (threads) or
-    ``async for`` (trio). A failed layer raises from the iteration (CorruptPage...) at its
-    turn. Use as a context manager: leaving it waits for every read already started, so no
+    ``async for`` (trio). A failed layer raises from the iteration at its turn: a read
+    that failed (CorruptPage...) or one that could not start (PageNotFound: ``submit``
+    raised); iterating on goes on with the next layer. Use as a context manager: leaving it waits for every read already started, so no
     destination is written after the ``with`` block (reads not yet started never start).
     """
 
@@ -72,9 +73,8 @@ class LayerLoader(Generic[T]):
         try:
             self._top_up()
         except BaseException:
-            # A later layer failed to start (a missing page): the reads already started
-            # are still writing into their buffers, and the caller, with no loader to
-            # leave, would reuse them at once. Wait for those reads, then raise.
+            # (interrupted): the reads already started are still writing into their
+            # buffers, and the caller, with no loader to leave, would reuse them at once
             self.close()
             raise
 
@@ -91,7 +91,15 @@ class LayerLoader(Generic[T]):
         # Layers 0..i are taken; i+1..i+ahead should be in flight (layer 0 + ahead at first).
         want = min(len(self._dests), max(self._next, 1) + self._ahead)
         while not self._closed and len(self._futures) < want:
-            self._futures.append(self._submit(len(self._futures)))
+            try:
+                f = self._submit(len(self._futures))
+            except Exception as e:  # noqa: BLE001 - a layer that cannot start (its page is
+                # missing) raises at its turn, as a failed read does, not at an earlier
+                # layer's (which was then never yielded)
+                f = Future()
+                f.set_running_or_notify_cancel()
+                f.set_exception(e)
+            self._futures.append(f)
 
     def _take(self) -> tuple[int, Future[int]]:
         if self._next >= len(self._dests) or self._closed:

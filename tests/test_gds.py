@@ -232,9 +232,34 @@ def test_layer_loader_yields_a_layer_while_the_next_is_in_flight(store: kvfs.Syn
     io.shutdown()
 
 
-def test_a_missing_later_layer_raises_after_the_started_reads_end(store: kvfs.SyncStore) -> None:
-    """load_layers raised PageNotFound (a later key missing) while the first layer's read
-    still wrote into its buffer: the caller, told it failed, reused a buffer being written."""
+def test_a_missing_layer_raises_at_its_turn(store: kvfs.SyncStore, fp: gds.FastPath) -> None:
+    """With ahead=1, taking layer 1 starts layer 2: its page missing, PageNotFound came at
+    layer 1's turn, and layer 1, read, was never yielded (and iterating on skipped layer 3).
+    Before that, load_layers raised from its constructor while layer 0 was still being
+    written into its buffer."""
+    datas = [rand(8 * KiB, seed=i) for i in range(4)]
+    for i, d in enumerate(datas):
+        store.put(key(i), d)
+    keys = [key(i) for i in range(4)]
+    store.delete(key(2))
+    dests = [aligned(8 * KiB) for _ in keys]
+    with fp.load_layers(keys, dests, ahead=1) as layers:
+        it = iter(layers)
+        for want in (0, 1):
+            i, buf = next(it)
+            assert i == want and np.array_equal(buf, datas[i])
+        with pytest.raises(kvfs.PageNotFound):
+            next(it)
+        i, buf = next(it)  # the layers after it go on
+        assert i == 3 and np.array_equal(buf, datas[3])
+        with pytest.raises(StopIteration):
+            next(it)
+    assert not store.engine._leases
+
+
+def test_read_many_waits_for_the_started_reads_before_raising(store: kvfs.SyncStore) -> None:
+    """read_many raised PageNotFound (a later key missing) while the earlier reads still
+    wrote into their buffers: the caller, told it failed, reused a buffer being written."""
     data = rand(64 * KiB, seed=7)
     store.put(key(0), data)
     io = HoldAfter(0)  # every read waits until released
@@ -244,7 +269,7 @@ def test_a_missing_later_layer_raises_after_the_started_reads_end(store: kvfs.Sy
         release.start()
         try:
             with pytest.raises(kvfs.PageNotFound):
-                fp.load_layers([key(0), "no/such-page"], [dest, aligned(4 * KiB)])
+                fp.read_many([key(0), "no/such-page"], [dest, aligned(4 * KiB)])
             assert np.array_equal(dest, data)  # its read had ended when the error came
         finally:
             release.cancel()
@@ -352,6 +377,31 @@ def test_read_by_path_through_xattrs(
         flip_stored_byte(info, MiB + 3)
         with pytest.raises(kvfs.CorruptPage):
             fp.read_path(p, aligned(data.nbytes)).result()
+
+
+def test_close_waits_for_a_read_by_path(
+    make_config: Callable[..., kvfs.StoreConfig], tmp_path: Any
+) -> None:
+    """With the caller's io_pool, close() returned at once while a read by path was in
+    flight (only reads by key were waited for); the read then failed on the hash pool
+    close() had shut down."""
+    cfg = make_config(ndev=1, stripe_unit=MiB, name="bypath-close")
+    with kvfs.open_store_sync(cfg) as store:
+        data = rand(2 * MiB + 9)
+        p = fake_mount_file(tmp_path, store.put(key(0), data))
+        held = HoldAfter(0)
+        fp = gds.FastPath(io_pool=held)
+        dest = aligned(data.nbytes)
+        fut = fp.read_path(p, dest)
+        closing = threading.Thread(target=fp.close)
+        closing.start()
+        closing.join(0.5)
+        assert closing.is_alive()  # close waits for the read in flight
+        held.release()
+        assert fut.result(timeout=60) == data.nbytes
+        closing.join(60)
+        assert not closing.is_alive() and np.array_equal(dest, data)
+        held.shutdown()
 
 
 def test_read_by_path_needs_the_xattr(fp: gds.FastPath, tmp_path: Any) -> None:
@@ -522,6 +572,18 @@ def test_close_waits_for_a_read_that_heals(
 def test_fast_path_arguments_and_counters(store: kvfs.SyncStore, fp: gds.FastPath) -> None:
     with pytest.raises(ValueError, match="max_piece"):  # at construction, not at first read
         gds.FastPath(store, max_piece=1000)
+    with pytest.raises(TypeError, match="needs a store"):  # it failed at the first read
+        gds.FastPath("not-a-store")
+    # a write's argument errors come at the call, as a read's do (they came in the future)
+    with pytest.raises(kvfs.InvalidKey):
+        fp.write("../x", b"abc")
+    with pytest.raises(kvfs.InvalidKey):
+        fp.write(key(7), b"abc", attrs={"k": 1})  # type: ignore[dict-item]
+    with pytest.raises(TypeError, match="buffer"):
+        fp.write(key(7), 123)
+    with pytest.raises(ValueError, match="C-contiguous"):
+        fp.write(key(7), rand(100)[::2])
+    assert not store.exists(key(7))
     for layer in (1000, 999, 5):
         store.put(key(layer), rand(4096, seed=layer))
     assert fp.layer_keys("sess", "p0") == [key(i).path for i in (5, 999, 1000)]

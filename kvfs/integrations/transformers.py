@@ -513,7 +513,6 @@ class LayerwiseLoad:
         self.chunks = len(reads.plan) if reads else 0
         self.sources: tuple[str, ...] = tuple(s for s, _ in reads.plan) if reads else ()
         self.bytes_read = 0
-        self._done: list[Future[int]] = []
         self._loader: LayerLoader[tuple[torch.Tensor, torch.Tensor]] = LayerLoader(
             self._submit, reads.layers if reads else [], ahead
         )
@@ -521,17 +520,16 @@ class LayerwiseLoad:
     def _submit(self, layer: int) -> Future[int]:
         assert self._reads is not None
         done, _chunks = self._reads.submit(layer)
-        self._done.append(done)
         return done
 
     def __iter__(self) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
         for i, (k, v) in self._loader:
-            self.bytes_read += self._done[i].result()
+            self.bytes_read += self._loader.future(i).result()
             yield i, k, v
 
     async def __aiter__(self) -> AsyncIterator[tuple[int, torch.Tensor, torch.Tensor]]:
         async for i, (k, v) in self._loader:
-            self.bytes_read += self._done[i].result()
+            self.bytes_read += self._loader.future(i).result()
             yield i, k, v
 
     def close(self) -> None:
