@@ -23,13 +23,18 @@ def test_bench_gds_json(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_bench_ttft_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     pytest.importorskip("torch", reason="needs the engines extra (make test installs it)")
-    args = ["bench", "ttft", "--model", "small", "--tokens", "256,512", "--repeat", "1"]
+    # 300: one whole page (256 tokens) saved, 299 asked for: it said "same token: NO"
+    args = ["bench", "ttft", "--model", "small", "--tokens", "256,300", "--repeat", "1"]
     assert main([*args, "--dir", str(tmp_path), "--json"]) == 0
     captured = capsys.readouterr()
     res = json.loads(captured.out)
-    assert [r["tokens"] for r in res["rows"]] == [256, 512]
+    assert [r["tokens"] for r in res["rows"]] == [256, 300]
     assert all(r["same_first_token"] for r in res["rows"])  # the loaded cache gives the same token
-    assert "[2/2] 512 tokens" in captured.err
+    assert "[2/2] 300 tokens" in captured.err
+    # under one page: a clear error (it was "max() arg is an empty sequence")
+    args = ["bench", "ttft", "--model", "small", "--tokens", "128", "--no-archive"]
+    assert main([*args, "--dir", str(tmp_path)]) == 2
+    assert "must be at least 256 tokens" in capsys.readouterr().err
 
 
 def test_bench_fuse_json(
