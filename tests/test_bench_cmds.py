@@ -86,3 +86,51 @@ def test_bench_archive_json(capsys: pytest.CaptureFixture[str]) -> None:
     assert [c["dtype"] for c in res["compression"]] == ["fp16", "bf16", "fp32"]
     assert all(0 < c["shuffle_zstd_ratio"] < 1 for c in res["compression"])
     assert res["read_p99_idle_ms"] > 0 and res["reads_during_spill"] >= 20
+
+
+def test_bench_control_table_and_progress(capsys: pytest.CaptureFixture[str]) -> None:
+    """It ran ~26 s with nothing on stderr, and a 1000-byte page size showed as "0 KiB"."""
+    args = ["bench", "control", "--small", "1000", "--small-pages", "3", "--large", "64KiB"]
+    args += ["--large-pages", "2", "--clients", "1", "--repeat", "1", "--no-worker-process"]
+    assert main(args) == 0
+    captured = capsys.readouterr()
+    assert "small pages, round 1/1" in captured.err and "large pages, round 1/1" in captured.err
+    rows = [line.split() for line in captured.out.splitlines()[2:]]
+    assert [(r[0], r[1], r[2], r[3]) for r in rows[:2]] == [
+        ("small", "1000", "B", "put"),
+        ("small", "1000", "B", "get"),
+    ], captured.out
+
+
+def test_bench_ttft_sharing_shows_progress(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pytest.importorskip("torch", reason="needs the engines extra (make test installs it)")
+    args = ["bench", "ttft", "--sharing", "--model", "small", "--sessions", "2"]
+    args += ["--system-tokens", "256", "--user-tokens", "64", "--dir", str(tmp_path), "--json"]
+    assert main(args) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["all_first_tokens_match"]
+    assert "[2/2] session agent-001" in captured.err
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["gds", "--rounds", "0"],  # "no median for empty data", after writing every page
+        ["gds", "--layers", "-3"],  # ran 32 layers and reported -3
+        ["store", "--repeat", "0"],  # said "best of 0 rounds" and ran one
+        ["store", "--index", "-5"],
+        ["archive", "--pages", "0"],  # "integer modulo by zero"
+        ["archive", "--latency-reads", "0"],  # "list index out of range"
+        ["ttft", "--sharing", "--sessions", "0"],  # "division by zero"
+        ["control", "--clients", "x"],
+    ],
+)
+def test_bench_refuses_a_count_out_of_range_before_it_starts(
+    args: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as e:
+        main(["bench", *args])
+    assert e.value.code == 2
+    assert f"argument {args[-2]}:" in capsys.readouterr().err

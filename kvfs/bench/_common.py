@@ -48,7 +48,27 @@ def add_sweep(
     given here, so the help cannot drift from the defaults."""
     p.add_argument("--sizes", default=sizes, help=f"page sizes in MiB (default {sizes})")
     p.add_argument("--clients", default=clients, help=f"concurrent clients (default {clients})")
-    p.add_argument("--total", type=int, default=total, help=f"{total_help} (default {total})")
+    p.add_argument(
+        "--total", type=at_least(1), default=total, help=f"{total_help} (default {total})"
+    )
+
+
+def at_least(low: int) -> Callable[[str], int]:
+    """An argparse ``type``: an integer no smaller than ``low`` (a count of rounds, pages,
+    clients...), so that 0 or -3 is a usage error, not a division by zero deep in a run or a
+    silently different benchmark."""
+
+    def parse(text: str) -> int:
+        try:
+            n = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+        if n < low:
+            raise argparse.ArgumentTypeError(f"must be {low} or more, not {n}")
+        return n
+
+    parse.__name__ = "integer"  # argparse names the type in its messages
+    return parse
 
 
 def positive_ints(text: str, flag: str) -> list[int]:

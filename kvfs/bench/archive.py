@@ -39,7 +39,7 @@ import numpy as np
 
 import kvfs
 from kvfs._codec import CODECS, encode, shuffle
-from kvfs.bench._common import log, machine, new_parser
+from kvfs.bench._common import at_least, log, machine, new_parser
 
 __all__ = ["register", "run_archive_bench"]
 
@@ -65,18 +65,24 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="run the moto server at nice N (1-19): it then yields the CPUs to kvfs and to "
         "the reads timed, as an S3 endpoint on other machines would (default 0)",
     )
-    p.add_argument("--pages", type=int, default=24, help="pages in the spilled session (24)")
+    p.add_argument(
+        "--pages", type=at_least(1), default=24, help="pages in the spilled session (24)"
+    )
     p.add_argument("--page-mib", type=float, default=2.0, help="page size in MiB (2)")
-    p.add_argument("--concurrency", type=int, default=8, help="uploads/downloads at once (8)")
-    p.add_argument("--repeat", type=int, default=2, help="alternate rounds, best kept (2)")
-    p.add_argument("--tokens", type=int, default=512, help="tokens prefilled for the KV (512)")
-    p.add_argument("--layers", type=int, default=4, help="model layers (4)")
+    p.add_argument(
+        "--concurrency", type=at_least(1), default=8, help="uploads/downloads at once (8)"
+    )
+    p.add_argument("--repeat", type=at_least(1), default=2, help="alternate rounds, best kept (2)")
+    p.add_argument(
+        "--tokens", type=at_least(1), default=512, help="tokens prefilled for the KV (512)"
+    )
+    p.add_argument("--layers", type=at_least(1), default=4, help="model layers (4)")
     p.add_argument(
         "--numpy-kv",
         action="store_true",
         help="KV from one random attention layer in numpy instead of transformers",
     )
-    p.add_argument("--latency-reads", type=int, default=400, help="reads per latency phase")
+    p.add_argument("--latency-reads", type=at_least(1), default=400, help="reads per latency phase")
     p.add_argument("--level", type=int, default=1, help="zstd level (1, the default)")
     p.add_argument(
         "--codec",
@@ -86,13 +92,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--cpu-slots",
-        type=int,
+        type=at_least(0),
         default=0,
         help="pages compressed at once (default 0: half the CPUs)",
     )
     p.add_argument(
         "--upload-processes",
-        type=int,
+        type=at_least(0),
         default=2,
         help="spill and restore worker processes (default 2; 0: threads in the store's process)",
     )

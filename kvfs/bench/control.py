@@ -9,7 +9,7 @@ default 16 KiB) and large ones (``--large``, default 8 MiB):
 * **remote put/get**: the same calls through :class:`kvfs._remote.RemoteStore` (msgpack over
   the Unix socket, one connection per in-flight call) from the same number of tasks in the
   same process (the two ends share one trio thread);
-* **worker process put/get** (``--worker-process``, on by default): a separate Python
+* **worker process put/get** (on unless ``--no-worker-process``): a separate Python
   process, as an engine worker would be, making the calls through
   :class:`kvfs._remote.SyncRemoteStore` from ``--clients`` threads.
 
@@ -34,7 +34,7 @@ import trio
 import kvfs
 from kvfs._control import control_service
 from kvfs._remote import RemoteStore
-from kvfs.bench._common import log, machine, new_parser
+from kvfs.bench._common import at_least, log, machine, new_parser
 
 __all__ = ["register", "run_control_bench"]
 
@@ -48,11 +48,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         run=_main,
     )
     p.add_argument("--small", default="16KiB", help="small page size (16KiB)")
-    p.add_argument("--small-pages", type=int, default=2000, help="small pages per phase (2000)")
+    p.add_argument(
+        "--small-pages", type=at_least(1), default=2000, help="small pages per phase (2000)"
+    )
     p.add_argument("--large", default="8MiB", help="large page size (8MiB)")
-    p.add_argument("--large-pages", type=int, default=48, help="large pages per phase (48)")
-    p.add_argument("--clients", type=int, default=4, help="concurrent calls (4)")
-    p.add_argument("--repeat", type=int, default=2, help="alternate rounds, best kept (2)")
+    p.add_argument("--large-pages", type=at_least(1), default=48, help="large pages per phase (48)")
+    p.add_argument("--clients", type=at_least(1), default=4, help="concurrent calls (4)")
+    p.add_argument("--repeat", type=at_least(1), default=2, help="alternate rounds, best kept (2)")
     p.add_argument("--durable", action="store_true", help="fsync every put (default off)")
     p.add_argument("--dir", default=None, help="scratch directory (default: a temporary one)")
     p.add_argument(
@@ -151,6 +153,7 @@ async def run_control_bench(
             payloads = _payloads(size, count)
             best: dict[tuple[str, str], float] = {}
             for r in range(repeat):
+                log(f"kvfs bench control: {label} pages, round {r + 1}/{repeat}: put, get...")
                 for who, api in (("in-process", store), ("remote", remote)):
                     keys = [f"sessions/bench-{label}-{who}/p/layer-{i:05d}" for i in range(count)]
                     for op in ("put", "get"):
@@ -189,11 +192,9 @@ async def run_control_bench(
 
 
 def _main(args: argparse.Namespace) -> int:
-    from cli._util import print_json, print_table
+    from cli._util import fmt_bytes, print_json, print_table
 
     small, large = kvfs.parse_size(args.small), kvfs.parse_size(args.large)
-    if min(args.small_pages, args.large_pages, args.clients, args.repeat) < 1:
-        raise ValueError("--small-pages, --large-pages, --clients and --repeat must be >= 1")
     with tempfile.TemporaryDirectory(dir=args.dir, prefix="kvfs-bench-control-") as d:
         rows = trio.run(
             lambda: run_control_bench(
@@ -233,7 +234,7 @@ def _main(args: argparse.Namespace) -> int:
         [
             [
                 r["pages"],
-                f"{r['size'] // 1024} KiB",
+                fmt_bytes(r["size"]),
                 r["op"],
                 fig(r, "in_process"),
                 fig(r, "remote"),

@@ -39,7 +39,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from kvfs.bench._common import add_sweep, log, machine, new_parser, positive_ints
+from kvfs.bench._common import add_sweep, at_least, log, machine, new_parser, positive_ints
 from kvfs.bench._nullfs import null_mount
 
 __all__ = ["register", "run_fuse_bench"]
@@ -72,7 +72,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--direct-io", action="store_true", help="mount with --direct-io")
     p.add_argument(
         "--repeat",
-        type=int,
+        type=at_least(1),
         default=1,
         help="measure each cell N times; show the medians (default 1)",
     )

@@ -33,7 +33,7 @@ import numpy as np
 
 import kvfs
 from kvfs._aligned import open_direct
-from kvfs.bench._common import log, machine, new_parser, positive_ints
+from kvfs.bench._common import at_least, log, machine, new_parser, positive_ints
 
 MiB = 1 << 20
 
@@ -54,16 +54,20 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--sizes", default="1,16,128,512", help="page sizes in MiB (comma list)")
     p.add_argument(
         "--layers",
-        type=int,
+        type=at_least(0),
         default=0,
         help="layer pages per size (a session); default: 32 for small pages, fewer for "
         "large ones (about 256 MiB a size, at least 4), so a small size is not timed on a "
         "few milliseconds of I/O",
     )
-    p.add_argument("--ndev", type=int, default=2, help="device directories to stripe over")
+    p.add_argument("--ndev", type=at_least(1), default=2, help="device directories to stripe over")
     p.add_argument("--stripe-unit", default="4MiB", help="stripe unit (default 4MiB)")
-    p.add_argument("--threads", type=int, default=8, help="reader threads (raw and fast path)")
-    p.add_argument("--rounds", type=int, default=3, help="timed rounds; the median is shown")
+    p.add_argument(
+        "--threads", type=at_least(1), default=8, help="reader threads (raw and fast path)"
+    )
+    p.add_argument(
+        "--rounds", type=at_least(1), default=3, help="timed rounds; the median is shown"
+    )
     p.add_argument(
         "--dir",
         default=None,

@@ -33,7 +33,7 @@ from typing import Any
 
 import kvfs
 from kvfs._aligned import aligned_buffer, open_direct
-from kvfs.bench._common import add_sweep, log, machine, new_parser, positive_ints
+from kvfs.bench._common import add_sweep, at_least, log, machine, new_parser, positive_ints
 
 __all__ = ["register", "run_store_bench"]
 
@@ -61,10 +61,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="comma-separated data directories, one per device (default: one "
         "scratch directory under the system temp dir)",
     )
-    p.add_argument("--stripe-unit", type=int, default=4, help="stripe unit in MiB (default 4)")
+    p.add_argument(
+        "--stripe-unit", type=at_least(1), default=4, help="stripe unit in MiB (default 4)"
+    )
     p.add_argument(
         "--repeat",
-        type=int,
+        type=at_least(1),
         default=1,
         help="alternate raw and kvfs phases N times, report the best (default 1)",
     )
@@ -75,7 +77,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--index",
-        type=int,
+        type=at_least(0),
         default=0,
         metavar="N",
         help="measure the SQLite index with N pages instead (commits/s, lookups/s, restart time)",

@@ -27,7 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from kvfs.bench._common import log, machine, new_parser
+from kvfs.bench._common import at_least, log, machine, new_parser
 
 __all__ = ["register", "run_ttft"]
 
@@ -55,7 +55,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--repeat",
-        type=int,
+        type=at_least(1),
         default=3,
         help="loads and raw reads per length; the best is reported (default 3)",
     )
@@ -75,16 +75,18 @@ def register(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="run the prefix-sharing scenario instead (many sessions, one system prompt)",
     )
-    p.add_argument("--sessions", type=int, default=8, help="--sharing: sessions (default 8)")
+    p.add_argument(
+        "--sessions", type=at_least(1), default=8, help="--sharing: sessions (default 8)"
+    )
     p.add_argument(
         "--system-tokens",
-        type=int,
+        type=at_least(1),
         default=1024,
         help="--sharing: common system prompt length (default 1024)",
     )
     p.add_argument(
         "--user-tokens",
-        type=int,
+        type=at_least(1),
         default=256,
         help="--sharing: each session's own tokens (default 256)",
     )
