@@ -377,7 +377,10 @@ class ArchivingPolicy(TieringPolicy):
             async def one(h: bytes) -> None:
                 nonlocal total
                 async with limit:
-                    total += await self.upload_blob(h, mark=mark, fresh=fresh)
+                    # (not ``total += await ...``: that reads total before the await, and
+                    # the tasks finishing meanwhile were lost from the count)
+                    n = await self.upload_blob(h, mark=mark, fresh=fresh)
+                    total += n
                 if done is not None:
                     done([h])
 

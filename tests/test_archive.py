@@ -70,6 +70,20 @@ def test_spill_then_restore_on_access(make_config, archive_url: str) -> None:  #
         assert 0 < st["bytes_spilled"] < sum(map(len, data.values()))  # compressed
 
 
+@pytest.mark.parametrize("processes", [0, 2])
+def test_spill_returns_every_byte_it_uploaded(make_config, tmp_path: Path, processes: int) -> None:  # noqa: ANN001
+    """In-process uploads (upload_processes 0) added their sizes to the total concurrently
+    and lost some: a spill of 8 pages said an eighth of what it had sent."""
+    cfg = archived_cfg(make_config, f"file://{tmp_path / 'ar'}", upload_processes=processes)
+    with kvfs.open_store_sync(cfg) as s:
+        for i in range(8):
+            s.put(PageKey.semantic("a", "p0", i), os.urandom(100_000))  # incompressible
+        n = s.spill("a")
+        assert n == s.statistics().extra["archive"]["bytes_spilled"]
+    blobs = [f for f in (tmp_path / "ar" / "blobs").rglob("*") if f.is_file()]
+    assert len(blobs) == 8 and n == sum(f.stat().st_size for f in blobs)
+
+
 async def test_async_store_spill_restore(make_config, archive_url: str) -> None:  # noqa: ANN001
     cfg = archived_cfg(make_config, archive_url, interval=0.05, idle_seconds=3600)
     async with kvfs.open_store(cfg) as s:
