@@ -70,6 +70,23 @@ def _status(e: BaseException) -> int:
     return 0
 
 
+class MalformedReply(ConnectionError):
+    """A 2xx reply without what every S3 reply of its kind carries (a listing's
+    ``IsTruncated``, an object's ``ContentLength``, a put's ``ETag``): cut off in its headers,
+    or not from an S3 server. botocore parses such a reply into an empty result (a listing
+    with no keys, an object of 0 bytes), which must never be taken as the answer: it is
+    temporary, retried until the deadline, then ArchiveUnavailable."""
+
+
+def _need(reply: dict[str, Any], call: str, *fields: str) -> dict[str, Any]:
+    missing = [f for f in fields if f not in reply]
+    if missing:
+        raise MalformedReply(
+            f"the reply to {call} has no {', '.join(missing)}: cut off, or not from an S3 server"
+        )
+    return reply
+
+
 def is_temporary(e: BaseException) -> bool:
     """Connection trouble, timeouts, 5xx and throttling are temporary; the rest permanent."""
     if isinstance(
@@ -203,8 +220,19 @@ class S3Store(ObjectStore):
         if open_deadline < read_timeout:
             checker = await trio.to_thread.run_sync(make, max(open_deadline, 0.1))
         try:
+
+            async def check() -> None:
+                await self._thread(checker.head_bucket, Bucket=bucket)
+                # any server answers a HEAD with 200; an S3 listing has a shape to check
+                kw: dict[str, Any] = {"Bucket": bucket, "MaxKeys": 1}
+                if self.prefix:
+                    kw["Prefix"] = self.prefix
+                await self._thread(
+                    self._checked(checker.list_objects_v2, "ListObjectsV2", "IsTruncated"), **kw
+                )
+
             await retry(
-                lambda: self._thread(checker.head_bucket, Bucket=bucket),
+                check,
                 is_temporary=is_temporary,
                 what=f"checking {where}",
                 backoff=Backoff(self.backoff.base, self.backoff.cap, open_deadline),
@@ -267,19 +295,37 @@ class S3Store(ObjectStore):
         except bce.BotoCoreError as e:
             raise ArchiveUnavailable(f"{what} on {self.url}: {e}") from e
 
+    @staticmethod
+    def _checked(fn: Callable[..., dict[str, Any]], call: str, *fields: str) -> Callable[..., Any]:
+        """``fn`` whose reply must carry ``fields`` (:class:`MalformedReply` otherwise)."""
+
+        def call_checked(*args: Any, **kw: Any) -> dict[str, Any]:
+            return _need(fn(*args, **kw), call, *fields)
+
+        return call_checked
+
     def _key(self, key: str) -> str:
         return self.prefix + check_key(key)
 
     async def get(self, key: str, *, into: memoryview | bytearray | None = None) -> bytes | int:
         def fetch() -> bytes:
-            r = self._client.get_object(Bucket=self.bucket, Key=self._key(key))
+            r = _need(
+                self._client.get_object(Bucket=self.bucket, Key=self._key(key)),
+                "GetObject",
+                "ContentLength",
+            )
             body = r["Body"]
             try:
                 # A body cut off mid-stream raises here (urllib3 or botocore errors, all
                 # temporary): the whole GET is retried.
-                return body.read()
+                data: bytes = body.read()
             finally:
                 body.close()
+            if len(data) != r["ContentLength"]:
+                raise MalformedReply(
+                    f"GetObject {key}: {len(data)} of its {r['ContentLength']} bytes came"
+                )
+            return data
 
         try:
             data = await self._call(f"get {key}", fetch)
@@ -305,7 +351,7 @@ class S3Store(ObjectStore):
                 return await self._put_multipart(key, k, memoryview(data).cast("B"), cond)
             await self._call(
                 f"put {key}",
-                self._client.put_object,
+                self._checked(self._client.put_object, "PutObject", "ETag"),
                 Bucket=self.bucket,
                 Key=k,
                 Body=bytes(data),
@@ -322,7 +368,9 @@ class S3Store(ObjectStore):
             return False
         up = await self._call(
             f"start multipart {key}",
-            self._client.create_multipart_upload,
+            self._checked(
+                self._client.create_multipart_upload, "CreateMultipartUpload", "UploadId"
+            ),
             Bucket=self.bucket,
             Key=k,
         )
@@ -332,7 +380,7 @@ class S3Store(ObjectStore):
         async def one(n: int, off: int) -> None:
             r = await self._call(
                 f"put part {n} of {key}",
-                self._client.upload_part,
+                self._checked(self._client.upload_part, "UploadPart", "ETag"),
                 Bucket=self.bucket,
                 Key=k,
                 UploadId=uid,
@@ -377,7 +425,10 @@ class S3Store(ObjectStore):
     async def modified(self, key: str) -> float | None:
         try:
             r = await self._call(
-                f"head {key}", self._client.head_object, Bucket=self.bucket, Key=self._key(key)
+                f"head {key}",
+                self._checked(self._client.head_object, "HeadObject", "LastModified"),
+                Bucket=self.bucket,
+                Key=self._key(key),
             )
         except bce.ClientError as e:
             if _status(e) == 404 or _code(e) in ("404", "NoSuchKey", "NotFound"):
@@ -411,7 +462,9 @@ class S3Store(ObjectStore):
                 kw["ContinuationToken"] = token
             try:
                 r = await self._call(
-                    f"list {prefix or '(all)'}", self._client.list_objects_v2, **kw
+                    f"list {prefix or '(all)'}",
+                    self._checked(self._client.list_objects_v2, "ListObjectsV2", "IsTruncated"),
+                    **kw,
                 )
             except bce.ClientError as e:
                 raise self._permanent(e, f"list {prefix or '(all)'}") from e

@@ -270,6 +270,73 @@ async def test_a_body_cut_off_mid_stream_is_retried(s3_server, proxy) -> None:  
             await s.get("big")
 
 
+async def test_a_reply_cut_in_its_headers_is_retried_not_taken_as_empty(s3_server, proxy) -> None:  # noqa: ANN001
+    """botocore parses a 200 reply cut off in its headers into an empty result: a listing
+    with no keys (kvfs's collector took that as "no manifest names these objects" and
+    deleted another host's only copies), an object of 0 bytes (reported as corrupt)."""
+    bucket = s3_server.new_bucket()
+    data = os.urandom(100_000)
+    url = f"s3://{bucket}?endpoint={proxy.endpoint}"
+    async with await open_objectstore(f"s3://{bucket}?endpoint={s3_server.endpoint}") as direct:
+        await direct.put("manifests/a", b"m")
+        await direct.put("blobs/x", data)
+    calls = {
+        "list": (lambda s: s.list_all("manifests/"), ["manifests/a"]),
+        "get": (lambda s: s.get("blobs/x"), data),
+        "head": (lambda s: s.exists("blobs/x"), True),
+    }
+    for name, (call, want) in calls.items():
+        async with await open_objectstore(url, deadline=3) as s:  # a fresh connection pool
+            proxy.cut_responses(after=20, times=1)  # inside the status line's headers
+            assert await call(s) == want, name
+    async with await open_objectstore(url, deadline=1) as s:
+        proxy.cut_responses(after=20, times=1_000_000)
+        with pytest.raises(ArchiveUnavailable, match="cut off, or not from an S3 server"):
+            await s.list_all("manifests/")
+    proxy.cut_responses(after=0, times=0)
+
+
+async def test_an_endpoint_that_is_not_s3_is_refused_at_open() -> None:
+    """A server answering 200 to everything passed the bucket check (a HEAD); a spill then
+    "uploaded" to it and dropped the only local copies."""
+    import http.server
+    import threading
+
+    class Html(http.server.BaseHTTPRequestHandler):
+        def _ok(self) -> None:
+            body = b"<html>hello</html>"
+            n = int(self.headers.get("Content-Length") or 0)
+            self.rfile.read(n)
+            self.send_response(200)
+            self.send_header("Content-Type", "text/html")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            if self.command != "HEAD":
+                self.wfile.write(body)
+
+        do_GET = do_PUT = do_POST = do_HEAD = do_DELETE = _ok
+
+        def log_message(self, *a: object) -> None:
+            pass
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Html)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        url = f"s3://b?endpoint=http://127.0.0.1:{srv.server_address[1]}"
+        with pytest.raises(ArchiveUnavailable, match="not from an S3 server"):
+            await open_objectstore(url, open_deadline=1)
+        # opened without the check (kvfs's upload workers), a put is not taken as stored
+        s = await open_objectstore(url, verify=False, deadline=1)
+        with pytest.raises(ArchiveUnavailable, match="not from an S3 server"):
+            await s.put("k", b"v")
+        with pytest.raises(ArchiveUnavailable, match="not from an S3 server"):
+            await s.exists("k")
+        await s.aclose()
+    finally:
+        srv.shutdown()
+        srv.server_close()
+
+
 async def test_an_endpoint_that_never_answers_gives_up_near_open_deadline() -> None:
     """botocore retried once more on its own, each attempt waiting the whole read timeout
     (60 s): a silent endpoint held ``kvfs mount`` for two minutes, not ``open_deadline``."""
