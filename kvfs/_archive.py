@@ -574,8 +574,10 @@ class ArchivingPolicy(TieringPolicy):
         progress: Callable[[int, int], None] | None = None,
     ) -> int:
         """Evicting to the archive drops the local copy of shared data for every page
-        sharing it: they all stay readable from the archive."""
-        return sum(self.evict_blobs(blobs, reason, progress))
+        sharing it: they all stay readable from the archive. Raises ArchiveUnavailable
+        (nothing was dropped): the caller asked for this eviction and must hear why it did
+        not happen."""
+        return sum(self.evict_blobs(blobs, reason, progress, raise_unavailable=True))
 
     def evict_blob(self, blob: BlobRow, reason: str) -> int:
         return self.evict_blobs([blob], reason)[0]
@@ -585,12 +587,16 @@ class ArchivingPolicy(TieringPolicy):
         blobs: list[BlobRow],
         reason: str,
         progress: Callable[[int, int], None] | None = None,
+        *,
+        raise_unavailable: bool = False,
     ) -> list[int]:
         """Upload what is not archived yet, write the manifests that do not name these
         contents yet (see :meth:`Spiller.name_in_manifests`), then drop the local copies.
         Bytes freed per blob: 0 where the archive cannot take it (its data stays local,
-        nothing is lost). When the batch fails, each blob is tried alone: one bad local copy
-        (CorruptPage) keeps only itself."""
+        nothing is lost). When a local copy is bad (CorruptPage), each blob is tried alone:
+        that one keeps only itself. When the archive is unavailable, no blob is (each would
+        wait out the deadline again): all stay, or with ``raise_unavailable`` the error is
+        raised."""
         hashes = [b.hash for b in blobs]
         started = time.monotonic()
 
@@ -613,11 +619,16 @@ class ArchivingPolicy(TieringPolicy):
 
         try:
             self.call(archive)
-        except (ArchiveUnavailable, CorruptPage) as e:
+        except CorruptPage as e:
             if len(blobs) > 1:
                 return [self.evict_blob(b, reason) for b in blobs]
             log.warning("cannot evict %s: %s", blobs[0].hash.hex()[:16], e)
             return [0]
+        except ArchiveUnavailable as e:
+            if raise_unavailable:
+                raise
+            log.warning("cannot evict %d blob(s) to the archive: %s", len(blobs), e)
+            return [0] * len(blobs)
         # One transaction for the batch; a blob that a put shared into another session since
         # the manifests were written, or that was pinned meanwhile, stays local (drop_local_many).
         rows = {r.hash: r for r in self.aindex.drop_local_many(hashes, self.spiller.named)}

@@ -681,7 +681,8 @@ class Engine:
         Pinned and leased data is skipped. Without an archive tier this deletes the pages
         (theirs only: data that a page of another session shares stays, and is not freed).
         With one, what it lacks is uploaded first: ``progress(page bytes archived, page bytes
-        to archive)`` as uploads finish (not called when nothing needs uploading).
+        to archive)`` as uploads finish (not called when nothing needs uploading); raises
+        ArchiveUnavailable when the archive cannot take it (then nothing was dropped).
         """
         with self._using():
             return _maint.evict(self, target, session, reason, progress)
