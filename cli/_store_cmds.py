@@ -401,6 +401,8 @@ def render_stats(st: kvfs.StoreStatistics, *, own_counters: bool = False) -> str
         )
         if a.get("hosts_retired"):
             kept += f", hosts retired {a['hosts_retired']}"
+        if a.get("pending_deletes"):
+            kept += f", objects to delete {a['pending_deletes']}"
         out.append(
             f"archive {a.get('url')}: spill queue {a.get('spill_queue', 0)}, sessions "
             f"spilled {a.get('sessions_spilled', 0)}, {kept}, background errors "

@@ -1243,6 +1243,9 @@ class ArchivingPolicy(TieringPolicy):
             "archive": {
                 "url": self.store.url,
                 "spill_queue": self.spiller.queue_length(),
+                # objects queued to be deleted from the archive (after deletes, replaced
+                # pages; done by the background pass once gc_grace has passed)
+                "pending_deletes": len(self.aindex.pending("forget")),
                 "bytes_spilled": c.get("bytes_spilled", 0),
                 "bytes_restored": c.get("bytes_restored", 0),
                 "sessions_spilled": c.get("sessions_spilled", 0),

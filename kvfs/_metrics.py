@@ -109,6 +109,12 @@ def render_metrics(
     w("kvfs_archive_enabled", g, "1 when an archive tier is configured.", 1 if a else 0)
     if a:
         w("kvfs_spill_queue", g, "Sessions waiting to be spilled.", a.get("spill_queue", 0))  # type: ignore[arg-type]
+        w(
+            "kvfs_archive_pending_deletes",
+            g,
+            "Archive objects queued to be deleted.",
+            a.get("pending_deletes", 0),  # type: ignore[arg-type]
+        )
         for key, help in (
             ("bytes_spilled", "Bytes uploaded to the archive."),
             ("bytes_restored", "Bytes restored from the archive."),
