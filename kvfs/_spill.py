@@ -405,6 +405,9 @@ class Spiller:
         """Every session with a manifest in the archive (from any host sharing it); a session
         several hosts hold is listed once, with the union of their pages."""
         by_session: dict[str, list[dict[str, Any]]] = {}
+        # a session one of whose manifests cannot be read is left out, not listed from the
+        # others: its restore raises CorruptPage "unreadable" (it may name pages they lack)
+        unreadable: set[str] = set()
         keys = await self.store.list_all(MANIFESTS)
         read = await self._read_manifests(keys)
         for key in keys:
@@ -413,12 +416,15 @@ class Spiller:
             m = read[key]
             if m is None:  # not listed; said, so a lost session is not a mystery
                 _unreadable(key, "archived session manifest", "not listed")
+                unreadable.add(session_of_manifest_key(key))
                 continue
             # The manifest names its session; a long name's key holds only part of it.
             d = m.get("session") if isinstance(m.get("session"), str) else None
             by_session.setdefault(d or session_of_manifest_key(key), []).append(m)
         out = []
-        for ms in by_session.values():
+        for d, ms in by_session.items():
+            if d in unreadable:
+                continue
             m = merge_manifests(ms)
             if not m["pages"]:
                 continue  # deleted on the hosts whose manifests count (tombstones)

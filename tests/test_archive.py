@@ -642,6 +642,14 @@ def test_an_unreadable_manifest_is_left_out_of_the_listing_with_a_warning(
         with caplog.at_level("WARNING", logger="kvfs"):
             assert [x["session"] for x in s.archived_sessions()] == ["good"]
         assert "unreadable; not listed" in caplog.text and "sessions%2Fbad" in caplog.text
+    # Another host's readable manifest of the session does not bring it back into the list
+    # (it did, from theirs alone, while its restore raised CorruptPage "unreadable")
+    with kvfs.open_store_sync(archived_cfg(make_config, archive_url, name="other")) as o:
+        fill(o, "bad", 1, seed=2)
+        o.spill("bad")
+        assert [x["session"] for x in o.archived_sessions()] == ["good"]
+        with pytest.raises(kvfs.CorruptPage, match="unreadable"):
+            o.restore("bad")
 
 
 def test_a_manifest_that_decodes_but_is_not_sound_is_unreadable(
