@@ -444,6 +444,7 @@ def cmd_put(args: argparse.Namespace) -> int:
         if not sep or not k:
             raise ValueError(f"--attr wants K=V, not {a!r}")
         attrs[k] = v
+    kvfs.PageKey(args.key)  # a bad name is refused before a store is made for it
     if args.file == "-":
         data = sys.stdin.buffer.read()
     else:

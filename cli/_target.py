@@ -11,9 +11,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
+from pathlib import Path
 from typing import Any
 
 import kvfs
@@ -191,7 +193,10 @@ def open_target(
     _check_devices(config, new=new, create=create)
     with ExitStack() as stack:
         try:
-            store = stack.enter_context(kvfs.open_store_sync(config))
+            if new:
+                store = stack.enter_context(_made_or_undone(config))
+            else:
+                store = stack.enter_context(kvfs.open_store_sync(config))
         except kvfs.StoreLocked as e:
             if mode == "offline" and _answers(settings.socket_path()):
                 raise kvfs.StoreLocked(
@@ -201,6 +206,39 @@ def open_target(
         if new:  # (a forgotten --config writes into a store of its own: say so)
             dirs = ", ".join(str(d) for d in config.data_dirs)
             print(f"kvfs: made a new store in {dirs}", file=sys.stderr)
+        yield store
+
+
+@contextmanager
+def _made_or_undone(config: kvfs.StoreConfig) -> Iterator[Any]:
+    """Open a store that does not exist yet; when the open fails (its archive unreachable on
+    a fresh host's ``kvfs restore``), remove what it made: the directories that were not
+    there, the contents of those that were empty. Nothing else was in them."""
+    dirs = list(dict.fromkeys([*config.data_dirs, config.index_path.parent]))
+    before: dict[Path, bool | None] = {}  # was empty (None: made, with its missing parents)
+    for d in (x.absolute() for x in dirs):
+        if d.exists():
+            before[d] = not any(d.iterdir())
+            continue
+        while not d.parent.exists():
+            d = d.parent
+        before[d] = None
+    opened = kvfs.open_store_sync(config)
+    try:
+        store = opened.__enter__()
+    except BaseException:
+        for d, was_empty in before.items():
+            if was_empty is None:
+                shutil.rmtree(d, ignore_errors=True)
+            elif was_empty:
+                for x in d.iterdir():
+                    if x.is_dir() and not x.is_symlink():
+                        shutil.rmtree(x, ignore_errors=True)
+                    else:
+                        x.unlink(missing_ok=True)
+        raise
+    with ExitStack() as stack:
+        stack.push(opened)  # its __exit__ closes the store
         yield store
 
 

@@ -152,6 +152,18 @@ def test_a_typo_in_the_device_list_changes_nothing(run: Run, tmp_path: Path) -> 
     assert rc == 3 and f"{d0} is a data directory of one" in err and "original order" in err
 
 
+def test_a_restore_that_cannot_reach_the_archive_leaves_no_store(run: Run, tmp_path: Path) -> None:
+    """On a fresh host, `kvfs restore` with the archive unreachable exited 8 and left a new,
+    empty store behind (index, lock, blobs/): the docs say nothing changed."""
+    (tmp_path / "was-empty").mkdir()
+    for dirs in (f"{tmp_path}/new/x/d0,{tmp_path}/new/x/d1", f"{tmp_path}/was-empty"):
+        url = "s3://b?endpoint=http://127.0.0.1:1&open_deadline=0.5&deadline=0.5"
+        rc, _, err = run("restore", "s1", "--data", dirs, "--archive", url)
+        assert rc == 8, err
+    assert not (tmp_path / "new").exists()
+    assert list((tmp_path / "was-empty").iterdir()) == []
+
+
 def test_evict_refuses_the_only_copy_without_force(run: Run, tmp_path: Path) -> None:
     d = one_page(run, tmp_path, os.urandom(8192))
     rc, _, err = run("evict", "a", *d)
@@ -333,6 +345,9 @@ def test_missing_store_and_missing_page(run: Run, tmp_path: Path) -> None:
     assert rc == 1 and "exists" in err
     assert run("put", "f", "sessions/a/p/layer-000", "--replace", *d)[0] == 0
     assert run("put", "f", "/abs", *d)[0] == 2
+    # a bad name is refused before anything is made for it (it made a new store first)
+    rc, _, err = run("put", "f", "../up", "--data", str(tmp_path / "never"))
+    assert rc == 2 and "made a new store" not in err and not (tmp_path / "never").exists()
     assert run("ls", "--daemon", *d)[0] == 7
 
 
