@@ -29,10 +29,11 @@ import trio
 
 from ._engine import Engine
 from ._errors import KvfsError
+from ._events import log_event
 from ._fuse_ahead import AheadBudget, ReadAhead
 from ._fuse_behind import BehindBudget, WriteBehind
 from ._fuse_guard import child_of, fuse_error, guard
-from ._fuse_nodes import Handle, Kind, Node, NodeTable, Pending
+from ._fuse_nodes import Handle, Kind, Node, NodeTable, Pending, killed_by, process_of
 from ._fuse_ns import ATTR_GID, ATTR_UID, DirTable, session_json, session_of, validate_page
 from ._index import PageRow
 
@@ -136,7 +137,7 @@ class FileOps:
             writer, (mode & ~ctx.umask) & 0o7777, ctx.uid, ctx.gid, time.time_ns()
         )
         self.pending[path] = node
-        fh = self._fh(Handle(node, writable=True))
+        fh = self._fh(Handle(node, writable=True, opener=process_of(ctx.pid)))
         node.nlookup += 1
         return pyfuse3.FileInfo(fh=fh, direct_io=self.direct_io), self._attrs(node)
 
@@ -335,7 +336,11 @@ class FileOps:
         # visible when close returns. A flush before any write is a shell's dup2 + close of
         # the original fd (``echo > f``, dd): the writer is not done, release commits.
         pending = h.node.pending
-        if h.writable and not h.committed and pending is not None and pending.unlinked:
+        if h.writable and not h.committed and not h.killed:
+            h.killed = killed_by(h.opener)
+        if h.writable and not h.committed and h.killed:
+            await self._finish(h, h.node.path)  # discards it: never a page half-written
+        elif h.writable and not h.committed and pending is not None and pending.unlinked:
             # A scratch file (created, then unlinked while open: TemporaryFile) lives until
             # its last close, which is release: this flush is a dup's close (a child that
             # had it as stdout). Only report a write that failed.
@@ -368,6 +373,8 @@ class FileOps:
             raise fuse_error(errno.EBADF)
         try:
             if h.writable and not h.committed:
+                if not h.killed:
+                    h.killed = killed_by(h.opener)
                 await self._finish(h, h.node.path)
             elif h.again is not None:
                 await self._commit_again(h)
@@ -398,9 +405,17 @@ class FileOps:
         h.committed = True
         if self.pending.get(node.path) is node:
             del self.pending[node.path]
-        if w.unlinked or h.failed:
+        if w.unlinked or h.failed or h.killed:
             await self._thread(w.writer.abort)
             self.table.unbind(node)
+            if h.killed and not w.unlinked:
+                log_event(
+                    "discard",
+                    level=logging.WARNING,
+                    target=node.path,
+                    reason=f"its writer was killed by signal {h.killed} before closing it",
+                    bytes=max(w.writer.size, w.queued_end),
+                )
             if h.failed:
                 raise fuse_error(h.failed)  # close() reports it too
             return

@@ -90,6 +90,45 @@ class Node:
         return content
 
 
+def process_of(pid: int) -> tuple[int, int] | None:
+    """``(pid, start time)``: a process as :func:`killed_by` finds it again (a pid alone
+    may be reused). None when it is gone already."""
+    fields = _stat_fields(pid)
+    return None if fields is None else (pid, int(fields[19]))
+
+
+def killed_by(proc: tuple[int, int] | None) -> int:
+    """The signal that is ending process ``proc`` (from :func:`process_of`), else 0.
+
+    A file's close and its writer's death look the same to a file system: the kernel closes
+    a dying process's files, and FUSE sends the FLUSH and RELEASE a close sends. But while it
+    closes them the process is exiting (PF_EXITING in /proc/PID/stat) with its exit status
+    set: a signal there (SIGKILL, an unhandled SIGTERM, a crash) means it never finished
+    writing. A process that exits normally without closing (status without a signal), and
+    one already reaped, count as a close."""
+    if proc is None:
+        return 0
+    fields = _stat_fields(proc[0])
+    if fields is None or int(fields[19]) != proc[1] or len(fields) < 50:
+        return 0
+    if not int(fields[6]) & _PF_EXITING:
+        return 0
+    return int(fields[49]) & 0x7F
+
+
+_PF_EXITING = 0x4
+
+
+def _stat_fields(pid: int) -> list[str] | None:
+    """The fields of /proc/PID/stat after the command name (field 3, the state, first)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            raw = f.read()
+    except OSError:
+        return None
+    return raw[raw.rindex(b")") + 2 :].decode().split()
+
+
 @dataclass(eq=False)
 class Handle:
     """An open file. Read handles hold an engine lease (``lease``) until release."""
@@ -104,6 +143,10 @@ class Handle:
     writable: bool = False
     wrote: bool = False
     failed: int = 0  # errno of a failed write: the file is discarded at close
+    #: the process that created the file being written (:func:`process_of`), and the signal
+    #: that killed it before it closed the file (:func:`killed_by`): then it is discarded
+    opener: tuple[int, int] | None = None
+    killed: int = 0
     committed: bool = False
     #: writes after this handle's page was committed (a dup'd fd closed first): the next
     #: version of the page, committed over it by the next flush or the release
