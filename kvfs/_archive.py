@@ -191,6 +191,8 @@ class _Staged:
 class ArchivingPolicy(TieringPolicy):
     """LRU eviction that uploads before dropping, restores on access, and spills sessions."""
 
+    lossy_eviction = False  # what goes is in the archive
+
     def __init__(self, engine: Engine) -> None:
         super().__init__(engine)
         from objectstore import open_objectstore  # here: objectstore imports kvfs._errors

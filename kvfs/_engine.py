@@ -399,8 +399,10 @@ class Engine:
                 if self.reserved - own <= 0 or time.monotonic() > deadline:
                     raise CapacityExceeded(
                         f"no room for {n} bytes: {self.used} of {self.capacity} bytes used, "
-                        f"{self.reserved} reserved by writes in flight, and nothing left "
-                        "that may be evicted (pinned, leased or being written)"
+                        f"{self.reserved} reserved by writes in flight, and not enough left "
+                        "that may be evicted to make it (the rest is pinned, leased or being "
+                        "written; without an archive nothing is deleted for room that cannot "
+                        "be made)"
                     )
                 self._cap_changed.wait(0.05)
 

@@ -24,6 +24,8 @@ class TieringPolicy:
     """LRU eviction of unpinned, unleased blobs. Subclass to change what evicting means."""
 
     batch = 64
+    #: evicting deletes (no archive holds a copy): never for room that cannot be made
+    lossy_eviction = True
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
@@ -35,6 +37,11 @@ class TieringPolicy:
         Called with the engine's eviction lock held, so victims are never chosen twice.
         """
         self.engine.flush_atimes()
+        if self.lossy_eviction and not self._can_free(need):
+            # All that may go would not make the room: deleting it would lose those pages
+            # and the write would fail anyway (it did: one cp too large deleted every
+            # unpinned page, then got ENOSPC)
+            return 0
         freed = 0
         skipped: set[bytes] = set()
         while freed < need:
@@ -70,6 +77,19 @@ class TieringPolicy:
         """Evict several blobs at once; the bytes each freed (0: that one was not evicted).
         ``progress(bytes archived, bytes to archive)`` where copies are archived first."""
         return [self.evict_blob(b, reason) for b in blobs]
+
+    def _can_free(self, need: int) -> bool:
+        """Whether evicting what may be evicted now frees ``need`` bytes. Reads candidates
+        in growing batches: under steady pressure the first holds enough."""
+        limit = self.batch
+        while True:
+            cands = self.engine.index.eviction_candidates(limit)
+            free = sum(b.disk_bytes for b in cands if not self.engine.is_leased(b.hash))
+            if free >= need:
+                return True
+            if len(cands) < limit:
+                return False
+            limit *= 4
 
     def evict_pages(
         self,

@@ -111,7 +111,7 @@ def test_capacity_exceeded_when_everything_is_pinned(
             while True:
                 store.put(f"pinned/p{i}", os.urandom(100 * KiB), pin=True)
                 i += 1
-        assert isinstance(ei.value, OSError) and "nothing left" in str(ei.value)
+        assert isinstance(ei.value, OSError) and "not enough left" in str(ei.value)
         before = store.statistics()
         assert i >= 5 and before.pages == i
         assert files_bytes(cfg)[0] == before.used_bytes  # the refused put left no file
@@ -122,6 +122,26 @@ def test_capacity_exceeded_when_everything_is_pinned(
         store.put("fits", os.urandom(100 * KiB))
         assert not store.exists("pinned/p0")
         assert all(store.exists(f"pinned/p{j}") for j in range(1, i))
+
+
+def test_no_page_is_deleted_for_room_that_cannot_be_made(
+    make_config: Callable[..., kvfs.StoreConfig],
+) -> None:
+    """Without an archive, evicting deletes: a put too large for what could go deleted
+    every unpinned page, then failed anyway."""
+    cfg = make_config(ndev=2, stripe_unit=64 * KiB, capacity=1 * MiB)
+    with kvfs.open_store_sync(cfg) as store:
+        for i in range(6):
+            store.put(f"pinned/p{i}", os.urandom(128 * KiB), pin=True)
+        loose = {f"loose/p{i}": os.urandom(64 * KiB) for i in range(2)}
+        for k, v in loose.items():
+            store.put(k, v)
+        with pytest.raises(kvfs.CapacityExceeded, match="not enough left"):
+            store.put("too-big", os.urandom(600 * KiB))
+        assert all(store.get(k) == v for k, v in loose.items())
+        assert store.statistics().evictions.get("capacity", 0) == 0
+        store.put("fits", os.urandom(100 * KiB))  # what can be made room for still is
+        assert store.statistics().evictions.get("capacity", 0) >= 1
 
 
 def test_pinned_pages_and_sessions_are_never_evicted(
