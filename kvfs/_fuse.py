@@ -192,7 +192,15 @@ class KvfsOperations(FileOps, pyfuse3.Operations):
                     await self._drain(x)
                 if attr.st_size < w.writer.size:
                     raise fuse_error(errno.EINVAL)  # a page being written only grows
-                await self._thread(w.writer.truncate, attr.st_size)
+                try:
+                    await self._thread(w.writer.truncate, attr.st_size)
+                except OSError as e:
+                    # as a failed write: the file is discarded, and its close says why (it
+                    # was published as an empty page after `truncate -s 1G` got ENOSPC)
+                    for x in self.handles.values():
+                        if x.node is node and x.writable:
+                            x.failed = x.failed or e.errno or errno.EIO
+                    raise
             w.mode = attr.st_mode if fields.update_mode else w.mode
             w.uid = attr.st_uid if fields.update_uid else w.uid
             w.gid = attr.st_gid if fields.update_gid else w.gid

@@ -574,6 +574,17 @@ def test_enospc_with_small_capacity(make_mount: object) -> None:
         with contextlib.suppress(OSError):
             os.close(fd)
     assert not (m.mp / "too-big-2").exists()
+    # a file grown past the cap by truncate is discarded too, and its close says so (it was
+    # published as an empty page)
+    r = subprocess.run(["truncate", "-s", "1G", str(m.mp / "sized")], capture_output=True)
+    assert r.returncode != 0 and not (m.mp / "sized").exists()
+    f = open(m.mp / "sized-py", "wb")  # noqa: SIM115
+    with pytest.raises(OSError) as ei:
+        os.ftruncate(f.fileno(), 1 << 30)
+    assert ei.value.errno == errno.ENOSPC
+    with pytest.raises(OSError) as ei:
+        f.close()
+    assert ei.value.errno == errno.ENOSPC and not (m.mp / "sized-py").exists()
 
 
 def test_a_full_disk_under_the_mount(make_mount: object) -> None:
