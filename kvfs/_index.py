@@ -38,7 +38,7 @@ from typing import Any
 
 import msgpack
 
-from ._errors import CapacityExceeded
+from ._errors import CapacityExceeded, PageExists
 
 log = logging.getLogger("kvfs.index")
 
@@ -98,6 +98,25 @@ def _pack(obj: object) -> bytes:
 
 def _unpack(b: bytes | None, default: Any = None) -> Any:
     return default if b is None else msgpack.unpackb(b, raw=False, use_list=False)
+
+
+def _check_no_clash(db: sqlite3.Connection, path: str, moving: str = "") -> None:
+    """A page's path is a file on the mount: no page may be named like a directory above it,
+    or have pages below it (the mount showed one and hid the other: ``kvfs put f dir`` made
+    dir/page unreachable, a page under a page was invisible). Raises PageExists."""
+    parts = path.split("/")
+    for i in range(1, len(parts)):
+        above = "/".join(parts[:i])
+        if above != moving and db.execute("SELECT 1 FROM pages WHERE path=?", (above,)).fetchone():
+            raise PageExists(f"{path!r}: {above!r} is a page, so it cannot be a directory too")
+    below = db.execute(
+        "SELECT path FROM pages WHERE path > ? AND path < ? AND path != ? LIMIT 1",
+        (path + "/", path + "0", moving),  # ("0" sorts right after "/")
+    ).fetchone()
+    if below is not None:
+        raise PageExists(
+            f"{path!r} is a directory of pages ({below[0]!r}...), so it cannot be a page too"
+        )
 
 
 def meta_value(b: bytes | None) -> Any:
@@ -572,6 +591,8 @@ class Index:
         old_page = _page(old) if old else None
         if old_page is not None and not c.replace:
             raise KeyError(path)
+        if old_page is None:
+            _check_no_clash(db, path)
         existing = db.execute(f"SELECT {_BLOB_COLS} FROM blobs WHERE hash=?", (h,)).fetchone()
         used_new = True
         if extents is None and (existing is None or _blob(existing).extents is None):
@@ -724,6 +745,8 @@ class Index:
             self.removals[dst_session] += 1
             freed = None
             old = db.execute("SELECT hash FROM pages WHERE path=?", (dst,)).fetchone()
+            if old is None:
+                _check_no_clash(db, dst, moving=src)
             if old is not None:
                 db.execute("DELETE FROM pages WHERE path=?", (dst,))
                 freed = self._unref(db, old[0])

@@ -104,3 +104,21 @@ def test_bad_semantic_parts(parts: tuple) -> None:
 def test_unicode_names_round_trip() -> None:
     k = PageKey.semantic("sitzung-ü", "präfix-✓", "layer-007")
     assert PageKey.from_path(k.path) == k and k.layer_index == 7
+
+
+def test_a_page_and_a_directory_of_pages_cannot_share_a_name(sync_store: kvfs.SyncStore) -> None:
+    """On the mount a path is a file or a directory: `kvfs put f dir` over dir/page made the
+    mount show dir as a file and dir/page unreachable, and a page under a page was hidden."""
+    s = sync_store
+    s.put("dir/page", b"1")
+    with pytest.raises(kvfs.PageExists, match="is a directory of pages"):
+        s.put("dir", b"2")
+    with pytest.raises(kvfs.PageExists, match="'dir/page' is a page"):
+        s.put("dir/page/sub", b"3")
+    s.put("dir/page", b"4", replace=True)  # replacing the page itself is fine
+    s.put("dirx", b"5")  # a name that only starts alike
+    s.put("other", b"6")
+    with pytest.raises(kvfs.PageExists, match="is a directory of pages"):
+        s.rename("other", "dir")
+    s.rename("dir/page", "dir/page/inner")  # under its own old name: it is gone from there
+    assert s.get("dir/page/inner") == b"4" and s.exists("other") and not s.exists("dir")
