@@ -579,6 +579,8 @@ class ArchivingPolicy(TieringPolicy):
         sharing it: they all stay readable from the archive. Raises ArchiveUnavailable
         (nothing was dropped): the caller asked for this eviction and must hear why it did
         not happen."""
+        if not blobs:
+            return 0
         return sum(self.evict_blobs(blobs, reason, progress, raise_unavailable=True))
 
     def evict_blob(self, blob: BlobRow, reason: str) -> int:

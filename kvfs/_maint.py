@@ -151,10 +151,17 @@ def evict(
     with eng._evict_lock:
         hashes = sorted({p.hash for p in pages})
         blobs = [b for b in map(eng.index.blob, hashes) if b is not None and b.local]
+        local = {b.hash for b in blobs}
         blobs = [b for b in blobs if b.hash in evictable and not eng.is_leased(b.hash)]
-        kept = {b.hash for b in blobs}
-        pages = [p for p in pages if p.hash in kept]
-        return eng.policy.evict_pages(pages, blobs, reason, progress) if blobs else 0
+        # Evicting by deletion (no archive) removes the pages named, not their data: a pin
+        # on another session sharing it does not keep these (--force deleted nothing then)
+        pinned = {
+            d for d in {p.session for p in pages} if (row := eng.index.session(d)) and row.pinned
+        }
+        mine = [p for p in pages if p.hash in local and not p.pinned and p.session not in pinned]
+        if not blobs and not mine:
+            return 0
+        return eng.policy.evict_pages(mine, blobs, reason, progress)
 
 
 # -- statistics ---------------------------------------------------------------------------

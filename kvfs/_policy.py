@@ -98,8 +98,10 @@ class TieringPolicy:
         reason: str,
         progress: Callable[[int, int], None] | None = None,
     ) -> int:
-        """A targeted evict (``Store.evict`` of a page or a session): drop the local copies
-        of ``blobs``, the data of ``pages``; return the bytes freed.
+        """A targeted evict (``Store.evict`` of a page or a session): ``pages`` are the
+        target's local pages that are not pinned (nor in a pinned session), ``blobs`` their
+        data that no pin holds and no reader leases. Drop what this policy drops; return the
+        bytes freed.
 
         Without an archive tier that deletes ``pages``, and only them: a page of another
         session sharing their data keeps it (then its bytes are not freed)."""

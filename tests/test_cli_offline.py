@@ -199,6 +199,13 @@ def test_evict_force_deletes_the_target_not_what_shares_its_data(run: Run, tmp_p
     assert (tmp_path / "back").read_bytes() == (tmp_path / "f").read_bytes()
     rc, out, _ = run("evict", "b", "--force", "--json", *d)
     assert rc == 0 and json.loads(out)[0]["freed_bytes"] > 0
+    # a pin on the session sharing the data does not keep the page named (--force said
+    # "0 B freed" and deleted nothing)
+    assert run("put", "f", "sessions/c/p/layer-000", *d)[0] == 0
+    assert run("put", "f", "sessions/e/p/layer-000", *d)[0] == 0
+    assert run("pin", "e", *d)[0] == 0
+    assert run("evict", "c", "--force", *d)[0] == 0
+    assert [s["session"] for s in json.loads(run("ls", "--json", *d)[1])] == ["e"]
 
 
 def test_evict_with_an_archive_keeps_the_page(run: Run, tmp_path: Path) -> None:
