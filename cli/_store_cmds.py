@@ -205,17 +205,20 @@ def cmd_ls(args: argparse.Namespace) -> int:
                     raise kvfs.PageNotFound(
                         f"no page, session or directory {args.target!r}"
                     ) from None
+        # A pinned session keeps its pages as a pin of each would (user.kvfs.pinned says 1)
+        held = {d for d in {_session_arg(p) for p in pages} if _session_pinned(store, d)}
     key = {"name": lambda p: p.path, "size": lambda p: -p.size, "age": lambda p: p.atime}[args.sort]
     pages.sort(key=key)
     if args.json:
-        print_json([_page_json(p) for p in pages])
+        print_json([{**_page_json(p), "session_pinned": _session_arg(p) in held} for p in pages])
         return 0
     headers = ["PATH", "SIZE", "TIER", "PINNED", "ACCESSED"]
     if args.long:
         headers += ["CREATED", "CHECKSUM", "ATTRS"]
     rows = []
     for p in pages:
-        row = [p.path, fmt_bytes(p.size), p.tier, "yes" if p.pinned else "", fmt_time(p.atime)]
+        pin = "yes" if p.pinned else "session" if _session_arg(p) in held else ""
+        row = [p.path, fmt_bytes(p.size), p.tier, pin, fmt_time(p.atime)]
         if args.long:
             row += [
                 fmt_time(p.created),
@@ -225,6 +228,21 @@ def cmd_ls(args: argparse.Namespace) -> int:
         rows.append(row)
     print_table(headers, rows)
     return 0
+
+
+def _session_arg(p: kvfs.PageInfo) -> str:
+    """The page's session as ``session_info`` takes it: a semantic session's name, else its
+    directory (``vllm/`` with the slash: the bare name could mean ``sessions/vllm``)."""
+    if p.path.startswith("sessions/") or "/" in p.session or p.session == ".":
+        return p.session
+    return p.session + "/"
+
+
+def _session_pinned(store: Any, session: str) -> bool:
+    try:
+        return bool(store.session_info(session).pinned)
+    except (kvfs.SessionNotFound, kvfs.InvalidKey):
+        return False
 
 
 def _page_json(p: kvfs.PageInfo) -> dict[str, Any]:

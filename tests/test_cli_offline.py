@@ -136,6 +136,21 @@ def test_a_directory_and_a_session_of_the_same_name_stay_apart(run: Run, tmp_pat
     assert [s["dir"] for s in json.loads(run("ls", "--json", *d)[1])] == ["sessions/bar"]
 
 
+def test_ls_shows_the_pages_a_session_pin_keeps(run: Run, tmp_path: Path) -> None:
+    """`kvfs ls SESSION` showed PINNED blank (and "pinned": false) for the pages of a pinned
+    session, which user.kvfs.pinned on the mount says are pinned."""
+    d = one_page(run, tmp_path, b"x" * 100)
+    assert (
+        run("put", "f", "vllm/x", *d)[0] == 0 and run("put", "f", "sessions/vllm/p/l", *d)[0] == 0
+    )
+    assert run("pin", "a", *d)[0] == 0 and run("pin", "vllm/", *d)[0] == 0
+    rc, out, _ = run("ls", "a", *d)
+    assert rc == 0 and out.splitlines()[2].split()[4] == "session", out
+    for target, want in (("vllm/", True), ("sessions/vllm/p/l", False)):
+        (p,) = json.loads(run("ls", target, "--json", *d)[1])
+        assert (p["pinned"], p["session_pinned"]) == (False, want), target
+
+
 def test_a_typo_in_the_device_list_changes_nothing(run: Run, tmp_path: Path) -> None:
     """`kvfs ls --data d0,d0-typo` made d0-typo a device of the store for good: every later
     open with d0 alone failed. The wrong order said only that d0-typo held no store."""
