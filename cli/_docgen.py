@@ -57,7 +57,10 @@ def cli_markdown() -> str:
         "directory's control socket (see docs/configuration.md), and on the data "
         "directory itself otherwise; `--daemon` and `--offline` force one or the other. "
         "Errors are one line on stderr (`kvfs COMMAND: message`); `kvfs --debug ...` "
-        "prints the traceback before that line (the exit code is the same).",
+        "prints the traceback before that line (the exit code is the same). A target of "
+        "`pin`, `unpin`, `rm` and `evict` is a page, a session, or a directory of pages "
+        "that is no session (a prefix's, as pasted from the mount): then every page below "
+        "it.",
         "",
         "## Exit codes",
         "",

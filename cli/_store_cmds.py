@@ -164,7 +164,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 # -- helpers --------------------------------------------------------------------------
 def _resolve(store: Any, target: str) -> tuple[str, str]:
-    """("page", path) or ("session", name). Raises PageNotFound when it is neither."""
+    """("page", path), ("session", name) or ("directory", "path/"): a directory of pages
+    that is no session (a prefix's, as a user pastes it from the mount). Raises
+    PageNotFound when it is none of them."""
     try:
         return "page", store.stat(target).path
     except (kvfs.PageNotFound, kvfs.InvalidKey):
@@ -172,6 +174,9 @@ def _resolve(store: Any, target: str) -> tuple[str, str]:
     try:
         d = store.session_info(target).dir
     except (kvfs.SessionNotFound, kvfs.InvalidKey):
+        below = target.rstrip("/") + "/"
+        if below != "/" and store.list(path_prefix=below):
+            return "directory", below
         raise kvfs.PageNotFound(f"no page or session {target!r}") from None
     # the directory itself: a bare name could mean sessions/<name> to the next call
     return "session", d if "/" in d or d == "." else d + "/"
@@ -516,7 +521,13 @@ def _each(args: argparse.Namespace, page_op: str, session_op: str, verb: str) ->
         plan = [(t, *_resolve(store, t)) for t in args.targets]
         with _partial(emit, results, verb):
             for t, kind, name in plan:
-                r = getattr(store, page_op if kind == "page" else session_op)(name)
+                if kind == "directory":  # each page below it
+                    pages = store.list(path_prefix=name)
+                    for p in pages:
+                        getattr(store, page_op)(p.path)
+                    r: Any = len(pages)
+                else:
+                    r = getattr(store, page_op if kind == "page" else session_op)(name)
                 results.append({"target": t, "kind": kind, "result": r})
     emit()
     return 0
@@ -553,7 +564,12 @@ def cmd_evict(args: argparse.Namespace) -> int:
         plan = []
         for t in args.targets:
             kind, name = _resolve(store, t)
-            pages = [store.stat(name)] if kind == "page" else store.list(session=name)
+            if kind == "page":
+                pages = [store.stat(name)]
+            elif kind == "directory":
+                pages = store.list(path_prefix=name)
+            else:
+                pages = store.list(session=name)
             # Without an archive tier an evict deletes, archived or not: a page archived
             # before has its copy there forgotten too (the index queues it for the next
             # open with the archive).
@@ -576,8 +592,12 @@ def cmd_evict(args: argparse.Namespace) -> int:
         for t, kind, name in plan:
             # what the archive lacks is uploaded first: the bytes as they go
             with Progress(f"evict {t}", 1, fmt=fmt_bytes) as bar:
-                where = {"key": name} if kind == "page" else {"session": name}
-                freed = store.evict(**where, progress=_bytes_to(bar))
+                if kind == "directory":
+                    keys = [p.path for p in store.list(path_prefix=name)]
+                    freed = sum(store.evict(key=k, progress=_bytes_to(bar)) for k in keys)
+                else:
+                    where = {"key": name} if kind == "page" else {"session": name}
+                    freed = store.evict(**where, progress=_bytes_to(bar))
             results.append({"target": t, "kind": kind, "freed_bytes": freed})
     _emit(
         args,

@@ -151,6 +151,32 @@ def test_ls_shows_the_pages_a_session_pin_keeps(run: Run, tmp_path: Path) -> Non
         assert (p["pinned"], p["session_pinned"]) == (False, want), target
 
 
+def test_pin_rm_and_evict_take_a_prefix_directory(run: Run, tmp_path: Path) -> None:
+    """`kvfs ls /mnt/sessions/s/p0` worked and `kvfs pin` of the same path said "no page or
+    session": a prefix's directory is neither."""
+    d = data(tmp_path, archive=True)
+    for p in ("p0", "p1"):
+        for layer in range(2):
+            (tmp_path / "f").write_bytes(os.urandom(9000))  # no data shared with a pin
+            assert run("put", "f", f"sessions/s/{p}/layer-00{layer}", *d)[0] == 0
+    rc, out, _ = run("pin", "sessions/s/p0", "--json", *d)
+    assert rc == 0 and json.loads(out) == [
+        {"target": "sessions/s/p0", "kind": "directory", "result": 2}
+    ]
+    pinned = {p["path"]: p["pinned"] for p in json.loads(run("ls", "s", "--json", *d)[1])}
+    assert [k for k, v in pinned.items() if v] == [
+        "sessions/s/p0/layer-000",
+        "sessions/s/p0/layer-001",
+    ]
+    rc, out, _ = run("evict", "sessions/s/p1/", "--json", *d)
+    assert rc == 0 and json.loads(out)[0]["kind"] == "directory"
+    tiers = {p["path"]: p["tier"] for p in json.loads(run("ls", "s", "--json", *d)[1])}
+    assert [tiers[f"sessions/s/p1/layer-00{i}"] for i in range(2)] == ["archive"] * 2
+    assert run("rm", "sessions/s/p1", *d)[0] == 0
+    assert [p["path"] for p in json.loads(run("ls", "s", "--json", *d)[1])] == list(pinned)[:2]
+    assert run("pin", "sessions/s/p9", *d)[0] == 3  # still: nothing there
+
+
 def test_a_typo_in_the_device_list_changes_nothing(run: Run, tmp_path: Path) -> None:
     """`kvfs ls --data d0,d0-typo` made d0-typo a device of the store for good: every later
     open with d0 alone failed. The wrong order said only that d0-typo held no store."""
