@@ -206,7 +206,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
             except (kvfs.SessionNotFound, kvfs.InvalidKey):
                 prefix = args.target.rstrip("/") + "/"
                 pages = store.list(path_prefix=prefix)
-                if not pages:
+                if not pages and prefix != "sessions/":  # (always there: on the mount too)
                     raise kvfs.PageNotFound(
                         f"no page, session or directory {args.target!r}"
                     ) from None

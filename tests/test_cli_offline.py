@@ -120,6 +120,8 @@ def test_pin_unpin_rm(run: Run, tmp_path: Path) -> None:
     assert json.loads(run("ls", "--json", *d)[1]) == []
     rc, _, err = run("rm", "nothing", *d)
     assert rc == 3 and "no page or session 'nothing'" in err
+    rc, out, _ = run("ls", "sessions", "--json", *d)  # no sessions: empty, not "no such"
+    assert rc == 0 and json.loads(out) == []
 
 
 def test_a_directory_and_a_session_of_the_same_name_stay_apart(run: Run, tmp_path: Path) -> None:
