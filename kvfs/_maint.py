@@ -158,7 +158,14 @@ def evict(
         pinned = {
             d for d in {p.session for p in pages} if (row := eng.index.session(d)) and row.pinned
         }
-        mine = [p for p in pages if p.hash in local and not p.pinned and p.session not in pinned]
+        mine = [
+            p
+            for p in pages
+            if p.hash in local
+            and not p.pinned
+            and p.session not in pinned
+            and not eng.is_leased(p.hash)  # a reader holds it: kept, as every eviction does
+        ]
         if not blobs and not mine:
             return 0
         return eng.policy.evict_pages(mine, blobs, reason, progress)

@@ -188,11 +188,14 @@ def test_delete_during_read_keeps_files_until_done(store: kvfs.SyncStore) -> Non
     with gds.FastPath(store, io_pool=pool) as fp:
         dest = aligned(data.nbytes)
         fut = fp.read(key(0), dest)
-        assert store.evict(key(0)) == 0  # leased: not evicted
-        store.delete(key(0))
-        assert not store.exists(key(0))
-        assert all(os.path.exists(f) for f in files)
-        gate.set()
+        try:
+            assert store.evict(key(0)) == 0  # leased: not evicted
+            assert store.exists(key(0))
+            store.delete(key(0))
+            assert not store.exists(key(0))
+            assert all(os.path.exists(f) for f in files)
+        finally:
+            gate.set()  # (else leaving the block waits for the read for ever)
         assert fut.result() == data.nbytes
     assert np.array_equal(dest, data)
     assert not any(os.path.exists(f) for f in files)  # unlinked when the lease ended
