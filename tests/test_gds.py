@@ -382,6 +382,19 @@ def test_read_by_path_through_xattrs(
             fp.read_path(p, aligned(data.nbytes)).result()
 
 
+def close_waits_for(fp: gds.FastPath, fut: Any, held: HoldAfter, nbytes: int) -> None:
+    """``fp.close()`` from another thread waits while ``fut`` (held back by ``held``) is in
+    flight, and returns once it resolved with ``nbytes``."""
+    closing = threading.Thread(target=fp.close)
+    closing.start()
+    closing.join(0.5)
+    assert closing.is_alive()  # close waits for the read in flight
+    held.release()
+    assert fut.result(timeout=60) == nbytes
+    closing.join(60)
+    assert not closing.is_alive()
+
+
 def test_close_waits_for_a_read_by_path(
     make_config: Callable[..., kvfs.StoreConfig], tmp_path: Any
 ) -> None:
@@ -395,15 +408,8 @@ def test_close_waits_for_a_read_by_path(
         held = HoldAfter(0)
         fp = gds.FastPath(io_pool=held)
         dest = aligned(data.nbytes)
-        fut = fp.read_path(p, dest)
-        closing = threading.Thread(target=fp.close)
-        closing.start()
-        closing.join(0.5)
-        assert closing.is_alive()  # close waits for the read in flight
-        held.release()
-        assert fut.result(timeout=60) == data.nbytes
-        closing.join(60)
-        assert not closing.is_alive() and np.array_equal(dest, data)
+        close_waits_for(fp, fp.read_path(p, dest), held, data.nbytes)
+        assert np.array_equal(dest, data)
         held.shutdown()
 
 
@@ -557,15 +563,7 @@ def test_close_waits_for_a_read_that_heals(
         held = HoldAfter(0)
         fp = gds.FastPath(s, io_pool=held)
         dest = aligned(data.nbytes)
-        fut = fp.read(key(0), dest)
-        closing = threading.Thread(target=fp.close)
-        closing.start()
-        closing.join(0.5)
-        assert closing.is_alive()  # close waits for the read in flight
-        held.release()
-        assert fut.result(timeout=60) == data.nbytes
-        closing.join(60)
-        assert not closing.is_alive()
+        close_waits_for(fp, fp.read(key(0), dest), held, data.nbytes)
         assert np.array_equal(dest, data)
         with pytest.raises(RuntimeError, match="closed"):
             fp.read(key(0), dest)
