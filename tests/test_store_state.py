@@ -3,7 +3,9 @@
 Steps: put (with dedup-prone payloads, pin, replace), get, delete, pin/unpin a page,
 pin/unpin a session, evict a page or a session, and restart (close + reopen). The cap is
 small, so puts also evict by policy. Without an archive tier eviction deletes, so the model
-lets an unpinned page vanish only in a step that may evict, and never a pinned one.
+lets an unpinned page vanish only in a put (the policy's eviction of data, every page that
+shares it), never a pinned one; an explicit evict deletes exactly the unprotected pages
+named.
 """
 
 from __future__ import annotations
@@ -118,14 +120,10 @@ class StoreMachine(RuleBasedStateMachine):
         (self.pinned_sessions.add if on else self.pinned_sessions.discard)(d)
 
     def _evict_expect(self, paths: set[str]) -> set[str]:
-        """Pages an explicit evict of ``paths`` removes: every page sharing the data of an
-        unprotected one, unless some page sharing that data is protected."""
-        gone: set[str] = set()
-        for p in paths:
-            group = {q for q, d in self.model.items() if d == self.model[p]}
-            if not any(self._protected(q) for q in group):
-                gone |= group
-        return gone
+        """Pages an explicit evict of ``paths`` removes (no archive: it deletes): those of
+        them that are not protected, and no other. A page of another session sharing their
+        data keeps it, and a pin there does not keep these."""
+        return {p for p in paths if not self._protected(p)}
 
     @rule(key=keys)
     def evict_page(self, key: kvfs.PageKey) -> None:
@@ -137,6 +135,8 @@ class StoreMachine(RuleBasedStateMachine):
         for p in gone:
             assert not self.store.exists(p), f"{p} should have been evicted"
             self._drop(p)
+        for p in set(self.model) - gone:
+            assert self.store.exists(p), f"{p} went with {key.path}'s eviction"
 
     @rule(session=sessions)
     def evict_session(self, session: str) -> None:
@@ -149,6 +149,8 @@ class StoreMachine(RuleBasedStateMachine):
         for p in gone:
             assert not self.store.exists(p), f"{p} should have been evicted"
             self._drop(p)
+        for p in set(self.model) - gone:  # nothing else: not what shared their data
+            assert self.store.exists(p), f"{p} went with {session}'s eviction"
 
     @rule()
     def restart(self) -> None:
