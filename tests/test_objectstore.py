@@ -296,10 +296,16 @@ async def test_a_reply_cut_in_its_headers_is_retried_not_taken_as_empty(s3_serve
     proxy.cut_responses(after=0, times=0)
 
 
-async def test_an_endpoint_that_is_not_s3_is_refused_at_open() -> None:
+async def test_an_endpoint_that_is_not_s3_is_refused_at_open(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """A server answering 200 to everything passed the bucket check (a HEAD); a spill then
     "uploaded" to it and dropped the only local copies."""
     import http.server
+
+    # credentials of its own (run alone, no S3 fixture has set any)
+    for k, v in (("AWS_ACCESS_KEY_ID", "x"), ("AWS_SECRET_ACCESS_KEY", "y")):
+        monkeypatch.setenv(k, v)
     import threading
 
     class Html(http.server.BaseHTTPRequestHandler):
