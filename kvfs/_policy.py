@@ -37,19 +37,20 @@ class TieringPolicy:
         Called with the engine's eviction lock held, so victims are never chosen twice.
         """
         self.engine.flush_atimes()
-        if self.lossy_eviction and not self._can_free(need):
-            # All that may go would not make the room: deleting it would lose those pages
-            # and the write would fail anyway (it did: one cp too large deleted every
-            # unpinned page, then got ENOSPC)
-            return 0
+        first: list[BlobRow] | None = None  # the candidates the check read: the first pass's
+        if self.lossy_eviction:
+            first = self._enough_candidates(need)
+            if first is None:
+                # All that may go would not make the room: deleting it would lose those
+                # pages and the write would fail anyway (it did: one cp too large deleted
+                # every unpinned page, then got ENOSPC)
+                return 0
         freed = 0
         skipped: set[bytes] = set()
         while freed < need:
-            cands = [
-                b
-                for b in self.engine.index.eviction_candidates(self.batch + len(skipped))
-                if b.hash not in skipped
-            ]
+            if first is None:
+                first = self.engine.index.eviction_candidates(self.batch + len(skipped))
+            cands, first = [b for b in first if b.hash not in skipped], None
             batch: list[BlobRow] = []
             want = need - freed
             for blob in cands:  # least recently used first, as many as the room needs
@@ -78,17 +79,18 @@ class TieringPolicy:
         ``progress(bytes archived, bytes to archive)`` where copies are archived first."""
         return [self.evict_blob(b, reason) for b in blobs]
 
-    def _can_free(self, need: int) -> bool:
-        """Whether evicting what may be evicted now frees ``need`` bytes. Reads candidates
-        in growing batches: under steady pressure the first holds enough."""
+    def _enough_candidates(self, need: int) -> list[BlobRow] | None:
+        """The eviction candidates, least recently used first, as far as they free ``need``
+        bytes; None when all that may be evicted now would not. Read in growing batches:
+        under steady pressure the first holds enough."""
         limit = self.batch
         while True:
             cands = self.engine.index.eviction_candidates(limit)
             free = sum(b.disk_bytes for b in cands if not self.engine.is_leased(b.hash))
             if free >= need:
-                return True
+                return cands
             if len(cands) < limit:
-                return False
+                return None
             limit *= 4
 
     def evict_pages(
