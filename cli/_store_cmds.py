@@ -588,13 +588,12 @@ def cmd_evict(args: argparse.Namespace) -> int:
                     )
                     + " (--force to do it anyway)"
                 )
-            plan.append((t, kind, name))
-        for t, kind, name in plan:
+            plan.append((t, kind, name, pages))
+        for t, kind, name, pages in plan:
             # what the archive lacks is uploaded first: the bytes as they go
             with Progress(f"evict {t}", 1, fmt=fmt_bytes) as bar:
-                if kind == "directory":
-                    keys = [p.path for p in store.list(path_prefix=name)]
-                    freed = sum(store.evict(key=k, progress=_bytes_to(bar)) for k in keys)
+                if kind == "directory":  # the pages checked above
+                    freed = sum(store.evict(key=p.path, progress=_bytes_to(bar)) for p in pages)
                 else:
                     where = {"key": name} if kind == "page" else {"session": name}
                     freed = store.evict(**where, progress=_bytes_to(bar))

@@ -336,8 +336,8 @@ class FileOps:
         # visible when close returns. A flush before any write is a shell's dup2 + close of
         # the original fd (``echo > f``, dd): the writer is not done, release commits.
         pending = h.node.pending
-        if h.writable and not h.committed and not h.killed:
-            h.killed = killed_by(h.opener)
+        if h.writable and not h.committed:
+            h.killed = h.killed or killed_by(h.opener)
         if h.writable and not h.committed and h.killed:
             await self._finish(h, h.node.path)  # discards it: never a page half-written
         elif h.writable and not h.committed and pending is not None and pending.unlinked:
@@ -373,8 +373,7 @@ class FileOps:
             raise fuse_error(errno.EBADF)
         try:
             if h.writable and not h.committed:
-                if not h.killed:
-                    h.killed = killed_by(h.opener)
+                h.killed = h.killed or killed_by(h.opener)
                 await self._finish(h, h.node.path)
             elif h.again is not None:
                 await self._commit_again(h)
