@@ -55,8 +55,9 @@ class LayerLoader(Generic[T]):
     just yielded; ``ahead=None`` starts them all at once. Iterate with ``for`` (threads) or
     ``async for`` (trio). A failed layer raises from the iteration at its turn: a read
     that failed (CorruptPage...) or one that could not start (PageNotFound: ``submit``
-    raised); iterating on goes on with the next layer. Use as a context manager: leaving it waits for every read already started, so no
-    destination is written after the ``with`` block (reads not yet started never start).
+    raised); iterating on goes on with the next layer. Use as a context manager: leaving
+    it waits for every read already started, so no destination is written after the
+    ``with`` block (reads not yet started never start).
     """
 
     def __init__(
