@@ -96,6 +96,13 @@ def session_dir(session: str) -> str:
     return "/".join(parts)
 
 
+def session_name(d: str) -> str:
+    """What a user calls the session in directory ``d``: ``sessions/agent-42`` ->
+    ``agent-42``; an engine directory is its own name (as ``kvfs ls`` shows both)."""
+    prefix = f"{SESSIONS_DIR}/"
+    return d[len(prefix) :] if d.startswith(prefix) else d
+
+
 @dataclass(frozen=True, order=True, slots=True)
 class PageKey:
     """The validated name of a page. Build with :meth:`semantic` or :meth:`from_path` (or

@@ -21,7 +21,7 @@ from ._checksum import leaf_hash, tree_hash
 from ._errors import KvfsError, PageNotFound, SessionNotFound
 from ._events import log_event
 from ._index import BlobRow, PageRow
-from ._keys import PageKey, as_key
+from ._keys import PageKey, as_key, session_name
 from ._types import DeviceStatistics, StoreStatistics
 from ._writes import leaves_now
 
@@ -53,7 +53,7 @@ def delete_session(eng: Engine, session: str) -> int:
     d = eng.resolve_session(session)
     n = expire_session(eng, d, None)
     if n is None:
-        raise SessionNotFound(f"no session {d!r}")
+        raise SessionNotFound(f"no session {session_name(d)!r}")
     return n
 
 
@@ -138,7 +138,7 @@ def evict(
     if session is not None:
         d = eng.resolve_session(session)
         if eng.index.session(d) is None:
-            raise SessionNotFound(f"no session {d!r}")
+            raise SessionNotFound(f"no session {session_name(d)!r}")
         pages = eng.index.pages(session=d)
     elif target is not None:
         p = eng.index.page(as_key(target).path)

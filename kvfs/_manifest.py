@@ -34,7 +34,7 @@ import msgpack
 
 from ._checksum import tree_hash
 from ._index import _BLOB_COLS, BlobRow, Index, _blob, _pack
-from ._keys import as_key
+from ._keys import as_key, session_name
 
 __all__ = ["ArchiveIndex", "blob_key", "build_manifest", "manifest_key", "parse_manifest"]
 
@@ -426,7 +426,7 @@ def build_manifest(
     )
     if not pages and not supersedes:
         return None
-    name = d.split("/", 1)[1] if d.startswith("sessions/") else d
+    name = session_name(d)
     now = time.time()
     return {
         "v": VERSION,

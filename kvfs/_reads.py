@@ -20,7 +20,7 @@ from ._aligned import aligned_buffer, as_bytes_view, heap_view
 from ._checksum import DIGEST, LEAF, leaf_hash, leaf_hasher
 from ._errors import CorruptPage, InvalidKey, KvfsError, PageNotFound, SessionNotFound
 from ._index import BlobRow, PageRow
-from ._keys import PageKey
+from ._keys import PageKey, session_name
 from ._local import wait_all
 from ._types import Extent, PageInfo, SessionInfo
 
@@ -317,9 +317,9 @@ def list_pages(
 def session_info(eng: Engine, d: str) -> SessionInfo:
     s = eng.index.session(d)
     if s is None:
-        raise SessionNotFound(f"no session {d!r}")
+        raise SessionNotFound(f"no session {session_name(d)!r}")
     u = eng.index.session_usage(d)
-    name = d.split("/", 1)[1] if d.startswith("sessions/") else d
+    name = session_name(d)
     return SessionInfo(
         session=name,
         dir=d,

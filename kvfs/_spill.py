@@ -21,6 +21,7 @@ from ._collect import Collector
 from ._errors import ArchiveUnavailable, CorruptPage, SessionNotFound
 from ._events import log_event
 from ._hosts import Hosts
+from ._keys import session_name
 from ._manifest import (
     MANIFESTS,
     blob_key,
@@ -111,7 +112,7 @@ class Spiller:
         """
         idx = self.engine.index
         if await _thread(idx.session, d) is None:
-            raise SessionNotFound(f"no session {d!r}")
+            raise SessionNotFound(f"no session {session_name(d)!r}")
         self._active.add(d)
         started = time.monotonic()
         try:
@@ -463,7 +464,7 @@ class Spiller:
         merged = merge_manifests(ms) if ms else None
         if merged is None or not merged["pages"]:
             if await _thread(self.engine.index.session, d) is None:
-                raise SessionNotFound(f"no session {d!r} here or in {self.store.url}")
+                raise SessionNotFound(f"no session {session_name(d)!r} here or in {self.store.url}")
             return 0
         added = await _thread(
             self.aindex.import_manifest,

@@ -401,6 +401,13 @@ def test_missing_store_and_missing_page(run: Run, tmp_path: Path) -> None:
     assert run("ls", "--daemon", *d)[0] == 7
 
 
+def test_a_missing_session_is_named_as_the_user_typed_it(run: Run, tmp_path: Path) -> None:
+    d = one_page(run, tmp_path, b"x", archive=True)
+    for cmd in ("ls", "rm", "pin", "unpin", "evict", "spill", "restore"):
+        rc, _, err = run(cmd, "nosuch", *d)
+        assert rc == 3 and "'nosuch'" in err and "sessions/nosuch" not in err, (cmd, err)
+
+
 def test_bad_arguments_and_one_line_errors(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVFS_")}
     cmd = [sys.executable, "-m", "cli"]
