@@ -30,6 +30,7 @@ from pathlib import Path
 
 from . import _maint, _reads, _writes
 from ._config import StoreConfig
+from ._dirs import DIRS_FILE, DirTable
 from ._errors import (
     ArchiveUnavailable,
     CapacityExceeded,
@@ -182,10 +183,10 @@ class Engine:
         try:
             self._open()
         except BaseException:
-            index = getattr(self, "index", None)
-            if index is not None:
-                with contextlib.suppress(Exception):  # closed already by some failure paths
-                    index.close()
+            for db in (getattr(self, "index", None), getattr(self, "dirs", None)):
+                if db is not None:
+                    with contextlib.suppress(Exception):  # closed already by some failure paths
+                        db.close()
             for name in ("io_pool", "hash_pool", "_atime_pool"):
                 pool = getattr(self, name, None)
                 if pool is not None:
@@ -200,6 +201,8 @@ class Engine:
         if release_reserve(cfg.index_path.parent):
             log.debug("index reserve released for the open")
         self.index = _open_index(cfg)
+        #: the directories mkdir made on the mount (kept here: a session's delete removes them)
+        self.dirs = DirTable(cfg.index_path.parent / DIRS_FILE)
         store_id = self.index.get_meta("store_id")
         known = 0 if store_id is None else _devices_known(self.index)
         if len(cfg.data_dirs) < known:
@@ -352,6 +355,7 @@ class Engine:
                     e,
                 )
             self.index.close()
+            self.dirs.close()
         finally:
             self._lock.release()
 

@@ -19,6 +19,7 @@ from typing import Any
 import pyfuse3
 import trio
 
+from ._dirs import DirRow
 from ._errors import KvfsError, PageNotFound
 from ._fuse_ahead import AheadBudget
 from ._fuse_behind import BehindBudget
@@ -31,8 +32,6 @@ from ._fuse_ns import (
     ATTR_MTIME,
     ATTR_UID,
     META_NAME,
-    DirRow,
-    DirTable,
     child_path,
     dir_exists,
     is_session_dir,
@@ -101,8 +100,7 @@ class KvfsOperations(FileOps, pyfuse3.Operations):
         self.direct_io = direct_io
         self.limiter = trio.CapacityLimiter(threads)
         self.table = NodeTable(owner(), entry_timeout, attr_timeout)
-        cfg = self.engine.config
-        self.dirs = DirTable((cfg.index_dir or cfg.data_dirs[0]) / "kvfs-dirs.sqlite3")
+        self.dirs = self.engine.dirs
         self.pending: dict[str, Node] = {}
         #: names whose file is being committed right now: wait, then look again
         self.settling: dict[str, trio.Event] = {}
@@ -511,4 +509,3 @@ class KvfsOperations(FileOps, pyfuse3.Operations):
             except Exception:
                 log.error("closing a handle at shutdown failed", exc_info=True)
         self.pending.clear()
-        await self._thread(self.dirs.close)

@@ -27,6 +27,7 @@ from typing import Any, TypeVar
 import pyfuse3
 import trio
 
+from ._dirs import DirTable
 from ._engine import Engine
 from ._errors import KvfsError
 from ._events import log_event
@@ -34,7 +35,7 @@ from ._fuse_ahead import AheadBudget, ReadAhead
 from ._fuse_behind import BehindBudget, WriteBehind
 from ._fuse_guard import child_of, fuse_error, guard
 from ._fuse_nodes import Handle, Kind, Node, NodeTable, Pending, killed_by, process_of
-from ._fuse_ns import ATTR_GID, ATTR_UID, DirTable, session_json, session_of, validate_page
+from ._fuse_ns import ATTR_GID, ATTR_UID, session_json, session_of, validate_page
 from ._index import PageRow
 
 __all__ = ["FileOps"]

@@ -20,8 +20,9 @@ from typing import Any
 import pyfuse3
 import trio
 
+from ._dirs import DirRow
 from ._engine import PageWriter
-from ._fuse_ns import ATTR_GID, ATTR_MTIME, ATTR_UID, DirRow, page_mode
+from ._fuse_ns import ATTR_GID, ATTR_MTIME, ATTR_UID, page_mode
 from ._index import BlobRow, PageRow
 
 __all__ = ["Handle", "Kind", "Node", "NodeTable", "Pending"]

@@ -4,8 +4,8 @@ Blocking helpers (SQLite reads) called from worker threads by :mod:`kvfs._fuse`.
 
 * pages: every row of the index, under its own path;
 * directories: implicit ones (``sessions``, every session directory, every directory above a
-  page) and explicit ones made with ``mkdir`` (kept in :class:`DirTable`, so an empty directory
-  survives a remount). An implicit directory disappears with its last page;
+  page) and explicit ones made with ``mkdir`` (kept in :class:`~kvfs._dirs.DirTable`, so an
+  empty directory survives a remount). An implicit directory disappears with its last page;
 * ``sessions/<s>/.kvfs.json``: a read-only view of the session's metadata.
 
 Files being written are not here: they live in the operations object until their writer
@@ -15,12 +15,10 @@ closes them (see :mod:`kvfs._fuse`).
 from __future__ import annotations
 
 import json
-import sqlite3
 import stat
-import threading
 from dataclasses import dataclass
-from pathlib import Path
 
+from ._dirs import DirTable
 from ._engine import Engine
 from ._errors import InvalidKey, SessionNotFound
 from ._index import PageRow
@@ -29,8 +27,6 @@ from ._types import SessionInfo
 
 __all__ = [
     "META_NAME",
-    "DirRow",
-    "DirTable",
     "Listing",
     "child_path",
     "dir_exists",
@@ -78,73 +74,6 @@ def validate_dir(path: str) -> None:
             f"{path!r}: directories under {SESSIONS_DIR}/ are "
             f"{SESSIONS_DIR}/<session>/<prefix>; layers are files"
         )
-
-
-@dataclass(frozen=True, slots=True)
-class DirRow:
-    path: str
-    mode: int
-    uid: int
-    gid: int
-    mtime_ns: int
-
-
-class DirTable:
-    """Explicit directories (made by mkdir or chmod'ed): a small SQLite table beside the index,
-    mirrored in memory. Thread-safe. A crash loses nothing committed; the table holds no data."""
-
-    def __init__(self, path: Path) -> None:
-        #: guards the in-memory rows, which the FUSE loop reads: never held across a commit
-        self._lock = threading.Lock()
-        #: serialises the commits (each an fsync), in threads
-        self._write = threading.Lock()
-        self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute(
-            "CREATE TABLE IF NOT EXISTS dirs (path TEXT PRIMARY KEY, mode INTEGER,"
-            " uid INTEGER, gid INTEGER, mtime_ns INTEGER)"
-        )
-        self._rows = {
-            r[0]: DirRow(*r)
-            for r in self._db.execute("SELECT path, mode, uid, gid, mtime_ns FROM dirs")
-        }
-
-    def get(self, path: str) -> DirRow | None:
-        with self._lock:
-            return self._rows.get(path)
-
-    def has_under(self, path: str) -> bool:
-        pre = path + "/"
-        with self._lock:
-            return any(p.startswith(pre) for p in self._rows)
-
-    def children(self, path: str) -> list[str]:
-        pre = path + "/" if path else ""
-        with self._lock:
-            return [
-                p[len(pre) :]
-                for p in self._rows
-                if p != path and p.startswith(pre) and "/" not in p[len(pre) :]
-            ]
-
-    def put(self, row: DirRow) -> None:
-        with self._write:
-            self._db.execute(
-                "INSERT OR REPLACE INTO dirs VALUES (?,?,?,?,?)",
-                (row.path, row.mode, row.uid, row.gid, row.mtime_ns),
-            )
-            with self._lock:
-                self._rows[row.path] = row
-
-    def remove(self, path: str) -> None:
-        with self._write:
-            self._db.execute("DELETE FROM dirs WHERE path=?", (path,))
-            with self._lock:
-                self._rows.pop(path, None)
-
-    def close(self) -> None:
-        with self._write, self._lock:
-            self._db.close()
 
 
 def dir_exists(engine: Engine, dirs: DirTable, path: str) -> bool:

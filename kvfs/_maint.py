@@ -21,7 +21,7 @@ from ._checksum import leaf_hash, tree_hash
 from ._errors import KvfsError, PageNotFound, SessionNotFound
 from ._events import log_event
 from ._index import BlobRow, PageRow
-from ._keys import PageKey, as_key, session_name
+from ._keys import SESSIONS_DIR, PageKey, as_key, session_name
 from ._types import DeviceStatistics, StoreStatistics
 from ._writes import leaves_now
 
@@ -66,7 +66,17 @@ def expire_session(eng: Engine, d: str, untouched_since: float | None) -> int | 
     if deleted is None:
         return None
     _after_delete(eng, *deleted)
+    _forget_dirs(eng, d)
     return len(deleted[0])
+
+
+def _forget_dirs(eng: Engine, d: str) -> None:
+    """The directories mkdir made on the mount in deleted session ``d`` go with it, but for
+    those still holding pages (another session's: an engine directory's sub-directory)."""
+    rows = eng.dirs.tree(d)
+    if not d.startswith(f"{SESSIONS_DIR}/"):
+        rows = [p for p in rows if not eng.index.pages(path_prefix=p + "/", limit=1)]
+    eng.dirs.remove_many(rows)
 
 
 def _after_delete(eng: Engine, gone: builtins.list[PageRow], freed: builtins.list[BlobRow]) -> None:
