@@ -253,7 +253,10 @@ class KvfsOperations(FileOps, pyfuse3.Operations):
             # The listing is taken once per pass, so offsets stay stable while it is read.
             ls = await self._thread(list_dir, self.engine, self.dirs, h.node.path)
             base = h.node.path
-            h.entries = [
+            # "." and ".." first, as every file system lists them (ls -a, scripts counting
+            # entries); the kernel takes no lookup of them from a readdirplus reply
+            h.entries = [(".", Kind.DIR, None), ("..", Kind.DIR, None)]
+            h.entries += [
                 (child_path(base, d), Kind.DIR, None) for d in sorted(ls.dirs) if d not in ls.pages
             ]
             # (.kvfs.json is not listed, as ZFS's .zfs is not: reached by name only, it is
@@ -262,6 +265,12 @@ class KvfsOperations(FileOps, pyfuse3.Operations):
             h.entries += [(r.path, Kind.PAGE, r) for _n, r in sorted(ls.pages.items())]
         for i in range(start_id, len(h.entries)):
             path, kind, row = h.entries[i]
+            if i < 2:
+                up = self.table.at(parent_of(h.node.path)) if i and h.node.path else None
+                dot = self._attrs(up or h.node)
+                if not pyfuse3.readdir_reply(token, path.encode(), dot, i + 1):
+                    break
+                continue
             node = self.table.bind(path, kind, row)
             ok = pyfuse3.readdir_reply(
                 token, path.rsplit("/", 1)[-1].encode(), self._attrs(node), i + 1

@@ -986,3 +986,17 @@ def test_kvfs_rm_of_a_session_takes_the_directories_made_in_it(make_mount: objec
     kvfs_cli(m, "rm", "t")  # offline
     m.start()
     assert os.listdir(m.mp / "sessions") == []
+
+
+def test_ls_a_lists_dot_and_dot_dot(mnt: Path) -> None:
+    """Directories listed no "." and "..": `ls -a` showed neither, unlike every other file
+    system (and `ls -ai` must show each with its directory's inode)."""
+    (mnt / "d" / "e").mkdir(parents=True)
+    write(mnt / "d" / "page", b"kv")
+    for d, up in ((mnt, mnt.parent), (mnt / "d", mnt), (mnt / "d" / "e", mnt / "d")):
+        r = subprocess.run(["ls", "-ai", str(d)], capture_output=True, text=True, check=True)
+        inos = {name: int(ino) for ino, name in (line.split() for line in r.stdout.splitlines())}
+        assert inos["."] == os.stat(d).st_ino and inos[".."] == os.stat(up).st_ino, r.stdout
+    assert sorted(os.listdir(mnt / "d")) == ["e", "page"]
+    found = subprocess.run(["find", "."], cwd=mnt, capture_output=True, text=True, check=True)
+    assert sorted(found.stdout.split()) == [".", "./d", "./d/e", "./d/page", "./sessions"]
