@@ -2,9 +2,9 @@
 kept so an empty directory survives a remount. Directories that hold pages exist without a
 row here (see :mod:`kvfs._fuse_ns`).
 
-The engine owns the table, beside the index, so deleting a session removes the directories
-made in it whoever deletes it: the mount, ``kvfs rm`` through the daemon, or a store opened
-offline.
+The engine owns the table, beside the index, so deleting a semantic session removes the
+directories made in it whoever deletes it: the mount, ``kvfs rm`` through the daemon,
+retention, or a store opened offline.
 """
 
 from __future__ import annotations

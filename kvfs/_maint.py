@@ -71,12 +71,11 @@ def expire_session(eng: Engine, d: str, untouched_since: float | None) -> int | 
 
 
 def _forget_dirs(eng: Engine, d: str) -> None:
-    """The directories mkdir made on the mount in deleted session ``d`` go with it, but for
-    those still holding pages (another session's: an engine directory's sub-directory)."""
-    rows = eng.dirs.tree(d)
-    if not d.startswith(f"{SESSIONS_DIR}/"):
-        rows = [p for p in rows if not eng.index.pages(path_prefix=p + "/", limit=1)]
-    eng.dirs.remove_many(rows)
+    """The directories mkdir made on the mount in deleted semantic session ``d`` go with it.
+    An engine's own directories stay, emptied: the engine made them once and writes on
+    into them (LMCache's and vLLM's trees), and must not find them gone."""
+    if d.startswith(f"{SESSIONS_DIR}/"):
+        eng.dirs.remove_many(eng.dirs.tree(d))
 
 
 def _after_delete(eng: Engine, gone: builtins.list[PageRow], freed: builtins.list[BlobRow]) -> None:
