@@ -44,7 +44,7 @@ from ._fuse_xattr import extents_xattr
 from ._keys import MAX_NAME_BYTES, SESSIONS_DIR
 from ._store import Store
 
-__all__ = ["XATTRS", "KvfsOperations"]
+__all__ = ["ATTR_XATTR", "XATTRS", "KvfsOperations"]
 
 log = logging.getLogger("kvfs.fuse")
 XATTRS = (
@@ -55,6 +55,27 @@ XATTRS = (
     "user.kvfs.session",
     "user.kvfs.extents",
 )
+#: ``user.kvfs.attr.<k>``: the page's attribute ``k`` (what ``put --attr`` and the object
+#: API's ``attrs`` set), settable while the file is being written
+ATTR_XATTR = "user.kvfs.attr."
+#: page attributes the mount keeps POSIX metadata in: neither listed nor settable as such
+RESERVED_ATTRS = "fs."
+
+
+def _page_attrs(node: Node) -> dict[str, str] | None:
+    """The free-form attributes of a page or of a file being written (None otherwise)."""
+    if node.pending is not None:
+        return node.pending.attrs
+    if node.kind is Kind.PAGE and node.page is not None:
+        return {k: v for k, v in node.page.attrs.items() if not k.startswith(RESERVED_ATTRS)}
+    return None
+
+
+def _attr_value(value: bytes) -> str:
+    try:
+        return value.decode("utf-8")
+    except UnicodeDecodeError:
+        raise fuse_error(errno.EINVAL) from None
 
 
 def keep_heap() -> None:
@@ -472,6 +493,11 @@ class KvfsOperations(FileOps, pyfuse3.Operations):
     async def getxattr(self, inode: int, name: bytes, ctx: Any) -> bytes:
         node = self.table.get(inode)
         key = name.decode("utf-8", "replace")
+        if key.startswith(ATTR_XATTR):  # a page attribute (model, dtype...)
+            attrs = _page_attrs(node)
+            if attrs is None or key[len(ATTR_XATTR) :] not in attrs:
+                raise fuse_error(pyfuse3.ENOATTR)
+            return attrs[key[len(ATTR_XATTR) :]].encode()
         if node.kind is not Kind.PAGE or key not in XATTRS:
             raise fuse_error(pyfuse3.ENOATTR)
         assert node.page is not None
@@ -492,17 +518,35 @@ class KvfsOperations(FileOps, pyfuse3.Operations):
     @guard
     async def listxattr(self, inode: int, ctx: Any) -> list[bytes]:
         node = self.table.get(inode)
-        return [x.encode() for x in XATTRS] if node.kind is Kind.PAGE else []
+        mine = [f"{ATTR_XATTR}{k}".encode() for k in sorted(_page_attrs(node) or ())]
+        return [x.encode() for x in XATTRS] + mine if node.kind is Kind.PAGE else mine
 
     @guard
     async def setxattr(self, inode: int, name: bytes, value: bytes, ctx: Any) -> None:
-        # ENOTSUP, also for the read-only user.kvfs.* ones: the errno cp -a, mv and rsync -X
-        # skip quietly (with EPERM, mv within the mount printed an error per attribute)
-        raise fuse_error(errno.ENOTSUP)
+        self._settable(self.table.get(inode), name)[name.decode()[len(ATTR_XATTR) :]] = _attr_value(
+            value
+        )
 
     @guard
     async def removexattr(self, inode: int, name: bytes, ctx: Any) -> None:
-        raise fuse_error(errno.ENOTSUP)
+        attrs = self._settable(self.table.get(inode), name)
+        if attrs.pop(name.decode()[len(ATTR_XATTR) :], None) is None:
+            raise fuse_error(pyfuse3.ENOATTR)
+
+    def _settable(self, node: Node, name: bytes) -> dict[str, str]:
+        """The attributes a ``user.kvfs.attr.*`` change goes to: those of a file being
+        written, committed with it. ENOTSUP for every other name (the read-only
+        ``user.kvfs.*`` ones too: the errno cp -a, mv and rsync -X skip quietly; with EPERM,
+        mv within the mount printed an error per attribute); EPERM on a committed page,
+        whose attributes are as immutable as its bytes."""
+        key = name.decode("utf-8", "replace")
+        if not key.startswith(ATTR_XATTR) or len(key) == len(ATTR_XATTR):
+            raise fuse_error(errno.ENOTSUP)
+        if key[len(ATTR_XATTR) :].startswith(RESERVED_ATTRS):
+            raise fuse_error(errno.EPERM)  # the mount's own (mode, owner, mtime)
+        if node.pending is None or node.pending.unlinked:
+            raise fuse_error(errno.EPERM if node.kind is Kind.PAGE else errno.ENOTSUP)
+        return node.pending.attrs
 
     # -- shutdown ---------------------------------------------------------------------
     async def aclose(self) -> None:

@@ -270,7 +270,9 @@ class FileOps:
             raise
         mode = int(attrs.get("fs.mode", "644"), 8)
         uid, gid = int(attrs.get(ATTR_UID, "0")), int(attrs.get(ATTR_GID, "0"))
-        return Pending(writer, mode, uid, gid, time.time_ns())
+        # its other attributes (model, dtype...) go on to the next version
+        mine = {k: v for k, v in attrs.items() if not k.startswith("fs.")}
+        return Pending(writer, mode, uid, gid, time.time_ns(), attrs=mine)
 
     async def _commit_again(self, h: Handle) -> None:
         """Commit a handle's next version of its page over the current one."""

@@ -52,9 +52,12 @@ class Pending:
     #: a descriptor of it was closed before any write: a ``touch``, whose release (the
     #: commit) the kernel sends after close returned, or a shell's dup2 (writes follow)
     closed_empty: bool = False
+    #: page attributes set as ``user.kvfs.attr.*`` extended attributes while it is written
+    attrs: dict[str, str] = field(default_factory=dict)
 
     def commit_attrs(self) -> dict[str, str]:
         return {
+            **self.attrs,
             "fs.mode": f"{self.mode & 0o7777:o}",
             ATTR_UID: str(self.uid),
             ATTR_GID: str(self.gid),

@@ -995,3 +995,48 @@ def test_ls_a_lists_dot_and_dot_dot(mnt: Path) -> None:
     assert sorted(os.listdir(mnt / "d")) == ["e", "page"]
     found = subprocess.run(["find", "."], cwd=mnt, capture_output=True, text=True, check=True)
     assert sorted(found.stdout.split()) == [".", "./d", "./d/e", "./d/page", "./sessions"]
+
+
+def test_page_attributes_are_set_as_xattrs_while_writing(make_mount: object) -> None:
+    """Pages written through the mount could carry no attributes (model, dtype...): the
+    session showed no model in `kvfs ls`, and a page copied within the mount lost them.
+    `user.kvfs.attr.<k>` sets one on a file being written; the page is committed with it."""
+    m = make_mount()  # type: ignore[operator]
+    p = m.mp / "sessions" / "s" / "p" / "layer-000"
+    p.parent.mkdir(parents=True)
+    with open(p, "wb") as f:
+        f.write(b"kv" * 1000)
+        os.setxattr(f.fileno(), "user.kvfs.attr.model", b"org/model@rev")
+        os.setxattr(f.fileno(), "user.kvfs.attr.dtype", b"bf16")
+        os.setxattr(f.fileno(), "user.kvfs.attr.gone", b"x")
+        os.removexattr(f.fileno(), "user.kvfs.attr.gone")
+        assert os.getxattr(f.fileno(), "user.kvfs.attr.dtype") == b"bf16"
+        for name, value, err in (
+            ("user.kvfs.attr.fs.mode", b"777", errno.EPERM),  # the mount's own
+            ("user.kvfs.attr.bad", b"\xff", errno.EINVAL),  # not UTF-8
+            ("user.other", b"1", errno.ENOTSUP),
+        ):
+            with pytest.raises(OSError) as ei:
+                os.setxattr(f.fileno(), name, value)
+            assert ei.value.errno == err, name
+    assert os.getxattr(p, "user.kvfs.attr.model") == b"org/model@rev"
+    assert [x for x in os.listxattr(p) if ".attr." in x] == [
+        "user.kvfs.attr.dtype",
+        "user.kvfs.attr.model",
+    ]
+    with pytest.raises(OSError) as ei:  # as immutable as the bytes, once committed
+        os.setxattr(p, "user.kvfs.attr.dtype", b"fp8")
+    assert ei.value.errno == errno.EPERM
+    info = json.loads(kvfs_cli(m, "ls", "s", "--json"))[0]
+    assert info["attrs"]["model"] == "org/model@rev" and info["attrs"]["dtype"] == "bf16"
+    assert json.loads(kvfs_cli(m, "ls", "--json"))[0]["attrs"]["model"] == "org/model@rev"
+    # cp -a within the mount, and out to a plain directory and back, keeps them, quietly
+    r = subprocess.run(["cp", "-a", str(p), str(p.with_name("layer-001"))], capture_output=True)
+    assert r.returncode == 0 and r.stderr == b"", r.stderr
+    assert os.getxattr(p.with_name("layer-001"), "user.kvfs.attr.dtype") == b"bf16"
+    out = m.mp.parent / "plain"  # (the test's tmp_path: ext4 or tmpfs, both keep user.*)
+    for src, dst in ((p, out), (out, p.with_name("layer-002"))):
+        r = subprocess.run(["cp", "-a", str(src), str(dst)], capture_output=True)
+        assert r.returncode == 0 and r.stderr == b"", r.stderr
+    assert os.getxattr(p.with_name("layer-002"), "user.kvfs.attr.model") == b"org/model@rev"
+    assert os.listxattr(m.mp / "sessions" / "s") == []  # a directory has none
