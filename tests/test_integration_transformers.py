@@ -347,9 +347,10 @@ def test_a_damaged_page_in_a_plain_directory_ends_the_prefix(tmp_path: Path, how
 def test_kv_saved_on_the_mount_loads_through_the_object_api_and_fails_clean(
     make_config: Callable[..., kvfs.StoreConfig], tmp_path: Path
 ) -> None:
-    """Pages written through the mount carry the file's attrs, not the format's: the
+    """Pages written through the mount carried the file's attrs, not the format's: the
     object API refused them as "not kvfs-kv/1" (for every session sharing the prefix), and
-    a page failing its checksum on the mount raised OSError(EIO) from load()."""
+    a page failing its checksum on the mount raised OSError(EIO) from load(). Then they
+    carried no model: the session showed none in `kvfs ls`."""
     shape = GEOMETRIES["fp32-gqa-2layers"]
     model = model_of(shape)
     ids = tokens(3 * CHUNK, seed=22)
@@ -362,6 +363,7 @@ def test_kv_saved_on_the_mount_loads_through_the_object_api_and_fails_clean(
     ):
         kv.save("agent", ids, cache)
     with kvfs.open_store_sync(cfg) as store:
+        assert store.session_info("agent").model == shape.model_id
         with TransformersKV(store, model, model_id=shape.model_id, chunk_tokens=CHUNK) as kv:
             assert kv.load("agent", ids).tokens == 3 * CHUNK
             assert kv.load("other-agent", ids).tokens == 3 * CHUNK  # the shared prefix

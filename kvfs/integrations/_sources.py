@@ -86,8 +86,8 @@ class PageSource(Protocol):
 
 
 def _kv_attrs(attrs: dict[str, str] | None) -> dict[str, str] | None:
-    # Pages written through the mount carry the file's attrs (fs.mode...), not the
-    # format's: those say nothing about the page, which its header then tells.
+    # Pages written through the mount by other writers carry the file's attrs (fs.mode...),
+    # not the format's: those say nothing about the page, which its header then tells.
     return attrs if attrs is not None and "format" in attrs else None
 
 
@@ -195,7 +195,9 @@ class DirectoryPages:
         return size
 
     def write(self, key: PageKey, data: memoryview, attrs: dict[str, str]) -> bool:
-        # attrs are inside the page (safetensors metadata): plain files need nothing else.
+        # attrs are inside the page (safetensors metadata): plain files need nothing else;
+        # on a kvfs mount they become the page's attributes too (the session's model in
+        # `kvfs ls`, a listing's attrs without reading headers)
         dest = self.path(key)
         if dest.exists():
             return False
@@ -207,6 +209,9 @@ class DirectoryPages:
                 while view:
                     n = f.write(view)
                     view = view[n:]
+                if self.verifies:  # (set before the close that commits the page)
+                    for k, v in attrs.items():
+                        os.setxattr(f.fileno(), f"user.kvfs.attr.{k}", v.encode())
                 if self.durable:
                     os.fsync(f.fileno())
             os.replace(tmp, dest)
