@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from ._engine import Engine
 
 __all__ = [
+    "after_delete",
     "delete",
     "delete_blob_pages",
     "delete_evicted_pages",
@@ -46,7 +47,7 @@ def delete(eng: Engine, k: PageKey) -> None:
     gone, freed = eng.index.delete_pages([k.path])
     if not gone:
         raise PageNotFound(f"no page {k.path!r}")
-    _after_delete(eng, gone, freed)
+    after_delete(eng, gone, freed)
 
 
 def delete_session(eng: Engine, session: str) -> int:
@@ -65,7 +66,7 @@ def expire_session(eng: Engine, d: str, untouched_since: float | None) -> int | 
     deleted = eng.index.delete_session(d, untouched_since=untouched_since)
     if deleted is None:
         return None
-    _after_delete(eng, *deleted)
+    after_delete(eng, *deleted)
     _forget_dirs(eng, d)
     return len(deleted[0])
 
@@ -78,7 +79,8 @@ def _forget_dirs(eng: Engine, d: str) -> None:
         eng.dirs.remove_many(eng.dirs.tree(d))
 
 
-def _after_delete(eng: Engine, gone: builtins.list[PageRow], freed: builtins.list[BlobRow]) -> None:
+def after_delete(eng: Engine, gone: builtins.list[PageRow], freed: builtins.list[BlobRow]) -> None:
+    """What follows the index's removal of pages: their data's files, the policy's view."""
     for b in freed:
         eng._drop_files(b)
         eng.policy.forget_blob(b)
@@ -93,7 +95,7 @@ def delete_blob_pages(eng: Engine, blob: BlobRow, reason: str) -> int:
     if deleted is None:
         return 0  # pinned since it was chosen
     gone, freed = deleted
-    _after_delete(eng, gone, freed)
+    after_delete(eng, gone, freed)
     with eng._cap_lock:
         eng._evictions[reason] += 1
     n = sum(b.disk_bytes for b in freed if b.extents is not None)
@@ -110,7 +112,7 @@ def delete_blob_pages(eng: Engine, blob: BlobRow, reason: str) -> int:
 
 def delete_evicted_pages(eng: Engine, pages: builtins.list[PageRow], reason: str) -> int:
     gone, freed = eng.index.delete_pages(p.path for p in pages)
-    _after_delete(eng, gone, freed)
+    after_delete(eng, gone, freed)
     bytes_of = {b.hash: b.disk_bytes for b in freed if b.extents is not None}
     by_content = collections.Counter(p.hash for p in gone)
     with eng._cap_lock:
@@ -299,7 +301,7 @@ def fsck(
             gone = eng.index.delete_blob_pages(b.hash, keep_pinned=False, copy=b.extents)
             if gone is None:
                 continue  # a new copy since (deleted and put again): it is not this one
-            _after_delete(eng, *gone)
+            after_delete(eng, *gone)
             with eng._cap_lock:
                 eng._evictions["fsck"] += 1
             out["repaired"].extend(

@@ -33,7 +33,7 @@ from urllib.parse import quote, unquote
 import msgpack
 
 from ._checksum import tree_hash
-from ._index import _BLOB_COLS, BlobRow, Index, _blob, _pack
+from ._index import _BLOB_COLS, BlobRow, Index, PageRow, _blob, _pack
 from ._keys import as_key, session_name
 
 __all__ = ["ArchiveIndex", "blob_key", "build_manifest", "manifest_key", "parse_manifest"]
@@ -335,28 +335,40 @@ class ArchiveIndex:
     # -- import from another host's manifest ---------------------------------------------
     def import_manifest(
         self, m: dict, unchanged: Callable[[], bool] = lambda: True, own: str = ""
-    ) -> int:
+    ) -> tuple[int, list[PageRow], list[BlobRow]]:
         """Add the manifest's pages that this index does not have, as archive-only data,
         and record the other hosts' manifest versions it came from (``m["versions"]``; this
-        host's own manifests supersede them from now on). Returns the number of pages added.
-        One transaction: all or nothing. Nothing is added when ``unchanged()``, asked inside
-        the transaction, is False: pages left the session here that the manifest may still
-        name, and they must not come back."""
+        host's own manifests supersede them from now on). A page held here under a path the
+        manifest names with a page created later is replaced by that one: this host's next
+        manifest supersedes the others, and must not bring an older page back for them.
+        Returns (pages added, page rows replaced, blob rows whose last reference they were:
+        the caller drops their files). One transaction: all or nothing. Nothing is added
+        when ``unchanged()``, asked inside the transaction, is False: pages left the
+        session here that the manifest may still name, and they must not come back."""
         d = m["session"]
         now = time.time()
         added = 0
+        replaced: list[PageRow] = []
+        freed: list[BlobRow] = []
         with self.index.transaction() as db:
             if not unchanged():
-                return 0
+                return 0, [], []
             db.executemany(
                 "INSERT INTO archive_imported VALUES (?,?,?) ON CONFLICT (session, store_id)"
                 " DO UPDATE SET spilled_at=max(spilled_at, excluded.spilled_at)",
                 [(d, sid, at) for sid, at in m.get("versions", {}).items() if sid != own],
             )
             for p in m["pages"]:
-                if db.execute("SELECT 1 FROM pages WHERE path=?", (p["path"],)).fetchone():
-                    continue
                 h = bytes(p["hash"])
+                here = db.execute(
+                    "SELECT created, hash FROM pages WHERE path=?", (p["path"],)
+                ).fetchone()
+                if here is not None:
+                    if here[0] >= p.get("created", 0.0) or bytes(here[1]) == h:
+                        continue  # this host's is as new, or the same bytes
+                    gone, fr = self.index._delete_pages(db, [p["path"]])
+                    replaced += gone
+                    freed += fr
                 if db.execute("SELECT 1 FROM blobs WHERE hash=?", (h,)).fetchone():
                     db.execute("UPDATE blobs SET refs=refs+1, archived=1 WHERE hash=?", (h,))
                 else:
@@ -392,7 +404,7 @@ class ArchiveIndex:
             Index._touch_session(db, d, m.get("atime", now), m.get("attrs") or {})
             if m.get("pinned"):
                 db.execute("UPDATE sessions SET pinned=1 WHERE dir=?", (d,))
-        return added
+        return added, replaced, freed
 
 
 def build_manifest(

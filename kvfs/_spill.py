@@ -22,6 +22,7 @@ from ._errors import ArchiveUnavailable, CorruptPage, SessionNotFound
 from ._events import log_event
 from ._hosts import Hosts
 from ._keys import session_name
+from ._maint import after_delete
 from ._manifest import (
     MANIFESTS,
     blob_key,
@@ -466,12 +467,14 @@ class Spiller:
             if await _thread(self.engine.index.session, d) is None:
                 raise SessionNotFound(f"no session {session_name(d)!r} here or in {self.store.url}")
             return 0
-        added = await _thread(
+        added, replaced, freed = await _thread(
             self.aindex.import_manifest,
             merged,
             lambda: written and removals[d] == at_fetch,
             self.engine.store_id,
         )
+        if replaced:  # older pages of this host's, replaced by newer ones of another's
+            await _thread(after_delete, self.engine, replaced, freed)
         if added:
             # The pages just added are archive-only here: a manifest of this host's must
             # name them before anything else happens, or another host deleting the session

@@ -223,6 +223,31 @@ def test_a_host_that_took_a_session_over_decides_what_it_holds(
         assert c.get(keys[1]) == kv_page(41) and c.get(keys[2]) == kv_page(42)
 
 
+def test_a_restore_by_a_host_holding_an_older_page_takes_the_newer_one(
+    make_config,  # noqa: ANN001
+    archive_url: str,  # noqa: F811
+) -> None:
+    """Hosts A and B put the same path (B later) and spill it. A's restore kept its own
+    older page, and A's manifest, superseding B's, then made every other host restore the
+    older page too: the page created last must win everywhere, on A as well."""
+    k = PageKey.semantic("s3", "p", 0)
+    a_cfg = archived_cfg(make_config, archive_url, name="host-a")
+    with kvfs.open_store_sync(a_cfg) as a:
+        a.put(k, kv_page(60))
+        a.spill("s3")
+    with kvfs.open_store_sync(archived_cfg(make_config, archive_url, name="host-b")) as b:
+        b.put(k, kv_page(61))
+        b.spill("s3")
+    with kvfs.open_store_sync(a_cfg) as a:
+        a.restore("s3")
+        assert a.get(k) == kv_page(61)
+        found = a.fsck()
+        assert not (found["missing"] or found["corrupt"] or found["orphans"]), found
+    with kvfs.open_store_sync(archived_cfg(make_config, archive_url, name="host-e")) as e:
+        e.restore("s3")
+        assert e.get(k) == kv_page(61)
+
+
 def test_a_manifest_in_the_single_manifest_layout_is_read_and_replaced(
     make_config,  # noqa: ANN001
     archive_url: str,  # noqa: F811
