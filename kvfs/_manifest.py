@@ -36,7 +36,14 @@ from ._checksum import tree_hash
 from ._index import _BLOB_COLS, BlobRow, Index, PageRow, _blob, _pack
 from ._keys import as_key, session_name
 
-__all__ = ["ArchiveIndex", "blob_key", "build_manifest", "manifest_key", "parse_manifest"]
+__all__ = [
+    "ArchiveIndex",
+    "blob_key",
+    "build_manifest",
+    "manifest_key",
+    "pack_manifest",
+    "parse_manifest",
+]
 
 MANIFESTS = "manifests/"
 BLOBS = "blobs/"
@@ -129,14 +136,34 @@ def merge_manifests(ms: list[dict]) -> dict:
     return out
 
 
+def pack_manifest(m: dict) -> bytes:
+    """The manifest's object: msgpack, ending in ``digest``, the SHA-256 of the msgpack of
+    every field before it (msgpack has no checksum of its own: a flipped byte in a page's
+    path or time would still decode, and be trusted)."""
+    body = {k: v for k, v in m.items() if k != "digest"}
+    digest = hashlib.sha256(msgpack.packb(body, use_bin_type=True)).digest()
+    return msgpack.packb({**body, "digest": digest}, use_bin_type=True)  # type: ignore[no-any-return]
+
+
 def parse_manifest(data: bytes) -> dict:
-    """Raises ValueError on anything that is not a manifest this kvfs reads."""
+    """Raises ValueError on anything that is not a manifest this kvfs reads, or one whose
+    bytes changed since it was written."""
     try:
         m = msgpack.unpackb(data, raw=False)
     except Exception as e:
         raise ValueError(f"not a manifest: {e}") from e
     if not isinstance(m, dict) or m.get("v") != VERSION or not isinstance(m.get("pages"), list):
         raise ValueError("not a version-1 kvfs manifest")
+    if "digest" in m:
+        digest = m.pop("digest")
+        if digest != hashlib.sha256(msgpack.packb(m, use_bin_type=True)).digest():
+            raise ValueError("manifest damaged: its digest does not match its bytes")
+    elif set(m) - _LEGACY_FIELDS:
+        # kvfs before the digest wrote only these: another name is one damaged (the
+        # digest's own, perhaps), not a manifest to trust unchecked
+        raise ValueError(
+            f"manifest damaged: no digest, and fields {sorted(set(m) - _LEGACY_FIELDS)}"
+        )
     _check_fields(m, _MANIFEST_FIELDS, "manifest")
     if not all(isinstance(v, (int, float)) for v in m.get("supersedes", {}).values()):
         raise ValueError("manifest field 'supersedes' is not {store id: time}")
@@ -173,6 +200,8 @@ _MANIFEST_FIELDS: dict[str, type | tuple[type, ...]] = {
     "store_id": str,
     "spilled_at": (int, float),
 }
+#: every field a manifest written before the digest may hold
+_LEGACY_FIELDS = {"v", *_MANIFEST_FIELDS, "supersedes", "pages"}
 _PAGE_FIELDS: dict[str, type | tuple[type, ...]] = {
     "path": str,
     "size": int,

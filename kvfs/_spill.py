@@ -12,7 +12,6 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-import msgpack
 import trio
 
 from objectstore._abc import one_error_nursery
@@ -32,6 +31,7 @@ from ._manifest import (
     manifest_key,
     manifest_prefixes,
     merge_manifests,
+    pack_manifest,
     parse_manifest,
     session_of_manifest_key,
 )
@@ -258,7 +258,7 @@ class Spiller:
             if m is None:
                 await self.store.delete(manifest_key(d, sid))
             else:
-                await self.store.put(manifest_key(d, sid), msgpack.packb(m, use_bin_type=True))
+                await self.store.put(manifest_key(d, sid), pack_manifest(m))
             if d not in self._legacy_checked:
                 await self._drop_own_legacy(d)
             self.policy.count("manifests_written")

@@ -657,8 +657,9 @@ def test_a_manifest_that_decodes_but_is_not_sound_is_unreadable(
     tmp_path: Path,
 ) -> None:
     """msgpack has no checksum: a manifest with a flipped byte often still decodes. One
-    missing a field, with a page whose checksum is not its leaves' tree hash, or naming a
-    page of another session is treated as unreadable (left out, restore CorruptPage,
+    missing a field, with a page whose checksum is not its leaves' tree hash, naming a
+    page of another session, or not matching its digest (a page's name or time changed:
+    the page served under another name, or winning a merge) is treated as unreadable (left out, restore CorruptPage,
     deletion paused): it was trusted, and KeyError broke listing, restores, the deletes of
     every session and close."""
     import msgpack
@@ -675,11 +676,17 @@ def test_a_manifest_that_decodes_but_is_not_sound_is_unreadable(
         raw = policy.call(policy.store.get, key)
     m = parse_manifest(raw)
     p0 = m["pages"][0]
+    digest = msgpack.unpackb(raw)["digest"]
+    later = {**m, "pages": [{**p0, "created": p0["created"] + 1}, *m["pages"][1:]]}
     bad = {
         "a key's byte flipped": raw.replace(b"hash", b"hasi", 1),
         "no store_id": msgpack.packb({k: v for k, v in m.items() if k != "store_id"}),
         "a checksum flipped": raw.replace(p0["hash"], bytes([p0["hash"][0] ^ 1]) + p0["hash"][1:]),
         "another session's page": raw.replace(b"sessions/odd/", b"sessions/ggg/"),
+        # (these decode, and name what could be: only the digest tells)
+        "a page's name flipped": raw.replace(b"layer-000", b"layer-100", 1),
+        "a page's time changed": msgpack.packb({**later, "digest": digest}),
+        "the digest's name flipped": raw.replace(b"digest", b"digesu"),
     }
     for i, (what, body) in enumerate(bad.items()):
         with pytest.raises(ValueError):
