@@ -251,7 +251,8 @@ def stop_daemon(
     """Stop the daemon serving ``mountpoint`` and wait until it has exited and the mount is
     gone. Like umount(8), a mount in use is left alone (MountBusy) unless ``force``: the
     unmount comes first, and only a mount nobody uses can be unmounted, so no reader is cut
-    off halfway (it would get ENOTCONN); then SIGTERM. Without a live daemon, unmount a
+    off halfway (it would get ENOTCONN), and the daemon then stops by itself; SIGTERM otherwise
+    (--force). Without a live daemon, unmount a
     leftover kvfs mount. Raises FileNotFoundError when nothing is mounted there, MountBusy,
     TimeoutError."""
     mp = os.path.abspath(mountpoint)
@@ -260,6 +261,7 @@ def stop_daemon(
     with contextlib.suppress(OSError, ValueError):
         pid = int(json.loads(path.read_text())["pid"])
     if pid is not None and _alive(pid):
+        unmounted = False
         if not force and _mounted(mp):
             r = subprocess.run(["fusermount3", "-u", mp], capture_output=True, text=True)
             if r.returncode != 0 and _mounted(mp) and "busy" in r.stderr.lower():
@@ -268,8 +270,13 @@ def stop_daemon(
                     f"{mp} is in use (a process has a file open or its working directory in "
                     "it): close those, or unmount anyway with --force (they then get ENOTCONN)",
                 )
-        with contextlib.suppress(ProcessLookupError):  # (it may be gone already)
-            os.kill(pid, signal.SIGTERM)
+            unmounted = r.returncode == 0
+        # A daemon whose mount is gone stops by itself: a SIGTERM then could land after it
+        # stopped listening for one, and kill it while it closes the store (exit -15, the
+        # index recounted at the next open as after a crash)
+        if not unmounted:
+            with contextlib.suppress(ProcessLookupError):  # (it may be gone already)
+                os.kill(pid, signal.SIGTERM)
     elif _mounted(mp):
         subprocess.run(["fusermount3", "-u", "-z", mp], check=True)
         pid = None

@@ -5,6 +5,7 @@ through the mount, metrics, a missing daemon and a daemon killed in the middle o
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -318,6 +319,34 @@ def test_paths_on_a_mount_reach_its_store_wherever_it_keeps_things(
         assert json.loads(run("ls", str(page), "--json")[1])[0]["pinned"]
     finally:
         d.stop()
+
+
+def test_umount_lets_the_daemon_close_the_store_cleanly(tmp_path: Path, run: Run) -> None:
+    """umount unmounted, which stops the daemon by itself, then sent SIGTERM: landing after
+    the daemon stopped listening for it, it killed the daemon while it closed the store
+    (exit -15 in most runs), the index left unclean (the next open recounts as after a
+    crash) and the access times of the last reads lost."""
+    import sqlite3
+
+    from kvfs._index import meta_value
+
+    mp = tmp_path / "mnt"
+    mp.mkdir()
+    for _ in range(3):
+        d = DaemonMount([tmp_path / "data"], mp, tmp_path / "daemon.log")
+        try:
+            if (mp / "f").exists():
+                assert (mp / "f").read_bytes() == b"x"
+            else:
+                (mp / "f").write_bytes(b"x")
+            assert run("umount", str(mp))[0] == 0
+            assert d.proc.wait(timeout=30) == 0
+        finally:
+            d.stop()
+        db = sqlite3.connect(f"file:{tmp_path}/data/kvfs-index.sqlite3?mode=ro", uri=True)
+        with contextlib.closing(db):
+            [(clean,)] = db.execute("SELECT v FROM meta WHERE k='clean'").fetchall()
+        assert meta_value(clean) is True
 
 
 def test_a_mountpoint_with_a_space_and_a_non_ascii_name(tmp_path: Path, run: Run) -> None:
