@@ -39,7 +39,7 @@ import msgpack
 
 from ._collect import INTENTS
 from ._events import log_event
-from ._manifest import MANIFESTS, parse_manifest
+from ._manifest import MANIFESTS, pack_manifest, parse_manifest
 
 if TYPE_CHECKING:
     from objectstore import ObjectStore
@@ -176,7 +176,8 @@ class Hosts:
         if retention <= 0 or now - seen <= 2 * retention + 2 * interval:
             return
         deleted = kept = 0
-        for mkey in await self.store.list_all(MANIFESTS):
+        listed = set(await self.store.list_all(MANIFESTS))
+        for mkey in listed:
             if not mkey.endswith("@" + host):
                 continue
             try:
@@ -192,7 +193,14 @@ class Hosts:
             # Queued before the manifest goes: a failure (or a kill) in between leaves the
             # manifest, retired again next time, never objects that nothing would collect.
             await self.forget([bytes(p["hash"]) for p in m["pages"]])
-            await self.store.delete(mkey)
+            session_part = mkey[: -len(host) - 1]
+            if any(f"{session_part}@{sid}" in listed for sid in m.get("supersedes", {})):
+                # It supersedes manifests still there (the host took the session over from
+                # theirs): deleting it would bring back what they name and it deleted.
+                # Its pages go; a tombstone keeps saying what is no longer there.
+                await self.store.put(mkey, pack_manifest({**m, "pages": []}))
+            else:
+                await self.store.delete(mkey)
             deleted += 1
         # Its intents would linger in every settle's listing forever: a collection stops
         # deleting half a window after its intent is written, long before this.

@@ -167,6 +167,43 @@ def test_a_host_silent_for_good_is_retired_but_its_pins_stay(
     trio.run(main)
 
 
+def test_a_session_a_retired_host_deleted_stays_deleted(
+    make_config: Callable[..., kvfs.StoreConfig],
+    archive_url: str,  # noqa: F811
+) -> None:
+    """Host W took session u over from host X (restored it) and deleted it: W's manifest,
+    without pages, supersedes X's. Retiring W deleted that manifest with the others, and X's
+    came back: u listed again, and restored on any host."""
+    x_cfg = archived_cfg(make_config, archive_url, name="host-x")  # keeps its sessions
+    w_setup = archived_cfg(make_config, archive_url, name="host-w")
+    w_cfg = archived_cfg(make_config, archive_url, name="host-w", interval=60, retention=1.5)
+    a_cfg = archived_cfg(make_config, archive_url, name="host-a", interval=0.05, retention=1)
+    with kvfs.open_store_sync(x_cfg) as x:
+        x.put(PageKey.semantic("u", "p", 0), kv_page(70))
+        x.spill("u")
+    with kvfs.open_store_sync(w_setup) as w:
+        w.restore("u")
+        w.delete_session("u")
+        assert w.archived_sessions() == []
+
+    async def main() -> None:
+        async with kvfs.open_store(w_cfg) as w:  # W's heartbeat, then W goes for good
+            with trio.fail_after(30):
+                while not await _objects(w, "hosts/"):
+                    await trio.sleep(0.05)
+        async with kvfs.open_store(a_cfg) as a:
+            with trio.fail_after(60):
+                while (await a.statistics()).extra["archive"]["hosts_retired"] == 0:
+                    await trio.sleep(0.1)
+            assert await a.archived_sessions() == []
+
+    trio.run(main)
+    with kvfs.open_store_sync(archived_cfg(make_config, archive_url, name="host-v")) as v:
+        assert v.archived_sessions() == []
+        with pytest.raises(kvfs.SessionNotFound):
+            v.restore("u")
+
+
 def test_a_host_that_keeps_beating_is_never_retired(
     make_config: Callable[..., kvfs.StoreConfig],
     archive_url: str,  # noqa: F811
