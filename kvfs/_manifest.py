@@ -361,6 +361,19 @@ class ArchiveIndex:
             r[0] for r in self.index._q("SELECT DISTINCT session FROM pages WHERE hash=?", (h,))
         ]
 
+    def all_archived(self, sessions: Collection[str]) -> list[str]:
+        """Those of ``sessions`` whose every page's content is archived (spilled before,
+        as a rule: this host has a manifest of them)."""
+        return [
+            d
+            for d in sessions
+            if not self.index._q(
+                "SELECT 1 FROM pages p JOIN blobs b ON b.hash=p.hash"
+                " WHERE p.session=? AND b.archived=0 LIMIT 1",
+                (d,),
+            )
+        ]
+
     # -- import from another host's manifest ---------------------------------------------
     def import_manifest(
         self, m: dict, unchanged: Callable[[], bool] = lambda: True, own: str = ""

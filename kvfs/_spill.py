@@ -151,6 +151,7 @@ class Spiller:
             await self.write_manifest(d)
             await self._verify_referenced(await self.collector.settle(hashes, fresh, started))
             if drop:
+                await self._learn_named(hashes, d)
                 await _thread(self._drop_all, hashes, None if keep_pinned else d)
             self.policy.count("sessions_spilled")
             return uploaded
@@ -178,6 +179,31 @@ class Spiller:
         for d in stale:
             await self.write_manifest(d)
         await self._verify_referenced(await self.collector.settle(hashes, fresh, started))
+
+    async def _learn_named(self, hashes: list[bytes], d: str) -> None:
+        """Learn what this host's manifests name of the other sessions sharing ``hashes``
+        that spilled before this process knew them (``named`` lives in memory): without
+        it, content shared with a session spilled by an earlier ``kvfs spill`` never left
+        the local tier. One GET per such session, once per process."""
+
+        def unknown() -> list[str]:
+            others = {s for h in hashes for s in self.aindex.sessions_of_blob(h)}
+            return self.aindex.all_archived(sorted(others - {d} - set(self.named)))
+
+        sid = self.engine.store_id
+        limit = trio.CapacityLimiter(self.policy.cfg.concurrency)
+
+        async def learn(s: str) -> None:
+            async with limit:
+                try:
+                    m = parse_manifest(await self.store.get(manifest_key(s, sid)))  # type: ignore[arg-type]
+                except (FileNotFoundError, ValueError):
+                    return  # unknown: what it shares stays local
+            self.named.setdefault(s, {bytes(p["hash"]) for p in m["pages"]})
+
+        async with one_error_nursery() as n:
+            for s in await trio.to_thread.run_sync(unknown):
+                n.start_soon(learn, s)
 
     async def _check_named(self) -> None:
         """Before ``named`` is trusted for a drop: when this host's heartbeat is overdue,

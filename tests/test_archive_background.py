@@ -86,6 +86,27 @@ def test_content_shared_by_spilled_sessions_leaves_with_the_last(
         assert kvfs.checksum(prompt).hex() in named(tmp_path / "archive")
 
 
+def test_content_shared_by_sessions_spilled_one_open_at_a_time_leaves_with_the_last(
+    make_config: Config, tmp_path: Path
+) -> None:
+    """`kvfs spill a`, then `kvfs spill b`: each a new process, which knew nothing of what
+    the earlier one's manifests named (kept in memory), so the content both hold never
+    left the local tier, however often they were spilled."""
+    url, prompt = _url(tmp_path), kv_page(5)
+    cfg = archived_cfg(make_config, url, upload_processes=0)
+    with kvfs.open_store_sync(cfg) as s:
+        for sess in ("a", "b"):
+            s.put(PageKey.semantic(sess, "sys", 0), prompt)
+        s.put(PageKey.semantic("a", "own", 0), kv_page(6))
+    for sess in ("a", "b"):
+        with kvfs.open_store_sync(cfg) as s:
+            s.spill(sess)
+    with kvfs.open_store_sync(cfg) as s:
+        assert {s.stat(PageKey.semantic(x, "sys", 0)).tier for x in "ab"} == {"archive"}
+        assert s.statistics().used_bytes == 0
+        assert s.get(PageKey.semantic("b", "sys", 0)) == prompt
+
+
 def test_a_drop_skips_content_a_session_without_a_naming_manifest_holds(
     make_config: Config, tmp_path: Path
 ) -> None:
