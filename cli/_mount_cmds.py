@@ -26,7 +26,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_mount)
     u = sub.add_parser("umount", help="unmount: stop the daemon cleanly and wait for it")
     u.add_argument("mountpoint", metavar="MOUNTPOINT")
-    u.add_argument("--timeout", type=float, default=60.0, help="seconds to wait (default 60)")
+    u.add_argument("--timeout", type=_seconds, default=60.0, help="seconds to wait (default 60)")
     u.add_argument(
         "--force",
         action="store_true",
@@ -160,3 +160,15 @@ def cmd_umount(args: argparse.Namespace) -> int:
     if args.json:
         print_json(result)
     return 0
+
+
+def _seconds(text: str) -> float:
+    """An argparse ``type``: a wait in seconds, more than 0 (0 or less reported a failure
+    after the unmount it had already done)."""
+    try:
+        n = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not n > 0:
+        raise argparse.ArgumentTypeError(f"must be more than 0, not {text}")
+    return n

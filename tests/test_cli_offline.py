@@ -417,6 +417,11 @@ def test_bad_arguments_and_one_line_errors(tmp_path: Path) -> None:
     assert r.returncode == 2 and "invalid choice" in r.stderr
     r = subprocess.run([*cmd, "evict"], capture_output=True, text=True, env=env, cwd=tmp_path)
     assert r.returncode == 2
+    for bad in ("0", "-1", "nan", "soon"):  # (0 and -1 unmounted, then reported a failure)
+        r = subprocess.run(
+            [*cmd, "umount", "--timeout", bad, str(tmp_path)], capture_output=True, text=True
+        )
+        assert r.returncode == 2 and "--timeout" in r.stderr, (bad, r.stderr)
     r = subprocess.run(
         [*cmd, "ls", "--data", str(tmp_path / "x")],
         capture_output=True,
