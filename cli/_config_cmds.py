@@ -20,7 +20,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "config",
         help="show the configuration the files, environment and flags give (secrets masked); "
-        "a running daemon's own mount flags show in kvfs stats",
+        "a running daemon's own settings and mount flags show in kvfs stats",
     )
     add_store_flags(p, modes=False)
     p.set_defaults(func=cmd_config)

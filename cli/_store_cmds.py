@@ -436,7 +436,32 @@ def render_stats(st: kvfs.StoreStatistics, *, own_counters: bool = False) -> str
         out.append("archive: none configured")
     ev = ", ".join(f"{k} {v}" for k, v in sorted(st.evictions.items())) or "none"
     out.append(f"evictions: {ev}")
+    out += _settings_lines(st.extra)
     return "\n".join(out)
+
+
+def _settings_lines(extra: dict[str, Any]) -> list[str]:
+    """The settings the store runs with, and the mount serving it (a daemon's own flags)."""
+    out = []
+    s = extra.get("settings")
+    if isinstance(s, dict):
+        out.append(
+            f"settings: stripe unit {fmt_bytes(s.get('stripe_unit', 0))}, O_DIRECT "
+            f"{_on(s.get('direct_io'))}, durable {_on(s.get('durable'))}, "
+            f"{s.get('io_threads')} I/O threads, index {s.get('index')}"
+        )
+    m = extra.get("mount")
+    if isinstance(m, dict):
+        out.append(
+            f"mount: {m.get('mountpoint')} (pid {m.get('pid')}), direct_io "
+            f"{_on(m.get('direct_io'))}, read-ahead {m.get('read_ahead_kb')} KiB, allow_other "
+            f"{_on(m.get('allow_other'))}, {m.get('threads')} threads"
+        )
+    return out
+
+
+def _on(v: object) -> str:
+    return "on" if v else "off"
 
 
 def cmd_stats(args: argparse.Namespace) -> int:

@@ -252,6 +252,8 @@ class Engine:
         self._counters: Counter[str] = Counter()
         self._evictions: Counter[str] = Counter()
         self.recovered_orphans: builtins.list[str] = []
+        #: the mount serving this store, with its options (kvfs._mount.serve_mount)
+        self.mounted: dict[str, object] | None = None
         clean = self.index.get_meta("clean", True) is not False
         if not clean:
             self.recovered_orphans = self.tier.sweep(self.index.all_extent_files())

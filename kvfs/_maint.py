@@ -206,12 +206,30 @@ def statistics(eng: Engine) -> StoreStatistics:
             bytes_written=k.get("bytes_written", 0),
             bytes_read=k.get("bytes_read", 0),
             evictions=dict(eng._evictions),
-            extra=eng.policy.statistics(),
+            extra={**eng.policy.statistics(), **_settings(eng)},
             devices=tuple(
                 DeviceStatistics(i, str(r), eng.dev_used[i], free[i])
                 for i, r in enumerate(eng.tier.roots)
             ),
         )
+
+
+def _settings(eng: Engine) -> dict[str, object]:
+    """What the store runs with, and the mount serving it: a daemon's own flags, which
+    ``kvfs config`` (files, environment, its own flags) cannot know."""
+    cfg = eng.config
+    out: dict[str, object] = {
+        "settings": {
+            "stripe_unit": cfg.stripe_unit,
+            "direct_io": cfg.direct_io,
+            "durable": cfg.durable,
+            "io_threads": cfg.io_threads,
+            "index": str(cfg.index_path),
+        }
+    }
+    if eng.mounted is not None:
+        out["mount"] = dict(eng.mounted)
+    return out
 
 
 # -- verification -------------------------------------------------------------------------

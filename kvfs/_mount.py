@@ -9,7 +9,7 @@ import errno
 import logging
 import os
 import urllib.parse
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import pyfuse3
@@ -138,6 +138,8 @@ async def serve_mount(
             if opts.read_ahead_kb > 0 and not opts.direct_io:
                 set_read_ahead(st.st_dev, opts.read_ahead_kb)
             log.info("mounted %s", mp)
+            # what kvfs stats shows of it (the daemon's own flags: kvfs config cannot know them)
+            store.engine.mounted = {"mountpoint": str(mp), "pid": os.getpid(), **asdict(opts)}
             task_status.started(mp)
     finally:
         with trio.CancelScope(shield=True):
@@ -147,6 +149,7 @@ async def serve_mount(
                 except Exception:
                     log.error("unmounting %s failed", mp, exc_info=True)
             await ops.aclose()
+            store.engine.mounted = None
             log.info("unmounted %s", mp)
 
 

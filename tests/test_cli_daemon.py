@@ -349,6 +349,21 @@ def test_umount_lets_the_daemon_close_the_store_cleanly(tmp_path: Path, run: Run
         assert meta_value(clean) is True
 
 
+def test_stats_shows_the_daemons_own_settings_and_mount(tmp_path: Path, run: Run) -> None:
+    """`kvfs config` said a daemon's own mount flags show in `kvfs stats`; they did not."""
+    mp = tmp_path / "mnt"
+    mp.mkdir()
+    flags = ("--stripe-unit", "1MiB", "--direct-io")
+    with DaemonMount([tmp_path / "data"], mp, tmp_path / "daemon.log", *flags) as m:
+        rc, out, err = run("stats", "--data", str(tmp_path / "data"), "--json")
+        assert rc == 0, err
+        extra = json.loads(out)["extra"]
+        assert extra["settings"]["stripe_unit"] == 1 << 20
+        assert extra["mount"]["mountpoint"] == str(m) and extra["mount"]["direct_io"] is True
+        rc, out, _ = run("stats", "--data", str(tmp_path / "data"))
+        assert "stripe unit 1.0 MiB" in out and f"mount: {m} (pid " in out
+
+
 def test_a_mountpoint_with_a_space_and_a_non_ascii_name(tmp_path: Path, run: Run) -> None:
     """/proc/self/mountinfo escapes a space (\\040) and leaves UTF-8 as it is: paths on such
     a mount still name its pages, and umount still sees that the mount is in use."""
