@@ -117,13 +117,18 @@ def main(
         for d in config.data_dirs:
             if d.exists() and not d.is_dir():
                 raise MountError(f"data directory {d} is not a directory")
+        if log_file is not None and not Path(log_file).absolute().parent.is_dir():
+            raise MountError(f"--log {log_file}: {Path(log_file).parent} is not a directory")
     except MountError as e:
         print(f"kvfs mount: {e}", file=sys.stderr)
         return 1
     if not foreground:
         if child_argv is None:
             raise ValueError("detaching needs the foreground command line (child_argv)")
-        return _detach(child_argv, log_file or _default_log(config))
+        if log_file is None:
+            log_file = _default_log(config)
+            log_file.parent.mkdir(parents=True, exist_ok=True)  # (a store made by this mount)
+        return _detach(child_argv, log_file)
     ready = os.environ.pop(READY_FD_ENV, None)
     ready_fd = int(ready) if ready else None
     if ready_fd is not None:
@@ -198,7 +203,6 @@ def _default_log(config: StoreConfig) -> Path:
 
 def _detach(argv: Sequence[str], log_file: str | os.PathLike[str]) -> int:
     r, w = os.pipe()
-    Path(log_file).parent.mkdir(parents=True, exist_ok=True)
     with open(log_file, "ab") as logf, open(os.devnull, "rb") as null:
         child = subprocess.Popen(
             list(argv),

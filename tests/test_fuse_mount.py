@@ -691,6 +691,15 @@ def test_detached_mount_and_umount(tmp_path: Path) -> None:
             text=True,
         )
         assert r.returncode == 1 and "afile is not a directory" in r.stderr, r.stderr
+        # a log in a directory that is not there: told, not made (nor the store)
+        r = subprocess.run(
+            [*KVFS, "mount", "--data", str(tmp_path / "new"), "--log", str(tmp_path / "no/l")]
+            + [str(mp)],
+            capture_output=True,
+            text=True,
+        )
+        assert r.returncode == 1 and "no is not a directory" in r.stderr, r.stderr
+        assert not (tmp_path / "no").exists() and not (tmp_path / "new").exists()
         # --force unmounts a mount in use; its readers get ENOTCONN from then on
         r = subprocess.run([*KVFS, "mount", "--data", str(data), str(mp)], capture_output=True)
         assert r.returncode == 0
