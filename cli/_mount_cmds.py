@@ -88,6 +88,8 @@ def build_config(args: argparse.Namespace) -> kvfs.StoreConfig:
     """Defaults < configuration file < $KVFS_* < flags (kvfs._settings)."""
     from kvfs._settings import load_settings
 
+    from ._target import warn_unknown_environment
+
     flags = {
         "data_dirs": args.data,
         "capacity": args.capacity,
@@ -97,6 +99,7 @@ def build_config(args: argparse.Namespace) -> kvfs.StoreConfig:
         "metrics_port": args.metrics_port,
         "log_level": args.log_level,
     }
+    warn_unknown_environment()
     return load_settings(args.config, flags=flags).store_config()
 
 

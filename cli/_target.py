@@ -25,7 +25,7 @@ from kvfs._keys import SESSIONS_DIR
 from kvfs._local import DEVICE_MARKER
 from kvfs._mountinfo import mounts
 from kvfs._remote import SyncRemoteStore
-from kvfs._settings import Settings, load_settings
+from kvfs._settings import Settings, load_settings, unknown_environment
 
 __all__ = ["add_store_flags", "daemon_services", "open_target", "settings_from_args"]
 
@@ -152,7 +152,13 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         "control_socket": getattr(args, "socket", None),
         "index_dir": getattr(args, "index_dir", None),  # (a mount's, see map_mount_paths)
     }
+    warn_unknown_environment()
     return load_settings(getattr(args, "config", None), flags=flags)
+
+
+def warn_unknown_environment() -> None:
+    for warning in unknown_environment():
+        print(f"kvfs: {warning}", file=sys.stderr)
 
 
 @contextmanager

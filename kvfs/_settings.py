@@ -12,6 +12,7 @@ by :func:`masked`.
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import os
 import re
@@ -378,8 +379,8 @@ def load_settings(
     """Merge defaults, the TOML file, ``KVFS_*`` variables and ``flags`` (None = not given).
 
     The file is ``config_file``, else ``$KVFS_CONFIG``, else none. Raises ValueError for an
-    unknown option or section, a value of the wrong kind, or TOML that does not parse;
-    FileNotFoundError for a named file that does not exist.
+    unknown option or section, a value of the wrong kind, TOML that does not parse, or a
+    named file that does not exist.
     """
     env = os.environ if env is None else env
     values: dict[str, object] = {o.name: o.default for o in OPTIONS}
@@ -388,7 +389,12 @@ def load_settings(
     cfg_path = Path(path) if path else None
     if cfg_path is not None:
         try:
-            doc = tomllib.loads(cfg_path.read_text())
+            text = cfg_path.read_text()
+        except FileNotFoundError:
+            via = "" if config_file else " ($KVFS_CONFIG)"
+            raise ValueError(f"configuration file {cfg_path}{via} does not exist") from None
+        try:
+            doc = tomllib.loads(text)
         except tomllib.TOMLDecodeError as e:
             raise ValueError(f"{cfg_path}: {e}") from None
         for section, table in doc.items():
@@ -415,6 +421,23 @@ def load_settings(
         values[name] = _convert(opt, raw, "command line")
         sources[name] = "flag"
     return Settings(values, sources, cfg_path)
+
+
+#: ``KVFS_*`` variables that are not options: read elsewhere (the test suite's knob too),
+#: never misspelt settings
+_OTHER_ENV = {"KVFS_CONFIG", "KVFS_READY_FD", "KVFS_CHAOS_SECONDS"}
+
+
+def unknown_environment(env: Mapping[str, str] | None = None) -> list[str]:
+    """A warning for each ``KVFS_*`` variable that is no setting (a typo is ignored, as an
+    unknown TOML option is not), naming the one meant where it is close."""
+    env = os.environ if env is None else env
+    known = {o.env for o in OPTIONS} | _OTHER_ENV
+    out = []
+    for name in sorted(k for k in env if k.startswith("KVFS_") and k not in known):
+        near = difflib.get_close_matches(name, sorted(known), n=1)
+        out.append(f"${name} is no kvfs setting: ignored" + (f" (${near[0]}?)" if near else ""))
+    return out
 
 
 _SECRET = re.compile(r"secret|password|token|credential", re.I)

@@ -79,8 +79,24 @@ def test_bad_environment_value_names_the_variable() -> None:
 
 
 def test_missing_named_file(tmp_path: Path) -> None:
-    with pytest.raises(FileNotFoundError):
+    """A configuration error (exit 2, said as such), not a raw `[Errno 2]` (exit 3)."""
+    with pytest.raises(ValueError, match=r"configuration file .*absent.toml does not exist"):
         load_settings(tmp_path / "absent.toml", env={})
+    with pytest.raises(ValueError, match=r"\(\$KVFS_CONFIG\) does not exist"):
+        load_settings(env={"KVFS_CONFIG": str(tmp_path / "absent.toml")})
+
+
+def test_a_misspelt_environment_variable_is_told() -> None:
+    """Unknown TOML options are errors; a `KVFS_CAPACTY` was silently ignored."""
+    from kvfs._settings import unknown_environment
+
+    env = {"KVFS_CAPACTY": "1GiB", "KVFS_CAPACITY": "2GiB", "KVFS_CONFIG": "x", "HOME": "/"}
+    assert unknown_environment(env) == [
+        "$KVFS_CAPACTY is no kvfs setting: ignored ($KVFS_CAPACITY?)"
+    ]
+    assert unknown_environment({"KVFS_ZZZZZZZZZZZZ": "1"}) == [
+        "$KVFS_ZZZZZZZZZZZZ is no kvfs setting: ignored"
+    ]
 
 
 def test_secrets_are_masked() -> None:
