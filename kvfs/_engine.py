@@ -207,7 +207,7 @@ class Engine:
         known = 0 if store_id is None else _devices_known(self.index)
         if len(cfg.data_dirs) < known:
             raise KvfsError(
-                f"this store has {known} data directories, {len(cfg.data_dirs)} are "
+                f"this store has {known} data directories, but only {len(cfg.data_dirs)} "
                 "configured: the pages striped over the others would be missing; "
                 "configure all of them, in their original order"
             )
@@ -290,9 +290,13 @@ class Engine:
         per: Counter[int] = Counter()
         for dev, _f, _o, length in b.extents:
             per[dev] += length
-        share = b.disk_bytes / max(1, b.size)
-        for dev, n in per.items():
-            self.dev_used[dev] += sign * int(n * share if b.size else b.disk_bytes)
+        # disk_bytes (header and alignment included) split by each device's share of the
+        # data, the rounding left to the last: the devices' sum is exactly ``used``
+        devs, total, left = sorted(per), sum(per.values()), b.disk_bytes
+        for i, dev in enumerate(devs):
+            n = left if i == len(devs) - 1 else b.disk_bytes * per[dev] // max(1, total)
+            left -= n
+            self.dev_used[dev] += sign * n
 
     # -- lifecycle --------------------------------------------------------------------
     @contextmanager

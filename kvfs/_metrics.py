@@ -66,7 +66,7 @@ def render_metrics(
     w(
         "kvfs_capacity_bytes",
         g,
-        "Cap on bytes held locally (0: the disks' size).",
+        "Cap on bytes held locally (a capacity of 0 configured: the free space at open, less headroom).",
         st.capacity_bytes,
     )
     w("kvfs_used_bytes", g, "Bytes the local tier holds on disk.", st.used_bytes)

@@ -493,7 +493,7 @@ def test_a_missing_device_is_refused_not_made_again(tmp_path) -> None:  # noqa: 
     with pytest.raises(kvfs.KvfsError, match="is its disk mounted"):
         kvfs.open_store_sync(cfg).__enter__()
     (tmp_path / "n1").rmdir()
-    with pytest.raises(kvfs.KvfsError, match="2 data directories, 1 are configured"):
+    with pytest.raises(kvfs.KvfsError, match="2 data directories, but only 1 configured"):
         kvfs.open_store_sync(kvfs.StoreConfig(data_dirs=(tmp_path / "n0",))).__enter__()
     (tmp_path / "n1.unmounted").rename(tmp_path / "n1")
     reads_back(cfg, data)
@@ -520,7 +520,7 @@ def test_a_device_can_be_added(tmp_path) -> None:  # noqa: ANN001
         s.put("p/new", os.urandom(3 * MiB))
         data["p/new"] = s.get("p/new")  # type: ignore[assignment]
     reads_back(grown, data)
-    with pytest.raises(kvfs.KvfsError, match="3 data directories, 2 are configured"):
+    with pytest.raises(kvfs.KvfsError, match="3 data directories, but only 2 configured"):
         kvfs.open_store_sync(cfg).__enter__()
 
 
