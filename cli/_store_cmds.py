@@ -613,8 +613,9 @@ def cmd_evict(args: argparse.Namespace) -> int:
                     )
                     + " (--force to do it anyway)"
                 )
-            plan.append((t, kind, name, pages))
-        for t, kind, name, pages in plan:
+            pinned = sum(1 for p in pages if p.local and (p.pinned or held))
+            plan.append((t, kind, name, pages, pinned))
+        for t, kind, name, pages, pinned in plan:
             # what the archive lacks is uploaded first: the bytes as they go
             with Progress(f"evict {t}", 1, fmt=fmt_bytes) as bar:
                 if kind == "directory":  # the pages checked above
@@ -622,12 +623,17 @@ def cmd_evict(args: argparse.Namespace) -> int:
                 else:
                     where = {"key": name} if kind == "page" else {"session": name}
                     freed = store.evict(**where, progress=_bytes_to(bar))
-            results.append({"target": t, "kind": kind, "freed_bytes": freed})
+            results.append({"target": t, "kind": kind, "freed_bytes": freed, "pinned_kept": pinned})
     _emit(
         args,
         results,
         [
             f"evicted {r['kind']} {r['target']}: {fmt_bytes(r['freed_bytes'])} freed"
+            + (
+                f" ({r['pinned_kept']} pinned page(s) kept: kvfs unpin first)"
+                if r["pinned_kept"]
+                else ""
+            )
             for r in results
         ],
     )

@@ -260,6 +260,16 @@ def test_evict_with_an_archive_keeps_the_page(run: Run, tmp_path: Path) -> None:
     assert rc == 0 and (tmp_path / "back").read_bytes() == (tmp_path / "f").read_bytes()
 
 
+def test_evict_of_a_pinned_session_says_what_it_kept(run: Run, tmp_path: Path) -> None:
+    """It printed "0 B freed" and no reason."""
+    d = one_page(run, tmp_path, os.urandom(8192), archive=True)
+    assert run("pin", "a", *d)[0] == 0
+    rc, out, _ = run("evict", "a", *d)
+    assert rc == 0 and "0 B freed (1 pinned page(s) kept: kvfs unpin first)" in out, out
+    rc, out, _ = run("evict", "a", "--json", *d)
+    assert json.loads(out)[0]["pinned_kept"] == 1 and tier(run, d) == "local"
+
+
 def test_spill_and_restore(run: Run, tmp_path: Path) -> None:
     d = one_page(run, tmp_path, os.urandom(20000), archive=True)
     rc, out, _ = run("spill", "a", "--json", *d)
