@@ -1161,7 +1161,8 @@ class ArchivingPolicy(TieringPolicy):
         finally:
             # A restore is an access (an engine's hint that the agent resumes): the session's
             # last access is now, not the one its manifest recorded, or retention here would
-            # delete it, from every host's view, at its next pass.
+            # delete it, from every host's view, at its next pass; and so is its pages' (or
+            # an eviction would take them first, least recently used).
             with trio.CancelScope(shield=True):
                 await trio.to_thread.run_sync(self.engine.index.touch_session, d)
 

@@ -785,9 +785,18 @@ class Index:
             )
 
     def touch_session(self, d: str) -> None:
-        """The session was used now (when it exists)."""
+        """The session, and every page of it and their data, was used now (a restore: the
+        pages just brought back must not be the first an eviction takes, as their atimes
+        from the manifest made them)."""
+        now = time.time()
         with self.transaction() as db:
-            db.execute("UPDATE sessions SET atime=MAX(atime, ?) WHERE dir=?", (time.time(), d))
+            db.execute("UPDATE sessions SET atime=MAX(atime, ?) WHERE dir=?", (now, d))
+            db.execute("UPDATE pages SET atime=MAX(atime, ?) WHERE session=?", (now, d))
+            db.execute(
+                "UPDATE blobs SET atime=MAX(atime, ?)"
+                " WHERE hash IN (SELECT hash FROM pages WHERE session=?)",
+                (now, d),
+            )
 
     def set_session_pinned(self, d: str, pinned: bool) -> None:
         with self.transaction() as db:

@@ -225,7 +225,8 @@ def test_a_restored_session_is_not_expired_by_the_next_retention_pass(
 ) -> None:
     """Host B restores a session host A spilled longer ago than B's retention. The restore
     kept A's last access, so B's next retention pass deleted the session it had just been
-    asked for, and B's manifest, superseding A's, hid it from every host."""
+    asked for, and B's manifest, superseding A's, hid it from every host. Its pages kept
+    theirs, and were the first an eviction took."""
     url = _url(tmp_path)
     data = kv_page(5)
     with kvfs.open_store_sync(archived_cfg(make_config, url, name="a", upload_processes=0)) as a:
@@ -234,11 +235,17 @@ def test_a_restored_session_is_not_expired_by_the_next_retention_pass(
     time.sleep(2.5)
     b_cfg = archived_cfg(make_config, url, name="b", upload_processes=0, retention=2)
     with kvfs.open_store_sync(b_cfg) as b:
+        b.put(PageKey.semantic("used-before", "p", 0), kv_page(6))
+        b.engine.flush_atimes()
         assert b.restore("agent") == len(data)
         assert time.time() - b.session_info("agent").atime < 2
+        # its pages too: they were the first an eviction took (least recently used)
+        assert time.time() - b.stat(PageKey.semantic("agent", "p", 0)).atime < 2
+        [first] = b.engine.index.eviction_candidates(1)
+        assert first.hash == kvfs.checksum(kv_page(6))
         pol = b.engine.policy
         assert pol.call(pol.spiller.expire_sessions) == 0
-        assert [x.session for x in b.sessions()] == ["agent"]
+        assert "agent" in [x.session for x in b.sessions()]
         assert [x["session"] for x in b.archived_sessions()] == ["agent"]
 
 
