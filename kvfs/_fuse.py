@@ -25,7 +25,7 @@ from ._fuse_ahead import AheadBudget
 from ._fuse_behind import BehindBudget
 from ._fuse_files import FileOps
 from ._fuse_guard import child_of, decode_name, fuse_error, guard
-from ._fuse_nodes import Handle, Kind, Node, NodeTable, owner
+from ._fuse_nodes import Handle, Kind, Node, NodeTable, owner, process_group
 from ._fuse_ns import (
     ATTR_GID,
     ATTR_MODE,
@@ -55,6 +55,8 @@ XATTRS = (
     "user.kvfs.session",
     "user.kvfs.extents",
 )
+#: the longest list of extended attribute names Linux hands to a process (XATTR_LIST_MAX)
+XATTR_LIST_MAX = 64 * 1024
 #: ``user.kvfs.attr.<k>``: the page's attribute ``k`` (what ``put --attr`` and the object
 #: API's ``attrs`` set), settable while the file is being written
 ATTR_XATTR = "user.kvfs.attr."
@@ -523,30 +525,41 @@ class KvfsOperations(FileOps, pyfuse3.Operations):
 
     @guard
     async def setxattr(self, inode: int, name: bytes, value: bytes, ctx: Any) -> None:
-        self._settable(self.table.get(inode), name)[name.decode()[len(ATTR_XATTR) :]] = _attr_value(
-            value
+        attrs, key = self._settable(self.table.get(inode), name, ctx)
+        listed = sum(len(x) + 1 for x in XATTRS) + sum(
+            len(ATTR_XATTR.encode() + k.encode()) + 1 for k in {*attrs, key}
         )
+        if listed > XATTR_LIST_MAX:  # listxattr could not answer: every copy would lose them
+            raise fuse_error(errno.E2BIG)
+        attrs[key] = _attr_value(value)
 
     @guard
     async def removexattr(self, inode: int, name: bytes, ctx: Any) -> None:
-        attrs = self._settable(self.table.get(inode), name)
-        if attrs.pop(name.decode()[len(ATTR_XATTR) :], None) is None:
+        attrs, key = self._settable(self.table.get(inode), name, ctx)
+        if attrs.pop(key, None) is None:
             raise fuse_error(pyfuse3.ENOATTR)
 
-    def _settable(self, node: Node, name: bytes) -> dict[str, str]:
-        """The attributes a ``user.kvfs.attr.*`` change goes to: those of a file being
-        written, committed with it. ENOTSUP for every other name (the read-only
+    def _settable(self, node: Node, name: bytes, ctx: Any) -> tuple[dict[str, str], str]:
+        """The attributes a ``user.kvfs.attr.<k>`` change goes to, and ``k``: those of a file
+        being written, committed with it, changed by its writer only (EBUSY for another
+        process, which cannot open it either). ENOTSUP for every other name (the read-only
         ``user.kvfs.*`` ones too: the errno cp -a, mv and rsync -X skip quietly; with EPERM,
         mv within the mount printed an error per attribute); EPERM on a committed page,
         whose attributes are as immutable as its bytes."""
-        key = name.decode("utf-8", "replace")
+        try:
+            key = name.decode()
+        except UnicodeDecodeError:
+            raise fuse_error(errno.EINVAL) from None
         if not key.startswith(ATTR_XATTR) or len(key) == len(ATTR_XATTR):
             raise fuse_error(errno.ENOTSUP)
         if key[len(ATTR_XATTR) :].startswith(RESERVED_ATTRS):
             raise fuse_error(errno.EPERM)  # the mount's own (mode, owner, mtime)
-        if node.pending is None or node.pending.unlinked:
+        pending = node.pending
+        if pending is None or pending.unlinked:
             raise fuse_error(errno.EPERM if node.kind is Kind.PAGE else errno.ENOTSUP)
-        return node.pending.attrs
+        if pending.writer_tgid is not None and process_group(ctx.pid) != pending.writer_tgid:
+            raise fuse_error(errno.EBUSY)
+        return pending.attrs, key[len(ATTR_XATTR) :]
 
     # -- shutdown ---------------------------------------------------------------------
     async def aclose(self) -> None:

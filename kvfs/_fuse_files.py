@@ -34,7 +34,16 @@ from ._events import log_event
 from ._fuse_ahead import AheadBudget, ReadAhead
 from ._fuse_behind import BehindBudget, WriteBehind
 from ._fuse_guard import child_of, fuse_error, guard
-from ._fuse_nodes import Handle, Kind, Node, NodeTable, Pending, killed_by, process_of
+from ._fuse_nodes import (
+    Handle,
+    Kind,
+    Node,
+    NodeTable,
+    Pending,
+    killed_by,
+    process_group,
+    process_of,
+)
 from ._fuse_ns import ATTR_GID, ATTR_UID, session_json, session_of, validate_page
 from ._index import PageRow
 
@@ -135,7 +144,12 @@ class FileOps:
         writer = await self._thread(self.engine.begin_write, key)
         node = self.table.bind(path, Kind.PENDING)
         node.pending = Pending(
-            writer, (mode & ~ctx.umask) & 0o7777, ctx.uid, ctx.gid, time.time_ns()
+            writer,
+            (mode & ~ctx.umask) & 0o7777,
+            ctx.uid,
+            ctx.gid,
+            time.time_ns(),
+            writer_tgid=process_group(ctx.pid),
         )
         self.pending[path] = node
         fh = self._fh(Handle(node, writable=True, opener=process_of(ctx.pid)))

@@ -25,7 +25,7 @@ from ._engine import PageWriter
 from ._fuse_ns import ATTR_GID, ATTR_MTIME, ATTR_UID, page_mode
 from ._index import BlobRow, PageRow
 
-__all__ = ["Handle", "Kind", "Node", "NodeTable", "Pending"]
+__all__ = ["Handle", "Kind", "Node", "NodeTable", "Pending", "process_group"]
 
 
 class Kind(enum.Enum):
@@ -54,6 +54,8 @@ class Pending:
     closed_empty: bool = False
     #: page attributes set as ``user.kvfs.attr.*`` extended attributes while it is written
     attrs: dict[str, str] = field(default_factory=dict)
+    #: the process (thread group) that created it: the only one that may set those
+    writer_tgid: int | None = None
 
     def commit_attrs(self) -> dict[str, str]:
         return {
@@ -99,6 +101,19 @@ def process_of(pid: int) -> tuple[int, int] | None:
     may be reused). None when it is gone already."""
     fields = _stat_fields(pid)
     return None if fields is None else (pid, int(fields[19]))
+
+
+def process_group(tid: int) -> int | None:
+    """The process (thread group id) of thread ``tid``: FUSE names the calling thread, and
+    any thread of a writer is that writer. None when it is gone."""
+    try:
+        with open(f"/proc/{tid}/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"Tgid:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError):
+        pass
+    return None
 
 
 def killed_by(proc: tuple[int, int] | None) -> int:

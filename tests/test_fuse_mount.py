@@ -1023,11 +1023,26 @@ def test_page_attributes_are_set_as_xattrs_while_writing(make_mount: object) -> 
         for name, value, err in (
             ("user.kvfs.attr.fs.mode", b"777", errno.EPERM),  # the mount's own
             ("user.kvfs.attr.bad", b"\xff", errno.EINVAL),  # not UTF-8
+            (b"user.kvfs.attr.\xff", b"1", errno.EINVAL),  # (an EIO and a logged error)
             ("user.other", b"1", errno.ENOTSUP),
         ):
             with pytest.raises(OSError) as ei:
                 os.setxattr(f.fileno(), name, value)
             assert ei.value.errno == err, name
+        # more names than listxattr can list (64 KiB): every copy would have lost them all
+        with pytest.raises(OSError) as ei:
+            for i in range(300):
+                os.setxattr(f.fileno(), f"user.kvfs.attr.{i:03d}" + "n" * 230, b"1")
+        assert ei.value.errno == errno.E2BIG and i > 200
+        for name in [x for x in os.listxattr(f.fileno()) if x.endswith("n" * 230)]:
+            os.removexattr(f.fileno(), name)
+        # another process can no more change them than open the file (it changed them)
+        other = subprocess.run(
+            [sys.executable, "-c", f"import os; os.setxattr({str(p)!r}, 'user.kvfs.attr.x', b'1')"],
+            capture_output=True,
+            text=True,
+        )
+        assert "Device or resource busy" in other.stderr, other.stderr
     assert os.getxattr(p, "user.kvfs.attr.model") == b"org/model@rev"
     assert [x for x in os.listxattr(p) if ".attr." in x] == [
         "user.kvfs.attr.dtype",

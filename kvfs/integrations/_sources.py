@@ -205,13 +205,13 @@ class DirectoryPages:
         tmp = dest.with_name(f"{dest.name}.tmp-{uuid.uuid4().hex[:12]}")
         try:
             with open(tmp, "wb", buffering=0) as f:
+                if self.verifies:  # (first: any close of the file would commit it)
+                    for k, v in attrs.items():
+                        os.setxattr(f.fileno(), f"user.kvfs.attr.{k}", v.encode())
                 view = memoryview(data)
                 while view:
                     n = f.write(view)
                     view = view[n:]
-                if self.verifies:  # (set before the close that commits the page)
-                    for k, v in attrs.items():
-                        os.setxattr(f.fileno(), f"user.kvfs.attr.{k}", v.encode())
                 if self.durable:
                     os.fsync(f.fileno())
             os.replace(tmp, dest)
