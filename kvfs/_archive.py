@@ -421,7 +421,10 @@ class ArchivingPolicy(TieringPolicy):
         (the store uploads from its own process from now on: do it here)."""
         uploads = self.uploads
         assert uploads is not None
-        jobs = await trio.to_thread.run_sync(self._jobs, hashes)
+        # objects expected there: a HEAD each, the body sent only for one found missing
+        # (a restored page evicted again re-sent every byte, and failed on an archive that
+        # can be read but not written)
+        jobs = await trio.to_thread.run_sync(self._jobs, hashes, True)
         try:
             done = await uploads.upload(jobs, self._release)
         except WorkerUnavailable as e:
@@ -434,9 +437,11 @@ class ArchivingPolicy(TieringPolicy):
         log.warning("%s; this store uploads from its own process from now on", e)
         self.uploads = None
 
-    def _jobs(self, hashes: list[bytes]) -> list[BlobJob]:
+    def _jobs(self, hashes: list[bytes], probe: bool = False) -> list[BlobJob]:
         """Worker jobs for the blobs still local, each holding a lease (released by
-        :meth:`_release` when its worker is done): the files stay in place meanwhile."""
+        :meth:`_release` when its worker is done): the files stay in place meanwhile.
+        Each HEADs its object first when ``probe``, else when it is likely there already
+        (:func:`worth_probing`)."""
         eng = self.engine
         jobs: list[BlobJob] = []
         try:
@@ -453,7 +458,11 @@ class ArchivingPolicy(TieringPolicy):
                 )
                 jobs.append(
                     BlobJob(
-                        h, b.size, elem_size(self._dtype_of(h)) or 2, reads, worth_probing(b.refs)
+                        h,
+                        b.size,
+                        elem_size(self._dtype_of(h)) or 2,
+                        reads,
+                        probe or worth_probing(b.refs),
                     )
                 )
         except BaseException:

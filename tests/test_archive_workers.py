@@ -377,6 +377,31 @@ def test_spill_probes_only_shared_content(s3_server, proxy, make_config, process
             assert s2.get(PageKey.semantic(sess, "p", 0)) == page(i)
 
 
+@pytest.mark.parametrize("processes", [0, 1])
+def test_evicting_a_restored_page_again_sends_no_body(
+    s3_server, proxy, make_config, processes: int
+) -> None:  # noqa: ANN001
+    """A page restored from the archive and evicted again: its object is there, a HEAD says
+    so. The upload workers sent every byte again (a conditional put), and on an archive that
+    can be read but not written, such an eviction failed."""
+    bucket = s3_server.new_bucket()
+    cfg = make_config(
+        ndev=1,
+        archive_url=f"s3://{bucket}?endpoint={proxy.endpoint}",
+        extra={"archive": {"interval": 0, "upload_processes": processes}},
+    )
+    with kvfs.open_store_sync(cfg) as s:
+        for i in range(3):
+            s.put(PageKey.semantic("a", "p", i), page(i))
+        s.spill("a")
+        for i in range(3):
+            assert s.get(PageKey.semantic("a", "p", i)) == page(i)  # restored: local again
+        before = proxy.sent
+        s.evict(session="a")
+        assert proxy.sent - before < len(page(0)) // 4  # HEADs and a manifest, no body
+        assert s.session_info("a").local_bytes == 0
+
+
 # -- restores in the workers ----------------------------------------------------------------
 def down_after_manifest(s: kvfs.SyncStore, proxy) -> None:  # noqa: ANN001
     """Take the endpoint down once a restore has read the session's manifest (in the store's
