@@ -71,6 +71,8 @@ class Spiller:
         self._named_cache: dict[str, tuple[str, frozenset[bytes]]] = {}
         #: session -> time.monotonic() before which a watermark pass does not try it again
         self._spill_failed: dict[str, float] = {}
+        #: local bytes a pressure spill left to each session (see relieve_pressure)
+        self._no_gain: dict[str, int] = {}
         #: time.monotonic() before which the next retention pass does not run
         self._next_expiry = 0.0
         #: sessions whose manifest in the single-manifest layout was looked for
@@ -607,8 +609,9 @@ class Spiller:
                 break
             if self._spill_failed.get(s.dir, 0.0) > time.monotonic():
                 continue  # failed a little while ago: the others first
-            if (await _thread(eng.index.session_usage, s.dir))["local_bytes"] == 0:
-                continue
+            local = (await _thread(eng.index.session_usage, s.dir))["local_bytes"]
+            if local == 0 or self._no_gain.get(s.dir) == local:
+                continue  # (what it holds here stays: pinned, or shared with a live session)
             t0 = time.monotonic()
             try:
                 sent = await self.spill_session(s.dir, True, keep_pinned=True)
@@ -621,6 +624,11 @@ class Spiller:
                 self._failed(f"watermark spill of {s.dir}", e, f"in {SPILL_RETRY_SECONDS:g} s")
                 continue
             self._spill_failed.pop(s.dir, None)
+            # What a spill leaves local stays (pinned pages, content live sessions share):
+            # the session is not spilled again for it, a manifest written each pass, until
+            # it changes
+            after = (await _thread(eng.index.session_usage, s.dir))["local_bytes"]
+            self._no_gain[s.dir] = after
             log_event(
                 "spill", target=s.dir, reason="pressure", bytes=sent, seconds=time.monotonic() - t0
             )

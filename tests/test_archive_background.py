@@ -142,6 +142,28 @@ def test_the_watermark_pass_keeps_a_pinned_page_local(make_config: Config, tmp_p
         assert s.stat(pinned).tier == "archive"
 
 
+def test_a_session_whose_pinned_pages_keep_the_store_over_the_watermark_spills_once(
+    make_config: Config, tmp_path: Path
+) -> None:
+    """Its pinned pages keep the store over the high watermark: every pass spilled the
+    session again, freeing nothing, a manifest written each time, for as long as it lasted.
+    Now it is left alone until it changes."""
+    with kvfs.open_store_sync(_pressured(make_config, _url(tmp_path))) as s:
+        for i in range(10):  # ~480 KiB pinned, over the 410 KiB high watermark
+            s.put(PageKey.semantic("s", "pinned", i), kv_page(i), pin=True)
+        s.put(PageKey.semantic("s", "p", 0), kv_page(20))
+        pol = s.engine.policy
+        assert pol.call(pol.spiller.relieve_pressure) == 1
+        assert s.stat(PageKey.semantic("s", "p", 0)).tier == "archive"
+        written = s.statistics().extra["archive"]["manifests_written"]
+        assert pol.call(pol.spiller.relieve_pressure) == 0
+        assert pol.call(pol.spiller.relieve_pressure) == 0
+        assert s.statistics().extra["archive"]["manifests_written"] == written
+        s.put(PageKey.semantic("s", "p", 1), kv_page(21))  # changed: worth a pass again
+        assert pol.call(pol.spiller.relieve_pressure) == 1
+        assert s.stat(PageKey.semantic("s", "p", 1)).tier == "archive"
+
+
 def test_a_session_deleted_under_the_watermark_pass_costs_neither_the_pass_nor_the_store(
     make_config: Config, tmp_path: Path
 ) -> None:
