@@ -200,6 +200,8 @@ class ArchivingPolicy(TieringPolicy):
         self.cfg = ArchiveConfig.from_extra(engine.config.extra)
         self.url = engine.config.archive_url
         self.aindex = ArchiveIndex(engine.index)
+        #: why the current room-making pass stopped: the archive could not be reached
+        self._unreachable: str | None = None
         self._token: trio.lowlevel.TrioToken | None = None
         options = dict(self.cfg.store_options or {})
         idx = engine.index
@@ -575,7 +577,13 @@ class ArchivingPolicy(TieringPolicy):
         ``evict_ahead`` more than asked, so that under steady pressure those costs are paid
         per batch, not per put."""
         ahead = max(0, min(self.cfg.evict_ahead, self.engine.capacity // 8))
+        self._unreachable = None
         return super().make_room(need + ahead, reason)
+
+    def room_blocked(self) -> str | None:
+        """The archive was unreachable in this room-making pass: every batch would wait
+        out the deadline again (a put waited batches x deadline: hours on a large store)."""
+        return self._unreachable
 
     def evict_pages(
         self,
@@ -638,6 +646,7 @@ class ArchivingPolicy(TieringPolicy):
             log.warning("cannot evict %s: %s", blobs[0].hash.hex()[:16], e)
             return [0]
         except ArchiveUnavailable as e:
+            self._unreachable = f"the archive is unreachable ({e})"
             if raise_unavailable:
                 raise
             log.warning("cannot evict %d blob(s) to the archive: %s", len(blobs), e)

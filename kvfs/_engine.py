@@ -403,6 +403,12 @@ class Engine:
                     short = self.used + self.reserved + n - self.capacity
                 if short <= 0 or self.policy.make_room(short, "capacity") > 0:
                     continue
+                blocked = self.policy.room_blocked()
+            if blocked is not None:  # (waiting would only try it again, as long)
+                raise CapacityExceeded(
+                    f"no room for {n} bytes: {self.used} of {self.capacity} bytes used, and "
+                    f"nothing could be evicted to make it: {blocked}"
+                )
             with self._cap_changed:
                 if self.used + self.reserved + n <= self.capacity:
                     continue

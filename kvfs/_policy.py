@@ -67,7 +67,13 @@ class TieringPolicy:
             # each pass frees something or skips a blob from then on: the loop ends
             skipped.update(b.hash for b, n in zip(batch, got, strict=True) if n == 0)
             freed += sum(got)
+            if self.room_blocked() is not None:
+                break  # the next batches would fail the same way, each waiting as long
         return freed
+
+    def room_blocked(self) -> str | None:
+        """Why no eviction can make room now, whatever else is tried (None: keep trying)."""
+        return None
 
     def evict_blobs(
         self,

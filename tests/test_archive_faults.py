@@ -168,6 +168,32 @@ def test_endpoint_down_past_deadline_loses_nothing(s3_server, proxy, make_config
     os.environ.get("AWS_ACCESS_KEY_ID")  # credentials stay in the environment, untouched
 
 
+def test_a_put_needing_room_while_the_archive_is_down_tries_one_batch_and_says_why(
+    s3_server,  # noqa: ANN001
+    proxy,  # noqa: ANN001
+    make_config,  # noqa: ANN001
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Each eviction batch waited out the deadline, then the next batch was tried, until
+    every local page had been (hours with the default deadline on a large store, the
+    eviction lock held all along); the put then failed saying the rest was pinned."""
+    _, cfg = proxied_config(
+        s3_server, proxy, make_config, ndev=1, query="deadline=0.5&connect_timeout=0.5"
+    )
+    with kvfs.open_store_sync(cfg.replace(capacity=2 << 20)) as s:
+        put_pages(s, "a", 7)
+        proxy.down()
+        caplog.clear()
+        with pytest.raises(kvfs.CapacityExceeded, match="the archive is unreachable"):
+            s.put(PageKey.semantic("b", "p", 0), page(9))
+        tries = [r for r in caplog.records if "cannot evict" in r.getMessage()]
+        assert len(tries) == 1, [r.getMessage() for r in tries]
+        assert all(i.tier == "local" for i in s.list(session="a"))  # nothing lost
+        proxy.up()
+        s.put(PageKey.semantic("b", "p", 0), page(9))
+        assert s.get(PageKey.semantic("a", "p", 0)) == page(0)
+
+
 def test_delete_while_endpoint_down_is_finished_later(s3_server, proxy, make_config) -> None:  # noqa: ANN001
     bucket, cfg = proxied_config(
         s3_server,
