@@ -110,7 +110,9 @@ class Uploaded:
 
 # -- the worker process -------------------------------------------------------------------
 _stores: dict[tuple, Any] = {}
-_choice = CodecChoice()
+#: ``auto``'s remembered choices, per archive: the workers are shared by every store of a
+#: process, and one store's incompressible data must not make another's stored raw
+_choices: dict[str, CodecChoice] = {}
 
 
 def _worker_init() -> None:
@@ -180,11 +182,12 @@ def read_verified(job: BlobJob, buf: memoryview) -> memoryview:
     return data
 
 
-def _read_encode(job: BlobJob, level: int, codec: str) -> tuple[bytes, str]:
+def _read_encode(job: BlobJob, level: int, codec: str, url: str) -> tuple[bytes, str]:
     data = read_verified(job, scratch_buffer(round_up(job.size)))
-    use = _choice.pick(codec, job.elem)
+    choice = _choices.setdefault(url, CodecChoice())
+    use = choice.pick(codec, job.elem)
     obj, used = encode(data, level=level, codec=use, elem=job.elem)
-    _choice.learn(use, job.elem, used)
+    choice.learn(use, job.elem, used)
     return obj, used
 
 
@@ -212,7 +215,7 @@ def upload_batch(
         got: list[tuple[bytes, str]] = []
         async with limit:
             if not job.probe:  # the conditional put alone says whether it was there
-                obj, used = await trio.to_thread.run_sync(_read_encode, job, level, codec)
+                obj, used = await trio.to_thread.run_sync(_read_encode, job, level, codec, url)
                 stored = await store.put(key, obj, if_absent=True)
                 out.append(Uploaded(job.h, stored, len(obj) if stored else 0, used))
                 return
@@ -220,7 +223,7 @@ def upload_batch(
             async with trio.open_nursery() as n:
 
                 async def enc() -> None:
-                    got.append(await trio.to_thread.run_sync(_read_encode, job, level, codec))
+                    got.append(await trio.to_thread.run_sync(_read_encode, job, level, codec, url))
 
                 n.start_soon(enc)
                 if await store.exists(key):
