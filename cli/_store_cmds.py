@@ -156,7 +156,15 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--repair",
         action="store_true",
         help="remove orphans; restore damaged copies of archived data from the archive; "
-        "delete the pages whose data is missing or corrupt and held nowhere else",
+        "delete the pages whose data is missing or corrupt and held nowhere else; with "
+        "--check-archive, upload again the archive objects found damaged whose data is "
+        "still held here",
+    )
+    p.add_argument(
+        "--check-archive",
+        action="store_true",
+        help="also download and verify the archive object of everything this store has "
+        "archived (a download of each)",
     )
     add_store_flags(p)
     p.set_defaults(func=cmd_fsck)
@@ -714,7 +722,9 @@ def cmd_fsck(args: argparse.Namespace) -> int:
                 bar.update(done - bar.done)
 
             with bar:
-                found = engine.fsck(repair=args.repair, progress=progress)
+                found = engine.fsck(
+                    repair=args.repair, archive=args.check_archive, progress=progress
+                )
         else:  # the daemon's: progress frames over the control channel
             with Progress("fsck", 1, unit=" contents") as bar:
 
@@ -722,27 +732,37 @@ def cmd_fsck(args: argparse.Namespace) -> int:
                     bar.total = max(total, 1)
                     bar.update(done - bar.done)
 
-                found = store.fsck_progress(repair=args.repair, progress=remote_progress)
-    problems = sum(len(found[k]) for k in ("missing", "corrupt", "orphans"))
+                found = store.fsck_progress(
+                    repair=args.repair, archive=args.check_archive, progress=remote_progress
+                )
+    kinds = ("missing", "corrupt", "orphans", "archive_missing", "archive_corrupt")
+    problems = sum(len(found.get(k, ())) for k in kinds)
     lines = [
         f"{k}: {len(v)}"
         + "".join(f"\n  {x}" for x in v[:20])
         + (f"\n  ... {len(v) - 20} more" if len(v) > 20 else "")
         for k, v in found.items()
     ]
-    _emit(
-        args,
-        found,
-        [
-            *lines,
-            "clean"
-            if not problems
-            else (
-                "repaired"
-                if args.repair
-                else "problems found; --repair removes orphans, restores damaged data the "
-                "archive holds, and deletes the damaged pages it does not"
-            ),
-        ],
-    )
-    return EXIT["ok"] if not problems or args.repair else EXIT["corrupt"]
+    # archive objects damaged whose data this store does not hold: no repair here
+    lost = len(found.get("archive_damaged_pages", ())) if args.repair else 0
+    if not problems:
+        verdict = "clean"
+    elif args.repair:
+        verdict = "repaired" + (
+            f"; {lost} page(s) whose archive object is damaged are held nowhere here "
+            "(another host sharing the archive may hold them)"
+            if lost
+            else ""
+        )
+    else:
+        verdict = (
+            "problems found; --repair removes orphans, restores damaged data the archive "
+            "holds, and deletes the damaged pages it does not"
+            + (
+                "; and uploads again the damaged archive objects held here"
+                if args.check_archive
+                else ""
+            )
+        )
+    _emit(args, found, [*lines, verdict])
+    return EXIT["ok"] if not problems or (args.repair and not lost) else EXIT["corrupt"]

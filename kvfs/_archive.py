@@ -784,6 +784,73 @@ class ArchivingPolicy(TieringPolicy):
         eng._drop_files(row)  # deferred until the last lease ends (now, if it just did)
         return row
 
+    def check_archive(
+        self, *, repair: bool, progress: Callable[[int, int], None] | None = None
+    ) -> dict[str, list[str]]:
+        """Read back and verify the archive object of every blob this store has marked
+        archived (``fsck --archive``: a download of each). Returns the objects missing and
+        corrupt, the pages they hold, and, with ``repair``, what was re-uploaded: an object
+        whose content this store still holds in a verified local copy is written again.
+        The others are reported, not deleted: another host may hold the data still."""
+        from objectstore import ObjectNotFound
+
+        blobs = self.engine.index.archived_blobs()
+        out: dict[str, list[str]] = {
+            "archive_missing": [],
+            "archive_corrupt": [],
+            "archive_damaged_pages": [],
+            "archive_repaired": [],
+        }
+        bad: list[BlobRow] = []
+        done = 0
+
+        async def check(b: BlobRow, limit: trio.CapacityLimiter) -> None:
+            nonlocal done
+            key = blob_key(b.hash)
+            async with limit:
+                try:
+                    obj = await self.store.get(key)
+                except ObjectNotFound:
+                    out["archive_missing"].append(key)
+                    bad.append(b)
+                else:
+                    assert isinstance(obj, bytes)
+                    try:
+                        await trio.to_thread.run_sync(
+                            decode_verified, obj, b.hash, b.size, f"archive object {key}"
+                        )
+                    except CorruptPage:
+                        out["archive_corrupt"].append(key)
+                        bad.append(b)
+            done += 1
+            if progress is not None:
+                progress(done, len(blobs))
+
+        async def check_all() -> None:
+            limit = trio.CapacityLimiter(self.cfg.concurrency)
+            async with trio.open_nursery() as n:
+                for b in blobs:
+                    n.start_soon(check, b, limit)
+
+        if progress is not None:
+            progress(0, len(blobs))
+        self.call(check_all)
+        for b in bad:
+            key = blob_key(b.hash)
+            try:
+                got = self._encode(b.hash) if repair else None
+            except CorruptPage:
+                got = None  # the local copy is damaged too: fsck's local check reports it
+            if got is not None:
+                self.call(self.store.put, key, got[0])
+                out["archive_repaired"].append(f"re-uploaded {key} from the local copy")
+                continue
+            paths = [p.path for p in self.engine.index.pages_of_blob(b.hash)]
+            out["archive_damaged_pages"] += paths
+        for k in out:
+            out[k].sort()
+        return out
+
     async def _get_object(self, blob: BlobRow) -> bytes:
         from objectstore import ObjectNotFound
 

@@ -773,11 +773,20 @@ class Engine:
             return _maint.statistics(self)
 
     def fsck(
-        self, *, repair: bool = False, verify_data: bool = True, progress: object = None
+        self,
+        *,
+        repair: bool = False,
+        verify_data: bool = True,
+        progress: object = None,
+        archive: bool = False,
     ) -> dict[str, builtins.list[str]]:
         """Check the index against the files: missing files, wrong sizes, bad checksums,
         orphans. With ``repair``, orphans are removed, damaged local copies of archived data
         are restored from the archive, and pages whose data is held nowhere else are
-        deleted (they cannot be served). Returns findings by kind."""
+        deleted (they cannot be served). With ``archive``, also download and verify the
+        archive object of everything archived (see ArchivingPolicy.check_archive).
+        Returns findings by kind."""
         with self._using():
-            return _maint.fsck(self, repair=repair, verify_data=verify_data, progress=progress)
+            return _maint.fsck(
+                self, repair=repair, verify_data=verify_data, progress=progress, archive=archive
+            )

@@ -234,7 +234,7 @@ def _settings(eng: Engine) -> dict[str, object]:
 
 # -- verification -------------------------------------------------------------------------
 def fsck(
-    eng: Engine, *, repair: bool, verify_data: bool, progress: object
+    eng: Engine, *, repair: bool, verify_data: bool, progress: object, archive: bool = False
 ) -> dict[str, builtins.list[str]]:
     out: dict[str, builtins.list[str]] = {
         "missing": [],
@@ -325,6 +325,14 @@ def fsck(
             out["repaired"].extend(
                 f"deleted {p.path}: its data was damaged and held nowhere else" for p in gone[0]
             )
+    if archive:  # then the archive's copies: a download of each
+        base = len(blobs)
+
+        def archive_progress(done: int, total: int) -> None:
+            if callable(progress):
+                progress(base + done, base + total)
+
+        out.update(eng.policy.check_archive(repair=repair, progress=archive_progress))
     return out
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from ._errors import KvfsError
 from ._index import BlobRow, PageRow
 
 if TYPE_CHECKING:
@@ -159,6 +160,13 @@ class TieringPolicy:
         the row to read instead, or None when there is no other copy (without an archive
         there is none; the read then fails with CorruptPage)."""
         return None
+
+    def check_archive(
+        self, *, repair: bool, progress: Callable[[int, int], None] | None = None
+    ) -> dict[str, list[str]]:
+        """fsck of the archive's copies (``fsck --archive``): without an archive there is
+        none to check."""
+        raise KvfsError("no archive tier is configured: there is no archive to check")
 
     def memory_copy(self, h: bytes) -> bytes | None:
         """A verified copy of archive-only data held in memory (see the archive tier's

@@ -146,8 +146,8 @@ class _Api:
     def evict(self, key: KeyLike | None = None, *, session: str | None = None) -> Any:
         return self._call("evict", None if key is None else _k(key), session=session)
 
-    def fsck(self, *, repair: bool = False) -> Any:
-        return self._call("fsck", repair=repair)
+    def fsck(self, *, repair: bool = False, archive: bool = False) -> Any:
+        return self._call("fsck", repair=repair, archive=archive)
 
     def statistics(self) -> Any:
         return self._call("statistics")
@@ -234,12 +234,16 @@ class SyncRemoteStore(_Api):
         return self._call(method, session, progress=True, on_progress=progress)
 
     def fsck_progress(
-        self, *, repair: bool = False, progress: Callable[[int, int], None]
+        self,
+        *,
+        repair: bool = False,
+        archive: bool = False,
+        progress: Callable[[int, int], None],
     ) -> dict[str, builtins.list[str]]:
         """fsck with ``progress(done, total)`` called as the daemon checks (a few times a
         second). Returns the findings, as ``fsck``."""
         result: dict[str, builtins.list[str]] = self._call(
-            "fsck", repair=repair, progress=True, on_progress=progress
+            "fsck", repair=repair, archive=archive, progress=True, on_progress=progress
         )
         return result
 

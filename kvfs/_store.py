@@ -138,8 +138,10 @@ class Store(BatchCalls):
             functools.partial(self._engine.evict, key, session=session, progress=progress)
         )
 
-    async def fsck(self, *, repair: bool = False) -> dict[str, builtins.list[str]]:
-        return await self._run(self._engine.fsck, repair=repair)
+    async def fsck(
+        self, *, repair: bool = False, archive: bool = False
+    ) -> dict[str, builtins.list[str]]:
+        return await self._run(self._engine.fsck, repair=repair, archive=archive)
 
     async def begin_write(self, key: KeyLike) -> PageWriter:
         return await self._run(self._engine.begin_write, key)
@@ -280,8 +282,8 @@ class SyncStore:
     ) -> int:
         return self._engine.evict(key, session=session, progress=progress)
 
-    def fsck(self, *, repair: bool = False) -> dict[str, builtins.list[str]]:
-        return self._engine.fsck(repair=repair)
+    def fsck(self, *, repair: bool = False, archive: bool = False) -> dict[str, builtins.list[str]]:
+        return self._engine.fsck(repair=repair, archive=archive)
 
     def begin_write(self, key: KeyLike) -> PageWriter:
         return self._engine.begin_write(key)

@@ -331,6 +331,44 @@ def test_fsck_finds_and_repairs(run: Run, tmp_path: Path) -> None:
     assert run("ls", "sessions/a/p/layer-000", *d)[0] == 3
 
 
+def test_fsck_check_archive_finds_damaged_objects_and_uploads_again_what_is_held(
+    run: Run, tmp_path: Path
+) -> None:
+    """A damaged archive object was noticed only by the read that needed it, and fsck, which
+    checked the local tier alone, said "clean" (an audit of hosts sharing a bucket)."""
+    d = data(tmp_path, archive=True)
+    (tmp_path / "f").write_bytes(os.urandom(40000))
+    (tmp_path / "g").write_bytes(os.urandom(40000))
+    assert run("put", "f", "sessions/gone/p/layer-000", *d)[0] == 0
+    assert run("put", "g", "sessions/held/p/layer-000", *d)[0] == 0
+    for s in ("gone", "held"):
+        assert run("spill", s, *d)[0] == 0
+    assert run("restore", "held", *d)[0] == 0  # local again, and archived
+    objects = sorted((tmp_path / "arch" / "blobs").iterdir())
+    assert len(objects) == 2
+    for o in objects:
+        raw = bytearray(o.read_bytes())
+        raw[len(raw) // 2] ^= 0xFF
+        o.write_bytes(bytes(raw))
+    assert run("fsck", *d)[0] == 0  # the local tier is fine
+    rc, out, _ = run("fsck", "--check-archive", "--json", *d)
+    found = json.loads(out)
+    assert rc == 5 and len(found["archive_corrupt"]) == 2
+    assert found["archive_damaged_pages"] == [
+        "sessions/gone/p/layer-000",
+        "sessions/held/p/layer-000",
+    ]
+    rc, out, _ = run("fsck", "--check-archive", "--repair", *d)
+    assert rc == 5 and "1 page(s) whose archive object is damaged are held nowhere here" in out
+    found = json.loads(run("fsck", "--check-archive", "--json", *d)[1])
+    assert found["archive_damaged_pages"] == ["sessions/gone/p/layer-000"]  # held: uploaded
+    assert run("evict", "held", *d)[0] == 0
+    rc, _, _ = run("get", "sessions/held/p/layer-000", "back", *d)
+    assert rc == 0 and (tmp_path / "back").read_bytes() == (tmp_path / "g").read_bytes()
+    rc, _, err = run("fsck", "--check-archive", *data(tmp_path))
+    assert rc != 0 and "no archive tier is configured" in err
+
+
 def test_config_shows_sources_and_masks(
     run: Run, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
