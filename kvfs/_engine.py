@@ -269,10 +269,20 @@ class Engine:
             for b in self.index.local_blobs():
                 self._account(b, +1)
         self.reserved = 0
-        # (data directories on one file system share its free space: counted once)
-        self.capacity = cfg.capacity or (
-            self.used + sum(f - headroom(f) for f in self.tier.free_bytes_per_filesystem())
-        )
+        # A capacity given is the store's: kept, so that an open without one (an offline
+        # `kvfs put` beside a daemon mounted with --capacity) keeps to it too. Without
+        # either: the disks' free space (each file system counted once) less headroom.
+        saved = self.index.get_meta("capacity")
+        if cfg.capacity:
+            if saved != cfg.capacity:
+                self.index.set_meta("capacity", cfg.capacity)
+            self.capacity = cfg.capacity
+        elif isinstance(saved, int) and saved > 0:
+            self.capacity = saved
+        else:
+            self.capacity = self.used + sum(
+                f - headroom(f) for f in self.tier.free_bytes_per_filesystem()
+            )
         self._closed = False
         self._calls = 0  # API calls in flight (see _using): close() waits for them
         self._calls_done = threading.Condition()

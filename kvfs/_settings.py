@@ -72,7 +72,7 @@ OPTIONS: tuple[Option, ...] = (
         "capacity",
         "size",
         0,
-        "cap on bytes held locally (0: the disks' free space at open, each file system counted once, less 1% (64 MiB at least) each for the index)",
+        "cap on bytes held locally, kept with the store: an open that gives none keeps to the last one given (0 and none ever given: the disks' free space at open, each file system counted once, less 1% (64 MiB at least) each for the index)",
     ),
     Option(
         "store",

@@ -316,3 +316,23 @@ def test_the_devices_used_bytes_add_up_to_the_stores(
     with kvfs.open_store_sync(cfg) as s:  # (the accounting saved at close)
         st = s.statistics()
         assert sum(d.used_bytes for d in st.devices) == st.used_bytes
+
+
+def test_the_capacity_given_is_kept_with_the_store(
+    make_config: Callable[..., kvfs.StoreConfig],
+) -> None:
+    """A daemon mounted with --capacity 20MiB, then an offline `kvfs put` (which gives no
+    capacity) took the disks' free space as its cap: a 30 MiB page went in, past the cap,
+    and the next mounted write deleted it to get back under."""
+    cfg = make_config(ndev=1, capacity=1 << 20)
+    with kvfs.open_store_sync(cfg) as s:
+        assert s.statistics().capacity_bytes == 1 << 20
+    default = cfg.replace(capacity=0)
+    with kvfs.open_store_sync(default) as s:
+        assert s.statistics().capacity_bytes == 1 << 20
+        with pytest.raises(kvfs.CapacityExceeded):
+            s.put("big", os.urandom(2 << 20))
+    with kvfs.open_store_sync(cfg.replace(capacity=4 << 20)) as s:  # a new one replaces it
+        s.put("big", os.urandom(2 << 20))
+    with kvfs.open_store_sync(default) as s:
+        assert s.statistics().capacity_bytes == 4 << 20
