@@ -247,6 +247,8 @@ class Engine:
         # Blobs dropped while leased, by hash; a list: the same content can be dropped,
         # put again (new files) and dropped again while one lease is still held.
         self._deferred: dict[bytes, list[BlobRow]] = {}
+        #: blobs whose local copy failed its checksum and stayed (see note_damaged)
+        self._damaged: dict[bytes, tuple] = {}
         self._atimes: tuple[dict[str, float], dict[bytes, float], dict[str, float]] = ({}, {}, {})
         self._atime_flushed = time.monotonic()
         self._counters: Counter[str] = Counter()
@@ -556,10 +558,32 @@ class Engine:
         try:
             healed = self.policy.heal(blob, "corrupt")
         except KvfsError as e:
+            self.note_damaged(blob)
             raise CorruptPage(f"{err}; its archived copy could not be brought back: {e}") from e
         if healed is None:
+            self.note_damaged(blob)
             raise err
         return healed
+
+    def note_damaged(self, blob: BlobRow) -> None:
+        """``blob``'s local copy failed its checksum and stays: the next put of the same
+        bytes replaces it with its own files instead of sharing it (a good put made
+        unreadable, and deleted by fsck --repair)."""
+        if blob.extents is not None:
+            with self._cap_lock:
+                self._damaged[blob.hash] = blob.extents
+
+    def replace_damaged(self, h: bytes) -> None:
+        """Drop the damaged local copy of ``h`` noted by :meth:`note_damaged`, if it is still
+        the copy held: a put that wrote the same bytes commits its files in its place."""
+        with self._cap_lock:
+            extents = self._damaged.pop(h, None)
+        if extents is None:
+            return
+        row = self.index.drop_local(h, extents)
+        if row is not None:
+            self._drop_files(row)
+            log_event("heal", content=h.hex()[:16], source="put", bytes=row.size)
 
     def note_read(self, page: PageRow, nbytes: int) -> None:
         """Count a verified local read of ``page`` (a hit) and note its access time."""

@@ -286,6 +286,8 @@ def fsck(
     # A copy deleted (or replaced by a new put of the same bytes) while it was checked
     # looks missing or corrupt: only a copy the index still holds is damaged.
     bad = [b for b in bad if _same_copy(eng, b)]
+    for b in bad:  # a put of the same bytes replaces the copy instead of sharing it
+        eng.note_damaged(b)
     kept = {b.hash.hex() for b in bad}
     out["corrupt"] = [h for h in out["corrupt"] if h in kept]
     held = {tier.abspath(e[0], e[1]) for b in bad for e in b.extents or ()}

@@ -134,7 +134,7 @@ def put(
         leaves = leaves_now(mv)
         h = tree_hash(size, leaves)
         b = eng.index.blob(h)
-        if b is not None and b.local:
+        if b is not None and b.local and h not in eng._damaged:
             try:
                 return commit(eng, k, h, size, leaves, None, 0, a, pin, replace, None)
             except _BlobGone:
@@ -183,6 +183,10 @@ def commit(
     sess_attrs = {"model": attrs["model"]} if "model" in attrs else {}
     now = time.time()
     try:
+        if w is not None and h in eng._damaged:
+            # these files take the place of a local copy that failed its checksum: shared,
+            # a good put would have been as unreadable as it
+            eng.replace_damaged(h)
         used_new, freed, _old = eng.index.commit_page(
             PageCommit(
                 path=k.path,

@@ -59,6 +59,39 @@ def test_flipped_byte_is_corrupt_page(
         assert not store.exists("s/page")
 
 
+@pytest.mark.parametrize("size", [100 * KiB, SIZE])  # hashed first and shared, or written
+@pytest.mark.parametrize("found_by", ["get", "fsck"])
+def test_a_put_of_the_bytes_of_a_damaged_copy_replaces_it(
+    make_config: Callable[..., kvfs.StoreConfig], size: int, found_by: str
+) -> None:
+    """A put whose bytes matched a local copy known to be damaged shared it: the put
+    succeeded, its own good bytes were dropped, and its page was as unreadable as the first
+    (fsck --repair then deleted it). A system prompt's page rotting made every session
+    that saved it later unreadable."""
+    data = os.urandom(size)
+    with kvfs.open_store_sync(make_config(ndev=2, stripe_unit=256 * KiB)) as store:
+        flip(store.put("s/page", data), size // 2)
+        if found_by == "get":
+            with pytest.raises(kvfs.CorruptPage):
+                store.get("s/page")
+        else:
+            assert store.fsck()["corrupt"]
+        store.put("t/page", data)
+        assert store.get("t/page") == data
+        assert store.get("s/page") == data  # the same content: good again
+        assert store.fsck() == {
+            "missing": [],
+            "corrupt": [],
+            "orphans": [],
+            "damaged_pages": [],
+            "repaired": [],
+        }
+        st = store.statistics()
+        assert st.used_bytes == sum(d.used_bytes for d in st.devices)
+    with kvfs.open_store_sync(make_config(ndev=2, stripe_unit=256 * KiB)) as store:
+        assert store.get("s/page") == data and store.fsck()["orphans"] == []
+
+
 def test_missing_and_truncated_files(make_config: Callable[..., kvfs.StoreConfig]) -> None:
     with kvfs.open_store_sync(make_config(ndev=2, stripe_unit=64 * KiB)) as store:
         a = store.put("s/a", os.urandom(300 * KiB))
