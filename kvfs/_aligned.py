@@ -108,6 +108,9 @@ def as_bytes_view(
             f"numpy array, kvfs.aligned_buffer){' ' + kinds if kinds else ''}, "
             f"not {type(data).__name__}"
         ) from None
+    if mv.format == "O" or getattr(getattr(data, "dtype", None), "hasobject", False):
+        # numpy dtype=object: pointers, meaningless in any other process
+        raise TypeError(f"{what} holds Python objects (dtype object), not bytes")
     if writable and mv.readonly:
         raise TypeError(f"{what} is read-only")
     if not mv.c_contiguous:

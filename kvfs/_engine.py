@@ -42,7 +42,7 @@ from ._errors import (
 )
 from ._events import log_event
 from ._index import BlobRow, Index, PageRow, meta_value
-from ._keys import PageKey, as_key, session_dir
+from ._keys import PageKey, as_key, session_dir, session_name
 from ._local import DEVICE_MARKER, LocalTier, device_store
 from ._lock import DirLock
 from ._policy import TieringPolicy
@@ -672,8 +672,16 @@ class Engine:
         return d
 
     def set_session_attrs(self, session: str, attrs: dict[str, str]) -> None:
+        """Merge attributes into an existing session's. Raises SessionNotFound (a typo
+        made an empty session that then listed)."""
         with self._using():
-            self.index.set_session_attrs(self.resolve_session(session), check_attrs(attrs))
+            self.index.set_session_attrs(self._existing_session(session), check_attrs(attrs))
+
+    def _existing_session(self, session: str) -> str:
+        d = self.resolve_session(session)
+        if self.index.session(d) is None:
+            raise SessionNotFound(f"no session {session_name(d)!r}")
+        return d
 
     # -- delete, evict (kvfs/_maint.py) -----------------------------------------------
     def delete(self, key: PageKey | str) -> None:
@@ -715,9 +723,11 @@ class Engine:
                 raise PageNotFound(f"no page {k.path!r}")
 
     def pin_session(self, session: str, pinned: bool = True) -> None:
-        """Pin a session (it may have no pages yet: pinning reserves its place)."""
+        """Pin a session (it may have no pages yet: pinning reserves its place), or unpin
+        one (SessionNotFound when there is none: a typo made an empty session)."""
         with self._using():
-            self.index.set_session_pinned(self.resolve_session(session), pinned)
+            d = self.resolve_session(session) if pinned else self._existing_session(session)
+            self.index.set_session_pinned(d, pinned)
 
     # -- eviction ---------------------------------------------------------------------
     def evict(

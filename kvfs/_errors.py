@@ -1,6 +1,8 @@
 """The kvfs error hierarchy.
 
-Every error kvfs raises on purpose is a :class:`KvfsError`. Each leaf also inherits the
+Every error about the store, its pages, sessions, capacity and archive is a
+:class:`KvfsError`; a call given the wrong kind of argument (not a buffer, a buffer too
+small, a negative offset) gets the builtin TypeError or ValueError. Each leaf also inherits the
 builtin exception a Python programmer would expect, so ``except FileNotFoundError`` keeps
 working for code that knows nothing about kvfs. Errors are mapped to errno in exactly one
 place (the FUSE layer) and to exit codes in exactly one place (the CLI).

@@ -48,6 +48,16 @@ def one_buffer_per_key(keys: list[Any], into: Iterable[object] | None) -> list[A
     return bufs
 
 
+def pairs(items: Iterable[Any]) -> list[tuple[Any, object]]:
+    """``put_many``'s items as (key, data) pairs, checked before any put. Raises TypeError."""
+    out = []
+    for i, item in enumerate(items):
+        if not isinstance(item, (tuple, list)) or len(item) != 2:
+            raise TypeError(f"put_many takes (key, data) pairs; item {i} is {item!r:.80}")
+        out.append((item[0], item[1]))
+    return out
+
+
 class BatchCalls:
     """``put_many``/``get_many`` over a class's own ``put``/``get`` (Store, RemoteStore)."""
 
@@ -64,11 +74,12 @@ class BatchCalls:
         concurrency: int = 4,
     ) -> list[PageInfo]:
         """Put several pages concurrently; results in input order. The first error cancels
-        the rest and is raised as it is (pages already stored stay stored)."""
+        the rest and is raised as it is: the pages stored before it stay stored, and which
+        of the others were depends on timing (``exists`` says)."""
         return await gather_first_error(
             [
                 functools.partial(self.put, k, d, attrs=attrs, pin=pin, replace=replace)
-                for k, d in items
+                for k, d in pairs(items)
             ],
             concurrency,
         )

@@ -15,6 +15,7 @@ file for any other path (``.`` for files at the top level).
 
 from __future__ import annotations
 
+import operator
 import re
 from dataclasses import dataclass
 
@@ -56,10 +57,14 @@ def layer_name(layer: int | str) -> str:
     """Spell a layer: ``17`` -> ``layer-017``; a string is taken as the name itself."""
     if isinstance(layer, bool):
         raise InvalidKey("layer must be an int or a name, not a bool")
+    if not isinstance(layer, str) and hasattr(layer, "__index__"):
+        layer = operator.index(layer)  # numpy's integers too (a loop over a tensor's layers)
     if isinstance(layer, int):
         if layer < 0:
             raise InvalidKey(f"layer index {layer} is negative")
         return f"layer-{layer:03d}"
+    if not isinstance(layer, str):
+        raise InvalidKey(f"layer must be an int or a name, not {type(layer).__name__}")
     return _check_part(layer, "layer")
 
 
@@ -85,6 +90,8 @@ def session_dir(session: str) -> str:
     A name without '/' is a semantic session. A name with '/' (or ``.``) is the directory
     holding engine-named pages. ``sessions/<s>`` is accepted too and means the semantic one.
     """
+    if not isinstance(session, str):
+        raise InvalidKey(f"session must be a string, not {type(session).__name__}")
     if session == ".":
         return "."
     if "/" not in session:

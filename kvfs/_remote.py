@@ -38,7 +38,7 @@ from ._control import (
     recv_frame,
     send_frame,
 )
-from ._gather import BatchCalls, one_buffer_per_key
+from ._gather import BatchCalls, one_buffer_per_key, pairs
 from ._keys import PageKey, as_key
 from ._types import PageInfo
 from ._writes import check_attrs
@@ -260,7 +260,7 @@ class SyncRemoteStore(_Api):
     ) -> builtins.list[PageInfo]:
         """As ``SyncStore.put_many``: ``concurrency`` calls at a time, each on its own
         connection; the first error is raised after the calls in flight finish."""
-        its = builtins.list(items)
+        its = pairs(items)
         with ThreadPoolExecutor(
             max(1, min(concurrency, len(its) or 1)), thread_name_prefix="kvfs-put-many"
         ) as ex:

@@ -22,7 +22,7 @@ import trio
 
 from ._config import StoreConfig
 from ._engine import Engine, PageWriter
-from ._gather import BatchCalls, one_buffer_per_key
+from ._gather import BatchCalls, one_buffer_per_key, pairs
 from ._keys import PageKey
 from ._types import PageInfo, SessionInfo, StoreStatistics
 
@@ -292,10 +292,11 @@ class SyncStore:
         self, items: Iterable[tuple[KeyLike, object]], *, concurrency: int = 4, **kw: Any
     ) -> builtins.list[PageInfo]:
         """Put several pages from ``concurrency`` threads; results in input order. The first
-        error is raised after the calls in flight finish (pages already stored stay stored)."""
+        error is raised after the calls in flight finish: the pages stored stay stored, and
+        which were depends on timing (``exists`` says)."""
         # Not the engine's I/O pool: each put waits on that pool, so running puts on it
         # deadlocks once every pool thread is a put waiting for its own writes.
-        items = list(items)
+        items = pairs(items)
         with ThreadPoolExecutor(
             max(1, min(concurrency, len(items) or 1)), thread_name_prefix="kvfs-put-many"
         ) as ex:

@@ -54,7 +54,9 @@ def check_attrs(attrs: dict[str, str] | None) -> dict[str, str]:
     if not isinstance(attrs, dict):
         raise InvalidKey("attrs must be a dict of str to str")
     for k, v in attrs.items():
-        if not isinstance(k, str) or not isinstance(v, str):
+        if not isinstance(k, str):
+            raise InvalidKey(f"attrs must map str to str; got the key {k!r} ({type(k).__name__})")
+        if not isinstance(v, str):
             raise InvalidKey(f"attrs must map str to str; got {k!r}: {type(v).__name__}")
         for text in (k, v):
             try:

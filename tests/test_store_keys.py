@@ -122,3 +122,33 @@ def test_a_page_and_a_directory_of_pages_cannot_share_a_name(sync_store: kvfs.Sy
         s.rename("other", "dir")
     s.rename("dir/page", "dir/page/inner")  # under its own old name: it is gone from there
     assert s.get("dir/page/inner") == b"4" and s.exists("other") and not s.exists("dir")
+
+
+def test_found_by_an_audit_of_the_object_api(sync_store: kvfs.SyncStore) -> None:
+    """Each of these was wrong before (an audit of the object API as a Python user meets it)."""
+    import numpy as np
+
+    s = sync_store
+    # a numpy integer is a layer index ("layer must be a string, not int64")
+    assert PageKey.semantic("s", "p", np.int64(3)).path == "sessions/s/p/layer-003"
+    with pytest.raises(kvfs.InvalidKey, match="int or a name, not float"):
+        PageKey.semantic("s", "p", 2.5)  # type: ignore[arg-type]
+    # an object array's bytes are pointers: stored, they meant nothing anywhere else
+    with pytest.raises(TypeError, match="Python objects"):
+        s.put("obj", np.array(["hello", 42], dtype=object))
+    assert not s.exists("obj")
+    # the key's type is named, not the value's ("got 1: str")
+    with pytest.raises(kvfs.InvalidKey, match=r"the key 1 \(int\)"):
+        s.put("a", b"x", attrs={1: "v"})  # type: ignore[dict-item]
+    # a session name that is no string ("argument of type 'int' is not iterable")
+    with pytest.raises(kvfs.InvalidKey, match="session must be a string, not int"):
+        s.pin_session(5)  # type: ignore[arg-type]
+    # unpinning, or setting the attributes of, no session made an empty one that listed
+    for call in (lambda: s.unpin_session("typo"), lambda: s.set_session_attrs("typo", {})):
+        with pytest.raises(kvfs.SessionNotFound, match="no session 'typo'"):
+            call()
+    assert [x.session for x in s.sessions()] == []
+    # put_many's items are pairs, checked before any put (an IndexError, some stored)
+    with pytest.raises(TypeError, match="item 1 is"):
+        s.put_many([("k0", b"0"), ("k1",)])  # type: ignore[list-item]
+    assert not s.exists("k0")
