@@ -803,7 +803,13 @@ class Index:
             )
 
     def set_session_pinned(self, d: str, pinned: bool) -> None:
+        """Raises PageExists for a directory at or below a page: no session can be there."""
         with self.transaction() as db:
+            parts = d.split("/")
+            for i in range(1, len(parts) + 1):
+                above = "/".join(parts[:i])
+                if db.execute("SELECT 1 FROM pages WHERE path=?", (above,)).fetchone():
+                    raise PageExists(f"{d!r}: {above!r} is a page, so no session can be there")
             self._touch_session(db, d, time.time())
             db.execute("UPDATE sessions SET pinned=? WHERE dir=?", (int(pinned), d))
 

@@ -148,6 +148,12 @@ def test_found_by_an_audit_of_the_object_api(sync_store: kvfs.SyncStore) -> None
         with pytest.raises(kvfs.SessionNotFound, match="no session 'typo'"):
             call()
     assert [x.session for x in s.sessions()] == []
+    # a session below a page can never hold one: pinning it reserved a ghost that listed
+    s.put("top.bin", b"x")
+    for d in ("top.bin/sub", "top.bin/"):
+        with pytest.raises(kvfs.PageExists, match="'top.bin' is a page"):
+            s.pin_session(d)
+    assert [x.session for x in s.sessions()] == ["."]
     # put_many's items are pairs, checked before any put (an IndexError, some stored)
     with pytest.raises(TypeError, match="item 1 is"):
         s.put_many([("k0", b"0"), ("k1",)])  # type: ignore[list-item]
