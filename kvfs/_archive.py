@@ -788,7 +788,7 @@ class ArchivingPolicy(TieringPolicy):
         self, *, repair: bool, progress: Callable[[int, int], None] | None = None
     ) -> dict[str, list[str]]:
         """Read back and verify the archive object of every blob this store has marked
-        archived (``fsck --archive``: a download of each). Returns the objects missing and
+        archived (``kvfs fsck --check-archive``: a download of each). Returns the objects missing and
         corrupt, the pages they hold, and, with ``repair``, what was re-uploaded: an object
         whose content this store still holds in a verified local copy is written again.
         The others are reported, not deleted: another host may hold the data still."""

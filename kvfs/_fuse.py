@@ -32,10 +32,12 @@ from ._fuse_ns import (
     ATTR_MTIME,
     ATTR_UID,
     META_NAME,
+    RESERVED_ATTRS,
     child_path,
     dir_exists,
     is_session_dir,
     list_dir,
+    own_attrs,
     parent_of,
     validate_dir,
     validate_page,
@@ -60,8 +62,6 @@ XATTR_LIST_MAX = 64 * 1024
 #: ``user.kvfs.attr.<k>``: the page's attribute ``k`` (what ``put --attr`` and the object
 #: API's ``attrs`` set), settable while the file is being written
 ATTR_XATTR = "user.kvfs.attr."
-#: page attributes the mount keeps POSIX metadata in: neither listed nor settable as such
-RESERVED_ATTRS = "fs."
 
 
 def _page_attrs(node: Node) -> dict[str, str] | None:
@@ -69,7 +69,7 @@ def _page_attrs(node: Node) -> dict[str, str] | None:
     if node.pending is not None:
         return node.pending.attrs
     if node.kind is Kind.PAGE and node.page is not None:
-        return {k: v for k, v in node.page.attrs.items() if not k.startswith(RESERVED_ATTRS)}
+        return own_attrs(node.page.attrs)
     return None
 
 

@@ -44,7 +44,7 @@ from ._fuse_nodes import (
     process_group,
     process_of,
 )
-from ._fuse_ns import ATTR_GID, ATTR_UID, session_json, session_of, validate_page
+from ._fuse_ns import ATTR_GID, ATTR_UID, own_attrs, session_json, session_of, validate_page
 from ._index import PageRow
 
 __all__ = ["FileOps"]
@@ -285,8 +285,7 @@ class FileOps:
         mode = int(attrs.get("fs.mode", "644"), 8)
         uid, gid = int(attrs.get(ATTR_UID, "0")), int(attrs.get(ATTR_GID, "0"))
         # its other attributes (model, dtype...) go on to the next version
-        mine = {k: v for k, v in attrs.items() if not k.startswith("fs.")}
-        return Pending(writer, mode, uid, gid, time.time_ns(), attrs=mine)
+        return Pending(writer, mode, uid, gid, time.time_ns(), attrs=own_attrs(attrs))
 
     async def _commit_again(self, h: Handle) -> None:
         """Commit a handle's next version of its page over the current one."""

@@ -13,7 +13,7 @@ import enum
 import os
 import stat
 import time
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, suppress
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -106,13 +106,10 @@ def process_of(pid: int) -> tuple[int, int] | None:
 def process_group(tid: int) -> int | None:
     """The process (thread group id) of thread ``tid``: FUSE names the calling thread, and
     any thread of a writer is that writer. None when it is gone."""
-    try:
-        with open(f"/proc/{tid}/status", "rb") as f:
-            for line in f:
-                if line.startswith(b"Tgid:"):
-                    return int(line.split()[1])
-    except (OSError, ValueError):
-        pass
+    with suppress(OSError, ValueError), open(f"/proc/{tid}/status", "rb") as f:
+        for line in f:
+            if line.startswith(b"Tgid:"):
+                return int(line.split()[1])
     return None
 
 

@@ -32,6 +32,7 @@ __all__ = [
     "dir_exists",
     "is_session_dir",
     "list_dir",
+    "own_attrs",
     "parent_of",
     "session_json",
     "session_of",
@@ -43,6 +44,13 @@ __all__ = [
 META_NAME = ".kvfs.json"
 #: Page attributes the mount keeps POSIX metadata in (set by chmod/chown/utime on the mount).
 ATTR_MODE, ATTR_UID, ATTR_GID, ATTR_MTIME = "fs.mode", "fs.uid", "fs.gid", "fs.mtime_ns"
+#: their common prefix: neither listed nor settable as ``user.kvfs.attr.*``
+RESERVED_ATTRS = "fs."
+
+
+def own_attrs(attrs: dict[str, str]) -> dict[str, str]:
+    """A page's attributes but for the mount's own (mode, owner, mtime)."""
+    return {k: v for k, v in attrs.items() if not k.startswith(RESERVED_ATTRS)}
 
 
 def child_path(parent: str, name: str) -> str:

@@ -100,15 +100,26 @@ def _unpack(b: bytes | None, default: Any = None) -> Any:
     return default if b is None else msgpack.unpackb(b, raw=False, use_list=False)
 
 
+def _page_above(
+    db: sqlite3.Connection, path: str, *, itself: bool = False, moving: str = ""
+) -> str | None:
+    """The page that is a directory above ``path`` (or ``path`` itself, with ``itself``),
+    ``moving`` (a page being renamed) aside; None when there is none."""
+    parts = path.split("/")
+    for i in range(1, len(parts) + int(itself)):
+        above = "/".join(parts[:i])
+        if above != moving and db.execute("SELECT 1 FROM pages WHERE path=?", (above,)).fetchone():
+            return above
+    return None
+
+
 def _check_no_clash(db: sqlite3.Connection, path: str, moving: str = "") -> None:
     """A page's path is a file on the mount: no page may be named like a directory above it,
     or have pages below it (the mount showed one and hid the other: ``kvfs put f dir`` made
     dir/page unreachable, a page under a page was invisible). Raises PageExists."""
-    parts = path.split("/")
-    for i in range(1, len(parts)):
-        above = "/".join(parts[:i])
-        if above != moving and db.execute("SELECT 1 FROM pages WHERE path=?", (above,)).fetchone():
-            raise PageExists(f"{path!r}: {above!r} is a page, so it cannot be a directory too")
+    above = _page_above(db, path, moving=moving)
+    if above is not None:
+        raise PageExists(f"{path!r}: {above!r} is a page, so it cannot be a directory too")
     below = db.execute(
         "SELECT path FROM pages WHERE path > ? AND path < ? AND path != ? LIMIT 1",
         (path + "/", path + "0", moving),  # ("0" sorts right after "/")
@@ -805,11 +816,9 @@ class Index:
     def set_session_pinned(self, d: str, pinned: bool) -> None:
         """Raises PageExists for a directory at or below a page: no session can be there."""
         with self.transaction() as db:
-            parts = d.split("/")
-            for i in range(1, len(parts) + 1):
-                above = "/".join(parts[:i])
-                if db.execute("SELECT 1 FROM pages WHERE path=?", (above,)).fetchone():
-                    raise PageExists(f"{d!r}: {above!r} is a page, so no session can be there")
+            above = _page_above(db, d, itself=True)
+            if above is not None:
+                raise PageExists(f"{d!r}: {above!r} is a page, so no session can be there")
             self._touch_session(db, d, time.time())
             db.execute("UPDATE sessions SET pinned=? WHERE dir=?", (int(pinned), d))
 

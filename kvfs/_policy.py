@@ -164,7 +164,7 @@ class TieringPolicy:
     def check_archive(
         self, *, repair: bool, progress: Callable[[int, int], None] | None = None
     ) -> dict[str, list[str]]:
-        """fsck of the archive's copies (``fsck --archive``): without an archive there is
+        """fsck of the archive's copies (``kvfs fsck --check-archive``): without an archive there is
         none to check."""
         raise KvfsError("no archive tier is configured: there is no archive to check")
 
