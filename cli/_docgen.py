@@ -21,12 +21,13 @@ WIDTH = "100"
 EXIT_MEANING = {
     "ok": "success",
     "error": "any other error",
-    "usage": "bad arguments or configuration",
+    "usage": "bad arguments or configuration (mount: also a mountpoint, data directory or "
+    "log path it cannot use)",
     "not_found": "no such page, session, store or file",
     "no_space": "capacity exceeded",
     "corrupt": "corrupt data (checksum mismatch; fsck found problems)",
     "locked": "the data directory is owned by another process that does not answer (with "
-    "--offline: also by the daemon serving it)",
+    "--offline, and for mount: also by the daemon serving it)",
     "no_daemon": "no daemon answers (with --daemon), or it died during the command",
     "archive": "archive unavailable or not configured",
     "refused": "refused: it would lose data (evict) or cut off a mount in use (umount); "

@@ -15,7 +15,7 @@ from kvfs._daemon import MountBusy, stop_daemon
 from kvfs._daemon import main as daemon_main
 from kvfs._mount import MountOptions
 
-from ._util import EXIT, print_json
+from ._util import EXIT, exit_code_for, print_json
 
 __all__ = ["build_config", "build_options", "child_argv", "register"]
 
@@ -148,6 +148,7 @@ def cmd_mount(args: argparse.Namespace) -> int:
         child_argv=child_argv(args),
         log_file=args.log,
         services=daemon_services(config, setup_logs=args.foreground),
+        exit_code=exit_code_for,
     )
 
 

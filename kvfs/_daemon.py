@@ -27,7 +27,7 @@ from typing import Any
 import trio
 
 from ._config import StoreConfig
-from ._mount import MountError, MountOptions, check_mountpoint, serve_mount
+from ._mount import BadMountArgument, MountError, MountOptions, check_mountpoint, serve_mount
 from ._mountinfo import mounts
 from ._settings import config_socket_path
 from ._store import Store, open_store
@@ -104,8 +104,10 @@ def main(
     child_argv: Sequence[str] | None = None,
     services: Sequence[Service] = (),
     log_file: str | os.PathLike[str] | None = None,
+    exit_code: Callable[[BaseException], int] = lambda e: 1,
 ) -> int:
-    """Run the daemon; returns an exit status (0: mounted and, in the foreground, stopped).
+    """Run the daemon; returns an exit status (0: mounted and, in the foreground, stopped;
+    ``exit_code(error)`` when it failed, which a detached daemon's parent returns too).
 
     Detached (``foreground=False``): runs ``child_argv`` (the same command with
     ``--foreground``) in a new session with its output in ``log_file`` and waits for its
@@ -116,12 +118,12 @@ def main(
         check_mountpoint(Path(mountpoint).absolute())
         for d in config.data_dirs:
             if d.exists() and not d.is_dir():
-                raise MountError(f"data directory {d} is not a directory")
+                raise BadMountArgument(f"data directory {d} is not a directory")
         if log_file is not None and not Path(log_file).absolute().parent.is_dir():
-            raise MountError(f"--log {log_file}: {Path(log_file).parent} is not a directory")
+            raise BadMountArgument(f"--log {log_file}: {Path(log_file).parent} is not a directory")
     except MountError as e:
         print(f"kvfs mount: {e}", file=sys.stderr)
-        return 1
+        return exit_code(e)
     if not foreground:
         if child_argv is None:
             raise ValueError("detaching needs the foreground command line (child_argv)")
@@ -149,11 +151,13 @@ def main(
         msg = "; ".join(_describe(x) for x in _leaves(e))
         if ready_fd is not None:
             _tell(ready_fd, f"error: {msg}\n".encode())
-        if all(isinstance(x, KeyboardInterrupt) for x in _leaves(e)):
+        leaves = _leaves(e)
+        if all(isinstance(x, KeyboardInterrupt) for x in leaves):
             return 130
         print(f"kvfs mount: {msg}", file=sys.stderr)
         log.debug("daemon failed", exc_info=True)
-        return 1
+        # (an exit status of 0 or 130 would tell the parent it mounted or was interrupted)
+        return next((c for c in map(exit_code, leaves) if c not in (0, 130)), 1)
     finally:
         with contextlib.suppress(OSError):
             if json.loads(path.read_text()).get("pid") == os.getpid():
@@ -227,7 +231,7 @@ def _detach(argv: Sequence[str], log_file: str | os.PathLike[str]) -> int:
         f"(log: {log_file})",
         file=sys.stderr,
     )
-    return 1
+    return rc if 0 < rc < 128 else 1  # (killed by a signal: no status of its own)
 
 
 _DETACHED: list[subprocess.Popen[bytes]] = []

@@ -18,13 +18,17 @@ import trio
 from ._fuse import KvfsOperations
 from ._store import Store
 
-__all__ = ["MountError", "MountOptions", "serve_mount"]
+__all__ = ["BadMountArgument", "MountError", "MountOptions", "serve_mount"]
 
 log = logging.getLogger("kvfs.mount")
 
 
 class MountError(RuntimeError):
     """The file system could not be mounted; the message says why and what to do."""
+
+
+class BadMountArgument(MountError, ValueError):
+    """A mountpoint, data directory or log path that cannot be used (a usage error: exit 2)."""
 
 
 @dataclass(frozen=True)
@@ -59,18 +63,18 @@ def check_mountpoint(mountpoint: Path) -> None:
     try:
         st = os.stat(mountpoint)
     except FileNotFoundError:
-        raise MountError(f"mountpoint {mountpoint} does not exist") from None
+        raise BadMountArgument(f"mountpoint {mountpoint} does not exist") from None
     except OSError as e:
         if e.errno == errno.ENOTCONN:
-            raise MountError(
+            raise BadMountArgument(
                 f"{mountpoint} is a dead FUSE mount (its daemon died); "
                 f"run: fusermount3 -u {mountpoint}"
             ) from None
-        raise MountError(f"mountpoint {mountpoint}: {e.strerror}") from None
+        raise BadMountArgument(f"mountpoint {mountpoint}: {e.strerror}") from None
     if not os.path.isdir(mountpoint):
-        raise MountError(f"mountpoint {mountpoint} is not a directory")
+        raise BadMountArgument(f"mountpoint {mountpoint} is not a directory")
     if os.path.ismount(mountpoint) and st.st_dev != os.stat(mountpoint.parent).st_dev:
-        raise MountError(f"{mountpoint} is already a mount point")
+        raise BadMountArgument(f"{mountpoint} is already a mount point")
     if not os.path.exists("/dev/fuse"):
         raise MountError("/dev/fuse is missing: load the fuse module (modprobe fuse)")
 

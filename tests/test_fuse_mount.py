@@ -682,7 +682,7 @@ def test_detached_mount_and_umount(tmp_path: Path) -> None:
             text=True,
             timeout=60,
         )
-        assert r.returncode == 1 and "does not exist" in r.stderr
+        assert r.returncode == 2 and "does not exist" in r.stderr
         assert not (tmp_path / "new").exists()  # a mount that fails creates no store
         (tmp_path / "afile").write_bytes(b"")
         r = subprocess.run(
@@ -690,7 +690,7 @@ def test_detached_mount_and_umount(tmp_path: Path) -> None:
             capture_output=True,
             text=True,
         )
-        assert r.returncode == 1 and "afile is not a directory" in r.stderr, r.stderr
+        assert r.returncode == 2 and "afile is not a directory" in r.stderr, r.stderr
         # a log in a directory that is not there: told, not made (nor the store)
         r = subprocess.run(
             [*KVFS, "mount", "--data", str(tmp_path / "new"), "--log", str(tmp_path / "no/l")]
@@ -698,11 +698,29 @@ def test_detached_mount_and_umount(tmp_path: Path) -> None:
             capture_output=True,
             text=True,
         )
-        assert r.returncode == 1 and "no is not a directory" in r.stderr, r.stderr
+        assert r.returncode == 2 and "no is not a directory" in r.stderr, r.stderr
         assert not (tmp_path / "no").exists() and not (tmp_path / "new").exists()
         # --force unmounts a mount in use; its readers get ENOTCONN from then on
         r = subprocess.run([*KVFS, "mount", "--data", str(data), str(mp)], capture_output=True)
         assert r.returncode == 0
+        # a data directory another daemon serves: exit 6 (locked), as the store commands
+        (tmp_path / "mp2").mkdir()
+        r = subprocess.run(
+            [*KVFS, "mount", "--data", str(data), str(tmp_path / "mp2")],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert r.returncode == 6 and "in use by pid" in r.stderr, r.stderr
+        # an archive it cannot open: exit 8 (archive unavailable)
+        r = subprocess.run(
+            [*KVFS, "mount", "--data", str(tmp_path / "d8"), str(tmp_path / "mp2")]
+            + ["--archive", f"file://{tmp_path / 'afile' / 'archive'}"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert r.returncode == 8 and "Not a directory" in r.stderr, r.stderr
         reader = open(mp / "x", "rb")  # noqa: SIM115 - its close fails too (ENOTCONN)
         r = subprocess.run([*KVFS, "umount", "--force", str(mp)], capture_output=True)
         assert r.returncode == 0 and not mounted(mp)
