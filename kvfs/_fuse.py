@@ -27,12 +27,7 @@ from ._fuse_files import FileOps
 from ._fuse_guard import child_of, decode_name, fuse_error, guard
 from ._fuse_nodes import Handle, Kind, Node, NodeTable, owner, process_group
 from ._fuse_ns import (
-    ATTR_GID,
-    ATTR_MODE,
-    ATTR_MTIME,
-    ATTR_UID,
     META_NAME,
-    RESERVED_ATTRS,
     child_path,
     dir_exists,
     is_session_dir,
@@ -45,6 +40,7 @@ from ._fuse_ns import (
 from ._fuse_xattr import extents_xattr
 from ._keys import MAX_NAME_BYTES, SESSIONS_DIR
 from ._store import Store
+from ._writes import ATTR_GID, ATTR_MODE, ATTR_MTIME, ATTR_UID, RESERVED_ATTRS
 
 __all__ = ["ATTR_XATTR", "XATTRS", "KvfsOperations"]
 

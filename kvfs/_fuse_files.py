@@ -44,8 +44,9 @@ from ._fuse_nodes import (
     process_group,
     process_of,
 )
-from ._fuse_ns import ATTR_GID, ATTR_UID, own_attrs, session_json, session_of, validate_page
+from ._fuse_ns import attr_int, own_attrs, page_mode, session_json, session_of, validate_page
 from ._index import PageRow
+from ._writes import ATTR_GID, ATTR_MODE, ATTR_UID
 
 __all__ = ["FileOps"]
 
@@ -282,8 +283,8 @@ class FileOps:
         except BaseException:
             writer.abort()
             raise
-        mode = int(attrs.get("fs.mode", "644"), 8)
-        uid, gid = int(attrs.get(ATTR_UID, "0")), int(attrs.get(ATTR_GID, "0"))
+        mode = page_mode(node.page) if ATTR_MODE in attrs else 0o644
+        uid, gid = attr_int(attrs, ATTR_UID, 0), attr_int(attrs, ATTR_GID, 0)
         # its other attributes (model, dtype...) go on to the next version
         return Pending(writer, mode, uid, gid, time.time_ns(), attrs=own_attrs(attrs))
 

@@ -22,8 +22,9 @@ import trio
 
 from ._dirs import DirRow
 from ._engine import PageWriter
-from ._fuse_ns import ATTR_GID, ATTR_MTIME, ATTR_UID, page_mode
+from ._fuse_ns import attr_int, page_mode
 from ._index import BlobRow, PageRow
+from ._writes import ATTR_GID, ATTR_MODE, ATTR_MTIME, ATTR_UID
 
 __all__ = ["Handle", "Kind", "Node", "NodeTable", "Pending", "process_group"]
 
@@ -60,7 +61,7 @@ class Pending:
     def commit_attrs(self) -> dict[str, str]:
         return {
             **self.attrs,
-            "fs.mode": f"{self.mode & 0o7777:o}",
+            ATTR_MODE: f"{self.mode & 0o7777:o}",
             ATTR_UID: str(self.uid),
             ATTR_GID: str(self.gid),
             ATTR_MTIME: str(self.mtime_ns),
@@ -279,10 +280,10 @@ class NodeTable:
             assert p is not None
             a.st_mode = page_mode(p)
             a.st_nlink = 1 if self.by_path.get(node.path) == node.ino else 0  # 0: unlinked
-            a.st_uid = int(p.attrs.get(ATTR_UID, self.uid))
-            a.st_gid = int(p.attrs.get(ATTR_GID, self.gid))
+            a.st_uid = attr_int(p.attrs, ATTR_UID, self.uid)
+            a.st_gid = attr_int(p.attrs, ATTR_GID, self.gid)
             a.st_size = p.size
-            a.st_mtime_ns = int(p.attrs.get(ATTR_MTIME, int(p.created * 1e9)))
+            a.st_mtime_ns = attr_int(p.attrs, ATTR_MTIME, int(p.created * 1e9))
             a.st_ctime_ns = int(p.created * 1e9)
             a.st_atime_ns = int(p.atime * 1e9)
         elif node.kind is Kind.PENDING:

@@ -24,10 +24,12 @@ from ._errors import InvalidKey, SessionNotFound
 from ._index import PageRow
 from ._keys import SESSIONS_DIR, PageKey, split_path
 from ._types import SessionInfo
+from ._writes import ATTR_MODE, RESERVED_ATTRS
 
 __all__ = [
     "META_NAME",
     "Listing",
+    "attr_int",
     "child_path",
     "dir_exists",
     "is_session_dir",
@@ -42,10 +44,6 @@ __all__ = [
 
 #: The read-only metadata file in every semantic session directory.
 META_NAME = ".kvfs.json"
-#: Page attributes the mount keeps POSIX metadata in (set by chmod/chown/utime on the mount).
-ATTR_MODE, ATTR_UID, ATTR_GID, ATTR_MTIME = "fs.mode", "fs.uid", "fs.gid", "fs.mtime_ns"
-#: their common prefix: neither listed nor settable as ``user.kvfs.attr.*``
-RESERVED_ATTRS = "fs."
 
 
 def own_attrs(attrs: dict[str, str]) -> dict[str, str]:
@@ -160,6 +158,15 @@ def session_json(engine: Engine, session_path: str) -> bytes:
         "attrs": info.attrs,
     }
     return (json.dumps(doc, indent=2, sort_keys=True) + "\n").encode()
+
+
+def attr_int(attrs: dict[str, str], name: str, default: int) -> int:
+    """A number the mount keeps in a page attribute (owner, mtime), else ``default``: a
+    page another kvfs put with a bad one still stats, as its whole directory lists."""
+    try:
+        return int(attrs[name])
+    except (KeyError, ValueError):
+        return default
 
 
 def page_mode(row: PageRow) -> int:

@@ -64,7 +64,8 @@ class Store(BatchCalls):
     ) -> PageInfo:
         """Store a write-once page from any buffer. Returns its info.
 
-        Raises InvalidKey, PageExists (unless ``replace``), CapacityExceeded. Atomic: after an
+        Raises InvalidKey (a bad key, or ``attrs`` the mount could not show as xattrs: see
+        docs/mount.md), PageExists (unless ``replace``), CapacityExceeded. Atomic: after an
         error or a crash the page is either wholly there or not at all.
         """
         return await self._run(self._engine.put, key, data, attrs=attrs, pin=pin, replace=replace)

@@ -40,7 +40,17 @@ from ._types import PageInfo
 if TYPE_CHECKING:
     from ._engine import Engine
 
-__all__ = ["PageWriter", "check_attrs", "leaves_now", "put"]
+__all__ = [
+    "ATTR_GID",
+    "ATTR_MODE",
+    "ATTR_MTIME",
+    "ATTR_UID",
+    "RESERVED_ATTRS",
+    "PageWriter",
+    "check_attrs",
+    "leaves_now",
+    "put",
+]
 
 HASH_GROUP = 2 * LEAF  # bytes hashed per pool task when a streamed page is committed
 #: Pages up to this size are hashed before they are written, so a duplicate costs no write;
@@ -48,7 +58,20 @@ HASH_GROUP = 2 * LEAF  # bytes hashed per pool task when a streamed page is comm
 DEDUP_FIRST_MAX = 256 * 1024
 
 
+#: Page attributes the mount keeps POSIX metadata in (set by chmod/chown/utime on the mount).
+ATTR_MODE, ATTR_UID, ATTR_GID, ATTR_MTIME = "fs.mode", "fs.uid", "fs.gid", "fs.mtime_ns"
+#: their common prefix: neither listed nor settable as ``user.kvfs.attr.*`` on the mount
+RESERVED_ATTRS = "fs."
+#: An attribute shows on the mount as the extended attribute ``user.kvfs.attr.<name>``:
+#: Linux's limits on those (XATTR_NAME_MAX, XATTR_SIZE_MAX) bound the name and the value.
+ATTR_NAME_MAX = 255 - len("user.kvfs.attr.")
+ATTR_VALUE_MAX = 64 * 1024
+
+
 def check_attrs(attrs: dict[str, str] | None) -> dict[str, str]:
+    """A copy of ``attrs`` once every name and value is text the mount can show; the
+    mount's own (``fs.*``) only as it writes them: one that did not parse made the file,
+    and every listing of its directory, fail with EIO."""
     if attrs is None:
         return {}
     if not isinstance(attrs, dict):
@@ -58,12 +81,33 @@ def check_attrs(attrs: dict[str, str] | None) -> dict[str, str]:
             raise InvalidKey(f"attrs must map str to str; got the key {k!r} ({type(k).__name__})")
         if not isinstance(v, str):
             raise InvalidKey(f"attrs must map str to str; got {k!r}: {type(v).__name__}")
-        for text in (k, v):
-            try:
-                text.encode("utf-8")
-            except UnicodeEncodeError:
-                raise InvalidKey(f"attrs: {text!r} is not valid UTF-8 text") from None
+        try:
+            name, value = k.encode("utf-8"), v.encode("utf-8")
+        except UnicodeEncodeError:
+            raise InvalidKey(f"attrs: {k!r}: {v!r} is not valid UTF-8 text") from None
+        if not 0 < len(name) <= ATTR_NAME_MAX or "\0" in k:
+            raise InvalidKey(
+                f"attrs: the name {k[:40]!r} must be 1 to {ATTR_NAME_MAX} bytes, without NUL"
+            )
+        if len(value) > ATTR_VALUE_MAX:
+            raise InvalidKey(f"attrs: {k!r} is {len(value)} bytes; at most {ATTR_VALUE_MAX}")
+        if k.startswith(RESERVED_ATTRS) and not _mount_attr_ok(k, v):
+            raise InvalidKey(
+                f"attrs: {k}={v!r}: names starting with {RESERVED_ATTRS!r} are the mount's "
+                f"(an octal {ATTR_MODE}, a decimal {ATTR_UID}, {ATTR_GID} or {ATTR_MTIME})"
+            )
     return dict(attrs)
+
+
+def _mount_attr_ok(name: str, value: str) -> bool:
+    try:
+        if name == ATTR_MODE:
+            return 0 <= int(value, 8) <= 0o7777
+        if name in (ATTR_UID, ATTR_GID):
+            return 0 <= int(value) < 2**32
+        return name == ATTR_MTIME and int(value) is not None
+    except ValueError:
+        return False
 
 
 def start_device(eng: Engine, k: PageKey) -> int:

@@ -656,3 +656,18 @@ def test_page_writer_racing_writes_to_one_leaf(sync_store: kvfs.SyncStore) -> No
     want[100:150] = b"\xee" * 50
     assert e.get("race") == want  # every leaf verified: a stale leaf hash raises CorruptPage
     assert info.checksum == kvfs.checksum(bytes(want)).hex()
+
+
+async def test_a_page_with_a_bad_mount_attribute_still_stats(ops: KvfsOperations) -> None:
+    """A store written by an earlier kvfs may hold an ``fs.uid`` that is no number (the
+    object API took any): its file stats with the mount's defaults, and its directory lists,
+    instead of EIO for both (a listing stats every entry)."""
+    ops.engine.put("d/page", b"abc")
+    ops.engine.put("d/other", b"def")
+    ops.engine.index.update_page_attrs(
+        "d/page", {"fs.uid": "abc", "fs.gid": "", "fs.mtime_ns": "x", "fs.mode": "z"}
+    )
+    d = (await ops.lookup(ROOT, b"d", CTX)).st_ino
+    a = await ops.lookup(d, b"page", CTX)
+    assert (a.st_uid, a.st_size, a.st_mode & 0o7777) == (os.getuid(), 3, 0o444)
+    assert (await ops.getattr(a.st_ino, CTX)).st_gid == os.getgid()

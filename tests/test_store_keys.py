@@ -158,3 +158,30 @@ def test_found_by_an_audit_of_the_object_api(sync_store: kvfs.SyncStore) -> None
     with pytest.raises(TypeError, match="item 1 is"):
         s.put_many([("k0", b"0"), ("k1",)])  # type: ignore[list-item]
     assert not s.exists("k0")
+
+
+def test_attrs_are_what_the_mount_can_show(sync_store: kvfs.SyncStore) -> None:
+    """An attribute is the xattr ``user.kvfs.attr.<name>`` on the mount: a name or value
+    Linux cannot hand over (XATTR_NAME_MAX, XATTR_SIZE_MAX) is refused at the put, as is a
+    mount attribute (``fs.*``) that does not parse: one made its file, and every listing of
+    its directory, fail with EIO."""
+    s = sync_store
+    bad = [
+        ({"": "v"}, "must be 1 to 240 bytes"),
+        ({"n" * 241: "v"}, "must be 1 to 240 bytes"),
+        ({"a\0b": "v"}, "without NUL"),
+        ({"big": "v" * (64 * 1024 + 1)}, "65537 bytes; at most 65536"),
+        ({"fs.uid": "abc"}, "are the mount's"),
+        ({"fs.mode": "999"}, "are the mount's"),
+        ({"fs.mode": "17777"}, "are the mount's"),
+        ({"fs.gid": "-1"}, "are the mount's"),
+        ({"fs.other": "1"}, "are the mount's"),
+    ]
+    for attrs, match in bad:
+        with pytest.raises(kvfs.InvalidKey, match=match):
+            s.put("a/p", b"x", attrs=attrs)
+        assert not s.exists("a/p")
+    s.put("a/p", b"x", attrs={"n" * 240: "v" * 64 * 1024, "fs.mode": "600", "fs.mtime_ns": "-5"})
+    s.put("sessions/t/p/layer-000", b"y")
+    with pytest.raises(kvfs.InvalidKey, match="are the mount's"):
+        s.set_session_attrs("t", {"fs.uid": "x"})
