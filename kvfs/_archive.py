@@ -656,12 +656,7 @@ class ArchivingPolicy(TieringPolicy):
         rows = {r.hash: r for r in self.aindex.drop_local_many(hashes, self.spiller.named)}
         return [self.forget_local(rows[h], reason) if h in rows else 0 for h in hashes]
 
-    def forget_blob(self, blob: BlobRow) -> None:
-        if blob.archived:
-            self.aindex.enqueue("forget", [blob.hash.hex()])
-
     def pages_removed(self, pages: list[PageRow]) -> None:
-        self.aindex.enqueue("manifest", sorted({p.session for p in pages}))
         if self._token is None and self.cfg.gc_grace <= 0:
             self._flush_now()
 

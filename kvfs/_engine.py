@@ -240,6 +240,9 @@ class Engine:
         if len(cfg.data_dirs) > _devices_known(self.index):
             self.index.set_meta("devices", len(cfg.data_dirs))
         self.policy: TieringPolicy = TieringPolicy(self)
+        self.index.on_removed = lambda db, sessions, freed: self.policy.queue_removal(
+            db, sessions, freed
+        )
         self._cap_lock = threading.Lock()
         self._cap_changed = threading.Condition(self._cap_lock)
         self._evict_lock = threading.Lock()

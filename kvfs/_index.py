@@ -30,7 +30,7 @@ import sqlite3
 import threading
 import time
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -260,6 +260,12 @@ class Index:
         #: per session: how many times pages left it (delete, rename away or over), bumped
         #: inside the transaction that does it (the archive's import compares it)
         self.removals: collections.Counter[str] = collections.Counter()
+        #: called inside every transaction that removes pages (delete, replace, rename,
+        #: import) with the sessions they left and the blobs whose last reference went: the
+        #: archive's follow-up work is queued in that transaction, so a crash right after
+        #: it cannot forget it (a restore then brought deleted pages back)
+        self.on_removed: Callable[[sqlite3.Connection, set[str], list[BlobRow]], None] | None
+        self.on_removed = None
         self._db = sqlite3.connect(
             str(path), check_same_thread=False, isolation_level=None, timeout=30
         )
@@ -643,6 +649,8 @@ class Index:
             freed = self._unref(db, old_page.hash) if old_page.hash != h else None
             if old_page.hash == h:
                 db.execute("UPDATE blobs SET refs=refs-1 WHERE hash=?", (h,))
+            else:  # the archive's manifest names the old data
+                self._removed(db, {old_page.session}, [freed] if freed else [])
         db.execute(
             f"INSERT INTO pages ({_PAGE_COLS}) VALUES (?,?,?,?,?,?,?,?)",
             (path, c.session, h, c.size, now, now, int(c.pinned), _pack(c.attrs)),
@@ -721,7 +729,13 @@ class Index:
             b = self._unref(db, p.hash)
             if b is not None:
                 freed.append(b)
+        if gone:
+            self._removed(db, {p.session for p in gone}, freed)
         return gone, freed
+
+    def _removed(self, db: sqlite3.Connection, sessions: set[str], freed: list[BlobRow]) -> None:
+        if self.on_removed is not None:
+            self.on_removed(db, sessions, freed)
 
     def delete_session(
         self, d: str, *, untouched_since: float | None = None
@@ -767,6 +781,8 @@ class Index:
                 freed = self._unref(db, old[0])
             db.execute("UPDATE pages SET path=?, session=? WHERE path=?", (dst, dst_session, src))
             self._touch_session(db, dst_session, time.time())
+            # both sessions' manifests name the old path, or the replaced data
+            self._removed(db, {p.session, dst_session}, [freed] if freed else [])
         return p, freed
 
     def drop_local(self, h: bytes, extents: object = None) -> BlobRow | None:

@@ -83,7 +83,6 @@ def after_delete(eng: Engine, gone: builtins.list[PageRow], freed: builtins.list
     """What follows the index's removal of pages: their data's files, the policy's view."""
     for b in freed:
         eng._drop_files(b)
-        eng.policy.forget_blob(b)
     for d in {p.session for p in gone}:
         eng.index.drop_session_if_empty(d)
     if gone:
@@ -132,7 +131,6 @@ def rename(eng: Engine, s: PageKey, d: PageKey) -> None:
         return
     if freed is not None:
         eng._drop_files(freed)
-        eng.policy.forget_blob(freed)
     eng.index.drop_session_if_empty(old.session)
     # The archive's manifests of both sessions list the old name and the replaced data.
     eng.policy.pages_removed([old, dataclasses.replace(old, path=d.path, session=d.session_dir)])

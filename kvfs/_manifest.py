@@ -26,6 +26,7 @@ interrupted is done later, not forgotten.
 from __future__ import annotations
 
 import hashlib
+import sqlite3
 import time
 from collections.abc import Callable, Collection, Mapping
 from urllib.parse import quote, unquote
@@ -222,17 +223,33 @@ def _kind_name(kind: type | tuple[type, ...]) -> str:
     return "number" if isinstance(kind, tuple) else kind.__name__
 
 
+_PENDING_TABLE = (
+    "CREATE TABLE IF NOT EXISTS archive_pending ("
+    " kind TEXT NOT NULL, k TEXT NOT NULL, since REAL NOT NULL, PRIMARY KEY (kind, k))"
+)
+
+
+def enqueue_in(db: sqlite3.Connection, kind: str, keys: list[str]) -> None:
+    """Queue archive work (``manifest``: rewrite a session's; ``forget``: delete an object
+    once no manifest names it) inside the caller's index transaction."""
+    if keys:
+        db.execute(_PENDING_TABLE)  # (a store opened without its archive may lack it)
+        # The latest request's time: a manifest written from an index read before it
+        # does not settle it (see done).
+        db.executemany(
+            "INSERT INTO archive_pending VALUES (?,?,?)"
+            " ON CONFLICT (kind, k) DO UPDATE SET since=excluded.since",
+            [(kind, k, time.time()) for k in keys],
+        )
+
+
 class ArchiveIndex:
     """The archive tier's SQL on the store's index (same database, its own small table)."""
 
     def __init__(self, index: Index) -> None:
         self.index = index
         with index.transaction() as db:
-            db.execute(
-                "CREATE TABLE IF NOT EXISTS archive_pending ("
-                " kind TEXT NOT NULL, k TEXT NOT NULL, since REAL NOT NULL,"
-                " PRIMARY KEY (kind, k))"
-            )
+            db.execute(_PENDING_TABLE)
             # Per session: the other hosts' manifest versions this index imported; this
             # host's own manifest supersedes them (see merge_manifests).
             db.execute(
@@ -251,13 +268,7 @@ class ArchiveIndex:
     def enqueue(self, kind: str, keys: list[str]) -> None:
         if keys:
             with self.index.transaction() as db:
-                # The latest request's time: a manifest written from an index read before it
-                # does not settle it (see done).
-                db.executemany(
-                    "INSERT INTO archive_pending VALUES (?,?,?)"
-                    " ON CONFLICT (kind, k) DO UPDATE SET since=excluded.since",
-                    [(kind, k, time.time()) for k in keys],
-                )
+                enqueue_in(db, kind, keys)
 
     def pending(self, kind: str, older_than: float = 0.0) -> list[str]:
         cutoff = time.time() - older_than
@@ -443,6 +454,12 @@ class ArchiveIndex:
                     ),
                 )
                 added += 1
+            if added:
+                # The pages just added are archive-only here: a manifest of this host's must
+                # name them before anything else happens, or another host deleting the
+                # session deletes their objects while this host lists them. Queued in the
+                # import's transaction: a crash right after it still gets it written.
+                enqueue_in(db, "manifest", [d])
             Index._touch_session(db, d, m.get("atime", now), m.get("attrs") or {})
             if m.get("pinned"):
                 db.execute("UPDATE sessions SET pinned=1 WHERE dir=?", (d,))

@@ -8,15 +8,16 @@ archive tier, evicting a blob deletes the pages that share it. The archive tier 
 
 from __future__ import annotations
 
+import sqlite3
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from ._errors import KvfsError
 from ._index import BlobRow, PageRow
+from ._manifest import enqueue_in
 
 if TYPE_CHECKING:
     from ._engine import Engine
-    from ._manifest import ArchiveIndex
 
 __all__ = ["TieringPolicy"]
 
@@ -30,7 +31,6 @@ class TieringPolicy:
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
-        self._pending: ArchiveIndex | None = None
 
     def make_room(self, need: int, reason: str = "capacity") -> int:
         """Evict until ``need`` bytes are freed or nothing evictable is left. Returns bytes freed.
@@ -123,30 +123,24 @@ class TieringPolicy:
         """
         return self.engine.delete_blob_pages(blob, reason)
 
-    def forget_blob(self, blob: BlobRow) -> None:
-        """The last page referencing ``blob`` is gone (the archive tier deletes its copy).
+    def queue_removal(
+        self, db: sqlite3.Connection, sessions: set[str], freed: list[BlobRow]
+    ) -> None:
+        """Inside the index transaction that removed pages from ``sessions`` (the index's
+        ``on_removed``): queue the archive's follow-up work, in that transaction, so that no
+        crash can lose it. The manifests that listed them are rewritten, and the objects of
+        ``freed`` blobs (whose last reference went) are deleted once no manifest names them;
+        otherwise a restore of the session would bring the pages back.
 
-        Opened without the archive its index records (``kvfs rm --data DIR`` offline with no
-        archive URL), the deletion is queued in the index for the next open with it:
-        otherwise the session's manifest would bring the deleted pages back."""
-        if blob.archived and self._archived_before():
-            self._queue().enqueue("forget", [blob.hash.hex()])
+        Queued whenever this store has had an archive: opened without it (``kvfs rm --data
+        DIR`` offline with no archive URL), the next open with it does the work."""
+        if self.engine.index.get_meta("archive") is not None:
+            enqueue_in(db, "manifest", sorted(sessions))
+            enqueue_in(db, "forget", [b.hash.hex() for b in freed if b.archived])
 
     def pages_removed(self, pages: list[PageRow]) -> None:
-        """Pages were deleted (the archive tier rewrites the manifests that listed them;
-        without it, queued as for :meth:`forget_blob`)."""
-        if pages and self._archived_before():
-            self._queue().enqueue("manifest", sorted({p.session for p in pages}))
-
-    def _archived_before(self) -> bool:
-        return self.engine.index.get_meta("archive") is not None
-
-    def _queue(self) -> ArchiveIndex:
-        if self._pending is None:
-            from ._manifest import ArchiveIndex
-
-            self._pending = ArchiveIndex(self.engine.index)
-        return self._pending
+        """Pages were removed, and their archive work queued (see :meth:`queue_removal`):
+        the archive tier may do it now."""
 
     def statistics(self) -> dict[str, object]:
         """Policy figures merged into ``StoreStatistics.extra``."""

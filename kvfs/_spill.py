@@ -503,12 +503,7 @@ class Spiller:
         )
         if replaced:  # older pages of this host's, replaced by newer ones of another's
             await _thread(after_delete, self.engine, replaced, freed)
-        if added:
-            # The pages just added are archive-only here: a manifest of this host's must
-            # name them before anything else happens, or another host deleting the session
-            # deletes their objects (no manifest would name them) while this host lists
-            # them. Queued first, so that an archive down now still gets it written later.
-            await _thread(self.aindex.enqueue, "manifest", [d])
+        if added:  # (its manifest is queued: an archive down now gets it written later)
             try:
                 await self.write_manifest(d)
             except ArchiveUnavailable as e:

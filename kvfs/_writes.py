@@ -283,7 +283,6 @@ def commit(
             eng._counters["dedup_puts"] += 1
     if freed is not None:
         eng._drop_files(freed)
-        eng.policy.forget_blob(freed)
     if _old is not None and _old.hash != h:
         eng.policy.pages_removed([_old])  # a replace: the archive's manifest is stale
     if fresh is None:
