@@ -2,8 +2,8 @@
 
 HiCache's third tier writes one raw file per KV page (``<hash>_<model>_<tp rank>_<tp
 size>.bin``: the host pool's page, K and V of every layer, as flat bytes) into the
-directory named by ``SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR`` or the backend's
-``file_storage_path`` extra config. It writes ``.<uuid>.tmp`` then ``os.replace``-s it
+directory named by ``SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR`` (a server builds it with
+no path: the variable, else ``/tmp/hicache``; these tests pass ``file_path``). It writes ``.<uuid>.tmp`` then ``os.replace``-s it
 into place, checks ``exists`` per page and reads each page with ``readinto`` into a host
 buffer; its LRU evictor unlinks the oldest files past a size cap.
 
