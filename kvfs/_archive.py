@@ -535,15 +535,6 @@ class ArchivingPolicy(TieringPolicy):
         self.count("bytes_spilled", len(obj))
         return len(obj)
 
-    def drop_local(self, h: bytes, reason: str, extents: object = None) -> int:
-        """Drop the local copy of an archived blob (only the copy in ``extents``, when
-        given). Returns bytes freed."""
-        eng = self.engine
-        row = eng.index.drop_local(h, extents)
-        if row is None:
-            return 0
-        return self.forget_local(row, reason)
-
     def heal(self, blob: BlobRow, reason: str) -> BlobRow | None:
         """A local copy that failed its checksum, of a blob the archive also holds: drop that
         copy (its files go once no reader holds them) and restore the blob from the archive,
@@ -558,17 +549,6 @@ class ArchivingPolicy(TieringPolicy):
         if cur is None:
             return None
         return cur if cur.local else self.restore_blob(cur)
-
-    def forget_local(self, row: BlobRow, reason: str) -> int:
-        """After the index dropped ``row``'s local copy: remove its files, count and log."""
-        eng = self.engine
-        eng._drop_files(row)
-        with eng._cap_lock:
-            eng._evictions[reason] += 1
-        log_event(
-            "evict", content=row.hash.hex()[:16], reason=reason, bytes=row.disk_bytes, archived=True
-        )
-        return row.disk_bytes
 
     # -- TieringPolicy overrides ------------------------------------------------------------
     def make_room(self, need: int, reason: str = "capacity") -> int:

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from ._errors import KvfsError
+from ._events import log_event
 from ._index import BlobRow, PageRow
 from ._manifest import enqueue_in
 
@@ -113,15 +114,46 @@ class TieringPolicy:
         bytes freed.
 
         Without an archive tier that deletes ``pages``, and only them: a page of another
-        session sharing their data keeps it (then its bytes are not freed)."""
-        return self.engine.delete_evicted_pages(pages, reason)
+        session sharing their data keeps it (then its bytes are not freed). Data the archive
+        holds (a store opened without the archive it has) only loses its local copy."""
+        held = {p.hash for p in pages if self._archived(p.hash)}
+        freed = sum(self.drop_local(b.hash, reason, b.extents) for b in blobs if b.hash in held)
+        rest = [p for p in pages if p.hash not in held]
+        return freed + (self.engine.delete_evicted_pages(rest, reason) if rest else 0)
 
     def evict_blob(self, blob: BlobRow, reason: str) -> int:
         """Remove a blob's local copy; return the bytes freed (0 if it could not be evicted).
 
-        Without an archive tier the local copy is the only copy: its pages are deleted.
+        Without an archive tier the local copy is the only copy: its pages are deleted;
+        unless the archive holds it (a store opened without the archive it has: ``kvfs put
+        --offline`` with no archive URL), when only the local copy goes.
         """
+        if blob.archived:
+            return self.drop_local(blob.hash, reason, blob.extents)
         return self.engine.delete_blob_pages(blob, reason)
+
+    def _archived(self, h: bytes) -> bool:
+        b = self.engine.index.blob(h)
+        return b is not None and b.archived
+
+    def drop_local(self, h: bytes, reason: str, extents: object = None) -> int:
+        """Drop the local copy of an archived blob (only the copy in ``extents``, when
+        given). Returns bytes freed."""
+        row = self.engine.index.drop_local(h, extents)
+        if row is None:
+            return 0
+        return self.forget_local(row, reason)
+
+    def forget_local(self, row: BlobRow, reason: str) -> int:
+        """After the index dropped ``row``'s local copy: remove its files, count and log."""
+        eng = self.engine
+        eng._drop_files(row)
+        with eng._cap_lock:
+            eng._evictions[reason] += 1
+        log_event(
+            "evict", content=row.hash.hex()[:16], reason=reason, bytes=row.disk_bytes, archived=True
+        )
+        return row.disk_bytes
 
     def queue_removal(
         self, db: sqlite3.Connection, sessions: set[str], freed: list[BlobRow]
@@ -152,8 +184,16 @@ class TieringPolicy:
     def heal(self, blob: BlobRow, reason: str) -> BlobRow | None:
         """``blob``'s local copy failed its checksum: replace it from another copy and return
         the row to read instead, or None when there is no other copy (without an archive
-        there is none; the read then fails with CorruptPage)."""
-        return None
+        there is none; the read then fails with CorruptPage). Opened without the archive
+        that holds it: the damaged copy is dropped, and KvfsError says so (fsck --repair
+        would otherwise delete pages the archive still holds)."""
+        if not blob.archived:
+            return None
+        self.drop_local(blob.hash, reason, blob.extents)
+        raise KvfsError(
+            "this store was opened without its archive, which holds the data: it comes back "
+            "when the store is opened with it"
+        )
 
     def check_archive(
         self, *, repair: bool, progress: Callable[[int, int], None] | None = None

@@ -368,6 +368,38 @@ def test_a_delete_made_without_the_archive_configured_reaches_it_later(
         assert s.get(PageKey.semantic("kept", "p", 0)) == kv_page(31)
 
 
+def test_a_store_opened_without_its_archive_drops_archived_copies_instead_of_pages(
+    make_config: Config, tmp_path: Path
+) -> None:
+    """Opened without the archive it has (``kvfs put --offline`` or ``kvfs fsck --repair``
+    with ``--data`` alone), a store deleted pages whose data the archive held: a put over
+    the capacity evicted them by deletion, fsck --repair deleted a damaged copy's pages as
+    "held nowhere else", and the next open with the archive collected their objects too.
+    Now only the local copies go; the archive brings them back."""
+    url = _url(tmp_path)
+    pages = {PageKey.semantic("old", "p", i): kv_page(50 + i) for i in range(4)}
+    with kvfs.open_store_sync(archived_cfg(make_config, url, upload_processes=0)) as s:
+        for k, v in pages.items():
+            s.put(k, v)
+        s.spill("old")
+        s.restore("old")  # local and archived
+    used = sum(len(v) for v in pages.values())
+    offline = make_config(ndev=2, capacity=used + 64 * 1024)  # the same data, no archive
+    with kvfs.open_store_sync(offline) as s:
+        first = next(iter(pages))
+        flip_stored_byte(s.stat(first), 100)
+        report = s.fsck(repair=True)
+        assert report["damaged_pages"] == [first.path]
+        assert "the archive holds it" in report["repaired"][0], report["repaired"]
+        s.put("new/p0", os.urandom(2 * len(pages[first])))  # evicts archived copies
+        assert all(s.stat(k).tier in ("archive", "local+archive") for k in pages)
+    with kvfs.open_store_sync(archived_cfg(make_config, url, upload_processes=0)) as s:
+        pol = s.engine.policy
+        pol.call(pol.spiller.flush_pending)  # (a daemon's first background pass)
+        assert {k: s.get(k) for k in pages} == pages
+        assert all(kvfs.checksum(v).hex() in objects(tmp_path / "archive") for v in pages.values())
+
+
 def test_a_host_back_after_being_taken_for_gone_names_its_pages_before_it_drops_them(
     make_config: Config, tmp_path: Path
 ) -> None:
