@@ -251,7 +251,8 @@ class Engine:
         # put again (new files) and dropped again while one lease is still held.
         self._deferred: dict[bytes, list[BlobRow]] = {}
         #: blobs whose local copy failed its checksum and stayed (see note_damaged)
-        self._damaged: dict[bytes, tuple] = {}
+        self._damaged: dict[bytes, tuple] = self._damaged_at_open()
+        self._damaged_lock = threading.Lock()  # (their list in the index, kept in order)
         self._atimes: tuple[dict[str, float], dict[bytes, float], dict[str, float]] = ({}, {}, {})
         self._atime_flushed = time.monotonic()
         self._counters: Counter[str] = Counter()
@@ -571,22 +572,40 @@ class Engine:
     def note_damaged(self, blob: BlobRow) -> None:
         """``blob``'s local copy failed its checksum and stays: the next put of the same
         bytes replaces it with its own files instead of sharing it (a good put made
-        unreadable, and deleted by fsck --repair)."""
+        unreadable, and deleted by fsck --repair). Kept in the index: a restart forgot it,
+        and the next put of those bytes shared the damaged copy again."""
         if blob.extents is not None:
-            with self._cap_lock:
-                self._damaged[blob.hash] = blob.extents
+            with self._damaged_lock:
+                with self._cap_lock:
+                    if self._damaged.get(blob.hash) == blob.extents:
+                        return
+                    self._damaged[blob.hash] = blob.extents
+                self._save_damaged()
 
-    def replace_damaged(self, h: bytes) -> None:
-        """Drop the damaged local copy of ``h`` noted by :meth:`note_damaged`, if it is still
-        the copy held: a put that wrote the same bytes commits its files in its place."""
+    def replaced_damaged(self, row: BlobRow) -> None:
+        """A put's files took the place of ``row``, the damaged copy :meth:`note_damaged`
+        noted (in the put's commit): remove its files."""
+        with self._damaged_lock:
+            with self._cap_lock:
+                if self._damaged.get(row.hash) == row.extents:
+                    del self._damaged[row.hash]
+            self._save_damaged()
+        self._drop_files(row)
+        log_event("heal", content=row.hash.hex()[:16], source="put", bytes=row.size)
+
+    def _save_damaged(self) -> None:
         with self._cap_lock:
-            extents = self._damaged.pop(h, None)
-        if extents is None:
-            return
-        row = self.index.drop_local(h, extents)
-        if row is not None:
-            self._drop_files(row)
-            log_event("heal", content=h.hex()[:16], source="put", bytes=row.size)
+            hashes = sorted(h.hex() for h in self._damaged)
+        self.index.set_meta("damaged", hashes)
+
+    def _damaged_at_open(self) -> dict[bytes, tuple]:
+        """The damaged copies noted before this open that the index still holds."""
+        out: dict[bytes, tuple] = {}
+        for hx in self.index.get_meta("damaged") or ():  # type: ignore[attr-defined]
+            b = self.index.blob(bytes.fromhex(hx))
+            if b is not None and b.extents is not None:
+                out[b.hash] = b.extents
+        return out
 
     def note_read(self, page: PageRow, nbytes: int) -> None:
         """Count a verified local read of ``page`` (a hit) and note its access time."""

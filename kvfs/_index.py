@@ -221,6 +221,9 @@ class PageCommit:
     pinned: bool
     replace: bool
     session_attrs: dict[str, str]
+    #: the extents of a damaged local copy of ``h`` that these files replace (in the same
+    #: transaction: a crash between a drop and the commit left the page's data nowhere)
+    stale: tuple | None = None
 
 
 class _Pending:
@@ -232,7 +235,7 @@ class _Pending:
         self.commit = commit
         self.now = now
         self.done = threading.Event()
-        self.result: tuple[bool, BlobRow | None, PageRow | None] | None = None
+        self.result: tuple[bool, BlobRow | None, PageRow | None, BlobRow | None] | None = None
         self.error: Exception | None = None
 
 
@@ -544,12 +547,14 @@ class Index:
     # -- writes -------------------------------------------------------------------------
     def commit_page(
         self, c: PageCommit, *, now: float | None = None
-    ) -> tuple[bool, BlobRow | None, PageRow | None]:
+    ) -> tuple[bool, BlobRow | None, PageRow | None, BlobRow | None]:
         """Publish a page in one transaction.
 
-        Returns ``(used_new_data, freed_blob, replaced_page)``: ``used_new_data`` is False when
-        a blob with this checksum is already local (the caller's files are redundant and
-        must be removed); ``freed_blob`` is the blob whose last reference a replace dropped.
+        Returns ``(used_new_data, freed_blob, replaced_page, stale_copy)``: ``used_new_data``
+        is False when a blob with this checksum is already local (the caller's files are
+        redundant and must be removed); ``freed_blob`` is the blob whose last reference a
+        replace dropped; ``stale_copy`` the row of the damaged copy ``c.stale`` that the new
+        files replaced (the caller removes its files).
         Raises ``FileExistsError`` (unwrapped sqlite) semantics via the return of the caller:
         here, a :class:`KeyError` when the path exists and ``replace`` is False.
 
@@ -605,7 +610,7 @@ class Index:
 
     def _commit_page(
         self, db: sqlite3.Connection, c: PageCommit, now: float
-    ) -> tuple[bool, BlobRow | None, PageRow | None]:
+    ) -> tuple[bool, BlobRow | None, PageRow | None, BlobRow | None]:
         """One page's changes, inside the caller's transaction and savepoint."""
         path, h, extents, disk_bytes = c.path, c.h, c.extents, c.disk_bytes
         old = db.execute(f"SELECT {_PAGE_COLS} FROM pages WHERE path=?", (path,)).fetchone()
@@ -616,6 +621,7 @@ class Index:
             _check_no_clash(db, path)
         existing = db.execute(f"SELECT {_BLOB_COLS} FROM blobs WHERE hash=?", (h,)).fetchone()
         used_new = True
+        replaced_copy: BlobRow | None = None
         if extents is None and (existing is None or _blob(existing).extents is None):
             raise LookupError("the data to share is no longer held locally")
         if existing is None:
@@ -635,14 +641,16 @@ class Index:
             )
         else:
             eb = _blob(existing)
-            if eb.local or extents is None:
+            stale = c.stale is not None and eb.extents == c.stale
+            if (eb.local and not stale) or extents is None:
                 used_new = False
                 db.execute("UPDATE blobs SET refs=refs+1, atime=? WHERE hash=?", (now, h))
-            else:  # known only in the archive: our fresh files become its local copy
+            else:  # known only in the archive, or damaged: our files become its local copy
                 db.execute(
                     "UPDATE blobs SET refs=refs+1, atime=?, extents=?, disk_bytes=? WHERE hash=?",
                     (now, _pack(list(extents)), disk_bytes, h),
                 )
+                replaced_copy = eb if stale else None
         freed = None
         if old_page is not None:
             db.execute("DELETE FROM pages WHERE path=?", (path,))
@@ -656,7 +664,7 @@ class Index:
             (path, c.session, h, c.size, now, now, int(c.pinned), _pack(c.attrs)),
         )
         self._touch_session(db, c.session, now, c.session_attrs)
-        return used_new, freed, old_page
+        return used_new, freed, old_page, replaced_copy
 
     @staticmethod
     def _touch_session(

@@ -228,12 +228,11 @@ def commit(
     """Publish a written (or shared) page in the index and settle the accounting."""
     sess_attrs = {"model": attrs["model"]} if "model" in attrs else {}
     now = time.time()
+    # These files take the place of a local copy that failed its checksum: shared, a good
+    # put would have been as unreadable as it.
+    stale = eng._damaged.get(h) if w is not None else None
     try:
-        if w is not None and h in eng._damaged:
-            # these files take the place of a local copy that failed its checksum: shared,
-            # a good put would have been as unreadable as it
-            eng.replace_damaged(h)
-        used_new, freed, _old = eng.index.commit_page(
+        used_new, freed, _old, replaced_copy = eng.index.commit_page(
             PageCommit(
                 path=k.path,
                 session=k.session_dir,
@@ -246,6 +245,7 @@ def commit(
                 pinned=pin,
                 replace=replace,
                 session_attrs=sess_attrs,
+                stale=stale,
             ),
             now=now,
         )
@@ -276,6 +276,9 @@ def commit(
         eng._cap_changed.notify_all()
         if fresh is not None:
             eng._account(fresh, +1)
+    if replaced_copy is not None:
+        eng.replaced_damaged(replaced_copy)
+        fresh = None  # (the blob's row is not a fresh one's: read it back)
     with eng._cap_lock:
         eng._counters["puts"] += 1
         eng._counters["bytes_written"] += size

@@ -4,7 +4,10 @@ last reference."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 from _corrupt import flip_stored_byte
@@ -61,35 +64,85 @@ def test_flipped_byte_is_corrupt_page(
 
 @pytest.mark.parametrize("size", [100 * KiB, SIZE])  # hashed first and shared, or written
 @pytest.mark.parametrize("found_by", ["get", "fsck"])
+@pytest.mark.parametrize("restart", [False, True])
 def test_a_put_of_the_bytes_of_a_damaged_copy_replaces_it(
-    make_config: Callable[..., kvfs.StoreConfig], size: int, found_by: str
+    make_config: Callable[..., kvfs.StoreConfig], size: int, found_by: str, restart: bool
 ) -> None:
     """A put whose bytes matched a local copy known to be damaged shared it: the put
     succeeded, its own good bytes were dropped, and its page was as unreadable as the first
     (fsck --repair then deleted it). A system prompt's page rotting made every session
-    that saved it later unreadable."""
+    that saved it later unreadable. What was found damaged is remembered across a restart."""
     data = os.urandom(size)
-    with kvfs.open_store_sync(make_config(ndev=2, stripe_unit=256 * KiB)) as store:
+    cfg = make_config(ndev=2, stripe_unit=256 * KiB)
+    with kvfs.open_store_sync(cfg) as store:
         flip(store.put("s/page", data), size // 2)
         if found_by == "get":
             with pytest.raises(kvfs.CorruptPage):
                 store.get("s/page")
         else:
             assert store.fsck()["corrupt"]
-        store.put("t/page", data)
-        assert store.get("t/page") == data
-        assert store.get("s/page") == data  # the same content: good again
-        assert store.fsck() == {
-            "missing": [],
-            "corrupt": [],
-            "orphans": [],
-            "damaged_pages": [],
-            "repaired": [],
-        }
-        st = store.statistics()
-        assert st.used_bytes == sum(d.used_bytes for d in st.devices)
-    with kvfs.open_store_sync(make_config(ndev=2, stripe_unit=256 * KiB)) as store:
+        if not restart:
+            _put_replaces_the_damaged_copy(store, data)
+    if restart:
+        with kvfs.open_store_sync(cfg) as store:
+            _put_replaces_the_damaged_copy(store, data)
+    with kvfs.open_store_sync(cfg) as store:
         assert store.get("s/page") == data and store.fsck()["orphans"] == []
+
+
+def _put_replaces_the_damaged_copy(store: kvfs.SyncStore, data: bytes) -> None:
+    store.put("t/page", data)
+    assert store.get("t/page") == data
+    assert store.get("s/page") == data  # the same content: good again
+    assert store.fsck() == {
+        "missing": [],
+        "corrupt": [],
+        "orphans": [],
+        "damaged_pages": [],
+        "repaired": [],
+    }
+    st = store.statistics()
+    assert st.used_bytes == sum(d.used_bytes for d in st.devices)
+
+
+CRASH_IN_REPLACE = r"""
+import os, signal, sys
+import kvfs
+from kvfs import _engine
+
+data = bytes(range(256)) * 400
+cfg = kvfs.StoreConfig(data_dirs=(sys.argv[1],))
+_engine.Engine.replaced_damaged = lambda self, row: os.kill(os.getpid(), signal.SIGKILL)
+with kvfs.open_store_sync(cfg) as st:
+    try:
+        st.get("s/a")
+    except kvfs.CorruptPage:
+        st.put("s/b", data)  # replaces the damaged copy; killed right after its commit
+"""
+
+
+def test_a_crash_in_a_put_replacing_a_damaged_copy_leaves_its_pages_readable(
+    tmp_path: Path,
+) -> None:
+    """The damaged copy was dropped in a transaction of its own before the put's commit: a
+    crash between them left the pages of that content with data held nowhere, and fsck
+    reported nothing. Now the put's commit replaces it."""
+    data = bytes(range(256)) * 400
+    cfg = kvfs.StoreConfig(data_dirs=(tmp_path / "d",))
+    with kvfs.open_store_sync(cfg) as store:
+        flip(store.put("s/a", data), 5000)
+    r = subprocess.run(
+        [sys.executable, "-c", CRASH_IN_REPLACE, str(tmp_path / "d")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])},
+    )
+    assert r.returncode == -9, r.stderr
+    with kvfs.open_store_sync(cfg) as store:
+        assert store.get("s/a") == data and store.get("s/b") == data
+        assert [p.tier for p in store.list(path_prefix="s/")] == ["local", "local"]
+        assert not any(v for k, v in store.fsck().items() if k != "orphans")
 
 
 def test_missing_and_truncated_files(make_config: Callable[..., kvfs.StoreConfig]) -> None:
