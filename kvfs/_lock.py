@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import json
@@ -9,6 +10,7 @@ import os
 import socket
 import sys
 import time
+import weakref
 from pathlib import Path
 
 from ._errors import StoreLocked
@@ -17,7 +19,11 @@ __all__ = ["DirLock"]
 
 
 class DirLock:
-    """Exclusive, advisory, released by the kernel when the process dies (even by SIGKILL)."""
+    """Exclusive, advisory, released by the kernel when the process dies (even by SIGKILL).
+
+    A child forked without exec does not hold it: a flock belongs to the open file, which
+    a fork shares, so an owner's long-lived child (a worker pool forked by an engine) kept
+    the store locked after the owner was killed, "in use by" a dead pid."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -53,9 +59,27 @@ class DirLock:
                 os.close(fd)
                 raise
         self._fd = fd
+        _HELD.add(self)
 
     def release(self) -> None:
         if self._fd is not None:
             fd, self._fd = self._fd, None
             os.ftruncate(fd, 0)
             os.close(fd)
+
+
+_HELD: weakref.WeakSet[DirLock] = weakref.WeakSet()
+
+
+def _drop_in_child() -> None:
+    """After a fork, in the child: close its copies of the locks' files (without release:
+    that would erase the owner's name from the file the parent still locks)."""
+    for lock in list(_HELD):
+        if lock._fd is not None:
+            fd, lock._fd = lock._fd, None
+            with contextlib.suppress(OSError):
+                os.close(fd)
+    _HELD.clear()
+
+
+os.register_at_fork(after_in_child=_drop_in_child)

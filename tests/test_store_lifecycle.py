@@ -631,6 +631,41 @@ def test_a_forked_child_is_refused_and_leaves_the_parents_store_be(tmp_path) -> 
     assert lines[-1] == ("PAGES ['sessions/a/p/layer-000', 'sessions/a/p/layer-002']")
 
 
+def test_a_killed_owners_forked_child_does_not_keep_the_store_locked(tmp_path) -> None:  # noqa: ANN001
+    """An owner that forked a long-lived child (a worker pool) and was then SIGKILLed left
+    the store locked, "in use by" its dead pid, until that child exited: the flock's open
+    file was the child's too."""
+    lines = _run_forked(
+        tmp_path,
+        """
+        import time
+        plain = kvfs.StoreConfig(data_dirs=[f"{root}/shared"])  # (no upload workers)
+        r, w = os.pipe()
+        owner = os.fork()
+        if owner == 0:
+            held = kvfs.open_store_sync(plain)
+            s = held.__enter__()
+            s.put(key("a", 0), b"x" * 100)
+            kid = os.fork()
+            if kid == 0:  # unrelated work that never touches the store
+                signal.alarm(60)
+                time.sleep(60)
+                os._exit(0)
+            os.write(w, f"{kid}\\n".encode())
+            os.kill(os.getpid(), signal.SIGKILL)
+        kid = int(os.read(r, 100))
+        os.waitpid(owner, 0)
+        try:
+            with kvfs.open_store_sync(plain) as s:
+                print("REOPENED", [p.path for p in s.list(session="a")])
+        except kvfs.StoreLocked as e:
+            print("LOCKED", e)
+        os.kill(kid, signal.SIGKILL)
+        """,
+    )
+    assert lines == ["REOPENED ['sessions/a/p/layer-000']"], lines
+
+
 def test_a_forked_child_can_open_a_store_of_its_own_and_spill(tmp_path) -> None:  # noqa: ANN001
     # The parent's upload workers are fed by threads the child does not have: the child
     # must start its own, not queue behind dead threads (it hung before).
