@@ -287,12 +287,13 @@ class LocalTier:
             own = True
         try:
             if not direct:
-                if _pread_full(fd, target, p.file_off, allow_short=True) < p.n:
+                if _pread_full(fd, target, p.file_off) < p.n:
                     raise CorruptedFile(path, "data file is shorter than its extents")
                 return
             head = p.n - p.n % ALIGN if p.file_off % ALIGN == 0 else 0
             if head and is_aligned(target[:head]):
-                _pread_full(fd, target[:head], p.file_off)
+                if _pread_full(fd, target[:head], p.file_off) < head:
+                    raise CorruptedFile(path, "data file is shorter than its extents")
                 done = head
             else:
                 done = 0
@@ -304,7 +305,7 @@ class LocalTier:
                         base = fo - fo % ALIGN
                         want = min(p.n - done, len(b) - (fo - base))
                         span = round_up(fo - base + want)
-                        got = _pread_full(fd, b[:span], base, allow_short=True)
+                        got = _pread_full(fd, b[:span], base)
                         if got < fo - base + want:
                             raise CorruptedFile(path, "data file is shorter than its extents")
                         target[done : done + want] = b[fo - base : fo - base + want]
@@ -371,14 +372,13 @@ class CorruptedFile(KvfsError, OSError):
         self.path = path
 
 
-def _pread_full(fd: int, buf: memoryview, off: int, allow_short: bool = False) -> int:
+def _pread_full(fd: int, buf: memoryview, off: int) -> int:
+    """Read ``buf`` from ``off``; the bytes read, fewer only at the end of the file."""
     done = 0
     while done < len(buf):
         n = os.preadv(fd, [buf[done:]], off + done)
         if n == 0:
-            if allow_short:
-                return done
-            raise CorruptedFile(f"fd {fd}", "data file is shorter than its extents")
+            return done
         done += n
     return done
 

@@ -150,8 +150,9 @@ def test_missing_and_truncated_files(make_config: Callable[..., kvfs.StoreConfig
         a = store.put("s/a", os.urandom(300 * KiB))
         b = store.put("s/b", os.urandom(300 * KiB))
         os.truncate(a.extents[-1].path, a.extents[-1].offset + 10)
-        with pytest.raises(kvfs.CorruptPage):
+        with pytest.raises(kvfs.CorruptPage, match="shorter than its extents") as e:
             store.get("s/a")
+        assert a.extents[-1].path in str(e.value)  # the file, not "fd 14"
         os.unlink(b.extents[0].path)
         with pytest.raises(kvfs.CorruptPage, match="missing"):
             store.get("s/b")
