@@ -11,7 +11,10 @@ import sys
 import traceback
 from collections.abc import Sequence
 
+import trio
+
 import kvfs
+from kvfs._errors import leaf_errors
 
 from ._util import exit_code_for
 
@@ -70,23 +73,31 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         rc = args.func(args)
         return int(rc or 0)
-    except KeyboardInterrupt:
+    except SystemExit:
+        raise
+    except BaseException as e:  # noqa: BLE001 - one clear line, or the traceback with --debug
+        return _failed(args, e)
+    finally:
+        events.setLevel(events_level)
+
+
+def _failed(args: argparse.Namespace, e: BaseException) -> int:
+    """Say what went wrong in one line on stderr (the traceback first, with --debug, then
+    the same line and exit code as without). Inside a trio nursery errors come grouped:
+    the line and the code are those of the error in it, Ctrl-C's included."""
+    real = [x for x in leaf_errors(e) if not isinstance(x, trio.Cancelled)] or [e]
+    if any(isinstance(x, KeyboardInterrupt) for x in real):
         print("kvfs: interrupted", file=sys.stderr)
         return 130
-    except BrokenPipeError:
+    if isinstance(real[0], BrokenPipeError):
         # The reader went away (`kvfs ls | head`): quiet, as for any tool killed by SIGPIPE.
         with contextlib.suppress(OSError):
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141
-    except SystemExit:
-        raise
-    except BaseException as e:  # noqa: BLE001 - one clear line, or the traceback with --debug
-        if args.debug:  # the traceback, then the same line and exit code as without
-            traceback.print_exc()
-        print(f"kvfs {args.command}: {e}", file=sys.stderr)
-        return exit_code_for(e)
-    finally:
-        events.setLevel(events_level)
+    if args.debug:
+        traceback.print_exception(e)
+    print(f"kvfs {args.command}: {real[0]}", file=sys.stderr)
+    return exit_code_for(real[0])
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ from typing import Any
 import trio
 
 from ._config import StoreConfig
+from ._errors import leaf_errors
 from ._mount import BadMountArgument, MountError, MountOptions, check_mountpoint, serve_mount
 from ._mountinfo import mounts
 from ._settings import config_socket_path
@@ -148,10 +149,10 @@ def main(
     try:
         trio.run(serve)
     except BaseException as e:  # noqa: BLE001 - the parent gets one clear line either way
-        msg = "; ".join(_describe(x) for x in _leaves(e))
+        msg = "; ".join(_describe(x) for x in leaf_errors(e))
         if ready_fd is not None:
             _tell(ready_fd, f"error: {msg}\n".encode())
-        leaves = _leaves(e)
+        leaves = leaf_errors(e)
         if all(isinstance(x, KeyboardInterrupt) for x in leaves):
             return 130
         print(f"kvfs mount: {msg}", file=sys.stderr)
@@ -163,11 +164,6 @@ def main(
             if json.loads(path.read_text()).get("pid") == os.getpid():
                 path.unlink()
     return 0
-
-
-def _leaves(e: BaseException) -> list[BaseException]:
-    subs = getattr(e, "exceptions", None)
-    return [x for sub in subs for x in _leaves(sub)] if subs else [e]
 
 
 def _describe(e: BaseException) -> str:

@@ -23,6 +23,7 @@ __all__ = [
     "SessionNotFound",
     "StoreClosed",
     "StoreLocked",
+    "leaf_errors",
 ]
 
 
@@ -83,3 +84,10 @@ class ArchiveUnavailable(KvfsError, ConnectionError):
     """The archive tier cannot be reached or refused access; the cause is in ``__cause__``."""
 
     errno = errno.EIO
+
+
+def leaf_errors(e: BaseException) -> list[BaseException]:
+    """The errors an exception group (trio's nurseries raise them) is made of, nested
+    groups flattened; ``[e]`` for any other exception."""
+    subs = getattr(e, "exceptions", None)
+    return [x for sub in subs for x in leaf_errors(sub)] if subs else [e]

@@ -38,6 +38,7 @@ import hashlib
 import os
 import pickle
 import queue
+import signal
 import subprocess
 import sys
 import threading
@@ -391,6 +392,9 @@ def _serve(rfd: int, wfd: int) -> None:
     """A worker's loop: run ``(fn, args)`` jobs from the daemon until it closes the pipe."""
     global _PARENT
     _PARENT = os.getppid()
+    # Ctrl-C reaches the whole process group: the store process decides what stops (it
+    # closes the pipe, or kills this worker); here it only printed a traceback.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     _worker_init()
     jobs, answers = Connection(rfd, writable=False), Connection(wfd, readable=False)
     while True:

@@ -14,6 +14,9 @@ import pytest
 
 import kvfs
 
+if sys.version_info < (3, 11):  # (the backport trio depends on there)
+    from exceptiongroup import BaseExceptionGroup, ExceptionGroup
+
 Run = Callable[..., tuple[int, str, str]]
 
 
@@ -605,3 +608,45 @@ def test_journald_asked_for_where_it_is_not_running(
     (tmp_path / "mnt").mkdir()
     rc, _, err = run("mount", "--data", str(tmp_path / "d"), str(tmp_path / "mnt"))
     assert rc == 2 and "journald is not running here" in err and err.count("\n") == 1, err
+
+
+def test_errors_inside_an_exception_group_keep_their_line_and_exit_code(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """Inside a trio nursery errors come grouped: Ctrl-C during `kvfs restore` exited 1 with
+    "Exceptions from Trio nursery (1 sub-exception)" instead of 130, and a PageNotFound in
+    `kvfs bench control` read the same, exit 1 instead of 3."""
+    import trio
+
+    from cli import __main__ as entry
+    from cli import _store_cmds
+
+    def raising(group: BaseException) -> Callable[..., int]:
+        def cmd(args: object) -> int:
+            raise group
+
+        return cmd
+
+    cases = [
+        (BaseExceptionGroup("nursery", [KeyboardInterrupt()]), 130, "kvfs: interrupted"),
+        (
+            ExceptionGroup("nursery", [kvfs.PageNotFound("no page 'x'")]),
+            3,
+            "kvfs ls: no page 'x'",
+        ),
+        (
+            BaseExceptionGroup(
+                "outer",
+                [
+                    trio.Cancelled._create(),
+                    ExceptionGroup("inner", [kvfs.CapacityExceeded("full")]),
+                ],
+            ),
+            4,
+            "kvfs ls: full",
+        ),
+    ]
+    for group, code, line in cases:
+        monkeypatch.setattr(_store_cmds, "cmd_ls", raising(group))
+        assert entry.main(["ls", "--data", str(tmp_path)]) == code
+        assert capsys.readouterr().err.strip() == line

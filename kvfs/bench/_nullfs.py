@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import signal
 import stat
 import subprocess
 import sys
@@ -114,4 +115,7 @@ def null_mount(mountpoint: Path, writeback: bool = False) -> Iterator[Path]:
 
 
 if __name__ == "__main__":
+    # Ctrl-C reaches the benchmark's whole process group: it unmounts this file system,
+    # which ends the serve (here the signal only printed a traceback).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     serve(sys.argv[1], sys.argv[2:] == ["writeback"])
