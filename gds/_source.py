@@ -199,10 +199,8 @@ def source_from_engine(engine: Any, key: PageKey | str) -> PageSource:
 
     def release(ok: bool) -> None:
         try:
-            if ok and held is None:
+            if ok:
                 engine.note_read(page, blob.size)
-            elif ok:
-                engine.touch(page)
         finally:
             cm.__exit__(None, None, None)
 

@@ -608,10 +608,12 @@ class Engine:
         return out
 
     def note_read(self, page: PageRow, nbytes: int) -> None:
-        """Count a verified local read of ``page`` (a hit) and note its access time."""
+        """Count a verified read of ``page`` and note its access time. A read that had to
+        restore its data first was counted as a miss too (:meth:`_restore`); the others are
+        the hits (a restoring read counted as both, and the hit rate of reads that all
+        restored read 50%)."""
         with self._cap_lock:
             self._counters["gets"] += 1
-            self._counters["hits"] += 1
             self._counters["bytes_read"] += nbytes
         self.touch(page)
 
@@ -820,11 +822,11 @@ class Engine:
         """Bring one page's data back from the archive for a read (counted as a miss): its
         local copy's row, or, when the local tier has no room for it, its verified bytes
         held in memory (the archive's ``memory_copies``)."""
+        with self._cap_lock:
+            self._counters["misses"] += 1
         held = self.policy.memory_copy(blob.hash)
         if held is not None:
             return held
-        with self._cap_lock:
-            self._counters["misses"] += 1
         try:
             b = self.policy.restore_blob(blob)
         except CapacityExceeded as e:

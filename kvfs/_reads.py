@@ -82,6 +82,7 @@ def get(eng: Engine, k: PageKey, into: object | None) -> bytes | int:
         if not blob.local:
             got = eng._restore(blob, page)
             if isinstance(got, bytes):  # no local room: served from memory
+                eng.note_read(page, len(got))
                 return _from_memory(got, into, k)
             blob = got
         if into is None:
@@ -113,6 +114,7 @@ def read_range(eng: Engine, k: PageKey, offset: int, size: int) -> bytes:
         if not blob.local:
             got = eng._restore(blob, page)
             if isinstance(got, bytes):  # no local room: served from memory
+                eng.note_read(page, max(0, min(size, len(got) - offset)))
                 return got[offset : offset + size]
             blob = got
         end = min(blob.size, offset + size)
@@ -133,6 +135,7 @@ def read_held(
     if not blob.local:
         got = eng._restore(blob, page)
         if isinstance(got, bytes):  # no local room: served from memory
+            eng.note_read(page, max(0, min(size, len(got) - offset)))
             return memoryview(got)[offset : offset + size]
         blob = got
     end = min(blob.size, offset + size)

@@ -64,6 +64,10 @@ def test_spill_then_restore_on_access(make_config, archive_url: str) -> None:  #
         assert s.stat(k0).tier == "local+archive"
         s.spill("agent")
         assert s.read_range(k0, 1000, 5000) == data[k0][1000:6000]  # ranged read restores too
+        counts = s.statistics()  # each read restored: 7 misses, and no local hit
+        assert (counts.gets, counts.hits, counts.misses) == (7, 0, 7)
+        assert s.get(k0) == data[k0]
+        assert s.statistics().hits == 1
         st = s.statistics().extra["archive"]
         assert st["bytes_restored"] >= sum(map(len, data.values()))
         assert st["restore_p50_s"] is not None
