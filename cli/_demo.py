@@ -27,6 +27,8 @@ from pathlib import Path
 import numpy as np
 
 import kvfs
+from kvfs.bench._common import at_least
+from kvfs.integrations.demo import MIN_TOKENS
 
 from ._util import EXIT, fmt_bytes, print_json, print_table
 
@@ -57,7 +59,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--objects", action="store_true", help="only the object API part (no model, no mount)"
     )
-    p.add_argument("--tokens", type=int, default=2048, help="agent context length (default 2048)")
+    p.add_argument(
+        "--tokens",
+        type=at_least(MIN_TOKENS),
+        default=2048,
+        help=f"agent context length, at least {MIN_TOKENS} (default 2048)",
+    )
     p.add_argument("--small", action="store_true", help="a 4-layer model, for a quick look")
     p.add_argument("--no-mount", action="store_true", help="skip the mount step")
     p.set_defaults(func=_dispatch)

@@ -425,6 +425,24 @@ def test_a_session_holding_other_files_is_named_the_same_way_by_every_source(
                 kv.load("notes", ids)
 
 
+def test_a_session_named_like_an_engine_directory_is_its_own(
+    make_config: Callable[..., kvfs.StoreConfig],
+) -> None:
+    """A store holding LMCache's tree ``lmcache/`` refused a session named ``lmcache``
+    ("holds pages that are not kvfs-kv/1 KV pages"): the name was taken for that directory,
+    as ``kvfs ls lmcache`` takes it when no semantic session has it."""
+    shape = GEOMETRIES["fp32-gqa-2layers"]
+    model = model_of(shape)
+    ids = tokens(2 * CHUNK + 5, seed=26)
+    with kvfs.open_store_sync(make_config(ndev=1)) as store:
+        store.put("lmcache/llama@1@0@5e0c@bf16.data", os.urandom(4096))
+        with TransformersKV(store, model, model_id=shape.model_id, chunk_tokens=CHUNK) as kv:
+            assert kv.load("lmcache", ids).tokens == 0
+            assert kv.prefill("lmcache", ids).reused_tokens == 0
+            assert kv.prefill("lmcache", ids).reused_tokens == 2 * CHUNK
+        assert store.exists("lmcache/llama@1@0@5e0c@bf16.data")
+
+
 def test_a_page_source_of_ones_own_needs_only_the_four_calls(tmp_path: Path) -> None:
     """The guide's four calls were not enough: a ``label`` was required too."""
 
@@ -647,3 +665,17 @@ def test_model_demo_continues_in_a_new_process(
     cmd = look_command(cfg)
     r = subprocess.run([sys.executable, "-m", "cli", *cmd[1:]], capture_output=True, text=True)
     assert r.returncode == 0 and "agent-demo" in r.stdout, r.stderr
+
+
+def test_a_random_models_id_names_every_field_of_its_shape() -> None:
+    """Two shapes that differed only in their MLP width (or vocabulary) had one id: the
+    second model reused 256 tokens of the first's KV, and decoded otherwise than recompute."""
+    import dataclasses
+
+    base = ModelShape()
+    ids = {base.model_id}
+    for f in dataclasses.fields(ModelShape):
+        other = getattr(base, f.name)
+        changed = other + 1 if isinstance(other, int) else "bfloat16"
+        ids.add(dataclasses.replace(base, **{f.name: changed}).model_id)
+    assert len(ids) == len(dataclasses.fields(ModelShape)) + 1

@@ -31,10 +31,12 @@ class ModelShape:
 
     @property
     def model_id(self) -> str:
-        """A name that identifies the weights: the shape and the seed that drew them."""
+        """A name that identifies the weights: every field of the shape (two shapes that
+        differed only in their MLP width shared an id, and one reused the other's KV) and
+        the seed that drew them."""
         return (
             f"random-llama-L{self.layers}-H{self.hidden}-h{self.heads}-kv{self.kv_heads}"
-            f"-d{self.head_dim}-{self.dtype}-seed{self.seed}"
+            f"-d{self.head_dim}-I{self.intermediate}-V{self.vocab}-{self.dtype}-seed{self.seed}"
         )
 
 

@@ -32,7 +32,7 @@ from typing import Protocol, runtime_checkable
 
 from .._engine import Engine
 from .._errors import CorruptPage, PageNotFound, SessionNotFound
-from .._keys import SESSIONS_DIR, PageKey
+from .._keys import SESSIONS_DIR, PageKey, session_dir
 from .._mountinfo import fs_type
 from ._format import HEADER_READ, GeometryMismatch, PageHeader, parse_header
 
@@ -135,7 +135,9 @@ class StorePages:
 
     def sample_attrs(self, session: str) -> dict[str, str] | None:
         try:
-            pages = self.engine.list(session=session)
+            # (the semantic session: the bare name means an engine's directory of that name
+            # when no session has it, and LMCache's tree refused a session "lmcache")
+            pages = self.engine.list(session=session_dir(session))
         except SessionNotFound:
             return None
         if not pages:

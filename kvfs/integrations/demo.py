@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import kvfs
+from kvfs.bench._common import at_least
 
 __all__ = ["model_scenario"]
 
@@ -69,6 +70,12 @@ def _setup(small: bool) -> tuple[Any, Any]:
     return shape, random_llama(shape)
 
 
+#: The shortest context with something to reload: one whole 256-token page before the last
+#: token (the one the second process computes). A shorter one saved nothing, and the
+#: scenario ended in "no session 'agent-demo'" at its spill.
+MIN_TOKENS = 257
+
+
 def _context(shape: Any, tokens: int) -> list[int]:
     import torch
 
@@ -97,6 +104,8 @@ def model_scenario(
     from ._models import greedy_decode
     from .transformers import TransformersKV
 
+    if tokens < MIN_TOKENS:
+        raise ValueError(f"a context of {tokens} tokens holds no whole page: at least {MIN_TOKENS}")
     shape, model = _setup(small)
     ids = _context(shape, tokens)
     with (
@@ -188,6 +197,8 @@ def _child(config_json: str, tokens: int, decode: int, small: bool) -> dict[str,
     from ._models import greedy_decode
     from .transformers import TransformersKV
 
+    if tokens < MIN_TOKENS:
+        raise ValueError(f"a context of {tokens} tokens holds no whole page: at least {MIN_TOKENS}")
     shape, model = _setup(small)
     ids = _context(shape, tokens)
     with (
@@ -220,8 +231,13 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="directory for the store and its archive (must not hold a store)",
     )
-    ap.add_argument("--tokens", type=int, default=2048, help="context length (default 2048)")
-    ap.add_argument("--decode", type=int, default=16, help="tokens to decode (default 16)")
+    ap.add_argument(
+        "--tokens",
+        type=at_least(MIN_TOKENS),
+        default=2048,
+        help=f"context length, at least {MIN_TOKENS} (default 2048)",
+    )
+    ap.add_argument("--decode", type=at_least(1), default=16, help="tokens to decode (default 16)")
     ap.add_argument("--small", action="store_true", help="a 4-layer model, for a quick look")
     ap.add_argument("--child", help=argparse.SUPPRESS)  # the second process (StoreConfig JSON)
     a = ap.parse_args(argv)
