@@ -125,6 +125,8 @@ def test_bench_ttft_sharing_shows_progress(
         ["archive", "--latency-reads", "0"],  # "list index out of range"
         ["ttft", "--sharing", "--sessions", "0"],  # "division by zero"
         ["control", "--clients", "x"],
+        ["archive", "--page-mib", "0"],  # "float division by zero", after the whole run
+        ["archive", "--page-mib", "-2"],
     ],
 )
 def test_bench_refuses_a_count_out_of_range_before_it_starts(
@@ -134,3 +136,26 @@ def test_bench_refuses_a_count_out_of_range_before_it_starts(
         main(["bench", *args])
     assert e.value.code == 2
     assert f"argument {args[-2]}:" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["bench", "ttft", "--tokens", ","], "--tokens takes positive integers"),  # empty table
+        (["bench", "ttft", "--tokens", "abc"], "--tokens takes positive integers"),
+        (["bench", "control", "--small", "5"], "--small 5: pages need 8 bytes"),  # "5 B" of 8
+    ],
+)
+def test_bench_refuses_a_bad_value_before_it_starts(
+    args: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(args) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_demo_refuses_a_context_with_no_whole_page(capsys: pytest.CaptureFixture[str]) -> None:
+    """``kvfs demo --tokens 100`` saved nothing, then ended in "no session 'agent-demo'"."""
+    with pytest.raises(SystemExit) as e:
+        main(["demo", "--tokens", "100"])
+    assert e.value.code == 2
+    assert "must be 257 or more" in capsys.readouterr().err

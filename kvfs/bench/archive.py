@@ -46,6 +46,18 @@ __all__ = ["register", "run_archive_bench"]
 MiB = 1 << 20
 
 
+def _mib(text: str) -> float:
+    """``--page-mib``: a size of at least one byte (0 ran the whole benchmark, then failed
+    with "float division by zero")."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not int(value * MiB) >= 1:
+        raise argparse.ArgumentTypeError(f"a page of at least one byte is needed, not {text}")
+    return value
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     p = new_parser(
         sub,
@@ -68,7 +80,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--pages", type=at_least(1), default=24, help="pages in the spilled session (24)"
     )
-    p.add_argument("--page-mib", type=float, default=2.0, help="page size in MiB (2)")
+    p.add_argument("--page-mib", type=_mib, default=2.0, help="page size in MiB (2)")
     p.add_argument(
         "--concurrency", type=at_least(1), default=8, help="uploads/downloads at once (8)"
     )

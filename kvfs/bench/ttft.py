@@ -27,7 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from kvfs.bench._common import at_least, log, machine, new_parser
+from kvfs.bench._common import at_least, log, machine, new_parser, positive_ints
 
 __all__ = ["register", "run_ttft"]
 
@@ -95,6 +95,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 def _main(args: argparse.Namespace) -> int:
     from cli._util import print_json
 
+    # (before torch loads, seconds: "--tokens abc" was a raw int() error after it, and
+    # "--tokens ," an empty table and exit 0)
+    lengths = [] if args.sharing else positive_ints(args.tokens, "--tokens")
     try:
         import torch  # noqa: F401
         import transformers  # noqa: F401
@@ -117,7 +120,6 @@ def _main(args: argparse.Namespace) -> int:
             )
             print_json(res) if args.json else print_sharing(res)
         else:
-            lengths = [int(x) for x in args.tokens.split(",") if x.strip()]
             res = run_ttft(
                 scratch, lengths, model=args.model, repeat=args.repeat, archive=not args.no_archive
             )
