@@ -223,8 +223,10 @@ class Progress:
         self._shown, self._drawn = True, self.done
         frac = min(1.0, self.done / self.total)
         bar = "#" * int(frac * 30)
+        # \x1b[K clears what a longer line drawn before left ("3.0 MiBMiB")
         sys.stderr.write(
             f"\r{self.label} [{bar:<30}] {self.fmt(self.done)}/{self.fmt(self.total)}{self.unit}"
+            "\x1b[K"
         )
         sys.stderr.flush()
 

@@ -650,3 +650,16 @@ def test_errors_inside_an_exception_group_keep_their_line_and_exit_code(
         monkeypatch.setattr(_store_cmds, "cmd_ls", raising(group))
         assert entry.main(["ls", "--data", str(tmp_path)]) == code
         assert capsys.readouterr().err.strip() == line
+
+
+def test_a_progress_bar_clears_what_a_longer_line_left(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The bar redrew with a bare carriage return: a shorter redraw left the end of the
+    longer one on screen ("1.0 MiB/3.0 MiBMiB")."""
+    from cli._util import Progress, fmt_bytes
+
+    with Progress("spill s", 3 << 20, enabled=True, fmt=fmt_bytes) as bar:
+        bar.update(3 << 20)
+    draws = capsys.readouterr().err.split("\r")[1:]
+    assert draws and all(d.rstrip("\n").endswith("\x1b[K") for d in draws)
