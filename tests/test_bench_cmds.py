@@ -144,6 +144,9 @@ def test_bench_refuses_a_count_out_of_range_before_it_starts(
         (["bench", "ttft", "--tokens", ","], "--tokens takes positive integers"),  # empty table
         (["bench", "ttft", "--tokens", "abc"], "--tokens takes positive integers"),
         (["bench", "control", "--small", "5"], "--small 5: pages need 8 bytes"),  # "5 B" of 8
+        # more than the disk holds: the store's eviction deleted the benchmark's own pages
+        (["bench", "gds", "--sizes", "1000000", "--layers", "4"], "MiB free: give --dir"),
+        (["bench", "control", "--large", "1TiB", "--large-pages", "9"], "MiB free: give --dir"),
     ],
 )
 def test_bench_refuses_a_bad_value_before_it_starts(

@@ -13,6 +13,7 @@ import argparse
 import os
 import platform
 import sys
+import tempfile
 from collections.abc import Callable
 from typing import Any
 
@@ -81,6 +82,22 @@ def positive_ints(text: str, flag: str) -> list[int]:
     if not out or min(out) < 1:
         raise ValueError(f"{flag} takes positive integers separated by commas, not {text!r}")
     return out
+
+
+def need_room(where: str | os.PathLike[str] | None, nbytes: int, what: str) -> None:
+    """Refuse to start a benchmark whose pages would not fit the file system it writes to
+    (``where``; None: the temporary directory). There the store's capacity eviction deleted
+    the benchmark's own pages, and it failed half-way with "no page ...". Raises ValueError.
+    """
+    where = where or tempfile.gettempdir()
+    st = os.statvfs(where)
+    free = st.f_bavail * st.f_frsize
+    if free < nbytes * 1.25:  # (the store keeps headroom, and its index grows too)
+        raise ValueError(
+            f"{what} writes about {nbytes / (1 << 20):.0f} MiB into {where}, which has "
+            f"{free / (1 << 20):.0f} MiB free: give --dir on a larger file system, or fewer "
+            "or smaller pages"
+        )
 
 
 def log(msg: str) -> None:
