@@ -307,6 +307,12 @@ def test_corrupt_page_ends_the_prefix(
         hit = kv.load("s", ids)
         assert hit.tokens == CHUNK and "corrupt" in hit.note
         assert torch.equal(cache_tensors(hit.cache)[1][1], cache_tensors(cache)[1][1][:, :, :CHUNK])
+        # the next save of that KV rewrites the damaged page: the prefix is whole again
+        # (it was skipped as present, and every later load stopped there)
+        assert kv.save("s", ids, cache).pages_written == 1
+        hit = kv.load("s", ids)
+        assert hit.tokens == 3 * CHUNK and not hit.note
+        assert not any(v for v in store.fsck().values())
 
 
 def _flip_or_cut(path: Path, how: str) -> None:
@@ -338,6 +344,8 @@ def test_a_damaged_page_in_a_plain_directory_ends_the_prefix(tmp_path: Path, how
         size = page.stat().st_size
         _flip_or_cut(page, how)
         hit = kv.load("s", ids)
+        assert kv.save("s", ids, cache).pages_written == 1  # rewritten: whole again
+        assert kv.load("s", ids).tokens == 3 * CHUNK
     assert hit.tokens == CHUNK and "chunk 1 (layer 0)" in hit.note, hit.note
     assert hit.bytes_read == shape.layers * size  # the chunk kept, not the ones dropped
     for (k, v), (k0, v0) in zip(cache_tensors(hit.cache), cache_tensors(cache), strict=True):

@@ -62,6 +62,9 @@ class PageSource(Protocol):
     Optional attributes: ``label``, a short name for reports ("object API", "directory
     /mnt/kvfs"...), and ``verifies``, True when ``read_into`` itself fails on a damaged
     page (kvfs checksums); otherwise each page read is checked against its header's digest.
+    Optional call: ``rewrite(key, data, attrs) -> bool``, a write that replaces the page:
+    a save then rewrites a page a load found damaged (without it, that page stays, and
+    every later load stops there).
     """
 
     def stat(self, key: PageKey) -> PageStat | None:
@@ -133,6 +136,10 @@ class StorePages:
             return False  # another writer won the race; pages are write-once
         return True
 
+    def rewrite(self, key: PageKey, data: memoryview, attrs: dict[str, str]) -> bool:
+        self.engine.put(key, data, attrs=attrs, replace=True)
+        return True
+
     def sample_attrs(self, session: str) -> dict[str, str] | None:
         try:
             # (the semantic session: the bare name means an engine's directory of that name
@@ -197,11 +204,17 @@ class DirectoryPages:
         return size
 
     def write(self, key: PageKey, data: memoryview, attrs: dict[str, str]) -> bool:
+        return self._write(key, data, attrs, replace=False)
+
+    def rewrite(self, key: PageKey, data: memoryview, attrs: dict[str, str]) -> bool:
+        return self._write(key, data, attrs, replace=True)
+
+    def _write(self, key: PageKey, data: memoryview, attrs: dict[str, str], replace: bool) -> bool:
         # attrs are inside the page (safetensors metadata): plain files need nothing else;
         # on a kvfs mount they become the page's attributes too (the session's model in
         # `kvfs ls`, a listing's attrs without reading headers)
         dest = self.path(key)
-        if dest.exists():
+        if dest.exists() and not replace:
             return False
         dest.parent.mkdir(parents=True, exist_ok=True)
         tmp = dest.with_name(f"{dest.name}.tmp-{uuid.uuid4().hex[:12]}")

@@ -146,6 +146,9 @@ class TransformersKV:
         self.device = next(iter(model.parameters())).device
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="kvfs-kv")
         self._local = threading.local()
+        #: paths of pages a load found damaged: the next save that has their KV rewrites
+        #: them (where the source can: ``rewrite``), so the prefix does not stay cut there
+        self._damaged: set[str] = set()
         build_cache(model.config, [])  # raises early on caches kvfs cannot hold (sliding window)
 
     def close(self) -> None:
@@ -214,8 +217,10 @@ class TransformersKV:
                 "token_end": str((c + 1) * g.chunk_tokens),
             }
             targets = [PageKey.semantic(s, names[c], layer) for s in self._search_order(session)]
-            missing = [k for k in targets if self.source.stat(k) is None]
-            if not missing:
+            rewrite = getattr(self.source, "rewrite", None)
+            bad = [k for k in targets if k.path in self._damaged] if rewrite else []
+            missing = [k for k in targets if k not in bad and self.source.stat(k) is None]
+            if not missing and not bad:
                 return 0, len(targets), 0
             lay = PageLayout.build(g, g.chunk_tokens, meta)
             buf = lay.buffer()
@@ -225,6 +230,10 @@ class TransformersKV:
             self._view(buf, lay.value_offset).copy_(v[0, :, sl, :])
             meta = lay.seal(buf)  # the data's digest, into the header and the attrs
             wrote = sum(self.source.write(key, buf, meta) for key in missing)
+            for key in bad:
+                assert rewrite is not None
+                wrote += bool(rewrite(key, buf, meta))
+                self._damaged.discard(key.path)
             return wrote, len(targets) - wrote, wrote * lay.size
 
         done = list(self._pool.map(one, jobs))
@@ -471,8 +480,15 @@ class _Reads:
             return self._read(layer, c)
 
     def _read(self, layer: int, c: int) -> int:
-        kv, g, C = self.kv, self.kv.geometry, self.kv.geometry.chunk_tokens
         key = PageKey.semantic(self.plan[c][0], self.names[c], layer)
+        try:
+            return self._read_page(key, layer, c)
+        except CorruptPage:
+            self.kv._damaged.add(key.path)  # (rewritten by the next save that has it)
+            raise
+
+    def _read_page(self, key: PageKey, layer: int, c: int) -> int:
+        kv, g, C = self.kv, self.kv.geometry, self.kv.geometry.chunk_tokens
         buf = getattr(kv._local, "buf", None)
         if buf is None or len(buf) < self.stage:
             buf = kv._local.buf = aligned_buffer(self.stage)
