@@ -5,7 +5,8 @@
     kv = TransformersKV(store, model, model_id="meta-llama/Llama-3.1-8B@main")
     kv.save("agent-42", input_ids, out.past_key_values)          # after a prefill (5.24+: out.cache)
     hit = kv.load("agent-43", new_input_ids, max_tokens=len(new_input_ids) - 1)
-    out = model(input_ids=new_ids[hit.tokens:], past_key_values=hit.cache)  # 5.24+: cache=
+    rest = torch.tensor([new_input_ids[hit.tokens:]])             # what is not cached (1 x n)
+    out = model(input_ids=rest, past_key_values=hit.cache)        # 5.24+: cache=
 
     with kv.load_layers("agent-43", new_input_ids) as layers:    # layer by layer
         for i, k, v in layers:                                     # i+1.. still in flight
