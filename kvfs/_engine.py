@@ -699,7 +699,8 @@ class Engine:
         """Merge attributes into an existing session's. Raises SessionNotFound (a typo
         made an empty session that then listed)."""
         with self._using():
-            self.index.set_session_attrs(self._existing_session(session), check_attrs(attrs))
+            d = self._existing_session(session)
+            self.index.set_session_attrs(d, check_attrs(attrs, page=False))
 
     def _existing_session(self, session: str) -> str:
         d = self.resolve_session(session)

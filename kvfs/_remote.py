@@ -120,7 +120,7 @@ class _Api:
         return self._call("session_info", session)
 
     def set_session_attrs(self, session: str, attrs: dict[str, str]) -> Any:
-        return self._call("set_session_attrs", session, check_attrs(attrs))
+        return self._call("set_session_attrs", session, check_attrs(attrs, page=False))
 
     def delete(self, key: KeyLike) -> Any:
         return self._call("delete", _k(key))

@@ -68,10 +68,11 @@ ATTR_NAME_MAX = 255 - len("user.kvfs.attr.")
 ATTR_VALUE_MAX = 64 * 1024
 
 
-def check_attrs(attrs: dict[str, str] | None) -> dict[str, str]:
-    """A copy of ``attrs`` once every name and value is text the mount can show; the
-    mount's own (``fs.*``) only as it writes them: one that did not parse made the file,
-    and every listing of its directory, fail with EIO."""
+def check_attrs(attrs: dict[str, str] | None, *, page: bool = True) -> dict[str, str]:
+    """A copy of ``attrs`` once every name and value is text; a page's (``page``) also
+    text the mount can show as xattrs, and the mount's own (``fs.*``) only as it writes
+    them: one that did not parse made the file, and every listing of its directory, fail
+    with EIO. (A session's attributes show in its ``.kvfs.json``, of any size.)"""
     if attrs is None:
         return {}
     if not isinstance(attrs, dict):
@@ -85,6 +86,8 @@ def check_attrs(attrs: dict[str, str] | None) -> dict[str, str]:
             name, value = k.encode("utf-8"), v.encode("utf-8")
         except UnicodeEncodeError:
             raise InvalidKey(f"attrs: {k!r}: {v!r} is not valid UTF-8 text") from None
+        if not page:
+            continue
         if not 0 < len(name) <= ATTR_NAME_MAX or "\0" in k:
             raise InvalidKey(
                 f"attrs: the name {k[:40]!r} must be 1 to {ATTR_NAME_MAX} bytes, without NUL"

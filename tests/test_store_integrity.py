@@ -94,13 +94,8 @@ def _put_replaces_the_damaged_copy(store: kvfs.SyncStore, data: bytes) -> None:
     store.put("t/page", data)
     assert store.get("t/page") == data
     assert store.get("s/page") == data  # the same content: good again
-    assert store.fsck() == {
-        "missing": [],
-        "corrupt": [],
-        "orphans": [],
-        "damaged_pages": [],
-        "repaired": [],
-    }
+    report = store.fsck()
+    assert "damaged_pages" in report and not any(report.values()), report
     st = store.statistics()
     assert st.used_bytes == sum(d.used_bytes for d in st.devices)
 

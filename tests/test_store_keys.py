@@ -182,6 +182,7 @@ def test_attrs_are_what_the_mount_can_show(sync_store: kvfs.SyncStore) -> None:
             s.put("a/p", b"x", attrs=attrs)
         assert not s.exists("a/p")
     s.put("a/p", b"x", attrs={"n" * 240: "v" * 64 * 1024, "fs.mode": "600", "fs.mtime_ns": "-5"})
-    s.put("sessions/t/p/layer-000", b"y")
-    with pytest.raises(kvfs.InvalidKey, match="are the mount's"):
-        s.set_session_attrs("t", {"fs.uid": "x"})
+    s.put("sessions/t/p/layer-000", b"y")  # a session's show in .kvfs.json: any size
+    s.set_session_attrs("t", {"notes": "n" * 100_000, "fs.uid": "x"})
+    with pytest.raises(kvfs.InvalidKey, match="not valid UTF-8"):
+        s.set_session_attrs("t", {"bad": "\udc80"})
