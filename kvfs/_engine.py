@@ -240,7 +240,7 @@ class Engine:
         if len(cfg.data_dirs) > _devices_known(self.index):
             self.index.set_meta("devices", len(cfg.data_dirs))
         self.policy: TieringPolicy = TieringPolicy(self)
-        self.index.on_removed = lambda db, sessions, freed: self.policy.queue_removal(
+        self.index.on_changed = lambda db, sessions, freed: self.policy.queue_changes(
             db, sessions, freed
         )
         self._cap_lock = threading.Lock()

@@ -263,12 +263,13 @@ class Index:
         #: per session: how many times pages left it (delete, rename away or over), bumped
         #: inside the transaction that does it (the archive's import compares it)
         self.removals: collections.Counter[str] = collections.Counter()
-        #: called inside every transaction that removes pages (delete, replace, rename,
-        #: import) with the sessions they left and the blobs whose last reference went: the
+        #: called inside every transaction that changes what a session's archive manifest
+        #: says (pages removed by a delete, replace, rename or import; pins; session
+        #: attributes) with those sessions and the blobs whose last reference went: the
         #: archive's follow-up work is queued in that transaction, so a crash right after
         #: it cannot forget it (a restore then brought deleted pages back)
-        self.on_removed: Callable[[sqlite3.Connection, set[str], list[BlobRow]], None] | None
-        self.on_removed = None
+        self.on_changed: Callable[[sqlite3.Connection, set[str], list[BlobRow]], None] | None
+        self.on_changed = None
         self._db = sqlite3.connect(
             str(path), check_same_thread=False, isolation_level=None, timeout=30
         )
@@ -658,7 +659,7 @@ class Index:
             if old_page.hash == h:
                 db.execute("UPDATE blobs SET refs=refs-1 WHERE hash=?", (h,))
             else:  # the archive's manifest names the old data
-                self._removed(db, {old_page.session}, [freed] if freed else [])
+                self._changed(db, {old_page.session}, [freed] if freed else [])
         db.execute(
             f"INSERT INTO pages ({_PAGE_COLS}) VALUES (?,?,?,?,?,?,?,?)",
             (path, c.session, h, c.size, now, now, int(c.pinned), _pack(c.attrs)),
@@ -738,12 +739,12 @@ class Index:
             if b is not None:
                 freed.append(b)
         if gone:
-            self._removed(db, {p.session for p in gone}, freed)
+            self._changed(db, {p.session for p in gone}, freed)
         return gone, freed
 
-    def _removed(self, db: sqlite3.Connection, sessions: set[str], freed: list[BlobRow]) -> None:
-        if self.on_removed is not None:
-            self.on_removed(db, sessions, freed)
+    def _changed(self, db: sqlite3.Connection, sessions: set[str], freed: list[BlobRow]) -> None:
+        if self.on_changed is not None:
+            self.on_changed(db, sessions, freed)
 
     def delete_session(
         self, d: str, *, untouched_since: float | None = None
@@ -790,7 +791,7 @@ class Index:
             db.execute("UPDATE pages SET path=?, session=? WHERE path=?", (dst, dst_session, src))
             self._touch_session(db, dst_session, time.time())
             # both sessions' manifests name the old path, or the replaced data
-            self._removed(db, {p.session, dst_session}, [freed] if freed else [])
+            self._changed(db, {p.session, dst_session}, [freed] if freed else [])
         return p, freed
 
     def drop_local(self, h: bytes, extents: object = None) -> BlobRow | None:
@@ -818,10 +819,12 @@ class Index:
 
     def set_page_pinned(self, path: str, pinned: bool) -> bool:
         with self.transaction() as db:
-            return (
-                db.execute("UPDATE pages SET pinned=? WHERE path=?", (int(pinned), path)).rowcount
-                > 0
-            )
+            row = db.execute("SELECT session FROM pages WHERE path=?", (path,)).fetchone()
+            if row is None:
+                return False
+            db.execute("UPDATE pages SET pinned=? WHERE path=?", (int(pinned), path))
+            self._changed(db, {row[0]}, [])  # the archive's manifest carries pins
+            return True
 
     def touch_session(self, d: str) -> None:
         """The session, and every page of it and their data, was used now (a restore: the
@@ -845,6 +848,7 @@ class Index:
                 raise PageExists(f"{d!r}: {above!r} is a page, so no session can be there")
             self._touch_session(db, d, time.time())
             db.execute("UPDATE sessions SET pinned=? WHERE dir=?", (int(pinned), d))
+            self._changed(db, {d}, [])
 
     def set_session_attrs(self, d: str, attrs: dict[str, str]) -> None:
         with self.transaction() as db:
@@ -853,6 +857,7 @@ class Index:
             merged = dict(_unpack(row[0], {}))  # type: ignore[arg-type]
             merged.update(attrs)
             db.execute("UPDATE sessions SET attrs=? WHERE dir=?", (_pack(merged), d))
+            self._changed(db, {d}, [])
 
     def drop_session_if_empty(self, d: str) -> None:
         with self.transaction() as db:

@@ -155,14 +155,16 @@ class TieringPolicy:
         )
         return row.disk_bytes
 
-    def queue_removal(
+    def queue_changes(
         self, db: sqlite3.Connection, sessions: set[str], freed: list[BlobRow]
     ) -> None:
-        """Inside the index transaction that removed pages from ``sessions`` (the index's
-        ``on_removed``): queue the archive's follow-up work, in that transaction, so that no
-        crash can lose it. The manifests that listed them are rewritten, and the objects of
-        ``freed`` blobs (whose last reference went) are deleted once no manifest names them;
-        otherwise a restore of the session would bring the pages back.
+        """Inside the index transaction that removed pages from ``sessions``, or changed
+        their pins or attributes (the index's ``on_changed``): queue the archive's
+        follow-up work, in that transaction, so that no crash can lose it. Their manifests
+        are rewritten (else a restore brought deleted pages back, and a pin made after a
+        spill never reached the manifest that another host's retirement of this one
+        trusts), and the objects of ``freed`` blobs (whose last reference went) are deleted
+        once no manifest names them.
 
         Queued whenever this store has had an archive: opened without it (``kvfs rm --data
         DIR`` offline with no archive URL), the next open with it does the work."""
@@ -171,7 +173,7 @@ class TieringPolicy:
             enqueue_in(db, "forget", [b.hash.hex() for b in freed if b.archived])
 
     def pages_removed(self, pages: list[PageRow]) -> None:
-        """Pages were removed, and their archive work queued (see :meth:`queue_removal`):
+        """Pages were removed, and their archive work queued (see :meth:`queue_changes`):
         the archive tier may do it now."""
 
     def statistics(self) -> dict[str, object]:

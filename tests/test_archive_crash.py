@@ -121,3 +121,31 @@ def test_an_import_crashed_right_after_its_commit_keeps_its_pages(tmp_path: Path
         st.delete_session("sess/")
     with kvfs.open_store_sync(_cfg(b, archive)) as st:
         assert {p.path: st.get(p.path) for p in st.list(path_prefix="sess/")} == pages
+
+
+def test_a_pin_made_after_a_spill_reaches_the_manifest(tmp_path: Path) -> None:
+    """Pinning a spilled session (or a page of it) changed only the local index: its
+    manifest still said unpinned, and another host retiring this one (silent for twice its
+    retention) trusts the manifest: it deleted the pinned session and collected its
+    objects. The rewrite is queued in the pin's own transaction."""
+    import msgpack
+
+    data, archive = tmp_path / "d", tmp_path / "archive"
+    with kvfs.open_store_sync(_cfg(data, archive)) as st:
+        st.put("sessions/a/p/layer-000", b"A" * 6000)
+        st.put("sessions/b/p/layer-000", b"B" * 6000)
+        st.spill("a")
+        st.spill("b")
+        st.pin_session("a")
+        st.pin("sessions/b/p/layer-000")
+        st.set_session_attrs("b", {"model": "m"})
+        pol = st.engine.policy
+        pol.call(pol.spiller.flush_pending)  # (the daemon's next background pass)
+
+    def manifest(session: str) -> dict:
+        (path,) = (archive / "manifests").glob(f"sessions%2F{session}@*")
+        return msgpack.unpackb(path.read_bytes(), raw=False)
+
+    assert manifest("a")["pinned"] is True
+    assert [p["pinned"] for p in manifest("b")["pages"]] == [True]
+    assert manifest("b")["attrs"] == {"model": "m"}
