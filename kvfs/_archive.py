@@ -34,6 +34,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import trio
 
+from objectstore._abc import one_error_nursery
+
 from ._checksum import leaves_of, tree_hash
 from ._codec import CodecChoice, elem_size, encode
 from ._config import parse_duration
@@ -387,8 +389,6 @@ class ArchivingPolicy(TieringPolicy):
                     total += n
                 if done is not None:
                     done([h])
-
-            from objectstore._abc import one_error_nursery
 
             async with one_error_nursery() as n:
                 for h in hashes:
@@ -803,7 +803,7 @@ class ArchivingPolicy(TieringPolicy):
 
         async def check_all() -> None:
             limit = trio.CapacityLimiter(self.cfg.concurrency)
-            async with trio.open_nursery() as n:
+            async with one_error_nursery() as n:  # (ArchiveUnavailable, not a group)
                 for b in blobs:
                     n.start_soon(check, b, limit)
 
@@ -1122,7 +1122,6 @@ class ArchivingPolicy(TieringPolicy):
         settle: Callable[[bytes, BlobRow | BaseException], None],
         t0: float,
     ) -> None:
-        from objectstore._abc import one_error_nursery
 
         ready: list[_Staged] = []
         downloads = trio.CapacityLimiter(self.cfg.concurrency)
@@ -1252,7 +1251,7 @@ class ArchivingPolicy(TieringPolicy):
                 errors.insert(0, e)
 
         done = 0
-        async with trio.open_nursery() as n:
+        async with one_error_nursery() as n:
             n.start_soon(fetch_manifest)
             try:
                 done = await self._restore_many(known, first, missing_ok=True)

@@ -425,7 +425,7 @@ class Spiller:
             except ValueError:
                 out[key] = None
 
-        async with trio.open_nursery() as nursery:
+        async with one_error_nursery() as nursery:  # (ArchiveUnavailable, not a group)
             for key in keys:
                 nursery.start_soon(one, key)
         return out

@@ -220,3 +220,37 @@ def test_delete_while_endpoint_down_is_finished_later(s3_server, proxy, make_con
     with kvfs.open_store_sync(cfg) as s:
         assert [x["pages"] for x in s.archived_sessions()] == [1]
         assert s.get(PageKey.semantic("a", "p", 1)) == page(1)
+
+
+def test_an_archive_read_failing_in_a_task_group_raises_archive_unavailable(
+    tmp_path: Path,
+) -> None:
+    """Manifests are read (and archived copies checked) by many tasks at once: when their
+    GETs failed (throttled with 503 while listing worked) the error escaped as an
+    ExceptionGroup where ArchiveUnavailable is promised: `kvfs rm` of a session whose local
+    delete had worked exited 8 with "Exceptions from Trio nursery", and the daemon logged
+    it as an unexpected error with a traceback."""
+    cfg = kvfs.StoreConfig(
+        data_dirs=(tmp_path / "d",),
+        archive_url=f"file://{tmp_path / 'archive'}",
+        extra={"archive": {"interval": 0, "upload_processes": 0}},
+    )
+    with kvfs.open_store_sync(cfg) as s:
+        for x in "abc":
+            s.put(PageKey.semantic(x, "p", 0), x.encode() * 5000)
+            s.spill(x)
+        store = s.engine.policy.spiller.store
+        real = store.get
+
+        async def throttled(key: str, *a: Any, **kw: Any) -> Any:
+            if key.startswith("manifests/") or key.startswith("blobs/"):
+                raise kvfs.ArchiveUnavailable(f"GET {key}: 503 SlowDown (injected)")
+            return await real(key, *a, **kw)
+
+        store.get = throttled
+        with pytest.raises(kvfs.ArchiveUnavailable, match="SlowDown"):
+            s.archived_sessions()
+        with pytest.raises(kvfs.ArchiveUnavailable, match="SlowDown"):
+            s.fsck(archive=True)
+        store.get = real
+        assert len(s.archived_sessions()) == 3
