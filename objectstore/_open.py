@@ -45,6 +45,11 @@ def _bool(name: str, v: object) -> bool:
 def parse_url(url: str) -> tuple[str, str, dict[str, Any]]:
     """``(scheme, location, options)`` of an archive URL. Raises ValueError."""
     u = urlsplit(url)
+    if u.fragment or url.endswith("#"):  # (s3://b/team#1 was the archive s3://b/team)
+        raise ValueError(
+            f"{url!r}: an archive URL cannot hold '#' (it starts a fragment: the prefix and "
+            "the options after it were dropped)"
+        )
     if u.scheme == "file":
         path = unquote(u.netloc + u.path)
         if not path:

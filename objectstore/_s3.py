@@ -24,7 +24,7 @@ import urllib3.exceptions
 
 from kvfs._errors import ArchiveUnavailable
 
-from ._abc import ObjectNotFound, ObjectStore, check_key, one_error_nursery
+from ._abc import KEY_MAX, ObjectNotFound, ObjectStore, check_key, one_error_nursery
 from ._retry import Backoff, retry
 
 __all__ = ["S3Store"]
@@ -305,7 +305,13 @@ class S3Store(ObjectStore):
         return call_checked
 
     def _key(self, key: str) -> str:
-        return self.prefix + check_key(key)
+        full = self.prefix + check_key(key)
+        if len(full.encode("utf-8", "surrogateescape")) > KEY_MAX:  # (the prefix counts too)
+            raise ValueError(
+                f"object key {full[:60]!r}... is over {KEY_MAX} bytes with the prefix "
+                f"{self.prefix!r} (S3's limit)"
+            )
+        return full
 
     async def get(self, key: str, *, into: memoryview | bytearray | None = None) -> bytes | int:
         def fetch() -> bytes:
