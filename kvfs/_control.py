@@ -93,11 +93,17 @@ class DaemonUnavailable(_errors.KvfsError, ConnectionError):  # type: ignore[mis
     """No daemon answers on the control socket, or it went away during a call."""
 
 
+#: msgpack extension type of a record (PageInfo, Extent...): [name, fields]. Out of band:
+#: a tag key inside ordinary maps made a user's attribute named "__t" decode as a record,
+#: or fail the whole answer.
+_RECORD_EXT = 1
+
+
 def _default(obj: Any) -> Any:
     if dataclasses.is_dataclass(obj) and type(obj).__name__ in _RECORDS:
         d = {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
-        d["__t"] = type(obj).__name__
-        return d
+        body = msgpack.packb([type(obj).__name__, d], default=_default, use_bin_type=True)
+        return msgpack.ExtType(_RECORD_EXT, body)
     if isinstance(obj, PageKey):
         return obj.path
     if isinstance(obj, tuple):
@@ -108,10 +114,10 @@ def _default(obj: Any) -> Any:
         raise TypeError(f"cannot send {type(obj).__name__} over the control channel") from None
 
 
-def _hook(d: dict[str, Any]) -> Any:
-    name = d.pop("__t", None)
-    if name is None:
-        return d
+def _ext(code: int, data: bytes) -> Any:
+    if code != _RECORD_EXT:
+        return msgpack.ExtType(code, data)
+    name, d = msgpack.unpackb(data, ext_hook=_ext, raw=False, strict_map_key=False)
     for k in _TUPLES & d.keys():
         d[k] = tuple(d[k])
     return _RECORDS[name](**d)
@@ -124,7 +130,7 @@ def encode(obj: Any) -> bytes:
 
 
 def decode(body: bytes | bytearray | memoryview) -> Any:
-    return msgpack.unpackb(body, object_hook=_hook, raw=False, strict_map_key=False)
+    return msgpack.unpackb(body, ext_hook=_ext, raw=False, strict_map_key=False)
 
 
 def _error_class(name: str) -> type[BaseException]:

@@ -71,6 +71,27 @@ async def test_remote_store_mirrors_store(make_config: MakeConfig, tmp_path: Pat
     assert not sock.exists()
 
 
+async def test_maps_that_look_like_records_pass_unchanged(
+    make_config: MakeConfig, tmp_path: Path
+) -> None:
+    """Records were tagged by a "__t" key inside ordinary maps: a page or session attribute
+    named "__t" made the daemon's answer fail (the client was told the daemon died) or
+    decode as a record, and broke `kvfs ls` for every session."""
+    sock = tmp_path / "c.sock"
+    async with kvfs.open_store(make_config()) as store, trio.open_nursery() as n:
+        await n.start(control_service, store, sock)
+        async with open_remote_store(sock) as r:
+            odd = {"__t": "Extent", "device": "0", "path": "p", "offset": "0", "length": "1"}
+            for i, attrs in enumerate(({"__t": "hello"}, odd)):
+                info = await r.put(f"x/p{i}", b"abc", attrs=attrs)
+                assert info.attrs == attrs and isinstance(info.extents[0], kvfs.Extent)
+                assert (await r.stat(f"x/p{i}")).attrs == attrs
+            await r.put("sessions/s/p/layer-000", b"s")
+            await r.set_session_attrs("s", {"__t": "SessionInfo"})
+            assert {x.session: x.attrs for x in await r.sessions()}["s"] == {"__t": "SessionInfo"}
+        n.cancel_scope.cancel()
+
+
 async def test_errors_keep_their_class(
     make_config: MakeConfig, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
