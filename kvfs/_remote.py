@@ -177,11 +177,19 @@ class SyncRemoteStore(_Api):
         self._idle: builtins.list[socket.socket] = []
         self._lock = threading.Lock()
         self._closed = False
+        self._pid = os.getpid()
 
     def _call(self, method: str, *args: Any, on_progress: Any = None, **kw: Any) -> Any:
         s = None
         while s is None:
             with self._lock:
+                if self._pid != os.getpid():
+                    # A fork: the pooled connections are the parent's too. Shared, each
+                    # side got some of the other's answers (another key's bytes). The
+                    # child's copies are closed (the parent's stay open) and it connects anew.
+                    for old in self._idle:
+                        old.close()
+                    self._idle, self._pid = [], os.getpid()
                 s = self._idle.pop() if self._idle else None
             if s is None:
                 s = connect_sync(self.path, self._timeout)

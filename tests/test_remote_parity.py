@@ -135,3 +135,35 @@ async def test_a_restarted_daemon_answers_the_first_call(
             assert await remote.get("a/1") == b"one"
     sync.close()
     await remote.aclose()
+
+
+async def test_a_forked_child_does_not_share_the_pooled_connection(
+    make_config: MakeConfig, tmp_path: Path
+) -> None:
+    """After a fork the pooled connection was the parent's and the child's at once: each
+    got some of the other's answers (another key's bytes), or hung."""
+    sock = tmp_path / "f.sock"
+    a, b = b"A" * 100_000, b"B" * 100_000
+    async with served(make_config(), sock):
+
+        def sync_side() -> None:
+            s = SyncRemoteStore(sock, timeout=30)
+            s.put("f/p0", a)
+            s.put("f/p1", b)  # one connection now waits in the pool
+            r, w = os.pipe()
+            pid = os.fork()
+            if pid == 0:  # the child reads p1 while the parent reads p0
+                try:
+                    ok = all(s.get("f/p1") == b for _ in range(200))
+                    os.write(w, b"1" if ok else b"0")
+                finally:
+                    os._exit(0)
+            os.close(w)
+            try:
+                mine = [s.get("f/p0") == a for _ in range(200)]
+            finally:
+                os.waitpid(pid, 0)
+                s.close()
+            assert all(mine) and os.read(r, 1) == b"1"
+
+        await trio.to_thread.run_sync(sync_side)
