@@ -140,7 +140,10 @@ def configuration_markdown() -> str:
         "for a Unix socket, on `$XDG_RUNTIME_DIR/kvfs/ctl-<hash>.sock` "
         "(`/tmp/kvfs-<uid>/kvfs/...` without it). The socket is mode 0600 and every "
         "connection's peer is checked with `SO_PEERCRED`: only the daemon's user and root "
-        "are served. Messages are msgpack, each preceded by its 4-byte big-endian length.",
+        "are served. A daemon replaces a leftover socket nothing answers on, and refuses to "
+        "start where another daemon answers or a file that is no socket is in the way. "
+        "Messages are msgpack, each preceded by its 4-byte big-endian length (records such "
+        "as `PageInfo` as a msgpack extension type).",
         "",
         "Other processes (engine workers) use the daemon's store through it with the "
         "object API's interface: `async with kvfs.open_remote_store(socket) as store:` "

@@ -23,6 +23,7 @@ import errno
 import logging
 import os
 import socket
+import stat
 import struct
 import time
 from collections.abc import Callable
@@ -281,15 +282,17 @@ async def control_service(
 
     The path is ``path``, else derived from the store's config (``extra['daemon']
     ['control_socket']`` or beside the lock file: :func:`kvfs._settings.control_socket_path`).
-    A leftover socket file is replaced: the caller owns the data directory's lock, so no
-    other daemon can be serving it. The socket is removed at exit. Raises OSError.
+    A leftover socket nothing answers on is replaced. Anything else there is refused: a
+    socket another daemon serves (one given the same ``--socket``, or the same
+    ``KVFS_CONTROL_SOCKET``, took it over silently, and commands meant for this store went
+    to the other) or a file that is no socket (it was deleted). The socket is removed at
+    exit. Raises OSError (FileExistsError for those two).
     """
     from ._settings import config_socket_path
 
     sock_path = Path(path) if path else config_socket_path(store.config)
     sock_path.parent.mkdir(parents=True, exist_ok=True)
-    with contextlib.suppress(FileNotFoundError):
-        sock_path.unlink()
+    _claim(sock_path)
     sock = trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         await sock.bind(os.fspath(sock_path))
@@ -320,6 +323,27 @@ async def control_service(
 
 
 # -- blocking client pieces (shared with kvfs._remote) ------------------------------------
+def _claim(sock_path: Path) -> None:
+    """Remove a stale socket at ``sock_path``; raise FileExistsError for anything else."""
+    try:
+        st = os.lstat(sock_path)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(st.st_mode):
+        raise FileExistsError(
+            f"control socket {sock_path}: a file that is no socket is there (not replaced)"
+        )
+    try:
+        connect_sync(sock_path, timeout=5).close()
+    except DaemonUnavailable:
+        sock_path.unlink(missing_ok=True)  # a daemon's leftover: nobody answers on it
+        return
+    raise FileExistsError(
+        f"control socket {sock_path}: another kvfs daemon answers on it (give this one "
+        "its own --socket)"
+    )
+
+
 def connect_sync(path: str | os.PathLike[str], timeout: float | None = None) -> socket.socket:
     """A connected socket to the daemon. Raises DaemonUnavailable when nothing listens."""
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

@@ -92,6 +92,33 @@ async def test_maps_that_look_like_records_pass_unchanged(
         n.cancel_scope.cancel()
 
 
+async def test_the_socket_path_is_claimed_only_when_nothing_answers_there(
+    make_config: MakeConfig, tmp_path: Path
+) -> None:
+    """Whatever was at the socket path was unlinked: a second daemon given the same
+    --socket took it over silently (commands meant for the first store went to the second),
+    and --socket notes.txt deleted notes.txt."""
+    notes = tmp_path / "notes.txt"
+    notes.write_text("mine")
+    sock = tmp_path / "c.sock"
+    async with kvfs.open_store(make_config()) as store, trio.open_nursery() as n:
+        with pytest.raises(FileExistsError, match="no socket"):
+            await n.start(control_service, store, notes)
+        assert notes.read_text() == "mine"
+        await n.start(control_service, store, sock)
+        other = kvfs.StoreConfig(data_dirs=(tmp_path / "other",))
+        async with kvfs.open_store(other) as second:
+            with pytest.raises(FileExistsError, match="another kvfs daemon answers"):
+                await n.start(control_service, second, sock)
+        n.cancel_scope.cancel()
+    stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    stale.bind(str(sock))  # a killed daemon's leftover: nothing listens
+    stale.close()
+    async with kvfs.open_store(make_config()) as store, trio.open_nursery() as n:
+        assert await n.start(control_service, store, sock) == sock
+        n.cancel_scope.cancel()
+
+
 async def test_errors_keep_their_class(
     make_config: MakeConfig, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
