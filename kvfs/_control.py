@@ -124,9 +124,28 @@ def _ext(code: int, data: bytes) -> Any:
     return _RECORDS[name](**d)
 
 
+def packed(obj: Any) -> bytes:
+    """A message's body. Raises FrameTooLarge past MAX_FRAME (the peer would drop the
+    connection, and the caller was told the daemon died)."""
+    try:
+        body = msgpack.packb(obj, default=_default, use_bin_type=True)
+    except ValueError as e:  # msgpack: a bytes object over 4 GiB
+        raise FrameTooLarge(f"a message too large for the control channel ({e})") from None
+    if len(body) > MAX_FRAME:
+        raise FrameTooLarge(
+            f"a message of {len(body)} bytes is over the control channel's {MAX_FRAME} "
+            "(pages that large: through the mount, or the object API in the daemon's process)"
+        )
+    return body
+
+
+class FrameTooLarge(ValueError):
+    """A request or an answer over the control channel's frame limit."""
+
+
 def encode(obj: Any) -> bytes:
     """One framed message."""
-    body = msgpack.packb(obj, default=_default, use_bin_type=True)
+    body = packed(obj)
     return _HDR.pack(len(body)) + body
 
 
@@ -189,8 +208,14 @@ async def _recv_into(
 
 
 async def send_frame(stream: trio.SocketStream, obj: Any) -> None:
-    """Send one message (a large body goes as it is, not copied behind its header)."""
-    body = msgpack.packb(obj, default=_default, use_bin_type=True)
+    """Send one message (a large body goes as it is, not copied behind its header).
+    An answer too large for a frame goes as the error saying so."""
+    try:
+        body = packed(obj)
+    except FrameTooLarge as e:
+        if not (isinstance(obj, list) and obj and obj[0] == 0):
+            raise
+        body = packed([1, "ValueError", str(e)])
     if len(body) < 1 << 16:
         await stream.send_all(_HDR.pack(len(body)) + body)
     else:
@@ -442,7 +467,7 @@ def call_sync(
     """Send one request and return its result (or raise the daemon's error). Progress
     frames (``[2, done, total]``) before the answer go to ``on_progress``."""
     try:
-        body = msgpack.packb([method, list(args), kwargs], default=_default, use_bin_type=True)
+        body = packed([method, list(args), kwargs])
         s.sendall(_HDR.pack(len(body)))
         s.sendall(body)
     except (BrokenPipeError, ConnectionResetError) as e:

@@ -17,7 +17,7 @@ import kvfs
 from kvfs import DaemonUnavailable  # public: engines catch it
 from kvfs._control import control_service, encode, read_frame_sync
 from kvfs._metrics import metrics_service, render_metrics
-from kvfs._remote import RemoteStore, SyncRemoteStore, open_remote_store
+from kvfs._remote import RemoteStore, SyncRemoteStore, open_remote_store, open_remote_store_sync
 
 MakeConfig = Callable[..., kvfs.StoreConfig]
 
@@ -116,6 +116,36 @@ async def test_the_socket_path_is_claimed_only_when_nothing_answers_there(
     stale.close()
     async with kvfs.open_store(make_config()) as store, trio.open_nursery() as n:
         assert await n.start(control_service, store, sock) == sock
+        n.cancel_scope.cancel()
+
+
+async def test_a_message_over_the_frame_limit_is_a_clear_error(
+    make_config: MakeConfig, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A put over the frame limit (2 GiB), or the answer to a get of a page over it, closed
+    the connection: the client was told the daemon had stopped or been killed (exit 7),
+    while it kept serving. The limit is lowered here to 1 MiB."""
+    import kvfs._control as control
+
+    monkeypatch.setattr(control, "MAX_FRAME", 1 << 20)
+    sock = tmp_path / "c.sock"
+    async with kvfs.open_store(make_config()) as store, trio.open_nursery() as n:
+        await n.start(control_service, store, sock)
+        await store.put("x/big", os.urandom(2 << 20))
+        async with open_remote_store(sock) as r:
+            with pytest.raises(ValueError, match="over the control channel's 1048576"):
+                await r.put("x/new", os.urandom(2 << 20))
+            with pytest.raises(ValueError, match="over the control channel's 1048576"):
+                await r.get("x/big")
+            assert await r.ping() and not await r.exists("x/new")
+
+        def sync_side() -> None:
+            with open_remote_store_sync(sock) as s:
+                with pytest.raises(ValueError, match="over the control channel"):
+                    s.get("x/big")
+                assert s.read_range("x/big", 0, 10) == s.read_range("x/big", 0, 10)
+
+        await trio.to_thread.run_sync(sync_side)
         n.cancel_scope.cancel()
 
 
