@@ -112,8 +112,8 @@ def test_an_import_crashed_right_after_its_commit_keeps_its_pages(tmp_path: Path
         for k, v in pages.items():
             st.put(k, v)
         st.spill("sess/")
-    with kvfs.open_store_sync(_cfg(b, archive)):
-        pass
+    with kvfs.open_store_sync(_cfg(b, archive)) as st:  # B exists before it restores
+        assert st.list() == []
     _killed(b, archive, "restore")
     with kvfs.open_store_sync(_cfg(b, archive)) as st:  # its queued manifest is written
         assert {p.path for p in st.list(path_prefix="sess/")} == set(pages)
