@@ -1122,7 +1122,6 @@ class ArchivingPolicy(TieringPolicy):
         settle: Callable[[bytes, BlobRow | BaseException], None],
         t0: float,
     ) -> None:
-
         ready: list[_Staged] = []
         downloads = trio.CapacityLimiter(self.cfg.concurrency)
         staging = trio.CapacityLimiter(max(2, os.cpu_count() or 1))

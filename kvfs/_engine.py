@@ -601,7 +601,8 @@ class Engine:
     def _damaged_at_open(self) -> dict[bytes, tuple]:
         """The damaged copies noted before this open that the index still holds."""
         out: dict[bytes, tuple] = {}
-        for hx in self.index.get_meta("damaged") or ():  # type: ignore[attr-defined]
+        saved = self.index.get_meta("damaged")
+        for hx in saved if isinstance(saved, (list, tuple)) else ():
             b = self.index.blob(bytes.fromhex(hx))
             if b is not None and b.extents is not None:
                 out[b.hash] = b.extents

@@ -40,7 +40,7 @@ from ._fuse_ns import (
 from ._fuse_xattr import extents_xattr
 from ._keys import MAX_NAME_BYTES, SESSIONS_DIR
 from ._store import Store
-from ._writes import ATTR_GID, ATTR_MODE, ATTR_MTIME, ATTR_UID, RESERVED_ATTRS
+from ._writes import ATTR_GID, ATTR_MODE, ATTR_MTIME, ATTR_UID, ATTR_XATTR, RESERVED_ATTRS
 
 __all__ = ["ATTR_XATTR", "XATTRS", "KvfsOperations"]
 
@@ -55,9 +55,6 @@ XATTRS = (
 )
 #: the longest list of extended attribute names Linux hands to a process (XATTR_LIST_MAX)
 XATTR_LIST_MAX = 64 * 1024
-#: ``user.kvfs.attr.<k>``: the page's attribute ``k`` (what ``put --attr`` and the object
-#: API's ``attrs`` set), settable while the file is being written
-ATTR_XATTR = "user.kvfs.attr."
 
 
 def _page_attrs(node: Node) -> dict[str, str] | None:

@@ -24,11 +24,9 @@ from collections.abc import Iterator, Sequence
 
 from ._fuse_guard import fuse_error
 from ._types import Extent
+from ._writes import XATTR_SIZE_MAX
 
 __all__ = ["XATTR_SIZE_MAX", "extents_xattr", "layout"]
-
-#: The largest extended attribute value Linux hands to a process (``XATTR_SIZE_MAX``).
-XATTR_SIZE_MAX = 64 * 1024
 
 
 def layout(nfiles: int, unit: int, header: int, size: int) -> Iterator[tuple[int, int, int]]:

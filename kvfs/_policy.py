@@ -116,7 +116,7 @@ class TieringPolicy:
         Without an archive tier that deletes ``pages``, and only them: a page of another
         session sharing their data keeps it (then its bytes are not freed). Data the archive
         holds (a store opened without the archive it has) only loses its local copy."""
-        held = {p.hash for p in pages if self._archived(p.hash)}
+        held = {h for h in {p.hash for p in pages} if self._archived(h)}
         freed = sum(self.drop_local(b.hash, reason, b.extents) for b in blobs if b.hash in held)
         rest = [p for p in pages if p.hash not in held]
         return freed + (self.engine.delete_evicted_pages(rest, reason) if rest else 0)

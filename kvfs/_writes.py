@@ -45,7 +45,9 @@ __all__ = [
     "ATTR_MODE",
     "ATTR_MTIME",
     "ATTR_UID",
+    "ATTR_XATTR",
     "RESERVED_ATTRS",
+    "XATTR_SIZE_MAX",
     "PageWriter",
     "check_attrs",
     "leaves_now",
@@ -62,10 +64,14 @@ DEDUP_FIRST_MAX = 256 * 1024
 ATTR_MODE, ATTR_UID, ATTR_GID, ATTR_MTIME = "fs.mode", "fs.uid", "fs.gid", "fs.mtime_ns"
 #: their common prefix: neither listed nor settable as ``user.kvfs.attr.*`` on the mount
 RESERVED_ATTRS = "fs."
-#: An attribute shows on the mount as the extended attribute ``user.kvfs.attr.<name>``:
-#: Linux's limits on those (XATTR_NAME_MAX, XATTR_SIZE_MAX) bound the name and the value.
-ATTR_NAME_MAX = 255 - len("user.kvfs.attr.")
-ATTR_VALUE_MAX = 64 * 1024
+#: ``user.kvfs.attr.<k>``: the page's attribute ``k`` (what ``put --attr`` and the object
+#: API's ``attrs`` set) as an extended attribute on the mount
+ATTR_XATTR = "user.kvfs.attr."
+#: The largest extended attribute value Linux hands to a process (``XATTR_SIZE_MAX``).
+XATTR_SIZE_MAX = 64 * 1024
+#: Linux's limits on extended attributes (XATTR_NAME_MAX, XATTR_SIZE_MAX) bound an
+#: attribute's name and value, so that the mount can show every one.
+ATTR_NAME_MAX = 255 - len(ATTR_XATTR)
 
 
 def check_attrs(attrs: dict[str, str] | None, *, page: bool = True) -> dict[str, str]:
@@ -92,8 +98,8 @@ def check_attrs(attrs: dict[str, str] | None, *, page: bool = True) -> dict[str,
             raise InvalidKey(
                 f"attrs: the name {k[:40]!r} must be 1 to {ATTR_NAME_MAX} bytes, without NUL"
             )
-        if len(value) > ATTR_VALUE_MAX:
-            raise InvalidKey(f"attrs: {k!r} is {len(value)} bytes; at most {ATTR_VALUE_MAX}")
+        if len(value) > XATTR_SIZE_MAX:
+            raise InvalidKey(f"attrs: {k!r} is {len(value)} bytes; at most {XATTR_SIZE_MAX}")
         if k.startswith(RESERVED_ATTRS) and not _mount_attr_ok(k, v):
             raise InvalidKey(
                 f"attrs: {k}={v!r}: names starting with {RESERVED_ATTRS!r} are the mount's "
@@ -104,13 +110,14 @@ def check_attrs(attrs: dict[str, str] | None, *, page: bool = True) -> dict[str,
 
 def _mount_attr_ok(name: str, value: str) -> bool:
     try:
-        if name == ATTR_MODE:
-            return 0 <= int(value, 8) <= 0o7777
-        if name in (ATTR_UID, ATTR_GID):
-            return 0 <= int(value) < 2**32
-        return name == ATTR_MTIME and int(value) is not None
+        n = int(value, 8 if name == ATTR_MODE else 10)
     except ValueError:
         return False
+    if name == ATTR_MODE:
+        return 0 <= n <= 0o7777
+    if name in (ATTR_UID, ATTR_GID):
+        return 0 <= n < 2**32
+    return name == ATTR_MTIME
 
 
 def start_device(eng: Engine, k: PageKey) -> int:
