@@ -137,10 +137,14 @@ def configuration_markdown() -> str:
         "",
         "The daemon serving a data directory listens on `kvfs.sock` beside its index (the "
         "first data directory unless `index_dir` is set), or, when that path is too long "
-        "for a Unix socket, on `$XDG_RUNTIME_DIR/kvfs/ctl-<hash>.sock` "
-        "(`/tmp/kvfs-<uid>/kvfs/...` without it). The socket is mode 0600 and every "
-        "connection's peer is checked with `SO_PEERCRED`: only the daemon's user and root "
-        "are served. A daemon replaces a leftover socket nothing answers on, and refuses to "
+        "for a Unix socket, on `ctl-<hash>.sock` in the runtime directory: `/run/kvfs` for "
+        "root, `/tmp/kvfs-<uid>` for other users (mode 0700; it also holds each mount's "
+        "`mount-<hash>.json`, its daemon's pid and paths). kvfs refuses a runtime directory "
+        "that is not its user's or that other users may write (another user who made it "
+        "first could plant a socket or a pid there): remove it. The socket is mode 0600 and "
+        "every connection's peer is checked with `SO_PEERCRED`: only the daemon's user and "
+        "root are served, and a client refuses a daemon run by another user (root may use "
+        "any user's). A daemon replaces a leftover socket nothing answers on, and refuses to "
         "start where another daemon answers or a file that is no socket is in the way. "
         "Messages are msgpack, each preceded by its 4-byte big-endian length (records such "
         "as `PageInfo` as a msgpack extension type).",

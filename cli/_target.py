@@ -137,8 +137,9 @@ def mount_state(mountpoint: str) -> dict[str, Any] | None:
     """What the daemon serving ``mountpoint`` recorded (its pid, data directories)."""
     from kvfs._daemon import state_path
 
+    path = state_path(mountpoint)  # (PermissionError: a runtime directory not to trust)
     try:
-        state = json.loads(state_path(mountpoint).read_text())
+        state = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
     return state if isinstance(state, dict) and state.get("data_dirs") else None

@@ -8,7 +8,8 @@ tagged with their type and come back as the same frozen dataclasses.
 
 Permissions: the socket is made mode 0600 right after ``bind`` and every connection's peer
 is checked with ``SO_PEERCRED``: only the daemon's own user (and root) is served, so the
-instant between ``bind`` and ``chmod`` grants nothing.
+instant between ``bind`` and ``chmod`` grants nothing. Clients check the daemon the same way
+(:func:`check_daemon_peer`): one run by another user is refused, whoever put its socket there.
 
 :func:`control_service` is a daemon service (``run_daemon(services=[...])``);
 :class:`RemoteStore` has the interface of :class:`~kvfs.Store` over the socket, and
@@ -174,7 +175,7 @@ def raise_remote(name: str, message: str) -> None:
 
 
 # -- server ------------------------------------------------------------------------------
-def _peer_uid(sock: trio.socket.SocketType) -> int:
+def _peer_uid(sock: trio.socket.SocketType | socket.socket) -> int:
     creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
     return int(struct.unpack("3i", creds)[1])
 
@@ -380,7 +381,28 @@ def connect_sync(path: str | os.PathLike[str], timeout: float | None = None) -> 
         if e.errno in (errno.ENOENT, errno.ECONNREFUSED, errno.ENOTSOCK, errno.ENOTDIR):
             raise DaemonUnavailable(f"no kvfs daemon answers on {path}") from e
         raise
+    try:
+        check_daemon_peer(s, path)
+    except BaseException:
+        s.close()
+        raise
     return s
+
+
+def check_daemon_peer(
+    s: socket.socket | trio.socket.SocketType, path: str | os.PathLike[str]
+) -> None:
+    """Refuse a daemon run by another user (not root): whoever could put a socket at
+    ``path`` would otherwise be sent this user's pages and commands. Root talks to any
+    user's daemon. Raises PermissionError."""
+    me = os.getuid()
+    peer = _peer_uid(s)
+    if me != 0 and peer not in (me, 0):
+        raise PermissionError(
+            errno.EACCES,
+            f"the control socket {path} is served by uid {peer}, not by you (uid {me}) or "
+            "root: not used",
+        )
 
 
 def read_frame_sync(s: socket.socket) -> Any:

@@ -30,7 +30,7 @@ from ._config import StoreConfig
 from ._errors import leaf_errors
 from ._mount import BadMountArgument, MountError, MountOptions, check_mountpoint, serve_mount
 from ._mountinfo import mounts
-from ._settings import config_socket_path
+from ._settings import config_socket_path, runtime_dir
 from ._store import Store, open_store
 
 __all__ = ["READY_FD_ENV", "Service", "main", "run_daemon", "state_path", "stop_daemon"]
@@ -45,11 +45,8 @@ READY_FD_ENV = "KVFS_READY_FD"
 
 def state_path(mountpoint: str | os.PathLike[str]) -> Path:
     """Where the daemon serving ``mountpoint`` records its pid."""
-    base = Path(os.environ.get("XDG_RUNTIME_DIR") or f"/tmp/kvfs-{os.getuid()}")
-    if os.getuid() == 0 and os.path.isdir("/run"):
-        base = Path("/run")
     digest = hashlib.sha1(os.path.abspath(mountpoint).encode()).hexdigest()[:16]
-    return base / "kvfs" / f"mount-{digest}.json"
+    return runtime_dir() / f"mount-{digest}.json"
 
 
 async def run_daemon(

@@ -33,6 +33,7 @@ from ._aligned import as_bytes_view
 from ._control import (
     DaemonUnavailable,
     call_sync,
+    check_daemon_peer,
     connect_sync,
     raise_remote,
     recv_frame,
@@ -309,6 +310,11 @@ class RemoteStore(_Api, BatchCalls):
             stream = await trio.open_unix_socket(os.fspath(self.path))
         except (FileNotFoundError, ConnectionRefusedError) as e:
             raise DaemonUnavailable(f"no kvfs daemon answers on {self.path}") from e
+        try:
+            check_daemon_peer(stream.socket, self.path)
+        except BaseException:
+            await trio.aclose_forcefully(stream)
+            raise
         self._fresh.add(stream)
         return stream
 

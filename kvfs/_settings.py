@@ -12,10 +12,13 @@ by :func:`masked`.
 
 from __future__ import annotations
 
+import contextlib
 import difflib
+import errno
 import hashlib
 import os
 import re
+import stat
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,6 +37,8 @@ __all__ = [
     "control_socket_path",
     "load_settings",
     "masked",
+    "private_dir",
+    "runtime_dir",
 ]
 
 
@@ -474,9 +479,45 @@ def control_socket_path(config: StoreConfig, explicit: str = "") -> Path:
     beside = config.lock_path.parent.absolute() / "kvfs.sock"
     if len(os.fsencode(beside)) < 100:
         return beside
-    base = Path(os.environ.get("XDG_RUNTIME_DIR") or f"/tmp/kvfs-{os.getuid()}")
     digest = hashlib.sha1(os.fsencode(config.lock_path.absolute())).hexdigest()[:16]
-    return base / "kvfs" / f"ctl-{digest}.sock"
+    return runtime_dir() / f"ctl-{digest}.sock"
+
+
+def runtime_dir() -> Path:
+    """The directory of daemon state files (``mount-<hash>.json``) and fallback control
+    sockets: ``/run/kvfs`` for root, ``/tmp/kvfs-<uid>`` for other users. It is the same for
+    every process of a user whatever its environment (a daemon started by systemd and a
+    shell's ``kvfs umount`` find each other). Made mode 0700 if missing.
+
+    Raises PermissionError where it is no directory of this user's or others may write it:
+    another local user who made it first could plant a state file (``kvfs umount`` would
+    signal the pid in it) or a socket posing as the daemon.
+    """
+    uid = os.getuid()
+    path = Path("/run/kvfs") if uid == 0 and os.path.isdir("/run") else Path(f"/tmp/kvfs-{uid}")
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(path, 0o700)
+    return private_dir(path)
+
+
+def private_dir(path: Path) -> Path:
+    """``path`` if it is a directory (not a link) owned by this user that no other user
+    may write; raises PermissionError naming what is wrong otherwise."""
+    st = os.lstat(path)
+    why = (
+        "is no directory"
+        if not stat.S_ISDIR(st.st_mode)
+        else f"belongs to uid {st.st_uid}"
+        if st.st_uid != os.getuid()
+        else f"is writable by other users (mode {stat.S_IMODE(st.st_mode):o})"
+        if st.st_mode & 0o022
+        else ""
+    )
+    if why:
+        raise PermissionError(
+            errno.EACCES, f"kvfs runtime directory {path} {why}: not used (remove it)"
+        )
+    return path
 
 
 def as_toml(settings: Settings) -> str:

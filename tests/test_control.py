@@ -517,3 +517,65 @@ async def test_control_bench_runs_and_checks_bytes(tmp_path: Path) -> None:
         ("large", "get"),
     ]
     assert all(r["remote_pages_s"] > 0 and r["worker_pages_s"] > 0 for r in rows)
+
+
+_IMPOSTOR = """
+import os, socket, sys
+s = socket.socket(socket.AF_UNIX)
+s.bind(sys.argv[1])
+os.chmod(sys.argv[1], 0o777)
+s.listen(8)
+print("ready", flush=True)
+held = []
+while True:
+    held.append(s.accept()[0])
+"""
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to act as three users")
+def test_a_daemon_run_by_another_user_is_refused(tmp_path: Path) -> None:
+    """Whoever can put a socket where a client looks (a fallback runtime directory, a
+    shared data directory) would be sent its pages and commands: the sync and the async
+    client both refuse a daemon another user runs. Root may use any user's daemon."""
+    import subprocess
+    import tempfile
+
+    from kvfs._control import connect_sync
+
+    with tempfile.TemporaryDirectory() as d:
+        os.chmod(d, 0o777)
+        sock = Path(d) / "kvfs.sock"
+        with subprocess.Popen(
+            ["/usr/bin/python3", "-c", _IMPOSTOR, str(sock)],
+            user=65534,
+            group=65534,
+            stdout=subprocess.PIPE,
+        ) as impostor:
+            try:
+                assert impostor.stdout is not None and impostor.stdout.readline() == b"ready\n"
+
+                def as_victim() -> int:
+                    refused = 0
+                    try:
+                        connect_sync(sock, 5).close()
+                    except PermissionError as e:
+                        refused += "served by uid 65534" in str(e)
+                    try:
+                        trio.run(RemoteStore(sock)._connect)
+                    except PermissionError as e:
+                        refused += "served by uid 65534" in str(e)
+                    return refused
+
+                pid = os.fork()
+                if pid == 0:
+                    code = 99
+                    try:
+                        os.setgid(54321)
+                        os.setuid(54321)
+                        code = as_victim()
+                    finally:
+                        os._exit(code)
+                assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 2
+                connect_sync(sock, 5).close()  # root: any user's daemon
+            finally:
+                impostor.kill()

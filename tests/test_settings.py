@@ -2,11 +2,23 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+import stat
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from kvfs._settings import OPTIONS, as_toml, control_socket_path, load_settings, masked
+from kvfs._settings import (
+    OPTIONS,
+    as_toml,
+    control_socket_path,
+    load_settings,
+    masked,
+    private_dir,
+    runtime_dir,
+)
 
 
 def test_embedded_defaults_need_no_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -170,3 +182,74 @@ def test_retention_takes_a_duration_and_needs_an_archive(tmp_path: Path) -> None
     no_archive = load_settings(env={"KVFS_RETENTION": "1d", "KVFS_ARCHIVE_URL": ""})
     with pytest.raises(ValueError, match="retention deletes sessions from the archive tier"):
         no_archive.store_config()
+
+
+def _as_uid(uid: int, fn: Callable[[], int]) -> int:
+    """``fn()``'s result, run in a forked child that became ``uid``."""
+    pid = os.fork()
+    if pid == 0:
+        code = 99
+        try:
+            os.setgid(uid)
+            os.setuid(uid)
+            code = fn()
+        finally:
+            os._exit(code)
+    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to act as two users")
+def test_runtime_dir_is_refused_when_another_user_made_it_first() -> None:
+    """The daemon's state files (its pid: ``kvfs umount`` signals it) and fallback sockets
+    live in ``/tmp/kvfs-<uid>``. Another user who made that first, or one left open to
+    others, is refused with the reason; a missing one is made 0700."""
+    victim = 54321
+    path = Path(f"/tmp/kvfs-{victim}")
+    shutil.rmtree(path, ignore_errors=True)
+
+    def try_it() -> int:
+        try:
+            return 0 if runtime_dir() == path else 1
+        except PermissionError as e:
+            reasons = {"belongs to uid 65534": 10, "writable by other users": 11}
+            return next((code for why, code in reasons.items() if why in str(e)), 12)
+
+    try:
+        assert _as_uid(victim, try_it) == 0  # made, 0700, its own
+        st = os.lstat(path)
+        assert (st.st_uid, stat.S_IMODE(st.st_mode)) == (victim, 0o700)
+        os.chmod(path, 0o777)
+        assert _as_uid(victim, try_it) == 11
+        os.rmdir(path)
+        os.mkdir(path, 0o700)
+        os.chown(path, 65534, 65534)  # the other user was first
+        assert _as_uid(victim, try_it) == 10
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def test_private_dir_refuses_a_link_or_a_shared_dir(tmp_path: Path) -> None:
+    d = tmp_path / "rt"
+    d.mkdir(mode=0o700)
+    assert private_dir(d) == d
+    (tmp_path / "link").symlink_to(d)
+    with pytest.raises(PermissionError, match="is no directory"):
+        private_dir(tmp_path / "link")
+    d.chmod(0o1777)
+    with pytest.raises(PermissionError, match=r"writable by other users \(mode 1777\)"):
+        private_dir(d)
+
+
+def test_runtime_paths_do_not_depend_on_the_callers_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A daemon started by systemd (no XDG_RUNTIME_DIR) and a login shell's ``kvfs umount``
+    (with it) must agree on where the daemon's state and fallback socket are."""
+    from kvfs._daemon import state_path
+
+    long = load_settings(env={}, flags={"data_dirs": str(tmp_path / ("x" * 120))}).store_config()
+    monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
+    before = (control_socket_path(long), state_path(tmp_path / "mnt"))
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    assert (control_socket_path(long), state_path(tmp_path / "mnt")) == before
+    assert before[0].parent == before[1].parent == runtime_dir()
