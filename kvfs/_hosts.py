@@ -16,7 +16,8 @@ and every ``interval`` seconds, and looks at the others' heartbeats as often:
   collection, which deletes them only once no manifest of any host names them
   (kvfs/_collect.py). Its collection intents (``gc/<store id>-*``, finished or not) are
   deleted too: only their host removes them otherwise, and a host silent that long stopped
-  deleting long ago. Its heartbeat is deleted with its last manifest.
+  deleting long ago. Its heartbeat is deleted too, whatever stays: the host is not looked at
+  again.
 * A host whose retention is 0 keeps everything, so nobody retires it; a host that never
   wrote a heartbeat (kvfs before the ninth session, a store used without a background task)
   is never retired either.
@@ -207,8 +208,11 @@ class Hosts:
         intents = await self.store.list_all(INTENTS + host + "-")
         for k in intents:
             await self.store.delete(k)
-        if not kept:
-            await self.store.delete(HOSTS + host)  # nothing left to look at again
+        # Its heartbeat goes even where pinned manifests stay: a host only cut off finds it
+        # missing when it is back and writes its manifests again. Kept, the host went on
+        # trusting manifests deleted here, and dropped local copies of pages whose objects
+        # were collected. (What stays is never looked at again: pins are never expired.)
+        await self.store.delete(HOSTS + host)
         if deleted or not kept:
             self.count("hosts_retired", 1)
             log_event(

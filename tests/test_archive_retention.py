@@ -161,7 +161,9 @@ def test_a_host_silent_for_good_is_retired_but_its_pins_stay(
             blobs = _hashes(await _objects(a, "blobs/"))
             assert kvfs.checksum(shared) in blobs  # A's manifest names it
             assert blobs & only_b == {kept}
-            assert any(k.startswith("hosts/") for k in await _objects(a, "hosts/"))  # B's stays
+            # B's heartbeat goes although its pinned manifest stays: B, if only cut off,
+            # must write its manifests again when back, not trust the ones deleted here
+            assert f"hosts/{b_id}" not in await _objects(a, "hosts/")
             assert not [k for k in await _objects(a, "gc/") if b_id in k]  # B's intents went
 
     trio.run(main)
@@ -365,3 +367,68 @@ def test_a_first_heartbeat_rewrites_nothing(
             assert st["spill_queue"] == 0 and st["manifests_written"] == 0
 
     trio.run(main)
+
+
+def test_a_host_cut_off_and_retired_keeps_its_pages_when_back(
+    make_config: Callable[..., kvfs.StoreConfig],
+    s3_server,  # noqa: ANN001
+    proxy,  # noqa: ANN001
+) -> None:
+    """Host B, cut off from the archive, is retired by host A: A deletes the manifest of B's
+    unpinned session s and collects its object, and keeps B's pinned session's manifest.
+    B was only cut off and kept s in use; back, it must not trust what it wrote before:
+    its next eviction of s writes s's manifest again (and re-uploads the page), so other
+    hosts list s and no collection takes its object. (With its heartbeat kept beside the
+    pinned manifest, B found it and went on as before: the eviction left s's only copy in
+    an object no manifest named.)"""
+    bucket = s3_server.new_bucket()
+    b_url = f"s3://{bucket}?endpoint={proxy.endpoint}&deadline=1&connect_timeout=0.5"
+    a_url = f"s3://{bucket}?endpoint={s3_server.endpoint}"
+    b_cfg = make_config(
+        ndev=1,
+        name="host-b",
+        archive_url=b_url,
+        extra={"archive": {"interval": 60, "retention": 2}},
+    )
+    a_cfg = archived_cfg(make_config, a_url, name="host-a", interval=0.05, retention=1)
+    ks, kp = PageKey.semantic("s", "p", 0), PageKey.semantic("pinned", "p", 0)
+
+    async def main() -> None:
+        async with kvfs.open_store(b_cfg) as b:
+            await b.pin_session("pinned")
+            await b.put(kp, kv_page(97))
+            await b.put(ks, kv_page(96))
+            await b.spill("pinned")
+            await b.spill("s")
+            assert await b.get(ks) == kv_page(96)  # local again, and archived
+            with trio.fail_after(30):
+                while not await _objects(b, "hosts/"):
+                    await trio.sleep(0.05)
+            proxy.down()
+            async with kvfs.open_store(a_cfg) as a:
+                with trio.fail_after(60):
+                    while (await a.statistics()).extra["archive"]["hosts_retired"] == 0:
+                        assert await b.get(ks) == kv_page(96)  # in use on B meanwhile
+                        await trio.sleep(0.1)
+                gone = {kvfs.checksum(kv_page(96))}
+                with trio.fail_after(60):  # A collected s's object
+                    while _hashes(await _objects(a, "blobs/")) & gone:
+                        assert await b.get(ks) == kv_page(96)
+                        await trio.sleep(0.1)
+                assert [k for k in await _objects(a, "manifests/") if "pinned" in k]
+            proxy.up()
+            with trio.fail_after(60):
+                await b.evict(session="s")
+            assert (await b.stat(ks)).tier == "archive"
+            # named again in the archive: listed by other hosts, and never collected
+            assert [k for k in await _objects(b, "manifests/") if k.startswith(S_MANIFEST)]
+            assert await b.get(ks) == kv_page(96)
+
+    trio.run(main)
+    with kvfs.open_store_sync(archived_cfg(make_config, a_url, name="host-c")) as c:
+        assert "s" in {x["session"] for x in c.archived_sessions()}
+        c.restore("s")
+        assert c.get(ks) == kv_page(96)
+
+
+S_MANIFEST = "manifests/sessions%2Fs@"
