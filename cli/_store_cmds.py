@@ -26,6 +26,7 @@ from ._util import (
     fmt_duration,
     fmt_span,
     fmt_time,
+    name_order,
     print_json,
     print_table,
     seconds,
@@ -44,7 +45,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--sort",
         choices=("name", "size", "age"),
         default="name",
-        help="order: name (default), size (largest first), age (oldest access first)",
+        help="order: name (default; numbers in numeric order, layer-999 before layer-1000), size (largest first), age (oldest access first)",
     )
     p.add_argument(
         "--archived",
@@ -220,7 +221,11 @@ def cmd_ls(args: argparse.Namespace) -> int:
                     ) from None
         # A pinned session keeps its pages as a pin of each would (user.kvfs.pinned says 1)
         held = {d for d in {_session_arg(p) for p in pages} if _session_pinned(store, d)}
-    key = {"name": lambda p: p.path, "size": lambda p: -p.size, "age": lambda p: p.atime}[args.sort]
+    key = {
+        "name": lambda p: name_order(p.path),
+        "size": lambda p: -p.size,
+        "age": lambda p: p.atime,
+    }[args.sort]
     pages.sort(key=key)
     if args.json:
         print_json([{**_page_json(p), "session_pinned": _session_arg(p) in held} for p in pages])
@@ -273,8 +278,8 @@ def _page_json(p: kvfs.PageInfo) -> dict[str, Any]:
 
 
 def _ls_archived(args: argparse.Namespace, sessions: list[dict[str, Any]]) -> int:
-    key = {
-        "name": lambda s: s["session"],
+    key: Callable[[dict[str, Any]], Any] = {
+        "name": lambda s: name_order(s["session"]),
         "size": lambda s: -int(s.get("bytes", 0)),
         "age": lambda s: float(s.get("atime", 0)),
     }[args.sort]
@@ -334,9 +339,11 @@ def cmd_hosts(args: argparse.Namespace) -> int:
 
 
 def _ls_sessions(args: argparse.Namespace, sessions: list[kvfs.SessionInfo]) -> int:
-    key = {"name": lambda s: s.session, "size": lambda s: -s.bytes, "age": lambda s: s.atime}[
-        args.sort
-    ]
+    key = {
+        "name": lambda s: name_order(s.session),
+        "size": lambda s: -s.bytes,
+        "age": lambda s: s.atime,
+    }[args.sort]
     sessions.sort(key=key)
     if args.json:
         print_json(sessions)

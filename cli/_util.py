@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import re
 import sys
 import time
 import unicodedata
@@ -23,6 +24,7 @@ __all__ = [
     "exit_code_for",
     "fmt_bytes",
     "fmt_time",
+    "name_order",
     "print_json",
     "print_table",
     "to_jsonable",
@@ -91,6 +93,13 @@ def to_jsonable(obj: Any) -> Any:
     if isinstance(obj, bytes):
         return obj.hex()
     return obj
+
+
+def name_order(name: str) -> list[Any]:
+    """Sort key putting numbers in names in numeric order: ``layer-999`` before
+    ``layer-1000``, ``agent-9`` before ``agent-10`` (plain string order has them the other
+    way round). Digit runs and text alternate, so keys always compare."""
+    return [int(t) if i % 2 else t for i, t in enumerate(re.split(r"(\d+)", name))]
 
 
 def print_json(obj: Any, *, line: bool = False) -> None:

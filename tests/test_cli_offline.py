@@ -663,3 +663,22 @@ def test_a_progress_bar_clears_what_a_longer_line_left(
         bar.update(3 << 20)
     draws = capsys.readouterr().err.split("\r")[1:]
     assert draws and all(d.rstrip("\n").endswith("\x1b[K") for d in draws)
+
+
+def test_ls_puts_numbers_in_names_in_numeric_order(run: Run, tmp_path: Path) -> None:
+    """A model with 1000+ layers, or sessions agent-9 and agent-10: plain string order
+    listed layer-1000 before layer-999."""
+    d = data(tmp_path)
+    (tmp_path / "f").write_bytes(b"x" * 10)
+    for path in (
+        "sessions/agent-10/p/layer-1000",
+        "sessions/agent-10/p/layer-999",
+        "sessions/agent-9/p/layer-000",
+    ):
+        assert run("put", "f", path, *d)[0] == 0
+    sessions = json.loads(run("ls", "--json", *d)[1])
+    assert [s["session"] for s in sessions] == ["agent-9", "agent-10"]
+    pages = json.loads(run("ls", "agent-10", "--json", *d)[1])
+    assert [p["path"].rsplit("/", 1)[1] for p in pages] == ["layer-999", "layer-1000"]
+    rc, out, _ = run("ls", "agent-10", *d)
+    assert rc == 0 and out.index("layer-999") < out.index("layer-1000")
