@@ -259,25 +259,32 @@ async def _dispatch(
     try:
         result = True if method == "ping" else await getattr(store, method)(*args, **kwargs)
     except Exception as e:  # noqa: BLE001 - every failure goes back to the client
-        # A caller's mistake (no such page, bad key, spill or restore where no archive tier
-        # is configured) or a full cache (the capacity) is a warning; anything else an error.
-        expected = isinstance(
-            e, (FileNotFoundError, FileExistsError, ValueError, _errors.CapacityExceeded)
-        ) or (isinstance(e, _errors.ArchiveUnavailable) and not store.engine.config.archive_url)
-        # A lookup that finds nothing is an answer, not a failure: `kvfs pin NAME` asks
-        # whether NAME is a page before it asks for the session, every time.
-        lookup = method in _LOOKUPS and isinstance(e, FileNotFoundError)
-        log_event(
-            "error",
-            level=logging.DEBUG if lookup else logging.WARNING if expected else logging.ERROR,
-            method=method,
-            target=_target(args, kwargs),
-            error=type(e).__name__,
-            message=str(e),
-        )
+        _log_failure(store, method, args, kwargs, e)
         return [1, type(e).__name__, str(e)]
     _log_done(method, args, kwargs, result, t0)
     return [0, result]
+
+
+def _log_failure(
+    store: Store, method: str, args: list[Any], kwargs: dict[str, Any], e: Exception
+) -> None:
+    """The event line of a failed call. A caller's mistake (no such page, bad key, spill or
+    restore where no archive tier is configured) or a full cache (the capacity) is a
+    warning; anything else an error."""
+    expected = isinstance(
+        e, (FileNotFoundError, FileExistsError, ValueError, _errors.CapacityExceeded)
+    ) or (isinstance(e, _errors.ArchiveUnavailable) and not store.engine.config.archive_url)
+    # A lookup that finds nothing is an answer, not a failure: `kvfs pin NAME` asks
+    # whether NAME is a page before it asks for the session, every time.
+    lookup = method in _LOOKUPS and isinstance(e, FileNotFoundError)
+    log_event(
+        "error",
+        level=logging.DEBUG if lookup else logging.WARNING if expected else logging.ERROR,
+        method=method,
+        target=_target(args, kwargs),
+        error=type(e).__name__,
+        message=str(e),
+    )
 
 
 #: the methods whose "not found" is an answer (logged at DEBUG only)
@@ -453,7 +460,10 @@ async def _with_progress(
                 await done.wait()
             if latest != sent and latest[1]:
                 sent = list(latest)
-                await send_frame(stream, [2, *sent])
+                try:
+                    await send_frame(stream, [2, *sent])
+                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                    return  # the client went away (Ctrl-C): the work finishes all the same
 
     async with trio.open_nursery() as n:
         n.start_soon(reporter)
@@ -464,13 +474,7 @@ async def _with_progress(
             _log_done(method, args, kwargs, result, t0)
             reply: list[Any] = [0, result]
         except Exception as e:  # noqa: BLE001 - the failure goes back to the client
-            log_event(
-                "error",
-                method=method,
-                target=_target(args, kwargs),
-                error=type(e).__name__,
-                message=str(e),
-            )
+            _log_failure(store, method, args, kwargs, e)
             reply = [1, type(e).__name__, str(e)]
         finally:
             done.set()

@@ -579,3 +579,43 @@ def test_a_daemon_run_by_another_user_is_refused(tmp_path: Path) -> None:
                 connect_sync(sock, 5).close()  # root: any user's daemon
             finally:
                 impostor.kill()
+
+
+async def test_a_client_gone_mid_progress_and_a_callers_mistake_are_no_errors(
+    make_config: MakeConfig, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """`kvfs fsck` interrupted with Ctrl-C closes its connection while progress frames are
+    still being sent: the daemon finishes the check and logs no error (it logged "connection
+    failed" with a traceback). A spill of a session that does not exist is the caller's
+    mistake: a warning, as the same call without progress is, not an error."""
+    sock = tmp_path / "c.sock"
+    cfg = make_config(archive_url=f"file://{tmp_path}/archive")
+    async with kvfs.open_store(cfg) as store, trio.open_nursery() as n:
+        await n.start(control_service, store, sock)
+        for i in range(96):
+            await store.put(f"sessions/a/p/layer-{i:03d}", os.urandom(1 << 20))
+
+        def interrupted() -> None:
+            s = socket.socket(socket.AF_UNIX)
+            s.connect(str(sock))
+            s.sendall(encode(["fsck", [], {"progress": True}]))
+            assert read_frame_sync(s)[0] == 2  # a progress frame: the check runs
+            s.close()
+
+        def mistake() -> None:
+            r = SyncRemoteStore(sock)
+            try:
+                with pytest.raises(kvfs.SessionNotFound):
+                    r.spill("nobody", progress=lambda d, t: None)
+            finally:
+                r.close()
+
+        with caplog.at_level(logging.DEBUG, logger="kvfs"):
+            await trio.to_thread.run_sync(interrupted)
+            await trio.to_thread.run_sync(mistake)
+            await store.fsck()  # (the interrupted one runs beside it, and ends about as soon)
+            await trio.sleep(1)
+        errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+        assert errors == []
+        assert [r for r in caplog.records if "nobody" in r.getMessage()]  # (a warning)
+        n.cancel_scope.cancel()
