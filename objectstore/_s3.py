@@ -282,10 +282,23 @@ class S3Store(ObjectStore):
     async def _thread(fn: Callable[..., T], *args: Any, **kw: Any) -> T:
         return await trio.to_thread.run_sync(functools.partial(fn, *args, **kw))
 
-    async def _call(self, what: str, fn: Callable[..., T], *args: Any, **kw: Any) -> T:
+    async def _call(
+        self, what: str, fn: Callable[..., T], *args: Any, reads: bool = False, **kw: Any
+    ) -> T:
+        """``fn(*args, **kw)`` in a thread, retried until the deadline. A call that only
+        ``reads`` (get, head, list) is given up at once when its caller is cancelled (a
+        reader interrupted, a bounded cleanup's time up): on an endpoint that accepts
+        connections and never answers it held the caller for the whole read timeout (60 s).
+        Its thread finishes on its own, changing nothing. A call that writes or deletes is
+        always waited for: given up, it could still land after a later one."""
+
+        async def attempt() -> T:
+            call = functools.partial(fn, *args, **kw)
+            return await trio.to_thread.run_sync(call, abandon_on_cancel=reads)
+
         try:
             return await retry(
-                lambda: self._thread(fn, *args, **kw),
+                attempt,
                 is_temporary=is_temporary,
                 backoff=self.backoff,
                 what=f"{what} on {self.url}",
@@ -334,7 +347,7 @@ class S3Store(ObjectStore):
             return data
 
         try:
-            data = await self._call(f"get {key}", fetch)
+            data = await self._call(f"get {key}", fetch, reads=True)
         except bce.ClientError as e:
             if _code(e) in ("NoSuchKey", "404") or _status(e) == 404 and _code(e) != "NoSuchBucket":
                 raise ObjectNotFound(f"no object {key!r} in {self.url}") from None
@@ -351,7 +364,7 @@ class S3Store(ObjectStore):
 
     async def put(self, key: str, data: bytes | memoryview, *, if_absent: bool = False) -> bool:
         k = self._key(key)
-        cond = {"IfNoneMatch": "*"} if if_absent else {}
+        cond: dict[str, Any] = {"IfNoneMatch": "*"} if if_absent else {}
         try:
             if len(data) > self.multipart_threshold:
                 return await self._put_multipart(key, k, memoryview(data).cast("B"), cond)
@@ -435,6 +448,7 @@ class S3Store(ObjectStore):
                 self._checked(self._client.head_object, "HeadObject", "LastModified"),
                 Bucket=self.bucket,
                 Key=self._key(key),
+                reads=True,
             )
         except bce.ClientError as e:
             if _status(e) == 404 or _code(e) in ("404", "NoSuchKey", "NotFound"):
@@ -470,6 +484,7 @@ class S3Store(ObjectStore):
                 r = await self._call(
                     f"list {prefix or '(all)'}",
                     self._checked(self._client.list_objects_v2, "ListObjectsV2", "IsTruncated"),
+                    reads=True,
                     **kw,
                 )
             except bce.ClientError as e:

@@ -270,6 +270,30 @@ async def test_a_body_cut_off_mid_stream_is_retried(s3_server, proxy) -> None:  
             await s.get("big")
 
 
+async def test_a_read_from_an_endpoint_that_never_answers_ends_when_cancelled(
+    s3_server,  # noqa: ANN001
+    proxy,  # noqa: ANN001
+) -> None:
+    """An endpoint that accepts connections and never answers (a stalled proxy, a
+    blackholed route): a get, head or list held its caller, cancelled or not, for the whole
+    read timeout, so a reader interrupted or a cleanup bounded to a few seconds waited on.
+    Reads now end when their caller is cancelled."""
+    bucket = s3_server.new_bucket()
+    url = f"s3://{bucket}?endpoint={proxy.endpoint}&read_timeout=30"
+    async with await open_objectstore(url) as s:
+        await s.put("k", b"v")
+        proxy.delay = 40.0  # every forwarded chunk waits: nothing comes back
+        try:
+            for read in (s.get("k"), s.modified("k"), s.list_all("")):
+                with trio.fail_after(10):  # (the thread alone would take 30 s)
+                    with trio.move_on_after(0.5) as scope:
+                        await read
+                assert scope.cancelled_caught
+        finally:
+            proxy.delay = 0.0
+            proxy.down()  # (the stalled pipes end with their connections)
+
+
 async def test_a_reply_cut_in_its_headers_is_retried_not_taken_as_empty(s3_server, proxy) -> None:  # noqa: ANN001
     """botocore parses a 200 reply cut off in its headers into an empty result: a listing
     with no keys (kvfs's collector took that as "no manifest names these objects" and
