@@ -22,6 +22,7 @@ import sqlite3
 import threading
 import time
 import uuid
+import weakref
 from collections import Counter
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -47,11 +48,10 @@ from ._local import DEVICE_MARKER, LocalTier, device_store
 from ._lock import DirLock
 from ._policy import TieringPolicy
 from ._types import PageInfo, SessionInfo, StoreStatistics
-from ._writes import PageWriter, check_attrs
+from ._writes import RESERVE_WAIT_SECONDS, PageWriter, check_attrs
 
 __all__ = ["Engine", "PageWriter"]
 
-RESERVE_WAIT_SECONDS = 10.0
 #: how long close() waits for calls in flight before it closes under them (then the index
 #: is not marked clean, and the next open recounts as after a crash)
 CLOSE_WAIT_SECONDS = 120.0
@@ -275,6 +275,11 @@ class Engine:
             for b in self.index.local_blobs():
                 self._account(b, +1)
         self.reserved = 0
+        #: callers of _reserve waiting for room: id -> (since, bytes they already hold)
+        self._reserve_waiters: dict[int, tuple[float, int]] = {}
+        self._waiter_ids = iter(range(1 << 62))
+        #: streaming writers not yet committed or aborted (aborted at close)
+        self._page_writers: weakref.WeakSet[PageWriter] = weakref.WeakSet()
         # A capacity given is the store's: kept, so that an open without one (an offline
         # `kvfs put` beside a daemon mounted with --capacity) keeps to it too. Without
         # either: the disks' free space (each file system counted once) less headroom.
@@ -349,6 +354,8 @@ class Engine:
                     CLOSE_WAIT_SECONDS,
                 )
         try:
+            if settled:
+                self._abort_writers()
             self._atime_pool.shutdown(wait=True)
             try:
                 self.flush_atimes()
@@ -381,6 +388,17 @@ class Engine:
         finally:
             self._lock.release()
 
+    def _abort_writers(self) -> None:
+        """Discard the streaming writes never committed or aborted (no call of theirs runs
+        now): their files would outlive the close, outside the cap, and the next open,
+        finding the index clean, would not look for them."""
+        with self._cap_lock:
+            left = [w for w in list(self._page_writers) if not w.closed]
+        for w in left:
+            w.abort()
+        if left:
+            log.warning("closing: %d page write(s) never committed were discarded", len(left))
+
     def _check_open(self) -> None:
         if os.getpid() != self._pid:
             raise StoreClosed(
@@ -393,17 +411,29 @@ class Engine:
             raise StoreClosed("the store is closed")
 
     # -- capacity ---------------------------------------------------------------------
-    def _reserve(self, n: int, own: int = 0) -> None:
+    def _reserve(self, n: int, own: int = 0, deadline: float | None = None) -> None:
         """Reserve ``n`` bytes under the cap, evicting by policy if needed.
 
         When nothing is evictable *now* but other writes are in flight, their reservations
         will soon either be released or become committed (evictable) pages: wait for that
-        (up to RESERVE_WAIT_SECONDS) instead of failing a put another put's timing doomed.
-        ``own`` is what the caller already holds (a growing streaming writer): it is not
-        waited for.
-        Raises CapacityExceeded when the page cannot fit even then.
+        (until ``deadline``, a time.monotonic(); default RESERVE_WAIT_SECONDS from now)
+        instead of failing a put another put's timing doomed. ``own`` is what the caller
+        already holds (a growing streaming writer): it is not waited for, and nor is what
+        callers that began waiting earlier hold: they may be waiting for this caller's room
+        (two streaming writers each holding half the cap waited for each other until the
+        deadline). The later one fails at once; the earlier gets the room once its writer
+        gives up. Raises CapacityExceeded when the page cannot fit even then.
         """
-        deadline = time.monotonic() + RESERVE_WAIT_SECONDS
+        if deadline is None:
+            deadline = time.monotonic() + RESERVE_WAIT_SECONDS
+        me = next(self._waiter_ids)
+        try:
+            self._reserve_waiting(n, own, deadline, me)
+        finally:
+            with self._cap_lock:
+                self._reserve_waiters.pop(me, None)
+
+    def _reserve_waiting(self, n: int, own: int, deadline: float, me: int) -> None:
         while True:
             with self._cap_lock:
                 if self.used + self.reserved + n <= self.capacity:
@@ -428,7 +458,11 @@ class Engine:
             with self._cap_changed:
                 if self.used + self.reserved + n <= self.capacity:
                     continue
-                if self.reserved - own <= 0 or time.monotonic() > deadline:
+                since = self._reserve_waiters.setdefault(me, (time.monotonic(), own))[0]
+                older = sum(
+                    held for w, (at, held) in self._reserve_waiters.items() if (at, w) < (since, me)
+                )
+                if self.reserved - own - older <= 0 or time.monotonic() > deadline:
                     raise CapacityExceeded(
                         f"no room for {n} bytes: {self.used} of {self.capacity} bytes used, "
                         f"{self.reserved} reserved by writes in flight, and not enough left "
@@ -514,7 +548,10 @@ class Engine:
         """A streaming writer for a page whose size is not known up front (the FUSE mount)."""
         with self._using():
             k = as_key(key)
-            return PageWriter(self, k)
+            w = PageWriter(self, k)
+            with self._cap_lock:
+                self._page_writers.add(w)
+            return w
 
     # -- reads (kvfs/_reads.py) -------------------------------------------------------
     def get(self, key: PageKey | str, into: object | None = None) -> bytes | int:

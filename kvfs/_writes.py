@@ -47,6 +47,7 @@ __all__ = [
     "ATTR_UID",
     "ATTR_XATTR",
     "RESERVED_ATTRS",
+    "RESERVE_WAIT_SECONDS",
     "XATTR_SIZE_MAX",
     "PageWriter",
     "check_attrs",
@@ -54,6 +55,8 @@ __all__ = [
     "put",
 ]
 
+#: how long a write waits for room that writes in flight hold (kvfs/_engine.py, _reserve)
+RESERVE_WAIT_SECONDS = 10.0
 HASH_GROUP = 2 * LEAF  # bytes hashed per pool task when a streamed page is committed
 #: Pages up to this size are hashed before they are written, so a duplicate costs no write;
 #: larger ones are hashed while they are written (a duplicate's files are then removed).
@@ -335,6 +338,11 @@ class PageWriter:
     def size(self) -> int:
         return self._size
 
+    @property
+    def closed(self) -> bool:
+        """Committed or aborted (or a commit under way)."""
+        return self._done
+
     def write(self, offset: int, data: bytes | memoryview) -> int:
         with self.engine._using():
             return self._write(offset, data)
@@ -363,13 +371,15 @@ class PageWriter:
                     max(0, self.engine.capacity // 64),
                     self.engine.capacity - whole,
                 )
+                # (one wait in all: the second try is for less, not for longer)
+                deadline = time.monotonic() + RESERVE_WAIT_SECONDS
                 try:
-                    self.engine._reserve(need + extra, own=self._reserved)
+                    self.engine._reserve(need + extra, own=self._reserved, deadline=deadline)
                 except CapacityExceeded:
                     if extra == 0:
                         raise
                     extra = 0
-                    self.engine._reserve(need, own=self._reserved)
+                    self.engine._reserve(need, own=self._reserved, deadline=deadline)
                 self._reserved += need + extra
             self._size = max(self._size, end)
             touched = range(offset // LEAF, -(-end // LEAF)) if end > offset else range(0)
@@ -425,7 +435,7 @@ class PageWriter:
         self, *, attrs: dict[str, str] | None = None, replace: bool = False, pin: bool = False
     ) -> PageInfo:
         """Make the written bytes a page. Raises PageExists (unless replace), CapacityExceeded,
-        StoreClosed (then abort() removes what was written)."""
+        StoreClosed (the close discards what was written; abort() is then a no-op)."""
         with self.engine._using():
             return self._commit(attrs, replace, pin)
 
@@ -482,8 +492,9 @@ class PageWriter:
         return b"".join(out)
 
     def abort(self) -> None:
-        if self._done:
-            return
-        self._done = True
+        with self._lock:  # (the store's close may abort it too)
+            if self._done:
+                return
+            self._done = True
         self._w.abort()
         self.engine._unreserve(self._reserved)

@@ -336,3 +336,67 @@ def test_the_capacity_given_is_kept_with_the_store(
         s.put("big", os.urandom(2 << 20))
     with kvfs.open_store_sync(default) as s:
         assert s.statistics().capacity_bytes == 4 << 20
+
+
+def test_two_streaming_writers_each_holding_half_the_cap_do_not_wait_for_each_other(
+    make_config: Callable[..., kvfs.StoreConfig], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each writer's next write needs room the other holds. Each waited for the other's
+    reservation to go, which it could not while its owner waited too, until the deadline.
+    Now the later waiter fails at once (ENOSPC on the mount); its writer gives up, and the
+    earlier one gets the room. (The deadline is made long: only the wait's end is checked.)"""
+    import kvfs._engine
+    import kvfs._writes
+
+    monkeypatch.setattr(kvfs._engine, "RESERVE_WAIT_SECONDS", 600.0)
+    monkeypatch.setattr(kvfs._writes, "RESERVE_WAIT_SECONDS", 600.0, raising=False)
+    cfg = make_config(ndev=1, stripe_unit=64 * KiB, capacity=2 * MiB)
+    with kvfs.open_store_sync(cfg) as store:
+        writers = [store.begin_write(f"eng/w{i}") for i in range(2)]
+        for w in writers:
+            w.write(0, bytes(900_000))
+        both = threading.Barrier(2)
+        outcome: dict[int, str] = {}
+
+        def more(i: int) -> None:
+            both.wait()
+            try:
+                writers[i].write(900_000, bytes(900_000))
+                writers[i].commit()
+                outcome[i] = "committed"
+            except kvfs.CapacityExceeded:
+                writers[i].abort()
+                outcome[i] = "refused"
+
+        threads = [threading.Thread(target=more, args=(i,), daemon=True) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert not any(t.is_alive() for t in threads), "the writers wait for each other"
+        assert sorted(outcome.values()) == ["committed", "refused"]
+        st = store.statistics()
+        assert st.used_bytes <= 2 * MiB and st.reserved_bytes == 0
+
+
+def test_a_streaming_write_left_open_at_close_leaves_nothing(
+    make_config: Callable[..., kvfs.StoreConfig],
+) -> None:
+    """A writer neither committed nor aborted when the store closes (a script that forgot,
+    an engine that stopped mid-file): its files stayed on disk outside the cap, and the next
+    open, finding the index closed cleanly, never looked for them."""
+    cfg = make_config(ndev=2, stripe_unit=64 * KiB, capacity=8 * MiB)
+    with kvfs.open_store_sync(cfg) as store:
+        w = store.begin_write("eng/f")
+        w.write(0, os.urandom(1 * MiB))
+    with pytest.raises(kvfs.StoreClosed):
+        w.write(1 * MiB, b"more")
+    with kvfs.open_store_sync(cfg) as store:
+        assert store.fsck()["orphans"] == []
+        on_disk = sum(
+            f.stat().st_size
+            for d in cfg.data_dirs
+            for f in d.rglob("*")
+            if f.is_file() and "blobs" in f.parts
+        )
+        assert on_disk == store.statistics().used_bytes == 0
