@@ -155,12 +155,27 @@ class Collector:
                 if self._mine.get(k, 0) is not None:  # not a pass of this process under way
                     await self.finish(k)
             elif k not in self._mine:
-                self._mine[k] = now  # finished by a previous run: removed a window from now
+                # finished by a previous run: removed a window after it finished. (Taking
+                # "now" as that time, a host used only by short commands never removed any:
+                # no process lived a window past the one that met them.)
+                self._mine[k] = await self._finished_at(k, now)
         for k, at in list(self._mine.items()):
             if at is not None and now - at > self.window:
                 await self.store.delete(k)
                 await self.store.delete(k + DONE)
                 del self._mine[k]
+
+    async def _finished_at(self, key: str, now: float) -> float:
+        """When this host finished its intent ``key``, by its own clock as its done marker
+        says (``now`` when that is unreadable, or later than now: the clock went back)."""
+        try:
+            body = msgpack.unpackb(await self.store.get(key + DONE), raw=False)
+            return min(float(body["written"]), now)
+        except FileNotFoundError:
+            return now
+        except Exception as e:  # noqa: BLE001 - a damaged marker: kept a window more
+            log.warning("archive collection marker %s%s is unreadable (%s)", key, DONE, e)
+            return now
 
     # -- the dropping side ----------------------------------------------------------------
     async def settle(

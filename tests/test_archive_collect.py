@@ -176,6 +176,30 @@ def test_finished_intents_linger_for_the_window_then_go(
         assert len(second) == 2 and not set(first) & set(second)
 
 
+def test_finished_intents_of_short_lived_processes_go_too(
+    make_config,  # noqa: ANN001
+    archive_url: str,  # noqa: F811
+) -> None:
+    """A host used only by short commands (``kvfs rm``, a script with ``SyncStore``): each
+    run's collection left its intent, and the next run counted the window from its own
+    start, so no run ever removed one. Every other host's settle lists them all."""
+    window = 0.5
+    cfg = archived_cfg(make_config, archive_url, name="host-a", gc_window=window)
+    with kvfs.open_store_sync(cfg) as a:
+        for i in range(3):
+            a.put(PageKey.semantic("a", "p", i), kv_page(30 + i))
+        a.spill("a")
+    runs = []
+    for i in range(2):
+        with kvfs.open_store_sync(cfg) as a:
+            a.delete(PageKey.semantic("a", "p", i))  # collects its object
+            policy = a.engine.policy  # type: ignore[attr-defined]
+            runs.append(set(policy.call(policy.store.list_all, "gc/")))
+        time.sleep(window * 1.5)
+    assert len(runs[0]) == 2
+    assert len(runs[1]) == 2 and not runs[0] & runs[1]  # the first run's went
+
+
 def test_hosts_writing_the_same_directory_keep_each_others_pages(
     make_config,  # noqa: ANN001
     archive_url: str,  # noqa: F811
