@@ -1129,15 +1129,22 @@ class ArchivingPolicy(TieringPolicy):
         held = trio.CapacityLimiter(downloads.total_tokens + staging.total_tokens)
         wake = trio.Event()
         producing = len(blobs)
+        down: list[ArchiveUnavailable] = []  # once one download says so, the rest do not try
 
         async def one(b: BlobRow) -> None:
             nonlocal producing
             try:
                 async with held:
                     async with downloads:
+                        if down:
+                            raise ArchiveUnavailable(str(down[0]))
                         if not await self._still_archived([b], settle):
                             return
-                        obj = await self._get_object(b)
+                        try:
+                            obj = await self._get_object(b)
+                        except ArchiveUnavailable as e:
+                            down.append(e)
+                            raise
                     # The download slot is free again while this object is decoded, verified
                     # and written: downloads stay `concurrency` deep, as boto3 alone would.
                     async with staging:

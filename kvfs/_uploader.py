@@ -109,6 +109,11 @@ class Uploaded:
     codec: str | None
 
 
+def _unavailable(errors: list[Exception | None]) -> ArchiveUnavailable | None:
+    """The first "archive unreachable" among a batch's errors."""
+    return next((e for e in errors if isinstance(e, ArchiveUnavailable)), None)
+
+
 # -- the worker process -------------------------------------------------------------------
 _stores: dict[tuple, Any] = {}
 #: ``auto``'s remembered choices, per archive: the workers are shared by every store of a
@@ -736,6 +741,8 @@ class UploadPool:
             answered,
             release,
             "nothing dropped",
+            outage=lambda result: _unavailable([result[1]]),
+            refused=lambda batch, e: ([], e),
         )
         if errors:
             raise errors[0]
@@ -762,6 +769,8 @@ class UploadPool:
             release,
             "nothing restored",
             before_retry,
+            outage=lambda results: _unavailable([r.error for r in results]),
+            refused=lambda batch, e: [Restored(j.h, None, 0, (), e) for j in batch],
         )
 
     async def _run(
@@ -772,37 +781,54 @@ class UploadPool:
         release: Callable[[list[Any]], None],
         outcome: str,
         before_retry: Callable[[list[Any]], None] | None = None,
+        *,
+        outage: Callable[[Any], Exception | None],
+        refused: Callable[[list[Any], Exception], Any],
     ) -> None:
+        """Run ``jobs`` in batches, ``processes`` batches in flight. Once a batch's answer
+        says the archive is unreachable (``outage(result)``), the batches not started yet
+        are answered ``refused(batch, error)`` without trying: each would wait out the
+        store's deadline again (a restore of a large session, endpoint down, took one
+        deadline per batch, minutes, before it said so)."""
         if not jobs:
             return
         per = max(1, -(-len(jobs) // self.processes))
         per = min(per, 4 * max(1, self.concurrency // self.processes))
         batches = [jobs[i : i + per] for i in range(0, len(jobs), per)]
         inner = max(1, -(-self.concurrency // min(self.processes, len(batches))))
+        slots = trio.CapacityLimiter(self.processes)
+        down: list[Exception] = []
 
         async def one(batch: list[Any]) -> None:
             hold = _Hold(batch, release)
             try:
-                for attempt in (1, 2):
-                    fn, args = call(batch, inner)
-                    fut = _shared_workers(self.processes).submit(fn, *args)
-                    fut.add_done_callback(hold.job_done)
-                    try:
-                        result = await _wait(fut)
-                    except WorkerDied as e:
-                        self.restarts += 1
-                        if attempt == 2:
-                            raise ArchiveUnavailable(f"{e}, twice; {outcome}") from e
-                        if before_retry is not None:
-                            before_retry(batch)
-                        continue
-                    except BaseException:
-                        hold.abandon(fut)  # cancelled: the files stay held until the job ends
-                        raise
-                    await answered(batch, result)
-                    return
+                # (the slot is free again while the answer is handled: a commit of restored
+                # pages must not keep a worker idle)
+                async with slots:
+                    result = refused(batch, down[0]) if down else await attempts(batch, hold)
+                    if (e := outage(result)) is not None:
+                        down.append(e)
+                await answered(batch, result)
             finally:
                 hold.finish()
+
+        async def attempts(batch: list[Any], hold: _Hold) -> Any:
+            for attempt in (1, 2):
+                fn, args = call(batch, inner)
+                fut = _shared_workers(self.processes).submit(fn, *args)
+                fut.add_done_callback(hold.job_done)
+                try:
+                    return await _wait(fut)
+                except WorkerDied as e:
+                    self.restarts += 1
+                    if attempt == 2:
+                        raise ArchiveUnavailable(f"{e}, twice; {outcome}") from e
+                    if before_retry is not None:
+                        before_retry(batch)
+                except BaseException:
+                    hold.abandon(fut)  # cancelled: the files stay held until the job ends
+                    raise
+            raise AssertionError("unreachable")
 
         from objectstore._abc import one_error_nursery
 

@@ -194,6 +194,58 @@ def test_a_put_needing_room_while_the_archive_is_down_tries_one_batch_and_says_w
         assert s.get(PageKey.semantic("a", "p", 0)) == page(0)
 
 
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_restore_with_the_endpoint_down_stops_trying_once_it_knows(
+    s3_server,  # noqa: ANN001
+    proxy,  # noqa: ANN001
+    make_config,  # noqa: ANN001
+    workers: int,
+) -> None:
+    """Every download (every batch, with upload workers) of a large session waited out the
+    store's deadline in turn before the restore said the archive was unreachable: minutes
+    with the default deadline. Once one says so, the rest are not tried."""
+    concurrency = 2
+    _, cfg = proxied_config(
+        s3_server,
+        proxy,
+        make_config,
+        ndev=1,
+        query="deadline=0.3&connect_timeout=0.3",
+        concurrency=concurrency,
+        upload_processes=workers,
+    )
+    with kvfs.open_store_sync(cfg) as s:
+        put_pages(s, "a", 24)
+        s.spill("a")
+        policy = s.engine.policy  # type: ignore[attr-defined]
+        tried: list[object] = []
+        if workers:
+            pool, run = policy.uploads, policy.uploads._run
+
+            async def counting(jobs, call, *args, **kw):  # noqa: ANN001, ANN002, ANN003, ANN202
+                return await run(jobs, lambda b, n: (tried.append(b), call(b, n))[1], *args, **kw)
+
+            pool._run = counting
+        else:
+            store, get = policy.store, policy.store.get
+
+            async def counting_get(key: str, **kw: object) -> object:
+                if key.startswith("blobs/"):
+                    tried.append(key)
+                return await get(key, **kw)
+
+            store.get = counting_get
+        proxy.down()
+        with pytest.raises(kvfs.ArchiveUnavailable):
+            s.restore("a")
+        # one round: a download slot each (a worker each), not all 24 pages (6 batches)
+        assert 0 < len(tried) <= max(concurrency, workers), len(tried)
+        proxy.up()
+        s.restore("a")
+        for i in range(24):
+            assert s.get(PageKey.semantic("a", "p", i)) == page(i)
+
+
 def test_delete_while_endpoint_down_is_finished_later(s3_server, proxy, make_config) -> None:  # noqa: ANN001
     bucket, cfg = proxied_config(
         s3_server,
