@@ -17,7 +17,7 @@ from typing import Any
 import kvfs
 from kvfs._remote import SyncRemoteStore
 
-from ._target import add_store_flags, open_target
+from ._target import add_store_flags, map_mount_paths, open_target
 from ._util import (
     EXIT,
     Progress,
@@ -507,6 +507,7 @@ def cmd_put(args: argparse.Namespace) -> int:
         if not sep or not k:
             raise ValueError(f"--attr wants K=V, not {a!r}")
         attrs[k] = v
+    map_mount_paths(args)  # (a path on the mount names a page of the mount's store)
     kvfs.PageKey(args.key)  # a bad name is refused before a store is made for it
     if args.file == "-":
         data = sys.stdin.buffer.read()

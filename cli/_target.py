@@ -23,11 +23,18 @@ from kvfs._control import DaemonUnavailable
 from kvfs._engine import devices_known
 from kvfs._keys import SESSIONS_DIR
 from kvfs._local import DEVICE_MARKER
-from kvfs._mountinfo import mounts
+from kvfs._mountinfo import mount_of, mounts
 from kvfs._remote import SyncRemoteStore
 from kvfs._settings import Settings, load_settings, unknown_environment
 
-__all__ = ["add_store_flags", "daemon_services", "open_target", "settings_from_args"]
+__all__ = [
+    "add_store_flags",
+    "daemon_services",
+    "map_mount_paths",
+    "open_target",
+    "refuse_store_on_mount",
+    "settings_from_args",
+]
 
 
 def add_store_flags(
@@ -94,6 +101,9 @@ def map_mount_paths(args: argparse.Namespace) -> None:
     that exists in the working directory when that is on the mount) become the store paths
     they show, and the mount's store is the one used unless the command names another.
     Other targets are left alone."""
+    if getattr(args, "mapped_mount_paths", False):
+        return  # (a command that mapped them before it opened the store)
+    args.mapped_mount_paths = True
     mounts = sorted(kvfs_mounts(), key=len, reverse=True)
     if not mounts:
         return
@@ -120,6 +130,17 @@ def map_mount_paths(args: argparse.Namespace) -> None:
         values = getattr(args, name, None)
         if isinstance(values, list):
             setattr(args, name, [mapped(v) for v in values])
+    unset = (
+        getattr(args, "data", None) is None
+        and getattr(args, "config", None) is None
+        and not os.environ.get("KVFS_DATA_DIRS")
+        and not os.environ.get("KVFS_CONFIG")
+    )
+    if not used and unset:
+        # Run from a directory on the mount with no store named: the mount's store, not a
+        # default ./kvfs-data made inside the mount (it was, as a page and a directory)
+        here, fstype = mount_of(os.getcwd())
+        used = {here} if fstype == "fuse.kvfs" else used
     if (
         len(used) == 1
         and getattr(args, "data", None) is None
@@ -131,6 +152,19 @@ def map_mount_paths(args: argparse.Namespace) -> None:
             args.index_dir = state.get("index_dir")
             if getattr(args, "socket", None) is None:
                 args.socket = state.get("control_socket")
+
+
+def refuse_store_on_mount(config: kvfs.StoreConfig) -> None:
+    """A store cannot live on a kvfs mount (its own, or another's): its lock and index
+    would be pages. Raises ValueError naming the mount."""
+    for d in config.data_dirs:
+        mp, fstype = mount_of(d)
+        if fstype == "fuse.kvfs":
+            raise ValueError(
+                f"data directory {os.path.abspath(d)} is on the kvfs mount {mp}: a store "
+                "cannot live there (give --data a directory elsewhere, or run the command "
+                "with a path on the mount to use the mount's store)"
+            )
 
 
 def mount_state(mountpoint: str) -> dict[str, Any] | None:
@@ -194,6 +228,7 @@ def open_target(
             finally:
                 remote.close()
             return
+    refuse_store_on_mount(config)
     new = not config.index_path.exists()
     if from_archive and config.archive_url and settings.sources["archive_url"] != "default":
         create = True

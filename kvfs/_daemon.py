@@ -29,7 +29,7 @@ import trio
 from ._config import StoreConfig
 from ._errors import leaf_errors
 from ._mount import BadMountArgument, MountError, MountOptions, check_mountpoint, serve_mount
-from ._mountinfo import mounts
+from ._mountinfo import mount_of, mounts
 from ._settings import config_socket_path, runtime_dir
 from ._store import Store, open_store
 
@@ -117,6 +117,9 @@ def main(
         for d in config.data_dirs:
             if d.exists() and not d.is_dir():
                 raise BadMountArgument(f"data directory {d} is not a directory")
+            on, fstype = mount_of(d)
+            if fstype == "fuse.kvfs":  # (its lock and index would be another store's pages)
+                raise BadMountArgument(f"data directory {d} is on the kvfs mount {on}")
         if log_file is not None and not Path(log_file).absolute().parent.is_dir():
             raise BadMountArgument(f"--log {log_file}: {Path(log_file).parent} is not a directory")
     except MountError as e:

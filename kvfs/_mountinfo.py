@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import re
 
-__all__ = ["fs_type", "mounts"]
+__all__ = ["fs_type", "mount_of", "mounts"]
 
 # The kernel writes a space, tab, newline and backslash in a path as a 3-digit octal escape.
 _ESCAPE = re.compile(rb"\\([0-7]{3})")
@@ -31,12 +31,17 @@ def mounts(path: str = "/proc/self/mountinfo") -> list[tuple[str, str]]:
 
 
 def fs_type(path: str | os.PathLike[str]) -> str:
-    """The type of the file system ``path`` is on (the last mount over its deepest
-    mountpoint above it: a later mount hides an earlier one)."""
+    """The type of the file system ``path`` is on."""
+    return mount_of(path)[1]
+
+
+def mount_of(path: str | os.PathLike[str]) -> tuple[str, str]:
+    """(mountpoint, type) of the file system ``path`` is on, whether it exists or not (the
+    last mount over its deepest mountpoint above it: a later mount hides an earlier one)."""
     real = os.path.realpath(path)
     best, kind = "", ""
     for mp, t in mounts():
         inside = real == mp or real.startswith(mp.rstrip("/") + "/")
         if inside and len(mp) >= len(best):
             best, kind = mp, t
-    return kind
+    return best, kind
