@@ -207,15 +207,26 @@ class ArchivingPolicy(TieringPolicy):
         self._token: trio.lowlevel.TrioToken | None = None
         options = dict(self.cfg.store_options or {})
         idx = engine.index
-        if (
-            self.url.startswith("file:")
-            and idx.get_meta("archive") == archive_identity(self.url)
-            and idx.has_archive_only()
+        recorded = idx.get_meta("archive")
+        moved = recorded not in (None, archive_identity(self.url)) and idx.has_archived()
+        if self.url.startswith("file:") and (
+            moved or recorded == archive_identity(self.url) and idx.has_archive_only()
         ):
             # It holds pages this store has nowhere else: a missing directory is a share not
-            # mounted now, not a new archive to create (in the empty mount point).
+            # mounted now, not a new archive to create (in the empty mount point). Another
+            # archive than the one recorded is refused unless it holds this store's objects
+            # (_check_identity): a missing one cannot, and is not made only to be refused.
             options.setdefault("create", False)
-        self.store = trio.run(lambda: open_objectstore(self.url, **options))
+        try:
+            self.store = trio.run(lambda: open_objectstore(self.url, **options))
+        except ArchiveUnavailable as e:
+            if moved:
+                raise ArchiveUnavailable(
+                    f"this store's archived pages are in {recorded}, but the archive "
+                    f"configured is {self.url}: {e} (configure {recorded} again, or copy its "
+                    "objects to the new location first)"
+                ) from e
+            raise
         try:
             self._check_identity()
         except BaseException:

@@ -844,6 +844,7 @@ def test_an_archive_that_is_not_this_stores_is_refused(make_config, tmp_path: Pa
         s.spill("a")
     with pytest.raises(kvfs.ArchiveUnavailable, match="archived pages are in file://.*ar1"):
         kvfs.open_store_sync(archived_cfg(make_config, other)).__enter__()
+    assert not (tmp_path / "ar2").exists()  # refused, and not made only to be refused
     # another store's archive holding a session of the same name (engines name their
     # directories alike on every host) is not a copy of this one's
     with kvfs.open_store_sync(archived_cfg(make_config, other, name="elsewhere")) as e:
