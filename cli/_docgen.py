@@ -105,7 +105,8 @@ def configuration_markdown() -> str:
         "2. one TOML file: `--config FILE`, else `$KVFS_CONFIG`, else none;",
         "3. environment variables `KVFS_<OPTION>` (lists comma-separated, sizes as "
         "`64MiB`/`2GB`/bytes, durations as seconds or `30m`/`12h`/`7d`, booleans "
-        "`true`/`false`/`1`/`0`);",
+        "`true`/`false`, `1`/`0`, `yes`/`no` or `on`/`off`, in any case; a TOML file may "
+        "give them as booleans or as these strings);",
         "4. command-line flags (`--data`, `--archive`, `--socket`, and on `kvfs mount` "
         "also `--capacity`, `--stripe-unit`, `--metrics-port`, `--log-level`).",
         "",

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import difflib
 import logging
 import os
 import threading
@@ -125,13 +126,28 @@ class ArchiveConfig:
 
     @classmethod
     def from_extra(cls, extra: dict[str, object]) -> ArchiveConfig:
+        """The settings in ``extra["archive"]``. Raises ValueError naming a setting that is
+        unknown (with the name meant, where a close one or its configuration file name is
+        given) or of the wrong kind."""
+        from ._settings import ARCHIVE_FIELDS
+
         raw = dict(extra.get("archive") or {})  # type: ignore[call-overload]
         names = {f.name for f in fields(cls)}
-        unknown = set(raw) - names
+        unknown = sorted(set(raw) - names)
         if unknown:
-            raise ValueError(f"unknown archive setting(s): {', '.join(sorted(unknown))}")
+            hints = []
+            for u in unknown:
+                meant = ARCHIVE_FIELDS.get(u) or next(
+                    iter(difflib.get_close_matches(u, names, 1)), None
+                )
+                hints.append(f"{u} ({meant}?)" if meant in names else u)
+            raise ValueError(f"unknown archive setting(s): {', '.join(hints)}")
         if "retention" in raw:
             raw["retention"] = parse_duration(raw["retention"])
+        for f in fields(cls):
+            if f.name in raw and not _of_kind(raw[f.name], f.default):
+                kind = "dict" if f.default is None else type(f.default).__name__
+                raise ValueError(f"archive setting {f.name}: {raw[f.name]!r} is no {kind}")
         cfg = cls(**raw)
         if cfg.upload_processes < 0:
             raise ValueError("archive upload_processes must be >= 0")
@@ -146,6 +162,18 @@ class ArchiveConfig:
         if not 0 < cfg.low_watermark <= cfg.high_watermark <= 1:
             raise ValueError("archive watermarks need 0 < low_watermark <= high_watermark <= 1")
         return cfg
+
+
+def _of_kind(value: object, default: object) -> bool:
+    """Whether ``value`` may stand where ``default`` does (an int for a float; no bool for
+    a number; a dict or None for None)."""
+    if default is None:
+        return value is None or isinstance(value, dict)
+    if isinstance(value, bool) or isinstance(default, bool):
+        return type(value) is type(default)
+    if isinstance(default, float):
+        return isinstance(value, (int, float))
+    return isinstance(value, type(default))
 
 
 def archive_identity(url: str | None) -> str:

@@ -29,6 +29,7 @@ import tomllib
 from ._config import StoreConfig, parse_duration, parse_size
 
 __all__ = [
+    "ARCHIVE_FIELDS",
     "OPTIONS",
     "Option",
     "Settings",
@@ -231,7 +232,7 @@ OPTIONS: tuple[Option, ...] = (
 
 _BY_NAME = {o.name: o for o in OPTIONS}
 #: archive options -> their ``StoreConfig.extra["archive"]`` names (kvfs._archive.ArchiveConfig)
-_ARCHIVE_FIELDS = {
+ARCHIVE_FIELDS = {
     o.name: {"spill_interval": "interval", "archive_concurrency": "concurrency"}.get(o.name, o.name)
     for o in OPTIONS
     if o.section == "archive" and o.name != "archive_url"
@@ -266,7 +267,7 @@ class Settings:
             io_threads=int(v["io_threads"]),  # type: ignore[call-overload]
             archive_url=self.archive_url(),
             extra={
-                "archive": {field: v[name] for name, field in _ARCHIVE_FIELDS.items()},
+                "archive": {field: v[name] for name, field in ARCHIVE_FIELDS.items()},
                 "daemon": {
                     k: v[k]
                     for k in (

@@ -136,9 +136,9 @@ def test_archive_policy_is_configurable_like_any_option(tmp_path: Path) -> None:
     """A daemon's spill policy comes from its config file and environment, and reaches the
     archive tier as the store opens it; bad values are refused with the option named."""
     from kvfs._archive import ArchiveConfig
-    from kvfs._settings import _ARCHIVE_FIELDS
+    from kvfs._settings import ARCHIVE_FIELDS
 
-    for name, field in _ARCHIVE_FIELDS.items():  # one default, not two that can drift apart
+    for name, field in ARCHIVE_FIELDS.items():  # one default, not two that can drift apart
         assert load_settings(env={})[name] == getattr(ArchiveConfig, field), name
     f = tmp_path / "kvfs.toml"
     f.write_text(
@@ -253,3 +253,25 @@ def test_runtime_paths_do_not_depend_on_the_callers_environment(
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
     assert (control_socket_path(long), state_path(tmp_path / "mnt")) == before
     assert before[0].parent == before[1].parent == runtime_dir()
+
+
+def test_archive_settings_in_extra_are_checked_by_name_and_kind() -> None:
+    """``StoreConfig(extra={"archive": ...})`` from a script: a value of the wrong kind was
+    a bare TypeError from deep inside ('<=' not supported...), and the configuration file's
+    names for two settings were refused with no word of the names meant."""
+    from kvfs._archive import ArchiveConfig
+
+    def refused(archive: dict[str, object]) -> str:
+        with pytest.raises(ValueError) as e:
+            ArchiveConfig.from_extra({"archive": archive})
+        return str(e.value)
+
+    assert refused({"concurrency": "x"}) == "archive setting concurrency: 'x' is no int"
+    assert refused({"high_watermark": True}) == "archive setting high_watermark: True is no float"
+    assert "archive_concurrency (concurrency?)" in refused({"archive_concurrency": 8})
+    assert "spill_interval (interval?)" in refused({"spill_interval": 0})
+    assert "intervall (interval?)" in refused({"intervall": 1})
+    cfg = ArchiveConfig.from_extra(
+        {"archive": {"interval": 2, "retention": "1d", "store_options": {"deadline": 1}}}
+    )
+    assert (cfg.interval, cfg.retention) == (2, 86400.0)
