@@ -145,7 +145,8 @@ def configuration_markdown() -> str:
         "first could plant a socket or a pid there): remove it. The socket is mode 0600 and "
         "every connection's peer is checked with `SO_PEERCRED`: only the daemon's user and "
         "root are served, and a client refuses a daemon run by another user (root may use "
-        "any user's). A daemon replaces a leftover socket nothing answers on, and refuses to "
+        "any user's). A command given only the data directory also finds a mounted daemon "
+        "started with its own `--socket` (from that mount's state file). A daemon replaces a leftover socket nothing answers on, and refuses to "
         "start where another daemon answers or a file that is no socket is in the way. "
         "Messages are msgpack, each preceded by its 4-byte big-endian length (records such "
         "as `PageInfo` as a msgpack extension type).",

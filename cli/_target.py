@@ -167,6 +167,27 @@ def refuse_store_on_mount(config: kvfs.StoreConfig) -> None:
             )
 
 
+def _mounted_sockets(config: kvfs.StoreConfig) -> list[str]:
+    """The control sockets that mounted daemons of this user recorded for ``config``'s
+    data (their state files in the runtime directory)."""
+    from kvfs._settings import runtime_dir
+
+    first = os.path.abspath(config.data_dirs[0])
+    found = []
+    try:
+        states = sorted(runtime_dir().glob("mount-*.json"))
+    except PermissionError:  # a runtime directory not to trust: nothing in it is used
+        return []
+    for path in states:
+        try:
+            state = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(state, dict) and (state.get("data_dirs") or [None])[0] == first:
+            found.append(str(state.get("control_socket") or ""))
+    return [f for f in found if f]
+
+
 def mount_state(mountpoint: str) -> dict[str, Any] | None:
     """What the daemon serving ``mountpoint`` recorded (its pid, data directories)."""
     from kvfs._daemon import state_path
@@ -215,19 +236,30 @@ def open_target(
     config = settings.store_config()
     mode = getattr(args, "mode", None)
     if mode != "offline":
-        remote = SyncRemoteStore(settings.socket_path())
-        try:
-            remote.ping()
-        except DaemonUnavailable:
-            remote.close()
-            if mode == "daemon":
-                raise
-        else:
+        first = settings.socket_path()
+
+        def sockets() -> Iterator[Path]:
+            yield first
+            if settings.sources["control_socket"] == "default":
+                # a daemon mounted with its own --socket: its mount's state says where
+                yield from (Path(p) for p in _mounted_sockets(config) if Path(p) != first)
+
+        unavailable: DaemonUnavailable | None = None
+        for sock in sockets():
+            remote = SyncRemoteStore(sock)
+            try:
+                remote.ping()
+            except DaemonUnavailable as e:
+                remote.close()
+                unavailable = unavailable or e
+                continue
             try:
                 yield remote
             finally:
                 remote.close()
             return
+        if mode == "daemon" and unavailable is not None:
+            raise unavailable
     refuse_store_on_mount(config)
     new = not config.index_path.exists()
     if from_archive and config.archive_url and settings.sources["archive_url"] != "default":

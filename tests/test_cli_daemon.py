@@ -345,6 +345,11 @@ def test_paths_on_a_mount_reach_its_store_wherever_it_keeps_things(
         assert [p["path"] for p in json.loads(out)] == ["sessions/a/p0/layer-000"]
         assert run("pin", str(page))[0] == 0
         assert json.loads(run("ls", str(page), "--json")[1])[0]["pinned"]
+        # the data directory named instead: its daemon's own socket is found all the same
+        # (it was "in use by pid N; no daemon answers on .../kvfs.sock")
+        rc, out, err = run("ls", "--json", "--data", str(tmp_path / "data"))
+        assert rc == 0, err
+        assert [s["session"] for s in json.loads(out)] == ["a"]
     finally:
         d.stop()
 
