@@ -100,13 +100,11 @@ def map_mount_paths(args: argparse.Namespace) -> None:
     """Targets given as paths on a kvfs mount (``/mnt/kv/sessions/agent-1``, or a name
     that exists in the working directory when that is on the mount) become the store paths
     they show, and the mount's store is the one used unless the command names another.
-    Other targets are left alone."""
+    Other targets are left alone; an absolute path elsewhere is InvalidKey."""
     if getattr(args, "mapped_mount_paths", False):
         return  # (a command that mapped them before it opened the store)
     args.mapped_mount_paths = True
     mounts = sorted(kvfs_mounts(), key=len, reverse=True)
-    if not mounts:
-        return
     used: set[str] = set()
 
     def mapped(target: str) -> str:
@@ -120,6 +118,12 @@ def map_mount_paths(args: argparse.Namespace) -> None:
                 # a directory on the mount means that directory ("name/"), not a session name
                 is_dir = os.path.isdir(path) and rel != "." and "/" not in rel
                 return rel + "/" if is_dir and rel != SESSIONS_DIR else rel
+        if os.path.isabs(target):  # (no store path is absolute: "no such page" misled)
+            on = f"the kvfs mounts are {', '.join(mounts)}" if mounts else "none is mounted"
+            raise kvfs.InvalidKey(
+                f"{target} is not on a kvfs mount ({on}): name a page or session by its path "
+                "in the store (sessions/agent-1, lmcache/f.data) or by a path on a mount"
+            )
         return target
 
     for name in ("target", "key"):

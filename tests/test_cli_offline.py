@@ -682,3 +682,13 @@ def test_ls_puts_numbers_in_names_in_numeric_order(run: Run, tmp_path: Path) -> 
     assert [p["path"].rsplit("/", 1)[1] for p in pages] == ["layer-999", "layer-1000"]
     rc, out, _ = run("ls", "agent-10", *d)
     assert rc == 0 and out.index("layer-999") < out.index("layer-1000")
+
+
+def test_an_absolute_path_off_any_mount_is_a_usage_error(run: Run, tmp_path: Path) -> None:
+    """`kvfs ls /some/dir/x` (a path pasted from outside the mount) said "no page, session
+    or directory" (exit 3); the reason, an absolute name, was only in a daemon's log."""
+    d = one_page(run, tmp_path, b"x" * 10)
+    for argv in (("ls", "/tmp/not-a-mount/x"), ("rm", "/tmp/not-a-mount/x"), ("pin", "/x")):
+        rc, _, err = run(*argv, *d)
+        assert rc == 2 and "is not on a kvfs mount" in err, (argv, rc, err)
+    assert tier(run, d) == "local"  # nothing touched
