@@ -58,7 +58,9 @@ def quiet_third_party_loggers() -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # told by the command's own parser: its usage, not the top level's
+        _command_parser(parser, args.command).error(f"unrecognized arguments: {' '.join(extra)}")
     logging.basicConfig(
         level=logging.DEBUG if args.debug else logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -79,6 +81,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _failed(args, e)
     finally:
         events.setLevel(events_level)
+
+
+def _command_parser(parser: argparse.ArgumentParser, command: str) -> argparse.ArgumentParser:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction) and command in action.choices:
+            return action.choices[command]  # type: ignore[no-any-return]
+    return parser
 
 
 def _failed(args: argparse.Namespace, e: BaseException) -> int:

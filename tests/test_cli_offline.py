@@ -692,3 +692,21 @@ def test_an_absolute_path_off_any_mount_is_a_usage_error(run: Run, tmp_path: Pat
         rc, _, err = run(*argv, *d)
         assert rc == 2 and "is not on a kvfs mount" in err, (argv, rc, err)
     assert tier(run, d) == "local"  # nothing touched
+
+
+def test_a_bad_option_is_told_with_the_commands_own_usage(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """An unknown option of a command printed the top-level usage (`usage: kvfs [-h]
+    [--debug] ...`): the command's own says what it takes."""
+    from cli.__main__ import main
+
+    for argv, usage in (
+        (["mount", "--readonly", "/x"], "usage: kvfs mount"),
+        (["ls", "--bogus"], "usage: kvfs ls"),
+    ):
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and err.startswith(usage), err
+        assert f"kvfs {argv[0]}: error: unrecognized arguments: {argv[1]}" in err
