@@ -480,6 +480,8 @@ def _on(v: object) -> str:
 
 
 def cmd_stats(args: argparse.Namespace) -> int:
+    if args.count and not args.watch:
+        raise ValueError("--count needs --watch (it counts the refreshes)")
     with open_target(args) as store:
         n = 0
         while True:
@@ -551,7 +553,7 @@ def _each(args: argparse.Namespace, page_op: str, session_op: str, verb: str) ->
             results,
             [
                 f"{verb} {r['kind']} {r['target']}"
-                + (f" ({r['result']} pages)" if isinstance(r["result"], int) else "")
+                + (f" ({r['pages']} pages)" if r["kind"] != "page" else "")
                 for r in results
             ],
         )
@@ -569,7 +571,10 @@ def _each(args: argparse.Namespace, page_op: str, session_op: str, verb: str) ->
                     r: Any = len(pages)
                 else:
                     r = getattr(store, page_op if kind == "page" else session_op)(name)
-                results.append({"target": t, "kind": kind, "result": r})
+                counted = isinstance(r, int) and not isinstance(r, bool)
+                # ("result": what the store call returned, kept for scripts that read it)
+                pages = r if counted else 1 if kind == "page" else None
+                results.append({"target": t, "kind": kind, "pages": pages, "result": r})
     emit()
     return 0
 
@@ -639,7 +644,17 @@ def cmd_evict(args: argparse.Namespace) -> int:
                 else:
                     where = {"key": name} if kind == "page" else {"session": name}
                     freed = store.evict(**where, progress=_bytes_to(bar))
-            results.append({"target": t, "kind": kind, "freed_bytes": freed, "pinned_kept": pinned})
+            # Pages whose data a pinned page elsewhere shares stay local too: counted here
+            kept = sum(1 for p in pages if _still_local(store, p.path))
+            results.append(
+                {
+                    "target": t,
+                    "kind": kind,
+                    "freed_bytes": freed,
+                    "pinned_kept": pinned,
+                    "local_kept": kept,
+                }
+            )
     _emit(
         args,
         results,
@@ -650,10 +665,23 @@ def cmd_evict(args: argparse.Namespace) -> int:
                 if r["pinned_kept"]
                 else ""
             )
+            + (
+                f" ({r['local_kept'] - r['pinned_kept']} page(s) kept: their data is shared "
+                "with a pinned page, or in use)"
+                if r["local_kept"] > r["pinned_kept"]
+                else ""
+            )
             for r in results
         ],
     )
     return 0
+
+
+def _still_local(store: Any, path: str) -> bool:
+    try:
+        return bool(store.stat(path).local)
+    except kvfs.PageNotFound:
+        return False
 
 
 def _bytes_to(bar: Progress) -> Callable[[int, int], None]:

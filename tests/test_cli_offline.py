@@ -118,7 +118,9 @@ def test_pin_unpin_rm(run: Run, tmp_path: Path) -> None:
     assert run("unpin", "a", *d)[0] == 0
     assert not {s["session"]: s for s in json.loads(run("ls", "--json", *d)[1])}["a"]["pinned"]
     rc, out, _ = run("rm", "a", "--json", *d)
-    assert rc == 0 and json.loads(out) == [{"target": "a", "kind": "session", "result": 1}]
+    assert rc == 0 and json.loads(out) == [
+        {"target": "a", "kind": "session", "pages": 1, "result": 1}
+    ]
     assert run("rm", "sessions/b/p/layer-000", *d)[0] == 0
     assert json.loads(run("ls", "--json", *d)[1]) == []
     rc, _, err = run("rm", "nothing", *d)
@@ -166,7 +168,7 @@ def test_pin_rm_and_evict_take_a_prefix_directory(run: Run, tmp_path: Path) -> N
             assert run("put", "f", f"sessions/s/{p}/layer-00{layer}", *d)[0] == 0
     rc, out, _ = run("pin", "sessions/s/p0", "--json", *d)
     assert rc == 0 and json.loads(out) == [
-        {"target": "sessions/s/p0", "kind": "directory", "result": 2}
+        {"target": "sessions/s/p0", "kind": "directory", "pages": 2, "result": 2}
     ]
     pinned = {p["path"]: p["pinned"] for p in json.loads(run("ls", "s", "--json", *d)[1])}
     assert [k for k, v in pinned.items() if v] == [
@@ -710,3 +712,31 @@ def test_a_bad_option_is_told_with_the_commands_own_usage(
         err = capsys.readouterr().err
         assert e.value.code == 2 and err.startswith(usage), err
         assert f"kvfs {argv[0]}: error: unrecognized arguments: {argv[1]}" in err
+
+
+def test_evict_rm_and_stats_report_what_they_did(run: Run, tmp_path: Path) -> None:
+    """`evict --json` said "pinned_kept": 0 while a page stayed local (its data shared with
+    a pinned page elsewhere); `rm --json` gave a bare "result"; `stats --count` without
+    --watch was ignored."""
+    d = data(tmp_path, archive=True)
+    (tmp_path / "f").write_bytes(os.urandom(50_000))
+    (tmp_path / "g").write_bytes(os.urandom(50_000))
+    assert run("put", "f", "sessions/a/p/layer-000", *d)[0] == 0
+    assert run("put", "g", "sessions/a/p/layer-001", *d)[0] == 0
+    assert run("put", "f", "sessions/b/p/layer-000", "--pin", *d)[0] == 0  # the same data
+    rc, out, err = run("evict", "a", "--json", *d)
+    assert rc == 0, err
+    assert json.loads(out)[0] | {"freed_bytes": 0} == {
+        "target": "a",
+        "kind": "session",
+        "freed_bytes": 0,
+        "pinned_kept": 0,
+        "local_kept": 1,
+    }
+    rc, out, _ = run("evict", "a", *d)
+    assert rc == 0 and "1 page(s) kept: their data is shared with a pinned page" in out
+    rc, out, _ = run("rm", "a", "sessions/b/p/layer-000", "--json", *d)
+    assert rc == 0
+    assert [(r["kind"], r["pages"]) for r in json.loads(out)] == [("session", 2), ("page", 1)]
+    rc, _, err = run("stats", "--count", "2", *d)
+    assert rc == 2 and "--count needs --watch" in err
