@@ -403,7 +403,7 @@ class KvfsOperations(FileOps, pyfuse3.Operations):
     ) -> None:
         src_dir, dst_dir = self._dir(parent_inode_old), self._dir(parent_inode_new)
         src, dst = child_of(src_dir, name_old), child_of(dst_dir, name_new)
-        if flags & pyfuse3.RENAME_EXCHANGE:
+        if flags & ~pyfuse3.RENAME_NOREPLACE:  # EXCHANGE, WHITEOUT: not offered
             raise fuse_error(errno.EINVAL)
         node = await self._resolve(src_dir, decode_name(name_old))
         try:
@@ -422,6 +422,15 @@ class KvfsOperations(FileOps, pyfuse3.Operations):
             raise fuse_error(errno.EISDIR)
         elif node.kind is Kind.PENDING:
             validate_page(dst)
+            pending = node.pending
+            if (
+                pending is not None
+                and pending.writer_tgid is not None
+                and process_group(ctx.pid) != pending.writer_tgid
+            ):
+                # Only its writer publishes it: another process's rename committed the bytes
+                # written so far, and a kill of the writer then left that partial page.
+                raise fuse_error(errno.EBUSY)
             h = next((x for x in self.handles.values() if x.node is node and x.writable), None)
             if h is None:  # its writer closed it this instant: being committed
                 raise fuse_error(errno.EBUSY)
@@ -435,25 +444,45 @@ class KvfsOperations(FileOps, pyfuse3.Operations):
                 target.pending.unlinked = True
                 self.pending.pop(dst, None)
             self.table.unbind(target)
-        self.table.move(node, dst)
+        if node.kind is Kind.DIR:
+            self.table.move_tree(node, dst)  # (empty directories below it)
+        else:
+            self.table.move(node, dst)
 
     async def _rename_dir(self, src: str, dst: str, target: Node | None) -> None:
+        if src == SESSIONS_DIR:  # always there (as for rmdir): a rename would leave it
+            raise fuse_error(errno.EBUSY)
         validate_dir(dst)
         ls = await self._thread(list_dir, self.engine, self.dirs, src)
-        if ls.dirs or ls.pages or ls.meta or self._writing_under(src):
+        if (
+            ls.pages
+            or ls.meta
+            or self._writing_under(src)
+            or ls.dirs
+            and await self._thread(self._pages_under, src)
+        ):
             raise fuse_error(errno.EXDEV)  # not atomic for a tree of pages: mv copies instead
         if target is not None:
             tl = await self._thread(list_dir, self.engine, self.dirs, dst)
             if tl.dirs or tl.pages or self._writing_under(dst):
                 raise fuse_error(errno.ENOTEMPTY)
-        row = self.dirs.get(src)
-        await self._thread(self.dirs.remove, src)
-        if row is not None:
-            await self._thread(self.dirs.put, DirRow(dst, row.mode, row.uid, row.gid, row.mtime_ns))
-        else:
-            await self._thread(
-                self.dirs.put, DirRow(dst, 0o755, self.table.uid, self.table.gid, time.time_ns())
-            )
+        # A tree of empty directories moves whole (it was EXDEV: mv copied it)
+        await self._thread(self._move_dirs, src, dst)
+
+    def _pages_under(self, path: str) -> bool:
+        """(thread) A page lies somewhere below directory ``path``."""
+        return bool(self.engine.index.pages(path_prefix=path + "/", limit=1))
+
+    def _move_dirs(self, src: str, dst: str) -> None:
+        """(thread) The rows of ``src`` and the empty directories below it, now under
+        ``dst`` (``src`` itself implicit: a row made with its owner and the time)."""
+        rows = {p: self.dirs.get(p) for p in self.dirs.tree(src)}
+        if src not in rows:
+            rows[src] = DirRow(src, 0o755, self.table.uid, self.table.gid, time.time_ns())
+        self.dirs.remove_many(list(rows))
+        for p, row in rows.items():
+            assert row is not None
+            self.dirs.put(DirRow(dst + p[len(src) :], row.mode, row.uid, row.gid, row.mtime_ns))
 
     @guard
     async def link(self, inode: int, new_parent_inode: int, new_name: bytes, ctx: Any) -> Any:

@@ -244,12 +244,19 @@ class FileOps:
             if self.table.by_path.get(node.path) != node.ino:
                 return len(buf)  # unlinked or replaced since: bytes no name will ever show
             async with h.again_lock:
-                if h.again is None:
-                    h.again = await self._thread(self._next_version, node)
-                    node.rewriting += 1
-                    node.stale_cache = True
-                h.again.mtime_ns = time.time_ns()
-                return await self._thread(h.again.writer.write, off, buf)
+                if h.again_failed:  # (this version misses a write: discarded at close)
+                    raise fuse_error(h.again_failed)
+                try:
+                    if h.again is None:
+                        h.again = await self._thread(self._next_version, node)
+                        node.rewriting += 1
+                        node.stale_cache = True
+                    h.again.mtime_ns = time.time_ns()
+                    return await self._thread(h.again.writer.write, off, buf)
+                except BaseException as e:
+                    # As for a first version: a page missing a write is never published
+                    h.again_failed = getattr(e, "errno", None) or errno.EIO
+                    raise
         if not h.writable or h.committed or node.pending is None:
             raise fuse_error(errno.EPERM if node.kind is Kind.PAGE else errno.EBADF)
         h.wrote = True
@@ -289,12 +296,30 @@ class FileOps:
         return Pending(writer, mode, uid, gid, time.time_ns(), attrs=own_attrs(attrs))
 
     async def _commit_again(self, h: Handle) -> None:
-        """Commit a handle's next version of its page over the current one."""
+        """Commit a handle's next version of its page over the current one; discard it
+        instead when a write to it failed (FUSEError with that errno, so close reports it)
+        or its writer was killed by a signal (as a first version would be)."""
         async with h.again_lock:
             again, h.again = h.again, None
-            if again is None:
-                return  # committed by another flush meanwhile
+            if again is None:  # committed by another flush meanwhile (or never made)
+                if h.again_failed:
+                    raise fuse_error(h.again_failed)
+                return
             h.node.rewriting -= 1
+            killed = killed_by(h.opener)
+            if h.again_failed or killed:
+                await self._thread(again.writer.abort)
+                if killed:
+                    log_event(
+                        "discard",
+                        level=logging.WARNING,
+                        target=h.node.path,
+                        reason=f"its writer was killed by signal {killed} while rewriting it",
+                        bytes=again.writer.size,
+                    )
+                if h.again_failed:
+                    raise fuse_error(h.again_failed)
+                return
             await self._commit_version(h, again)
 
     async def _commit_version(self, h: Handle, again: Pending) -> None:
@@ -395,7 +420,7 @@ class FileOps:
             elif h.again is not None:
                 await self._commit_again(h)
         except pyfuse3.FUSEError:
-            if not h.failed:
+            if not (h.failed or h.again_failed):  # (those the close reported already)
                 raise
         finally:
             await self._close_handle(h)

@@ -171,6 +171,9 @@ class Handle:
     #: held while ``again`` is made, written or committed: the kernel sends a mapping's
     #: writeback as several WRITEs at once, and each would otherwise make its own version
     again_lock: trio.Lock = field(default_factory=trio.Lock)
+    #: errno of a failed write to a next version: it is discarded, not committed (sticky:
+    #: every later version through this handle would miss that write too)
+    again_failed: int = 0
     #: a directory handle's listing: (path, kind, page row)
     entries: list[tuple[str, Kind, PageRow | None]] = field(default_factory=list)
 
@@ -231,6 +234,14 @@ class NodeTable:
             del self.by_path[node.path]
         node.path = dst
         self.by_path[dst] = node.ino
+
+    def move_tree(self, node: Node, dst: str) -> None:
+        """:meth:`move` for a directory and every node named below it."""
+        pre = node.path + "/"
+        below = [(p, ino) for p, ino in self.by_path.items() if p.startswith(pre)]
+        self.move(node, dst)
+        for p, ino in below:
+            self.move(self.nodes[ino], dst + "/" + p[len(pre) :])
 
     def unbind(self, node: Node) -> None:
         """``node`` no longer has a name (replaced or failed); it lives while known or open."""

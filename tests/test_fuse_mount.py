@@ -1082,3 +1082,107 @@ def test_page_attributes_are_set_as_xattrs_while_writing(make_mount: object) -> 
         assert r.returncode == 0 and r.stderr == b"", r.stderr
     assert os.getxattr(p.with_name("layer-002"), "user.kvfs.attr.model") == b"org/model@rev"
     assert os.listxattr(m.mp / "sessions" / "s") == []  # a directory has none
+
+
+def test_a_next_version_missing_a_write_is_never_published(make_mount: object) -> None:
+    """A file renamed (or a dup closed) while its writer goes on: later writes make the
+    next version. A write to it that failed (ENOSPC) did not stop it: close returned 0 and
+    the page lost that write. Now the close fails and the page stays as it was."""
+    m = make_mount("next", "--capacity", "8MiB", "--stripe-unit", "1MiB")  # type: ignore[operator]
+    fd = os.open(m.mp / "tmp", os.O_CREAT | os.O_WRONLY, 0o644)
+    try:
+        os.write(fd, b"A" * 1024)
+        os.rename(m.mp / "tmp", m.mp / "page")  # published: b"A" * 1024
+        os.pwrite(fd, b"B" * 1024, 0)
+        with pytest.raises(OSError) as ei:
+            os.pwrite(fd, b"C", 300 << 20)  # past the cap
+        assert ei.value.errno == errno.ENOSPC
+        with pytest.raises(OSError) as ei:
+            os.pwrite(fd, b"D", 2048)  # the version misses a write: the rest fail too
+        assert ei.value.errno == errno.ENOSPC
+    finally:
+        with pytest.raises(OSError) as ei:
+            os.close(fd)
+    assert ei.value.errno == errno.ENOSPC
+    assert (m.mp / "page").read_bytes() == b"A" * 1024
+
+
+def test_a_writer_killed_while_rewriting_its_published_file_leaves_the_last_version(
+    mnt: Path,
+) -> None:
+    """A writer publishes by rename, writes on, and is killed: its unfinished next version
+    was committed at the kernel's close, as a first version never is."""
+    script = (
+        "import os, sys, time\n"
+        "fd = os.open(sys.argv[1] + '.tmp', os.O_CREAT | os.O_WRONLY, 0o644)\n"
+        "os.write(fd, b'HEADER-v1|')\n"
+        "os.rename(sys.argv[1] + '.tmp', sys.argv[1])\n"
+        "os.write(fd, b'half-of-v2')\n"
+        "print('written', flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    py = subprocess.Popen([sys.executable, "-c", script, str(mnt / "k")], stdout=subprocess.PIPE)
+    assert py.stdout is not None and py.stdout.readline() == b"written\n"
+    assert (mnt / "k").read_bytes() == b"HEADER-v1|"
+    py.kill()
+    py.wait()
+    py.stdout.close()
+    assert (mnt / "k").read_bytes() == b"HEADER-v1|"
+
+
+def test_only_its_writer_publishes_a_file_being_written(mnt: Path) -> None:
+    """Another process renamed a file still being written: that committed the bytes so far
+    as a page, which the writer's SIGKILL then left behind. It is EBUSY now (the writer
+    may rename it, as before)."""
+    script = (
+        "import os, sys, time\n"
+        "fd = os.open(sys.argv[1], os.O_CREAT | os.O_WRONLY, 0o644)\n"
+        "os.write(fd, b'PART')\n"
+        "print('written', flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    py = subprocess.Popen([sys.executable, "-c", script, str(mnt / "w")], stdout=subprocess.PIPE)
+    try:
+        assert py.stdout is not None and py.stdout.readline() == b"written\n"
+        with pytest.raises(OSError) as ei:
+            os.rename(mnt / "w", mnt / "w2")
+        assert ei.value.errno == errno.EBUSY
+    finally:
+        py.kill()
+        py.wait()
+        assert py.stdout is not None
+        py.stdout.close()
+    assert not (mnt / "w2").exists() and not (mnt / "w").exists()
+
+
+def test_directory_renames_an_engine_or_mv_may_try(mnt: Path) -> None:
+    """sessions/ itself is EBUSY (the rename succeeded and left it in place, as it always
+    is); a tree of empty directories moves whole (it was EXDEV); flags the mount does not
+    offer are EINVAL (RENAME_WHITEOUT renamed plainly)."""
+    import ctypes
+
+    with pytest.raises(OSError) as ei:
+        os.rename(mnt / "sessions", mnt / "s2")
+    assert ei.value.errno == errno.EBUSY
+    assert sorted(os.listdir(mnt)) == ["sessions"]
+    (mnt / "x" / "y" / "z").mkdir(parents=True)
+    os.chmod(mnt / "x" / "y", 0o700)
+    os.rename(mnt / "x", mnt / "moved")
+    assert sorted(os.listdir(mnt)) == ["moved", "sessions"]
+    assert os.listdir(mnt / "moved" / "y") == ["z"]
+    assert os.stat(mnt / "moved" / "y").st_mode & 0o7777 == 0o700
+    write(mnt / "moved" / "y" / "z" / "page", b"p" * 10)  # the moved tree works
+    assert (mnt / "moved" / "y" / "z" / "page").read_bytes() == b"p" * 10
+    with pytest.raises(OSError) as ei:
+        os.rename(mnt / "moved", mnt / "again")  # holds a page now
+    assert ei.value.errno == errno.EXDEV
+    libc = ctypes.CDLL(None, use_errno=True)
+    at_fdcwd, rename_whiteout = -100, 4
+    rc = libc.renameat2(
+        at_fdcwd,
+        os.fsencode(mnt / "moved" / "y" / "z" / "page"),
+        at_fdcwd,
+        os.fsencode(mnt / "moved" / "y" / "z" / "page2"),
+        rename_whiteout,
+    )
+    assert rc == -1 and ctypes.get_errno() == errno.EINVAL
