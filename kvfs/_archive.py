@@ -376,8 +376,13 @@ class ArchivingPolicy(TieringPolicy):
             if b is None or b.extents is None:
                 return None
             buf = scratch_buffer(b.size)
-            for p in eng.tier.pieces(b.extents, 0, b.size):
-                eng.tier.read_piece(p, buf)
+            try:
+                for p in eng.tier.pieces(b.extents, 0, b.size):
+                    eng.tier.read_piece(p, buf)
+            except FileNotFoundError as e:  # (ENOENT made a write needing room fail so)
+                raise CorruptPage(
+                    f"a data file of {h.hex()[:16]} is missing ({e.filename}); not uploaded"
+                ) from e
             if tree_hash(b.size, leaves_of(buf)) != h:
                 raise CorruptPage(
                     f"local copy of {h.hex()[:16]} does not match its checksum; not uploaded"

@@ -161,14 +161,17 @@ def _warm(url: str, options: dict[str, Any]) -> int:
 
 def read_verified(job: BlobJob, buf: memoryview) -> memoryview:
     """Read a blob's data files into ``buf`` (aligned, at least ``round_up(size)`` bytes)
-    and check its tree hash. Raises CorruptPage (short file or wrong checksum)."""
+    and check its tree hash. Raises CorruptPage (missing or short file, wrong checksum)."""
     fds: dict[tuple[str, bool], int] = {}
     try:
         for path, file_off, dest_off, n in job.reads:
             span = round_up(n)
             direct = file_off % ALIGN == 0 and dest_off % ALIGN == 0 and dest_off + span <= len(buf)
             if (path, direct) not in fds:
-                fds[(path, direct)] = open_direct(path, os.O_RDONLY, direct=direct)[0]
+                try:
+                    fds[(path, direct)] = open_direct(path, os.O_RDONLY, direct=direct)[0]
+                except FileNotFoundError as e:  # a damaged copy, not a lookup that failed
+                    raise CorruptPage(f"{path} is missing; not uploaded") from e
             fd = fds[(path, direct)]
             target = buf[dest_off : dest_off + (span if direct else n)]
             done = 0

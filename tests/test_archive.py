@@ -1013,3 +1013,31 @@ def test_a_session_pinned_while_eviction_uploads_it_stays_local(
             assert s.get(k) == v
         assert any(not s.stat(k).local for k in others)
         assert s.statistics().used_bytes <= cfg.capacity
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_put_needing_room_beside_a_copy_whose_file_is_gone(
+    make_config,  # noqa: ANN001
+    archive_url: str,
+    workers: int,
+) -> None:
+    """Room is made by spilling the coldest pages; the only one that may go has lost its
+    data file (behind the store's back). The spill's FileNotFoundError reached the put
+    (ENOENT for a write on the mount). Now that copy is taken as damaged and stays; the put
+    gets CapacityExceeded (ENOSPC), and fits once the damaged page is deleted."""
+    mib = 1 << 20
+    cfg = archived_cfg(make_config, archive_url, upload_processes=workers, evict_ahead=0)
+    with kvfs.open_store_sync(cfg.replace(capacity=mib * 5 // 2)) as s:
+        pages = {i: np.random.default_rng(i).bytes(mib - 64 * 1024) for i in range(3)}
+        s.put(PageKey.semantic("old", "p", 0), pages[0])
+        s.put(PageKey.semantic("kept", "p", 0), pages[1], pin=True)
+        lost = s.stat(PageKey.semantic("old", "p", 0))
+        for path in {e.path for e in lost.extents}:
+            os.unlink(path)
+        with pytest.raises(kvfs.CapacityExceeded):
+            s.put(PageKey.semantic("new", "p", 0), pages[2])  # raised FileNotFoundError
+        with pytest.raises(kvfs.CorruptPage):
+            s.get(PageKey.semantic("old", "p", 0))
+        s.delete(PageKey.semantic("old", "p", 0))
+        s.put(PageKey.semantic("new", "p", 0), pages[2])
+        assert s.get(PageKey.semantic("new", "p", 0)) == pages[2]
