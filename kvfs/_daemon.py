@@ -28,6 +28,7 @@ import trio
 
 from ._config import StoreConfig
 from ._errors import leaf_errors
+from ._fuse_nodes import process_of
 from ._mount import BadMountArgument, MountError, MountOptions, check_mountpoint, serve_mount
 from ._mountinfo import mount_of, mounts
 from ._settings import config_socket_path, runtime_dir
@@ -45,7 +46,9 @@ READY_FD_ENV = "KVFS_READY_FD"
 
 def state_path(mountpoint: str | os.PathLike[str]) -> Path:
     """Where the daemon serving ``mountpoint`` records its pid."""
-    digest = hashlib.sha1(os.path.abspath(mountpoint).encode()).hexdigest()[:16]
+    # (the resolved path: a mount through a symlink, an umount by the real path, or the
+    # other way round, name one mount; unresolved, umount missed its daemon)
+    digest = hashlib.sha1(os.path.realpath(mountpoint).encode()).hexdigest()[:16]
     return runtime_dir() / f"mount-{digest}.json"
 
 
@@ -112,8 +115,9 @@ def main(
     readiness message. Errors are printed to stderr, one line.
     """
     # What can be told before anything is created (the store, the detached daemon's log).
+    mountpoint = os.path.realpath(mountpoint)  # (a symlink: libfuse failed on it, ENOTCONN)
     try:
-        check_mountpoint(Path(mountpoint).absolute())
+        check_mountpoint(Path(mountpoint))
         for d in config.data_dirs:
             if d.exists() and not d.is_dir():
                 raise BadMountArgument(f"data directory {d} is not a directory")
@@ -180,11 +184,16 @@ def _tell(fd: int, msg: bytes) -> None:
 
 def _write_state(path: Path, mountpoint: str | os.PathLike[str], config: StoreConfig) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
+    _drop_stale_states(path.parent)
+    me = process_of(os.getpid())
     tmp = path.with_suffix(".tmp")
     tmp.write_text(
         json.dumps(
             {
                 "pid": os.getpid(),
+                # with the pid, the process: a pid alone may be another's by the time
+                # `kvfs umount` reads it (a daemon killed by SIGKILL leaves its file)
+                "start": me[1] if me is not None else None,
                 "mountpoint": os.path.abspath(mountpoint),
                 # absolute, and where the index and the control socket are: a command
                 # given a path on the mount reaches this store from any directory
@@ -241,8 +250,27 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def _daemon_pid(state: dict[str, Any]) -> int | None:
+    """The pid a state file names, if that process is still the daemon that wrote it (the
+    same start time) and alive; None for a leftover of a daemon gone."""
+    with contextlib.suppress(KeyError, TypeError, ValueError):
+        pid = int(state["pid"])
+        if process_of(pid) == (pid, int(state["start"])) and _alive(pid):
+            return pid
+    return None
+
+
+def _drop_stale_states(directory: Path) -> None:
+    """Remove the state files of daemons gone (a SIGKILL leaves its file behind)."""
+    for f in directory.glob("mount-*.json"):
+        with contextlib.suppress(OSError, ValueError):
+            if _daemon_pid(json.loads(f.read_text())) is None:
+                f.unlink()
+
+
 def _mounted(mountpoint: str) -> bool:
-    return any(mp == mountpoint for mp, _ in mounts())
+    """A kvfs file system is mounted there (another kind is never kvfs's to unmount)."""
+    return any(mp == mountpoint and t == "fuse.kvfs" for mp, t in mounts())
 
 
 class MountBusy(OSError):
@@ -259,12 +287,12 @@ def stop_daemon(
     (--force). Without a live daemon, unmount a
     leftover kvfs mount. Raises FileNotFoundError when nothing is mounted there, MountBusy,
     TimeoutError."""
-    mp = os.path.abspath(mountpoint)
+    mp = os.path.realpath(mountpoint)
     path = state_path(mp)
     pid = None
     with contextlib.suppress(OSError, ValueError):
-        pid = int(json.loads(path.read_text())["pid"])
-    if pid is not None and _alive(pid):
+        pid = _daemon_pid(json.loads(path.read_text()))
+    if pid is not None:
         unmounted = False
         if not force and _mounted(mp):
             r = subprocess.run(["fusermount3", "-u", mp], capture_output=True, text=True)

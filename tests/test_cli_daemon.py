@@ -419,3 +419,51 @@ def test_a_mountpoint_with_a_space_and_a_non_ascii_name(tmp_path: Path, run: Run
         assert str(mp) not in {m for m, _ in kvfs_mounts_table()}
     finally:
         d.stop()
+
+
+def test_umount_touches_only_its_own_daemon_and_kvfs_mounts(tmp_path: Path, run: Run) -> None:
+    """`kvfs umount` trusted what a state file said: a daemon killed by SIGKILL left its pid,
+    and once that pid was another process's, umount sent it SIGTERM. It unmounted any file
+    system (a tmpfs, lazily); and a mount made through a symlink, asked for by its real
+    path, missed its daemon's state and was detached lazily while in use."""
+    from kvfs._daemon import state_path
+
+    mp = tmp_path / "mnt"
+    mp.mkdir()
+    d = DaemonMount([tmp_path / "data"], mp, tmp_path / "daemon.log")
+    try:
+        state = json.loads(state_path(mp).read_text())
+        d.proc.kill()
+        d.proc.wait(timeout=30)
+        deadline = time.monotonic() + 30
+        while str(mp) in {m for m, _ in kvfs_mounts_table()}:  # (auto_unmount)
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        with subprocess.Popen(["sleep", "60"]) as other:  # the dead daemon's pid, reused
+            state_path(mp).write_text(json.dumps({**state, "pid": other.pid}))
+            rc, _, err = run("umount", str(mp))
+            assert rc == 7 and "no kvfs mount" in err
+            assert other.poll() is None  # not signalled
+            other.kill()
+    finally:
+        d.stop()
+    tmpfs = tmp_path / "tmpfs"
+    tmpfs.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(tmpfs)], check=True)
+    try:
+        rc, _, err = run("umount", str(tmpfs))
+        assert rc == 7 and str(tmpfs) in {m for m, _ in kvfs_mounts_table()}
+    finally:
+        subprocess.run(["umount", str(tmpfs)], check=False)
+    link = tmp_path / "link"
+    link.symlink_to(tmp_path)
+    d = DaemonMount([tmp_path / "data"], link / "mnt", tmp_path / "daemon.log")
+    try:
+        (mp / "held").write_bytes(b"x")
+        with open(mp / "held", "rb"):  # (a reader: the mount is in use)
+            rc, _, err = run("umount", str(mp))
+            assert rc == 9 and "in use" in err
+        assert run("umount", str(link / "mnt"))[0] == 0
+        assert d.proc.wait(timeout=30) == 0
+    finally:
+        d.stop()
