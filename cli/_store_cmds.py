@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import kvfs
+from kvfs._control import DaemonUnavailable
 from kvfs._remote import SyncRemoteStore
 
 from ._target import add_store_flags, map_mount_paths, open_target
@@ -79,7 +80,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         nargs="?",
         const=2.0,
         help="refresh every SECONDS (default 2) until interrupted; with --json, one "
-        "object per line (JSON Lines)",
+        "object per line (JSON Lines). The store is opened for each refresh (a daemon may "
+        "start meanwhile); one that finds it busy says so and the next tries again",
     )
     p.add_argument("--count", type=int, default=0, help="with --watch: stop after N refreshes")
     add_store_flags(p)
@@ -482,23 +484,37 @@ def _on(v: object) -> str:
 def cmd_stats(args: argparse.Namespace) -> int:
     if args.count and not args.watch:
         raise ValueError("--count needs --watch (it counts the refreshes)")
-    with open_target(args) as store:
-        n = 0
-        while True:
-            st = store.statistics()
-            if args.json:
-                print_json(st, line=bool(args.watch))  # watching: one object per line
-            else:
-                if args.watch and sys.stdout.isatty():
-                    sys.stdout.write("\x1b[H\x1b[2J")
-                if args.watch:
-                    print(time.strftime("%H:%M:%S"))
-                print(render_stats(st, own_counters=not isinstance(store, SyncRemoteStore)))
-            sys.stdout.flush()
+    n = 0
+    while True:
+        # Opened for each refresh: a watch over the data directory itself held its lock
+        # all along (a daemon could not start), and one through a daemon ended with it
+        try:
+            with open_target(args) as store:
+                st = store.statistics()
+                own = not isinstance(store, SyncRemoteStore)
+        except (kvfs.StoreLocked, DaemonUnavailable) as e:
+            if not args.watch:
+                raise
+            # (a daemon starting or stopping, another command holding the store a moment)
+            print(f"kvfs stats: {e}; trying again in {args.watch:g} s", file=sys.stderr)
             n += 1
-            if not args.watch or (args.count and n >= args.count):
-                return 0
+            if args.count and n >= args.count:
+                return EXIT["locked"]
             time.sleep(args.watch)
+            continue
+        if args.json:
+            print_json(st, line=bool(args.watch))  # watching: one object per line
+        else:
+            if args.watch and sys.stdout.isatty():
+                sys.stdout.write("\x1b[H\x1b[2J")
+            if args.watch:
+                print(time.strftime("%H:%M:%S"))
+            print(render_stats(st, own_counters=own))
+        sys.stdout.flush()
+        n += 1
+        if not args.watch or (args.count and n >= args.count):
+            return 0
+        time.sleep(args.watch)
 
 
 # -- put / get ------------------------------------------------------------------------

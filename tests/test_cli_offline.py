@@ -740,3 +740,34 @@ def test_evict_rm_and_stats_report_what_they_did(run: Run, tmp_path: Path) -> No
     assert [(r["kind"], r["pages"]) for r in json.loads(out)] == [("session", 2), ("page", 1)]
     rc, _, err = run("stats", "--count", "2", *d)
     assert rc == 2 and "--count needs --watch" in err
+
+
+def test_stats_watch_does_not_hold_the_store(run: Run, tmp_path: Path) -> None:
+    """`kvfs stats --watch` on the data directory held its lock for as long as it ran: a
+    daemon (`kvfs mount`) could not start meanwhile. It opens the store for each refresh."""
+    import subprocess
+    import sys
+    import time
+
+    d = one_page(run, tmp_path, b"x" * 10)
+    cfg = kvfs.StoreConfig(data_dirs=(tmp_path / "d0", tmp_path / "d1"))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVFS_")}
+    with subprocess.Popen(
+        [sys.executable, "-m", "cli", "stats", "--watch", "0.5", "--count", "20", *d],
+        stdout=subprocess.PIPE,
+        env=env,
+        cwd=Path(__file__).parent.parent,
+    ) as watch:
+        try:
+            assert watch.stdout is not None and watch.stdout.readline()  # it has begun
+            opened = False
+            deadline = time.monotonic() + 8
+            while not opened and time.monotonic() < deadline:
+                try:
+                    with kvfs.open_store_sync(cfg) as s:
+                        opened = s.stat("sessions/a/p/layer-000").size == 10
+                except kvfs.StoreLocked:
+                    time.sleep(0.05)
+            assert opened and watch.poll() is None  # while the watch runs
+        finally:
+            watch.kill()
