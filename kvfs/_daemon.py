@@ -17,6 +17,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -149,6 +150,7 @@ def main(
             _write_state(path, mountpoint, config)
             if ready_fd is not None:
                 _tell(ready_fd, b"ok\n")
+            sd_notify(b"READY=1")  # (systemd's Type=notify: units after it find the mount)
 
     try:
         trio.run(serve)
@@ -174,6 +176,23 @@ def _describe(e: BaseException) -> str:
     from ._errors import KvfsError
 
     return str(e) if isinstance(e, (MountError, OSError, KvfsError)) else f"{type(e).__name__}: {e}"
+
+
+def sd_notify(msg: bytes) -> bool:
+    """Tell systemd (a ``Type=notify`` service: ``$NOTIFY_SOCKET``) ``msg``; False when
+    not run so or the message could not be sent."""
+    addr = os.environ.get("NOTIFY_SOCKET", "")
+    if not addr.startswith(("/", "@")):
+        return False
+    target = "\0" + addr[1:] if addr.startswith("@") else addr  # (@: an abstract socket)
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+            s.connect(target)
+            s.sendall(msg)
+        return True
+    except OSError as e:
+        log.warning("could not notify systemd (%s): %s", addr, e)
+        return False
 
 
 def _tell(fd: int, msg: bytes) -> None:

@@ -467,3 +467,25 @@ def test_umount_touches_only_its_own_daemon_and_kvfs_mounts(tmp_path: Path, run:
         assert d.proc.wait(timeout=30) == 0
     finally:
         d.stop()
+
+
+def test_a_daemon_under_systemd_says_when_it_is_mounted(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The example unit is Type=notify: the daemon sends READY=1 to $NOTIFY_SOCKET once the
+    mount answers (with Type=simple an engine ordered after it could start before)."""
+    import socket
+
+    sock = tmp_path / "notify.sock"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+        s.bind(str(sock))
+        s.settimeout(60)
+        monkeypatch.setenv("NOTIFY_SOCKET", str(sock))
+        mp = tmp_path / "mnt"
+        mp.mkdir()
+        d = DaemonMount([tmp_path / "data"], mp, tmp_path / "daemon.log")
+        try:
+            assert s.recv(64) == b"READY=1"
+            assert str(mp) in {m for m, _ in kvfs_mounts_table()}
+        finally:
+            d.stop()
