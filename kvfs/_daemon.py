@@ -125,8 +125,15 @@ def main(
             on, fstype = mount_of(d)
             if fstype == "fuse.kvfs":  # (its lock and index would be another store's pages)
                 raise BadMountArgument(f"data directory {d} is on the kvfs mount {on}")
+            if d.is_dir() and not os.access(d, os.W_OK):  # (a read-only file system too)
+                raise BadMountArgument(f"data directory {d} is not writable")
         if log_file is not None and not Path(log_file).absolute().parent.is_dir():
             raise BadMountArgument(f"--log {log_file}: {Path(log_file).parent} is not a directory")
+        if log_file is not None and not foreground:
+            try:
+                open(log_file, "ab").close()  # noqa: SIM115 - (made now, as the daemon would)
+            except OSError as e:
+                raise BadMountArgument(f"--log {log_file}: {e.strerror}") from None
     except MountError as e:
         print(f"kvfs mount: {e}", file=sys.stderr)
         return exit_code(e)

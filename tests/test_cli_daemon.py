@@ -489,3 +489,22 @@ def test_a_daemon_under_systemd_says_when_it_is_mounted(
             assert str(mp) in {m for m, _ in kvfs_mounts_table()}
         finally:
             d.stop()
+
+
+def test_mount_arguments_it_cannot_use_exit_2(tmp_path: Path, run: Run) -> None:
+    """A data directory on a read-only file system, and a --log it cannot write (a
+    directory), exited 1 with a bare OSError after the daemon had started; they are
+    usage errors, told before anything starts."""
+    mp = tmp_path / "mnt"
+    mp.mkdir()
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(ro)], check=True)
+    try:
+        rc, _, err = run("mount", "--data", str(ro), str(mp))
+        assert rc == 2 and "is not writable" in err, err
+    finally:
+        subprocess.run(["umount", str(ro)], check=False)
+    rc, _, err = run("mount", "--data", str(tmp_path / "d"), "--log", str(tmp_path), str(mp))
+    assert rc == 2 and "--log" in err and "Is a directory" in err, err
+    assert str(mp) not in {m for m, _ in kvfs_mounts_table()}
