@@ -129,8 +129,13 @@ def render_metrics(
             v = a.get(key)
             if isinstance(v, (int, float)):
                 w("kvfs_restore_latency_seconds", "summary", "", float(v), {"quantile": q})
-    top = sorted(sessions, key=lambda s: (-s.bytes, s.session))
-    shown, rest = top[:max_sessions], top[max_sessions:]
+    # A session really named "_other" is summed with the rest, never shown alone: two
+    # series with one label set made the scrape invalid
+    top = sorted(
+        (s for s in sessions if s.session != "_other"), key=lambda s: (-s.bytes, s.session)
+    )
+    shown = top[:max_sessions]
+    rest = top[max_sessions:] + [s for s in sessions if s.session == "_other"]
     for name, help, attr in (
         (
             "kvfs_session_bytes",
@@ -188,7 +193,10 @@ async def metrics_service(
             except Exception:  # noqa: BLE001 - a scrape failing must not stop the daemon
                 log.exception("metrics: scrape failed")
 
-    listeners = await trio.open_tcp_listeners(port, host=address)
+    try:
+        listeners = await trio.open_tcp_listeners(port, host=address)
+    except OSError as e:  # ("Address already in use" alone did not say which)
+        raise OSError(e.errno, f"metrics port {address}:{port}: {e.strerror}") from e
     bound = listeners[0].socket.getsockname()[1]
     log.info("metrics on http://%s:%d/metrics", address, bound)
     async with trio.open_nursery() as nursery:

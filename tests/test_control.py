@@ -360,6 +360,27 @@ def test_render_escapes_labels() -> None:
     assert 'kvfs_session_bytes{session="we\\"ird\\\\"} 10' in render_metrics(st, [s])
 
 
+def test_a_session_named_other_is_summed_not_shown_twice() -> None:
+    """A session named "_other" among the largest gave two series with one label set (an
+    invalid scrape): it is summed with the rest."""
+    st = kvfs.StoreStatistics(0, 0, 0, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
+
+    def info(name: str, size: int) -> kvfs.SessionInfo:
+        return kvfs.SessionInfo(name, name, 0, 0, False, {}, 1, size, size, 0)
+
+    sessions = [info("_other", 50_000), info("a", 100), info("b", 10), info("c", 1)]
+    lines = [
+        x
+        for x in render_metrics(st, sessions, max_sessions=2).splitlines()
+        if x.startswith("kvfs_session_bytes{")
+    ]
+    assert lines == [
+        'kvfs_session_bytes{session="a"} 100',
+        'kvfs_session_bytes{session="b"} 10',
+        'kvfs_session_bytes{session="_other"} 50001',
+    ]
+
+
 def test_engine_evictions_and_restores_are_logged(
     make_config: MakeConfig, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -619,3 +640,18 @@ async def test_a_client_gone_mid_progress_and_a_callers_mistake_are_no_errors(
         assert errors == []
         assert [r for r in caplog.records if "nobody" in r.getMessage()]  # (a warning)
         n.cancel_scope.cancel()
+
+
+async def test_a_metrics_port_in_use_is_named(make_config: MakeConfig) -> None:
+    """`kvfs mount: [Errno 98] Address already in use` did not say which address."""
+    import socket as sk
+
+    with sk.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        async with kvfs.open_store(make_config()) as store, trio.open_nursery() as n:
+            with pytest.raises(OSError, match=f"metrics port 127.0.0.1:{port}: "):
+                await n.start(
+                    lambda task_status: metrics_service(store, port=port, task_status=task_status)
+                )
