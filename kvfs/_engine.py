@@ -301,6 +301,13 @@ class Engine:
             from ._archive import ArchivingPolicy  # imports objectstore/boto3 only when used
 
             self.policy = ArchivingPolicy(self)  # a failure: __init__ closes what is open
+        elif self.index.has_archive_only():
+            # (their reads fail as missing: say why once, where an operator looks)
+            log.warning(
+                "opened without an archive, but some pages are held only by the archive "
+                "this store spilled to (%s): they read as missing until it is configured",
+                self.index.get_meta("archive") or "unknown",
+            )
         keep_reserve(cfg.index_path.parent)
 
     def _account(self, b: BlobRow, sign: int) -> None:

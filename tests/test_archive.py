@@ -1041,3 +1041,21 @@ def test_a_put_needing_room_beside_a_copy_whose_file_is_gone(
         s.delete(PageKey.semantic("old", "p", 0))
         s.put(PageKey.semantic("new", "p", 0), pages[2])
         assert s.get(PageKey.semantic("new", "p", 0)) == pages[2]
+
+
+def test_an_open_without_the_archive_says_what_reads_as_missing(
+    make_config,  # noqa: ANN001
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A store whose pages were spilled, opened without its archive (a mount without
+    --archive): `ls` lists them and reads say "missing", and the log said nothing."""
+    url = f"file://{tmp_path / 'ar'}"
+    with kvfs.open_store_sync(archived_cfg(make_config, url)) as s:
+        fill(s, "a", 2)
+        s.spill("a")
+    with caplog.at_level("WARNING", logger="kvfs"):
+        with kvfs.open_store_sync(archived_cfg(make_config, "")) as s:
+            assert len(s.list(session="a")) == 2
+    said = [r.getMessage() for r in caplog.records if "held only by the archive" in r.getMessage()]
+    assert len(said) == 1 and url.removeprefix("file://") in said[0]
