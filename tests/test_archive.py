@@ -1054,8 +1054,10 @@ def test_an_open_without_the_archive_says_what_reads_as_missing(
     with kvfs.open_store_sync(archived_cfg(make_config, url)) as s:
         fill(s, "a", 2)
         s.spill("a")
-    with caplog.at_level("WARNING", logger="kvfs"):
-        with kvfs.open_store_sync(archived_cfg(make_config, "")) as s:
-            assert len(s.list(session="a")) == 2
+    with (
+        caplog.at_level("WARNING", logger="kvfs"),
+        kvfs.open_store_sync(archived_cfg(make_config, "")) as s,
+    ):
+        assert len(s.list(session="a")) == 2
     said = [r.getMessage() for r in caplog.records if "held only by the archive" in r.getMessage()]
     assert len(said) == 1 and url.removeprefix("file://") in said[0]
