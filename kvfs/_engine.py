@@ -263,6 +263,12 @@ class Engine:
         clean = self.index.get_meta("clean", True) is not False
         if not clean:
             self.recovered_orphans = self.tier.sweep(self.index.all_extent_files())
+            log.warning(
+                "the store was not closed cleanly (a crash, a kill, or a close under calls "
+                "still running): its accounting is recounted, and %d leftover data file(s) "
+                "of writes never committed were removed",
+                len(self.recovered_orphans),
+            )
         # The accounting saved by the last clean close; recomputed from every blob row after
         # a crash (or from an older store): a clean restart reads no per-page state at all.
         saved = self.index.get_meta("accounting") if clean else None

@@ -21,6 +21,7 @@ import trio
 
 from ._dirs import DirRow
 from ._errors import KvfsError, PageNotFound
+from ._events import log_event
 from ._fuse_ahead import AheadBudget
 from ._fuse_behind import BehindBudget
 from ._fuse_files import FileOps
@@ -593,6 +594,13 @@ class KvfsOperations(FileOps, pyfuse3.Operations):
                 if h.writable and not h.committed and h.node.pending is not None:
                     await self._drain(h)
                     await self._thread(h.node.pending.writer.abort)
+                    log_event(
+                        "discard",
+                        level=logging.WARNING,
+                        target=h.node.path,
+                        reason="still being written when the mount stopped",
+                        bytes=h.node.pending.writer.size,
+                    )
                 await self._close_handle(h)
             except Exception:
                 log.error("closing a handle at shutdown failed", exc_info=True)

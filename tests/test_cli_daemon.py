@@ -508,3 +508,23 @@ def test_mount_arguments_it_cannot_use_exit_2(tmp_path: Path, run: Run) -> None:
     rc, _, err = run("mount", "--data", str(tmp_path / "d"), "--log", str(tmp_path), str(mp))
     assert rc == 2 and "--log" in err and "Is a directory" in err, err
     assert str(mp) not in {m for m, _ in kvfs_mounts_table()}
+
+
+def test_writes_still_open_when_the_mount_stops_are_logged(tmp_path: Path) -> None:
+    """A file still being written when the daemon stops is discarded (it was never closed),
+    and the log now says which (it said nothing)."""
+    mp = tmp_path / "mnt"
+    mp.mkdir()
+    d = DaemonMount([tmp_path / "data"], mp, tmp_path / "daemon.log")
+    f = open(mp / "unfinished", "wb")  # noqa: SIM115
+    try:
+        f.write(b"z" * 10_000)
+        f.flush()
+        d.proc.send_signal(signal.SIGTERM)
+        assert d.proc.wait(timeout=60) == 0
+    finally:
+        with contextlib.suppress(OSError):
+            f.close()
+        d.stop()
+    log = (tmp_path / "daemon.log").read_text()
+    assert "event=discard target=unfinished" in log and "when the mount stopped" in log, log

@@ -98,3 +98,31 @@ def _disk_bytes(root: Path) -> int:
         for f in files:
             total += os.stat(os.path.join(dirpath, f)).st_size
     return total
+
+
+def test_an_open_after_a_crash_says_so(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The recovery after a crash (recount, sweep of files of writes never committed) ran
+    silently: an operator could not tell from the log that the last run had died."""
+    cfg = kvfs.StoreConfig(data_dirs=(tmp_path / "d",))
+    pid = os.fork()
+    if pid == 0:  # a writer that dies mid-page, the store never closed
+        code = 1
+        try:
+            opened = kvfs.open_store_sync(cfg)  # (kept: collected, it would close the store)
+            s = opened.__enter__()
+            s.put("done/page", b"x" * 5000)
+            s.begin_write("half/page").write(0, b"y" * 100_000)
+            code = 0
+        except BaseException as e:  # noqa: BLE001 - told through the exit code and stderr
+            print(repr(e), file=sys.stderr)
+        finally:
+            os._exit(code)
+    assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+    with caplog.at_level("WARNING", logger="kvfs"), kvfs.open_store_sync(cfg) as s:
+        assert s.get("done/page") == b"x" * 5000
+    said = [r.getMessage() for r in caplog.records if "not closed cleanly" in r.getMessage()]
+    assert len(said) == 1 and "1 leftover data file(s)" in said[0], said
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="kvfs"), kvfs.open_store_sync(cfg):
+        pass  # closed cleanly last time: nothing to say
+    assert not [r for r in caplog.records if "not closed cleanly" in r.getMessage()]
