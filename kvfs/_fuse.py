@@ -573,7 +573,9 @@ class KvfsOperations(FileOps, pyfuse3.Operations):
             key = name.decode()
         except UnicodeDecodeError:
             raise fuse_error(errno.EINVAL) from None
-        if not key.startswith(ATTR_XATTR) or len(key) == len(ATTR_XATTR):
+        if key == ATTR_XATTR:  # the page-attribute prefix with no name: a bad name
+            raise fuse_error(errno.EINVAL)
+        if not key.startswith(ATTR_XATTR):
             raise fuse_error(errno.ENOTSUP)
         if key[len(ATTR_XATTR) :].startswith(RESERVED_ATTRS):
             raise fuse_error(errno.EPERM)  # the mount's own (mode, owner, mtime)

@@ -1042,6 +1042,7 @@ def test_page_attributes_are_set_as_xattrs_while_writing(make_mount: object) -> 
             ("user.kvfs.attr.fs.mode", b"777", errno.EPERM),  # the mount's own
             ("user.kvfs.attr.bad", b"\xff", errno.EINVAL),  # not UTF-8
             (b"user.kvfs.attr.\xff", b"1", errno.EINVAL),  # (an EIO and a logged error)
+            ("user.kvfs.attr.", b"1", errno.EINVAL),  # no name (was ENOTSUP)
             ("user.other", b"1", errno.ENOTSUP),
         ):
             with pytest.raises(OSError) as ei:
