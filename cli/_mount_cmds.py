@@ -80,7 +80,7 @@ def add_mount_arguments(p: argparse.ArgumentParser) -> None:
         "--log",
         metavar="FILE",
         help="daemon log when detached (default: kvfs-daemon.log beside the index: in "
-        "index_dir if set, else in the first data dir)",
+        "index_dir if set, else in the first data dir); not with --foreground (stderr)",
     )
 
 
@@ -134,6 +134,11 @@ def child_argv(args: argparse.Namespace) -> list[str]:
 def cmd_mount(args: argparse.Namespace) -> int:
     from ._target import daemon_services
 
+    if args.foreground and args.log:  # (it was ignored without a word)
+        raise ValueError(
+            "--log is the detached daemon's log; in the foreground the log goes to stderr "
+            "(redirect it, or set daemon.log_target = journald)"
+        )
     config = build_config(args)
     daemon = config.extra.get("daemon")
     if not args.foreground and isinstance(daemon, dict) and daemon.get("log_target") == "journald":

@@ -528,3 +528,11 @@ def test_writes_still_open_when_the_mount_stops_are_logged(tmp_path: Path) -> No
         d.stop()
     log = (tmp_path / "daemon.log").read_text()
     assert "event=discard target=unfinished" in log and "when the mount stopped" in log, log
+
+
+def test_log_with_foreground_is_refused(tmp_path: Path, run: Run) -> None:
+    """`kvfs mount --foreground --log FILE` ignored --log without a word."""
+    (tmp_path / "mnt").mkdir()
+    argv = ["mount", "--foreground", "--log", str(tmp_path / "l.log"), "--data", str(tmp_path)]
+    rc, _, err = run(*argv, str(tmp_path / "mnt"))
+    assert rc == 2 and "--log is the detached daemon's log" in err
