@@ -300,6 +300,14 @@ class Engine:
             self.capacity = self.used + sum(
                 f - headroom(f) for f in self.tier.free_bytes_per_filesystem()
             )
+        room = self.used + sum(self.tier.free_bytes_per_filesystem())
+        if self.capacity > room:  # (the disk then fills first: see "A full disk")
+            log.warning(
+                "the capacity (%d bytes) is more than the data directories can hold (%d "
+                "bytes used and free): writes will find the disk full before the cap",
+                self.capacity,
+                room,
+            )
         self._closed = False
         self._calls = 0  # API calls in flight (see _using): close() waits for them
         self._calls_done = threading.Condition()

@@ -8,6 +8,7 @@ import sys
 import textwrap
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import trio
@@ -717,3 +718,21 @@ def test_a_top_level_engine_directory_is_named_as_ls_shows_it(
     assert s.delete_session("lmcache/") == 1 and s.exists(PageKey.semantic("lmcache", "p", 0))
     with pytest.raises(kvfs.SessionNotFound):
         s.session_info("nothing")
+
+
+def test_a_capacity_beyond_the_disks_is_warned_of(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """`--capacity 500GiB` on a smaller disk: the disk fills before the cap (architecture.md,
+    "A full disk"), and nothing said so."""
+    cfg = kvfs.StoreConfig(data_dirs=(tmp_path / "d",), capacity=1 << 60)
+    with caplog.at_level("WARNING", logger="kvfs"), kvfs.open_store_sync(cfg):
+        pass
+    assert [r for r in caplog.records if "more than the data directories can hold" in r.message]
+    caplog.clear()
+    with (
+        caplog.at_level("WARNING", logger="kvfs"),
+        kvfs.open_store_sync(cfg.replace(capacity=1 << 20)),
+    ):
+        pass
+    assert not [r for r in caplog.records if "can hold" in r.message]
