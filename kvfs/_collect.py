@@ -111,9 +111,9 @@ class Collector:
         every blob the manifests name, None when one is unreadable: nothing is deleted).
         Returns the candidates settled (deleted, named by a manifest, or refused by
         ``may_delete``: no longer to collect); the others stay queued."""
-        await self.tidy()
         key = await self.announce(candidates)
         t0 = time.monotonic()
+        await self.tidy(await self.store.modified(key))
         try:
             named = await referenced()
             if named is None:
@@ -139,10 +139,12 @@ class Collector:
                 scope.deadline = trio.current_time() + FINISH_SECONDS
                 await self.finish(key)
 
-    async def tidy(self) -> None:
+    async def tidy(self, store_now: float | None = None) -> None:
         """Remove this host's intents finished more than ``window`` ago, and finish those
         left unfinished (by a crash of a previous run, or a failed finish): they can delete
-        nothing any more, since only one process owns a store."""
+        nothing any more, since only one process owns a store. ``store_now``: the archive's
+        clock now (the modification time of an object just written), by which those a
+        previous run finished are timed."""
         now = time.time()
         keys = set(await self.store.list_all(INTENTS))
         for k in sorted(keys):
@@ -158,24 +160,23 @@ class Collector:
                 # finished by a previous run: removed a window after it finished. (Taking
                 # "now" as that time, a host used only by short commands never removed any:
                 # no process lived a window past the one that met them.)
-                self._mine[k] = await self._finished_at(k, now)
+                self._mine[k] = await self._finished_at(k, now, store_now)
         for k, at in list(self._mine.items()):
             if at is not None and now - at > self.window:
                 await self.store.delete(k)
                 await self.store.delete(k + DONE)
                 del self._mine[k]
 
-    async def _finished_at(self, key: str, now: float) -> float:
-        """When this host finished its intent ``key``, by its own clock as its done marker
-        says (``now`` when that is unreadable, or later than now: the clock went back)."""
-        try:
-            body = msgpack.unpackb(await self.store.get(key + DONE), raw=False)
-            return min(float(body["written"]), now)
-        except FileNotFoundError:
+    async def _finished_at(self, key: str, now: float, store_now: float | None) -> float:
+        """When a previous run finished intent ``key``, on this process's clock (``now``
+        is its time now): the age of its done marker by the archive's clock (its
+        modification time against ``store_now``), so that no step of this host's clock
+        between the runs can make it look older than it is (``now`` without
+        ``store_now``, or when the marker is gone: kept a window more)."""
+        done = await self.store.modified(key + DONE)
+        if done is None or store_now is None:
             return now
-        except Exception as e:  # noqa: BLE001 - a damaged marker: kept a window more
-            log.warning("archive collection marker %s%s is unreadable (%s)", key, DONE, e)
-            return now
+        return now - max(0.0, store_now - done)
 
     # -- the dropping side ----------------------------------------------------------------
     async def settle(

@@ -48,6 +48,8 @@ if TYPE_CHECKING:
 __all__ = ["HOSTS", "Hosts", "heartbeat_interval"]
 
 HOSTS = "hosts/"
+#: beside a heartbeat deleted by a host retiring that one: the retirement is under way
+RETIRING = ".retiring"
 log = logging.getLogger("kvfs.archive")
 
 
@@ -102,6 +104,11 @@ class Hosts:
         self.beaten_at = time.monotonic()
         return await self.store.modified(self.key)
 
+    async def confirm(self) -> None:
+        """Beat at once if this host's heartbeat is gone (another host retired it)."""
+        if await self.store.modified(self.key) is None:
+            await self.beat()
+
     def overdue(self) -> bool:
         """This host has beaten before but not for two of its intervals (the archive was
         unreachable, or the loop stalled): other hosts may have taken it for gone, and what
@@ -123,7 +130,9 @@ class Hosts:
             head, at, host = key.rpartition("@")
             if at and head:
                 sessions[host] = sessions.get(host, 0) + 1
-        beats = {k[len(HOSTS) :] for k in await self.store.list_all(HOSTS)}
+        beats = {
+            k[len(HOSTS) :] for k in await self.store.list_all(HOSTS) if not k.endswith(RETIRING)
+        }
         out = []
         for host in sorted(beats | set(sessions)):
             row: dict[str, object] = {
@@ -160,13 +169,21 @@ class Hosts:
         return None if seen is None else (retention, interval, seen)
 
     async def tick(self) -> None:
-        """Beat, then retire hosts silent for good."""
+        """Beat, then retire hosts silent for good (and finish retirements a failure or a
+        kill interrupted: their ``.retiring`` markers)."""
         now = await self.beat()
         if now is None:
             return
-        for key in await self.store.list_all(HOSTS):
+        keys = await self.store.list_all(HOSTS)
+        for key in keys:
             host = key[len(HOSTS) :]
-            if host != self.store_id:
+            if host.endswith(RETIRING):
+                host = host[: -len(RETIRING)]
+                if HOSTS + host in keys:  # it came back: nothing more of it goes
+                    await self.store.delete(key)
+                else:
+                    await self._retire(host, "an interrupted retirement, resumed")
+            elif host != self.store_id:
                 await self._retire_if_silent(host, now)
 
     async def _retire_if_silent(self, host: str, now: float) -> None:
@@ -176,11 +193,31 @@ class Hosts:
         retention, interval, seen = beat
         if retention <= 0 or now - seen <= 2 * retention + 2 * interval:
             return
+        # The heartbeat goes first, and only the one judged: a host that beat since is back
+        # (and trusted its manifests: none may go). Once it is gone, a host that comes back
+        # finds it missing, before any drop (Spiller._check_named), and writes its manifests
+        # again; a manifest is then deleted only while the heartbeat is still missing. A
+        # marker says the retirement is under way, so that a failure halfway is resumed
+        # (with the heartbeat gone, nothing else would look at this host again).
+        if await self.store.modified(HOSTS + host) != seen:
+            return
+        await self.store.put(HOSTS + host + RETIRING, b"")
+        await self.store.delete(HOSTS + host)
+        why = f"silent for more than twice its retention ({retention:g} s) for {now - seen:.0f} s"
+        await self._retire(host, why)
+
+    async def _retire(self, host: str, why: str) -> None:
+        """Delete the manifests of ``host`` (its heartbeat gone), except pinned ones, and
+        its collection intents; then its ``.retiring`` marker."""
         deleted = kept = 0
         listed = set(await self.store.list_all(MANIFESTS))
         for mkey in listed:
             if not mkey.endswith("@" + host):
                 continue
+            if await self.store.modified(HOSTS + host) is not None:
+                log.warning("archive host %s came back while being retired: left alone", host)
+                await self.store.delete(HOSTS + host + RETIRING)
+                return
             try:
                 m: dict[str, Any] = parse_manifest(await self.store.get(mkey))  # type: ignore[arg-type]
             except FileNotFoundError:
@@ -208,11 +245,11 @@ class Hosts:
         intents = await self.store.list_all(INTENTS + host + "-")
         for k in intents:
             await self.store.delete(k)
-        # Its heartbeat goes even where pinned manifests stay: a host only cut off finds it
+        # Its heartbeat went even where pinned manifests stay: a host only cut off finds it
         # missing when it is back and writes its manifests again. Kept, the host went on
         # trusting manifests deleted here, and dropped local copies of pages whose objects
         # were collected. (What stays is never looked at again: pins are never expired.)
-        await self.store.delete(HOSTS + host)
+        await self.store.delete(HOSTS + host + RETIRING)
         if deleted or not kept:
             self.count("hosts_retired", 1)
             log_event(
@@ -222,6 +259,5 @@ class Hosts:
                 manifests=deleted,
                 kept_pinned=kept,
                 intents=len(intents),
-                silent_seconds=round(now - seen),
-                message=f"silent for more than twice its retention ({retention:g} s)",
+                message=why,
             )

@@ -210,9 +210,15 @@ class Spiller:
     async def _check_named(self) -> None:
         """Before ``named`` is trusted for a drop: when this host's heartbeat is overdue,
         another host may have taken it for gone and deleted its manifests; beat first (a
-        missing heartbeat resets ``named`` and queues every manifest to be written again)."""
+        missing heartbeat resets ``named`` and queues every manifest to be written again).
+        Where hosts may be retired, the heartbeat is looked at before every drop even when
+        not overdue: a retirement decided on the previous heartbeat can land just after
+        this host beat (it deletes the heartbeat before any manifest, so a drop after
+        this look finds the manifests still there)."""
         if self.hosts.overdue():
             await self.hosts.beat()
+        elif self.hosts.retention > 0 and self.hosts.beaten_at is not None:
+            await self.hosts.confirm()
 
     async def _verify_referenced(self, hashes: list[bytes]) -> None:
         """Every blob a fresh manifest names exists (another host may have collected one

@@ -200,6 +200,40 @@ def test_finished_intents_of_short_lived_processes_go_too(
     assert len(runs[1]) == 2 and not runs[0] & runs[1]  # the first run's went
 
 
+def test_a_clock_stepped_between_runs_does_not_age_finished_intents(
+    make_config,  # noqa: ANN001
+    archive_url: str,  # noqa: F811
+    monkeypatch,  # noqa: ANN001
+) -> None:
+    """A run's finished intent must stay listed for the window (another host's settle may
+    need to see it). Timed by this host's clock, a clock stepped forward between two runs
+    (NTP after a resume) made the next run take it for an hour old and remove it at once;
+    it is timed by the archive's clock now."""
+    import types
+
+    import kvfs._collect as collect
+
+    cfg = archived_cfg(make_config, archive_url, name="host-a", gc_window=60)
+    with kvfs.open_store_sync(cfg) as a:
+        for i in range(3):
+            a.put(PageKey.semantic("a", "p", i), kv_page(40 + i))
+        a.spill("a")
+    behind = types.SimpleNamespace(
+        time=lambda: time.time() - 3600, monotonic=time.monotonic, time_ns=time.time_ns
+    )
+    monkeypatch.setattr(collect, "time", behind)  # the first run's clock: an hour behind
+    with kvfs.open_store_sync(cfg) as a:
+        a.delete(PageKey.semantic("a", "p", 0))  # collects its object
+        policy = a.engine.policy  # type: ignore[attr-defined]
+        first = set(policy.call(policy.store.list_all, "gc/"))
+    monkeypatch.undo()
+    with kvfs.open_store_sync(cfg) as a:
+        a.delete(PageKey.semantic("a", "p", 1))
+        policy = a.engine.policy  # type: ignore[attr-defined]
+        after = set(policy.call(policy.store.list_all, "gc/"))
+    assert len(first) == 2 and first <= after  # the first run's: still there
+
+
 def test_hosts_writing_the_same_directory_keep_each_others_pages(
     make_config,  # noqa: ANN001
     archive_url: str,  # noqa: F811

@@ -432,3 +432,82 @@ def test_a_host_cut_off_and_retired_keeps_its_pages_when_back(
 
 
 S_MANIFEST = "manifests/sessions%2Fs@"
+
+
+def test_a_host_retired_just_after_it_beat_writes_its_manifests_before_a_drop(
+    make_config: Callable[..., kvfs.StoreConfig],
+    archive_url: str,  # noqa: F811
+) -> None:
+    """Another host retires this one on the heartbeat before its last (the decision and the
+    deletions race the beat): the heartbeat goes first, then the manifests. This host, not
+    overdue, trusted its manifests until its next beat (an hour with a long retention): an
+    eviction then dropped a page's last local copy, named by no manifest, for the other
+    host's collection to delete. It now looks at its heartbeat before any drop."""
+    cfg = archived_cfg(make_config, archive_url, name="host-b", interval=60, retention=3600)
+    k = PageKey.semantic("s", "p", 0)
+
+    async def main() -> None:
+        async with kvfs.open_store(cfg) as b:
+            store = b.engine.policy.store  # type: ignore[attr-defined]
+            await b.put(k, kv_page(71))
+            await b.spill("s")
+            assert await b.get(k) == kv_page(71)  # local again, and archived
+            with trio.fail_after(30):
+                while not await _objects(b, "hosts/"):
+                    await trio.sleep(0.05)
+            for key in await _objects(b, "hosts/") + await _objects(b, "manifests/"):
+                await store.delete(key)  # what the retiring host does, in that order
+            await b.evict(session="s")
+            assert (await b.stat(k)).tier == "archive"
+            assert await _objects(b, "manifests/")  # written again before the drop
+            assert await _objects(b, "hosts/")
+            assert await b.get(k) == kv_page(71)
+
+    trio.run(main)
+
+
+def test_a_host_that_beats_while_judged_silent_is_left_alone(
+    make_config: Callable[..., kvfs.StoreConfig],
+    archive_url: str,  # noqa: F811
+) -> None:
+    """Host A read B's old heartbeat and judged B gone; B beat right then. A deleted B's
+    manifests all the same (and B, its heartbeat just written, trusted them). A now deletes
+    nothing unless the heartbeat is still the one it judged."""
+    b_setup = archived_cfg(make_config, archive_url, name="host-b")
+    b_cfg = archived_cfg(make_config, archive_url, name="host-b", interval=60, retention=1.5)
+    a_cfg = archived_cfg(make_config, archive_url, name="host-a", interval=0.05, retention=1)
+    with kvfs.open_store_sync(b_setup) as b_sync:
+        b_sync.put(PageKey.semantic("s", "p", 0), kv_page(72))
+        b_sync.spill("s")
+
+    async def main() -> None:
+        async with kvfs.open_store(b_cfg) as b:
+            b_id = b.engine.store_id
+            with trio.fail_after(30):
+                while not await _objects(b, "hosts/"):
+                    await trio.sleep(0.05)
+        async with kvfs.open_store(a_cfg) as a:
+            hosts = a.engine.policy.spiller.hosts  # type: ignore[attr-defined]
+            judged = hosts._heartbeat
+            beat: list[float] = []
+
+            async def and_then_b_beats(host: str) -> object:
+                seen = await judged(host)
+                if host == b_id and seen is not None and not beat:
+                    retention, interval, at = seen
+                    if await hosts.store.modified(hosts.key) - at > 2 * retention + 2 * interval:
+                        body = await hosts.store.get(f"hosts/{b_id}")
+                        await hosts.store.put(f"hosts/{b_id}", body)  # B is back
+                        beat.append(trio.current_time())
+                return seen
+
+            hosts._heartbeat = and_then_b_beats
+            with trio.fail_after(60):
+                while not beat:
+                    await trio.sleep(0.05)
+            await trio.sleep(0.5)  # (several of A's passes)
+            assert [k for k in await _objects(a, "manifests/") if b_id in k]
+            assert f"hosts/{b_id}" in await _objects(a, "hosts/")
+            assert (await a.statistics()).extra["archive"]["hosts_retired"] == 0
+
+    trio.run(main)
