@@ -108,6 +108,25 @@ async def _objects(s: kvfs.Store, prefix: str) -> list[str]:
     return await s.engine.policy.store.list_all(prefix)  # type: ignore[attr-defined, no-any-return]
 
 
+async def _spilled_read_back_and_beaten(s: kvfs.Store, k: PageKey, page: bytes) -> None:
+    """``page`` put as ``k``, spilled, read back (local again, and still archived), and the
+    store's heartbeat written."""
+    await s.put(k, page)
+    await s.spill(k.session)
+    assert await s.get(k) == page
+    with trio.fail_after(30):
+        while not await _objects(s, "hosts/"):
+            await trio.sleep(0.05)
+
+
+async def _retired_by_hand(s: kvfs.Store) -> None:
+    """What a host retiring ``s`` does to it, in that order: its heartbeat goes, then its
+    (unpinned) manifests."""
+    store = s.engine.policy.store  # type: ignore[attr-defined]
+    for key in await _objects(s, "hosts/") + await _objects(s, "manifests/"):
+        await store.delete(key)
+
+
 def _hashes(blob_keys: list[str]) -> set[bytes]:
     return {bytes.fromhex(k.rsplit("/", 1)[1]) for k in blob_keys}
 
@@ -243,15 +262,8 @@ def test_a_host_taken_for_gone_writes_its_manifests_again(
 
     async def main() -> None:
         async with kvfs.open_store(cfg) as a:
-            store = a.engine.policy.store  # type: ignore[attr-defined]
-            await a.put(k, kv_page(70))
-            await a.spill("s")
-            assert await a.get(k) == kv_page(70)  # local again, and still archived
-            with trio.fail_after(30):
-                while not await _objects(a, "hosts/"):
-                    await trio.sleep(0.05)
-            for key in await _objects(a, "manifests/") + await _objects(a, "hosts/"):
-                await store.delete(key)
+            await _spilled_read_back_and_beaten(a, k, kv_page(70))
+            await _retired_by_hand(a)
             with trio.fail_after(30):
                 while not await _objects(a, "manifests/"):
                     assert await a.get(k) == kv_page(70)  # in use: its retention keeps it
@@ -448,15 +460,8 @@ def test_a_host_retired_just_after_it_beat_writes_its_manifests_before_a_drop(
 
     async def main() -> None:
         async with kvfs.open_store(cfg) as b:
-            store = b.engine.policy.store  # type: ignore[attr-defined]
-            await b.put(k, kv_page(71))
-            await b.spill("s")
-            assert await b.get(k) == kv_page(71)  # local again, and archived
-            with trio.fail_after(30):
-                while not await _objects(b, "hosts/"):
-                    await trio.sleep(0.05)
-            for key in await _objects(b, "hosts/") + await _objects(b, "manifests/"):
-                await store.delete(key)  # what the retiring host does, in that order
+            await _spilled_read_back_and_beaten(b, k, kv_page(71))
+            await _retired_by_hand(b)
             await b.evict(session="s")
             assert (await b.stat(k)).tier == "archive"
             assert await _objects(b, "manifests/")  # written again before the drop
