@@ -553,7 +553,10 @@ while True:
 """
 
 
-@pytest.mark.skipif(os.getuid() != 0, reason="needs root to act as three users")
+@pytest.mark.skipif(
+    os.getuid() != 0,
+    reason="needs root to act as three users (CI and the device machine run as root)",
+)
 def test_a_daemon_run_by_another_user_is_refused(tmp_path: Path) -> None:
     """Whoever can put a socket where a client looks (a fallback runtime directory, a
     shared data directory) would be sent its pages and commands: the sync and the async

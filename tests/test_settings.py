@@ -198,7 +198,10 @@ def _as_uid(uid: int, fn: Callable[[], int]) -> int:
     return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
 
 
-@pytest.mark.skipif(os.getuid() != 0, reason="needs root to act as two users")
+@pytest.mark.skipif(
+    os.getuid() != 0,
+    reason="needs root to act as two users (CI and the device machine run as root)",
+)
 def test_runtime_dir_is_refused_when_another_user_made_it_first() -> None:
     """The daemon's state files (its pid: ``kvfs umount`` signals it) and fallback sockets
     live in ``/tmp/kvfs-<uid>``. Another user who made that first, or one left open to

@@ -726,13 +726,13 @@ def test_a_capacity_beyond_the_disks_is_warned_of(
     """`--capacity 500GiB` on a smaller disk: the disk fills before the cap (architecture.md,
     "A full disk"), and nothing said so."""
     cfg = kvfs.StoreConfig(data_dirs=(tmp_path / "d",), capacity=1 << 60)
-    with caplog.at_level("WARNING", logger="kvfs"), kvfs.open_store_sync(cfg):
-        pass
+    with caplog.at_level("WARNING", logger="kvfs"), kvfs.open_store_sync(cfg) as s:
+        assert s.statistics().capacity_bytes == 1 << 60  # (kept: only said)
     assert [r for r in caplog.records if "more than the data directories can hold" in r.message]
     caplog.clear()
     with (
         caplog.at_level("WARNING", logger="kvfs"),
-        kvfs.open_store_sync(cfg.replace(capacity=1 << 20)),
+        kvfs.open_store_sync(cfg.replace(capacity=1 << 20)) as s,
     ):
-        pass
+        assert s.statistics().capacity_bytes == 1 << 20
     assert not [r for r in caplog.records if "can hold" in r.message]
