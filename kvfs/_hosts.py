@@ -16,14 +16,18 @@ and every ``interval`` seconds, and looks at the others' heartbeats as often:
   collection, which deletes them only once no manifest of any host names them
   (kvfs/_collect.py). Its collection intents (``gc/<store id>-*``, finished or not) are
   deleted too: only their host removes them otherwise, and a host silent that long stopped
-  deleting long ago. Its heartbeat is deleted too, whatever stays: the host is not looked at
-  again.
+  deleting long ago. Its heartbeat goes first, whatever stays, and only if it is still the
+  one judged silent (a host that beat meanwhile is back: left alone); a ``.retiring``
+  marker beside it says the retirement is under way, so that one a failure interrupted is
+  finished by a later pass, and each manifest goes only while the heartbeat is still
+  missing. The host is not looked at again.
 * A host whose retention is 0 keeps everything, so nobody retires it; a host that never
   wrote a heartbeat (kvfs before the ninth session, a store used without a background task)
   is never retired either.
 
 A host retired this way that does start again (or was only cut off) finds its heartbeat gone
-(its index records that it wrote one) and writes all its manifests again; its own retention
+(its index records that it wrote one; it looks before every drop of a local copy) and
+writes all its manifests again; its own retention
 pass deletes the sessions it did not touch meanwhile (all of them, unless pinned), and a page
 of another one read before that fails as missing from the archive (docs/archive.md, failure
 table).
