@@ -40,7 +40,14 @@ from objectstore._abc import one_error_nursery
 from ._checksum import leaves_of, tree_hash
 from ._codec import CodecChoice, elem_size, encode
 from ._config import parse_duration
-from ._errors import ArchiveUnavailable, CapacityExceeded, CorruptPage, KvfsError, PageNotFound
+from ._errors import (
+    ArchiveUnavailable,
+    CapacityExceeded,
+    CorruptPage,
+    DiskFull,
+    KvfsError,
+    PageNotFound,
+)
 from ._events import log_event
 from ._index import BlobRow, PageRow
 from ._local import fsync_dir
@@ -958,7 +965,12 @@ class ArchivingPolicy(TieringPolicy):
         return out
 
     async def _restore_many(
-        self, blobs: list[BlobRow], progress: Progress | None = None, missing_ok: bool = False
+        self,
+        blobs: list[BlobRow],
+        progress: Progress | None = None,
+        missing_ok: bool = False,
+        *,
+        one_by_one_when_full: bool = True,
     ) -> int:
         """Restore blobs: in the upload worker processes when there are any (each worker
         downloads, decodes, verifies and writes its batch's files; see
@@ -1015,17 +1027,29 @@ class ArchivingPolicy(TieringPolicy):
                 if not fut.done():
                     fut.set_exception(ArchiveUnavailable("restore was cancelled"))
         total = 0
-        first: BaseException | None = None
-        for fut in [*owned.values(), *others]:
+        failed: dict[bytes | None, BaseException] = {}  # by hash (None: another restore's)
+        for key, fut in [*owned.items(), *((None, f) for f in others)]:
             try:
                 total += (await _wait(fut)).size
             except PageNotFound as e:
                 if not missing_ok:
-                    first = first or e
+                    failed.setdefault(key, e)
             except Exception as e:
-                first = first or e
-        if first is not None:
-            raise first
+                failed.setdefault(key, e)
+        # Restored side by side, copies a full disk had room for a few of may all have
+        # failed halfway (each held part of the room): those come back one at a time now,
+        # until one does not fit
+        retry = [b for b in blobs if isinstance(failed.get(b.hash), DiskFull)]
+        for b in retry if one_by_one_when_full and len(blobs) > 1 else []:
+            try:
+                total += await self._restore_many(
+                    [b], missing_ok=missing_ok, one_by_one_when_full=False
+                )
+            except DiskFull:
+                break
+            del failed[b.hash]
+        if failed:
+            raise next(iter(failed.values()))
         return total
 
     async def _still_archived(

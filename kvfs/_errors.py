@@ -15,6 +15,7 @@ import errno
 __all__ = [
     "ArchiveUnavailable",
     "CapacityExceeded",
+    "DiskFull",
     "CorruptPage",
     "InvalidKey",
     "KvfsError",
@@ -68,6 +69,10 @@ class CapacityExceeded(KvfsError, OSError):
     """The page does not fit under the capacity cap even after evicting what may be evicted."""
 
     errno = errno.ENOSPC
+
+
+class DiskFull(CapacityExceeded):
+    """The disk under a data directory is full (ENOSPC, EDQUOT), whatever the cap allows."""
 
 
 class StoreLocked(KvfsError, BlockingIOError):

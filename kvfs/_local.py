@@ -41,7 +41,7 @@ from ._aligned import (
     open_direct,
     round_up,
 )
-from ._errors import CapacityExceeded, KvfsError
+from ._errors import DiskFull, KvfsError
 from ._index import Extent
 
 __all__ = [
@@ -579,7 +579,7 @@ class BlobWriter:
 
     def _full(self, dev: int, e: OSError) -> OSError:
         if e.errno in (28, 122):  # ENOSPC, EDQUOT
-            return CapacityExceeded(f"device {self.tier.roots[dev]} is full: {e.strerror}")
+            return DiskFull(f"device {self.tier.roots[dev]} is full: {e.strerror}")
         return e
 
     def _kick(self, dev: int, fd: int, n: int) -> None:
