@@ -23,7 +23,7 @@ from kvfs._control import DaemonUnavailable
 from kvfs._engine import devices_known
 from kvfs._keys import SESSIONS_DIR
 from kvfs._local import DEVICE_MARKER
-from kvfs._mountinfo import mount_of, mounts
+from kvfs._mountinfo import kvfs_mount_of, kvfs_mounts
 from kvfs._remote import SyncRemoteStore
 from kvfs._settings import Settings, load_settings, unknown_environment
 
@@ -88,14 +88,6 @@ def _answers(socket: Any) -> bool:
         remote.close()
 
 
-def kvfs_mounts() -> list[str]:
-    """Mountpoints of kvfs file systems (``fuse.kvfs`` in /proc/self/mountinfo)."""
-    try:
-        return [mp for mp, fstype in mounts() if fstype == "fuse.kvfs"]
-    except OSError:
-        return []
-
-
 def map_mount_paths(args: argparse.Namespace) -> None:
     """Targets given as paths on a kvfs mount (``/mnt/kv/sessions/agent-1``, or a name
     that exists in the working directory when that is on the mount) become the store paths
@@ -143,8 +135,8 @@ def map_mount_paths(args: argparse.Namespace) -> None:
     if not used and unset:
         # Run from a directory on the mount with no store named: the mount's store, not a
         # default ./kvfs-data made inside the mount (it was, as a page and a directory)
-        here, fstype = mount_of(os.getcwd())
-        used = {here} if fstype == "fuse.kvfs" else used
+        here = kvfs_mount_of(os.getcwd())
+        used = {here} if here else used
     if (
         len(used) == 1
         and getattr(args, "data", None) is None
@@ -162,8 +154,8 @@ def refuse_store_on_mount(config: kvfs.StoreConfig) -> None:
     """A store cannot live on a kvfs mount (its own, or another's): its lock and index
     would be pages. Raises ValueError naming the mount."""
     for d in config.data_dirs:
-        mp, fstype = mount_of(d)
-        if fstype == "fuse.kvfs":
+        mp = kvfs_mount_of(d)
+        if mp is not None:
             raise ValueError(
                 f"data directory {os.path.abspath(d)} is on the kvfs mount {mp}: a store "
                 "cannot live there (give --data a directory elsewhere, or run the command "

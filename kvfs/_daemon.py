@@ -31,7 +31,7 @@ from ._config import StoreConfig
 from ._errors import leaf_errors
 from ._fuse_nodes import process_of
 from ._mount import BadMountArgument, MountError, MountOptions, check_mountpoint, serve_mount
-from ._mountinfo import mount_of, mounts
+from ._mountinfo import kvfs_mount_of, kvfs_mounts
 from ._settings import config_socket_path, runtime_dir
 from ._store import Store, open_store
 
@@ -122,8 +122,8 @@ def main(
         for d in config.data_dirs:
             if d.exists() and not d.is_dir():
                 raise BadMountArgument(f"data directory {d} is not a directory")
-            on, fstype = mount_of(d)
-            if fstype == "fuse.kvfs":  # (its lock and index would be another store's pages)
+            on = kvfs_mount_of(d)
+            if on is not None:  # (its lock and index would be another store's pages)
                 raise BadMountArgument(f"data directory {d} is on the kvfs mount {on}")
             if d.is_dir() and not os.access(d, os.W_OK):  # (a read-only file system too)
                 raise BadMountArgument(f"data directory {d} is not writable")
@@ -296,7 +296,7 @@ def _drop_stale_states(directory: Path) -> None:
 
 def _mounted(mountpoint: str) -> bool:
     """A kvfs file system is mounted there (another kind is never kvfs's to unmount)."""
-    return any(mp == mountpoint and t == "fuse.kvfs" for mp, t in mounts())
+    return mountpoint in kvfs_mounts()
 
 
 class MountBusy(OSError):

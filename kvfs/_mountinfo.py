@@ -6,7 +6,10 @@ from __future__ import annotations
 import os
 import re
 
-__all__ = ["fs_type", "mount_of", "mounts"]
+__all__ = ["KVFS_FS", "fs_type", "kvfs_mount_of", "kvfs_mounts", "mount_of", "mounts"]
+
+#: the file system type of a kvfs mount in the mount table
+KVFS_FS = "fuse.kvfs"
 
 # The kernel writes a space, tab, newline and backslash in a path as a 3-digit octal escape.
 _ESCAPE = re.compile(rb"\\([0-7]{3})")
@@ -45,3 +48,17 @@ def mount_of(path: str | os.PathLike[str]) -> tuple[str, str]:
         if inside and len(mp) >= len(best):
             best, kind = mp, t
     return best, kind
+
+
+def kvfs_mounts() -> list[str]:
+    """Mountpoints of kvfs file systems (none when the table cannot be read)."""
+    try:
+        return [mp for mp, fstype in mounts() if fstype == KVFS_FS]
+    except OSError:
+        return []
+
+
+def kvfs_mount_of(path: str | os.PathLike[str]) -> str | None:
+    """The kvfs mount ``path`` is on (it need not exist), or None."""
+    mp, fstype = mount_of(path)
+    return mp if fstype == KVFS_FS else None

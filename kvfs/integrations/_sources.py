@@ -33,7 +33,7 @@ from typing import Protocol, runtime_checkable
 from .._engine import Engine
 from .._errors import CorruptPage, PageNotFound, SessionNotFound
 from .._keys import SESSIONS_DIR, PageKey, session_dir
-from .._mountinfo import fs_type
+from .._mountinfo import kvfs_mount_of
 from ._format import HEADER_READ, GeometryMismatch, PageHeader, parse_header
 
 __all__ = [
@@ -170,7 +170,7 @@ class DirectoryPages:
         self.label = f"directory {self.root}"
         #: A kvfs mount checks every read against the page's checksum (EIO otherwise);
         #: pages in any other directory are checked against their digest.
-        self.verifies = fs_type(self.root) == "fuse.kvfs"
+        self.verifies = kvfs_mount_of(self.root) is not None
 
     def path(self, key: PageKey) -> Path:
         return self.root.joinpath(*key.parts)
