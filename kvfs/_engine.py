@@ -290,6 +290,7 @@ class Engine:
         # `kvfs put` beside a daemon mounted with --capacity) keeps to it too. Without
         # either: the disks' free space (each file system counted once) less headroom.
         saved = self.index.get_meta("capacity")
+        free = self.tier.free_bytes_per_filesystem()
         if cfg.capacity:
             if saved != cfg.capacity:
                 self.index.set_meta("capacity", cfg.capacity)
@@ -297,10 +298,8 @@ class Engine:
         elif isinstance(saved, int) and saved > 0:
             self.capacity = saved
         else:
-            self.capacity = self.used + sum(
-                f - headroom(f) for f in self.tier.free_bytes_per_filesystem()
-            )
-        room = self.used + sum(self.tier.free_bytes_per_filesystem())
+            self.capacity = self.used + sum(f - headroom(f) for f in free)
+        room = self.used + sum(free)
         if self.capacity > room:  # (the disk then fills first: see "A full disk")
             log.warning(
                 "the capacity (%d bytes) is more than the data directories can hold (%d "

@@ -26,7 +26,7 @@ from ._fuse_ahead import AheadBudget
 from ._fuse_behind import BehindBudget
 from ._fuse_files import FileOps
 from ._fuse_guard import child_of, decode_name, fuse_error, guard
-from ._fuse_nodes import Handle, Kind, Node, NodeTable, owner, process_group
+from ._fuse_nodes import Handle, Kind, Node, NodeTable, Pending, owner, process_group
 from ._fuse_ns import (
     META_NAME,
     child_path,
@@ -423,12 +423,7 @@ class KvfsOperations(FileOps, pyfuse3.Operations):
             raise fuse_error(errno.EISDIR)
         elif node.kind is Kind.PENDING:
             validate_page(dst)
-            pending = node.pending
-            if (
-                pending is not None
-                and pending.writer_tgid is not None
-                and process_group(ctx.pid) != pending.writer_tgid
-            ):
+            if node.pending is not None and not _by_its_writer(node.pending, ctx):
                 # Only its writer publishes it: another process's rename committed the bytes
                 # written so far, and a kill of the writer then left that partial page.
                 raise fuse_error(errno.EBUSY)
@@ -582,7 +577,7 @@ class KvfsOperations(FileOps, pyfuse3.Operations):
         pending = node.pending
         if pending is None or pending.unlinked:
             raise fuse_error(errno.EPERM if node.kind is Kind.PAGE else errno.ENOTSUP)
-        if pending.writer_tgid is not None and process_group(ctx.pid) != pending.writer_tgid:
+        if not _by_its_writer(pending, ctx):
             raise fuse_error(errno.EBUSY)
         return pending.attrs, key[len(ATTR_XATTR) :]
 
@@ -607,3 +602,8 @@ class KvfsOperations(FileOps, pyfuse3.Operations):
             except Exception:
                 log.error("closing a handle at shutdown failed", exc_info=True)
         self.pending.clear()
+
+
+def _by_its_writer(pending: Pending, ctx: Any) -> bool:
+    """The request comes from the process writing ``pending`` (any of its threads)."""
+    return pending.writer_tgid is None or process_group(ctx.pid) == pending.writer_tgid
