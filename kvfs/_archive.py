@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import difflib
 import logging
 import os
 import threading
@@ -136,7 +135,7 @@ class ArchiveConfig:
         """The settings in ``extra["archive"]``. Raises ValueError naming a setting that is
         unknown (with the name meant, where a close one or its configuration file name is
         given) or of the wrong kind."""
-        from ._settings import ARCHIVE_FIELDS
+        from ._settings import ARCHIVE_FIELDS, closest
 
         raw = dict(extra.get("archive") or {})  # type: ignore[call-overload]
         names = {f.name for f in fields(cls)}
@@ -144,9 +143,7 @@ class ArchiveConfig:
         if unknown:
             hints = []
             for u in unknown:
-                meant = ARCHIVE_FIELDS.get(u) or next(
-                    iter(difflib.get_close_matches(u, names, 1)), None
-                )
+                meant = ARCHIVE_FIELDS.get(u) or closest(u, names)
                 hints.append(f"{u} ({meant}?)" if meant in names else u)
             raise ValueError(f"unknown archive setting(s): {', '.join(hints)}")
         if "retention" in raw:
@@ -242,11 +239,9 @@ class ArchivingPolicy(TieringPolicy):
         self._token: trio.lowlevel.TrioToken | None = None
         options = dict(self.cfg.store_options or {})
         idx = engine.index
-        recorded = idx.get_meta("archive")
-        moved = recorded not in (None, archive_identity(self.url)) and idx.has_archived()
-        if self.url.startswith("file:") and (
-            moved or recorded == archive_identity(self.url) and idx.has_archive_only()
-        ):
+        recorded, ident = idx.get_meta("archive"), archive_identity(self.url)
+        moved = recorded not in (None, ident) and idx.has_archived()
+        if self.url.startswith("file:") and (moved or recorded == ident and idx.has_archive_only()):
             # It holds pages this store has nowhere else: a missing directory is a share not
             # mounted now, not a new archive to create (in the empty mount point). Another
             # archive than the one recorded is refused unless it holds this store's objects

@@ -19,7 +19,7 @@ import hashlib
 import os
 import re
 import stat
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,6 +34,7 @@ __all__ = [
     "Option",
     "Settings",
     "as_toml",
+    "closest",
     "config_socket_path",
     "control_socket_path",
     "load_settings",
@@ -441,9 +442,15 @@ def unknown_environment(env: Mapping[str, str] | None = None) -> list[str]:
     known = {o.env for o in OPTIONS} | _OTHER_ENV
     out = []
     for name in sorted(k for k in env if k.startswith("KVFS_") and k not in known):
-        near = difflib.get_close_matches(name, sorted(known), n=1)
-        out.append(f"${name} is no kvfs setting: ignored" + (f" (${near[0]}?)" if near else ""))
+        near = closest(name, known)
+        out.append(f"${name} is no kvfs setting: ignored" + (f" (${near}?)" if near else ""))
     return out
+
+
+def closest(name: str, known: Iterable[str]) -> str | None:
+    """The name of ``known`` that ``name`` is most likely a misspelling of, if any is close."""
+    near = difflib.get_close_matches(name, sorted(known), n=1)
+    return near[0] if near else None
 
 
 _SECRET = re.compile(r"secret|password|token|credential", re.I)
