@@ -115,4 +115,6 @@ def as_bytes_view(
         raise TypeError(f"{what} is read-only")
     if not mv.c_contiguous:
         raise ValueError(f"{what} must be a C-contiguous buffer")
+    if mv.nbytes == 0:  # cast() refuses a shape with a zero in it: (0, heads, dim)
+        return memoryview(bytearray()) if not mv.readonly else memoryview(b"")
     return mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv

@@ -3,12 +3,15 @@ async clients' batched put and get, built on it."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
 import trio
 
+from ._aligned import as_bytes_view
+from ._keys import as_key
 from ._types import PageInfo
 
 T = TypeVar("T")
@@ -45,17 +48,39 @@ def one_buffer_per_key(keys: list[Any], into: Iterable[object] | None) -> list[A
     bufs = list(into) if into is not None else [None] * len(keys)
     if len(bufs) != len(keys):
         raise ValueError("need one buffer per key")
+    for i, b in enumerate(bufs):
+        if b is not None:
+            with _naming(i, keys[i]):
+                as_bytes_view(b, "the buffer to read into", writable=True)
     return bufs
 
 
 def pairs(items: Iterable[Any]) -> list[tuple[Any, object]]:
-    """``put_many``'s items as (key, data) pairs, checked before any put. Raises TypeError."""
+    """``put_many``'s items as (key, data) pairs, checked before any put: each a pair, of a
+    valid key (no other item's) and a buffer. Raises TypeError, ValueError, InvalidKey,
+    naming the item; nothing is stored then."""
     out = []
+    seen: dict[str, int] = {}
     for i, item in enumerate(items):
         if not isinstance(item, (tuple, list)) or len(item) != 2:
             raise TypeError(f"put_many takes (key, data) pairs; item {i} is {item!r:.80}")
+        with _naming(i, item[0]):
+            path = as_key(item[0]).path
+            as_bytes_view(item[1])
+        if path in seen:  # which put wins would depend on timing
+            raise ValueError(f"put_many item {i} repeats the key of item {seen[path]}: {path!r}")
+        seen[path] = i
         out.append((item[0], item[1]))
     return out
+
+
+@contextlib.contextmanager
+def _naming(i: int, key: object) -> Iterator[None]:
+    """An argument error about one item of a batch, said of that item."""
+    try:
+        yield
+    except (TypeError, ValueError) as e:  # InvalidKey is a ValueError
+        raise type(e)(f"item {i} ({key!s:.200}): {e}") from None
 
 
 class BatchCalls:
@@ -73,7 +98,8 @@ class BatchCalls:
         replace: bool = False,
         concurrency: int = 4,
     ) -> list[PageInfo]:
-        """Put several pages concurrently; results in input order. The first error cancels
+        """Put several pages concurrently; results in input order. Every item is checked
+        first (see :func:`pairs`): a bad one stores nothing. The first error cancels
         the rest and is raised as it is: the pages stored before it stay stored, and which
         of the others were depends on timing (``exists`` says)."""
         return await gather_first_error(

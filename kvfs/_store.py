@@ -292,9 +292,11 @@ class SyncStore:
     def put_many(
         self, items: Iterable[tuple[KeyLike, object]], *, concurrency: int = 4, **kw: Any
     ) -> builtins.list[PageInfo]:
-        """Put several pages from ``concurrency`` threads; results in input order. The first
-        error is raised after the calls in flight finish: the pages stored stay stored, and
-        which were depends on timing (``exists`` says)."""
+        """Put several pages from ``concurrency`` threads; results in input order. Every
+        item is checked first (a bad key or buffer, or a key twice, stores nothing, and the
+        error names the item). The first error of a put is raised after the calls in
+        flight finish: the pages stored stay stored, and which were depends on timing
+        (``exists`` says)."""
         # Not the engine's I/O pool: each put waits on that pool, so running puts on it
         # deadlocks once every pool thread is a put waiting for its own writes.
         items = pairs(items)

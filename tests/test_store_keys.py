@@ -158,6 +158,23 @@ def test_found_by_an_audit_of_the_object_api(sync_store: kvfs.SyncStore) -> None
     with pytest.raises(TypeError, match="item 1 is"):
         s.put_many([("k0", b"0"), ("k1",)])  # type: ignore[list-item]
     assert not s.exists("k0")
+    # ... of a valid key and a buffer, the item named: the others were stored, and the error
+    # did not say which item failed
+    bad: list[tuple[list[tuple[str, object]], type[Exception], str]] = [
+        ([("k0", b"0"), ("k1", None), ("k2", b"2")], TypeError, r"item 1 \(k1\): page data"),
+        ([("k0", b"0"), ("a/../b", b"1")], kvfs.InvalidKey, r"item 1 \(a/../b\): path component"),
+        ([("k0", b"0"), ("k0", b"1")], ValueError, "item 1 repeats the key of item 0"),
+    ]
+    for items, error, match in bad:
+        with pytest.raises(error, match=match):
+            s.put_many(items)
+        assert not s.exists("k0")
+    s.put("k0", b"0")
+    with pytest.raises(TypeError, match=r"item 1 \(k0\): the buffer to read into is read-only"):
+        s.get_many(["k0", "k0"], into=[bytearray(1), b"x"])
+    # a zero-size array of more than one dimension ("cannot cast view with zeros in shape")
+    s.put("empty", np.zeros((0, 8, 128), dtype=np.float16))
+    assert s.get("empty") == b"" and s.get("empty", into=np.zeros((0, 8), np.float16)) == 0
 
 
 def test_attrs_are_what_the_mount_can_show(sync_store: kvfs.SyncStore) -> None:
