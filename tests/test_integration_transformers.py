@@ -687,3 +687,38 @@ def test_a_random_models_id_names_every_field_of_its_shape() -> None:
         changed = other + 1 if isinstance(other, int) else "bfloat16"
         ids.add(dataclasses.replace(base, **{f.name: changed}).model_id)
     assert len(ids) == len(dataclasses.fields(ModelShape)) + 1
+
+
+def test_a_quantized_cache_is_refused(tmp_path: Path) -> None:
+    """A quantized layer's ``keys`` hold only its residual, the latest tokens: a cache
+    saved after some decode steps stored the KV of its last tokens under the names of its
+    first chunks, in the shared session, and another session loaded it as its prefix."""
+    from transformers.cache_utils import Cache, QuantizedCache, QuantizedLayer
+
+    class IdentityQuantized(QuantizedLayer):  # quanto and hqq, without their packages
+        def _quantize(self, tensor: torch.Tensor, axis: int) -> torch.Tensor:
+            return tensor.clone()
+
+        def _dequantize(self, qtensor: torch.Tensor) -> torch.Tensor:
+            return qtensor
+
+    shape = GEOMETRIES["fp32-gqa-2layers"]
+    model = model_of(shape)
+    ids = tokens(CHUNK + 8, seed=31)
+    with torch.inference_mode():
+        cache = Cache(layers=[IdentityQuantized() for _ in range(2)])
+        forward(model, torch.tensor([ids[:CHUNK]]), cache)
+        for t in ids[CHUNK:]:
+            forward(model, torch.tensor([[t]]), cache)
+    assert cache.get_seq_length() == CHUNK + 8 and cache.layers[0].keys.shape[2] == 8
+    kw = {"model_id": shape.model_id, "chunk_tokens": 4, "shared_session": "shared"}
+    with TransformersKV(tmp_path, model, **kw) as kv:  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match="IdentityQuantized, whose tensors are not"):
+            kv.save("q", ids, cache)
+        assert kv.load("other", ids).tokens == 0
+        with torch.inference_mode():  # was: "KV of shape (0,) does not fit"
+            fp8 = QuantizedCache("fp8", model.config)
+            forward(model, torch.tensor([ids]), fp8)
+        with pytest.raises(ValueError, match="QuantizedCache holds most of its KV quantized"):
+            kv.save("q", ids, fp8)
+    assert not any(p.is_file() for p in tmp_path.rglob("*"))

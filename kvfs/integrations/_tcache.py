@@ -18,22 +18,44 @@ from transformers import DynamicCache
 __all__ = ["build_cache", "cache_tensors"]
 
 
+#: The cache layers whose ``keys``/``values`` are the whole prefix's KV, token by token.
+#: Any other kind is refused by name: a quantized layer's ``keys`` hold only its residual
+#: (the latest tokens, unquantized), a sliding-window layer's only the window, a linear-
+#: attention layer's a recurrent state. Saved, such tensors were the KV of other tokens
+#: than the prefix names said, and other sessions loaded them.
+WHOLE_KV_LAYERS = ("DynamicLayer", "StaticLayer")
+
+
 def cache_tensors(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per-layer (keys, values) of a transformers cache or a legacy tuple cache."""
+    """Per-layer (keys, values) of a transformers cache or a legacy tuple cache.
+
+    Raises ValueError for a cache whose tensors are not the whole prefix's plain KV
+    (quantized, sliding-window, linear-attention layers), TypeError for what is no cache.
+    """
+    if any("Quantized" in c.__name__ for c in type(cache).__mro__):
+        raise ValueError(
+            f"a {type(cache).__name__} holds most of its KV quantized and only the latest "
+            f"tokens as tensors; kvfs stores the plain KV of a whole prefix (DynamicCache, "
+            f"StaticCache)"
+        )
     layers = getattr(cache, "layers", None)
     if layers is not None:
         out = []
         for i, layer in enumerate(layers):
-            k, v = getattr(layer, "keys", None), getattr(layer, "values", None)
-            if not isinstance(k, torch.Tensor) or not isinstance(v, torch.Tensor):
-                raise ValueError(
-                    f"layer {i} of the cache holds no KV tensors ({type(layer).__name__})"
-                )
+            kind = type(layer).__name__
             if getattr(layer, "is_sliding", False):
                 raise ValueError(
                     f"layer {i} is a sliding-window layer: it does not hold the "
                     f"whole prefix, and kvfs stores whole prefixes only"
                 )
+            if kind not in WHOLE_KV_LAYERS:
+                raise ValueError(
+                    f"layer {i} of the cache is of type {kind}, whose tensors are not the whole "
+                    f"prefix's KV; kvfs stores {' and '.join(WHOLE_KV_LAYERS)} layers only"
+                )
+            k, v = getattr(layer, "keys", None), getattr(layer, "values", None)
+            if not isinstance(k, torch.Tensor) or not isinstance(v, torch.Tensor):
+                raise ValueError(f"layer {i} of the cache holds no KV tensors ({kind})")
             out.append((k, v))
         return out
     if hasattr(cache, "key_cache"):

@@ -196,7 +196,13 @@ class TransformersKV:
         length = kvs[0][0].shape[2]
         seq_length = getattr(cache, "get_seq_length", None)
         if callable(seq_length):  # a static cache is allocated longer than what it holds
-            length = min(length, int(seq_length()))
+            held = int(seq_length())
+            if held > length:  # its tensors are not all of its tokens' KV
+                raise ValueError(
+                    f"the cache says it holds {held} tokens but its tensors hold {length}: "
+                    f"they are not the KV of the whole prefix"
+                )
+            length = held
         if length > len(toks):
             raise ValueError(
                 f"the cache holds {length} tokens but only {len(toks)} token ids were given"
