@@ -730,6 +730,12 @@ class Engine:
         with self._using():
             return _reads.list_pages(self, session, prefix, path_prefix)
 
+    def sample_pages(self, session_dir: str, n: int) -> builtins.list[PageRow]:
+        """The first ``n`` pages of a session directory, in path order, without listing
+        it all (what an integration reads to tell which model a session belongs to)."""
+        with self._using():
+            return self.index.pages(session=session_dir, limit=n)
+
     def sessions(self) -> builtins.list[SessionInfo]:
         with self._using():
             return [_reads.session_info(self, s.dir) for s in self.index.sessions()]

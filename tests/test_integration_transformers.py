@@ -9,6 +9,7 @@ Needs the ``engines`` extra (torch, transformers); skipped with that reason othe
 
 from __future__ import annotations
 
+import contextlib
 import os
 import struct
 import subprocess
@@ -318,6 +319,14 @@ def test_corrupt_page_ends_the_prefix(
 def _flip_or_cut(path: Path, how: str) -> None:
     if how == "truncated":
         os.truncate(path, 4096)  # the header alone: a power loss with durable=False
+    elif how.startswith("header"):  # the digest covers the tensors: a KeyError escaped load
+        was, now = {
+            "header-tensor": (b'"dtype":"F32"', b'"dtypa":"F32"'),
+            "header-geometry": (b'"layers":"2"', b'"layerz":"2"'),
+        }[how]
+        data = path.read_bytes()
+        assert was in data
+        path.write_bytes(data.replace(was, now, 1))
     else:
         with open(path, "r+b") as f:
             f.seek(-100, os.SEEK_END)
@@ -326,11 +335,13 @@ def _flip_or_cut(path: Path, how: str) -> None:
             f.write(bytes([b[0] ^ 0x01]))
 
 
-@pytest.mark.parametrize("how", ["truncated", "flipped"])
+@pytest.mark.parametrize("how", ["truncated", "flipped", "header-tensor", "header-geometry"])
 def test_a_damaged_page_in_a_plain_directory_ends_the_prefix(tmp_path: Path, how: str) -> None:
     """A plain directory has no kvfs checksum: a truncated page loaded the previous page's
     KV (left in the reused buffer) and a flipped byte loaded as it was. The page's own
-    digest and size now end the prefix there."""
+    digest and size now end the prefix there. A damaged header (which the digest does not
+    cover) raised KeyError or GeometryMismatch from load, for good: the page was never
+    rewritten."""
     shape = GEOMETRIES["fp32-gqa-2layers"]
     model = model_of(shape)
     ids = tokens(3 * CHUNK, seed=21)
@@ -722,3 +733,78 @@ def test_a_quantized_cache_is_refused(tmp_path: Path) -> None:
         with pytest.raises(ValueError, match="QuantizedCache holds most of its KV quantized"):
             kv.save("q", ids, fp8)
     assert not any(p.is_file() for p in tmp_path.rglob("*"))
+
+
+@pytest.mark.parametrize("where", ["directory", "mount"])
+def test_a_damaged_first_page_does_not_block_its_session(
+    make_config: Callable[..., kvfs.StoreConfig], tmp_path: Path, where: str
+) -> None:
+    """Which model a session belongs to is read from its first page: that page damaged
+    (cut to nothing by a power loss, a flipped byte on the mount's disk) made every new
+    prompt of the session fail with GeometryMismatch ("not kvfs-kv/1 pages"), or with
+    OSError(EIO) on the mount. The next page tells instead."""
+    from gds import decode_extents
+
+    shape = GEOMETRIES["fp32-gqa-2layers"]
+    model = model_of(shape)
+    ids = tokens(2 * CHUNK, seed=41)
+    _, cache = prefill(model, ids)
+    kw = {"model_id": shape.model_id, "chunk_tokens": CHUNK, "shared_session": None}
+    cfg, root = make_config(ndev=1), tmp_path / where
+    root.mkdir()
+    mounted = ServedMount(cfg, root) if where == "mount" else contextlib.nullcontext()
+    with mounted, TransformersKV(root, model, **kw) as kv:  # type: ignore[arg-type]
+        kv.save("s", ids, cache)
+        first = root / f"sessions/s/{chunk_names(ids, kv.geometry)[0]}/layer-000"
+        raw = os.getxattr(first, "user.kvfs.extents") if where == "mount" else b""
+    if where == "directory":
+        os.truncate(first, 0)
+    else:  # (a new mount below: the kernel's cache of the page is gone with the old one)
+        files, extents = decode_extents(raw)
+        with open(files[extents[0][0]], "r+b") as f:
+            f.seek(extents[0][1] + 10)
+            b = f.read(1)
+            f.seek(extents[0][1] + 10)
+            f.write(bytes([b[0] ^ 0xFF]))
+    mounted = ServedMount(cfg, root) if where == "mount" else contextlib.nullcontext()
+    with mounted, TransformersKV(root, model, **kw) as kv:  # type: ignore[arg-type]
+        other = tokens(2 * CHUNK + 1, seed=42)
+        assert kv.prefill("s", other).save.chunks == 2  # type: ignore[union-attr]
+        assert kv.load("s", other).tokens == 2 * CHUNK
+
+
+def test_a_session_of_another_model_is_refused_though_the_shared_one_has_the_prefix(
+    tmp_path: Path,
+) -> None:
+    """load checked the session only when nothing at all was cached: with the prefix in
+    the shared session it succeeded, and prefill then failed after computing, at its save."""
+    a, b = GEOMETRIES["fp32-gqa-2layers"], GEOMETRIES["bf16-mha-3layers"]
+    ids = tokens(2 * CHUNK, seed=43)
+    with (
+        TransformersKV(tmp_path, model_of(a), model_id=a.model_id, chunk_tokens=CHUNK) as kv_a,
+        TransformersKV(tmp_path, model_of(b), model_id=b.model_id, chunk_tokens=CHUNK) as kv_b,
+    ):
+        kv_a.prefill("agent-a", ids)
+        kv_b.prefill("agent-b", ids)  # b's KV of the prefix is in the shared session now
+        for call in (lambda: kv_b.load("agent-a", ids), lambda: kv_b.prefill("agent-a", ids)):
+            with pytest.raises(GeometryMismatch, match="session 'agent-a'"):
+                call()
+
+
+def test_a_prefill_whose_save_finds_no_room_keeps_its_result(
+    make_config: Callable[..., kvfs.StoreConfig],
+) -> None:
+    """CapacityExceeded from the save threw away the prefill's logits and cache."""
+    shape = GEOMETRIES["fp32-gqa-2layers"]
+    model = model_of(shape)
+    ids = tokens(4 * CHUNK + 1, seed=44)
+    with (
+        kvfs.open_store_sync(make_config(ndev=1, capacity=64 * 1024)) as store,
+        TransformersKV(store, model, model_id=shape.model_id, chunk_tokens=CHUNK) as kv,
+    ):
+        store.put("engine/pinned.bin", b"p" * 60 * 1024, pin=True)
+        result = kv.prefill("s", ids)
+    assert result.save is None and "not saved" in result.note and "no room" in result.note
+    assert result.computed_tokens == len(ids)
+    want, _ = prefill(model, ids)
+    assert int(result.logits.argmax()) == want

@@ -247,16 +247,23 @@ def parse_header(buf: bytes | memoryview, where: str = "page") -> PageHeader:
         head = json.loads(bytes(mv[8 : 8 + n]))
         meta = head.pop("__metadata__", {})
         k, v = head.pop("key"), head.pop("value")
+        if not isinstance(meta, dict) or not all(
+            isinstance(x, str) for kv in meta.items() for x in kv
+        ):
+            raise TypeError("its metadata is not a table of strings")
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise CorruptPage(f"{where}: not a {FORMAT} page ({e})") from e
     if meta.get("format") != FORMAT:
         raise GeometryMismatch(f"{where}: not a {FORMAT} page (format={meta.get('format')!r})")
     start = 8 + n
-    if k["dtype"] != v["dtype"] or k["shape"] != v["shape"] or k["dtype"] not in _ST_TO_NAME:
-        raise CorruptPage(f"{where}: key and value tensors disagree or have an unknown dtype")
-    kb, ke = k["data_offsets"]
-    vb, ve = v["data_offsets"]
-    shape = tuple(int(x) for x in k["shape"])
+    try:  # (the digest covers the tensor data only: a damaged header is caught here)
+        if k["dtype"] != v["dtype"] or k["shape"] != v["shape"] or k["dtype"] not in _ST_TO_NAME:
+            raise CorruptPage(f"{where}: key and value tensors disagree or have an unknown dtype")
+        kb, ke = k["data_offsets"]
+        vb, ve = v["data_offsets"]
+        shape = tuple(int(x) for x in k["shape"])
+    except (ValueError, KeyError, TypeError) as e:
+        raise CorruptPage(f"{where}: a damaged {FORMAT} header ({e!r})") from e
     if len(shape) != 3:
         raise CorruptPage(f"{where}: tensors of shape {list(shape)}; expected 3 dimensions")
     name = _ST_TO_NAME[k["dtype"]]

@@ -22,16 +22,18 @@ each page checked against the digest in its header instead.
 from __future__ import annotations
 
 import errno
+import functools
+import itertools
 import os
 import struct
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 from .._engine import Engine
-from .._errors import CorruptPage, PageNotFound, SessionNotFound
+from .._errors import CorruptPage, PageNotFound
 from .._keys import SESSIONS_DIR, PageKey, session_dir
 from .._mountinfo import kvfs_mount_of
 from ._format import HEADER_READ, GeometryMismatch, PageHeader, parse_header
@@ -94,12 +96,24 @@ def _kv_attrs(attrs: dict[str, str] | None) -> dict[str, str] | None:
     return attrs if attrs is not None and "format" in attrs else None
 
 
-def _header_attrs(read: Callable[[], PageHeader]) -> dict[str, str]:
-    """A page's metadata from its header ({} for a file that is not a kvfs-kv/1 page)."""
-    try:
-        return dict(read().metadata)
-    except (CorruptPage, GeometryMismatch):
-        return {}
+#: Pages a session check reads at most: a damaged one is passed over for the next.
+SAMPLE_PAGES = 8
+
+
+def _header_attrs(reads: Iterable[Callable[[], PageHeader]]) -> dict[str, str] | None:
+    """The metadata in the first kvfs-kv/1 header of ``reads`` (the first few), else {}
+    when one was some other file, else None (none could be read: no verdict). A damaged
+    page, one that vanished, or an EIO from the mount, found first, made every new prompt
+    of its session fail: a page after it tells instead."""
+    verdict: dict[str, str] | None = None
+    for read in itertools.islice(reads, SAMPLE_PAGES):
+        try:
+            return dict(read().metadata)
+        except (CorruptPage, GeometryMismatch):  # damaged, or not a kvfs-kv/1 page at all
+            verdict = {}
+        except OSError:  # PageNotFound, EIO
+            continue
+    return verdict
 
 
 class StorePages:
@@ -141,21 +155,21 @@ class StorePages:
         return True
 
     def sample_attrs(self, session: str) -> dict[str, str] | None:
-        try:
-            # (the semantic session: the bare name means an engine's directory of that name
-            # when no session has it, and LMCache's tree refused a session "lmcache")
-            pages = self.engine.list(session=session_dir(session))
-        except SessionNotFound:
-            return None
+        # (the semantic session: the bare name means an engine's directory of that name
+        # when no session has it, and LMCache's tree refused a session "lmcache"). A few
+        # pages, not a listing of the session: this runs at every new prompt.
+        pages = self.engine.sample_pages(session_dir(session), SAMPLE_PAGES)
         if not pages:
             return None
         attrs = _kv_attrs(pages[0].attrs)
         if attrs is not None:
             return attrs
-        key = PageKey.from_path(pages[0].path)
-        return _header_attrs(
-            lambda: read_header(lambda o, n: self.engine.read_range(key, o, n), key.path)
-        )
+
+        def reader(path: str) -> Callable[[], PageHeader]:
+            key = PageKey.from_path(path)
+            return lambda: read_header(lambda o, n: self.engine.read_range(key, o, n), path)
+
+        return _header_attrs(reader(p.path) for p in pages)
 
 
 class DirectoryPages:
@@ -239,12 +253,13 @@ class DirectoryPages:
         sdir = self.root / SESSIONS_DIR / session
         if not sdir.is_dir():
             return None
-        for prefix in sorted(sdir.iterdir()):
-            for page in sorted(prefix.iterdir()) if prefix.is_dir() else ():
-                if ".tmp-" in page.name:
-                    continue
-                return _header_attrs(lambda p=page: read_file_header(p))  # type: ignore[misc]
-        return None
+        pages = (  # lazily: the first readable page is enough
+            page
+            for prefix in sorted(sdir.iterdir())
+            for page in (sorted(prefix.iterdir()) if prefix.is_dir() else ())
+            if ".tmp-" not in page.name
+        )
+        return _header_attrs(functools.partial(read_file_header, p) for p in pages)
 
 
 class FastPathPages(StorePages):

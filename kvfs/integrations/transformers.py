@@ -28,6 +28,8 @@ layers only (a sliding-window layer does not hold the whole prefix).
 
 from __future__ import annotations
 
+import errno
+import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator, Sequence
@@ -54,6 +56,8 @@ from ._format import (
 from ._hfcompat import cache_of, forward
 from ._sources import PageSource, as_source
 from ._tcache import build_cache, cache_tensors
+
+log = logging.getLogger("kvfs.integrations")
 
 __all__ = [
     "LayerwiseLoad",
@@ -121,6 +125,8 @@ class PrefillResult:
     compute_seconds: float
     save: SaveResult | None = None
     sources: tuple[str, ...] = field(default=())
+    #: why the cache was not saved though asked to be (no room: ENOSPC), if it was not
+    note: str = ""
 
 
 class TransformersKV:
@@ -305,7 +311,7 @@ class TransformersKV:
                     break
             else:
                 break
-        if not plan:
+        if not any(s == session for s, _ in plan):  # (its own pages were checked above)
             self._check_session(session)
         return plan
 
@@ -329,9 +335,10 @@ class TransformersKV:
 
         Looks in ``session``, then in the shared session. Returns a cache the model
         continues from (``cache=None`` when nothing is cached). Raises GeometryMismatch if
-        ``session`` holds KV of another model or geometry, or a page's header disagrees with
-        this model. A page that vanished or failed its checksum between lookup and read
-        ends the prefix there (``note`` says so); corrupt data is never loaded.
+        ``session`` holds KV of another model or geometry (whether or not the shared
+        session has the prefix). A page that vanished, failed its checksum, or whose
+        header is damaged or names another chunk, layer or geometry, between lookup and
+        read ends the prefix there (``note`` says so); corrupt data is never loaded.
 
         The same reads as :meth:`load_layers`, all started at once, the cache built when
         every page is in.
@@ -403,7 +410,10 @@ class TransformersKV:
         """Prefill ``input_ids`` reusing the longest cached prefix, then save the cache.
 
         At least the last token is computed (its logits are the result). Returns the logits
-        of the last token and the cache, ready for decoding.
+        of the last token and the cache, ready for decoding. A save that finds no room
+        (``CapacityExceeded``, ENOSPC) is logged and said in ``note``, with ``save=None``:
+        the prefill's result stands. Raises GeometryMismatch (see :meth:`load`) before
+        anything is computed.
         """
         toks = _token_list(input_ids)
         if not toks:
@@ -414,7 +424,15 @@ class TransformersKV:
         ids = torch.tensor([toks[hit.tokens :]], dtype=torch.long, device=self.device)
         out = forward(self.model, ids, cache)
         compute = time.perf_counter() - t0
-        saved = self.save(session, toks, cache_of(out)) if save else None
+        saved, note = None, ""
+        if save:
+            try:
+                saved = self.save(session, toks, cache_of(out))
+            except OSError as e:  # CapacityExceeded, a full directory: the work is not lost
+                if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+                    raise
+                note = f"not saved: {e}"
+                log.warning("session %r: the prefilled KV cache was %s", session, note)
         return PrefillResult(
             logits=out.logits[0, -1],
             cache=cache_of(out),
@@ -424,6 +442,7 @@ class TransformersKV:
             compute_seconds=compute,
             save=saved,
             sources=hit.sources,
+            note=note,
         )
 
 
@@ -501,7 +520,10 @@ class _Reads:
             buf = kv._local.buf = aligned_buffer(self.stage)
         n = kv.source.read_into(key, buf)
         h = parse_header(buf[:n], key.path)
-        g.check_same(Geometry.from_attrs(h.metadata), key.path)
+        try:
+            g.check_same(Geometry.from_attrs(h.metadata), key.path)
+        except GeometryMismatch as e:  # its name is this geometry's: damage, not a model
+            raise CorruptPage(f"{key.path}: the page's header is not this name's: {e}") from e
         if (
             h.shape != (g.kv_heads, C, g.head_dim)
             or h.dtype != g.dtype
