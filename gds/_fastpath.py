@@ -26,6 +26,7 @@ from kvfs import CorruptPage, PageInfo, PageKey
 from kvfs._aligned import BouncePool, as_bytes_view
 from kvfs._checksum import LEAF
 from kvfs._keys import as_key
+from kvfs._mountinfo import kvfs_mount_of
 from kvfs._writes import check_attrs
 
 from ._gpu import (
@@ -310,12 +311,58 @@ class FastPath:
         """Start reading a page file on a kvfs mount by its ``user.kvfs.extents`` xattr.
 
         The file stays open (the daemon's lease) until the future resolves. Only the root
-        checksum is known by path, so corruption is reported once all bytes are in.
-        Raises FileNotFoundError, NotAKvfsPage now; the future raises CorruptPage.
+        checksum is known by path, so corruption is reported once all bytes are in. A read
+        that fails its checksum, or finds a data file gone, is done once more through the
+        mount, which verifies (and, from the archive, heals) what it serves: the
+        attributes are the inode's, not the open file's, so another process's open of a
+        name replaced behind the kernel's back could hand this read another page's
+        extents, unleased. Raises FileNotFoundError, NotAKvfsPage now; the future raises
+        CorruptPage (the fast read's error, when the mount fails too).
         """
-        return self._track(
-            self._start(lambda: source_from_mount(path), into, backend, verify, allow_unaligned)
-        )
+
+        def start(again: bool = False, through: bool = False) -> Future[int]:
+            return self._start(
+                lambda: source_from_mount(path, through=through),
+                into,
+                backend,
+                verify,
+                allow_unaligned,
+                again=again,
+            )
+
+        out: Future[int] = Future()
+        out.set_running_or_notify_cancel()
+        first = start()
+        self._track(out)
+        first.add_done_callback(lambda f: self._through_or_pass(path, f, out, start))
+        return out
+
+    @staticmethod
+    def _through_or_pass(
+        path: str | os.PathLike[str],
+        done: Future[int],
+        out: Future[int],
+        start: Callable[..., Future[int]],
+    ) -> None:
+        """``done``'s outcome into ``out``; a CorruptPage of a file on a kvfs mount is
+        answered by a read through the mount instead (a file elsewhere, with attributes
+        of its own making, has nothing that verifies it)."""
+        err = done.exception()
+        try:
+            if not isinstance(err, CorruptPage) or kvfs_mount_of(path) is None:
+                _settle(out, done)
+                return
+
+            def second(f: Future[int]) -> None:
+                if isinstance(f.exception(), CorruptPage):
+                    out.set_exception(err)  # (the first error says which bytes)
+                else:
+                    _settle(out, f)
+
+            start(again=True, through=True).add_done_callback(second)
+        except BaseException as e:  # never leave ``out`` unresolved
+            if not out.done():
+                out.set_exception(e if not isinstance(e, CorruptPage) else err)
 
     def read_many(
         self, keys: Sequence[KeyLike], intos: Sequence[object], **kw: Any

@@ -217,8 +217,9 @@ def source_from_engine(engine: Any, key: PageKey | str) -> PageSource:
     )
 
 
-def source_from_mount(path: str | os.PathLike[str]) -> PageSource:
-    """Open a page file on a kvfs mount and read its extents from its xattrs.
+def source_from_mount(path: str | os.PathLike[str], *, through: bool = False) -> PageSource:
+    """Open a page file on a kvfs mount and read its extents from its xattrs (``through``:
+    read the page through the mount instead, which verifies what it serves).
 
     The open handle keeps the page leased (the daemon does not evict or unlink data while a
     handle is open) until the source is released. A page the mount holds only in the
@@ -234,13 +235,13 @@ def source_from_mount(path: str | os.PathLike[str]) -> PageSource:
     name = os.fspath(path)
     fd = os.open(path, os.O_RDONLY)
     try:
-        found = _mount_attrs(fd, name)
+        found = None if through else _mount_attrs(fd, name)
         if found is not None and found[0] > 0 and not found[3]:
             os.pread(fd, 1, 0)  # archive-only: a read through the mount restores it
             found = _mount_attrs(fd, name)
         data: bytes | None = None
         if found is None or (found[0] > 0 and not found[3]):
-            data = _read_through(fd)
+            data = _read_through(fd, name)
             found = (len(data), b"", (), ())
         size, checksum, files, extents = found
     except BaseException:
@@ -266,11 +267,15 @@ def _mount_attrs(
     fd: int, name: str
 ) -> tuple[int, bytes, tuple[str, ...], tuple[tuple[int, int, int], ...]] | None:
     """``(size, checksum, files, extents)`` from an open page file's xattrs; None when the
-    name the file was opened by no longer holds its page."""
+    name the file was opened by no longer holds its page, or held another page while the
+    attributes were read (each is read on its own: the checksum is read again last, and
+    the size must be what the extents cover)."""
     try:
+        first = os.getxattr(fd, XATTR_CHECKSUM)
         raw = os.getxattr(fd, XATTR_EXTENTS)
-        size = int(os.getxattr(fd, XATTR_SIZE))
-        checksum = bytes.fromhex(os.getxattr(fd, XATTR_CHECKSUM).decode())
+        size_raw = os.getxattr(fd, XATTR_SIZE)
+        if os.getxattr(fd, XATTR_CHECKSUM) != first:
+            return None
     except OSError as e:
         if e.errno in (errno.ENODATA, errno.ENOTSUP):
             raise NotAKvfsPage(
@@ -279,15 +284,27 @@ def _mount_attrs(
         if e.errno in (errno.ESTALE, errno.ENOENT):
             return None
         raise
+    try:
+        size, checksum = int(size_raw), bytes.fromhex(first.decode())
+    except ValueError as e:  # (UnicodeDecodeError too)
+        raise CorruptPage(f"{name!r}: malformed kvfs attributes: {e}") from None
     files, extents = decode_extents(raw, repr(name))
+    if sum(n for _, _, n in extents) != size and extents:
+        return None  # the extents of one page, the size of another
     return size, checksum, files, extents
 
 
-def _read_through(fd: int) -> bytes:
-    """The whole page, read through the mount (which verifies what it serves)."""
+def _read_through(fd: int, name: str) -> bytes:
+    """The whole page, read through the mount (which verifies what it serves: EIO is a
+    page that failed its checksum, CorruptPage here)."""
     chunks: list[bytes] = []
     while True:
-        b = os.read(fd, 16 << 20)
+        try:
+            b = os.read(fd, 16 << 20)
+        except OSError as e:
+            if e.errno != errno.EIO:
+                raise
+            raise CorruptPage(f"{name!r}: the mount could not serve it whole (EIO)") from e
         if not b:
             return b"".join(chunks)
         chunks.append(b)
