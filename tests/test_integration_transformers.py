@@ -808,3 +808,15 @@ def test_a_prefill_whose_save_finds_no_room_keeps_its_result(
     assert result.computed_tokens == len(ids)
     want, _ = prefill(model, ids)
     assert int(result.logits.argmax()) == want
+
+
+def test_a_model_split_over_devices_is_refused(tmp_path: Path) -> None:
+    """Every layer's loaded KV went to the device of the model's first parameter: a model
+    split by ``device_map`` failed in its forward pass with a device mismatch."""
+    shape = GEOMETRIES["fp32-gqa-2layers"]
+    model = random_llama(shape, max_positions=256)
+    model.hf_device_map = {"model.layers.0": 0, "model.layers.1": 1}
+    with pytest.raises(ValueError, match=r"split over several devices \(0, 1\)"):
+        TransformersKV(tmp_path, model, model_id=shape.model_id, chunk_tokens=CHUNK)
+    model.hf_device_map = {"model.layers.0": "cpu", "model.layers.1": "cpu"}
+    TransformersKV(tmp_path, model, model_id=shape.model_id, chunk_tokens=CHUNK).close()

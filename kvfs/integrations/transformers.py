@@ -151,6 +151,12 @@ class TransformersKV:
         #: memory and copied per chunk (a CUDA model gets host-to-device copies; the GDS
         #: path straight into device memory is the fast path's).
         self.device = next(iter(model.parameters())).device
+        split = set(map(str, (getattr(model, "hf_device_map", None) or {}).values()))
+        if len(split) > 1:  # its layers' KV would all go to the first device: a device error
+            raise ValueError(
+                f"this model is split over several devices ({', '.join(sorted(split))}); "
+                f"kvfs places a loaded cache on one device: load it on one (device_map)"
+            )
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="kvfs-kv")
         self._local = threading.local()
         #: paths of pages a load found damaged: the next save that has their KV rewrites
