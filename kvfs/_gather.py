@@ -4,7 +4,9 @@ async clients' batched put and get, built on it."""
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import functools
+import itertools
 from collections.abc import Awaitable, Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
@@ -48,10 +50,18 @@ def one_buffer_per_key(keys: list[Any], into: Iterable[object] | None) -> list[A
     bufs = list(into) if into is not None else [None] * len(keys)
     if len(bufs) != len(keys):
         raise ValueError("need one buffer per key")
+    spans = []
     for i, b in enumerate(bufs):
         if b is not None:
             with _naming(i, keys[i]):
-                as_bytes_view(b, "the buffer to read into", writable=True)
+                mv = as_bytes_view(b, "the buffer to read into", writable=True)
+            if mv.nbytes:
+                at = ctypes.addressof(ctypes.c_char.from_buffer(mv))
+                spans.append((at, at + mv.nbytes, i))
+    spans.sort()
+    for (_, end, i), (start, _, j) in itertools.pairwise(spans):
+        if start < end:  # both reads would land there, each checked against the other's bytes
+            raise ValueError(f"the buffers of items {min(i, j)} and {max(i, j)} overlap")
     return bufs
 
 

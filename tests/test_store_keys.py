@@ -172,6 +172,12 @@ def test_found_by_an_audit_of_the_object_api(sync_store: kvfs.SyncStore) -> None
     s.put("k0", b"0")
     with pytest.raises(TypeError, match=r"item 1 \(k0\): the buffer to read into is read-only"):
         s.get_many(["k0", "k0"], into=[bytearray(1), b"x"])
+    # one buffer (or two views of one) for two pages: it held one of them, no error
+    shared = np.zeros(4, np.uint8)
+    for into in ([shared, shared], [shared[:2], np.zeros(1, np.uint8), shared[1:]]):
+        with pytest.raises(ValueError, match="buffers of items 0 and 1 overlap|0 and 2 overlap"):
+            s.get_many(["k0"] * len(into), into=into)
+    assert s.get_many(["k0", "k0"], into=[shared[:1], shared[1:2]]) == [1, 1]
     # a zero-size array of more than one dimension ("cannot cast view with zeros in shape")
     s.put("empty", np.zeros((0, 8, 128), dtype=np.float16))
     assert s.get("empty") == b"" and s.get("empty", into=np.zeros((0, 8), np.float16)) == 0
