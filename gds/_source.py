@@ -126,6 +126,14 @@ def _index_files(
     return tuple(files), tuple(ext)
 
 
+def _path(v: Any) -> str:
+    """A data file's path as the attribute gives it: absolute (a relative one would be
+    opened from wherever the reader runs)."""
+    if not isinstance(v, str) or not os.path.isabs(v):
+        raise ValueError(f"{v!r} is not an absolute path")
+    return v
+
+
 def _int(v: Any, least: int) -> int:
     if type(v) is not int or v < least:
         raise ValueError(f"{v!r} is not an integer >= {least}")
@@ -149,12 +157,13 @@ def decode_extents(
         if isinstance(v, list):
             if not all(isinstance(t, list) and len(t) == 3 for t in v):
                 raise ValueError("an entry is not [file, offset, length]")
-            return _index_files([(str(p), _int(o, 0), _int(n, 0)) for p, o, n in v])
+            return _index_files([(_path(p), _int(o, 0), _int(n, 0)) for p, o, n in v])
         if not isinstance(v, dict) or v.get("v") != 2:
             raise ValueError("neither a list nor a version 2 object")
         files = v["files"]
-        if not files or not all(isinstance(f, str) for f in files):
+        if not files or not isinstance(files, list):
             raise ValueError("files is not a list of paths")
+        files = [_path(f) for f in files]
         unit, header, size = _int(v["unit"], 1), _int(v["header"], 0), _int(v["size"], 0)
     except (ValueError, KeyError, TypeError) as e:  # JSONDecodeError is a ValueError
         raise CorruptPage(f"{name}: malformed {XATTR_EXTENTS}: {e}") from None

@@ -105,6 +105,9 @@ def test_decode_extents_rule() -> None:
         json.dumps({**v, "files": []}),
         json.dumps({**v, "size": "10"}),
         json.dumps([["/a", 4096]]),
+        json.dumps([["a", 0, 4096]]),  # relative: opened from the reader's cwd
+        json.dumps([[7, 0, 4096]]),
+        json.dumps({**v, "files": ["data/f"]}),
     ):
         with pytest.raises(kvfs.CorruptPage):
             decode_extents(bad)
