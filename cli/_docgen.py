@@ -146,10 +146,19 @@ def configuration_markdown() -> str:
         "every connection's peer is checked with `SO_PEERCRED`: only the daemon's user and "
         "root are served, and a client refuses a daemon run by another user (root may use "
         "any user's). A command given only the data directory also finds a mounted daemon "
-        "started with its own `--socket` (from that mount's state file). A daemon replaces a leftover socket nothing answers on, and refuses to "
+        "started with its own `--socket` (from that mount's state file), and a command "
+        "given a data directory and a socket (`--socket`, `$KVFS_CONTROL_SOCKET`) refuses "
+        "(exit 2) a daemon that serves other data directories. A command waits 10 s for "
+        "a daemon's first answer; one stopped or stuck is then taken as not answering "
+        "(exit 7 with `--daemon`; otherwise the store's lock names its owner). A daemon "
+        "replaces a leftover socket nothing answers on, and refuses to "
         "start where another daemon answers or a file that is no socket is in the way. "
         "Messages are msgpack, each preceded by its 4-byte big-endian length (records such "
-        "as `PageInfo` as a msgpack extension type).",
+        "as `PageInfo` as a msgpack extension type). A message that is none of this "
+        "protocol is answered with a `ValueError` and the connection goes on; a message's "
+        "buffer grows as its bytes arrive (a length alone costs nothing), a peer silent "
+        "(or not reading) for 60 s in the middle of a message is dropped, and messages "
+        "carrying pages are packed and unpacked off the daemon's event loop.",
         "",
         "Other processes (engine workers) use the daemon's store through it with the "
         "object API's interface: `async with kvfs.open_remote_store(socket) as store:` "
@@ -161,7 +170,8 @@ def configuration_markdown() -> str:
         "the old one are dropped before use). The same arguments and the same errors as "
         "in-process: `put_many`/`get_many` raise the store's error (`PageExists`, "
         "`PageNotFound`), not an `ExceptionGroup`, and `spill`/`restore`/`evict` take "
-        "`progress=`.",
+        "`progress=`. `open_remote_store_sync(socket, timeout=S)` bounds the first ping "
+        "and every call's socket waits.",
         "",
         "## Observability",
         "",

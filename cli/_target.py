@@ -27,6 +27,10 @@ from kvfs._mountinfo import kvfs_mount_of, kvfs_mounts
 from kvfs._remote import SyncRemoteStore
 from kvfs._settings import Settings, load_settings, unknown_environment
 
+#: How long a command waits for a daemon to answer its first ping: a stopped (SIGSTOP) or
+#: stuck daemon made every command wait for ever. Then the daemon counts as not answering.
+PING_SECONDS = 10.0
+
 __all__ = [
     "add_store_flags",
     "daemon_services",
@@ -163,6 +167,19 @@ def refuse_store_on_mount(config: kvfs.StoreConfig) -> None:
             )
 
 
+def _check_serves(remote: SyncRemoteStore, sock: Path, config: kvfs.StoreConfig) -> None:
+    """Refuse a daemon that serves other data directories than the command names: a
+    ``$KVFS_CONTROL_SOCKET`` left over from another store made ``kvfs rm --data B`` delete
+    from store A. Raises ValueError (exit 2)."""
+    theirs = remote.identity()["data_dirs"]
+    mine = [os.path.realpath(d) for d in config.data_dirs]
+    if sorted(theirs) != sorted(mine):
+        raise ValueError(
+            f"the kvfs daemon on {sock} serves {','.join(theirs)}, not {','.join(mine)}: "
+            "check --socket / $KVFS_CONTROL_SOCKET, or leave it out"
+        )
+
+
 def _mounted_sockets(config: kvfs.StoreConfig) -> list[str]:
     """The control sockets that mounted daemons of this user recorded for ``config``'s
     data (their state files in the runtime directory)."""
@@ -244,12 +261,14 @@ def open_target(
         for sock in sockets():
             remote = SyncRemoteStore(sock)
             try:
-                remote.ping()
+                remote.ping(timeout=PING_SECONDS)
             except DaemonUnavailable as e:
                 remote.close()
                 unavailable = unavailable or e
                 continue
             try:
+                if settings.sources["data_dirs"] != "default":
+                    _check_serves(remote, sock, config)
                 yield remote
             finally:
                 remote.close()

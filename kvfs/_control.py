@@ -81,6 +81,7 @@ METHODS = frozenset(
         "archived_sessions",
         "archive_hosts",
         "ping",
+        "identity",
     }
 )
 MAX_FRAME = 1 << 31
@@ -110,10 +111,13 @@ def _default(obj: Any) -> Any:
         return obj.path
     if isinstance(obj, tuple):
         return list(obj)
-    try:
-        return memoryview(obj).cast("B")  # numpy arrays, array.array, mmap...
-    except TypeError:
-        raise TypeError(f"cannot send {type(obj).__name__} over the control channel") from None
+    if type(obj).__module__ == "numpy" and getattr(obj, "shape", None) == ():
+        # a numpy scalar (np.bool_, np.int64) as the Python value it is. Sent as its bytes
+        # (it has a buffer), replace=np.False_ arrived as b"\x00", true: a page was replaced
+        return obj.item()
+    # (page data goes as a memoryview, which msgpack packs itself; any other buffer here
+    # is an argument that would arrive as bytes, not as what it meant)
+    raise TypeError(f"cannot send {type(obj).__name__} over the control channel")
 
 
 def _ext(code: int, data: bytes) -> Any:
@@ -150,8 +154,16 @@ def encode(obj: Any) -> bytes:
     return _HDR.pack(len(body)) + body
 
 
+class MalformedFrame(ValueError):
+    """A whole frame whose body is no message of this protocol (the stream stays usable)."""
+
+
 def decode(body: bytes | bytearray | memoryview) -> Any:
-    return msgpack.unpackb(body, ext_hook=_ext, raw=False, strict_map_key=False)
+    """A message from its body. Raises MalformedFrame."""
+    try:
+        return msgpack.unpackb(body, ext_hook=_ext, raw=False, strict_map_key=False)
+    except Exception as e:  # noqa: BLE001 - msgpack's own errors, an unknown record...
+        raise MalformedFrame(f"{type(e).__name__}: {e}") from None
 
 
 def _error_class(name: str) -> type[BaseException]:
@@ -180,18 +192,46 @@ def _peer_uid(sock: trio.socket.SocketType | socket.socket) -> int:
     return int(struct.unpack("3i", creds)[1])
 
 
+#: A peer that stops sending, or reading, in the middle of a message for this long is
+#: dropped (between messages a connection may idle for ever: clients pool them).
+STALL_SECONDS = 60.0
+#: Bodies up to this size are packed and unpacked on the trio loop; larger ones (pages) in
+#: a thread: a 512 MiB page stalled the loop, and the mount's requests with it, for a second.
+INLINE_BYTES = 1 << 20
+
+
 async def recv_frame(stream: trio.SocketStream) -> Any:
-    """One decoded message, read straight into one buffer. Returns ``None`` at a clean EOF
-    between messages; raises EOFError when the peer closes mid-message, ValueError for a
-    frame over MAX_FRAME."""
+    """One decoded message. Returns ``None`` at a clean EOF between messages; raises
+    EOFError when the peer closes or stalls mid-message, ValueError for a frame over
+    MAX_FRAME, MalformedFrame for a whole frame that is no message."""
     hdr = await _recv_into(stream, bytearray(4), eof_ok=True)
     if hdr is None:
         return None
     (n,) = _HDR.unpack(hdr)
     if n > MAX_FRAME:
         raise ValueError(f"control frame of {n} bytes")
-    body = await _recv_into(stream, bytearray(n), eof_ok=False)
-    return decode(body)  # type: ignore[arg-type]
+    body = await _recv_body(stream, n)
+    if n > INLINE_BYTES:
+        return await trio.to_thread.run_sync(decode, body)
+    return decode(body)
+
+
+async def _recv_body(stream: trio.SocketStream, n: int) -> bytearray:
+    """``n`` bytes, the buffer grown as they arrive: a header announcing 2 GiB and nothing
+    after it held (and zero-filled, on the loop) 2 GiB until the peer left."""
+    buf, got = bytearray(min(n, INLINE_BYTES)), 0
+    while got < n:
+        if got == len(buf):
+            buf.extend(bytes(min(len(buf), n - len(buf))))
+        with memoryview(buf) as view, view[got:] as free:
+            with trio.move_on_after(STALL_SECONDS) as waited:
+                k = await stream.socket.recv_into(free)
+        if waited.cancelled_caught:
+            raise EOFError(f"the peer sent nothing for {STALL_SECONDS:g} s mid-message")
+        if not k:
+            raise EOFError("connection closed mid-message")
+        got += k
+    return buf
 
 
 async def _recv_into(
@@ -210,18 +250,38 @@ async def _recv_into(
 
 async def send_frame(stream: trio.SocketStream, obj: Any) -> None:
     """Send one message (a large body goes as it is, not copied behind its header).
-    An answer too large for a frame goes as the error saying so."""
+    An answer too large for a frame goes as the error saying so. Raises EOFError when
+    the peer stops reading mid-message for STALL_SECONDS (an unread answer of a page held
+    its bytes in the daemon for as long as the client lived)."""
     try:
-        body = packed(obj)
+        if _carries_page(obj):
+            body = await trio.to_thread.run_sync(packed, obj)
+        else:
+            body = packed(obj)
     except FrameTooLarge as e:
         if not (isinstance(obj, list) and obj and obj[0] == 0):
             raise
         body = packed([1, "ValueError", str(e)])
     if len(body) < 1 << 16:
         await stream.send_all(_HDR.pack(len(body)) + body)
-    else:
-        await stream.send_all(_HDR.pack(len(body)))
-        await stream.send_all(body)
+        return
+    await stream.send_all(_HDR.pack(len(body)))
+    with memoryview(body) as view:
+        for at in range(0, len(body), INLINE_BYTES):
+            with trio.move_on_after(STALL_SECONDS) as waited:
+                await stream.send_all(view[at : at + INLINE_BYTES])
+            if waited.cancelled_caught:
+                raise EOFError(f"the peer read nothing for {STALL_SECONDS:g} s mid-message")
+
+
+def _carries_page(obj: Any) -> bool:
+    """A message holding a large buffer (a put's data, a get's answer) near its top."""
+    items = obj if isinstance(obj, list) else [obj]
+    for x in items:
+        for y in x if isinstance(x, list) else [x]:
+            if isinstance(y, (bytes, bytearray, memoryview)) and len(y) > INLINE_BYTES:
+                return True
+    return False
 
 
 async def _serve_one(store: Store, stream: trio.SocketStream) -> None:
@@ -242,7 +302,27 @@ async def _serve_one(store: Store, stream: trio.SocketStream) -> None:
         await stream.aclose()
         return
     async with stream:
-        while (request := await recv_frame(stream)) is not None:
+        while True:
+            try:
+                request = await recv_frame(stream)
+            except MalformedFrame as e:  # a whole frame: the next one can still be read
+                await send_frame(stream, [1, "ValueError", f"malformed control request: {e}"])
+                continue
+            if request is None:
+                return
+            if not (
+                isinstance(request, list)
+                and len(request) == 3
+                and isinstance(request[0], str)
+                and isinstance(request[1], list)
+                and isinstance(request[2], dict)
+                and all(isinstance(k, str) for k in request[2])
+            ):
+                # (it was unpacked as it came: the connection dropped with a traceback in
+                # the log, and the client was told the daemon had died)
+                why = "malformed control request: not [method, [args], {kwargs}]"
+                await send_frame(stream, [1, "ValueError", why])
+                continue
             method, args, kwargs = request
             if method in _WITH_PROGRESS and kwargs.pop("progress", False):
                 await _with_progress(store, stream, method, args, kwargs)
@@ -257,12 +337,23 @@ async def _dispatch(
         return [1, "ValueError", f"unknown control method {method!r}"]
     t0 = time.perf_counter()
     try:
-        result = True if method == "ping" else await getattr(store, method)(*args, **kwargs)
+        if method == "ping":
+            result: Any = True
+        elif method == "identity":
+            result = _identity(store)
+        else:
+            result = await getattr(store, method)(*args, **kwargs)
     except Exception as e:  # noqa: BLE001 - every failure goes back to the client
         _log_failure(store, method, args, kwargs, e)
         return [1, type(e).__name__, str(e)]
     _log_done(method, args, kwargs, result, t0)
     return [0, result]
+
+
+def _identity(store: Store) -> dict[str, Any]:
+    """Which store this daemon serves: a client given a socket (``--socket``,
+    ``$KVFS_CONTROL_SOCKET``) and a data directory checks that they are the same store."""
+    return {"data_dirs": [os.path.realpath(d) for d in store.config.data_dirs], "pid": os.getpid()}
 
 
 def _log_failure(
@@ -387,6 +478,8 @@ def connect_sync(path: str | os.PathLike[str], timeout: float | None = None) -> 
         s.close()
         if e.errno in (errno.ENOENT, errno.ECONNREFUSED, errno.ENOTSOCK, errno.ENOTDIR):
             raise DaemonUnavailable(f"no kvfs daemon answers on {path}") from e
+        if e.errno == errno.EAGAIN or isinstance(e, TimeoutError):  # its backlog is full
+            raise DaemonUnavailable(f"the kvfs daemon on {path} accepts no connection") from e
         raise
     try:
         check_daemon_peer(s, path)
@@ -507,5 +600,5 @@ def call_sync(
         reply = read_frame_sync(s)
     if reply[0] == 0:
         return reply[1]
-    on_error(reply[1], reply[2])
-    raise AssertionError("unreachable")
+    on_error(reply[1], reply[2])  # raises, unless the caller raises it later itself
+    return None

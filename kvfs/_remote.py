@@ -168,6 +168,10 @@ class _Api:
     def begin_write(self, key: KeyLike) -> Any:
         raise NotImplementedError("begin_write is not offered over the control channel; use put")
 
+    def identity(self) -> Any:
+        """The daemon's ``{"data_dirs": [resolved paths], "pid": N}``."""
+        return self._call("identity")
+
 
 class SyncRemoteStore(_Api):
     """:class:`~kvfs.SyncStore`'s interface over the control socket (thread-safe)."""
@@ -197,16 +201,26 @@ class SyncRemoteStore(_Api):
             elif _dropped(s.fileno()):  # its daemon went away while it sat in the pool
                 s.close()
                 s = None
+        answer: builtins.list[tuple[str, str]] = []  # the daemon's error, if it answered one
         try:
-            result = call_sync(s, method, args, kw, on_progress=on_progress)
+            result = call_sync(
+                s,
+                method,
+                args,
+                kw,
+                on_progress=on_progress,
+                on_error=lambda name, message: answer.append((name, message)),
+            )
         except BaseException:
             s.close()
             raise
-        with self._lock:
+        with self._lock:  # the connection is sound after an error answered: it is kept
             if self._closed:
                 s.close()
             else:
                 self._idle.append(s)
+        if answer:
+            raise_remote(*answer[0])
         return result
 
     def spill(  # type: ignore[override]
@@ -256,9 +270,28 @@ class SyncRemoteStore(_Api):
         )
         return result
 
-    def ping(self) -> bool:
-        """True when the daemon answers. Raises DaemonUnavailable."""
-        return bool(self._call("ping"))
+    def ping(self, timeout: float | None = None) -> bool:
+        """True when the daemon answers (within ``timeout`` seconds, on a connection of
+        its own: a stopped or hung daemon made every command wait for ever). Raises
+        DaemonUnavailable."""
+        if timeout is None:
+            return bool(self._call("ping"))
+        s = connect_sync(self.path, timeout)
+        try:
+            ok = bool(call_sync(s, "ping", (), {}))
+        except TimeoutError as e:
+            s.close()
+            raise DaemonUnavailable(
+                f"the kvfs daemon on {self.path} did not answer within {timeout:g} s "
+                "(stopped, or stuck)"
+            ) from e
+        except BaseException:
+            s.close()
+            raise
+        s.settimeout(self._timeout)
+        with self._lock:
+            self._idle.append(s)
+        return ok
 
     def get(self, key: KeyLike, into: object | None = None) -> bytes | int:
         data: bytes = self._call("get", _k(key))
@@ -420,11 +453,14 @@ async def open_remote_store(path: str | os.PathLike[str]) -> AsyncIterator[Remot
 
 
 @contextmanager
-def open_remote_store_sync(path: str | os.PathLike[str]) -> Iterator[SyncRemoteStore]:
-    """A :class:`SyncRemoteStore` on the daemon at ``path``, checked with a ping."""
-    store = SyncRemoteStore(path)
+def open_remote_store_sync(
+    path: str | os.PathLike[str], *, timeout: float | None = None
+) -> Iterator[SyncRemoteStore]:
+    """A :class:`SyncRemoteStore` on the daemon at ``path``, checked with a ping that
+    waits at most ``timeout`` seconds (also each call's socket timeout; None: no limit)."""
+    store = SyncRemoteStore(path, timeout=timeout)
     try:
-        store.ping()
+        store.ping(timeout)
         yield store
     finally:
         store.close()

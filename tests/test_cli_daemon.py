@@ -129,14 +129,22 @@ def test_metrics_port_and_event_logs(tmp_path: Path, run: Run) -> None:
     assert not d.errors()
 
 
-def test_missing_daemon_and_killed_mid_command(tmp_path: Path, run: Run) -> None:
+def test_missing_daemon_and_killed_mid_command(
+    tmp_path: Path, run: Run, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import cli._target
+
     d = Daemon(tmp_path / "m")
     flags = ["--data", str(d.data)]
     try:
         (tmp_path / "f").write_bytes(b"q" * 4096)
         assert run("put", "f", "sessions/a/p/layer-000", *flags)[0] == 0
-        # freeze the daemon, start a command (it connects and waits), then kill the daemon
+        # freeze the daemon: a command gives up on it (it waited for ever)
         os.kill(d.proc.pid, signal.SIGSTOP)
+        monkeypatch.setattr(cli._target, "PING_SECONDS", 0.5)
+        rc, _, err = run("ls", "--daemon", *flags)
+        assert rc == 7 and "did not answer within 0.5 s (stopped, or stuck)" in err
+        # start a command (it connects and waits), then kill the daemon
         env = {k: v for k, v in os.environ.items() if not k.startswith("KVFS_")}
         cmd = subprocess.Popen(
             [*KVFS, "ls", "--daemon", *flags],
@@ -164,10 +172,11 @@ def test_missing_daemon_and_killed_mid_command(tmp_path: Path, run: Run) -> None
 
 
 def _waiting_on_socket(pid: int) -> bool:
-    """True once ``pid`` sleeps reading a Unix stream socket (it sent its request)."""
+    """True once ``pid`` sleeps reading a Unix stream socket (it sent its request), or
+    polls one (a socket with a timeout)."""
     try:
         with open(f"/proc/{pid}/wchan") as f:
-            return f.read().startswith("unix_stream")
+            return f.read().startswith(("unix_stream", "do_sys_poll", "poll_schedule"))
     except OSError:
         return False
 
@@ -536,3 +545,27 @@ def test_log_with_foreground_is_refused(tmp_path: Path, run: Run) -> None:
     argv = ["mount", "--foreground", "--log", str(tmp_path / "l.log"), "--data", str(tmp_path)]
     rc, _, err = run(*argv, str(tmp_path / "mnt"))
     assert rc == 2 and "--log is the detached daemon's log" in err
+
+
+def test_a_socket_of_another_store_is_refused(
+    daemon: Daemon, run: Run, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A command took whichever daemon answered on its socket: with a
+    ``$KVFS_CONTROL_SOCKET`` left over from store A, ``kvfs rm --data B`` deleted from A."""
+    import kvfs
+    from kvfs._settings import control_socket_path
+
+    (daemon.mp / "sessions/s/p").mkdir(parents=True)
+    (daemon.mp / "sessions/s/p/layer-000").write_bytes(b"a" * 100)
+    sock = control_socket_path(kvfs.StoreConfig(data_dirs=[daemon.data]))
+    other = tmp_path / "other"
+    other.mkdir()
+    for how in (["--socket", str(sock)], []):
+        if not how:
+            monkeypatch.setenv("KVFS_CONTROL_SOCKET", str(sock))
+        rc, _, err = run("rm", "sessions/s/p/layer-000", "--data", str(other), *how)
+        assert rc == 2 and f"serves {daemon.data}" in err, err
+    monkeypatch.delenv("KVFS_CONTROL_SOCKET")
+    assert (daemon.mp / "sessions/s/p/layer-000").read_bytes() == b"a" * 100
+    rc, out, _ = run("ls", "s", "--data", str(daemon.data), "--socket", str(sock), "--daemon")
+    assert rc == 0 and "layer-000" in out

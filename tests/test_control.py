@@ -658,3 +658,130 @@ async def test_a_metrics_port_in_use_is_named(make_config: MakeConfig) -> None:
                 await n.start(
                     lambda task_status: metrics_service(store, port=port, task_status=task_status)
                 )
+
+
+async def test_numpy_scalars_are_their_values_over_the_channel(
+    make_config: MakeConfig, tmp_path: Path
+) -> None:
+    """Any object with a buffer went as its bytes: replace=np.False_ arrived as b"\\x00",
+    which is true, and replaced a write-once page; pin=np.True_ and an np.int64 offset
+    failed inside the daemon."""
+    import numpy as np
+
+    sock = tmp_path / "c.sock"
+    async with kvfs.open_store(make_config()) as store, trio.open_nursery() as n:
+        await n.start(control_service, store, sock)
+
+        def sync_side() -> None:
+            with open_remote_store_sync(sock) as r:
+                r.put("nb/1", b"0123456789")
+                with pytest.raises(kvfs.PageExists):
+                    r.put("nb/1", b"new", replace=np.False_)
+                assert r.get("nb/1") == b"0123456789"
+                assert r.put("nb/2", b"x", pin=np.True_).pinned
+                assert r.read_range("nb/1", np.int64(2), np.int64(3)) == b"234"
+                with pytest.raises(TypeError, match="cannot send ndarray"):
+                    r.put("nb/3", b"x", attrs=None, pin=np.zeros(2))  # type: ignore[arg-type]
+
+        await trio.to_thread.run_sync(sync_side)
+        n.cancel_scope.cancel()
+
+
+async def test_a_header_alone_costs_no_memory_and_a_stalled_peer_is_dropped(
+    make_config: MakeConfig, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A frame's buffer was allocated (and zero-filled, on the loop) as soon as its header
+    announced the length: 4 bytes from any stray client held 1 GiB until it left, with no
+    time limit. Now it grows as the bytes arrive, and a peer silent mid-message is dropped."""
+    import struct
+    import tracemalloc
+
+    import kvfs._control as control
+
+    monkeypatch.setattr(control, "STALL_SECONDS", 1.0, raising=False)
+    sock = tmp_path / "c.sock"
+    async with kvfs.open_store(make_config()) as store, trio.open_nursery() as n:
+        await n.start(control_service, store, sock)
+
+        def sync_side() -> None:
+            tracemalloc.start()
+            try:
+                with socket.socket(socket.AF_UNIX) as s:
+                    s.connect(os.fspath(sock))
+                    s.sendall(struct.pack(">I", (1 << 30) - 1) + b"\x93")
+                    with open_remote_store_sync(sock) as r:
+                        assert r.ping()  # the daemon goes on serving
+                    assert tracemalloc.get_traced_memory()[1] < 64 << 20
+                    s.settimeout(30)
+                    assert s.recv(10) == b""  # dropped after STALL_SECONDS of silence
+            finally:
+                tracemalloc.stop()
+
+        await trio.to_thread.run_sync(sync_side)
+        n.cancel_scope.cancel()
+
+
+async def test_a_malformed_request_is_answered_and_the_connection_goes_on(
+    make_config: MakeConfig, tmp_path: Path
+) -> None:
+    """Requests that were no [method, [args], {kwargs}] dropped the connection with a
+    traceback in the log: the client was told the daemon had died."""
+    import msgpack
+
+    sock = tmp_path / "c.sock"
+    async with kvfs.open_store(make_config()) as store, trio.open_nursery() as n:
+        await n.start(control_service, store, sock)
+
+        def sync_side() -> None:
+            with socket.socket(socket.AF_UNIX) as s:
+                s.connect(os.fspath(sock))
+                bodies = [
+                    msgpack.packb(5),
+                    msgpack.packb(["ping", []]),
+                    msgpack.packb([["x"], [], {}]),
+                    msgpack.packb(["stat", {"a": 1}, {}]),
+                    msgpack.packb(["stat", [], {1: 2}]),
+                    b"\xc1",  # never used in msgpack
+                    msgpack.packb(msgpack.ExtType(1, msgpack.packb(["Nope", {}]))),
+                    msgpack.packb(msgpack.ExtType(1, msgpack.packb(["Extent", {"x": 1}]))),
+                ]
+                for body in bodies:
+                    s.sendall(len(body).to_bytes(4, "big") + body)
+                    reply = read_frame_sync(s)
+                    assert reply[:2] == [1, "ValueError"] and "malformed" in reply[2], reply
+                s.sendall(encode(["ping", [], {}]))
+                assert read_frame_sync(s) == [0, True]
+
+        await trio.to_thread.run_sync(sync_side)
+        n.cancel_scope.cancel()
+
+
+async def test_an_error_answer_keeps_the_connection_and_a_stuck_daemon_times_out(
+    make_config: MakeConfig, tmp_path: Path
+) -> None:
+    """SyncRemoteStore closed a sound connection at every error answer (kvfs pin NAME
+    connected anew each time); a daemon that accepts and never answers made ping, and so
+    every CLI command, wait for ever."""
+    sock = tmp_path / "c.sock"
+    async with kvfs.open_store(make_config()) as store, trio.open_nursery() as n:
+        await n.start(control_service, store, sock)
+
+        def sync_side() -> None:
+            r = SyncRemoteStore(sock)
+            try:
+                assert r.ping()
+                with pytest.raises(kvfs.PageNotFound):
+                    r.stat("q/none")
+                assert len(r._idle) == 1
+                assert r.ping(timeout=5)
+            finally:
+                r.close()
+
+        await trio.to_thread.run_sync(sync_side)
+        n.cancel_scope.cancel()
+    mute = tmp_path / "mute.sock"
+    with socket.socket(socket.AF_UNIX) as listener:
+        listener.bind(os.fspath(mute))
+        listener.listen(1)
+        with pytest.raises(DaemonUnavailable, match="did not answer within 0.5 s"):
+            open_remote_store_sync(mute, timeout=0.5).__enter__()
