@@ -421,6 +421,7 @@ async def control_service(
     try:
         await sock.bind(os.fspath(sock_path))
         os.chmod(sock_path, 0o600)
+        bound = os.lstat(sock_path).st_ino
         sock.listen(64)
     except BaseException:
         sock.close()
@@ -442,8 +443,11 @@ async def control_service(
             task_status.started(sock_path)
             await trio.sleep_forever()
     finally:
+        # Only its own: where the file was deleted and another daemon bound the path
+        # since, removing it cut that daemon's clients off.
         with contextlib.suppress(FileNotFoundError):
-            sock_path.unlink()
+            if os.lstat(sock_path).st_ino == bound:
+                sock_path.unlink()
 
 
 # -- blocking client pieces (shared with kvfs._remote) ------------------------------------

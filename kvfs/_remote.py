@@ -21,6 +21,7 @@ import os
 import select
 import socket
 import threading
+import weakref
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager, contextmanager
@@ -39,6 +40,7 @@ from ._control import (
     recv_frame,
     send_frame,
 )
+from ._errors import StoreClosed
 from ._gather import BatchCalls, one_buffer_per_key, pairs
 from ._keys import PageKey, as_key
 from ._types import PageInfo
@@ -54,12 +56,35 @@ def _k(key: KeyLike) -> str:
     return as_key(key).path
 
 
-def _copy_into(data: bytes, into: object) -> int:
-    dest = as_bytes_view(into, "the buffer to read into", writable=True)
-    if len(dest) < len(data):
-        raise ValueError(f"buffer of {len(dest)} bytes is too small for {len(data)}")
+def _dest(into: object | None) -> memoryview | None:
+    """The buffer a get reads into, checked before the page is sent."""
+    return None if into is None else as_bytes_view(into, "the buffer to read into", writable=True)
+
+
+def _copy_into(data: bytes, dest: memoryview, path: str) -> int:
+    if len(dest) < len(data):  # (as in-process)
+        raise ValueError(
+            f"buffer of {len(dest)} bytes is smaller than page {path!r} ({len(data)} bytes)"
+        )
     dest[: len(data)] = data
     return len(data)
+
+
+#: Idle connections a SyncRemoteStore keeps (one per thread calling at once, up to this);
+#: more are closed when their call ends (100 threads left 100 open for good).
+MAX_IDLE = 16
+
+_sync_clients: weakref.WeakSet[SyncRemoteStore] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    # A fork while another thread held a client's lock left the child's copy held for
+    # ever: its first call deadlocked.
+    for client in list(_sync_clients):
+        client._lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _dropped(fd: int) -> bool:
@@ -183,9 +208,12 @@ class SyncRemoteStore(_Api):
         self._lock = threading.Lock()
         self._closed = False
         self._pid = os.getpid()
+        _sync_clients.add(self)
 
     def _call(self, method: str, *args: Any, on_progress: Any = None, **kw: Any) -> Any:
         s = None
+        if self._closed:
+            raise StoreClosed(f"this client of {self.path} was closed")
         while s is None:
             with self._lock:
                 if self._pid != os.getpid():
@@ -215,7 +243,7 @@ class SyncRemoteStore(_Api):
             s.close()
             raise
         with self._lock:  # the connection is sound after an error answered: it is kept
-            if self._closed:
+            if self._closed or len(self._idle) >= MAX_IDLE:
                 s.close()
             else:
                 self._idle.append(s)
@@ -290,12 +318,16 @@ class SyncRemoteStore(_Api):
             raise
         s.settimeout(self._timeout)
         with self._lock:
-            self._idle.append(s)
+            if self._closed or len(self._idle) >= MAX_IDLE:
+                s.close()
+            else:
+                self._idle.append(s)
         return ok
 
     def get(self, key: KeyLike, into: object | None = None) -> bytes | int:
-        data: bytes = self._call("get", _k(key))
-        return data if into is None else _copy_into(data, into)
+        path, dest = _k(key), _dest(into)
+        data: bytes = self._call("get", path)
+        return data if dest is None else _copy_into(data, dest, path)
 
     def put_many(
         self, items: Iterable[tuple[KeyLike, object]], *, concurrency: int = 4, **kw: Any
@@ -355,6 +387,8 @@ class RemoteStore(_Api, BatchCalls):
         self, method: str, *args: Any, on_progress: Any = None, **kw: Any
     ) -> Any:
         stream = None
+        if self._closed:
+            raise StoreClosed(f"this client of {self.path} was closed")
         while stream is None:
             stream = self._idle.pop() if self._idle else await self._connect()
             if stream in self._fresh:
@@ -396,8 +430,9 @@ class RemoteStore(_Api, BatchCalls):
         return bool(await self._call("ping"))
 
     async def get(self, key: KeyLike, into: object | None = None) -> bytes | int:
-        data: bytes = await self._call("get", _k(key))
-        return data if into is None else _copy_into(data, into)
+        path, dest = _k(key), _dest(into)
+        data: bytes = await self._call("get", path)
+        return data if dest is None else _copy_into(data, dest, path)
 
     async def spill(  # type: ignore[override]
         self, session: str, *, progress: Callable[[int, int], None] | None = None

@@ -785,3 +785,80 @@ async def test_an_error_answer_keeps_the_connection_and_a_stuck_daemon_times_out
         listener.listen(1)
         with pytest.raises(DaemonUnavailable, match="did not answer within 0.5 s"):
             open_remote_store_sync(mute, timeout=0.5).__enter__()
+
+
+async def test_remote_clients_behave_as_the_store_does_at_the_edges(
+    make_config: MakeConfig, tmp_path: Path
+) -> None:
+    """Calls after close went on working (the store raises StoreClosed); a read-only buffer
+    was refused only after the whole page had been sent, and a small one with another
+    message than in-process; 100 threads left 100 idle connections open for good; the
+    daemon's socket file was removed at exit even when another daemon's had replaced it."""
+    import threading
+
+    import kvfs._remote as remote
+
+    sock = tmp_path / "c.sock"
+    async with kvfs.open_store(make_config()) as store, trio.open_nursery() as n:
+        await n.start(control_service, store, sock)
+        await store.put("e/1", b"0123456789")
+
+        def sync_side() -> None:
+            r = SyncRemoteStore(sock)
+            with pytest.raises(ValueError, match=r"smaller than page 'e/1' \(10 bytes\)"):
+                r.get("e/1", into=bytearray(4))
+            with pytest.raises(TypeError, match="read-only"):
+                r.get("e/1", into=b"x" * 20)
+            barrier = threading.Barrier(40)
+
+            def call() -> None:
+                barrier.wait()
+                r.exists("e/1")
+
+            threads = [threading.Thread(target=call) for _ in range(40)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            assert 1 <= len(r._idle) <= remote.MAX_IDLE
+            r.close()
+            with pytest.raises(kvfs.StoreClosed):
+                r.exists("e/1")
+
+        await trio.to_thread.run_sync(sync_side)
+        async with open_remote_store(sock) as ar:
+            with pytest.raises(ValueError, match=r"smaller than page 'e/1'"):
+                await ar.get("e/1", into=bytearray(4))
+        with pytest.raises(kvfs.StoreClosed):
+            await ar.exists("e/1")
+        n.cancel_scope.cancel()
+
+    async def serve_until(
+        store: kvfs.Store, stop: trio.Event, *, task_status: trio.TaskStatus[None]
+    ) -> None:
+        async with trio.open_nursery() as inner:
+            await inner.start(control_service, store, sock)
+            task_status.started()
+            await stop.wait()
+            inner.cancel_scope.cancel()
+
+    async with (
+        kvfs.open_store(make_config(name="one")) as one,
+        kvfs.open_store(make_config(name="two")) as two,
+        trio.open_nursery() as outer,
+    ):
+        stop_one, stop_two = trio.Event(), trio.Event()
+        await outer.start(serve_until, one, stop_one)
+        os.unlink(sock)  # deleted by hand, and another daemon given the same path
+        await outer.start(serve_until, two, stop_two)
+        stop_one.set()
+        await trio.sleep(0.3)  # the first one's service has ended
+
+        def whose() -> object:
+            with open_remote_store_sync(sock, timeout=10) as r2:
+                return r2.identity()["data_dirs"]
+
+        theirs = await trio.to_thread.run_sync(whose)
+        assert theirs == [os.path.realpath(d) for d in two.config.data_dirs]
+        stop_two.set()
+    assert not sock.exists()  # the second daemon's own removal, at its exit
