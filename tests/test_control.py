@@ -862,3 +862,38 @@ async def test_remote_clients_behave_as_the_store_does_at_the_edges(
         assert theirs == [os.path.realpath(d) for d in two.config.data_dirs]
         stop_two.set()
     assert not sock.exists()  # the second daemon's own removal, at its exit
+
+
+async def test_a_fork_while_a_client_is_locked_leaves_the_child_a_working_client(
+    make_config: MakeConfig, tmp_path: Path
+) -> None:
+    """A fork while another thread held a SyncRemoteStore's lock copied it held: the
+    child's first call waited for ever."""
+    import time
+
+    sock = tmp_path / "c.sock"
+    async with kvfs.open_store(make_config()) as store, trio.open_nursery() as n:
+        await n.start(control_service, store, sock)
+        await store.put("f/1", b"x")
+
+        def sync_side() -> int:
+            r = SyncRemoteStore(sock)
+            try:
+                with r._lock:  # another thread in the middle of a call, as fork sees it
+                    pid = os.fork()
+                    if pid == 0:  # pragma: no cover - the child
+                        os._exit(0 if r.exists("f/1") else 1)
+                deadline = time.monotonic() + 30
+                while time.monotonic() < deadline:
+                    done, status = os.waitpid(pid, os.WNOHANG)
+                    if done:
+                        return os.waitstatus_to_exitcode(status)
+                    time.sleep(0.05)
+                os.kill(pid, 9)
+                os.waitpid(pid, 0)
+                return -1
+            finally:
+                r.close()
+
+        assert await trio.to_thread.run_sync(sync_side) == 0
+        n.cancel_scope.cancel()
