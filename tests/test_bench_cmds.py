@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -162,3 +163,30 @@ def test_demo_refuses_a_context_with_no_whole_page(capsys: pytest.CaptureFixture
         main(["demo", "--tokens", "100"])
     assert e.value.code == 2
     assert "must be 257 or more" in capsys.readouterr().err
+
+
+def test_bench_archive_leaves_the_users_bucket_as_it_was(
+    s3_server: Any, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With ``--endpoint``/``--bucket`` every round's objects (the boto3 baseline's, the
+    latency floor's, the store's blobs and manifests) stayed in the user's bucket: ~250 MB a
+    default run. What was there before stays; a run interrupted half-way deletes its own."""
+    from kvfs.bench import archive
+
+    bucket = s3_server.new_bucket()
+    s3_server.client().put_object(Bucket=bucket, Key="theirs/keep", Body=b"x")
+    args = ["bench", "archive", "--pages", "3", "--page-mib", "0.25", "--repeat", "2"]
+    args += ["--latency-reads", "20", "--numpy-kv", "--tokens", "64", "--layers", "1"]
+    args += ["--endpoint", s3_server.endpoint, "--bucket", bucket]
+    assert main([*args, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["spill_mbps"] > 0
+    assert s3_server.keys(bucket) == ["theirs/keep"]
+
+    def interrupted(*_: object) -> None:
+        assert len(s3_server.keys(bucket)) > 1  # (uploads were made, and are to be deleted)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(archive, "_latency", interrupted)
+    assert main(args) == 130
+    assert "interrupted" in capsys.readouterr().err
+    assert s3_server.keys(bucket) == ["theirs/keep"]

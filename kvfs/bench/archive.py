@@ -277,10 +277,15 @@ def run_archive_bench(
     # CPU of this (the store's) process: what a spill or restore takes from foreground work
     # in the same process; upload workers are other processes and are not counted
     cpu: dict[str, list[float]] = {"spill": [], "restore": []}
+    # Each round's key prefixes: the store's archive (blobs, manifests), the boto3 baseline's
+    # and the latency floor's. All are deleted when the run ends, however it ends: the bucket
+    # may be the user's, and a default run uploads ~250 MB.
+    prefixes: list[str] = []
     try:
         for r in range(args.repeat):
             shutil.rmtree(scratch / "store", ignore_errors=True)
-            prefix = f"run-{uuid.uuid4().hex[:8]}"
+            prefix = _fresh_prefix(client, bucket)
+            prefixes += [f"{prefix}/", f"{prefix}-raw/", f"{prefix}-floor/"]
             cfg = kvfs.StoreConfig(
                 data_dirs=(scratch / "store",),
                 archive_url=f"s3://{bucket}/{prefix}?endpoint={endpoint}",
@@ -347,6 +352,7 @@ def run_archive_bench(
             )
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+        _delete_prefixes(client, bucket, prefixes)
 
     def pct(xs: list[float], q: float) -> float:
         return sorted(xs)[min(len(xs) - 1, int(q * len(xs)))] * 1e3
@@ -375,6 +381,39 @@ def run_archive_bench(
         "reads_during_boto3": len(lat["boto3"]),
         "p99_ratio_vs_boto3": pct(lat["spill"], 0.99) / pct(lat["boto3"], 0.99),
     }
+
+
+def _fresh_prefix(client: Any, bucket: str) -> str:
+    """A ``run-<id>`` under which the bucket holds nothing yet (``run-<id>``, ``-raw`` and
+    ``-floor`` all start with it), so that deleting the run's prefixes afterwards deletes
+    only what this run wrote."""
+    while True:
+        prefix = f"run-{uuid.uuid4().hex[:8]}"
+        if not client.list_objects_v2(Bucket=bucket, Prefix=prefix, MaxKeys=1).get("KeyCount"):
+            return prefix
+
+
+def _delete_prefixes(client: Any, bucket: str, prefixes: list[str]) -> None:
+    """Delete every object under ``prefixes``. A failure (the endpoint gone) is reported on
+    stderr with what is left, never raised: it must not hide why the run ended."""
+    left = []
+    for prefix in prefixes:
+        try:
+            pages = client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
+            for page in pages:
+                keys = [{"Key": o["Key"]} for o in page.get("Contents", ())]
+                if not keys:  # (a listing page holds at most 1000 keys, as a delete may)
+                    continue
+                done = client.delete_objects(Bucket=bucket, Delete={"Objects": keys, "Quiet": True})
+                if done.get("Errors"):
+                    raise RuntimeError(done["Errors"][0].get("Message", "delete refused"))
+        except Exception as e:  # noqa: BLE001 - reported, and the other prefixes still tried
+            left.append(f"{prefix} ({e})")
+    if left:
+        log(
+            f"warning: could not delete the benchmark's objects in {bucket} under "
+            + ", ".join(left)
+        )
 
 
 _HOT = [kvfs.PageKey.semantic("hot", "p", i) for i in range(32)]
