@@ -190,3 +190,16 @@ def test_bench_archive_leaves_the_users_bucket_as_it_was(
     assert main(args) == 130
     assert "interrupted" in capsys.readouterr().err
     assert s3_server.keys(bucket) == ["theirs/keep"]
+
+
+def test_bench_archive_baseline_pool_fits_the_concurrency(
+    capfd: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    """boto3's default pool holds 10 connections, kvfs's is sized to the concurrency: with
+    --concurrency 16 the baseline (and the latency floor's uploader process) discarded
+    connections ("Connection pool is full") and the ratio favoured kvfs."""
+    args = ["bench", "archive", "--pages", "32", "--page-mib", "0.25", "--repeat", "1"]
+    args += ["--latency-reads", "20", "--numpy-kv", "--tokens", "64", "--layers", "1"]
+    assert main([*args, "--concurrency", "16", "--json"]) == 0
+    said = capfd.readouterr().err + caplog.text  # (the uploader process's, this one's)
+    assert "Connection pool is full" not in said

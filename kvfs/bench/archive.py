@@ -250,6 +250,17 @@ def compression(arrs: list[np.ndarray], level: int) -> list[dict[str, Any]]:
     return rows
 
 
+def baseline_client(endpoint: str, concurrency: int) -> Any:
+    """The plain boto3 client of the baselines, its connection pool sized to the concurrency
+    as kvfs sizes its own (boto3's default of 10 throttled the baseline above 10 and the
+    ratio favoured kvfs)."""
+    import boto3
+    import botocore.config
+
+    cfg = botocore.config.Config(max_pool_connections=concurrency)
+    return boto3.client("s3", endpoint_url=endpoint, config=cfg)
+
+
 # -- throughput and latency -----------------------------------------------------------------
 def _pages_from(arrs: list[np.ndarray], n: int, size: int) -> list[bytes]:
     pool = b"".join(_as_dtype(a, "fp16") for a in arrs)
@@ -265,9 +276,7 @@ def _pages_from(arrs: list[np.ndarray], n: int, size: int) -> list[bytes]:
 def run_archive_bench(
     endpoint: str, bucket: str, args: argparse.Namespace, arrs: list[np.ndarray]
 ) -> dict[str, Any]:
-    import boto3
-
-    client = boto3.client("s3", endpoint_url=endpoint)
+    client = baseline_client(endpoint, args.concurrency)
     size = int(args.page_mib * MiB)
     pages = _pages_from(arrs, args.pages, size)
     total = size * len(pages)
@@ -467,10 +476,10 @@ def _latency(s: kvfs.SyncStore, pages: list[bytes], n: int) -> dict[str, list[fl
 _UPLOADER = """
 import sys
 from concurrent.futures import ThreadPoolExecutor
-import boto3
+from kvfs.bench.archive import baseline_client
 endpoint, bucket, prefix, path, size, conc = sys.argv[1:4] + [sys.argv[4], *map(int, sys.argv[5:7])]
 data = open(path, "rb").read()
-client = boto3.client("s3", endpoint_url=endpoint)
+client = baseline_client(endpoint, conc)
 pages = [data[o : o + size] for o in range(0, len(data), size)]
 with ThreadPoolExecutor(conc) as ex:
     list(ex.map(lambda ip: client.put_object(Bucket=bucket, Key=f"{prefix}/{ip[0]}", Body=ip[1]),
