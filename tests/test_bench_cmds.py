@@ -128,6 +128,8 @@ def test_bench_ttft_sharing_shows_progress(
         ["control", "--clients", "x"],
         ["archive", "--page-mib", "0"],  # "float division by zero", after the whole run
         ["archive", "--page-mib", "-2"],
+        ["archive", "--page-mib", "inf"],  # a traceback (OverflowError)
+        ["archive", "--page-mib", "nan"],
     ],
 )
 def test_bench_refuses_a_count_out_of_range_before_it_starts(

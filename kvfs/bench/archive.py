@@ -21,6 +21,7 @@ Without ``--endpoint`` a moto S3 server is started on loopback in a separate pro
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import shutil
 import socket
@@ -53,6 +54,8 @@ def _mib(text: str) -> float:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not math.isfinite(value):  # (int() of inf raised OverflowError, a traceback)
+        raise argparse.ArgumentTypeError(f"a finite number of MiB is needed, not {text}")
     if not int(value * MiB) >= 1:
         raise argparse.ArgumentTypeError(f"a page of at least one byte is needed, not {text}")
     return value
