@@ -205,3 +205,57 @@ def test_bench_archive_baseline_pool_fits_the_concurrency(
     assert main([*args, "--concurrency", "16", "--json"]) == 0
     said = capfd.readouterr().err + caplog.text  # (the uploader process's, this one's)
     assert "Connection pool is full" not in said
+
+
+def test_bench_archive_ctrl_c_says_interrupted_and_stops_its_server() -> None:
+    """A Ctrl-C at the terminal reached the moto server too (one process group): it died
+    first and the run ended on a network error, its uploads not deleted. The server now
+    outlives the benchmark's own handling of the interrupt, and is stopped last."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    args = ["bench", "archive", "--pages", "24", "--page-mib", "0.5", "--repeat", "3"]
+    args += ["--latency-reads", "20", "--numpy-kv", "--tokens", "64", "--layers", "1"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "cli", *args],
+        cwd=Path(__file__).parent.parent,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # its own process group, as a shell gives a command
+    )
+    assert proc.stderr is not None
+    err = ""
+    while "round 1/3" not in err:  # (in round 2 now: uploads made, the server busy)
+        line = proc.stderr.readline()
+        assert line, err
+        err += line
+    servers = [
+        pid
+        for pid in (int(d.name) for d in Path("/proc").iterdir() if d.name.isdigit())
+        if _ppid(pid) == proc.pid and b"moto.server" in _cmdline(pid)
+    ]
+    assert len(servers) == 1
+    os.killpg(proc.pid, signal.SIGINT)  # what the terminal does on Ctrl-C
+    err += proc.communicate(timeout=120)[1]
+    assert proc.returncode == 130, err
+    assert err.endswith("kvfs: interrupted\n"), err
+    assert "warning" not in err and "Traceback" not in err, err
+    assert not Path(f"/proc/{servers[0]}").exists()
+
+
+def _ppid(pid: int) -> int:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return 0
+    return int(stat.rsplit(")", 1)[1].split()[1])
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""

@@ -123,17 +123,24 @@ def register(sub: argparse._SubParsersAction) -> None:
 def _moto(nice: int = 0, info: dict[str, int] | None = None) -> Any:
     """A moto S3 server on a free loopback port, in its own process; ``nice`` > 0 runs it
     at that lower CPU priority. ``info`` (if given) gets the server's ``pid`` and the
-    ``nice`` value it really runs at. Raises RuntimeError when the server does not start."""
+    ``nice`` value it really runs at. Raises RuntimeError when the server does not start.
+
+    The server runs in a session of its own: a Ctrl-C at the terminal reaches only the
+    benchmark, which then ends its run (deleting what it uploaded) against a server still
+    up and stops it last, instead of failing on the network first. It also exits when the
+    benchmark's process dies (``PR_SET_PDEATHSIG``), so a killed benchmark leaves no server."""
     s = socket.socket()
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
     s.close()
     env = {**os.environ, "AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench"}
     proc = subprocess.Popen(
-        [sys.executable, "-c", _NICE_MOTO, str(nice), "-H", "127.0.0.1", "-p", str(port)],
+        [sys.executable, "-c", _NICE_MOTO, str(nice), str(os.getpid())]
+        + ["-H", "127.0.0.1", "-p", str(port)],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         env=env,
+        start_new_session=True,
     )
     try:
         for _ in range(300):
@@ -156,8 +163,14 @@ def _moto(nice: int = 0, info: dict[str, int] | None = None) -> Any:
 
 
 _NICE_MOTO = """
-import os, sys
-n = int(sys.argv.pop(1))
+import ctypes, os, signal, sys
+n, parent = int(sys.argv.pop(1)), int(sys.argv.pop(1))
+try:  # exit with the benchmark, which a Ctrl-C in this session no longer reaches
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+except (AttributeError, OSError):
+    pass
+if os.getppid() != parent:
+    sys.exit(1)
 if n > 0:
     os.nice(n)
 from moto.server import main
@@ -505,11 +518,14 @@ def _latency_beside_boto3(
     read = _reader(s)
     proc = subprocess.Popen(
         [sys.executable, "-c", _UPLOADER, endpoint, bucket, prefix, str(blob)]
-        + [str(len(pages[0])), str(concurrency)]
+        + [str(len(pages[0])), str(concurrency)],
+        start_new_session=True,  # a Ctrl-C is the benchmark's to handle: it stops this one
     )
     try:
         busy = _reads_until(read, lambda: proc.poll() is not None, len(pages) * 100)
     finally:
+        if proc.poll() is None:  # (only when the reads failed or were interrupted)
+            proc.terminate()
         proc.wait()
         blob.unlink()
     if proc.returncode:
