@@ -259,3 +259,44 @@ def _cmdline(pid: int) -> bytes:
         return Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
         return b""
+
+
+#: each benchmark that writes into a directory given on the command line, at its smallest
+SCRATCH_FLAGS = {
+    "store": ["--sizes", "1", "--clients", "1", "--total", "1", "--data"],
+    "gds": ["--sizes", "1", "--layers", "1", "--dir"],
+    "control": ["--small-pages", "2", "--large-pages", "2", "--repeat", "1", "--dir"],
+    "ttft": ["--model", "small", "--tokens", "256", "--repeat", "1", "--no-archive", "--dir"],
+    "fuse": ["--sizes", "1", "--clients", "1", "--total", "1", "--dir"],
+}
+
+
+@pytest.mark.parametrize("bench", sorted(SCRATCH_FLAGS))
+def test_bench_refuses_a_scratch_directory_that_is_not_one(
+    bench: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A missing --dir/--data was exit 1 or 3, and ``store --data /nonexistent/x`` made the
+    path with its parents and left it; a file was exit 1. Both are usage errors, and
+    nothing is created."""
+    missing = tmp_path / "no" / "such"
+    assert main(["bench", bench, *SCRATCH_FLAGS[bench], str(missing)]) == 2
+    assert "no such directory" in capsys.readouterr().err
+    assert not (tmp_path / "no").exists()
+    (tmp_path / "file").write_bytes(b"")
+    assert main(["bench", bench, *SCRATCH_FLAGS[bench], str(tmp_path / "file")]) == 2
+    assert "not a directory" in capsys.readouterr().err
+
+
+def test_bench_refuses_a_scratch_directory_on_a_kvfs_mount(
+    tmp_path: Path, make_config: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """On a kvfs mount the benchmarks failed with EINVAL or "Directory not empty" (exit 1)
+    and left their kvfs-bench-* directories there; fuse explained, but exited 1."""
+    from _kvfs_mount import daemon_mount
+
+    with daemon_mount(make_config(ndev=1, name="mounted"), tmp_path / "mnt") as mp:
+        before = sorted(p.name for p in mp.iterdir())
+        for bench, flags in sorted(SCRATCH_FLAGS.items()):
+            assert main(["bench", bench, *flags, str(mp)]) == 2, bench
+            assert f"is on the kvfs mount {mp}" in capsys.readouterr().err, bench
+        assert sorted(p.name for p in mp.iterdir()) == before

@@ -15,9 +15,10 @@ import platform
 import sys
 import tempfile
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
-__all__ = ["add_sweep", "log", "machine", "new_parser"]
+__all__ = ["add_sweep", "log", "machine", "new_parser", "scratch_base"]
 
 
 def new_parser(
@@ -82,6 +83,31 @@ def positive_ints(text: str, flag: str) -> list[int]:
     if not out or min(out) < 1:
         raise ValueError(f"{flag} takes positive integers separated by commas, not {text!r}")
     return out
+
+
+def scratch_base(where: str | os.PathLike[str] | None, flag: str) -> Path:
+    """The directory a benchmark makes its scratch directory in: ``where``, as given with
+    ``flag`` (``--dir``, ``--data``), or the temporary directory for None. It must exist and
+    be a directory: it is never created (a typo made a tree of parents, left behind), and
+    it must not be on a kvfs mount (a store cannot live on one, a mount cannot serve from
+    one, and the figures would be kvfs against kvfs: it failed half-way with EINVAL or
+    "Directory not empty" and left its scratch on the mount). Raises ValueError, a usage
+    error."""
+    from kvfs._mountinfo import kvfs_mount_of
+
+    base = Path(where) if where is not None else Path(tempfile.gettempdir())
+    said = f"{flag} {where}" if where is not None else f"the temporary directory {base}"
+    if not base.exists():
+        raise ValueError(f"{said}: no such directory (it is not created)")
+    if not base.is_dir():
+        raise ValueError(f"{said}: not a directory")
+    mp = kvfs_mount_of(base)
+    if mp is not None:
+        raise ValueError(
+            f"{said} is on the kvfs mount {mp}: a benchmark runs its own store and compares "
+            "it with the disk, so give it a directory on a disk file system"
+        )
+    return base
 
 
 def need_room(where: str | os.PathLike[str] | None, nbytes: int, what: str) -> None:

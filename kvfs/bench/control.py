@@ -34,7 +34,7 @@ import trio
 import kvfs
 from kvfs._control import control_service
 from kvfs._remote import RemoteStore
-from kvfs.bench._common import at_least, log, machine, need_room, new_parser
+from kvfs.bench._common import at_least, log, machine, need_room, new_parser, scratch_base
 
 __all__ = ["register", "run_control_bench"]
 
@@ -201,8 +201,9 @@ def _main(args: argparse.Namespace) -> int:
     for flag, n in (("--small", small), ("--large", large)):
         if n < 8:  # (pages of 0 or 5 bytes were made of 8, and reported as 0 B or 5 B)
             raise ValueError(f"{flag} {n}: pages need 8 bytes or more (their first 8 differ)")
-    need_room(args.dir, max(small * args.small_pages, large * args.large_pages), "bench control")
-    with tempfile.TemporaryDirectory(dir=args.dir, prefix="kvfs-bench-control-") as d:
+    base = scratch_base(args.dir, "--dir")
+    need_room(base, max(small * args.small_pages, large * args.large_pages), "bench control")
+    with tempfile.TemporaryDirectory(dir=base, prefix="kvfs-bench-control-") as d:
         rows = trio.run(
             lambda: run_control_bench(
                 Path(d),

@@ -39,7 +39,15 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from kvfs.bench._common import add_sweep, at_least, log, machine, new_parser, positive_ints
+from kvfs.bench._common import (
+    add_sweep,
+    at_least,
+    log,
+    machine,
+    new_parser,
+    positive_ints,
+    scratch_base,
+)
 from kvfs.bench._nullfs import null_mount
 
 __all__ = ["register", "run_fuse_bench"]
@@ -297,7 +305,7 @@ def _cell(
 def _main(args: argparse.Namespace) -> int:
     sizes = positive_ints(args.sizes, "--sizes")
     clients = positive_ints(args.clients, "--clients")
-    base = Path(args.dir) if args.dir else Path(tempfile.gettempdir())
+    base = scratch_base(args.dir, "--dir")
     from kvfs._mountinfo import fs_type
 
     if fs_type(base) in ("tmpfs", "ramfs"):  # (no cold read there: memory is the disk)

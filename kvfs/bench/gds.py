@@ -33,7 +33,15 @@ import numpy as np
 
 import kvfs
 from kvfs._aligned import open_direct
-from kvfs.bench._common import at_least, log, machine, need_room, new_parser, positive_ints
+from kvfs.bench._common import (
+    at_least,
+    log,
+    machine,
+    need_room,
+    new_parser,
+    positive_ints,
+    scratch_base,
+)
 
 MiB = 1 << 20
 
@@ -154,9 +162,9 @@ def run(args: argparse.Namespace) -> int:
     from cli._util import print_json, print_table
 
     sizes = positive_ints(args.sizes, "--sizes")
-    need_room(args.dir, max(n * MiB * layers_for(n, args.layers) for n in sizes), "bench gds")
+    base = scratch_base(args.dir, "--dir")
+    need_room(base, max(n * MiB * layers_for(n, args.layers) for n in sizes), "bench gds")
     cp = _gpu(args.gpu)
-    base = Path(args.dir) if args.dir else Path(tempfile.gettempdir())
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="kvfs-bench-gds-", dir=base) as tmp:
         cfg = kvfs.StoreConfig(

@@ -33,7 +33,15 @@ from typing import Any
 
 import kvfs
 from kvfs._aligned import aligned_buffer, open_direct
-from kvfs.bench._common import add_sweep, at_least, log, machine, new_parser, positive_ints
+from kvfs.bench._common import (
+    add_sweep,
+    at_least,
+    log,
+    machine,
+    new_parser,
+    positive_ints,
+    scratch_base,
+)
 
 __all__ = ["register", "run_store_bench"]
 
@@ -279,13 +287,12 @@ def _main(args: argparse.Namespace) -> int:
     clients = positive_ints(args.clients, "--clients")
     if args.total < 1:
         raise ValueError("--total must be positive")
-    scratch = None
-    if args.data:
-        dirs = [Path(d) / "kvfs-bench-store" for d in args.data.split(",") if d.strip()]
-    else:
-        scratch = Path(tempfile.mkdtemp(prefix="kvfs-bench-store-"))
-        dirs = [scratch]
+    bases = [scratch_base(d.strip(), "--data") for d in (args.data or "").split(",") if d.strip()]
+    # A fresh directory in each: a "kvfs-bench-store" of the user's there was deleted
+    dirs: list[Path] = []
     try:
+        for base in bases or [scratch_base(None, "--data")]:
+            dirs.append(Path(tempfile.mkdtemp(prefix="kvfs-bench-store-", dir=base)))
         if args.index:
             from ._index_bench import print_index_bench, run_index_bench
 
@@ -305,6 +312,4 @@ def _main(args: argparse.Namespace) -> int:
     finally:
         for d in dirs:
             shutil.rmtree(d, ignore_errors=True)
-        if scratch is not None:
-            shutil.rmtree(scratch, ignore_errors=True)
     return 0

@@ -27,7 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from kvfs.bench._common import at_least, log, machine, new_parser, positive_ints
+from kvfs.bench._common import at_least, log, machine, new_parser, positive_ints, scratch_base
 
 __all__ = ["register", "run_ttft"]
 
@@ -98,6 +98,7 @@ def _main(args: argparse.Namespace) -> int:
     # (before torch loads, seconds: "--tokens abc" was a raw int() error after it, and
     # "--tokens ," an empty table and exit 0)
     lengths = [] if args.sharing else positive_ints(args.tokens, "--tokens")
+    base = scratch_base(args.dir, "--dir")
     try:
         import torch  # noqa: F401
         import transformers  # noqa: F401
@@ -106,7 +107,7 @@ def _main(args: argparse.Namespace) -> int:
             "kvfs bench ttft needs the engines extra: "
             "pip install -e .[engines] (torch==2.13.0 first)"
         ) from e
-    scratch = Path(tempfile.mkdtemp(prefix="kvfs-bench-ttft-", dir=args.dir))
+    scratch = Path(tempfile.mkdtemp(prefix="kvfs-bench-ttft-", dir=base))
     try:
         if args.sharing:
             from ._sharing import print_sharing, run_sharing
