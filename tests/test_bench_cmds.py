@@ -300,3 +300,28 @@ def test_bench_refuses_a_scratch_directory_on_a_kvfs_mount(
             assert main(["bench", bench, *flags, str(mp)]) == 2, bench
             assert f"is on the kvfs mount {mp}" in capsys.readouterr().err, bench
         assert sorted(p.name for p in mp.iterdir()) == before
+
+
+@pytest.mark.parametrize("bench", ["store", "fuse"])
+def test_bench_refuses_a_file_system_too_small_before_it_starts(
+    bench: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """On an 8 MiB file system ``bench store --total 5`` failed half-way with "no page
+    'bench/c0/p0'" (exit 3): the store's eviction deleted the benchmark's own pages (raw
+    files and pages, 10 MiB, are there together). Here tmp_path says it has 8 MiB free."""
+    import os
+
+    real = os.statvfs
+
+    def small(path: Any) -> os.statvfs_result:
+        st = list(real(path))
+        if Path(path).resolve().is_relative_to(tmp_path):
+            st[1], st[3], st[4] = 4096, 2048, 2048  # f_frsize, f_bfree, f_bavail
+        return os.statvfs_result(st)
+
+    monkeypatch.setattr(os, "statvfs", small)
+    flag = "--data" if bench == "store" else "--dir"
+    args = ["bench", bench, "--sizes", "1", "--clients", "1", "--total", "5", flag, str(tmp_path)]
+    assert main(args) == 2
+    assert f"10 MiB into {tmp_path}, which has 8 MiB free: give {flag}" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []

@@ -110,10 +110,13 @@ def scratch_base(where: str | os.PathLike[str] | None, flag: str) -> Path:
     return base
 
 
-def need_room(where: str | os.PathLike[str] | None, nbytes: int, what: str) -> None:
+def need_room(
+    where: str | os.PathLike[str] | None, nbytes: int, what: str, flag: str = "--dir"
+) -> None:
     """Refuse to start a benchmark whose pages would not fit the file system it writes to
-    (``where``; None: the temporary directory). There the store's capacity eviction deleted
-    the benchmark's own pages, and it failed half-way with "no page ...". Raises ValueError.
+    (``where``; None: the temporary directory; ``flag`` is the option that chooses it).
+    There the store's capacity eviction deleted the benchmark's own pages, and it failed
+    half-way with "no page ...". Raises ValueError.
     """
     where = where or tempfile.gettempdir()
     st = os.statvfs(where)
@@ -121,7 +124,7 @@ def need_room(where: str | os.PathLike[str] | None, nbytes: int, what: str) -> N
     if free < nbytes * 1.25:  # (the store keeps headroom, and its index grows too)
         raise ValueError(
             f"{what} writes about {nbytes / (1 << 20):.0f} MiB into {where}, which has "
-            f"{free / (1 << 20):.0f} MiB free: give --dir on a larger file system, or fewer "
+            f"{free / (1 << 20):.0f} MiB free: give {flag} on a larger file system, or fewer "
             "or smaller pages"
         )
 

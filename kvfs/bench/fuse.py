@@ -44,6 +44,7 @@ from kvfs.bench._common import (
     at_least,
     log,
     machine,
+    need_room,
     new_parser,
     positive_ints,
     scratch_base,
@@ -313,6 +314,9 @@ def _main(args: argparse.Namespace) -> int:
             f"{base} is on {fs_type(base)}: the reads it compares need a disk file system "
             "(give one with --dir)"
         )
+    # the largest cell's plain files and its pages in the mount's store are there together
+    cell = max(max(1, args.total // (s * c)) * c * s for s in sizes for c in clients) * MiB
+    need_room(base, 2 * cell, "bench fuse")
     root = Path(tempfile.mkdtemp(prefix="kvfs-bench-fuse-", dir=base))
     try:
         out = run_fuse_bench(sizes, clients, args.total, root, args.direct_io, args.repeat)

@@ -38,6 +38,7 @@ from kvfs.bench._common import (
     at_least,
     log,
     machine,
+    need_room,
     new_parser,
     positive_ints,
     scratch_base,
@@ -280,6 +281,19 @@ def print_store_bench(res: dict[str, Any]) -> None:
     )
 
 
+def _need_room(bases: list[Path], sizes: list[int], clients: list[int], total: int) -> None:
+    """Refuse a sweep whose largest cell does not fit: its raw files and its kvfs pages are
+    on disk together, spread evenly over the data directories (those on one file system
+    add up). An 8 MiB file system failed with "no page 'bench/c0/p0'" (exit 3): the
+    store's capacity eviction had deleted the benchmark's own pages."""
+    cell = max(max(1, total // (s * c)) * c * s for s in sizes for c in clients) * MiB
+    by_fs: dict[int, list[Path]] = {}
+    for d in bases:
+        by_fs.setdefault(os.stat(d).st_dev, []).append(d)
+    for same in by_fs.values():
+        need_room(same[0], 2 * cell * len(same) // len(bases), "bench store", "--data")
+
+
 def _main(args: argparse.Namespace) -> int:
     from cli._util import print_json
 
@@ -288,6 +302,8 @@ def _main(args: argparse.Namespace) -> int:
     if args.total < 1:
         raise ValueError("--total must be positive")
     bases = [scratch_base(d.strip(), "--data") for d in (args.data or "").split(",") if d.strip()]
+    if not args.index:
+        _need_room(bases or [scratch_base(None, "--data")], sizes, clients, args.total)
     # A fresh directory in each: a "kvfs-bench-store" of the user's there was deleted
     dirs: list[Path] = []
     try:
