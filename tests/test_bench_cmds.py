@@ -325,3 +325,52 @@ def test_bench_refuses_a_file_system_too_small_before_it_starts(
     assert main(args) == 2
     assert f"10 MiB into {tmp_path}, which has 8 MiB free: give {flag}" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.fixture
+def no_o_direct(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """tmp_path on a file system that refuses O_DIRECT with EINVAL, as tmpfs did before
+    Linux 6.6 and some overlays still do (the kernel here may take it on tmpfs)."""
+    import errno
+    import os
+
+    real = os.open
+
+    def open_(path: Any, flags: int, *args: Any, **kw: Any) -> int:
+        if flags & os.O_DIRECT and Path(path).resolve().is_relative_to(tmp_path):
+            raise OSError(errno.EINVAL, "Invalid argument", str(path))
+        return real(path, flags, *args, **kw)
+
+    monkeypatch.setattr(os, "open", open_)
+    return tmp_path
+
+
+@pytest.mark.parametrize("bench", ["store", "gds"])
+def test_bench_says_when_the_raw_baseline_was_not_o_direct(
+    bench: str, no_o_direct: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Where O_DIRECT is refused the "raw O_DIRECT" baseline silently read the page cache:
+    the JSON and the table header say which it was, and stderr warns."""
+    flag = "--data" if bench == "store" else "--dir"
+    args = ["bench", bench, "--sizes", "1", flag, str(no_o_direct)]
+    args += ["--clients", "1", "--total", "1"] if bench == "store" else ["--layers", "1"]
+    assert main([*args, "--json"]) == 0
+    captured = capsys.readouterr()
+    res = json.loads(captured.out)
+    assert (res if bench == "store" else res["conditions"])["raw_o_direct"] is False
+    assert "refused O_DIRECT: the raw baseline used buffered I/O" in captured.err
+    assert main(args) == 0
+    assert "buffered (O_DIRECT refused)" in capsys.readouterr().out.splitlines()[0]
+    assert list(no_o_direct.iterdir()) == []
+
+
+def test_bench_ttft_raw_read_records_o_direct_refused(no_o_direct: Path) -> None:
+    from types import SimpleNamespace
+
+    from kvfs.bench._common import DirectUse
+    from kvfs.bench.ttft import raw_read
+
+    (no_o_direct / "f").write_bytes(b"x" * 8192)
+    direct = DirectUse()
+    raw_read([SimpleNamespace(path=str(no_o_direct / "f"), offset=0, length=8192)], 2, direct)
+    assert not direct.o_direct

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["add_sweep", "log", "machine", "new_parser", "scratch_base"]
+__all__ = ["DirectUse", "add_sweep", "log", "machine", "new_parser", "scratch_base"]
 
 
 def new_parser(
@@ -127,6 +127,36 @@ def need_room(
             f"{free / (1 << 20):.0f} MiB free: give {flag} on a larger file system, or fewer "
             "or smaller pages"
         )
+
+
+class DirectUse:
+    """How a raw baseline's files were opened: :func:`kvfs._aligned.open_direct` falls back
+    to buffered I/O where the file system refuses O_DIRECT (tmpfs, some overlays), and the
+    "raw O_DIRECT" baseline then silently measured the page cache. ``o_direct`` (for the
+    JSON) is True when every open got O_DIRECT; :meth:`warn` says so on stderr otherwise."""
+
+    def __init__(self) -> None:
+        self.refused = False
+
+    def open(self, path: str | os.PathLike[str], flags: int, mode: int = 0o640) -> int:
+        """An fd, with O_DIRECT where the file system takes it (see :func:`open_direct`)."""
+        from kvfs._aligned import open_direct
+
+        fd, direct = open_direct(path, flags, mode)
+        if not direct:
+            self.refused = True
+        return fd
+
+    @property
+    def o_direct(self) -> bool:
+        return not self.refused
+
+    def warn(self, where: str | os.PathLike[str]) -> None:
+        if self.refused:
+            log(
+                f"warning: the file system of {where} refused O_DIRECT: the raw baseline used "
+                "buffered I/O (the page cache), not the device"
+            )
 
 
 def log(msg: str) -> None:

@@ -32,8 +32,9 @@ from pathlib import Path
 from typing import Any
 
 import kvfs
-from kvfs._aligned import aligned_buffer, open_direct
+from kvfs._aligned import aligned_buffer
 from kvfs.bench._common import (
+    DirectUse,
     add_sweep,
     at_least,
     log,
@@ -110,8 +111,8 @@ def _timed(clients: int, work: Callable[[int], int]) -> float:
     return dt
 
 
-def _raw_write(path: str, buf: memoryview) -> None:
-    fd, _direct = open_direct(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o640)
+def _raw_write(path: str, buf: memoryview, direct: DirectUse) -> None:
+    fd = direct.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o640)
     try:
         done = 0
         while done < len(buf):
@@ -121,8 +122,8 @@ def _raw_write(path: str, buf: memoryview) -> None:
         os.close(fd)
 
 
-def _raw_read(path: str, buf: memoryview) -> None:
-    fd, _direct = open_direct(path, os.O_RDONLY)
+def _raw_read(path: str, buf: memoryview, direct: DirectUse) -> None:
+    fd = direct.open(path, os.O_RDONLY)
     try:
         done = 0
         while done < len(buf):
@@ -135,7 +136,14 @@ def _raw_read(path: str, buf: memoryview) -> None:
 
 
 def _cell(
-    dirs: list[Path], size: int, clients: int, total: int, stripe: int, repeat: int, durable: bool
+    dirs: list[Path],
+    size: int,
+    clients: int,
+    total: int,
+    stripe: int,
+    repeat: int,
+    durable: bool,
+    direct: DirectUse,
 ) -> dict[str, Any]:
     per_client = max(1, total // (size * clients))
     pages = per_client * clients
@@ -163,13 +171,13 @@ def _cell(
             for i in range(per_client):
                 j = c * per_client + i
                 _stamp(bufs[c], j + 1)
-                _raw_write(str(raw_dirs[j % len(raw_dirs)] / f"p{j}"), bufs[c])
+                _raw_write(str(raw_dirs[j % len(raw_dirs)] / f"p{j}"), bufs[c], direct)
             return per_client
 
         def raw_get(c: int) -> int:
             for i in range(per_client):
                 j = c * per_client + i
-                _raw_read(str(raw_dirs[j % len(raw_dirs)] / f"p{j}"), bufs[c])
+                _raw_read(str(raw_dirs[j % len(raw_dirs)] / f"p{j}"), bufs[c], direct)
             return per_client
 
         rp = gbps(_timed(clients, raw_put))
@@ -228,18 +236,28 @@ def run_store_bench(
 ) -> dict[str, Any]:
     """Run every (size, clients) cell; returns the figures (GB/s = 1e9 bytes/s)."""
     rows = []
+    direct = DirectUse()
     for size in sizes_mib:
         for c in clients:
             rows.append(
                 _cell(
-                    dirs, size * MiB, c, total_mib * MiB, stripe_mib * MiB, max(1, repeat), durable
+                    dirs,
+                    size * MiB,
+                    c,
+                    total_mib * MiB,
+                    stripe_mib * MiB,
+                    max(1, repeat),
+                    durable,
+                    direct,
                 )
             )
+    direct.warn(", ".join(map(str, dirs)))
     return {
         "machine": machine(),
         "data_dirs": [str(d) for d in dirs],
         "stripe_unit_mib": stripe_mib,
         "durable": durable,
+        "raw_o_direct": direct.o_direct,
         "total_mib": total_mib,
         "repeat": repeat,
         "rows": rows,
@@ -251,7 +269,8 @@ def print_store_bench(res: dict[str, Any]) -> None:
 
     print(
         f"kvfs bench store: {len(res['data_dirs'])} data dir(s), stripe unit "
-        f"{res['stripe_unit_mib']} MiB, durable={res['durable']}; GB/s (1e9 B/s), best of "
+        f"{res['stripe_unit_mib']} MiB, durable={res['durable']}, raw "
+        f"{'O_DIRECT' if res['raw_o_direct'] else 'buffered (O_DIRECT refused)'}; GB/s (1e9 B/s), best of "
         f"{res['repeat']} rounds; ratio: median of the rounds' kvfs/raw"
     )
     print_table(

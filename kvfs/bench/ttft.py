@@ -27,7 +27,15 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from kvfs.bench._common import at_least, log, machine, new_parser, positive_ints, scratch_base
+from kvfs.bench._common import (
+    DirectUse,
+    at_least,
+    log,
+    machine,
+    new_parser,
+    positive_ints,
+    scratch_base,
+)
 
 __all__ = ["register", "run_ttft"]
 
@@ -183,6 +191,7 @@ def run_ttft(
             archive_url=f"file://{scratch / 'archive'}", extra={"archive": {"interval": 0}}
         )
     rows = []
+    direct = DirectUse()
     with (
         torch.inference_mode(),
         kvfs.open_store_sync(cfg) as store,
@@ -223,7 +232,7 @@ def run_ttft(
             # what loads: the prefix up to the last token, in the whole pages saved
             want = min(n - 1, n // C * C)
             for _ in range(max(1, repeat)):
-                raws.append(raw_read(extents))
+                raws.append(raw_read(extents, direct=direct))
                 for name, loader in (("kvfs", kv), ("fast", kv_fast)):
                     t0 = time.perf_counter()
                     hit = loader.load(session, ids, max_tokens=n - 1)
@@ -272,19 +281,23 @@ def run_ttft(
             )
         kv_fast.close()
         fast.close()
+    direct.warn(scratch)
     return {
         "benchmark": "ttft",
-        "conditions": conditions(scratch, g.describe()),
+        "conditions": {**conditions(scratch, g.describe()), "raw_o_direct": direct.o_direct},
         "bytes_per_token": g.bytes_per_token,
         "rows": rows,
     }
 
 
-def raw_read(extents: list[Any], threads: int = 8) -> float:
-    """Seconds to read ``extents`` with O_DIRECT into aligned buffers, ``threads`` at a time."""
+def raw_read(extents: list[Any], threads: int = 8, direct: DirectUse | None = None) -> float:
+    """Seconds to read ``extents`` with O_DIRECT into aligned buffers, ``threads`` at a time
+    (buffered where the file system refuses O_DIRECT: ``direct`` records it)."""
     import numpy as np
 
-    from kvfs._aligned import aligned_buffer, open_direct, round_up
+    from kvfs._aligned import aligned_buffer, round_up
+
+    direct = direct or DirectUse()
 
     biggest = round_up(max(e.length for e in extents))
     bufs = [aligned_buffer(biggest) for _ in range(threads)]
@@ -293,7 +306,7 @@ def raw_read(extents: list[Any], threads: int = 8) -> float:
     fds: dict[str, int] = {}
     for e in extents:
         if e.path not in fds:
-            fds[e.path] = open_direct(e.path, os.O_RDONLY)[0]
+            fds[e.path] = direct.open(e.path, os.O_RDONLY)
 
     def one(i: int) -> int:
         e = extents[i]
@@ -322,7 +335,8 @@ def print_ttft(res: dict[str, Any]) -> None:
     print(f"model: {c['model']} ({fmt_bytes(res['bytes_per_token'])} of KV per token)")
     print(
         f"machine: {c['cpus']} CPUs, torch {c['torch']} ({c['torch_threads']} threads); "
-        f"store: one local directory, object API, checksums verified"
+        f"store: one local directory, object API, checksums verified; raw read: "
+        f"{'O_DIRECT' if c.get('raw_o_direct', True) else 'buffered (O_DIRECT refused)'}"
     )
     print_table(
         [
