@@ -4,6 +4,7 @@ not speed: the figures go to docs/benchmarks.md, never into an assertion)."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -81,6 +82,13 @@ def test_bench_fuse_json(
         "ratio_warm_vs_plain",
     ):
         assert r[k] == sorted(x[k] for x in r["rounds"])[1], k
+    # the table shows the durable-for-durable write ratio too (it was only in the JSON)
+    args = ["bench", "fuse", "--sizes", "1", "--clients", "1", "--total", "1"]
+    assert main([*args, "--dir", str(tmp_path)]) == 0
+    head, _, row = capsys.readouterr().out.splitlines()[:3]
+    cols = re.split(r"  +", head.strip())
+    assert cols[5:9] == ["mount", "ratio", "vs +fsync", "vs null"], cols
+    assert len(row.split()) == len(cols) and row.split()[7].endswith("x")
 
 
 def test_bench_archive_json(capsys: pytest.CaptureFixture[str]) -> None:
