@@ -392,3 +392,15 @@ def test_bench_ttft_raw_read_records_o_direct_refused(no_o_direct: Path) -> None
     direct = DirectUse()
     raw_read([SimpleNamespace(path=str(no_o_direct / "f"), offset=0, length=8192)], 2, direct)
     assert not direct.o_direct
+
+
+def test_bench_store_index_says_where_it_ran(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Its figures came without the machine facts every other benchmark records."""
+    args = ["bench", "store", "--index", "20", "--data", str(tmp_path)]
+    assert main([*args, "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["machine"]["cpus"] > 0 and res["machine"]["kernel"] and res["pages"] == 20
+    assert main(args) == 0
+    assert " CPUs, kernel " in capsys.readouterr().out.splitlines()[0]

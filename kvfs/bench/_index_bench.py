@@ -23,6 +23,7 @@ from typing import Any
 import kvfs
 from kvfs._engine import Engine
 from kvfs._index import PageCommit
+from kvfs.bench._common import machine
 
 __all__ = ["print_index_bench", "run_index_bench"]
 
@@ -52,7 +53,7 @@ def run_index_bench(
     data: Path, n: int, *, progress: Callable[[str], None] = print
 ) -> dict[str, Any]:
     cfg = kvfs.StoreConfig(data_dirs=(data,))
-    out: dict[str, Any] = {"pages": n}
+    out: dict[str, Any] = {"machine": machine(data_dir=str(data)), "pages": n}
     eng = Engine(cfg)
     try:
         k = max(1, min(TIMED_COMMITS, n // 2))  # timed commits per setting
@@ -130,6 +131,11 @@ def run_index_bench(
 def print_index_bench(res: dict[str, Any]) -> None:
     from cli._util import fmt_bytes, print_table
 
+    m = res["machine"]
+    print(
+        f"kvfs bench store --index: {m['host']}, {m['cpus']} CPUs, kernel {m['kernel']}, "
+        f"Python {m['python']}; index in {m['data_dir']}"
+    )
     print_table(
         ["measure", "value"],
         [
