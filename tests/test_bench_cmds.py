@@ -409,3 +409,17 @@ def test_bench_store_index_says_where_it_ran(
     assert res["machine"]["cpus"] > 0 and res["machine"]["kernel"] and res["pages"] == 20
     assert main(args) == 0
     assert " CPUs, kernel " in capsys.readouterr().out.splitlines()[0]
+
+
+def test_bench_control_ratio_is_the_median_of_the_rounds(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The ratios were the best remote round over the best in-process round, possibly two
+    rounds under different load; bench store takes the median of each round's own."""
+    args = ["bench", "control", "--small", "1000", "--small-pages", "3", "--large", "64KiB"]
+    args += ["--large-pages", "2", "--clients", "1", "--repeat", "3", "--json"]
+    assert main(args) == 0
+    for r in json.loads(capsys.readouterr().out)["results"]:
+        assert len(r["round_ratios"]) == 3 and len(r["worker_round_ratios"]) == 3
+        assert r["ratio"] == statistics.median(r["round_ratios"])
+        assert r["worker_ratio"] == statistics.median(r["worker_round_ratios"])

@@ -15,14 +15,15 @@ default 16 KiB) and large ones (``--large``, default 8 MiB):
 
 Small pages are reported in pages/s, large ones in GB/s (10^9 bytes/s); the ratio is
 remote / in-process. Every page is distinct (no deduplication) and the bytes read back are
-checked after the timed phases. ``--repeat N`` alternates the phases N times and keeps the
-best of each.
+checked after the timed phases. ``--repeat N`` alternates the phases N times: the
+throughputs are the best of each, a ratio the median of the rounds' own.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -54,7 +55,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--large", default="8MiB", help="large page size (8MiB)")
     p.add_argument("--large-pages", type=at_least(1), default=48, help="large pages per phase (48)")
     p.add_argument("--clients", type=at_least(1), default=4, help="concurrent calls (4)")
-    p.add_argument("--repeat", type=at_least(1), default=2, help="alternate rounds, best kept (2)")
+    p.add_argument(
+        "--repeat",
+        type=at_least(1),
+        default=2,
+        help="alternate rounds: best throughputs, median ratios (2)",
+    )
     p.add_argument("--durable", action="store_true", help="fsync every put (default off)")
     p.add_argument("--dir", default=None, help="scratch directory (default: a temporary one)")
     p.add_argument(
@@ -126,6 +132,15 @@ async def _phase(api: Any, op: str, keys: list[str], payloads: list[bytes], clie
     return time.perf_counter() - t0
 
 
+def _ratios(local: list[float], other: list[float]) -> list[float]:
+    """Each round's throughput ratio other / in-process, from the rounds' seconds."""
+    return [a / b for a, b in zip(local, other, strict=True)]
+
+
+def _median_ratio(local: list[float], other: list[float]) -> float:
+    return statistics.median(_ratios(local, other))
+
+
 def _payloads(size: int, count: int) -> list[bytes]:
     """``count`` pages of ``size`` (>= 8) bytes, unlike each other and any other call's."""
     base = os.urandom(size)
@@ -151,7 +166,9 @@ async def run_control_bench(
         sock = await nursery.start(control_service, store, root / "bench.sock")
         remote = RemoteStore(sock)
         for label, size, count in (("small", small, small_pages), ("large", large, large_pages)):
-            best: dict[tuple[str, str], float] = {}
+            # seconds of each round, per (who, op): the best gives the throughputs, a ratio is
+            # the median of the rounds' own (the phases of a round ran back to back)
+            times: dict[tuple[str, str], list[float]] = {}
             for r in range(repeat):
                 log(f"kvfs bench control: {label} pages, round {r + 1}/{repeat}: put, get...")
                 for who, api in (("in-process", store), ("remote", remote)):
@@ -161,7 +178,7 @@ async def run_control_bench(
                     keys = [f"sessions/bench-{label}-{who}/p/layer-{i:05d}" for i in range(count)]
                     for op in ("put", "get"):
                         t = await _phase(api, op, keys, payloads, clients)
-                        best[who, op] = min(best.get((who, op), t), t)
+                        times.setdefault((who, op), []).append(t)
                     for i in (0, count // 2, count - 1):
                         assert await api.get(keys[i]) == payloads[i], (who, keys[i])
                     await store.delete_session(f"bench-{label}-{who}")
@@ -169,9 +186,10 @@ async def run_control_bench(
                 if worker_process:
                     put, get = await _worker_phase(sock, label, size, count, clients)
                     for op, t in (("put", put), ("get", get)):
-                        best["worker", op] = min(best.get(("worker", op), t), t)
+                        times.setdefault(("worker", op), []).append(t)
             for op in ("put", "get"):
-                local, rem = count / best["in-process", op], count / best["remote", op]
+                local = count / min(times["in-process", op])
+                rem = count / min(times["remote", op])
                 row = {
                     "pages": label,
                     "size": size,
@@ -181,12 +199,16 @@ async def run_control_bench(
                     "remote_pages_s": rem,
                     "in_process_gb_s": local * size / 1e9,
                     "remote_gb_s": rem * size / 1e9,
-                    "ratio": rem / local,
+                    "ratio": _median_ratio(times["in-process", op], times["remote", op]),
+                    "round_ratios": _ratios(times["in-process", op], times["remote", op]),
                 }
                 if worker_process:
-                    wk = count / best["worker", op]
+                    wk = count / min(times["worker", op])
                     row.update(
-                        worker_pages_s=wk, worker_gb_s=wk * size / 1e9, worker_ratio=wk / local
+                        worker_pages_s=wk,
+                        worker_gb_s=wk * size / 1e9,
+                        worker_ratio=_median_ratio(times["in-process", op], times["worker", op]),
+                        worker_round_ratios=_ratios(times["in-process", op], times["worker", op]),
                     )
                 rows.append(row)
         await remote.aclose()
