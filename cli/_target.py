@@ -84,7 +84,7 @@ def add_store_flags(
 def _answers(socket: Any) -> bool:
     remote = SyncRemoteStore(socket)
     try:
-        remote.ping()
+        remote.ping(timeout=PING_SECONDS)
         return True
     except DaemonUnavailable:
         return False
@@ -168,15 +168,22 @@ def refuse_store_on_mount(config: kvfs.StoreConfig) -> None:
 
 
 def _check_serves(remote: SyncRemoteStore, sock: Path, config: kvfs.StoreConfig) -> None:
-    """Refuse a daemon that serves other data directories than the command names: a
-    ``$KVFS_CONTROL_SOCKET`` left over from another store made ``kvfs rm --data B`` delete
-    from store A. Raises ValueError (exit 2)."""
-    theirs = remote.identity()["data_dirs"]
-    mine = [os.path.realpath(d) for d in config.data_dirs]
-    if sorted(theirs) != sorted(mine):
+    """Refuse a daemon given by its socket that serves another store than the data
+    directories the command names (the store is its lock file: the first data directory's,
+    unless ``index_dir``): a ``$KVFS_CONTROL_SOCKET`` left over from another store made
+    ``kvfs rm --data B`` delete from store A. A daemon too old to say is trusted. Raises
+    ValueError (exit 2)."""
+    try:
+        theirs = remote.identity()
+    except ValueError as e:  # "unknown control method": a daemon from before it was asked
+        if "identity" not in str(e):
+            raise
+        return
+    if theirs["lock"] != os.path.realpath(config.lock_path):
         raise ValueError(
-            f"the kvfs daemon on {sock} serves {','.join(theirs)}, not {','.join(mine)}: "
-            "check --socket / $KVFS_CONTROL_SOCKET, or leave it out"
+            f"the kvfs daemon on {sock} serves {','.join(theirs['data_dirs'])}, not "
+            f"{','.join(os.path.realpath(d) for d in config.data_dirs)}: check --socket / "
+            "$KVFS_CONTROL_SOCKET, or leave it out"
         )
 
 
@@ -267,7 +274,10 @@ def open_target(
                 unavailable = unavailable or e
                 continue
             try:
-                if settings.sources["data_dirs"] != "default":
+                if "default" not in (
+                    settings.sources["data_dirs"],
+                    settings.sources["control_socket"],
+                ):
                     _check_serves(remote, sock, config)
                 yield remote
             finally:

@@ -316,8 +316,9 @@ class FastPath:
         mount, which verifies (and, from the archive, heals) what it serves: the
         attributes are the inode's, not the open file's, so another process's open of a
         name replaced behind the kernel's back could hand this read another page's
-        extents, unleased. Raises FileNotFoundError, NotAKvfsPage now; the future raises
-        CorruptPage (the fast read's error, when the mount fails too).
+        extents, unleased. Raises FileNotFoundError, NotAKvfsPage, and CorruptPage for
+        attributes that do not parse, now; the future raises CorruptPage (the fast read's
+        error, whatever the read through the mount then failed with).
         """
 
         def start(again: bool = False, through: bool = False) -> Future[int]:
@@ -354,7 +355,7 @@ class FastPath:
                 return
 
             def second(f: Future[int]) -> None:
-                if isinstance(f.exception(), CorruptPage):
+                if f.exception() is not None:
                     out.set_exception(err)  # (the first error says which bytes)
                 else:
                     _settle(out, f)
@@ -362,7 +363,7 @@ class FastPath:
             start(again=True, through=True).add_done_callback(second)
         except BaseException as e:  # never leave ``out`` unresolved
             if not out.done():
-                out.set_exception(e if not isinstance(e, CorruptPage) else err)
+                out.set_exception(err if isinstance(err, CorruptPage) else e)
 
     def read_many(
         self, keys: Sequence[KeyLike], intos: Sequence[object], **kw: Any

@@ -96,6 +96,11 @@ class DaemonUnavailable(_errors.KvfsError, ConnectionError):  # type: ignore[mis
     """No daemon answers on the control socket, or it went away during a call."""
 
 
+class DaemonBusy(DaemonUnavailable):
+    """A daemon listens on the control socket but accepted no connection in time (its
+    backlog full): it is there, so its socket is no leftover."""
+
+
 #: msgpack extension type of a record (PageInfo, Extent...): [name, fields]. Out of band:
 #: a tag key inside ordinary maps made a user's attribute named "__t" decode as a record,
 #: or fail the whole answer.
@@ -351,9 +356,14 @@ async def _dispatch(
 
 
 def _identity(store: Store) -> dict[str, Any]:
-    """Which store this daemon serves: a client given a socket (``--socket``,
-    ``$KVFS_CONTROL_SOCKET``) and a data directory checks that they are the same store."""
-    return {"data_dirs": [os.path.realpath(d) for d in store.config.data_dirs], "pid": os.getpid()}
+    """Which store this daemon serves (its lock file names it): a client given a socket
+    (``--socket``, ``$KVFS_CONTROL_SOCKET``) and a data directory checks that they are
+    the same store."""
+    return {
+        "lock": os.path.realpath(store.config.lock_path),
+        "data_dirs": [os.path.realpath(d) for d in store.config.data_dirs],
+        "pid": os.getpid(),
+    }
 
 
 def _log_failure(
@@ -463,6 +473,8 @@ def _claim(sock_path: Path) -> None:
         )
     try:
         connect_sync(sock_path, timeout=5).close()
+    except DaemonBusy:
+        pass  # a daemon is there, only busy: refused below
     except DaemonUnavailable:
         sock_path.unlink(missing_ok=True)  # a daemon's leftover: nobody answers on it
         return
@@ -474,17 +486,24 @@ def _claim(sock_path: Path) -> None:
 
 def connect_sync(path: str | os.PathLike[str], timeout: float | None = None) -> socket.socket:
     """A connected socket to the daemon. Raises DaemonUnavailable when nothing listens."""
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    s.settimeout(timeout)
-    try:
-        s.connect(os.fspath(path))
-    except OSError as e:
-        s.close()
-        if e.errno in (errno.ENOENT, errno.ECONNREFUSED, errno.ENOTSOCK, errno.ENOTDIR):
-            raise DaemonUnavailable(f"no kvfs daemon answers on {path}") from e
-        if e.errno == errno.EAGAIN or isinstance(e, TimeoutError):  # its backlog is full
-            raise DaemonUnavailable(f"the kvfs daemon on {path} accepts no connection") from e
-        raise
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.settimeout(timeout)
+        try:
+            s.connect(os.fspath(path))
+            break
+        except OSError as e:
+            s.close()
+            if e.errno in (errno.ENOENT, errno.ECONNREFUSED, errno.ENOTSOCK, errno.ENOTDIR):
+                raise DaemonUnavailable(f"no kvfs daemon answers on {path}") from e
+            if e.errno != errno.EAGAIN and not isinstance(e, TimeoutError):
+                raise
+            # Its backlog is full (a Unix socket with a timeout says EAGAIN at once):
+            # tried again until the timeout, then a daemon that is there but busy.
+            if deadline is None or time.monotonic() >= deadline:
+                raise DaemonBusy(f"the kvfs daemon on {path} accepts no connection") from e
+            time.sleep(0.01)
     try:
         check_daemon_peer(s, path)
     except BaseException:

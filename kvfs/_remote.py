@@ -302,8 +302,8 @@ class SyncRemoteStore(_Api):
         """True when the daemon answers (within ``timeout`` seconds, on a connection of
         its own: a stopped or hung daemon made every command wait for ever). Raises
         DaemonUnavailable."""
-        if timeout is None:
-            return bool(self._call("ping"))
+        if timeout is None or self._closed:
+            return bool(self._call("ping"))  # (StoreClosed once closed)
         s = connect_sync(self.path, timeout)
         try:
             ok = bool(call_sync(s, "ping", (), {}))

@@ -810,9 +810,15 @@ async def test_remote_clients_behave_as_the_store_does_at_the_edges(
             with pytest.raises(TypeError, match="read-only"):
                 r.get("e/1", into=b"x" * 20)
             barrier = threading.Barrier(40)
+            real_call = remote.call_sync
+
+            def all_at_once(*a: object, **kw: object) -> object:  # 40 connections in use
+                barrier.wait()
+                return real_call(*a, **kw)  # type: ignore[arg-type]
+
+            remote.call_sync = all_at_once  # type: ignore[assignment]
 
             def call() -> None:
-                barrier.wait()
                 r.exists("e/1")
 
             threads = [threading.Thread(target=call) for _ in range(40)]
@@ -820,7 +826,8 @@ async def test_remote_clients_behave_as_the_store_does_at_the_edges(
                 t.start()
             for t in threads:
                 t.join()
-            assert 1 <= len(r._idle) <= remote.MAX_IDLE
+            remote.call_sync = real_call
+            assert len(r._idle) == remote.MAX_IDLE
             r.close()
             with pytest.raises(kvfs.StoreClosed):
                 r.exists("e/1")
@@ -882,7 +889,11 @@ async def test_a_fork_while_a_client_is_locked_leaves_the_child_a_working_client
                 with r._lock:  # another thread in the middle of a call, as fork sees it
                     pid = os.fork()
                     if pid == 0:  # pragma: no cover - the child
-                        os._exit(0 if r.exists("f/1") else 1)
+                        code = 1
+                        try:
+                            code = 0 if r.exists("f/1") else 1
+                        finally:
+                            os._exit(code)
                 deadline = time.monotonic() + 30
                 while time.monotonic() < deadline:
                     done, status = os.waitpid(pid, os.WNOHANG)
@@ -896,4 +907,66 @@ async def test_a_fork_while_a_client_is_locked_leaves_the_child_a_working_client
                 r.close()
 
         assert await trio.to_thread.run_sync(sync_side) == 0
+        n.cancel_scope.cancel()
+
+
+def test_a_busy_daemons_socket_is_not_taken_for_a_leftover(tmp_path: Path) -> None:
+    """A connect to a daemon whose backlog is full fails at once (EAGAIN): a second daemon
+    given the same path took that for a leftover socket, removed it, and cut the first
+    one's clients off."""
+    from kvfs._control import DaemonBusy, _claim, connect_sync
+
+    path = tmp_path / "busy.sock"
+    with socket.socket(socket.AF_UNIX) as listener:
+        listener.bind(os.fspath(path))
+        listener.listen(0)
+        waiting = []
+        for _ in range(4):  # fill the backlog (never accepted)
+            c = socket.socket(socket.AF_UNIX)
+            c.setblocking(False)
+            try:
+                c.connect(os.fspath(path))
+            except BlockingIOError:
+                c.close()
+                break
+            waiting.append(c)
+        try:
+            with pytest.raises(DaemonBusy):
+                connect_sync(path, timeout=0.2)
+            with pytest.raises(FileExistsError, match="another kvfs daemon answers"):
+                _claim(path)
+            assert path.exists()
+        finally:
+            for c in waiting:
+                c.close()
+
+
+async def test_a_command_finds_its_daemon_by_any_spelling_of_its_store(
+    make_config: MakeConfig,
+    run: Callable[..., tuple[int, str, str]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A command given its socket and another store's data is refused; one given the
+    first of the daemon's data directories (its socket is there) was refused too, and one
+    talking to a daemon too old to say which store it serves failed every time."""
+    import kvfs._control as control
+    from kvfs._settings import control_socket_path
+
+    cfg = make_config(ndev=2)
+    first, second = (str(d) for d in cfg.data_dirs)
+    sock = control_socket_path(cfg)
+    async with kvfs.open_store(cfg) as store, trio.open_nursery() as n:
+        await n.start(control_service, store, sock)
+        await store.put("x/1", b"1")
+
+        def commands() -> None:
+            assert run("ls", "x", "--data", first, "--daemon")[0] == 0
+            both = f"{first},{second}"
+            assert run("ls", "x", "--data", both, "--socket", str(sock), "--daemon")[0] == 0
+            rc, _, err = run("ls", "x", "--data", second, "--socket", str(sock), "--daemon")
+            assert rc == 2 and "serves" in err, err
+            monkeypatch.setattr(control, "METHODS", control.METHODS - {"identity"})
+            assert run("ls", "x", "--data", second, "--socket", str(sock), "--daemon")[0] == 0
+
+        await trio.to_thread.run_sync(commands)
         n.cancel_scope.cancel()

@@ -323,6 +323,7 @@ def _flip_or_cut(path: Path, how: str) -> None:
         was, now = {
             "header-tensor": (b'"dtype":"F32"', b'"dtypa":"F32"'),
             "header-geometry": (b'"layers":"2"', b'"layerz":"2"'),
+            "header-format": (b'"format":"kvfs-kv/1"', b'"format":"kvfs-kv/2"'),
         }[how]
         data = path.read_bytes()
         assert was in data
@@ -335,7 +336,9 @@ def _flip_or_cut(path: Path, how: str) -> None:
             f.write(bytes([b[0] ^ 0x01]))
 
 
-@pytest.mark.parametrize("how", ["truncated", "flipped", "header-tensor", "header-geometry"])
+@pytest.mark.parametrize(
+    "how", ["truncated", "flipped", "header-tensor", "header-geometry", "header-format"]
+)
 def test_a_damaged_page_in_a_plain_directory_ends_the_prefix(tmp_path: Path, how: str) -> None:
     """A plain directory has no kvfs checksum: a truncated page loaded the previous page's
     KV (left in the reused buffer) and a flipped byte loaded as it was. The page's own
@@ -816,7 +819,8 @@ def test_a_model_split_over_devices_is_refused(tmp_path: Path) -> None:
     shape = GEOMETRIES["fp32-gqa-2layers"]
     model = random_llama(shape, max_positions=256)
     model.hf_device_map = {"model.layers.0": 0, "model.layers.1": 1}
-    with pytest.raises(ValueError, match=r"split over several devices \(0, 1\)"):
+    with pytest.raises(ValueError, match=r"split over several devices \(cuda:0, cuda:1\)"):
         TransformersKV(tmp_path, model, model_id=shape.model_id, chunk_tokens=CHUNK)
-    model.hf_device_map = {"model.layers.0": "cpu", "model.layers.1": "cpu"}
-    TransformersKV(tmp_path, model, model_id=shape.model_id, chunk_tokens=CHUNK).close()
+    for one in ({"a": "cpu", "b": "cpu"}, {"a": 0, "b": "cuda:0"}, {"a": "cuda", "b": 0}):
+        model.hf_device_map = one  # one device, however accelerate spells it
+        TransformersKV(tmp_path, model, model_id=shape.model_id, chunk_tokens=CHUNK).close()

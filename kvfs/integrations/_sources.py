@@ -85,8 +85,9 @@ class PageSource(Protocol):
         ...
 
     def sample_attrs(self, session: str) -> dict[str, str] | None:
-        """The kvfs-kv/1 metadata of any one page of ``session`` ({} if that page is not a
-        kvfs-kv/1 page), or None if the session has no pages."""
+        """The kvfs-kv/1 metadata of one page of ``session`` (the first of its first few
+        whose header reads; {} if none is a kvfs-kv/1 page), or None if the session has no
+        pages, or none that could be read."""
         ...
 
 
@@ -106,14 +107,17 @@ def _header_attrs(reads: Iterable[Callable[[], PageHeader]]) -> dict[str, str] |
     page, one that vanished, or an EIO from the mount, found first, made every new prompt
     of its session fail: a page after it tells instead."""
     verdict: dict[str, str] | None = None
-    for read in itertools.islice(reads, SAMPLE_PAGES):
+    pending = itertools.islice(reads, SAMPLE_PAGES)
+    while True:
         try:
+            read = next(pending, None)  # (listing a directory may fail too)
+            if read is None:
+                return verdict
             return dict(read().metadata)
         except (CorruptPage, GeometryMismatch):  # damaged, or not a kvfs-kv/1 page at all
             verdict = {}
         except OSError:  # PageNotFound, EIO
             continue
-    return verdict
 
 
 class StorePages:

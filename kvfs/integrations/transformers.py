@@ -151,7 +151,10 @@ class TransformersKV:
         #: memory and copied per chunk (a CUDA model gets host-to-device copies; the GDS
         #: path straight into device memory is the fast path's).
         self.device = next(iter(model.parameters())).device
-        split = set(map(str, (getattr(model, "hf_device_map", None) or {}).values()))
+        split = {  # (accelerate writes a GPU as its index: 0 is "cuda:0")
+            f"cuda:{v}" if isinstance(v, int) else "cuda:0" if v == "cuda" else str(v)
+            for v in (getattr(model, "hf_device_map", None) or {}).values()
+        }
         if len(split) > 1:  # its layers' KV would all go to the first device: a device error
             raise ValueError(
                 f"this model is split over several devices ({', '.join(sorted(split))}); "
@@ -525,8 +528,8 @@ class _Reads:
         if buf is None or len(buf) < self.stage:
             buf = kv._local.buf = aligned_buffer(self.stage)
         n = kv.source.read_into(key, buf)
-        h = parse_header(buf[:n], key.path)
         try:
+            h = parse_header(buf[:n], key.path)
             g.check_same(Geometry.from_attrs(h.metadata), key.path)
         except GeometryMismatch as e:  # its name is this geometry's: damage, not a model
             raise CorruptPage(f"{key.path}: the page's header is not this name's: {e}") from e
