@@ -506,13 +506,21 @@ def _latency(s: kvfs.SyncStore, pages: list[bytes], n: int) -> dict[str, list[fl
     return {"idle": idle, "spill": busy}
 
 
+#: The latency floor's uploader: plain boto3 only (importing kvfs, numpy and trio would be
+#: CPU in the window the floor's reads are timed in), configured as baseline_client is.
 _UPLOADER = """
-import sys
+import ctypes, signal, sys
 from concurrent.futures import ThreadPoolExecutor
-from kvfs.bench.archive import baseline_client
+try:  # exit with the benchmark (it runs in a session of its own: no Ctrl-C reaches it)
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+except (AttributeError, OSError):
+    pass
+import boto3, botocore.config
 endpoint, bucket, prefix, path, size, conc = sys.argv[1:4] + [sys.argv[4], *map(int, sys.argv[5:7])]
 data = open(path, "rb").read()
-client = baseline_client(endpoint, conc)
+client = boto3.client(
+    "s3", endpoint_url=endpoint, config=botocore.config.Config(max_pool_connections=conc)
+)
 pages = [data[o : o + size] for o in range(0, len(data), size)]
 with ThreadPoolExecutor(conc) as ex:
     list(ex.map(lambda ip: client.put_object(Bucket=bucket, Key=f"{prefix}/{ip[0]}", Body=ip[1]),
