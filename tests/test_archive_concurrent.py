@@ -73,7 +73,13 @@ class Worker:
         elif op == "spill" and self.model:
             s.spill(self.session)
         elif op == "restore" and self.model:
-            s.restore(self.session)
+            try:
+                s.restore(self.session)
+            except kvfs.CapacityExceeded:
+                # The other thread of this host may hold the room (its own restore or put
+                # in flight) under the small capacity: documented, and nothing is lost
+                # (every page still reads, from the archive; check() says so).
+                self.log.append("restore found no room")
 
     def check(self) -> None:
         for k, v in self.model.items():
