@@ -170,13 +170,21 @@ def _moto(nice: int = 0, info: dict[str, int] | None = None) -> Any:
         proc.wait()
 
 
-_NICE_MOTO = """
-import ctypes, os, signal, sys
-n, parent = int(sys.argv.pop(1)), int(sys.argv.pop(1))
-try:  # exit with the benchmark, which a Ctrl-C in this session no longer reaches
+#: The first lines of a helper process the benchmark starts in a session of its own (no
+#: Ctrl-C reaches it): it exits with the benchmark (PR_SET_PDEATHSIG).
+_WITH_PARENT = """
+import ctypes, signal
+try:
     ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 except (AttributeError, OSError):
     pass
+"""
+
+_NICE_MOTO = (
+    _WITH_PARENT
+    + """
+import os, sys
+n, parent = int(sys.argv.pop(1)), int(sys.argv.pop(1))
 if os.getppid() != parent:
     sys.exit(1)
 if n > 0:
@@ -185,6 +193,7 @@ from moto.server import main
 sys.argv[0] = "moto_server"
 main()
 """
+)
 
 
 # -- KV tensors ---------------------------------------------------------------------------
@@ -508,13 +517,11 @@ def _latency(s: kvfs.SyncStore, pages: list[bytes], n: int) -> dict[str, list[fl
 
 #: The latency floor's uploader: plain boto3 only (importing kvfs, numpy and trio would be
 #: CPU in the window the floor's reads are timed in), configured as baseline_client is.
-_UPLOADER = """
-import ctypes, signal, sys
+_UPLOADER = (
+    _WITH_PARENT
+    + """
+import sys
 from concurrent.futures import ThreadPoolExecutor
-try:  # exit with the benchmark (it runs in a session of its own: no Ctrl-C reaches it)
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-except (AttributeError, OSError):
-    pass
 import boto3, botocore.config
 endpoint, bucket, prefix, path, size, conc = sys.argv[1:4] + [sys.argv[4], *map(int, sys.argv[5:7])]
 data = open(path, "rb").read()
@@ -526,6 +533,7 @@ with ThreadPoolExecutor(conc) as ex:
     list(ex.map(lambda ip: client.put_object(Bucket=bucket, Key=f"{prefix}/{ip[0]}", Body=ip[1]),
                 enumerate(pages)))
 """
+)
 
 
 def _latency_beside_boto3(
