@@ -797,6 +797,7 @@ def cmd_fsck(args: argparse.Namespace) -> int:
     ]
     # archive objects damaged whose data this store does not hold: no repair here
     lost = len(found.get("archive_damaged_pages", ())) if args.repair else 0
+    lost += len(found.get("unrecoverable", ()))  # damaged here and in the archive
     if not problems:
         verdict = "clean"
     elif args.repair:
@@ -816,5 +817,9 @@ def cmd_fsck(args: argparse.Namespace) -> int:
                 else ""
             )
         )
+    if found.get("archive_error"):  # the local check and repair above stand
+        verdict += "; the archive could not be checked"
     _emit(args, found, [*lines, verdict])
-    return EXIT["ok"] if not problems or (args.repair and not lost) else EXIT["corrupt"]
+    if problems and not (args.repair and not lost):
+        return EXIT["corrupt"]
+    return EXIT["archive"] if found.get("archive_error") else EXIT["ok"]

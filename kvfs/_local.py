@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
+import logging
 import os
 import threading
 import uuid
@@ -43,6 +44,8 @@ from ._aligned import (
 )
 from ._errors import DiskFull, KvfsError
 from ._index import Extent
+
+log = logging.getLogger("kvfs.local")
 
 __all__ = [
     "DEVICE_MARKER",
@@ -323,6 +326,9 @@ class LocalTier:
 
     # -- recovery ---------------------------------------------------------------------
     def all_files(self) -> Iterator[tuple[int, str]]:
+        """Every regular file under ``blobs/<xx>/`` of every device: what data files may
+        be. Anything else there (a directory someone made) is none of kvfs's: listed, an
+        unlink of it failed every open after a crash, and every fsck --repair."""
         for dev, root in enumerate(self.roots):
             blobs = root / "blobs"
             if not blobs.is_dir():
@@ -330,15 +336,23 @@ class LocalTier:
             for sub in os.scandir(blobs):
                 if sub.is_dir(follow_symlinks=False):
                     for f in os.scandir(sub.path):
-                        yield dev, f"blobs/{sub.name}/{f.name}"
+                        if f.is_file(follow_symlinks=False):
+                            yield dev, f"blobs/{sub.name}/{f.name}"
 
     def sweep(self, known: set[tuple[int, str]]) -> list[str]:
-        """Remove every data file the index does not reference. Returns what was removed."""
+        """Remove every data file the index does not reference. Returns what was removed;
+        one that cannot be removed is logged and left (the open goes on)."""
         removed = []
         for dev, rel in list(self.all_files()):
             if (dev, rel) not in known:
                 path = self.abspath(dev, rel)
-                os.unlink(path)
+                try:
+                    os.unlink(path)
+                except FileNotFoundError:
+                    continue
+                except OSError as e:
+                    log.warning("could not remove the orphaned data file %s: %s", path, e)
+                    continue
                 removed.append(path)
         return removed
 

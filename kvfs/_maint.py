@@ -18,7 +18,13 @@ from typing import TYPE_CHECKING
 
 from ._aligned import aligned_buffer
 from ._checksum import leaf_hash, tree_hash
-from ._errors import KvfsError, PageNotFound, SessionNotFound
+from ._errors import (
+    ArchiveUnavailable,
+    CorruptPage,
+    KvfsError,
+    PageNotFound,
+    SessionNotFound,
+)
 from ._events import log_event
 from ._index import BlobRow, PageRow
 from ._keys import SESSIONS_DIR, PageKey, as_key, session_name
@@ -259,10 +265,10 @@ def fsck(
         assert b.extents is not None
         if callable(progress):
             progress(i, len(blobs))  # (contents checked, contents to check)
-        missing = [
-            tier.abspath(e[0], e[1])
-            for e in b.extents
-            if not os.path.exists(tier.abspath(e[0], e[1]))
+        missing = [  # (each file once: a striped page has several extents in one file)
+            path
+            for path in dict.fromkeys(tier.abspath(e[0], e[1]) for e in b.extents)
+            if not os.path.exists(path)
         ]
         if missing:
             out["missing"] += missing
@@ -299,12 +305,25 @@ def fsck(
                 out["repaired"].append(f"removed orphan {path}")
             except FileNotFoundError:
                 pass
+            except OSError as e:  # (one left does not stop the rest of the repair)
+                out["repaired"].append(f"could not remove orphan {path}: {e}")
+        out["unrecoverable"] = []
         for b in bad:
             # A damaged local copy of archived data comes back from the archive (or, while
             # the archive cannot be reached, is dropped: restored on access); data held
             # nowhere else cannot be served, so its pages go.
             try:
                 healed = eng.policy.heal(b, "fsck")
+            except (CorruptPage, PageNotFound) as e:
+                # The archive's copy is missing or damaged too: held nowhere here. (It was
+                # "dropped; the archive holds it", exit 0, and the next fsck was clean.)
+                out["unrecoverable"] += names[b.hash]
+                out["repaired"].append(
+                    f"dropped the damaged local copy of {b.hash.hex()[:16]}; the archive's "
+                    f"copy cannot be read either ({e}): {', '.join(names[b.hash])} cannot "
+                    "be read until another host sharing the archive uploads it again"
+                )
+                continue
             except KvfsError as e:
                 out["repaired"].append(
                     f"dropped the damaged local copy of {b.hash.hex()[:16]}; the archive "
@@ -332,7 +351,10 @@ def fsck(
             if callable(progress):
                 progress(base + done, base + total)
 
-        out.update(eng.policy.check_archive(repair=repair, progress=archive_progress))
+        try:
+            out.update(eng.policy.check_archive(repair=repair, progress=archive_progress))
+        except ArchiveUnavailable as e:  # what was checked and repaired here still counts
+            out["archive_error"] = [str(e)]
     return out
 
 

@@ -8,9 +8,11 @@ A crash leaves at most a temporary file, which the store never lists and removes
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import stat
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -26,6 +28,9 @@ from ._retry import Backoff, retry
 __all__ = ["FileStore"]
 
 TMP = ".objectstore-tmp"
+#: A temporary file older than this at an open is a crashed put's: removed. A younger one
+#: may be another process's put in flight (an archive directory shared by several hosts).
+TMP_STALE_SECONDS = 3600.0
 #: tries at making a key's directory and linking into it while deletes remove it again
 _MKDIR_TRIES = 8
 T = TypeVar("T")
@@ -75,8 +80,13 @@ class FileStore(ObjectStore):
             # later, a kvfs store finding this is not its archive, leaves nothing here)
             tmp = self.root / TMP
             if sweep and tmp.is_dir():
+                stale = time.time() - TMP_STALE_SECONDS
                 for f in tmp.iterdir():  # leftovers of puts a crash interrupted
-                    f.unlink(missing_ok=True)
+                    # ... and not those of another host's put in flight (a file:// archive
+                    # on a shared file system): theirs are younger
+                    with contextlib.suppress(FileNotFoundError):
+                        if f.lstat().st_mtime < stale:
+                            f.unlink()
 
         await self._call(prepare, "open")
         return self

@@ -1061,3 +1061,31 @@ def test_an_open_without_the_archive_says_what_reads_as_missing(
         assert len(s.list(session="a")) == 2
     said = [r.getMessage() for r in caplog.records if "held only by the archive" in r.getMessage()]
     assert len(said) == 1 and url.removeprefix("file://") in said[0]
+
+
+def test_fsck_repair_says_when_the_archive_copy_is_gone_too(
+    make_config: Callable[..., kvfs.StoreConfig],
+    tmp_path: Path,
+    run: Callable[..., tuple[int, str, str]],
+) -> None:
+    """A damaged local copy whose archive object was missing too was reported as "dropped;
+    the archive holds it", exit 0, and the next fsck was clean while the page could not
+    be read."""
+    import json
+
+    from _corrupt import flip_stored_byte
+
+    url = f"file://{tmp_path / 'arch'}"
+    cfg = archived_cfg(make_config, url)
+    with kvfs.open_store_sync(cfg) as s:
+        (k,) = fill(s, "a", 1)
+        s.spill("a")
+        s.restore("a")
+        info = s.stat(k)
+        flip_stored_byte(info, 7)
+    os.unlink(tmp_path / "arch" / "blobs" / info.checksum)
+    data = ",".join(map(str, cfg.data_dirs))
+    rc, out, _ = run("fsck", "--repair", "--json", "--data", data, "--archive", url)
+    found = json.loads(out)
+    assert rc == 5 and found["unrecoverable"] == [k.path], out
+    assert any("cannot be read either" in r for r in found["repaired"])

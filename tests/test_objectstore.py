@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -440,10 +441,16 @@ async def test_filestore_crash_leftovers_are_invisible(tmp_path: Path) -> None:
     root = tmp_path / "arch"
     s = await FileStore.open(root)
     await s.put("k", b"v")
-    (root / ".objectstore-tmp" / "deadbeef").write_bytes(b"half")  # a put a crash cut short
+    crashed = root / ".objectstore-tmp" / "deadbeef"
+    crashed.write_bytes(b"half")  # a put a crash cut short, an hour ago
+    os.utime(crashed, (time.time() - 3700, time.time() - 3700))
+    # a put in flight in another process sharing the directory (another host's, on a
+    # shared file system): an open removed it, and that put failed
+    inflight = root / ".objectstore-tmp" / "feedface"
+    inflight.write_bytes(b"half")
     assert await s.list_all() == ["k"]
     s2 = await FileStore.open(root)
-    assert not (root / ".objectstore-tmp" / "deadbeef").exists()
+    assert not crashed.exists() and inflight.exists()
     assert await s2.get("k") == b"v"
 
 
@@ -475,7 +482,10 @@ async def test_second_opener_without_sweep_keeps_in_flight_puts(tmp_path: Path) 
     assert inflight.exists()
     assert await s.put("k", b"v", if_absent=True)
     assert await s.get("k") == b"v"
-    await open_objectstore(f"file://{root}")  # a first opener sweeps, as after a crash
+    await open_objectstore(f"file://{root}")  # a first opener sweeps only what is old
+    assert inflight.exists()
+    os.utime(inflight, (time.time() - 3700, time.time() - 3700))  # left by a crash
+    await open_objectstore(f"file://{root}")
     assert not inflight.exists()
 
 

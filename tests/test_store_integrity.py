@@ -260,3 +260,39 @@ def test_fsck_repair_on_a_live_store_touches_only_what_is_damaged(
         assert found["repaired"] == []
         assert store.get("y/b") == data
         assert not any(store.fsck().values())  # nothing missing, corrupt or orphaned
+
+
+def test_a_directory_among_the_data_files_stops_neither_an_open_nor_a_repair(
+    make_config: Callable[..., kvfs.StoreConfig],
+) -> None:
+    """A directory someone made under blobs/<xx>/ was taken for a data file: unlinking it
+    failed every open after a crash (IsADirectoryError, the daemon could not start) and
+    every fsck --repair, before anything was repaired. A file lost from a striped page was
+    also listed once per extent."""
+    cfg = make_config(ndev=2, stripe_unit=64 * KiB)
+    with kvfs.open_store_sync(cfg) as s:
+        info = s.put("s/page", os.urandom(300 * KiB))
+    stray = cfg.data_dirs[0] / "blobs" / "ab" / "dir"
+    stray.mkdir(parents=True)
+    crashed = (
+        "import kvfs, os, sys\n"
+        "cfg = kvfs.StoreConfig(data_dirs=sys.argv[1:], stripe_unit=65536)\n"
+        "opened = kvfs.open_store_sync(cfg)\n"
+        "s = opened.__enter__()\n"
+        "s.put('s/other', b'o' * 5000)\n"
+        "os._exit(0)  # killed: not closed cleanly\n"
+    )
+    subprocess.run([sys.executable, "-c", crashed, *map(str, cfg.data_dirs)], check=True)
+    with kvfs.open_store_sync(cfg) as s:  # recovery at open: it skips what is no file
+        assert stray.is_dir()
+        orphan = cfg.data_dirs[1] / "blobs" / "cd" / "leftover"
+        orphan.parent.mkdir(parents=True, exist_ok=True)
+        orphan.write_bytes(b"x")
+        lost = info.extents[0].path
+        assert sum(e.path == lost for e in info.extents) > 1  # one file, several extents
+        os.unlink(lost)
+        found = s.fsck()
+        assert found["missing"] == [lost] and found["orphans"] == [str(orphan)]
+        repaired = s.fsck(repair=True)["repaired"]
+        assert f"removed orphan {orphan}" in repaired and not s.exists("s/page")
+        assert not any(s.fsck()[k] for k in ("missing", "corrupt", "orphans"))
