@@ -1089,3 +1089,24 @@ def test_fsck_repair_says_when_the_archive_copy_is_gone_too(
     found = json.loads(out)
     assert rc == 5 and found["unrecoverable"] == [k.path], out
     assert any("cannot be read either" in r for r in found["repaired"])
+
+
+def test_fsck_with_the_archive_unreachable_keeps_its_report(
+    make_config: Callable[..., kvfs.StoreConfig], tmp_path: Path
+) -> None:
+    """An archive unreachable during --check-archive raised after the local repair had
+    been done: what was repaired was never said (a second fsck found the orphan gone)."""
+    url = f"file://{tmp_path / 'arch'}"
+    cfg = archived_cfg(make_config, url)
+    with kvfs.open_store_sync(cfg) as s:
+        fill(s, "a", 1)
+        s.spill("a")
+        orphan = cfg.data_dirs[0] / "blobs" / "ee" / "leftover"
+        orphan.parent.mkdir(parents=True, exist_ok=True)
+        orphan.write_bytes(b"x")
+        os.rename(tmp_path / "arch", tmp_path / "gone")
+        try:
+            found = s.fsck(repair=True, archive=True)
+        finally:
+            os.rename(tmp_path / "gone", tmp_path / "arch")
+    assert f"removed orphan {orphan}" in found["repaired"] and found["archive_error"]
