@@ -302,7 +302,7 @@ def test_an_archive_read_failing_in_a_task_group_raises_archive_unavailable(
         store.get = throttled
         with pytest.raises(kvfs.ArchiveUnavailable, match="SlowDown"):
             s.archived_sessions()
-        with pytest.raises(kvfs.ArchiveUnavailable, match="SlowDown"):
-            s.fsck(archive=True)
+        # (fsck says it beside what it checked and repaired here: archive_error)
+        assert "SlowDown" in s.fsck(archive=True)["archive_error"][0]
         store.get = real
         assert len(s.archived_sessions()) == 3
