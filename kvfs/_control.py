@@ -473,11 +473,10 @@ def _claim(sock_path: Path) -> None:
         )
     try:
         connect_sync(sock_path, timeout=5).close()
-    except DaemonBusy:
-        pass  # a daemon is there, only busy: refused below
-    except DaemonUnavailable:
-        sock_path.unlink(missing_ok=True)  # a daemon's leftover: nobody answers on it
-        return
+    except DaemonUnavailable as e:
+        if not isinstance(e, DaemonBusy):  # (a busy daemon is there: refused below)
+            sock_path.unlink(missing_ok=True)  # a daemon's leftover: nobody answers on it
+            return
     raise FileExistsError(
         f"control socket {sock_path}: another kvfs daemon answers on it (give this one "
         "its own --socket)"

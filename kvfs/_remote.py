@@ -242,11 +242,7 @@ class SyncRemoteStore(_Api):
         except BaseException:
             s.close()
             raise
-        with self._lock:  # the connection is sound after an error answered: it is kept
-            if self._closed or len(self._idle) >= MAX_IDLE:
-                s.close()
-            else:
-                self._idle.append(s)
+        self._keep(s)  # (sound after an error answered too)
         if answer:
             raise_remote(*answer[0])
         return result
@@ -317,12 +313,16 @@ class SyncRemoteStore(_Api):
             s.close()
             raise
         s.settimeout(self._timeout)
+        self._keep(s)
+        return ok
+
+    def _keep(self, s: socket.socket) -> None:
+        """Pool a connection whose call is over, unless closed or the pool is full."""
         with self._lock:
             if self._closed or len(self._idle) >= MAX_IDLE:
                 s.close()
             else:
                 self._idle.append(s)
-        return ok
 
     def get(self, key: KeyLike, into: object | None = None) -> bytes | int:
         path, dest = _k(key), _dest(into)

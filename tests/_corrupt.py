@@ -2,7 +2,18 @@
 
 from __future__ import annotations
 
+import os
+
 import kvfs
+
+
+def flip_byte(path: str | os.PathLike[str], offset: int, mask: int = 0xFF) -> None:
+    """XOR ``mask`` into the byte at ``offset`` of the file at ``path``."""
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ mask]))
 
 
 def flip_stored_byte(info: kvfs.PageInfo, page_off: int, mask: int = 0xFF) -> None:
@@ -11,11 +22,18 @@ def flip_stored_byte(info: kvfs.PageInfo, page_off: int, mask: int = 0xFF) -> No
     pos = 0
     for e in info.extents:
         if pos <= page_off < pos + e.length:
-            with open(e.path, "r+b") as f:
-                f.seek(e.offset + page_off - pos)
-                b = f.read(1)
-                f.seek(e.offset + page_off - pos)
-                f.write(bytes([b[0] ^ mask]))
+            flip_byte(e.path, e.offset + page_off - pos, mask)
             return
         pos += e.length
     raise AssertionError(f"offset {page_off} is not in the page")
+
+
+def flip_mounted_byte(extents_xattr: bytes, page_off: int, mask: int = 0xFF) -> None:
+    """As :func:`flip_stored_byte`, for a page known by its ``user.kvfs.extents`` value on
+    a mount (``page_off`` within its first extent)."""
+    from gds import decode_extents
+
+    files, extents = decode_extents(extents_xattr)
+    f, off, n = extents[0]
+    assert page_off < n, f"offset {page_off} is not in the first extent"
+    flip_byte(files[f], off + page_off, mask)

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from _corrupt import flip_mounted_byte
 from _kvfs_mount import ServedMount
 from test_gds import KiB, MiB, aligned, rand
 
@@ -257,12 +258,7 @@ def test_a_damaged_local_copy_read_by_path_is_healed_through_the_mount(
     with ServedMount(cfg, mp), gds.FastPath() as fp:
         p = mp / "sessions/s/p/layer-000"
         assert fp.read_path(p, aligned(data.nbytes)).result(timeout=60) == data.nbytes
-        files, extents = decode_extents(os.getxattr(p, "user.kvfs.extents"))
-        with open(files[extents[0][0]], "r+b") as f:
-            f.seek(extents[0][1] + 5)
-            b = f.read(1)
-            f.seek(extents[0][1] + 5)
-            f.write(bytes([b[0] ^ 1]))
+        flip_mounted_byte(os.getxattr(p, "user.kvfs.extents"), 5, 1)
         dest = aligned(data.nbytes)
         assert fp.read_path(p, dest).result(timeout=60) == data.nbytes
         assert np.array_equal(dest, data)

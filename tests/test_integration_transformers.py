@@ -25,6 +25,7 @@ pytest.importorskip("torch", reason="needs the engines extra: pip install -e .[e
 pytest.importorskip("transformers", reason="needs the engines extra: pip install -e .[engines]")
 
 import torch  # noqa: E402
+from _corrupt import flip_mounted_byte  # noqa: E402
 from _kvfs_mount import ServedMount  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
@@ -746,8 +747,6 @@ def test_a_damaged_first_page_does_not_block_its_session(
     (cut to nothing by a power loss, a flipped byte on the mount's disk) made every new
     prompt of the session fail with GeometryMismatch ("not kvfs-kv/1 pages"), or with
     OSError(EIO) on the mount. The next page tells instead."""
-    from gds import decode_extents
-
     shape = GEOMETRIES["fp32-gqa-2layers"]
     model = model_of(shape)
     ids = tokens(2 * CHUNK, seed=41)
@@ -763,12 +762,7 @@ def test_a_damaged_first_page_does_not_block_its_session(
     if where == "directory":
         os.truncate(first, 0)
     else:  # (a new mount below: the kernel's cache of the page is gone with the old one)
-        files, extents = decode_extents(raw)
-        with open(files[extents[0][0]], "r+b") as f:
-            f.seek(extents[0][1] + 10)
-            b = f.read(1)
-            f.seek(extents[0][1] + 10)
-            f.write(bytes([b[0] ^ 0xFF]))
+        flip_mounted_byte(raw, 10)
     mounted = ServedMount(cfg, root) if where == "mount" else contextlib.nullcontext()
     with mounted, TransformersKV(root, model, **kw) as kv:  # type: ignore[arg-type]
         other = tokens(2 * CHUNK + 1, seed=42)
