@@ -29,7 +29,7 @@ EXIT_MEANING = {
     "locked": "the data directory is owned by another process that does not answer (with "
     "--offline, and for mount: also by the daemon serving it)",
     "no_daemon": "no daemon answers (with --daemon), or it died during the command",
-    "archive": "archive unavailable or not configured",
+    "archive": "archive unavailable, access to it denied, or not configured",
     "refused": "refused: it would lose data (evict) or cut off a mount in use (umount); "
     "--force does it anyway",
 }

@@ -31,7 +31,7 @@ __all__ = [
 ]
 
 #: Exit codes: 0 ok, 1 error, 2 bad usage, 3 not found, 4 no space, 5 corrupt data,
-#: 6 store busy/locked, 7 daemon not running, 8 archive unavailable, 9 refused (needs --force).
+#: 6 store busy/locked, 7 daemon not running, 8 archive unavailable or denied, 9 refused (needs --force).
 EXIT = {
     "ok": 0,
     "error": 1,

@@ -14,6 +14,7 @@ from ._config import StoreConfig, parse_size
 from ._control import DaemonUnavailable
 from ._engine import Engine, PageWriter
 from ._errors import (
+    ArchiveAccessDenied,
     ArchiveUnavailable,
     CapacityExceeded,
     CorruptPage,
@@ -34,6 +35,7 @@ from ._types import DeviceStatistics, Extent, PageInfo, SessionInfo, StoreStatis
 __version__ = "0.1.0"
 
 __all__ = [
+    "ArchiveAccessDenied",
     "ArchiveUnavailable",
     "CapacityExceeded",
     "CorruptPage",

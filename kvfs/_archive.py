@@ -40,6 +40,7 @@ from ._checksum import leaves_of, tree_hash
 from ._codec import CodecChoice, elem_size, encode
 from ._config import parse_duration
 from ._errors import (
+    ArchiveAccessDenied,
     ArchiveUnavailable,
     CapacityExceeded,
     CorruptPage,
@@ -672,7 +673,10 @@ class ArchivingPolicy(TieringPolicy):
             log.warning("cannot evict %s: %s", blobs[0].hash.hex()[:16], e)
             return [0]
         except ArchiveUnavailable as e:
-            self._unreachable = f"the archive is unreachable ({e})"
+            if isinstance(e, ArchiveAccessDenied):
+                self._unreachable = f"the archive refused access ({e})"
+            else:
+                self._unreachable = f"the archive is unreachable ({e})"
             if raise_unavailable:
                 raise
             log.warning("cannot evict %d blob(s) to the archive: %s", len(blobs), e)
@@ -1205,6 +1209,8 @@ class ArchivingPolicy(TieringPolicy):
                             return
                         try:
                             obj = await self._get_object(b)
+                        except ArchiveAccessDenied:
+                            raise  # this object refused: the others may well be allowed
                         except ArchiveUnavailable as e:
                             down.append(e)
                             raise

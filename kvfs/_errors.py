@@ -13,6 +13,7 @@ from __future__ import annotations
 import errno
 
 __all__ = [
+    "ArchiveAccessDenied",
     "ArchiveUnavailable",
     "CapacityExceeded",
     "DiskFull",
@@ -89,6 +90,15 @@ class ArchiveUnavailable(KvfsError, ConnectionError):
     """The archive tier cannot be reached or refused access; the cause is in ``__cause__``."""
 
     errno = errno.EIO
+
+
+class ArchiveAccessDenied(ArchiveUnavailable, PermissionError):
+    """The archive answered and refused the request (S3 403: wrong or expired credentials,
+    a bucket or IAM policy; a ``file://`` archive's EACCES). Not an outage: it is raised at
+    once, never retried, and one object refused does not stop the others being tried. The
+    message names the operation, the key and the permission it needs. An
+    ArchiveUnavailable, so that every "nothing was dropped" path treats it as one; errno
+    stays EIO on the mount (the reader of the file is not the one refused)."""
 
 
 def leaf_errors(e: BaseException) -> list[BaseException]:

@@ -54,7 +54,7 @@ import trio
 from ._aligned import ALIGN, aligned_buffer, open_direct, round_up
 from ._checksum import leaves_of, tree_hash
 from ._codec import CodecChoice, decode, encode
-from ._errors import ArchiveUnavailable, CorruptPage
+from ._errors import ArchiveAccessDenied, ArchiveUnavailable, CorruptPage
 
 if TYPE_CHECKING:
     from ._index import Extent
@@ -110,8 +110,17 @@ class Uploaded:
 
 
 def _unavailable(errors: list[Exception | None]) -> ArchiveUnavailable | None:
-    """The first "archive unreachable" among a batch's errors."""
-    return next((e for e in errors if isinstance(e, ArchiveUnavailable)), None)
+    """The first "archive unreachable" among a batch's errors. A refusal (ArchiveAccessDenied)
+    is none: it came at once, and it may be one object's (a policy on a prefix, or S3's 403
+    for a missing object without s3:ListBucket), so the other batches are still tried."""
+    return next(
+        (
+            e
+            for e in errors
+            if isinstance(e, ArchiveUnavailable) and not isinstance(e, ArchiveAccessDenied)
+        ),
+        None,
+    )
 
 
 # -- the worker process -------------------------------------------------------------------

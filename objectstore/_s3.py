@@ -22,7 +22,7 @@ import botocore.exceptions as bce
 import trio
 import urllib3.exceptions
 
-from kvfs._errors import ArchiveUnavailable
+from kvfs._errors import ArchiveAccessDenied, ArchiveUnavailable
 
 from ._abc import KEY_MAX, ObjectNotFound, ObjectStore, check_key, one_error_nursery
 from ._retry import Backoff, retry
@@ -247,7 +247,7 @@ class S3Store(ObjectStore):
                 "chain (environment, config files, instance role)"
             ) from e
         except bce.ClientError as e:
-            raise self._permanent(e, "checking the bucket") from e
+            raise self._permanent(e, "checking the bucket", "s3:ListBucket") from e
         except bce.BotoCoreError as e:
             raise ArchiveUnavailable(f"cannot use {where}: {e}") from e
         finally:
@@ -268,12 +268,28 @@ class S3Store(ObjectStore):
             part_size=self.part_size,
         )
 
-    def _permanent(self, e: bce.ClientError, what: str) -> ArchiveUnavailable:
+    def _permanent(
+        self, e: bce.ClientError, what: str, needs: str, key: str | None = None
+    ) -> ArchiveUnavailable:
+        """The error for a reply that retrying cannot change. A refusal (403) is
+        ArchiveAccessDenied naming the permission ``needs`` and what it is needed on (the
+        object ``key``, else the bucket): the archive answered, it is no outage."""
         code, status = _code(e), _status(e)
         if code in ("NoSuchBucket",) or (status == 404 and "bucket" in what.lower()):
             why = f"bucket {self.bucket!r} does not exist"
         elif code in _DENIED or status == 403:
-            why = f"access to bucket {self.bucket!r} denied ({code or status}); check credentials and policy"
+            on = (
+                f"s3://{self.bucket}/{self._key(key)}"
+                if key is not None
+                else f"bucket {self.bucket!r}"
+            )
+            hint = ""
+            if needs == "s3:GetObject":  # S3 answers a missing object 403 without ListBucket
+                hint = " (or s3:ListBucket, if the object is missing: S3 then says 403, not 404)"
+            return ArchiveAccessDenied(
+                f"{what} on {self.url}: access denied ({code or status}): it needs {needs} "
+                f"on {on}{hint}; check the credentials and the bucket and IAM policies"
+            )
         else:
             why = f"{code or status}: {e.response.get('Error', {}).get('Message', '')}".strip()
         return ArchiveUnavailable(f"{what} on {self.url}: {why}")
@@ -351,7 +367,7 @@ class S3Store(ObjectStore):
         except bce.ClientError as e:
             if _code(e) in ("NoSuchKey", "404") or _status(e) == 404 and _code(e) != "NoSuchBucket":
                 raise ObjectNotFound(f"no object {key!r} in {self.url}") from None
-            raise self._permanent(e, f"get {key}") from e
+            raise self._permanent(e, f"get {key}", "s3:GetObject", key) from e
         if into is None:
             return data
         dest = memoryview(into).cast("B")
@@ -380,7 +396,7 @@ class S3Store(ObjectStore):
         except bce.ClientError as e:
             if if_absent and (_code(e) == "PreconditionFailed" or _status(e) == 412):
                 return False
-            raise self._permanent(e, f"put {key}") from e
+            raise self._permanent(e, f"put {key}", "s3:PutObject", key) from e
 
     async def _put_multipart(self, key: str, k: str, mv: memoryview, cond: dict) -> bool:
         if cond and await self.exists(key):
@@ -453,7 +469,7 @@ class S3Store(ObjectStore):
         except bce.ClientError as e:
             if _status(e) == 404 or _code(e) in ("404", "NoSuchKey", "NotFound"):
                 return None
-            raise self._permanent(e, f"head {key}") from e
+            raise self._permanent(e, f"head {key}", "s3:GetObject", key) from e
         return float(r["LastModified"].timestamp())
 
     async def delete(self, key: str) -> None:
@@ -463,7 +479,7 @@ class S3Store(ObjectStore):
             )
         except bce.ClientError as e:
             if _status(e) != 404 or _code(e) == "NoSuchBucket":
-                raise self._permanent(e, f"delete {key}") from e
+                raise self._permanent(e, f"delete {key}", "s3:DeleteObject", key) from e
 
     async def list(self, prefix: str = "") -> AsyncIterator[str]:  # type: ignore[override]
         async for obj in self._listing(prefix):
@@ -488,7 +504,7 @@ class S3Store(ObjectStore):
                     **kw,
                 )
             except bce.ClientError as e:
-                raise self._permanent(e, f"list {prefix or '(all)'}") from e
+                raise self._permanent(e, f"list {prefix or '(all)'}", "s3:ListBucket") from e
             for obj in r.get("Contents", ()):
                 yield obj
             if not r.get("IsTruncated"):

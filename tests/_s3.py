@@ -8,6 +8,7 @@ every request the code under test makes is HTTP over a socket.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import random
 import socket
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 import boto3
 from moto.server import ThreadedMotoServer
 
-__all__ = ["S3Server", "TcpProxy", "running_moto"]
+__all__ = ["S3Server", "TcpProxy", "iam_credentials", "running_moto"]
 
 #: Fake credentials moto accepts; set in the environment so the standard chain finds them.
 FAKE_ENV = {
@@ -69,6 +70,39 @@ def running_moto() -> Iterator[S3Server]:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+@contextmanager
+def iam_credentials(server: S3Server, statements: list[dict]) -> Iterator[None]:
+    """Run the block as a new IAM user whose policy is ``statements``, with moto checking
+    every request's credentials and permissions (a refusal is a real 403 over HTTP). The
+    user's keys are in the environment meanwhile, for the standard chain (and the upload
+    workers started then); the test's own ``testing`` keys are unknown to IAM, so a call
+    with them is refused too until the block ends."""
+    from moto.core.authorization import enable_iam_authentication
+
+    from kvfs._uploader import shutdown_workers
+
+    iam = boto3.client("iam", endpoint_url=server.endpoint, region_name="us-east-1")
+    user = f"kvfs-test-{uuid.uuid4().hex[:12]}"
+    iam.create_user(UserName=user)
+    policy = {"Version": "2012-10-17", "Statement": statements}
+    iam.put_user_policy(UserName=user, PolicyName="kvfs", PolicyDocument=json.dumps(policy))
+    key = iam.create_access_key(UserName=user)["AccessKey"]
+    names = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
+    old = {k: os.environ.get(k) for k in names}
+    shutdown_workers()  # workers started before run with the old keys
+    os.environ.update(dict(zip(names, (key["AccessKeyId"], key["SecretAccessKey"]), strict=True)))
+    try:
+        with enable_iam_authentication():
+            yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        shutdown_workers()  # nor may later tests' uploads run with this user's keys
 
 
 def _port_outside_ephemeral_range() -> int:

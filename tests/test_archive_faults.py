@@ -306,3 +306,83 @@ def test_an_archive_read_failing_in_a_task_group_raises_archive_unavailable(
         assert "SlowDown" in s.fsck(archive=True)["archive_error"][0]
         store.get = real
         assert len(s.archived_sessions()) == 3
+
+
+def _allow_all_but(*denied: dict[str, object]) -> list[dict[str, object]]:
+    return [{"Effect": "Allow", "Action": "s3:*", "Resource": "*"}, *denied]
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_restore_refused_for_some_objects_restores_the_others_and_says_access_denied(
+    s3_server,  # noqa: ANN001
+    make_config,  # noqa: ANN001
+    workers: int,
+) -> None:
+    """A 403 (credentials, a bucket or IAM policy; S3 also answers 403 for a missing
+    object without s3:ListBucket) was taken for an outage: once one object was refused, the
+    restore stopped trying the others (the downloads not started, the worker batches not
+    started) and said "archive unavailable". It is one object's answer, given at once: every
+    other page comes back, and the error says which object, which operation, and the
+    permission it needs."""
+    from _s3 import iam_credentials
+
+    bucket = s3_server.new_bucket()
+    cfg = make_config(
+        ndev=1,
+        archive_url=f"s3://{bucket}?endpoint={s3_server.endpoint}&deadline=5",
+        extra={"archive": {"interval": 0, "concurrency": 1, "upload_processes": workers}},
+    )
+    n = 12
+    keys = [PageKey.semantic("a", "p", i) for i in range(n)]
+    with kvfs.open_store_sync(cfg) as s:
+        for k in keys:
+            s.put(k, page(keys.index(k)))
+        s.spill("a")
+        hashes = [s.engine.index.page(k.path).hash for k in keys]  # type: ignore[attr-defined]
+    refused = {f"blobs/{h.hex()}" for h in hashes[::2]}
+    deny = {
+        "Effect": "Deny",
+        "Action": "s3:GetObject",
+        "Resource": [f"arn:aws:s3:::{bucket}/{k}" for k in sorted(refused)],
+    }
+    with iam_credentials(s3_server, _allow_all_but(deny)), kvfs.open_store_sync(cfg) as s:
+        with pytest.raises(kvfs.ArchiveAccessDenied) as got:
+            s.restore("a")
+        assert isinstance(got.value, PermissionError)
+        message = str(got.value)
+        assert "access denied (AccessDenied)" in message, message
+        assert "s3:GetObject" in message and bucket in message, message
+        assert any(k in message for k in refused), message  # the object refused
+        tiers = [i.tier for i in s.list(session="a")]
+        assert tiers[1::2] == ["local+archive"] * (n // 2), tiers  # every other one is back
+        assert tiers[::2] == ["archive"] * (n // 2), tiers
+        for i in range(1, n, 2):
+            assert s.get(keys[i]) == page(i)
+        with pytest.raises(kvfs.ArchiveAccessDenied, match="s3:GetObject"):
+            s.get(keys[0])
+
+
+def test_a_put_needing_room_when_the_archive_refuses_uploads_says_so(
+    s3_server,  # noqa: ANN001
+    make_config,  # noqa: ANN001
+) -> None:
+    """A refused upload made the put fail saying "the archive is unreachable": the user
+    went looking for an outage where the credentials or a policy were wrong."""
+    from _s3 import iam_credentials
+
+    bucket = s3_server.new_bucket()
+    cfg = make_config(
+        ndev=1,
+        capacity=2 << 20,
+        archive_url=f"s3://{bucket}?endpoint={s3_server.endpoint}&deadline=5",
+        extra={"archive": {"interval": 0}},
+    )
+    deny = {"Effect": "Deny", "Action": "s3:PutObject", "Resource": "*"}
+    with iam_credentials(s3_server, _allow_all_but(deny)), kvfs.open_store_sync(cfg) as s:
+        put_pages(s, "a", 7)
+        with pytest.raises(kvfs.CapacityExceeded) as got:
+            s.put(PageKey.semantic("b", "p", 0), page(9))
+        message = str(got.value)
+        assert "the archive refused access" in message and "s3:PutObject" in message, message
+        assert "unreachable" not in message, message
+        assert all(i.tier == "local" for i in s.list(session="a"))  # nothing lost

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import trio
 
-from kvfs import ArchiveUnavailable
+from kvfs import ArchiveAccessDenied, ArchiveUnavailable
 from objectstore import FileStore, ObjectNotFound, ObjectStore, S3Store, open_objectstore
 
 MiB = 1 << 20
@@ -407,9 +407,10 @@ async def test_denied_access_is_named(s3_server, monkeypatch: pytest.MonkeyPatch
     monkeypatch.setattr(moto.settings, "INITIAL_NO_AUTH_ACTION_COUNT", 0)
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIAUNKNOWNKEYID0000")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong-secret")
-    with pytest.raises(ArchiveUnavailable, match="denied") as ei:
+    with pytest.raises(ArchiveAccessDenied, match="denied") as ei:
         await open_objectstore(f"s3://{bucket}?endpoint={s3_server.endpoint}")
     assert "wrong-secret" not in str(ei.value)
+    assert "s3:ListBucket" in str(ei.value)  # what the check at open needs
 
 
 async def test_missing_directory_without_create(tmp_path: Path) -> None:
