@@ -32,7 +32,33 @@ import trio
 if sys.version_info < (3, 11):
     from exceptiongroup import BaseExceptionGroup
 
-__all__ = ["ObjectNotFound", "ObjectStore", "check_key", "one_error_nursery"]
+__all__ = [
+    "ARCHIVE_THREADS",
+    "ObjectNotFound",
+    "ObjectStore",
+    "archive_threads",
+    "check_key",
+    "one_error_nursery",
+]
+
+#: threads archive I/O may hold at once, per trio run (trio's own default limiter has 40)
+ARCHIVE_THREADS = 40
+_threads: trio.lowlevel.RunVar[trio.CapacityLimiter] = trio.lowlevel.RunVar("objectstore_threads")
+
+
+def archive_threads() -> trio.CapacityLimiter:
+    """The limiter of every thread the stores run blocking I/O in, one per trio run, apart
+    from trio's default one. A read given up by its caller (``abandon_on_cancel``) keeps
+    its thread, and its token, until the endpoint answers or the read timeout passes: on
+    the default limiter a burst of those against a hung endpoint left no thread for any
+    other ``to_thread.run_sync`` of the process (control calls, index steps) for as long.
+    Here they can only hold up other archive I/O, which waits on that endpoint anyway."""
+    try:
+        return _threads.get()
+    except LookupError:
+        limiter = trio.CapacityLimiter(ARCHIVE_THREADS)
+        _threads.set(limiter)
+        return limiter
 
 
 def _first_leaf(eg: BaseExceptionGroup) -> BaseException:

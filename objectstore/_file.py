@@ -22,7 +22,7 @@ import trio
 
 from kvfs._errors import ArchiveUnavailable
 
-from ._abc import ObjectNotFound, ObjectStore, check_key
+from ._abc import ObjectNotFound, ObjectStore, archive_threads, check_key
 from ._retry import Backoff, retry
 
 __all__ = ["FileStore"]
@@ -110,7 +110,7 @@ class FileStore(ObjectStore):
 
     async def _call(self, fn: Callable[[], T], what: str) -> T:
         async def attempt() -> T:
-            return await trio.to_thread.run_sync(fn)
+            return await trio.to_thread.run_sync(fn, limiter=archive_threads())
 
         try:
             return await retry(

@@ -4,7 +4,8 @@ Credentials come from boto3's standard chain (environment, shared config/credent
 and profiles, container and instance metadata); kvfs never reads, logs or prints them, and
 refuses an endpoint URL that carries any (``http://user:secret@host``). botocore makes one
 attempt per call (``total_max_attempts=1``) so that the one helper in :mod:`._retry`
-decides, with backoff, jitter and a deadline. Every boto3 call runs in a worker thread.
+decides, with backoff, jitter and a deadline. Every boto3 call runs in a worker thread
+under :func:`~objectstore._abc.archive_threads`, never trio's default limiter.
 """
 
 from __future__ import annotations
@@ -24,7 +25,14 @@ import urllib3.exceptions
 
 from kvfs._errors import ArchiveAccessDenied, ArchiveUnavailable
 
-from ._abc import KEY_MAX, ObjectNotFound, ObjectStore, check_key, one_error_nursery
+from ._abc import (
+    KEY_MAX,
+    ObjectNotFound,
+    ObjectStore,
+    archive_threads,
+    check_key,
+    one_error_nursery,
+)
 from ._retry import Backoff, retry
 
 __all__ = ["S3Store"]
@@ -199,7 +207,7 @@ class S3Store(ObjectStore):
             return session.client("s3", endpoint_url=endpoint_url, config=cfg)
 
         try:
-            client = await trio.to_thread.run_sync(make, read_timeout)
+            client = await trio.to_thread.run_sync(make, read_timeout, limiter=archive_threads())
         except (bce.ProfileNotFound, ValueError) as e:
             raise ArchiveUnavailable(f"cannot configure S3 client: {e}") from e
         self = cls(
@@ -218,7 +226,9 @@ class S3Store(ObjectStore):
         # connections and never answers: its client waits at most that long for a reply.
         checker = client
         if open_deadline < read_timeout:
-            checker = await trio.to_thread.run_sync(make, max(open_deadline, 0.1))
+            checker = await trio.to_thread.run_sync(
+                make, max(open_deadline, 0.1), limiter=archive_threads()
+            )
         try:
 
             async def check() -> None:
@@ -252,7 +262,7 @@ class S3Store(ObjectStore):
             raise ArchiveUnavailable(f"cannot use {where}: {e}") from e
         finally:
             if checker is not client:
-                await trio.to_thread.run_sync(checker.close)
+                await trio.to_thread.run_sync(checker.close, limiter=archive_threads())
         return self
 
     def at_prefix(self, prefix: str) -> S3Store:
@@ -296,7 +306,9 @@ class S3Store(ObjectStore):
 
     @staticmethod
     async def _thread(fn: Callable[..., T], *args: Any, **kw: Any) -> T:
-        return await trio.to_thread.run_sync(functools.partial(fn, *args, **kw))
+        return await trio.to_thread.run_sync(
+            functools.partial(fn, *args, **kw), limiter=archive_threads()
+        )
 
     async def _call(
         self, what: str, fn: Callable[..., T], *args: Any, reads: bool = False, **kw: Any
@@ -310,7 +322,9 @@ class S3Store(ObjectStore):
 
         async def attempt() -> T:
             call = functools.partial(fn, *args, **kw)
-            return await trio.to_thread.run_sync(call, abandon_on_cancel=reads)
+            return await trio.to_thread.run_sync(
+                call, abandon_on_cancel=reads, limiter=archive_threads()
+            )
 
         try:
             return await retry(
@@ -514,4 +528,4 @@ class S3Store(ObjectStore):
     async def aclose(self) -> None:
         client, self._client = self._client, None
         if client is not None:
-            await trio.to_thread.run_sync(client.close)
+            await trio.to_thread.run_sync(client.close, limiter=archive_threads())

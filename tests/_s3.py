@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import boto3
 from moto.server import ThreadedMotoServer
 
-__all__ = ["S3Server", "TcpProxy", "iam_credentials", "running_moto"]
+__all__ = ["S3Server", "SilentServer", "TcpProxy", "iam_credentials", "running_moto"]
 
 #: Fake credentials moto accepts; set in the environment so the standard chain finds them.
 FAKE_ENV = {
@@ -103,6 +103,55 @@ def iam_credentials(server: S3Server, statements: list[dict]) -> Iterator[None]:
             else:
                 os.environ[k] = v
         shutdown_workers()  # nor may later tests' uploads run with this user's keys
+
+
+class SilentServer:
+    """An endpoint that accepts connections, reads each request's head and never answers
+    (a hung server, a black-holed load balancer). ``requests`` counts the heads read;
+    ``close()`` resets every connection, so the clients waiting on it give up."""
+
+    def __init__(self) -> None:
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self._lock = threading.Lock()
+        self._conns: list[socket.socket] = []
+        self.requests = 0
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self._listener.getsockname()[1]}"
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                c, _ = self._listener.accept()
+            except OSError:
+                return
+            with self._lock:
+                self._conns.append(c)
+            threading.Thread(target=self._read_head, args=(c,), daemon=True).start()
+
+    def _read_head(self, c: socket.socket) -> None:
+        head = b""
+        with contextlib.suppress(OSError):
+            while b"\r\n\r\n" not in head:
+                data = c.recv(65536)
+                if not data:
+                    return
+                head += data
+            with self._lock:
+                self.requests += 1
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self._listener.shutdown(socket.SHUT_RDWR)
+        self._listener.close()
+        with self._lock:
+            conns, self._conns = self._conns, []
+        for c in conns:
+            with contextlib.suppress(OSError):
+                c.shutdown(socket.SHUT_RDWR)
+            c.close()
 
 
 def _port_outside_ephemeral_range() -> int:

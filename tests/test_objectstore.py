@@ -517,3 +517,35 @@ async def test_file_store_lists_a_prefix_without_reading_other_directories(
             "manifests/sessions%2Fa@1",
             "manifests/sessions%2Fab@1",
         ]
+
+
+async def test_reads_given_up_on_a_hung_endpoint_leave_trio_s_threads_to_others(
+    s3_server,  # noqa: ANN001 - (for its credentials in the environment)
+) -> None:
+    """A read given up by its caller (``abandon_on_cancel``) keeps its thread until the
+    endpoint answers or the read timeout passes, and trio keeps the thread's limiter token
+    as long. On trio's default limiter (40 tokens) a burst of such reads against a hung
+    endpoint left nothing for every other ``to_thread.run_sync`` of the process (the
+    daemon's control calls, the archive's index steps) for up to ``read_timeout``. Archive
+    I/O now has threads of its own."""
+    from _s3 import SilentServer
+
+    server = SilentServer()
+    store = await S3Store.open(
+        "hung", endpoint_url=server.endpoint, read_timeout=120, max_connections=64, verify=False
+    )
+    default = trio.to_thread.current_default_thread_limiter()
+    n = int(default.total_tokens)
+    try:
+        async with trio.open_nursery() as nursery:
+            for i in range(n):
+                nursery.start_soon(store.get, f"blobs/{i}")
+            while server.requests < n:  # every read is in its thread, waiting for an answer
+                await trio.sleep(0.01)
+            nursery.cancel_scope.cancel()
+        # the readers are gone; their threads still wait on the endpoint
+        assert default.borrowed_tokens == 0, default.statistics()
+        assert await trio.to_thread.run_sync(lambda: "a thread") == "a thread"
+    finally:
+        server.close()  # the abandoned reads fail now and their threads end
+        await store.aclose()
