@@ -436,3 +436,29 @@ def test_bench_control_ratio_is_the_median_of_the_rounds(
         assert len(r["round_ratios"]) == 3 and len(r["worker_round_ratios"]) == 3
         assert r["ratio"] == statistics.median(r["round_ratios"])
         assert r["worker_ratio"] == statistics.median(r["worker_round_ratios"])
+
+
+def test_bench_archive_without_list_permission_says_what_it_needs(
+    s3_server: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A user who may put, get and delete objects but not list the bucket got botocore's
+    "An error occurred (AccessDenied) when calling the ListObjectsV2 operation", exit 1,
+    after the KV tensors were made. kvfs's archive lists its manifests and the benchmark
+    its own run's keys (to delete only those), so s3:ListBucket is needed: the run says so
+    before any work, as an access error (exit 8)."""
+    from _s3 import iam_credentials
+
+    bucket = s3_server.new_bucket()
+    policy = [
+        {"Effect": "Allow", "Action": "s3:*", "Resource": "*"},
+        {"Effect": "Deny", "Action": "s3:ListBucket", "Resource": f"arn:aws:s3:::{bucket}"},
+    ]
+    args = ["bench", "archive", "--pages", "3", "--page-mib", "0.25", "--repeat", "1"]
+    args += ["--latency-reads", "20", "--numpy-kv", "--tokens", "64", "--layers", "1"]
+    args += ["--endpoint", s3_server.endpoint, "--bucket", bucket]
+    with iam_credentials(s3_server, policy):
+        assert main(args) == 8
+    err = capsys.readouterr().err
+    assert "s3:ListBucket" in err and bucket in err, err
+    assert "generating KV tensors" not in err, err  # (before minutes of work)
+    assert s3_server.keys(bucket) == []

@@ -73,7 +73,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         run=_main,
     )
     p.add_argument("--endpoint", default=None, help="S3 endpoint URL (default: start moto)")
-    p.add_argument("--bucket", default=None, help="bucket (default: a new one, moto only)")
+    p.add_argument(
+        "--bucket",
+        default=None,
+        help="bucket (default: a new one, moto only); needs s3:ListBucket besides "
+        "Put/Get/DeleteObject",
+    )
     p.add_argument(
         "--server-nice",
         type=int,
@@ -566,9 +571,35 @@ def _latency_beside_boto3(
     return busy
 
 
+def _check_listing(endpoint: str, bucket: str) -> None:
+    """Refuse at once, saying what is missing, a bucket the user may not list: kvfs's
+    archive lists its manifests (and checks the bucket at open with a listing), and the
+    benchmark lists each run's prefix before and after it, to delete only what it wrote. A
+    user who may only put, get and delete got botocore's AccessDenied for ListObjectsV2,
+    exit 1, after the KV tensors were made. Raises ArchiveAccessDenied."""
+    import botocore.exceptions
+
+    try:
+        baseline_client(endpoint, 1).list_objects_v2(Bucket=bucket, Prefix="run-", MaxKeys=1)
+    except botocore.exceptions.ClientError as e:
+        meta = e.response.get("ResponseMetadata", {})
+        if meta.get("HTTPStatusCode") != 403:
+            raise
+        code = e.response.get("Error", {}).get("Code", "403")
+        raise kvfs.ArchiveAccessDenied(
+            f"listing bucket {bucket!r} at {endpoint} was refused ({code}): kvfs bench "
+            "archive needs s3:ListBucket on it (a policy may limit it to keys under run-*: "
+            "the run's prefixes), besides s3:PutObject, s3:GetObject and s3:DeleteObject "
+            "there; kvfs's archive tier lists its manifests, and the benchmark lists its "
+            "own keys to delete only those"
+        ) from e
+
+
 def _main(args: argparse.Namespace) -> int:
     if args.endpoint and not args.bucket:  # (before minutes of work)
         raise ValueError("--endpoint needs --bucket (a new bucket is made only on moto)")
+    if args.endpoint:  # (before minutes of work too)
+        _check_listing(args.endpoint, args.bucket)
     t0 = time.perf_counter()
     log("generating KV tensors...")
     arrs, source = kv_tensors(args.tokens, args.layers, args.numpy_kv)
