@@ -20,7 +20,7 @@ from typing import Any
 
 import kvfs
 from kvfs._control import DaemonUnavailable
-from kvfs._engine import devices_known
+from kvfs._engine import devices_known, is_new_store
 from kvfs._keys import SESSIONS_DIR
 from kvfs._local import DEVICE_MARKER
 from kvfs._mountinfo import kvfs_mount_of, kvfs_mounts
@@ -286,7 +286,7 @@ def open_target(
         if mode == "daemon" and unavailable is not None:
             raise unavailable
     refuse_store_on_mount(config)
-    new = not config.index_path.exists()
+    new = is_new_store(config)  # (an empty index: what a failed create of old left)
     if from_archive and config.archive_url and settings.sources["archive_url"] != "default":
         create = True
     _check_devices(config, new=new, create=create)

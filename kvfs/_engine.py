@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+import errno
 import logging
 import os
 import sqlite3
@@ -36,10 +37,12 @@ from ._errors import (
     ArchiveUnavailable,
     CapacityExceeded,
     CorruptPage,
+    DiskFull,
     KvfsError,
     PageNotFound,
     SessionNotFound,
     StoreClosed,
+    StoreLocked,
 )
 from ._events import log_event
 from ._index import BlobRow, Index, PageRow, meta_value
@@ -94,6 +97,88 @@ def keep_reserve(index_dir: Path) -> None:
         log.debug("no index reserve in %s: %s", index_dir, e)
         with contextlib.suppress(OSError):
             path.unlink()
+
+
+def is_new_store(cfg: StoreConfig) -> bool:
+    """No store at ``cfg`` yet: no index, or an empty one (SQLite writes its header with the
+    first commit, so an empty file is only ever what a failed create left)."""
+    try:
+        if cfg.index_path.stat().st_size > 0:
+            return False
+        return os.stat(f"{cfg.index_path}-wal").st_size == 0
+    except FileNotFoundError:
+        return True
+
+
+def _created_paths(cfg: StoreConfig) -> builtins.list[Path]:
+    """Every path the open of a new store may create, parents before children: the
+    directories (and their missing parents), the index and its neighbours, each device's
+    marker and fan-out directories. The lock file comes last: it is removed last."""
+    out: builtins.list[Path] = []
+    for d in dict.fromkeys([cfg.index_path.parent, *cfg.data_dirs]):
+        out += [p for p in reversed(Path(os.path.abspath(d)).parents) if p not in out]
+        out.append(Path(os.path.abspath(d)))
+    index_dir = cfg.index_path.parent.absolute()
+    for name in (cfg.index_path.name, DIRS_FILE):
+        out += [index_dir / name, index_dir / f"{name}-wal", index_dir / f"{name}-shm"]
+    out.append(index_dir / RESERVE)
+    for d in cfg.data_dirs:
+        root = d.absolute()
+        out += [root / DEVICE_MARKER, root / (DEVICE_MARKER + ".tmp"), root / "blobs"]
+        out += [root / "blobs" / f"{x:02x}" for x in range(256)]
+    out.append(cfg.lock_path.absolute())
+    return out
+
+
+def _undo_create(made: builtins.list[Path], lock: DirLock) -> None:
+    """Remove what a failed open of a new store made (``made``: the paths of
+    :func:`_created_paths` that were not there before it), holding the lock until only the
+    directories are left: an opener meanwhile gets StoreLocked, not a store half removed.
+    Files are unlinked; directories removed only when empty (never anything someone else
+    put there). Never raises."""
+    lock_file = lock.path.absolute()
+    for p in made:
+        if p != lock_file and not p.is_dir():
+            with contextlib.suppress(OSError):
+                p.unlink()
+    if lock_file in made:
+        with contextlib.suppress(OSError):
+            lock_file.unlink()
+    lock.release()
+    _remove_dirs(made)
+
+
+def _remove_dirs(made: builtins.list[Path]) -> None:
+    """rmdir the directories of ``made`` that are empty, children first. Never raises."""
+    for d in reversed(made):
+        if d.is_dir() and not d.is_symlink():
+            with contextlib.suppress(OSError):
+                d.rmdir()
+
+
+def _open_error(e: Exception, cfg: StoreConfig, *, new: bool) -> Exception:
+    """The error an open that failed with ``e`` raises: DiskFull, saying so, when ``e`` is a
+    disk too full for it (ENOSPC/EDQUOT, SQLite's SQLITE_FULL, or an I/O error of SQLite's
+    where the index's disk has next to nothing free: growing its shared-memory file fails
+    so, and SQLite keeps the errno to itself); ``e`` itself otherwise. Look before what the
+    open made is removed (that frees the space)."""
+    full = isinstance(e, CapacityExceeded) or (
+        isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)
+    )
+    if isinstance(e, sqlite3.OperationalError):
+        code = getattr(e, "sqlite_errorcode", 0)
+        full = code == sqlite3.SQLITE_FULL or "disk is full" in str(e)
+        if code & 0xFF == sqlite3.SQLITE_IOERR:
+            with contextlib.suppress(OSError):
+                st = os.statvfs(cfg.index_path.parent)
+                full = st.f_bavail * st.f_frsize < (1 << 20)
+    if not full:
+        return e
+    what, left = ("create", "nothing was left behind") if new else ("open", "no page changed")
+    return DiskFull(
+        f"cannot {what} the store in {cfg.data_dirs[0]} (index in {cfg.index_path.parent}): "
+        f"its disk is full ({e}); {left}. Free space there and try again"
+    )
 
 
 def _open_index(cfg: StoreConfig) -> Index:
@@ -178,25 +263,48 @@ class Engine:
         for d in (*config.data_dirs, config.index_path.parent):
             if d.exists() and not d.is_dir():
                 raise KvfsError(f"{d} is not a directory; data and index directories must be")
+        # A store opened for the first time is made by this open, or not at all: a failed
+        # create (a full disk) left an empty index that the next open took for a store.
+        # What is there is looked at before the lock file is made; whether the store is new,
+        # once the lock is held (a store another process made meanwhile is not new).
+        made = [p for p in _created_paths(config) if not os.path.lexists(p)]
         self._lock = DirLock(config.lock_path)
-        self._lock.acquire()
         try:
-            self._open()
-        except BaseException:
-            for db in (getattr(self, "index", None), getattr(self, "dirs", None)):
-                if db is not None:
-                    with contextlib.suppress(Exception):  # closed already by some failure paths
-                        db.close()
-            for name in ("io_pool", "hash_pool", "_atime_pool"):
-                pool = getattr(self, name, None)
-                if pool is not None:
-                    pool.shutdown(wait=False)
-            self._lock.release()
+            self._lock.acquire()
+        except StoreLocked:
             raise
+        except OSError as e:  # (no lock file: its directories, if it made them, go)
+            _remove_dirs(made)
+            raise _open_error(e, config, new=True) from e
+        new = False
+        try:
+            new = is_new_store(config)
+            self._open()
+        except BaseException as e:
+            self._close_failed_open()
+            err = _open_error(e, config, new=new) if isinstance(e, Exception) else None
+            if new:  # (an empty index there before, left by an older kvfs, goes too)
+                index = [Path(f"{config.index_path.absolute()}{x}") for x in ("", "-wal", "-shm")]
+                _undo_create([*index, *(p for p in made if p not in index)], self._lock)
+            else:
+                self._lock.release()
+            if err is not None and err is not e:
+                raise err from e
+            raise
+
+    def _close_failed_open(self) -> None:
+        for db in (getattr(self, "index", None), getattr(self, "dirs", None)):
+            if db is not None:
+                with contextlib.suppress(Exception):  # closed already by some failure paths
+                    db.close()
+        for name in ("io_pool", "hash_pool", "_atime_pool"):
+            pool = getattr(self, name, None)
+            if pool is not None:
+                pool.shutdown(wait=False)
 
     def _open(self) -> None:
         cfg = self.config
-        if not cfg.index_path.exists():
+        if is_new_store(cfg):
             _refuse_foreign_data(cfg)  # before an index file is created beside them
         if release_reserve(cfg.index_path.parent):
             log.debug("index reserve released for the open")

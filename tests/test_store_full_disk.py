@@ -7,13 +7,16 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
 import kvfs
+
+Run = Callable[..., tuple[int, str, str]]
 
 MiB = 1 << 20
 
@@ -153,6 +156,57 @@ def test_a_store_on_a_disk_that_filled_up_opens_and_deletes(small_disk: Path) ->
             assert s.list() == []
             clean(s)
         assert free(small_disk) >= 4 * MiB
+
+
+def test_a_store_created_on_a_full_disk_is_made_whole_or_not_at_all(
+    small_disk: Path, run: Run
+) -> None:
+    """A new store's open at every amount of free space from 0 to ~256 KiB (the index, its
+    WAL and shared memory, the directories table, the device marker each run out in turn)
+    either opens or raises DiskFull saying so, leaving nothing: an empty index left behind
+    was taken for a store by the next command (`kvfs ls` made one instead of answering "no
+    kvfs store")."""
+    store = small_disk / "store"
+    failed = 0
+    for leave in range(0, 256 * 1024, 8192):
+        with filled(small_disk, leave=leave):
+            try:
+                with kvfs.open_store_sync(kvfs.StoreConfig(data_dirs=(store,))):
+                    pass
+            except kvfs.CapacityExceeded as e:
+                assert "disk is full" in str(e) and "nothing was left behind" in str(e)
+                assert not store.exists(), (leave, sorted(os.listdir(store)))
+                failed += 1
+            else:
+                shutil.rmtree(store)
+    assert failed > 8
+    (small_disk / "kept").mkdir()  # a directory that was there stays, and empty
+    with filled(small_disk), pytest.raises(kvfs.CapacityExceeded, match="disk is full"):
+        kvfs.open_store_sync(kvfs.StoreConfig(data_dirs=(small_disk / "kept",))).__enter__()
+    assert list((small_disk / "kept").iterdir()) == []
+    rc, _, err = run("ls", "--data", str(store))
+    assert rc == 3 and "no kvfs store" in err and not store.exists()
+    with kvfs.open_store_sync(kvfs.StoreConfig(data_dirs=(store,))) as s:
+        s.put("a/p", b"x" * 100)
+        assert s.get("a/p") == b"x" * 100
+
+
+def test_an_empty_index_left_by_a_failed_create_is_no_store(small_disk: Path, run: Run) -> None:
+    """What an older kvfs left after a create failed on a full disk (an empty index and lock
+    file) is no store: commands say so, and a create that fails again removes it."""
+    store = small_disk / "store"
+    store.mkdir()
+    (store / "kvfs-index.sqlite3").touch()
+    (store / "kvfs.lock").touch()
+    rc, _, err = run("ls", "--data", str(store))
+    assert rc == 3 and "no kvfs store" in err
+    with filled(small_disk), pytest.raises(kvfs.CapacityExceeded, match="disk is full"):
+        kvfs.open_store_sync(kvfs.StoreConfig(data_dirs=(store,))).__enter__()
+    assert sorted(os.listdir(store)) == ["kvfs.lock"]  # (the lock was there before)
+    with kvfs.open_store_sync(kvfs.StoreConfig(data_dirs=(store,))) as s:
+        s.put("a/p", b"y")
+    rc, out, _ = run("ls", "--data", str(store))
+    assert rc == 0 and "a" in out.split()
 
 
 # -- the archive tier (file:// archive; the same error paths serve S3) ---------------------
