@@ -59,7 +59,12 @@ def add_mount_arguments(p: argparse.ArgumentParser) -> None:
         choices=("debug", "info", "warning", "error"),
         help="daemon log level (default info)",
     )
-    p.add_argument("--capacity", metavar="SIZE", help="cap on bytes held locally (e.g. 500GiB)")
+    p.add_argument(
+        "--capacity",
+        metavar="SIZE",
+        help="cap on bytes held locally (e.g. 500GiB), kept with the store; disk: what the "
+        "disks hold, the kept cap forgotten",
+    )
     p.add_argument("--stripe-unit", metavar="SIZE", help="stripe unit (default 4MiB)")
     p.add_argument(
         "--foreground",

@@ -10,7 +10,7 @@ The object API::
 
 from ._aligned import aligned_buffer
 from ._checksum import checksum
-from ._config import StoreConfig, parse_size
+from ._config import DISK_CAPACITY, StoreConfig, parse_size
 from ._control import DaemonUnavailable
 from ._engine import Engine, PageWriter
 from ._errors import (
@@ -35,6 +35,7 @@ from ._types import DeviceStatistics, Extent, PageInfo, SessionInfo, StoreStatis
 __version__ = "0.1.0"
 
 __all__ = [
+    "DISK_CAPACITY",
     "ArchiveAccessDenied",
     "ArchiveUnavailable",
     "CapacityExceeded",

@@ -13,7 +13,12 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["StoreConfig", "parse_duration", "parse_size"]
+__all__ = ["DISK_CAPACITY", "StoreConfig", "parse_duration", "parse_size"]
+
+#: ``StoreConfig.capacity`` meaning "what the disks hold", and forgetting the capacity kept
+#: with the store (``capacity = "disk"`` in the settings): without it, an open that gives
+#: none keeps to the last one given, and a cap once given could never be taken back.
+DISK_CAPACITY = -1
 
 KiB = 1024
 MiB = 1024 * KiB
@@ -80,9 +85,11 @@ class StoreConfig:
     #: One root directory per NVMe device; pages are striped across them.
     data_dirs: tuple[Path, ...] = (Path("kvfs-data"),)
     #: Hard cap on bytes the local tier holds on disk (headers and 4 KiB padding included).
-    #: 0 means "what the disks hold": the sum of the devices' free space at open (a file
-    #: system holding several data directories counted once), less a reserve on each for
-    #: the index and other writers (1%, at least 64 MiB, at most 1/4).
+    #: A cap given is kept with the store. 0: the one kept, else what the disks hold (the
+    #: sum of the devices' free space at open, a file system holding several data
+    #: directories counted once, less a reserve on each for the index and other writers: 1%,
+    #: at least 64 MiB, at most 1/4). DISK_CAPACITY: what the disks hold, the kept cap
+    #: forgotten.
     capacity: int = 0
     #: Stripe unit: pages larger than this are split round-robin across devices.
     stripe_unit: int = 4 * MiB
@@ -113,8 +120,8 @@ class StoreConfig:
         object.__setattr__(self, "data_dirs", dirs)
         if self.stripe_unit <= 0 or self.stripe_unit % ALIGN:
             raise ValueError(f"stripe_unit must be a positive multiple of {ALIGN}")
-        if self.capacity < 0:
-            raise ValueError("capacity must be >= 0")
+        if self.capacity < 0 and self.capacity != DISK_CAPACITY:
+            raise ValueError("capacity must be >= 0, or DISK_CAPACITY")
         if self.io_threads < 1:
             raise ValueError("io_threads must be >= 1")
 

@@ -31,7 +31,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from . import _maint, _reads, _writes
-from ._config import StoreConfig
+from ._config import DISK_CAPACITY, StoreConfig
 from ._dirs import DIRS_FILE, DirTable
 from ._errors import (
     ArchiveUnavailable,
@@ -397,15 +397,18 @@ class Engine:
         # A capacity given is the store's: kept, so that an open without one (an offline
         # `kvfs put` beside a daemon mounted with --capacity) keeps to it too. Without
         # either: the disks' free space (each file system counted once) less headroom.
+        # DISK_CAPACITY asks for the disks' and forgets the one kept (0 is kept).
         saved = self.index.get_meta("capacity")
         free = self.tier.free_bytes_per_filesystem()
-        if cfg.capacity:
+        if cfg.capacity > 0:
             if saved != cfg.capacity:
                 self.index.set_meta("capacity", cfg.capacity)
             self.capacity = cfg.capacity
-        elif isinstance(saved, int) and saved > 0:
+        elif cfg.capacity == 0 and isinstance(saved, int) and saved > 0:
             self.capacity = saved
         else:
+            if saved and cfg.capacity == DISK_CAPACITY:
+                self.index.set_meta("capacity", 0)
             self.capacity = self.used + sum(f - headroom(f) for f in free)
         room = self.used + sum(free)
         if self.capacity > room:  # (the disk then fills first: see "A full disk")

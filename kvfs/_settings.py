@@ -26,7 +26,7 @@ from typing import Any
 
 import tomllib
 
-from ._config import StoreConfig, parse_duration, parse_size
+from ._config import DISK_CAPACITY, StoreConfig, parse_duration, parse_size
 
 __all__ = [
     "ARCHIVE_FIELDS",
@@ -79,7 +79,7 @@ OPTIONS: tuple[Option, ...] = (
         "capacity",
         "size",
         0,
-        "cap on bytes held locally, kept with the store: an open that gives none keeps to the last one given (0 and none ever given: the disks' free space at open, each file system counted once, less 1% (64 MiB at least) each for the index)",
+        "cap on bytes held locally, kept with the store: an open that gives none (0) keeps to the last one given, or with none ever given takes what the disks hold (their free space at open, each file system counted once, less 1% (64 MiB at least) each for the index); disk: what the disks hold, the kept cap forgotten",
     ),
     Option(
         "store",
@@ -260,7 +260,7 @@ class Settings:
         v = self.values
         cfg = StoreConfig(
             data_dirs=tuple(Path(d) for d in v["data_dirs"]),  # type: ignore[attr-defined]
-            capacity=int(v["capacity"]),  # type: ignore[call-overload]
+            capacity=DISK_CAPACITY if v["capacity"] == DISK else int(str(v["capacity"])),
             stripe_unit=int(v["stripe_unit"]),  # type: ignore[call-overload]
             index_dir=Path(str(v["index_dir"])) if v["index_dir"] else None,
             direct_io=bool(v["direct_io"]),
@@ -313,6 +313,8 @@ def _absolute_file_url(url: str) -> str:
 
 
 def _convert(opt: Option, raw: object, where: str) -> object:
+    if opt.name == "capacity" and isinstance(raw, str) and raw.strip().lower() == DISK:
+        return DISK  # (kept as the word: kvfs config shows it as given)
     value = _convert_kind(opt, raw, where)
     if opt.limits is not None and isinstance(value, (int, float)):
         lo, hi = opt.limits
@@ -322,14 +324,16 @@ def _convert(opt: Option, raw: object, where: str) -> object:
             )
     if opt.name == "capacity" and 0 < value < MIN_CAPACITY:  # type: ignore[operator]
         raise ValueError(
-            f"{where}: bad value {raw!r} for {opt.key}: 0 (what the disks hold) or at least "
-            "1MiB is needed"
+            f"{where}: bad value {raw!r} for {opt.key}: 0 (the one kept with the store), "
+            f"{DISK} (what the disks hold) or at least 1MiB is needed"
         )
     return value
 
 
 #: the smallest capacity cap a setting may give (a smaller one holds no useful KV page)
 MIN_CAPACITY = 1 << 20
+#: the capacity setting meaning what the disks hold, the cap kept with the store forgotten
+DISK = "disk"
 
 
 def _convert_kind(opt: Option, raw: object, where: str) -> object:

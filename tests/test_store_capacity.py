@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 import kvfs
+from kvfs._settings import as_toml, load_settings
 
 KiB, MiB = 1024, 1 << 20
 
@@ -336,6 +337,37 @@ def test_the_capacity_given_is_kept_with_the_store(
         s.put("big", os.urandom(2 << 20))
     with kvfs.open_store_sync(default) as s:
         assert s.statistics().capacity_bytes == 4 << 20
+
+
+def test_a_capacity_given_can_be_taken_back(
+    make_config: Callable[..., kvfs.StoreConfig],
+) -> None:
+    """A cap once given was kept for good: an open without one kept to it, and no setting
+    went back to what the disks hold. DISK_CAPACITY (`--capacity disk`, `capacity = "disk"`)
+    does, and the opens after it that give none keep to the disks too."""
+    cfg = make_config(ndev=1, capacity=1 << 20)
+    with kvfs.open_store_sync(cfg) as s:
+        assert s.statistics().capacity_bytes == 1 << 20
+    disks = cfg.replace(capacity=kvfs.DISK_CAPACITY)
+    with kvfs.open_store_sync(disks) as s:
+        disk_cap = s.statistics().capacity_bytes
+        assert disk_cap > 4 << 20
+        s.put("big", os.urandom(2 << 20))  # over the old cap
+    with kvfs.open_store_sync(cfg.replace(capacity=0)) as s:
+        assert s.statistics().capacity_bytes > 4 << 20  # the kept cap is gone
+        assert s.exists("big")
+    # the same through the settings (the daemon's `kvfs mount --capacity disk`)
+    data = ",".join(map(str, cfg.data_dirs))
+    with kvfs.open_store_sync(cfg) as s:
+        assert s.statistics().capacity_bytes == 1 << 20
+    settings = load_settings(env={}, flags={"data_dirs": data, "capacity": "disk"})
+    assert "disk" in as_toml(settings)
+    with kvfs.open_store_sync(settings.store_config()) as s:
+        assert s.statistics().capacity_bytes > 4 << 20
+    with kvfs.open_store_sync(load_settings(env={}, flags={"data_dirs": data}).store_config()) as s:
+        assert s.statistics().capacity_bytes > 4 << 20
+    with pytest.raises(ValueError, match="DISK_CAPACITY"):
+        cfg.replace(capacity=-2)
 
 
 def test_two_streaming_writers_each_holding_half_the_cap_do_not_wait_for_each_other(
