@@ -158,6 +158,34 @@ def test_a_store_on_a_disk_that_filled_up_opens_and_deletes(small_disk: Path) ->
         assert free(small_disk) >= 4 * MiB
 
 
+def test_a_store_closed_on_a_full_disk_recounts_at_the_next_open_and_loses_nothing(
+    small_disk: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The close cannot mark the index clean (its WAL cannot grow): it says so and
+    completes; the next open, with the disk still full (the index's reserve), recounts as
+    after a crash, and every page is there with nothing left over."""
+    cfg = kvfs.StoreConfig(data_dirs=(small_disk / "store",), capacity=1 << 30)
+    data = {f"a/p{i}": os.urandom(MiB) for i in range(4)}
+    with kvfs.open_store_sync(cfg) as s:
+        for k, v in data.items():
+            s.put(k, v)
+        used = s.statistics().used_bytes
+        with filled(small_disk):
+            with pytest.raises(kvfs.CapacityExceeded):
+                s.put("a/more", os.urandom(64 * 1024))
+            caplog.clear()
+            s.close()
+            assert "closed without marking the index clean" in caplog.text
+            with kvfs.open_store_sync(cfg) as s:
+                assert "not closed cleanly" in caplog.text
+                assert s.engine.recovered_orphans == []
+                assert all(s.get(k) == v for k, v in data.items())
+                assert s.statistics().used_bytes == used
+                clean(s)
+    with kvfs.open_store_sync(cfg) as s:
+        assert sorted(p.path for p in s.list()) == sorted(data)
+
+
 def test_a_store_created_on_a_full_disk_is_made_whole_or_not_at_all(
     small_disk: Path, run: Run
 ) -> None:
