@@ -885,6 +885,28 @@ def test_touch_chown_and_tar_on_the_mount_root_keep_it_listable(
     assert (m.mp / "d" / "f").read_bytes() == b"x" * 5000
 
 
+def test_touch_of_a_directory_sets_its_mtime_across_remounts(make_mount: object) -> None:
+    """utime on a directory (`touch dir`, `touch -d`, tar and rsync restoring times) is kept
+    like a file's: the mtime, in kvfs-dirs.sqlite3; a directory's atime is not kept apart
+    (it reads as its mtime)."""
+    m = make_mount()  # type: ignore[operator]
+    (m.mp / "made").mkdir()
+    for d, name in (("eng/sub", "f"), ("sessions/s/p", "layer-000")):
+        (m.mp / d).mkdir(parents=True)
+        write(m.mp / d / name, b"x")
+    dirs = ["", "sessions", "sessions/s", "sessions/s/p", "made", "eng", "eng/sub"]
+    for i, d in enumerate(dirs):
+        subprocess.run(["touch", str(m.mp / d)], check=True)
+        os.utime(m.mp / d, ns=(5 * 10**17, 10**18 + i))
+        assert os.stat(m.mp / d).st_mtime_ns == 10**18 + i, d
+    m.stop()
+    m.start()
+    for i, d in enumerate(dirs):
+        st = os.stat(m.mp / d)
+        assert st.st_mtime_ns == st.st_atime_ns == 10**18 + i, d
+    assert (m.mp / "eng" / "sub" / "f").read_bytes() == b"x"
+
+
 def test_rmdir_of_a_directory_leaves_the_session_of_the_same_name(make_mount: object) -> None:
     """rmdir of an empty top-level directory `bar` deleted the semantic session
     `sessions/bar` (a bare name means that one when it exists)."""
