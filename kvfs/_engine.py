@@ -110,23 +110,27 @@ def is_new_store(cfg: StoreConfig) -> bool:
         return True
 
 
+def _abs(p: Path) -> Path:
+    return Path(os.path.abspath(p))  # (normalised, as Path.absolute() is not: a/../b)
+
+
 def _created_paths(cfg: StoreConfig) -> builtins.list[Path]:
     """Every path the open of a new store may create, parents before children: the
     directories (and their missing parents), the index and its neighbours, each device's
     marker and fan-out directories. The lock file comes last: it is removed last."""
     out: builtins.list[Path] = []
     for d in dict.fromkeys([cfg.index_path.parent, *cfg.data_dirs]):
-        out += [p for p in reversed(Path(os.path.abspath(d)).parents) if p not in out]
-        out.append(Path(os.path.abspath(d)))
-    index_dir = cfg.index_path.parent.absolute()
+        out += [p for p in reversed(_abs(d).parents) if p not in out]
+        out.append(_abs(d))
+    index_dir = _abs(cfg.index_path.parent)
     for name in (cfg.index_path.name, DIRS_FILE):
         out += [index_dir / name, index_dir / f"{name}-wal", index_dir / f"{name}-shm"]
     out.append(index_dir / RESERVE)
     for d in cfg.data_dirs:
-        root = d.absolute()
+        root = _abs(d)
         out += [root / DEVICE_MARKER, root / (DEVICE_MARKER + ".tmp"), root / "blobs"]
         out += [root / "blobs" / f"{x:02x}" for x in range(256)]
-    out.append(cfg.lock_path.absolute())
+    out.append(_abs(cfg.lock_path))
     return out
 
 
@@ -136,7 +140,7 @@ def _undo_create(made: builtins.list[Path], lock: DirLock) -> None:
     directories are left: an opener meanwhile gets StoreLocked, not a store half removed.
     Files are unlinked; directories removed only when empty (never anything someone else
     put there). Never raises."""
-    lock_file = lock.path.absolute()
+    lock_file = _abs(lock.path)
     for p in made:
         if p != lock_file and not p.is_dir():
             with contextlib.suppress(OSError):
@@ -284,7 +288,7 @@ class Engine:
             self._close_failed_open()
             err = _open_error(e, config, new=new) if isinstance(e, Exception) else None
             if new:  # (an empty index there before, left by an older kvfs, goes too)
-                index = [Path(f"{config.index_path.absolute()}{x}") for x in ("", "-wal", "-shm")]
+                index = [Path(f"{_abs(config.index_path)}{x}") for x in ("", "-wal", "-shm")]
                 _undo_create([*index, *(p for p in made if p not in index)], self._lock)
             else:
                 self._lock.release()
