@@ -576,8 +576,13 @@ class _Workers:
         for t in self._threads:
             t.join(timeout=max(0.0, end - time.monotonic()))
         for slot in self.slots:
-            if slot.proc is not None and slot.proc.poll() is None:
-                slot.proc.kill()
+            proc = slot.proc  # (its feeding thread may be clearing it meanwhile)
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                # reaped here, not left to the feeding thread: at exit nothing else would,
+                # and the interpreter's teardown warned "subprocess N is still running"
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(timeout=10)
 
 
 _workers_lock = threading.Lock()
