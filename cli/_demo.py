@@ -45,7 +45,7 @@ MODEL = "demo-llama-8l"
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "demo",
-        help="write, read back and list a small KV cache (object API)",
+        help="kvfs at work: a model's KV cache saved, spilled, reloaded in a new process",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
