@@ -28,7 +28,8 @@ EXIT_MEANING = {
     "corrupt": "corrupt data (checksum mismatch; fsck found problems)",
     "locked": "the data directory is owned by another process that does not answer (with "
     "--offline, and for mount: also by the daemon serving it)",
-    "no_daemon": "no daemon answers (with --daemon), or it died during the command",
+    "no_daemon": "no daemon answers (with --daemon; umount: no kvfs mount there), or it died"
+    " during the command",
     "archive": "archive unavailable, access to it denied, or not configured",
     "refused": "refused: it would lose data (evict) or cut off a mount in use (umount); "
     "--force does it anyway",
