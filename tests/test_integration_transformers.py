@@ -688,6 +688,11 @@ def test_model_demo_continues_in_a_new_process(
     cmd = look_command(cfg)
     r = subprocess.run([sys.executable, "-m", "cli", *cmd[1:]], capture_output=True, text=True)
     assert r.returncode == 0 and "agent-demo" in r.stdout, r.stderr
+    # its usage line names the command that runs it (it said "usage: demo.py")
+    r = subprocess.run(
+        [sys.executable, "-m", "kvfs.integrations.demo", "--help"], capture_output=True, text=True
+    )
+    assert r.returncode == 0 and r.stdout.startswith("usage: python -m kvfs.integrations.demo")
 
 
 def test_a_random_models_id_names_every_field_of_its_shape() -> None:

@@ -223,7 +223,9 @@ def main(argv: list[str] | None = None) -> int:
     """``python -m kvfs.integrations.demo [--data DIR]``: the scenario on a fresh store with a
     ``file://`` archive beside it (in DIR, default a temporary directory removed after)."""
     ap = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m kvfs.integrations.demo",  # (argparse would say demo.py)
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     ap.add_argument(
         "--data",
