@@ -15,6 +15,7 @@ from pathlib import Path
 import pyfuse3
 import trio
 
+from . import _fusermount
 from ._fuse import KvfsOperations
 from ._store import Store
 
@@ -127,11 +128,14 @@ async def serve_mount(
         entry_timeout=opts.entry_timeout,
         attr_timeout=opts.attr_timeout,
     )
+    before = _fusermount.snapshot() if opts.auto_unmount else None
     try:
         pyfuse3.init(ops, str(mp), opts.fuse_options())
     except RuntimeError as e:
         await ops.aclose()
         raise MountError(f"mounting {mp} failed ({e}); the kernel log (dmesg) may say more") from e
+    # (this thread's new child, and a new socket of a kind only C code makes: pyfuse3.init's)
+    watchdog = _fusermount.find_watchdog(before)
     mounted = True
     try:
         async with trio.open_nursery() as nursery:
@@ -152,6 +156,10 @@ async def serve_mount(
                     pyfuse3.close(unmount=True)
                 except Exception:
                     log.error("unmounting %s failed", mp, exc_info=True)
+            if watchdog is not None:
+                # Not serving any more: the watchdog checks now, not at this process's exit
+                # (unmounted, it just exits; still mounted, it unmounts the dead mount).
+                await watchdog.release()
             await ops.aclose()
             store.engine.mounted = None
             log.info("unmounted %s", mp)

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from _kvfs_mount import ServedMount
 
 import kvfs
 from gds._source import decode_extents
@@ -648,6 +649,96 @@ def test_remount_and_sigkill(make_mount: object) -> None:
     assert (m.mp / "kept").read_bytes() == data
     assert not (m.mp / "half").exists()
     assert sorted(os.listdir(m.mp)) == ["empty", "kept", "sessions"]
+
+
+def fusermount3_children() -> set[int]:
+    """This process's ``fusermount3`` children, zombies included."""
+    found = set()
+    for name in os.listdir("/proc"):
+        with contextlib.suppress(OSError, ValueError):
+            with open(f"/proc/{name}/stat") as f:
+                stat = f.read()
+            comm, rest = stat[stat.index("(") + 1 : stat.rindex(")")], stat[stat.rindex(")") :]
+            if comm == "fusermount3" and int(rest.split()[2]) == os.getpid():
+                found.add(int(name))
+    return found
+
+
+def open_sockets() -> set[str]:
+    links = set()
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            links.add(os.readlink(f"/proc/self/fd/{fd}"))
+    return {x for x in links if x.startswith("socket:")}
+
+
+def test_in_process_mounts_leave_no_fusermount3(tmp_path: Path) -> None:
+    # auto_unmount's fusermount3 watchdog and libfuse's socket to it outlived each unmount
+    # until the process exited: one of each per mount in a long-lived process.
+    cfg = kvfs.StoreConfig(data_dirs=[tmp_path / "data"])
+    mp = tmp_path / "mnt"
+    mp.mkdir()
+    children, sockets = fusermount3_children(), open_sockets()
+    for i in range(3):
+        with ServedMount(cfg, mp):
+            assert len(fusermount3_children() - children) == 1  # the mount's own watchdog
+            write(mp / f"f{i}", b"x")
+        assert not mounted(mp)
+        # (the watchdog exits by itself once told; it is waited for, a zombie counts too)
+        deadline = time.monotonic() + 60
+        while fusermount3_children() - children and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert fusermount3_children() - children == set()
+        assert open_sockets() - sockets == set()
+
+
+MOUNT_THEN_SPAWN = """
+import subprocess, sys, trio, kvfs
+from kvfs._mount import serve_mount
+
+async def main():
+    cfg = kvfs.StoreConfig(data_dirs=[sys.argv[1]])
+    async with kvfs.open_store(cfg) as store, trio.open_nursery() as nursery:
+        await nursery.start(serve_mount, store, sys.argv[2])
+        child = subprocess.Popen(["sleep", "600"], close_fds=False)
+        print(child.pid, flush=True)
+        await trio.sleep_forever()
+
+trio.run(main)
+"""
+
+
+def test_sigkill_cleans_up_despite_a_child_that_kept_descriptors(tmp_path: Path) -> None:
+    # libfuse's socket to the watchdog was inheritable: a child started without closing
+    # descriptors (close_fds=False, os.system, posix_spawn) held it, and the watchdog saw
+    # the SIGKILLed process gone only when that child ended too, leaving a dead mount.
+    mp = tmp_path / "mnt"
+    mp.mkdir()
+    proc = subprocess.Popen(
+        [sys.executable, "-c", MOUNT_THEN_SPAWN, str(tmp_path / "data"), str(mp)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    child = None
+    try:
+        assert proc.stdout is not None
+        child = int(proc.stdout.readline())
+        assert mounted(mp)
+        proc.kill()
+        proc.wait(timeout=60)
+        deadline = time.monotonic() + 60
+        while mounted(mp) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not mounted(mp), "the mount outlived its daemon"
+    finally:
+        proc.kill()
+        proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
+        if child is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child, signal.SIGKILL)
+        subprocess.run(["fusermount3", "-u", "-z", str(mp)], capture_output=True)
 
 
 def test_detached_mount_and_umount(tmp_path: Path) -> None:

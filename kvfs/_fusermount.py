@@ -1,0 +1,167 @@
+"""The ``fusermount3`` watchdog that ``auto_unmount`` leaves beside a mount, ended with it.
+
+With ``auto_unmount``, libfuse mounts through a ``fusermount3`` child that stays alive,
+reading one end of a socket pair; the mounting process keeps the other end. When every copy
+of that end is closed (normally: the process exits or dies), the watchdog checks the mount
+and unmounts it if it is still there and answers ENOTCONN (its daemon is gone). That is what
+cleans up after a SIGKILL. But libfuse keeps neither the child's pid nor its own end of the
+socket, an inheritable descriptor, and closes neither at unmount: each mount and unmount in a
+long-lived process left one ``fusermount3`` running and one descriptor open until the
+process exited, and every child started meanwhile without closing descriptors (the next
+mount's ``fusermount3``, ``os.system``) held a copy that kept that watchdog waiting.
+
+:func:`find_watchdog` picks out both right after ``pyfuse3.init`` (in the thread that called
+it) and makes the socket close-on-exec; :meth:`Watchdog.release` closes it once the session
+is closed, so the watchdog makes its check then (nothing mounted: it just exits), and reaps
+it. (A child forked without exec still holds a copy of the socket, as it does of the
+/dev/fuse descriptor: the watchdog acts once both this process and that child are gone.)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import struct
+import threading
+from dataclasses import dataclass
+
+import trio
+
+__all__ = ["Snapshot", "Watchdog", "find_watchdog", "snapshot"]
+
+log = logging.getLogger("kvfs.mount")
+
+#: How long :meth:`Watchdog.release` waits for the watchdog to exit before leaving its
+#: reaping to a thread (it normally exits in milliseconds: it only looks at the mount).
+REAP_WAIT = 10.0
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """This process's descriptors (fd -> what /proc shows it is) and this thread's children."""
+
+    fds: dict[int, str]
+    children: frozenset[int]
+
+
+def _fds() -> dict[int, str]:
+    out = {}
+    for name in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):  # (the listing's own descriptor, gone by now)
+            out[int(name)] = os.readlink(f"/proc/self/fd/{name}")
+    return out
+
+
+def _children() -> frozenset[int]:
+    tid = threading.get_native_id()
+    try:
+        with open(f"/proc/self/task/{tid}/children") as f:
+            return frozenset(int(p) for p in f.read().split())
+    except OSError:  # a kernel without CONFIG_PROC_CHILDREN: the whole process's children
+        me, found = os.getpid(), set()
+        for name in os.listdir("/proc"):
+            if name.isdigit():
+                with (
+                    contextlib.suppress(OSError, ValueError, IndexError),
+                    open(f"/proc/{name}/stat") as f,
+                ):
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == me:
+                        found.add(int(name))
+        return frozenset(found)
+
+
+def snapshot() -> Snapshot | None:
+    """Taken just before ``pyfuse3.init``, in the thread that calls it; None if /proc
+    cannot tell (the watchdog is then left to this process's exit). Never raises."""
+    try:
+        return Snapshot(_fds(), _children())
+    except OSError as e:
+        log.debug("no snapshot to find the fusermount3 watchdog by: %s", e)
+        return None
+
+
+def _comm(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def _is_comm_socket(fd: int) -> bool:
+    """libfuse's end of a socket pair: inheritable (a socket Python made is not), a Unix
+    stream socket, its peer credentials this process's (a socket pair's are its creator's)."""
+    if not os.get_inheritable(fd):
+        return False
+    try:
+        with socket.socket(fileno=os.dup(fd)) as s:
+            if s.family != socket.AF_UNIX or s.type != socket.SOCK_STREAM:
+                return False
+            cred = s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    except OSError:
+        return False
+    return struct.unpack("3i", cred)[0] == os.getpid()
+
+
+@dataclass
+class Watchdog:
+    """A mount's ``fusermount3`` child and this process's end of its socket."""
+
+    pid: int
+    fd: int
+    link: str  # what /proc/self/fd shows for ``fd``: that it is still the same socket
+    released: bool = False
+
+    async def release(self) -> None:
+        """Let the watchdog go: call once the session is closed (the mount gone, or this
+        process no longer serving it). The watchdog then checks the mount at once: nothing
+        mounted, it exits; mounted but dead, it unmounts, as at this process's exit. Waits
+        up to REAP_WAIT for it to exit; after that a thread reaps it whenever it does.
+        Idempotent."""
+        if self.released:
+            return
+        self.released = True
+        with contextlib.suppress(OSError):
+            if os.readlink(f"/proc/self/fd/{self.fd}") == self.link:
+                os.close(self.fd)
+        with trio.move_on_after(REAP_WAIT):
+            await trio.to_thread.run_sync(_reap, self.pid, abandon_on_cancel=True)
+            return
+        log.debug("fusermount3 (pid %d) still running; reaped when it exits", self.pid)
+
+
+def _reap(pid: int) -> None:
+    with contextlib.suppress(ChildProcessError):  # (reaped by someone else)
+        os.waitpid(pid, 0)
+
+
+def find_watchdog(before: Snapshot | None) -> Watchdog | None:
+    """The watchdog ``pyfuse3.init`` (with ``auto_unmount``) just started, found from what
+    is new since ``before``; None unless exactly one new ``fusermount3`` child and exactly
+    one new socket of libfuse's kind (anything ambiguous is left alone: the watchdog then
+    lives until this process exits, as without this module). Never raises."""
+    if before is None:
+        return None
+    try:
+        return _find(before)
+    except OSError as e:
+        log.debug("fusermount3 watchdog not identified: %s", e)
+        return None
+
+
+def _find(before: Snapshot) -> Watchdog | None:
+    pids = [p for p in _children() - before.children if _comm(p) == "fusermount3"]
+    new = {
+        fd: link
+        for fd, link in _fds().items()
+        if link.startswith("socket:") and before.fds.get(fd) != link
+    }
+    fds = [fd for fd in new if _is_comm_socket(fd)]
+    if len(pids) != 1 or len(fds) != 1:
+        log.debug("fusermount3 watchdog not identified (children %s, sockets %s)", pids, fds)
+        return None
+    fd = fds[0]
+    os.set_inheritable(fd, False)
+    return Watchdog(pids[0], fd, new[fd])
