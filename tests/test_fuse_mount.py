@@ -636,30 +636,52 @@ def test_remount_and_sigkill(make_mount: object) -> None:
     assert (m.mp / "empty").is_dir()
     # SIGKILL with a file half-written: auto_unmount removes the mount, a remount is clean.
     f = open(m.mp / "half", "wb")  # noqa: SIM115 - left open on purpose
-    f.write(b"z" * MiB)
-    f.flush()
-    m.stop(signal.SIGKILL)
-    deadline = time.monotonic() + 60  # the kill lands once a syscall in flight ends
-    while mounted(m.mp) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not mounted(m.mp), "auto_unmount did not clean up after SIGKILL"
-    with pytest.raises(OSError):
-        f.close()
+    try:
+        f.write(b"z" * MiB)
+        f.flush()
+        watchdogs = fusermount3_children(m.proc.pid)
+        # (gone already, it could not unmount: say so rather than wait)
+        assert len(watchdogs) == 1, f"the daemon's fusermount3 watchdog: {watchdogs}"
+        m.stop(signal.SIGKILL)
+        deadline = time.monotonic() + 60  # the kill lands once a syscall in flight ends
+        while mounted(m.mp) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not mounted(m.mp), (
+            f"auto_unmount did not clean up after SIGKILL (watchdog: {proc_state(*watchdogs)})"
+        )
+        with pytest.raises(OSError):
+            f.close()
+    finally:
+        # (closed whatever happened: left open, it failed the next test with a ResourceWarning)
+        with contextlib.suppress(OSError):
+            f.close()
     m.start()
     assert (m.mp / "kept").read_bytes() == data
     assert not (m.mp / "half").exists()
     assert sorted(os.listdir(m.mp)) == ["empty", "kept", "sessions"]
 
 
-def fusermount3_children() -> set[int]:
-    """This process's ``fusermount3`` children, zombies included."""
+def proc_state(pid: int) -> str:
+    """A process's state and where it sleeps in the kernel, or 'gone'."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+        with open(f"/proc/{pid}/wchan") as f:
+            return f"pid {pid} {state} in {f.read() or '-'}"
+    except OSError:
+        return f"pid {pid} gone"
+
+
+def fusermount3_children(parent: int | None = None) -> set[int]:
+    """The ``fusermount3`` children of ``parent`` (this process), zombies included."""
+    parent = os.getpid() if parent is None else parent
     found = set()
     for name in os.listdir("/proc"):
         with contextlib.suppress(OSError, ValueError):
             with open(f"/proc/{name}/stat") as f:
                 stat = f.read()
             comm, rest = stat[stat.index("(") + 1 : stat.rindex(")")], stat[stat.rindex(")") :]
-            if comm == "fusermount3" and int(rest.split()[2]) == os.getpid():
+            if comm == "fusermount3" and int(rest.split()[2]) == parent:
                 found.add(int(name))
     return found
 
