@@ -25,7 +25,8 @@ EXIT_MEANING = {
     "log path it cannot use)",
     "not_found": "no such page, session, store or file",
     "no_space": "capacity exceeded",
-    "corrupt": "corrupt data (checksum mismatch; fsck found problems)",
+    "corrupt": "corrupt data (checksum mismatch; fsck found problems, or its repair kept "
+    "damaged pages it could not mend)",
     "locked": "the data directory is owned by another process that does not answer (with "
     "--offline, and for mount: also by the daemon serving it)",
     "no_daemon": "no daemon answers (with --daemon; umount: no kvfs mount there), or it died"
@@ -47,6 +48,7 @@ def cli_markdown() -> str:
     os.environ["COLUMNS"] = WIDTH  # argparse wraps help to the terminal width
     from cli.__main__ import build_parser
     from cli._util import EXIT
+    from kvfs._maint import FSCK_FINDINGS, FSCK_PROBLEMS
 
     top = build_parser()
     out = [
@@ -73,6 +75,17 @@ def cli_markdown() -> str:
     out += [
         "| 130 | interrupted |",
         "| 141 | the reader of its output went away (`kvfs ls \\| head`); nothing is printed |",
+        "",
+        "## fsck findings",
+        "",
+        "`kvfs fsck` prints (with `--json`: returns) a list of each kind; the problems "
+        "(exit 5 until `--repair` mends them) are "
+        + ", ".join(f"`{k}`" for k in FSCK_PROBLEMS)
+        + ".",
+        "",
+        "| kind | what it lists |",
+        "|---|---|",
+        *(f"| `{k}` | {v} |" for k, v in FSCK_FINDINGS.items()),
         "",
         "## kvfs",
         "",

@@ -16,6 +16,7 @@ from typing import Any
 
 import kvfs
 from kvfs._control import DaemonUnavailable
+from kvfs._maint import FSCK_PROBLEMS
 from kvfs._remote import SyncRemoteStore
 
 from ._target import add_store_flags, map_mount_paths, open_target
@@ -153,15 +154,22 @@ def register(sub: argparse._SubParsersAction) -> None:
         p.set_defaults(func=cmd_spill_restore, op=name)
 
     p = sub.add_parser(
-        "fsck", help="check the index against the files: missing, wrong checksums, orphans"
+        "fsck",
+        help="check the index against the files and its rows against each other: missing, "
+        "wrong checksums, orphans, lost or wrong rows",
+        description="Check the index against the files and its rows against each other. "
+        "Prints each kind of finding (docs/cli.md says what each lists); exit 5 when there are problems, or when --repair kept damaged pages it "
+        "could not mend (unrecoverable).",
     )
     p.add_argument(
         "--repair",
         action="store_true",
-        help="remove orphans; restore damaged copies of archived data from the archive; "
-        "delete the pages whose data is missing or corrupt and held nowhere else; with "
-        "--check-archive, upload again the archive objects found damaged whose data is "
-        "still held here",
+        help="remove orphans; mend the index's rows (a lost blob row made again from its "
+        "files or the archive's copy, sizes, reference counts); restore damaged copies of "
+        "archived data from the archive; delete the pages whose data is missing or corrupt "
+        "and held nowhere else, except pinned ones (kept, and listed as unrecoverable: exit "
+        "5); with --check-archive, upload again the archive objects found damaged whose "
+        "data is still held here",
     )
     p.add_argument(
         "--check-archive",
@@ -787,8 +795,7 @@ def cmd_fsck(args: argparse.Namespace) -> int:
                 found = store.fsck_progress(
                     repair=args.repair, archive=args.check_archive, progress=remote_progress
                 )
-    kinds = ("missing", "corrupt", "orphans", "archive_missing", "archive_corrupt")
-    problems = sum(len(found.get(k, ())) for k in kinds)
+    problems = sum(len(found.get(k, ())) for k in FSCK_PROBLEMS)
     lines = [
         f"{k}: {len(v)}"
         + "".join(f"\n  {x}" for x in v[:20])
@@ -796,21 +803,33 @@ def cmd_fsck(args: argparse.Namespace) -> int:
         for k, v in found.items()
     ]
     # archive objects damaged whose data this store does not hold: no repair here
-    lost = len(found.get("archive_damaged_pages", ())) if args.repair else 0
-    lost += len(found.get("unrecoverable", ()))  # damaged here and in the archive
+    elsewhere = len(found.get("archive_damaged_pages", ())) if args.repair else 0
+    # damaged pages the repair kept: pinned, or damaged in the archive too
+    kept = len(found.get("unrecoverable", ()))
+    lost = elsewhere + kept
     if not problems:
         verdict = "clean"
     elif args.repair:
-        verdict = "repaired" + (
-            f"; {lost} page(s) whose archive object is damaged are held nowhere here "
-            "(another host sharing the archive may hold them)"
-            if lost
-            else ""
+        verdict = (
+            "repaired"
+            + (
+                f"; {elsewhere} page(s) whose archive object is damaged are held nowhere here "
+                "(another host sharing the archive may hold them)"
+                if elsewhere
+                else ""
+            )
+            + (
+                f"; {kept} damaged page(s) kept that cannot be read (unrecoverable: the "
+                "repaired lines say why)"
+                if kept
+                else ""
+            )
         )
     else:
         verdict = (
-            "problems found; --repair removes orphans, restores damaged data the archive "
-            "holds, and deletes the damaged pages it does not"
+            "problems found; --repair removes orphans, mends the index's rows, restores "
+            "damaged data the archive holds, and deletes the damaged pages it does not "
+            "(pinned ones are kept)"
             + (
                 "; and uploads again the damaged archive objects held here"
                 if args.check_archive

@@ -876,6 +876,29 @@ class ArchivingPolicy(TieringPolicy):
             out[k].sort()
         return out
 
+    def find_archived(self, h: bytes) -> tuple[int, bytes] | None:
+        """The size and leaf digests of content ``h`` when the archive holds a copy of it
+        that verifies against ``h``; None when it holds none, or a damaged one. Raises
+        ArchiveUnavailable."""
+        from objectstore import ObjectNotFound
+
+        from ._codec import decode
+
+        key = blob_key(h)
+        try:
+            obj = self.call(self.store.get, key)
+        except ObjectNotFound:
+            return None
+        assert isinstance(obj, bytes)
+        try:
+            data = decode(obj, f"archive object {key}", into=scratch_buffer)
+        except CorruptPage:
+            return None
+        leaves = leaves_of(data)
+        if tree_hash(len(data), leaves) != h:
+            return None
+        return len(data), leaves
+
     async def _get_object(self, blob: BlobRow) -> bytes:
         from objectstore import ObjectNotFound
 

@@ -373,7 +373,15 @@ class Engine:
         #: the mount serving this store, with its options (kvfs._mount.serve_mount)
         self.mounted: dict[str, object] | None = None
         clean = self.index.get_meta("clean", True) is not False
-        if not clean:
+        if not clean and self.index.has_pages_without_blob():
+            # A damaged index: those pages' data may be among the files no row names, and
+            # fsck --repair makes their rows again from them. The sweep would remove them.
+            log.warning(
+                "the store was not closed cleanly, and its index is damaged: some pages name "
+                "data no blob row holds. The data files no row names are kept for kvfs fsck "
+                "--repair, which makes those rows again from them and removes the rest"
+            )
+        elif not clean:
             self.recovered_orphans = self.tier.sweep(self.index.all_extent_files())
             log.warning(
                 "the store was not closed cleanly (a crash, a kill, or a close under calls "
@@ -1028,12 +1036,16 @@ class Engine:
         progress: object = None,
         archive: bool = False,
     ) -> dict[str, builtins.list[str]]:
-        """Check the index against the files: missing files, wrong sizes, bad checksums,
-        orphans. With ``repair``, orphans are removed, damaged local copies of archived data
-        are restored from the archive, and pages whose data is held nowhere else are
-        deleted (they cannot be served). With ``archive``, also download and verify the
-        archive object of everything archived (see ArchivingPolicy.check_archive).
-        Returns findings by kind."""
+        """Check the index against the files and its rows against each other: missing
+        files, bad checksums, orphans, pages whose blob row is gone, blob rows whose size
+        or digests are wrong, reference counts, page sizes. With ``repair``, orphans are
+        removed, rows are mended (a lost blob row made again from its files or the
+        archive's copy), damaged local copies of archived data are restored from the
+        archive, and pages whose data is held nowhere else are deleted (they cannot be
+        served), except pinned ones: kept, and listed as ``unrecoverable``. With
+        ``archive``, also download and verify the archive object of everything archived
+        (see ArchivingPolicy.check_archive). Returns findings by kind
+        (:data:`kvfs._maint.FSCK_FINDINGS`)."""
         with self._using():
             return _maint.fsck(
                 self, repair=repair, verify_data=verify_data, progress=progress, archive=archive

@@ -38,7 +38,7 @@ from typing import Any
 
 import msgpack
 
-from ._errors import CapacityExceeded, PageExists
+from ._errors import CapacityExceeded, CorruptPage, PageExists
 
 log = logging.getLogger("kvfs.index")
 
@@ -393,8 +393,11 @@ class Index:
         if not r:
             return None
         n = len(_PAGE_COLS.split(","))
-        if r[0][n] is None:  # same snapshot: a page row always has its blob row
-            raise AssertionError(f"index inconsistent: page {path} has no blob")
+        if r[0][n] is None:  # same snapshot: a page row has its blob row, unless damaged
+            raise CorruptPage(
+                f"index inconsistent: page {path} names data {bytes(r[0][2]).hex()[:16]} that "
+                "no blob row holds (kvfs fsck --repair mends it)"
+            )
         return _page(r[0][:n]), _blob(r[0][n:])
 
     def pages(
@@ -544,6 +547,151 @@ class Index:
             (limit,),
         )
         return [_blob(r) for r in rows]
+
+    # -- cross-checks (fsck) -------------------------------------------------------------
+    def pages_without_blob(self) -> dict[bytes, list[PageRow]]:
+        """The pages naming data that no blob row holds (a damaged index), by content."""
+        cols = ", ".join(f"p.{c.strip()}" for c in _PAGE_COLS.split(","))
+        out: dict[bytes, list[PageRow]] = {}
+        rows = self._q(
+            f"SELECT {cols} FROM pages p"
+            " WHERE NOT EXISTS (SELECT 1 FROM blobs b WHERE b.hash = p.hash)"
+        )
+        for p in sorted(map(_page, rows), key=lambda p: p.path):
+            out.setdefault(bytes(p.hash), []).append(p)
+        return out
+
+    def has_pages_without_blob(self) -> bool:
+        return bool(
+            self._q(
+                "SELECT 1 FROM pages p WHERE NOT EXISTS"
+                " (SELECT 1 FROM blobs b WHERE b.hash = p.hash) LIMIT 1"
+            )
+        )
+
+    def wrong_refs(self) -> list[tuple[bytes, int, int]]:
+        """(content, references its row counts, pages naming it) for every blob row whose
+        count is not the pages' (one statement: one committed state)."""
+        return [
+            (bytes(r[0]), r[1], r[2])
+            for r in self._q(
+                "SELECT hash, refs, n FROM (SELECT b.hash, b.refs,"
+                " (SELECT COUNT(*) FROM pages p WHERE p.hash = b.hash) AS n FROM blobs b)"
+                " WHERE refs != n ORDER BY hash"
+            )
+        ]
+
+    def wrong_page_sizes(self) -> list[tuple[PageRow, int]]:
+        """Every page whose size is not its data's, with its data's size."""
+        cols = ", ".join(f"p.{c.strip()}" for c in _PAGE_COLS.split(","))
+        rows = self._q(
+            f"SELECT {cols}, b.size FROM pages p JOIN blobs b ON b.hash = p.hash"
+            " WHERE p.size != b.size"
+        )
+        return sorted(((_page(r[:-1]), r[-1]) for r in rows), key=lambda x: x[0].path)
+
+    def blobs_not_local(self) -> list[BlobRow]:
+        return [_blob(r) for r in self._q(f"SELECT {_BLOB_COLS} FROM blobs WHERE extents IS NULL")]
+
+    # -- repairs (fsck --repair) -----------------------------------------------------------
+    def add_lost_blob(
+        self,
+        h: bytes,
+        size: int,
+        leaves: bytes,
+        extents: tuple[Extent, ...] | None,
+        disk_bytes: int,
+        *,
+        archived: bool,
+    ) -> BlobRow | None:
+        """A blob row again for data that pages name and no row holds (found in files no
+        row names, or in the archive), with one reference per such page. None when a row
+        holds it by now, or no page names it any more."""
+        with self.transaction() as db:
+            if db.execute("SELECT 1 FROM blobs WHERE hash=?", (h,)).fetchone():
+                return None
+            n = db.execute("SELECT COUNT(*) FROM pages WHERE hash=?", (h,)).fetchone()[0]
+            if not n:
+                return None
+            now = time.time()
+            ext = _pack([list(e) for e in extents]) if extents is not None else None
+            db.execute(
+                f"INSERT INTO blobs ({_BLOB_COLS}) VALUES (?,?,?,?,?,?,?,?,?)",
+                (h, size, leaves, n, ext, disk_bytes if extents else 0, int(archived), now, now),
+            )
+            if archived:  # its pages' manifests name it again
+                sessions = db.execute("SELECT DISTINCT session FROM pages WHERE hash=?", (h,))
+                self._changed(db, {r[0] for r in sessions}, [])
+            r = db.execute(f"SELECT {_BLOB_COLS} FROM blobs WHERE hash=?", (h,)).fetchone()
+            return _blob(r)
+
+    def fix_refs(self, h: bytes) -> tuple[int, int, BlobRow | None] | None:
+        """Set a blob row's reference count to the pages naming it: (was, now, the row
+        deleted when no page names it: the caller drops its files), None when there is no
+        such row any more."""
+        with self.transaction() as db:
+            r = db.execute(f"SELECT {_BLOB_COLS} FROM blobs WHERE hash=?", (h,)).fetchone()
+            if r is None:
+                return None
+            b = _blob(r)
+            n = db.execute("SELECT COUNT(*) FROM pages WHERE hash=?", (h,)).fetchone()[0]
+            if n:
+                db.execute("UPDATE blobs SET refs=? WHERE hash=?", (n, h))
+                return b.refs, n, None
+            db.execute("DELETE FROM blobs WHERE hash=?", (h,))
+            self._changed(db, set(), [b])  # (its archive object is collected)
+            return b.refs, 0, b
+
+    def fix_blob_row(self, h: bytes, copy: object, size: int, leaves: bytes) -> bool:
+        """Set the size and leaf digests of a blob row whose local copy, still ``copy``
+        (its extents), was verified with them. False when that copy is no longer its."""
+        with self.transaction() as db:
+            r = db.execute(f"SELECT {_BLOB_COLS} FROM blobs WHERE hash=?", (h,)).fetchone()
+            if r is None or _blob(r).extents != copy:
+                return False
+            db.execute("UPDATE blobs SET size=?, leaves=? WHERE hash=?", (size, leaves, h))
+            return True
+
+    def fix_page_size(self, path: str, h: bytes) -> int | None:
+        """Set a page's size to its data's (which that data was verified with); None when
+        the page holds other data by now, or is gone."""
+        with self.transaction() as db:
+            r = db.execute(
+                "SELECT p.session, b.size FROM pages p JOIN blobs b ON b.hash = p.hash"
+                " WHERE p.path=? AND p.hash=?",
+                (path, h),
+            ).fetchone()
+            if r is None:
+                return None
+            db.execute("UPDATE pages SET size=? WHERE path=?", (r[1], path))
+            self._changed(db, {r[0]}, [])  # the archive's manifest names its size
+            return int(r[1])
+
+    def delete_unpinned_pages(
+        self, h: bytes, copy: object
+    ) -> tuple[list[PageRow], list[BlobRow], list[PageRow]] | None:
+        """fsck --repair of data held nowhere: delete every page naming content ``h``
+        except the pinned ones (a page pinned, or in a pinned session), which are kept and
+        returned third. Only while the blob's local copy is still ``copy`` (its extents);
+        ``copy`` None: only while no blob row holds ``h``. None otherwise."""
+        with self.transaction() as db:
+            r = db.execute(f"SELECT {_BLOB_COLS} FROM blobs WHERE hash=?", (h,)).fetchone()
+            if (r is None) != (copy is None) or (r is not None and _blob(r).extents != copy):
+                return None
+            rows = [
+                (_page(x[:-1]), bool(x[-1]))
+                for x in db.execute(
+                    f"SELECT {', '.join(f'p.{c.strip()}' for c in _PAGE_COLS.split(','))},"
+                    " COALESCE(s.pinned, 0) FROM pages p LEFT JOIN sessions s"
+                    " ON s.dir = p.session WHERE p.hash=? ORDER BY p.path",
+                    (h,),
+                )
+            ]
+            kept = [p for p, session_pinned in rows if p.pinned or session_pinned]
+            gone, freed = self._delete_pages(
+                db, [p.path for p, session_pinned in rows if not (p.pinned or session_pinned)]
+            )
+            return gone, freed, kept
 
     # -- writes -------------------------------------------------------------------------
     def commit_page(

@@ -54,6 +54,7 @@ __all__ = [
     "LocalTier",
     "Piece",
     "device_store",
+    "placement",
     "run_beside",
     "wait_all",
 ]
@@ -107,6 +108,22 @@ class Piece:
     file_off: int
     dest_off: int
     n: int
+
+
+def placement(
+    rel: str, start: int, size: int, unit: int, ndev: int
+) -> tuple[tuple[Extent, ...], dict[int, int]]:
+    """Where a blob of ``size`` bytes written as ``rel`` from device ``start`` lies, with
+    ``ndev`` devices and stripe unit ``unit``: its extents, and the size of each of its
+    files (its header, and every chunk padded to 4 KiB)."""
+    extents: list[Extent] = []
+    sizes: dict[int, int] = {}
+    for c in range(max(1, -(-size // unit))):
+        dev, foff = (start + c) % ndev, HEADER + (c // ndev) * unit
+        n = min(unit, size - c * unit)
+        extents.append((dev, rel, foff, n))
+        sizes[dev] = max(sizes.get(dev, HEADER), foff + round_up(n))
+    return tuple(merge_extents(extents)), sizes
 
 
 def merge_extents(extents: list[Extent]) -> list[Extent]:
@@ -205,6 +222,24 @@ class LocalTier:
         """(device, file offset) of a page offset for a blob placed at device ``start``."""
         c, within = divmod(page_off, self.unit)
         return (start + c) % self.n, HEADER + (c // self.n) * self.unit + within
+
+    def read_header(self, dev: int, rel: str) -> dict[str, Any] | None:
+        """The header of data file ``rel`` on device ``dev`` (what its writer recorded:
+        nonce, dev, start, ndev, unit), or None when it is no kvfs data file or cannot be
+        read."""
+        try:
+            with open(self.abspath(dev, rel), "rb") as f:
+                raw = f.read(HEADER)
+        except OSError:
+            return None
+        if len(raw) < len(MAGIC) + 2 or raw[: len(MAGIC)] != MAGIC:
+            return None
+        n = int.from_bytes(raw[len(MAGIC) : len(MAGIC) + 2], "little")
+        try:
+            meta = msgpack.unpackb(raw[len(MAGIC) + 2 : len(MAGIC) + 2 + n])
+        except (ValueError, msgpack.UnpackException):
+            return None
+        return meta if isinstance(meta, dict) else None
 
     def disk_bytes(self, size: int) -> int:
         """Bytes on disk (headers and padding included) a blob of ``size`` occupies."""

@@ -28,6 +28,7 @@ from ._errors import (
 from ._events import log_event
 from ._index import BlobRow, PageRow
 from ._keys import SESSIONS_DIR, PageKey, as_key, session_name
+from ._local import LocalTier, placement
 from ._types import DeviceStatistics, StoreStatistics
 from ._writes import leaves_now
 
@@ -43,6 +44,8 @@ __all__ = [
     "evict",
     "expire_session",
     "fsck",
+    "FSCK_FINDINGS",
+    "FSCK_PROBLEMS",
     "rename",
     "statistics",
 ]
@@ -237,16 +240,77 @@ def _settings(eng: Engine) -> dict[str, object]:
 
 
 # -- verification -------------------------------------------------------------------------
+#: Every kind of finding :func:`fsck` returns, and what it lists (docs/cli.md's table is
+#: made from this, and a test checks that fsck returns no other kind).
+FSCK_FINDINGS: dict[str, str] = {
+    "missing": "data files that blob rows name and that are gone",
+    "corrupt": "contents (checksums) whose local copy does not match its checksum or is "
+    "shorter than its extents",
+    "orphans": "data files that no index row names, no writer is writing and no reader "
+    "holds (the files of content in `missing_blob_rows` found among them are not listed)",
+    "missing_blob_rows": "contents that pages name and no blob row holds (a damaged index): "
+    "`--repair` makes the row again from their files when they are found among the "
+    "orphans and verify, else from the archive's copy, else the data is held nowhere and "
+    "the pages go as damaged ones do",
+    "bad_blob_rows": "contents whose blob row's size is not what its extents hold, or whose "
+    "leaf digests do not give its checksum (its pages cannot be read): `--repair` takes "
+    "them from the local copy, verified, or from the archive's copy",
+    "wrong_refs": "contents whose blob row counts more or fewer references than the pages "
+    "that name it (too few: deleting one page deleted the data of the others; too many: "
+    "it was never freed): `--repair` sets the count, and deletes a row no page names, "
+    "with its files",
+    "wrong_page_size": "pages whose size is not their data's (`stat` and a read disagreed): "
+    "`--repair` sets it",
+    "damaged_pages": "the pages the findings above make unreadable, by the names a user "
+    "knows them by",
+    "repaired": "with `--repair`: what was done, one line each",
+    "unrecoverable": "with `--repair`: damaged pages kept that still cannot be read (exit "
+    "5): a pinned page whose data is held nowhere else (kept, not deleted: a put of the "
+    "same bytes mends a damaged copy; unpinned, the next `--repair` deletes it), and a page "
+    "whose data the archive holds no good copy of either, or cannot be asked about (another "
+    "host sharing the archive may upload it again)",
+    "archive_missing": "with `--check-archive`: archive objects of archived content that are gone",
+    "archive_corrupt": "with `--check-archive`: archive objects that do not match their checksum",
+    "archive_damaged_pages": "with `--check-archive`: the pages of those objects (with "
+    "`--repair`: those whose data is not held here to upload again; exit 5)",
+    "archive_repaired": "with `--check-archive --repair`: the objects uploaded again from a "
+    "verified local copy",
+    "archive_error": "with `--check-archive`: the archive could not be reached (exit 8, after "
+    "the local check and repair, which stand)",
+}
+#: The findings that are problems: exit 5 until ``--repair`` mends them.
+FSCK_PROBLEMS = (
+    "missing",
+    "corrupt",
+    "orphans",
+    "missing_blob_rows",
+    "bad_blob_rows",
+    "wrong_refs",
+    "wrong_page_size",
+    "archive_missing",
+    "archive_corrupt",
+)
+
+_LOST = "no blob row held its data, and no copy of it was found"
+_DAMAGED = "its data was damaged and held nowhere else"
+
+
 def fsck(
     eng: Engine, *, repair: bool, verify_data: bool, progress: object, archive: bool = False
 ) -> dict[str, builtins.list[str]]:
     out: dict[str, builtins.list[str]] = {
-        "missing": [],
-        "corrupt": [],
-        "orphans": [],
-        #: the pages whose data is missing or corrupt (what a user knows them by)
-        "damaged_pages": [],
-        "repaired": [],
+        k: []
+        for k in (
+            "missing",
+            "corrupt",
+            "orphans",
+            "missing_blob_rows",
+            "bad_blob_rows",
+            "wrong_refs",
+            "wrong_page_size",
+            "damaged_pages",
+            "repaired",
+        )
     }
     tier = eng.tier
     # Files first, then what may own them: a file written meanwhile is either not listed,
@@ -258,9 +322,12 @@ def fsck(
             (e[0], e[1]) for bs in eng._deferred.values() for b in bs for e in b.extents or ()
         )
     owned |= eng.index.all_extent_files()
-    out["orphans"] = [tier.abspath(dev, rel) for dev, rel in listed if (dev, rel) not in owned]
+    orphans = [(dev, rel) for dev, rel in listed if (dev, rel) not in owned]
     blobs = eng.index.local_blobs()
     bad: builtins.list[BlobRow] = []
+    #: blob rows whose size or digests are wrong while their local copy verifies, with
+    #: the size and digests it verified with
+    fixable: dict[bytes, tuple[BlobRow, int, bytes]] = {}
     for i, b in enumerate(blobs):
         assert b.extents is not None
         if callable(progress):
@@ -274,76 +341,55 @@ def fsck(
             out["missing"] += missing
             bad.append(b)
             continue
-        if verify_data:
-            buf = aligned_buffer(b.size)
-            try:
-                for p in tier.pieces(b.extents, 0, b.size):
-                    tier.read_piece(p, buf)
-                ok = tree_hash(b.size, leaves_now(buf) if b.size else leaf_hash(b"")) == b.hash
-            except OSError:
-                ok = False
-            if not ok:
+        # The row against itself (no I/O): its extents hold its size, its digests give its
+        # checksum. Either wrong, every read of its pages fails.
+        held = sum(e[3] for e in b.extents)
+        row_ok = held == b.size and _row_verifies(b)
+        if verify_data or not row_ok:
+            leaves = _read_leaves(tier, b.extents, held)
+            if leaves is None or tree_hash(held, leaves) != b.hash:
                 out["corrupt"].append(b.hash.hex())
                 bad.append(b)
+            elif not row_ok:
+                fixable[b.hash] = (b, held, leaves)
     if callable(progress):
         progress(len(blobs), len(blobs))
     # A copy deleted (or replaced by a new put of the same bytes) while it was checked
     # looks missing or corrupt: only a copy the index still holds is damaged.
     bad = [b for b in bad if _same_copy(eng, b)]
+    fixable = {h: x for h, x in fixable.items() if _same_copy(eng, x[0])}
     for b in bad:  # a put of the same bytes replaces the copy instead of sharing it
         eng.note_damaged(b)
     kept = {b.hash.hex() for b in bad}
     out["corrupt"] = [h for h in out["corrupt"] if h in kept]
-    held = {tier.abspath(e[0], e[1]) for b in bad for e in b.extents or ()}
-    out["missing"] = [p for p in out["missing"] if p in held]
+    held_files = {tier.abspath(e[0], e[1]) for b in bad for e in b.extents or ()}
+    out["missing"] = [p for p in out["missing"] if p in held_files]
+    # The rows against each other: data held by the archive alone (its row against itself),
+    # pages whose blob row is gone (their data looked for among the orphans), reference
+    # counts, and the size of each page against its data's.
+    archive_rows = [b for b in eng.index.blobs_not_local() if not _row_verifies(b)]
+    lost = eng.index.pages_without_blob()
+    found = _find_lost_data(tier, lost, orphans) if lost and orphans else {}
+    theirs = {(e[0], e[1]) for x in found.values() for e in x[0]}
+    out["orphans"] = [tier.abspath(dev, rel) for dev, rel in orphans if (dev, rel) not in theirs]
+    out["missing_blob_rows"] = sorted(h.hex() for h in lost)
+    out["bad_blob_rows"] = sorted(
+        [*(h.hex() for h in fixable), *(b.hash.hex() for b in archive_rows)]
+    )
+    out["wrong_refs"] = [h.hex() for h, _, _ in eng.index.wrong_refs()]
+    shaky = set(fixable) | {b.hash for b in archive_rows}  # (their rows' sizes are wrong)
+    sizes = {p.path for p, _ in eng.index.wrong_page_sizes() if p.hash not in shaky}
+    for h, (_, size, _) in fixable.items():
+        sizes.update(p.path for p in eng.index.pages_of_blob(h) if p.size != size)
+    out["wrong_page_size"] = sorted(sizes)
     names = {b.hash: [p.path for p in eng.index.pages_of_blob(b.hash)] for b in bad}
-    out["damaged_pages"] = sorted(p for paths in names.values() for p in paths)
+    for h in shaky:
+        names[h] = [p.path for p in eng.index.pages_of_blob(h)]
+    for h, pages in lost.items():
+        names[h] = [p.path for p in pages]
+    out["damaged_pages"] = sorted({p for paths in names.values() for p in paths})
     if repair:
-        for path in out["orphans"]:
-            try:
-                os.unlink(path)
-                out["repaired"].append(f"removed orphan {path}")
-            except FileNotFoundError:
-                pass
-            except OSError as e:  # (one left does not stop the rest of the repair)
-                out["repaired"].append(f"could not remove orphan {path}: {e}")
-        out["unrecoverable"] = []
-        for b in bad:
-            # A damaged local copy of archived data comes back from the archive (or, while
-            # the archive cannot be reached, is dropped: restored on access); data held
-            # nowhere else cannot be served, so its pages go.
-            try:
-                healed = eng.policy.heal(b, "fsck")
-            except (CorruptPage, PageNotFound) as e:
-                # The archive's copy is missing or damaged too: held nowhere here. (It was
-                # "dropped; the archive holds it", exit 0, and the next fsck was clean.)
-                out["unrecoverable"] += names[b.hash]
-                out["repaired"].append(
-                    f"dropped the damaged local copy of {b.hash.hex()[:16]}; the archive's "
-                    f"copy cannot be read either ({e}): {', '.join(names[b.hash])} cannot "
-                    "be read until another host sharing the archive uploads it again"
-                )
-                continue
-            except KvfsError as e:
-                out["repaired"].append(
-                    f"dropped the damaged local copy of {b.hash.hex()[:16]}; the archive "
-                    f"holds it (restored on access; now: {e})"
-                )
-                continue
-            if healed is not None:
-                out["repaired"].append(
-                    f"restored {b.hash.hex()[:16]} from the archive ({', '.join(names[b.hash])})"
-                )
-                continue
-            gone = eng.index.delete_blob_pages(b.hash, keep_pinned=False, copy=b.extents)
-            if gone is None:
-                continue  # a new copy since (deleted and put again): it is not this one
-            after_delete(eng, *gone)
-            with eng._cap_lock:
-                eng._evictions["fsck"] += 1
-            out["repaired"].extend(
-                f"deleted {p.path}: its data was damaged and held nowhere else" for p in gone[0]
-            )
+        _repair(eng, out, bad, fixable, archive_rows, lost, found, names)
     if archive:  # then the archive's copies: a download of each
         base = len(blobs)
 
@@ -356,6 +402,220 @@ def fsck(
         except ArchiveUnavailable as e:  # what was checked and repaired here still counts
             out["archive_error"] = [str(e)]
     return out
+
+
+def _repair(
+    eng: Engine,
+    out: dict[str, builtins.list[str]],
+    bad: builtins.list[BlobRow],
+    fixable: dict[bytes, tuple[BlobRow, int, bytes]],
+    archive_rows: builtins.list[BlobRow],
+    lost: dict[bytes, builtins.list[PageRow]],
+    found: dict[bytes, tuple[tuple, int, bytes, int]],
+    names: dict[bytes, builtins.list[str]],
+) -> None:
+    """What ``fsck(repair=True)`` does about its findings (see :data:`FSCK_FINDINGS`)."""
+    out["unrecoverable"] = []
+    said = out["repaired"]
+    mended: set[bytes] = set()  # rows made or set from verified data: their pages' sizes too
+    # The blob rows of lost data whose files were found: before the orphans go, though
+    # those files are not listed among them
+    for h, (extents, size, leaves, disk) in found.items():
+        row = eng.index.add_lost_blob(h, size, leaves, extents, disk, archived=False)
+        if row is None:
+            continue  # a put of those bytes made one meanwhile, or the pages went
+        with eng._cap_lock:
+            eng._account(row, +1)
+        mended.add(h)
+        said.append(
+            f"made the blob row of {h.hex()[:16]} again from its files ({', '.join(names[h])})"
+        )
+    for path in out["orphans"]:
+        try:
+            os.unlink(path)
+            said.append(f"removed orphan {path}")
+        except FileNotFoundError:
+            pass
+        except OSError as e:  # (one left does not stop the rest of the repair)
+            said.append(f"could not remove orphan {path}: {e}")
+    for hx in out["wrong_refs"]:  # (counted again in the transaction that sets them)
+        r = eng.index.fix_refs(bytes.fromhex(hx))
+        if r is None:
+            continue
+        was, now, freed = r
+        if freed is not None:
+            after_delete(eng, [], [freed])
+            said.append(f"deleted the blob row of {hx[:16]} and its files: no page names it")
+        elif was != now:
+            said.append(f"set the reference count of {hx[:16]} to {now} (it counted {was})")
+    for h, (b, size, leaves) in fixable.items():
+        if eng.index.fix_blob_row(h, b.extents, size, leaves):
+            mended.add(h)
+            said.append(
+                f"set the size and leaf digests of {h.hex()[:16]} from its verified local copy"
+                + (f" ({size} bytes; its row said {b.size})" if size != b.size else "")
+            )
+    for b in bad:
+        # A damaged local copy of archived data comes back from the archive (or, while
+        # the archive cannot be reached, is dropped: restored on access); data held
+        # nowhere else cannot be served, so its pages go (a pinned one stays: unrecoverable).
+        try:
+            healed = eng.policy.heal(b, "fsck")
+        except (CorruptPage, PageNotFound) as e:
+            # The archive's copy is missing or damaged too: held nowhere here. (It was
+            # "dropped; the archive holds it", exit 0, and the next fsck was clean.)
+            out["unrecoverable"] += names[b.hash]
+            said.append(
+                f"dropped the damaged local copy of {b.hash.hex()[:16]}; the archive's "
+                f"copy cannot be read either ({e}): {', '.join(names[b.hash])} cannot "
+                "be read until another host sharing the archive uploads it again"
+            )
+            continue
+        except KvfsError as e:
+            said.append(
+                f"dropped the damaged local copy of {b.hash.hex()[:16]}; the archive "
+                f"holds it (restored on access; now: {e})"
+            )
+            continue
+        if healed is not None:
+            said.append(
+                f"restored {b.hash.hex()[:16]} from the archive ({', '.join(names[b.hash])})"
+            )
+            continue
+        _delete_damaged(eng, out, b.hash, b.extents, _DAMAGED)
+    # Rows of archive-only data, and lost rows whose files were not found: the archive's
+    # copy says what they hold, if it has one that verifies
+    for b in archive_rows:
+        h = b.hash
+        try:
+            got = eng.policy.find_archived(h)
+            why = "the archive holds no copy of it that verifies"
+        except KvfsError as e:
+            got, why = None, f"the archive could not be asked ({e})"
+        if got is not None:
+            if eng.index.fix_blob_row(h, None, *got):  # (else: restored or deleted since)
+                mended.add(h)
+                said.append(
+                    f"set the size and leaf digests of {h.hex()[:16]} from the archive's copy"
+                )
+            continue
+        out["unrecoverable"] += names[h]
+        said.append(
+            f"kept {', '.join(names[h])}: the blob row of their data {h.hex()[:16]} is "
+            f"damaged, and {why}"
+        )
+    for h in lost:
+        if h in found:
+            continue
+        try:
+            got = eng.policy.find_archived(h)
+        except KvfsError as e:
+            out["unrecoverable"] += names[h]
+            said.append(
+                f"kept {', '.join(names[h])}: no blob row holds their data {h.hex()[:16]}, "
+                f"and the archive could not be asked ({e})"
+            )
+            continue
+        if got is None:
+            _delete_damaged(eng, out, h, None, _LOST)
+            continue
+        row = eng.index.add_lost_blob(h, got[0], got[1], None, 0, archived=True)
+        if row is not None:
+            mended.add(h)
+            said.append(
+                f"made the blob row of {h.hex()[:16]} again from the archive's copy "
+                f"(restored on access): {', '.join(names[h])}"
+            )
+    # Last, the sizes of pages, from their data's row (one found wrong, or just mended)
+    reported = set(out["wrong_page_size"])
+    for p, _ in eng.index.wrong_page_sizes():
+        if p.path in reported or p.hash in mended:
+            fixed = eng.index.fix_page_size(p.path, p.hash)
+            if fixed is not None:
+                said.append(
+                    f"set the size of {p.path} to {fixed} bytes, its data's (it said {p.size})"
+                )
+
+
+def _delete_damaged(
+    eng: Engine, out: dict[str, builtins.list[str]], h: bytes, copy: object, why: str
+) -> None:
+    """Delete the pages of content ``h``, held nowhere else; a pinned page is kept, and
+    listed as unrecoverable: a pin must not vanish in a repair. Only while the blob's
+    copy is still ``copy`` (None: while no blob row holds ``h``)."""
+    deleted = eng.index.delete_unpinned_pages(h, copy)
+    if deleted is None:
+        return  # a new copy since (deleted and put again): it is not this one
+    gone, freed, kept = deleted
+    if gone:
+        after_delete(eng, gone, freed)
+        with eng._cap_lock:
+            eng._evictions["fsck"] += 1
+        out["repaired"].extend(f"deleted {p.path}: {why}" for p in gone)
+    mend = "a put of the same bytes mends it; " if copy is not None else ""
+    for p in kept:
+        out["unrecoverable"].append(p.path)
+        out["repaired"].append(
+            f"kept {p.path}, pinned: {why}; it cannot be read ({mend}unpinned, it and its "
+            "session, the next fsck --repair deletes it)"
+        )
+
+
+def _row_verifies(b: BlobRow) -> bool:
+    """Whether a blob row's size and leaf digests give its checksum."""
+    try:
+        return tree_hash(b.size, b.leaves) == b.hash
+    except ValueError:  # not as many digests as its size has leaves
+        return False
+
+
+def _read_leaves(tier: LocalTier, extents: tuple, size: int) -> bytes | None:
+    """The leaf digests of the ``size`` bytes ``extents`` hold; None when they cannot be
+    read (a file shorter than its extents, an I/O error)."""
+    buf = aligned_buffer(size)
+    try:
+        for p in tier.pieces(extents, 0, size):
+            tier.read_piece(p, buf)
+    except OSError:
+        return None
+    return leaves_now(buf) if size else leaf_hash(b"")
+
+
+def _find_lost_data(
+    tier: LocalTier,
+    lost: dict[bytes, builtins.list[PageRow]],
+    orphans: builtins.list[tuple[int, str]],
+) -> dict[bytes, tuple[tuple, int, bytes, int]]:
+    """The data of contents that pages name and no blob row holds, looked for among the
+    orphaned files: the files one writer made (one name, on each device it used), laid out
+    as their header says, for each size those pages give, verified against the checksum.
+    By content: (extents, size, leaf digests, bytes on disk)."""
+    sizes = sorted({p.size for pages in lost.values() for p in pages})
+    groups: dict[str, dict[int, str]] = {}
+    for dev, rel in orphans:
+        groups.setdefault(rel, {})[dev] = tier.abspath(dev, rel)
+    found: dict[bytes, tuple[tuple, int, bytes, int]] = {}
+    for rel, files in groups.items():
+        hdr = tier.read_header(min(files), rel)
+        try:
+            assert hdr is not None
+            start, ndev, unit = int(hdr["start"]), int(hdr["ndev"]), int(hdr["unit"])
+            on_disk = {dev: os.stat(path).st_size for dev, path in files.items()}
+        except (AssertionError, KeyError, TypeError, ValueError, OSError):
+            continue  # no kvfs data file, or gone meanwhile
+        if not (0 < ndev <= tier.n and unit > 0 and 0 <= start < ndev):
+            continue
+        for size in sizes:
+            extents, want = placement(rel, start, size, unit, ndev)
+            if want != on_disk:  # (a writer pads each file to exactly this)
+                continue
+            leaves = _read_leaves(tier, extents, size)
+            h = tree_hash(size, leaves) if leaves is not None else b""
+            if h in lost and h not in found:
+                assert leaves is not None
+                found[h] = (extents, size, leaves, sum(want.values()))
+                break
+    return found
 
 
 def _same_copy(eng: Engine, b: BlobRow) -> bool:

@@ -197,6 +197,18 @@ class TieringPolicy:
             "when the store is opened with it"
         )
 
+    def find_archived(self, h: bytes) -> tuple[int, bytes] | None:
+        """The size and leaf digests of content ``h`` when the archive holds a verified
+        copy of it (fsck --repair of pages whose blob row was lost), None when it holds
+        none. Without an archive there is none; opened without the archive this store
+        spilled to, KvfsError: it may hold the data, and cannot be asked."""
+        if self.engine.index.get_meta("archive") is None:
+            return None
+        raise KvfsError(
+            "this store was opened without the archive it spilled to, which may hold the "
+            "data: run fsck --repair with it"
+        )
+
     def check_archive(
         self, *, repair: bool, progress: Callable[[int, int], None] | None = None
     ) -> dict[str, list[str]]:

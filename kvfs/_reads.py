@@ -208,6 +208,12 @@ def _read_pieces(
     assert blob.extents is not None
     tier = eng.tier
     pieces = list(tier.pieces(blob.extents, off, n, max_piece=piece))
+    held = sum(p.n for p in pieces)
+    if held < n:  # (a damaged blob row: its tail was served as zeros, its leaf unchecked)
+        raise eng.corrupt_read(
+            f"page {page.path!r} is corrupt: its extents hold {held} of its bytes "
+            f"{off}-{off + n} (kvfs fsck --repair mends the row)"
+        )
     # A bounded window of reads in flight: pieces then land one after another, and each
     # is hashed while the next ones are read, instead of all landing at the end together.
     window = max(READ_WINDOW, 2 * tier.n)

@@ -267,6 +267,10 @@ def test_spill_and_restore_with_or_without_workers(
             "missing": [],
             "corrupt": [],
             "orphans": [],
+            "missing_blob_rows": [],
+            "bad_blob_rows": [],
+            "wrong_refs": [],
+            "wrong_page_size": [],
             "damaged_pages": [],
             "repaired": [],
         }

@@ -336,6 +336,27 @@ def test_fsck_finds_and_repairs(run: Run, tmp_path: Path) -> None:
     assert run("ls", "sessions/a/p/layer-000", *d)[0] == 3
 
 
+def test_fsck_repair_keeps_a_damaged_pinned_page_and_says_so(run: Run, tmp_path: Path) -> None:
+    """fsck --repair deleted a damaged pinned page held nowhere else, and said "repaired"
+    (exit 0): the pin vanished without a word."""
+    d = one_page(run, tmp_path, os.urandom(50000))
+    assert run("pin", "sessions/a/p/layer-000", *d)[0] == 0
+    with kvfs.open_store_sync(kvfs.StoreConfig(data_dirs=(tmp_path / "d0", tmp_path / "d1"))) as s:
+        ext = s.stat("sessions/a/p/layer-000").extents[0]
+    with open(ext.path, "r+b") as f:
+        f.seek(ext.offset + 10)
+        f.write(b"\xff\xfe\xfd")
+    rc, out, _ = run("fsck", "--repair", *d)
+    assert rc == 5 and "1 damaged page(s) kept that cannot be read" in out, out
+    assert "kept sessions/a/p/layer-000, pinned: its data was damaged" in out
+    rc, out, _ = run("fsck", "--repair", "--json", *d)  # said again, not forgotten
+    assert rc == 5 and json.loads(out)["unrecoverable"] == ["sessions/a/p/layer-000"]
+    assert run("unpin", "sessions/a/p/layer-000", *d)[0] == 0
+    rc, out, _ = run("fsck", "--repair", *d)
+    assert rc == 0 and "deleted sessions/a/p/layer-000" in out, out
+    assert run("fsck", *d)[0] == 0
+
+
 def test_fsck_check_archive_finds_damaged_objects_and_uploads_again_what_is_held(
     run: Run, tmp_path: Path
 ) -> None:

@@ -60,6 +60,10 @@ async def test_remote_store_mirrors_store(make_config: MakeConfig, tmp_path: Pat
                 "missing": [],
                 "corrupt": [],
                 "orphans": [],
+                "missing_blob_rows": [],
+                "bad_blob_rows": [],
+                "wrong_refs": [],
+                "wrong_page_size": [],
                 "damaged_pages": [],
                 "repaired": [],
             }

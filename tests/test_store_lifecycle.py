@@ -266,6 +266,10 @@ def test_concurrent_commits_one_winner_per_key(
             "missing": [],
             "corrupt": [],
             "orphans": [],
+            "missing_blob_rows": [],
+            "bad_blob_rows": [],
+            "wrong_refs": [],
+            "wrong_page_size": [],
             "damaged_pages": [],
             "repaired": [],
         }
