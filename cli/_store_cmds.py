@@ -59,8 +59,16 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser(
         "hosts",
-        help="the hosts sharing the archive: sessions, retention, last heartbeat, when the "
-        "others take a silent one for gone",
+        help="the hosts sharing the archive: state, sessions, retention, last heartbeat, when "
+        "the others take a silent one for gone (or took it)",
+        description="STATE: live (its heartbeat is recent), silent (no heartbeat for two of its "
+        "intervals), retiring or retired (another host took it for gone: its unpinned sessions "
+        "are deleted; RETIRED says when, by the archive's clock), or no-heartbeat (it never "
+        "wrote one: kvfs before heartbeats, or a store used without a background task; such "
+        "a host is never retired). SESSIONS counts its manifests that hold pages (not the "
+        "empty ones that only say a session it took over was deleted). RETIRED, for a host "
+        "with a retention: when the others take it for gone if it stays silent (due: at "
+        "their next look); never with retention 0 (keep) or no heartbeat.",
     )
     add_store_flags(p)
     p.set_defaults(func=cmd_hosts)
@@ -324,26 +332,41 @@ def cmd_hosts(args: argparse.Namespace) -> int:
     def when(t: object) -> str:
         return fmt_time(float(t)) if isinstance(t, (int, float)) else "-"
 
-    def retire(h: dict[str, Any]) -> str:
+    def retired(h: dict[str, Any]) -> str:
+        state = h.get("state")
+        if state == "retired":
+            return when(h.get("retired_at"))
+        if state == "retiring":
+            return "under way"
         at = h.get("retire_at")
         if not isinstance(at, (int, float)):
             return "never"
         left = at - time.time()
-        return f"in {fmt_span(left)}" if left > 0 else "due"
+        if left <= 0:
+            return "due"
+        return f"in {fmt_span(left)}" + (" if silent" if state == "live" else "")
+
+    def retention(h: dict[str, Any]) -> str:
+        r = h.get("retention_s")
+        if isinstance(r, (int, float)):
+            return fmt_duration(float(r)) if r else "keep"
+        return "-"  # not known: no heartbeat ever read
 
     print_table(
-        ["STORE", "THIS", "SESSIONS", "RETENTION", "HEARTBEAT", "RETIRED IF SILENT"],
+        ["STORE", "THIS", "STATE", "SESSIONS", "RETENTION", "HEARTBEAT", "RETIRED"],
         [
             [
                 str(h["store_id"]),
                 "yes" if h.get("this") else "",
+                str(h.get("state", "")),
                 h.get("sessions", 0),
-                fmt_duration(float(h["retention_s"])) if h.get("retention_s") else "keep",
+                retention(h),
                 when(h.get("last_heartbeat")),
-                retire(h),
+                retired(h),
             ]
             for h in hosts
         ],
+        align="lllrlll",
     )
     return 0
 

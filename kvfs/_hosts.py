@@ -21,16 +21,28 @@ and every ``interval`` seconds, and looks at the others' heartbeats as often:
   marker beside it says the retirement is under way, so that one a failure interrupted is
   finished by a later pass, and each manifest goes only while the heartbeat is still
   missing. The host is not looked at again.
+* Where anything of it stays (a pinned session's manifest, a manifest kept as a tombstone,
+  one unreadable), the retiring host writes ``retired/<store id>`` last (msgpack: who
+  retired it and when, by the archive's clock, the retention and last heartbeat it had,
+  and which of its manifests still hold pages), so that ``kvfs hosts`` says it was
+  retired: without it, such a host looked like one that never wrote a heartbeat. A host
+  retired with nothing left leaves nothing behind (its retirement is logged).
 * A host whose retention is 0 keeps everything, so nobody retires it; a host that never
   wrote a heartbeat (kvfs before the ninth session, a store used without a background task)
   is never retired either.
 
 A host retired this way that does start again (or was only cut off) finds its heartbeat gone
 (its index records that it wrote one; it looks before every drop of a local copy) and
-writes all its manifests again; its own retention
+writes all its manifests again, deletes its ``retired/`` marker and beats: it is live
+again (a heartbeat outranks a marker in any case, one a race left included); its own retention
 pass deletes the sessions it did not touch meanwhile (all of them, unless pinned), and a page
 of another one read before that fails as missing from the archive (docs/archive.md, failure
 table).
+
+Each heartbeat also lists which of its host's manifests hold no pages (tombstones: a session
+it took over from another host and deleted, see kvfs/_manifest.py), so that ``kvfs hosts``
+counts only sessions holding pages from one listing, reading no manifest: a manifest's size
+does not tell (a tombstone keeps the session's attributes and the versions it supersedes).
 """
 
 from __future__ import annotations
@@ -38,7 +50,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import msgpack
 
@@ -49,11 +61,19 @@ from ._manifest import MANIFESTS, pack_manifest, parse_manifest
 if TYPE_CHECKING:
     from objectstore import ObjectStore
 
-__all__ = ["HOSTS", "Hosts", "heartbeat_interval"]
+__all__ = ["HOSTS", "RETIRED", "Hosts", "heartbeat_interval"]
 
 HOSTS = "hosts/"
 #: beside a heartbeat deleted by a host retiring that one: the retirement is under way
+#: (msgpack: what the retired host's heartbeat said, and who retires it; empty from kvfs
+#: before the retired markers)
 RETIRING = ".retiring"
+#: ``retired/<store id>``: that host was retired and something of it stays (kept apart from
+#: ``hosts/``, where kvfs before it would read it as a heartbeat)
+RETIRED = "retired/"
+#: a heartbeat older than two of its host's intervals plus this is shown as silent (S3 keeps
+#: whole seconds, and the looker's clock is compared with the archive's)
+SILENT_SLACK = 5.0
 log = logging.getLogger("kvfs.archive")
 
 
@@ -73,6 +93,7 @@ class Hosts:
         count: Callable[[str, int], None],
         absent: Callable[[], Awaitable[None]],
         forget: Callable[[list[bytes]], Awaitable[None]],
+        tombstones: Callable[[], Awaitable[list[str]]],
     ) -> None:
         self.store, self.store_id, self.retention = store, store_id, retention
         self.interval = heartbeat_interval(retention)
@@ -82,6 +103,8 @@ class Hosts:
         self.absent = absent
         #: queues objects for this host's collection (durably: before a manifest goes)
         self.forget = forget
+        #: this host's manifests without pages, by session key part (session_key_part)
+        self.tombstones = tombstones
         self._beaten = False
         #: time.monotonic() of this host's last heartbeat written (None: none yet)
         self.beaten_at: float | None = None
@@ -102,7 +125,15 @@ class Hosts:
                     self.key,
                 )
             await self.absent()
-        body = {"v": 1, "retention": self.retention, "interval": self.interval}
+            # Back: no longer retired (before the heartbeat, so that a failure here is
+            # retried by the next beat, which finds the heartbeat still missing).
+            await self.store.delete(RETIRED + self.store_id)
+        body = {
+            "v": 1,
+            "retention": self.retention,
+            "interval": self.interval,
+            "tombstones": sorted(await self.tombstones()),
+        }
         await self.store.put(self.key, msgpack.packb(body))
         self._beaten = True
         self.beaten_at = time.monotonic()
@@ -124,53 +155,116 @@ class Hosts:
         )
 
     async def survey(self) -> list[dict[str, object]]:
-        """Every host the archive knows of, from heartbeats and manifests, by store id:
-        ``this`` (this host), ``sessions`` (its manifests), ``retention_s`` and
-        ``heartbeat_s`` (None: no heartbeat), ``last_heartbeat`` (the archive's time of
-        it) and ``retire_at`` (when others will take it for gone if it stays silent; None:
-        never). Reads each heartbeat, never a manifest; writes nothing."""
-        sessions: dict[str, int] = {}
+        """Every host the archive knows of, from heartbeats, retirement markers and the
+        manifest listing, by store id: ``this`` (this host); ``state``: ``live`` (beat
+        within two of its intervals, by this host's clock against the archive's),
+        ``silent`` (not since), ``retiring`` (another host is retiring it), ``retired``
+        (another host retired it; what stays of it is pinned) or ``no-heartbeat`` (never
+        wrote one: never retired); ``sessions`` (its manifests that hold pages);
+        ``retention_s`` and ``heartbeat_s`` (None: not known), ``last_heartbeat`` (the
+        archive's time of it), ``retire_at`` (when others will take it for gone if it stays
+        silent; None: never, or retired already), ``retired_at`` (the archive's time of its
+        retirement) and ``retired_by`` (the store id that retired it). Reads the heartbeats
+        and retirement markers, never a manifest; writes nothing."""
+        parts: dict[str, set[str]] = {}
         for key in await self.store.list_all(MANIFESTS):
             head, at, host = key.rpartition("@")
             if at and head:
-                sessions[host] = sessions.get(host, 0) + 1
-        beats = {
-            k[len(HOSTS) :] for k in await self.store.list_all(HOSTS) if not k.endswith(RETIRING)
-        }
+                parts.setdefault(host, set()).add(head[len(MANIFESTS) :])
+        beats, retiring = set(), set()
+        for k in await self.store.list_all(HOSTS):
+            if k.endswith(RETIRING):
+                retiring.add(k[len(HOSTS) : -len(RETIRING)])
+            else:
+                beats.add(k[len(HOSTS) :])
+        retired = {k[len(RETIRED) :] for k in await self.store.list_all(RETIRED)}
+        now = time.time()
         out = []
-        for host in sorted(beats | set(sessions)):
+        for host in sorted(beats | retiring | retired | set(parts)):
+            mine = parts.get(host, set())
             row: dict[str, object] = {
                 "store_id": host,
                 "this": host == self.store_id,
-                "sessions": sessions.get(host, 0),
+                "state": "no-heartbeat",
+                "sessions": len(mine),
                 "retention_s": None,
                 "heartbeat_s": None,
                 "last_heartbeat": None,
                 "retire_at": None,
+                "retired_at": None,
+                "retired_by": None,
             }
-            beat = await self._heartbeat(host) if host in beats else None
-            if beat is not None:
-                retention, interval, seen = beat
-                row.update(retention_s=retention, heartbeat_s=interval, last_heartbeat=seen)
-                if retention > 0:
-                    row["retire_at"] = seen + 2 * retention + 2 * interval
+            beat = await self._read_heartbeat(host) if host in beats else None
+            empty: set[str] = set()  # its manifests without pages
+            if beat is not None:  # (a heartbeat outranks any marker: the host is back)
+                row.update(retention_s=beat.retention, heartbeat_s=beat.interval)
+                row["last_heartbeat"] = beat.seen
+                silent = now - beat.seen > 2 * beat.interval + SILENT_SLACK
+                row["state"] = "silent" if silent else "live"
+                if beat.retention > 0:
+                    row["retire_at"] = beat.seen + 2 * beat.retention + 2 * beat.interval
+                empty = beat.tombstones
+            elif host in retiring:
+                row.update((await self._retired_row(HOSTS + host + RETIRING))[0])
+                row["state"] = "retiring"
+            elif host in retired:
+                fields, held = await self._retired_row(RETIRED + host)
+                row.update(fields, state="retired", sessions=len(mine & held))
+            if row["state"] != "retired":
+                if host == self.store_id:
+                    empty = set(await self.tombstones())  # its own index: up to date
+                row["sessions"] = len(mine - empty)
             out.append(row)
         return out
 
-    async def _heartbeat(self, host: str) -> tuple[float, float, float] | None:
-        """A host's heartbeat: its retention, its interval and when it was written (the
-        archive's clock); None when it is gone, or unreadable (that host is then kept)."""
+    async def _read_heartbeat(self, host: str) -> _Beat | None:
+        """A host's heartbeat (None when it is gone, or unreadable: that host is then
+        kept)."""
         key = HOSTS + host
         try:
             info = msgpack.unpackb(await self.store.get(key), raw=False)
             retention, interval = float(info["retention"]), float(info["interval"])
+            # (none from kvfs before they were listed)
+            tombstones = _strings(info.get("tombstones"))
         except FileNotFoundError:
             return None  # retired by another host meanwhile
         except Exception as e:  # noqa: BLE001 - a damaged heartbeat: that host is kept
             log.warning("archive heartbeat %s is unreadable (%s); host kept", key, e)
             return None
         seen = await self.store.modified(key)
-        return None if seen is None else (retention, interval, seen)
+        return None if seen is None else _Beat(retention, interval, seen, tombstones)
+
+    async def _heartbeat(self, host: str) -> tuple[float, float, float] | None:
+        """A host's heartbeat: its retention, its interval and when it was written (the
+        archive's clock); None when it is gone, or unreadable (that host is then kept)."""
+        beat = await self._read_heartbeat(host)
+        return None if beat is None else (beat.retention, beat.interval, beat.seen)
+
+    async def _retired_row(self, key: str) -> tuple[dict[str, object], set[str]]:
+        """What a ``.retiring`` or ``retired/`` marker says of its host, as survey's fields,
+        and which of its manifests hold pages (by session key part)."""
+        m = await self._marker(key)
+        fields = {
+            "retention_s": _number(m.get("retention")),
+            "heartbeat_s": _number(m.get("interval")),
+            "last_heartbeat": _number(m.get("last_heartbeat")),
+            "retired_at": None if key.endswith(RETIRING) else _number(m.get("at")),
+            "retired_by": m.get("by") if isinstance(m.get("by"), str) else None,
+        }
+        return fields, _strings(m.get("sessions"))
+
+    async def _marker(self, key: str) -> dict[str, Any]:
+        """A ``.retiring`` or ``retired/`` marker's fields ({} where it is empty, gone, or
+        unreadable: only what is shown of a retired host is missing then)."""
+        try:
+            raw = await self.store.get(key)
+            info = msgpack.unpackb(raw, raw=False) if raw else {}  # (empty: older kvfs)
+        except FileNotFoundError:
+            return {}
+        except Exception as e:  # noqa: BLE001 - a damaged marker: nothing is decided by it
+            log.warning("archive marker %s is unreadable (%s)", key, e)
+            return {}
+        return info if isinstance(info, dict) else {}
 
     async def tick(self) -> None:
         """Beat, then retire hosts silent for good (and finish retirements a failure or a
@@ -186,7 +280,8 @@ class Hosts:
                 if HOSTS + host in keys:  # it came back: nothing more of it goes
                     await self.store.delete(key)
                 else:
-                    await self._retire(host, "an interrupted retirement, resumed")
+                    info = await self._marker(key)
+                    await self._retire(host, "an interrupted retirement, resumed", now, info)
             elif host != self.store_id:
                 await self._retire_if_silent(host, now)
 
@@ -202,18 +297,29 @@ class Hosts:
         # finds it missing, before any drop (Spiller._check_named), and writes its manifests
         # again; a manifest is then deleted only while the heartbeat is still missing. A
         # marker says the retirement is under way, so that a failure halfway is resumed
-        # (with the heartbeat gone, nothing else would look at this host again).
+        # (with the heartbeat gone, nothing else would look at this host again); it keeps
+        # what the heartbeat said, for kvfs hosts and the retired marker.
         if await self.store.modified(HOSTS + host) != seen:
             return
-        await self.store.put(HOSTS + host + RETIRING, b"")
+        info = {
+            "v": 1,
+            "by": self.store_id,
+            "retention": retention,
+            "interval": interval,
+            "last_heartbeat": seen,
+        }
+        await self.store.put(HOSTS + host + RETIRING, msgpack.packb(info))
         await self.store.delete(HOSTS + host)
         why = f"silent for more than twice its retention ({retention:g} s) for {now - seen:.0f} s"
-        await self._retire(host, why)
+        await self._retire(host, why, now, info)
 
-    async def _retire(self, host: str, why: str) -> None:
+    async def _retire(self, host: str, why: str, now: float, info: dict[str, Any]) -> None:
         """Delete the manifests of ``host`` (its heartbeat gone), except pinned ones, and
-        its collection intents; then its ``.retiring`` marker."""
-        deleted = kept = 0
+        its collection intents; then, where anything of it stays, write its ``retired/``
+        marker; then delete its ``.retiring`` marker."""
+        deleted = kept = tombstoned = 0
+        #: its manifests kept that hold pages (or may: unreadable), by session key part
+        held: list[str] = []
         listed = set(await self.store.list_all(MANIFESTS))
         for mkey in listed:
             if not mkey.endswith("@" + host):
@@ -222,25 +328,29 @@ class Hosts:
                 log.warning("archive host %s came back while being retired: left alone", host)
                 await self.store.delete(HOSTS + host + RETIRING)
                 return
+            session_part = mkey[: -len(host) - 1]
             try:
                 m: dict[str, Any] = parse_manifest(await self.store.get(mkey))  # type: ignore[arg-type]
             except FileNotFoundError:
                 continue
             except ValueError:
                 kept += 1  # unreadable: what it names is unknown, so it stays
+                held.append(session_part[len(MANIFESTS) :])
                 continue
             if m.get("pinned") or any(p.get("pinned") for p in m["pages"]):
                 kept += 1
+                if m["pages"]:
+                    held.append(session_part[len(MANIFESTS) :])
                 continue
             # Queued before the manifest goes: a failure (or a kill) in between leaves the
             # manifest, retired again next time, never objects that nothing would collect.
             await self.forget([bytes(p["hash"]) for p in m["pages"]])
-            session_part = mkey[: -len(host) - 1]
             if any(f"{session_part}@{sid}" in listed for sid in m.get("supersedes", {})):
                 # It supersedes manifests still there (the host took the session over from
                 # theirs): deleting it would bring back what they name and it deleted.
                 # Its pages go; a tombstone keeps saying what is no longer there.
                 await self.store.put(mkey, pack_manifest({**m, "pages": []}))
+                tombstoned += 1
             else:
                 await self.store.delete(mkey)
             deleted += 1
@@ -249,6 +359,26 @@ class Hosts:
         intents = await self.store.list_all(INTENTS + host + "-")
         for k in intents:
             await self.store.delete(k)
+        if kept or tombstoned:
+            # What stays says whose it is, and kvfs hosts says the host was retired (not
+            # "never wrote a heartbeat"). Written last: a host that came back meanwhile
+            # (its heartbeat there) outranks it, and it is deleted again at once.
+            marker = {
+                "v": 1,
+                "retention": info.get("retention"),
+                "interval": info.get("interval"),
+                "last_heartbeat": info.get("last_heartbeat"),
+                "by": info.get("by") or self.store_id,
+                "at": now,
+                "sessions": held,
+                "kept": kept,
+                "tombstones": tombstoned,
+            }
+            await self.store.put(RETIRED + host, msgpack.packb(marker))
+            if await self.store.modified(HOSTS + host) is not None:
+                await self.store.delete(RETIRED + host)
+        else:  # (one of an earlier retirement, left by a race with the host's return)
+            await self.store.delete(RETIRED + host)
         # Its heartbeat went even where pinned manifests stay: a host only cut off finds it
         # missing when it is back and writes its manifests again. Kept, the host went on
         # trusting manifests deleted here, and dropped local copies of pages whose objects
@@ -265,3 +395,21 @@ class Hosts:
                 intents=len(intents),
                 message=why,
             )
+
+
+class _Beat(NamedTuple):
+    """A heartbeat: its host's retention and interval, when it was written (the archive's
+    clock), and its host's manifests without pages (by session key part)."""
+
+    retention: float
+    interval: float
+    seen: float
+    tombstones: set[str]
+
+
+def _strings(v: object) -> set[str]:
+    return {p for p in v if isinstance(p, str)} if isinstance(v, list) else set()
+
+
+def _number(v: object) -> float | None:
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None

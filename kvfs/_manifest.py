@@ -9,6 +9,8 @@ Bucket (or directory) layout under the configured prefix::
     gc/<store id>-<time>-<random>[.done] collection intents of hosts deleting objects
                                          (kvfs/_collect.py)
     hosts/<store id>                     a host's heartbeat: its retention (kvfs/_hosts.py)
+    retired/<store id>                   that host was retired by another, and something of
+                                         it stays (its pinned sessions' manifests)
 
 A manifest lists only pages whose content is in ``blobs/``; it is written after those
 objects are confirmed, in one PUT, so a reader sees the previous manifest or the new one.
@@ -263,6 +265,19 @@ class ArchiveIndex:
             "SELECT store_id, spilled_at FROM archive_imported WHERE session=?", (session,)
         )
         return {r[0]: r[1] for r in rows}
+
+    def tombstones(self) -> list[str]:
+        """The sessions whose manifest here holds no pages but stays, superseding other
+        hosts' versions (build_manifest): those imported, none of whose pages is archived
+        here (any more)."""
+        return [
+            r[0]
+            for r in self.index._q(
+                "SELECT DISTINCT i.session FROM archive_imported i WHERE NOT EXISTS ("
+                " SELECT 1 FROM pages p JOIN blobs b ON b.hash=p.hash"
+                " WHERE p.session=i.session AND b.archived)"
+            )
+        ]
 
     # -- pending work -------------------------------------------------------------------
     def enqueue(self, kind: str, keys: list[str]) -> None:

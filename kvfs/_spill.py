@@ -33,6 +33,7 @@ from ._manifest import (
     merge_manifests,
     pack_manifest,
     parse_manifest,
+    session_key_part,
     session_of_manifest_key,
 )
 
@@ -87,6 +88,7 @@ class Spiller:
             policy.count,
             self.heartbeat_missing,
             self._forget_retired,
+            self.tombstones,
         )
 
     def queue_length(self) -> int:
@@ -559,6 +561,12 @@ class Spiller:
         is deleted (collected once no manifest names it; queued first, nothing is missed)."""
         if hashes:
             await _thread(self.aindex.enqueue, "forget", sorted({h.hex() for h in hashes}))
+
+    async def tombstones(self) -> list[str]:
+        """This host's manifests that hold no pages (it took the session over from other
+        hosts and deleted it: build_manifest), by session key part: its heartbeat lists
+        them, so that kvfs hosts counts only sessions holding pages without reading them."""
+        return [session_key_part(d) for d in await _thread(self.aindex.tombstones)]
 
     async def heartbeat_missing(self) -> None:
         """This host's heartbeat is not in the archive. The first time (a new store, or one

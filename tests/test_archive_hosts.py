@@ -9,15 +9,24 @@ one host deleting or replacing its page never takes away an object the other hos
 still need. A third, empty host that restores a session the owner has not changed since its
 last spill sees exactly the owner's pages. At the end no object is orphaned and every
 manifest names only objects that exist.
+
+Then what ``kvfs hosts`` says of the hosts sharing an archive: a retired host as retired
+(not as one that never beat), one back from retirement as live, and only sessions that hold
+pages counted (not tombstones).
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import shutil
 import tempfile
+import time
+from collections.abc import Callable
 from pathlib import Path
 
+import msgpack
+import trio
 from _archive_dir import named, objects
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
@@ -25,6 +34,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 import kvfs
 from kvfs import PageKey
+from tests.test_archive import archive_url, archived_cfg, kv_page  # noqa: F401 - fixture
 
 HOSTS = ("A", "B")
 SESSION = {"A": "a", "B": "b"}
@@ -160,3 +170,231 @@ SharedArchive.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow],
 )
 test_two_hosts_share_an_archive = SharedArchive.TestCase
+
+
+# -- kvfs hosts: what it says of each host --------------------------------------------------
+
+
+async def _listed(s: kvfs.Store, prefix: str) -> list[str]:
+    return await s.engine.policy.store.list_all(prefix)  # type: ignore[attr-defined, no-any-return]
+
+
+async def _beaten(s: kvfs.Store) -> None:
+    with trio.fail_after(30):
+        while f"hosts/{s.engine.store_id}" not in await _listed(s, "hosts/"):  # type: ignore[attr-defined]
+            await trio.sleep(0.05)
+
+
+def _rows(out: str) -> tuple[list[str], list[str]]:
+    """The table's lines, and its columns' names."""
+    lines = out.rstrip("\n").split("\n")
+    return lines, lines[0].split()
+
+
+def _cells(lines: list[str], row: str) -> dict[str, str]:
+    """One row of the table by its store id, cut at the header's column starts: the columns
+    line up (every cell starts where its header does)."""
+    header, rule = lines[0], lines[1]
+    starts = [i for i in range(len(rule)) if rule[i] == "-" and (i == 0 or rule[i - 1] == " ")]
+    names = [header[a:b].strip() for a, b in zip(starts, [*starts[1:], None], strict=True)]
+    (line,) = [ln for ln in lines[2:] if ln.startswith(row)]
+    cells = [line[a:b].strip() for a, b in zip(starts, [*starts[1:], None], strict=True)]
+    for a in starts[1:]:
+        assert line[a - 2 : a] == "  " or not line[a - 2 : a].strip(), (line, a)
+    return dict(zip(names, cells, strict=True))
+
+
+def test_kvfs_hosts_says_a_retired_host_was_retired_and_when(
+    make_config: Callable[..., kvfs.StoreConfig],
+    archive_url: str,  # noqa: F811
+    run: Callable[..., tuple[int, str, str]],
+) -> None:
+    """Host B (a pinned session, an unpinned one, and a tombstone: a session it took over
+    from host X and deleted) goes away and host A retires it. B's pinned manifest and its
+    tombstone stay, its heartbeat goes: ``kvfs hosts`` says B was retired, when and by whom,
+    with the retention and last heartbeat it had, and counts one session (the tombstone
+    holds no pages); X, which never beat, says no-heartbeat. Table and --json."""
+    x_cfg = archived_cfg(make_config, archive_url, name="host-x")
+    b_setup = archived_cfg(make_config, archive_url, name="host-b")
+    b_cfg = archived_cfg(make_config, archive_url, name="host-b", interval=60, retention=1.5)
+    a_cfg = archived_cfg(make_config, archive_url, name="host-a", interval=0.05, retention=1)
+    with kvfs.open_store_sync(x_cfg) as x:
+        x.put(PageKey.semantic("u", "p", 0), kv_page(70))
+        x.spill("u")
+        x_id = x.engine.store_id
+    with kvfs.open_store_sync(b_setup) as b_sync:
+        b_id = b_sync.engine.store_id
+        b_sync.restore("u")
+        b_sync.delete_session("u")  # B's manifest of u: a tombstone superseding X's
+        b_sync.pin_session("kept")
+        for sess, page in (("gone", kv_page(71)), ("kept", kv_page(72))):
+            b_sync.put(PageKey.semantic(sess, "p", 0), page)
+            b_sync.spill(sess)
+
+    async def main() -> tuple[str, list[dict[str, object]]]:
+        async with kvfs.open_store(b_cfg) as b:  # B's heartbeat, then B goes for good
+            await _beaten(b)
+            (me,) = [h for h in await b.archive_hosts() if h["this"]]
+            assert me["state"] == "live" and me["sessions"] == 2  # gone, kept; not u
+            assert me["retired_at"] is None and me["retire_at"] is not None
+        async with kvfs.open_store(a_cfg) as a:
+            with trio.fail_after(60):
+                while (await a.statistics()).extra["archive"]["hosts_retired"] == 0:
+                    await trio.sleep(0.1)
+            assert f"retired/{b_id}" in await _listed(a, "retired/")
+            left = [k for k in await _listed(a, "manifests/") if k.endswith("@" + b_id)]
+            assert len(left) == 2  # kept (pinned), u (the tombstone)
+            return a.engine.store_id, await a.archive_hosts()  # type: ignore[attr-defined]
+
+    a_id, hosts = trio.run(main)
+    rows = {h["store_id"]: h for h in hosts}
+    b = rows[b_id]
+    assert b["state"] == "retired" and b["sessions"] == 1 and b["retired_by"] == a_id
+    assert b["retention_s"] == 1.5 and b["heartbeat_s"] == 0.375
+    assert isinstance(b["last_heartbeat"], float) and isinstance(b["retired_at"], float)
+    assert b["last_heartbeat"] + 2 * 1.5 + 2 * 0.375 < b["retired_at"] < time.time() + 5
+    assert b["retire_at"] is None
+    assert rows[x_id]["state"] == "no-heartbeat" and rows[x_id]["sessions"] == 1
+    assert rows[x_id]["retention_s"] is None and rows[x_id]["retired_at"] is None
+    assert rows[a_id]["state"] == "silent" or rows[a_id]["state"] == "live"
+    flags = ["--data", ",".join(map(str, a_cfg.data_dirs)), "--archive", archive_url]
+    rc, out, _ = run("hosts", "--json", *flags)
+    assert rc == 0
+    cli = {h["store_id"]: h for h in json.loads(out)}
+    assert cli[b_id]["state"] == "retired" and cli[b_id]["retired_by"] == a_id
+    assert cli[a_id]["this"] and cli[a_id]["sessions"] == 0
+    rc, out, _ = run("hosts", *flags)
+    assert rc == 0
+    lines, names = _rows(out)
+    assert names == ["STORE", "THIS", "STATE", "SESSIONS", "RETENTION", "HEARTBEAT", "RETIRED"]
+    rb, rx = _cells(lines, b_id), _cells(lines, x_id)
+    assert rb["STATE"] == "retired" and rb["SESSIONS"] == "1" and rb["RETENTION"] == "1.5s"
+    assert rb["RETIRED"].endswith("ago") and rb["HEARTBEAT"].endswith("ago")
+    assert rx == {
+        "STORE": x_id,
+        "THIS": "",
+        "STATE": "no-heartbeat",
+        "SESSIONS": "1",
+        "RETENTION": "-",
+        "HEARTBEAT": "-",
+        "RETIRED": "never",
+    }
+    assert _cells(lines, a_id)["THIS"] == "yes"
+
+
+def test_a_retired_host_that_comes_back_is_live_and_writes_again(
+    make_config: Callable[..., kvfs.StoreConfig],
+    archive_url: str,  # noqa: F811
+) -> None:
+    """Host B is retired (its pinned session stays, and the marker saying it was retired).
+    B starts again on the same disks: it finds its heartbeat gone, writes its manifests again,
+    deletes the marker and beats; it spills a new session; every host lists B live, with
+    its sessions, and B's pages restore elsewhere."""
+    b_setup = archived_cfg(make_config, archive_url, name="host-b")
+    b_cfg = archived_cfg(make_config, archive_url, name="host-b", interval=60, retention=1.5)
+    b_back = archived_cfg(make_config, archive_url, name="host-b", interval=0.05, retention=3600)
+    a_cfg = archived_cfg(make_config, archive_url, name="host-a", interval=0.05, retention=1)
+    kept, new = PageKey.semantic("kept", "p", 0), PageKey.semantic("new", "p", 0)
+    with kvfs.open_store_sync(b_setup) as b_sync:
+        b_id = b_sync.engine.store_id
+        b_sync.pin_session("kept")
+        b_sync.put(kept, kv_page(73))
+        b_sync.spill("kept")
+
+    def state(hosts: list[dict[str, object]]) -> dict[str, object]:
+        (row,) = [h for h in hosts if h["store_id"] == b_id]
+        return row
+
+    async def main() -> None:
+        async with kvfs.open_store(b_cfg) as b:
+            await _beaten(b)
+        async with kvfs.open_store(a_cfg) as a:
+            with trio.fail_after(60):
+                while f"retired/{b_id}" not in await _listed(a, "retired/"):
+                    await trio.sleep(0.1)
+            row = state(await a.archive_hosts())
+            assert row["state"] == "retired" and row["sessions"] == 1
+            async with kvfs.open_store(b_back) as b:  # back
+                await _beaten(b)
+                assert f"retired/{b_id}" not in await _listed(b, "retired/")
+                await b.put(new, kv_page(75))
+                await b.spill("new")
+                row = state(await a.archive_hosts())
+                assert row["state"] == "live" and row["retired_at"] is None
+                assert row["retention_s"] == 3600.0 and row["retire_at"] is not None
+                assert row["sessions"] == 2  # kept (written again), new
+                assert await b.get(kept) == kv_page(73)
+            await trio.sleep(0.5)  # A's passes: B beat within its limit, nothing retired
+            assert state(await a.archive_hosts())["state"] == "live"
+
+    trio.run(main)
+    with kvfs.open_store_sync(archived_cfg(make_config, archive_url, name="host-c")) as c:
+        assert {"kept", "new"} <= {s["session"] for s in c.archived_sessions()}
+        c.restore("new")
+        assert c.get(new) == kv_page(75)
+
+
+def test_kvfs_hosts_counts_only_sessions_holding_pages(
+    make_config: Callable[..., kvfs.StoreConfig],
+    archive_url: str,  # noqa: F811
+    run: Callable[..., tuple[int, str, str]],
+) -> None:
+    """Host W took sessions u and v over from host X and deleted u: W's manifest of u is a
+    tombstone (no pages). W, live, lists it in its heartbeat, and every host counts W's one
+    session holding pages, v; W's own count (no daemon: from its index) agrees."""
+    x_cfg = archived_cfg(make_config, archive_url, name="host-x")
+    w_cfg = archived_cfg(make_config, archive_url, name="host-w", interval=0.05, retention=3600)
+    a_cfg = archived_cfg(make_config, archive_url, name="host-a", interval=0.05)
+    with kvfs.open_store_sync(x_cfg) as x:
+        for sess in ("u", "v"):
+            x.put(PageKey.semantic(sess, "p", 0), kv_page(ord(sess)))
+            x.spill(sess)
+    with kvfs.open_store_sync(w_cfg) as w:
+        w_id = w.engine.store_id
+        for sess in ("u", "v"):
+            w.restore(sess)
+        w.delete_session("u")
+        w.spill("v")
+
+    async def main() -> dict[str, object]:
+        async with kvfs.open_store(w_cfg) as w, kvfs.open_store(a_cfg) as a:
+            await _beaten(w)
+            assert len([k for k in await _listed(a, "manifests/") if k.endswith("@" + w_id)]) == 2
+            (row,) = [h for h in await a.archive_hosts() if h["store_id"] == w_id]
+            return row
+
+    row = trio.run(main)
+    assert row["state"] == "live" and row["sessions"] == 1 and not row["this"]
+    rc, out, _ = run(
+        "hosts", "--json", "--data", ",".join(map(str, w_cfg.data_dirs)), "--archive", archive_url
+    )
+    assert rc == 0
+    (me,) = [h for h in json.loads(out) if h["this"]]
+    assert me["store_id"] == w_id and me["sessions"] == 1
+
+
+def test_a_heartbeat_outranks_a_retired_marker_and_a_retirement_under_way_shows(
+    make_config: Callable[..., kvfs.StoreConfig],
+    archive_url: str,  # noqa: F811
+) -> None:
+    """A ``retired/`` marker left beside a heartbeat (the host came back while another was
+    finishing its retirement) does not make it retired: the heartbeat outranks it. A host
+    another one is retiring (``.retiring``, here empty, as kvfs before the markers wrote
+    it) shows as retiring, what it had not known."""
+    cfg = archived_cfg(make_config, archive_url, name="host-a", interval=0.05, retention=3600)
+
+    async def main() -> dict[str, dict[str, object]]:
+        async with kvfs.open_store(cfg) as a:
+            await _beaten(a)
+            store = a.engine.policy.store  # type: ignore[attr-defined]
+            me = a.engine.store_id  # type: ignore[attr-defined]
+            await store.put(f"retired/{me}", msgpack.packb({"v": 1, "at": 1.0, "sessions": []}))
+            await store.put("hosts/gone.retiring", b"")
+            return {h["store_id"]: h for h in await a.archive_hosts()}  # type: ignore[misc]
+
+    rows = trio.run(main)
+    (me,) = [h for h in rows.values() if h["this"]]
+    assert me["state"] == "live" and me["retired_at"] is None and me["retention_s"] == 3600.0
+    gone = rows["gone"]
+    assert gone["state"] == "retiring" and gone["retention_s"] is None
+    assert gone["retired_at"] is None and gone["sessions"] == 0

@@ -310,6 +310,7 @@ def test_kvfs_hosts_lists_who_shares_the_archive(
     assert ha["retire_at"] == ha["last_heartbeat"] + 2 * 60 + 2 * 15  # type: ignore[operator]
     assert not hb["this"] and hb["sessions"] == 0 and hb["retention_s"] == 0.0
     assert hb["retire_at"] is None
+    assert ha["state"] == hb["state"] == "live"
     archive = ["--archive", archive_url]
     rc, out, _ = run("hosts", "--json", "--data", ",".join(map(str, a_cfg.data_dirs)), *archive)
     assert rc == 0
@@ -317,7 +318,8 @@ def test_kvfs_hosts_lists_who_shares_the_archive(
     assert rows[c_id]["sessions"] == 1 and rows[c_id]["last_heartbeat"] is None
     assert len(rows) == 3
     rc, out, _ = run("hosts", "--data", ",".join(map(str, a_cfg.data_dirs)), *archive)
-    assert rc == 0 and "RETIRED IF SILENT" in out and "never" in out and "in " in out
+    assert rc == 0 and "RETIRED" in out and "never" in out and "if silent" in out
+    assert rows[c_id]["state"] == "no-heartbeat" and rows[c_id]["retention_s"] is None
 
 
 def test_heartbeats_with_the_endpoint_down_are_retried_and_reads_go_on(
