@@ -600,7 +600,12 @@ def _each(args: argparse.Namespace, page_op: str, session_op: str, verb: str) ->
             results,
             [
                 f"{verb} {r['kind']} {r['target']}"
-                + (f" ({r['pages']} pages)" if r["kind"] != "page" else "")
+                # (a session pin reports no count: the store call returns none)
+                + (
+                    f" ({r['pages']} page{'' if r['pages'] == 1 else 's'})"
+                    if r["kind"] != "page" and r["pages"] is not None
+                    else ""
+                )
                 for r in results
             ],
         )

@@ -129,6 +129,15 @@ def test_pin_unpin_rm(run: Run, tmp_path: Path) -> None:
     assert rc == 0 and json.loads(out) == []
 
 
+def test_pin_and_unpin_of_a_session_say_no_count_they_do_not_know(run: Run, tmp_path: Path) -> None:
+    """`kvfs pin SESSION` printed "pinned session a (None pages)": a session pin reports no
+    page count (the store call returns none); and one page was "(1 pages)"."""
+    d = one_page(run, tmp_path, b"x" * 100)
+    assert run("pin", "a", *d)[1] == "pinned session a\n"
+    assert run("unpin", "a", *d)[1] == "unpinned session a\n"
+    assert run("rm", "a", *d)[1] == "deleted session a (1 page)\n"
+
+
 def test_a_directory_and_a_session_of_the_same_name_stay_apart(run: Run, tmp_path: Path) -> None:
     """`kvfs pin bar/` resolved the directory bar's session, then pinned it by its bare
     name, which means sessions/bar when that exists."""
