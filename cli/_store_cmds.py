@@ -24,6 +24,7 @@ from ._util import (
     EXIT,
     Progress,
     Refused,
+    count,
     fmt_bytes,
     fmt_duration,
     fmt_span,
@@ -413,8 +414,8 @@ def render_stats(st: kvfs.StoreStatistics, *, own_counters: bool = False) -> str
     cap = fmt_bytes(st.capacity_bytes) if st.capacity_bytes else "disk"
     out.append(
         f"local tier: {fmt_bytes(st.used_bytes)} used of {cap} "
-        f"({fmt_bytes(st.reserved_bytes)} reserved); {st.pages} pages in "
-        f"{st.sessions} sessions; {st.local_blobs} distinct contents "
+        f"({fmt_bytes(st.reserved_bytes)} reserved); {count(st.pages, 'page')} in "
+        f"{count(st.sessions, 'session')}; {count(st.local_blobs, 'distinct content')} "
         f"({fmt_bytes(st.local_bytes)}, {fmt_bytes(st.logical_bytes)} before dedup)"
     )
     rows = [[d.index, d.path, fmt_bytes(d.used_bytes), fmt_bytes(d.free_bytes)] for d in st.devices]
@@ -602,7 +603,7 @@ def _each(args: argparse.Namespace, page_op: str, session_op: str, verb: str) ->
                 f"{verb} {r['kind']} {r['target']}"
                 # (a session pin reports no count: the store call returns none)
                 + (
-                    f" ({r['pages']} page{'' if r['pages'] == 1 else 's'})"
+                    f" ({count(r['pages'], 'page')})"
                     if r["kind"] != "page" and r["pages"] is not None
                     else ""
                 )

@@ -109,6 +109,11 @@ def print_json(obj: Any, *, line: bool = False) -> None:
     sys.stdout.write("\n")
 
 
+def count(n: int, noun: str, plural: str | None = None) -> str:
+    """``n`` and ``noun``, plural unless ``n`` is 1: "1 session", "3 sessions"."""
+    return f"{n} {noun if n == 1 else plural or noun + 's'}"
+
+
 def fmt_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":

@@ -76,6 +76,7 @@ def test_stats_table_and_json(run: Run, tmp_path: Path) -> None:
     rc, out, _ = run("stats", *d)
     assert rc == 0 and "DEVICE" in out and "HIT RATE" in out and "spill queue" in out
     assert "evictions:" in out and "retention: keep" in out
+    assert "; 1 page in 1 session; 1 distinct content (" in out  # (was "1 pages in 1 sessions")
     rc, out, _ = run("stats", "--json", *d)
     st = json.loads(out)
     assert st["pages"] == 1 and len(st["devices"]) == 2 and "archive" in st["extra"]
