@@ -49,6 +49,8 @@ _UNITS = {
 def parse_size(text: str | int) -> int:
     """``"64MiB"`` -> 67108864. Accepts ints, decimal (kB, MB) and binary (KiB, MiB) units."""
     if isinstance(text, int):
+        if text < 0:  # (not DISK_CAPACITY's -1 either: "disk" says that)
+            raise ValueError(f"not a size: {text!r} (examples: 4096, 64MiB, 2GB)")
         return text
     s = text.strip().lower().replace(" ", "").replace("_", "")
     num = s.rstrip("abcdefghijklmnopqrstuvwxyz")

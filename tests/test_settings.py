@@ -76,6 +76,10 @@ def test_config_file_from_environment(tmp_path: Path) -> None:
         ('[store]\ndirect_io = "maybe"\n', "direct_io"),
         ('[daemon]\nlog_level = "loud"\n', "log_level"),
         ("[store]\ncapacity = \n", "Expected|Invalid"),
+        # an integer below 0 is no size: -1 was taken for DISK_CAPACITY ("disk"), and the
+        # capacity kept with the store forgotten without a word
+        ("[store]\ncapacity = -1\n", "bad value -1 for store.capacity"),
+        ("[archive]\nevict_ahead = -1\n", "bad value -1 for archive.evict_ahead"),
     ],
 )
 def test_bad_files_are_one_clear_error(tmp_path: Path, text: str, match: str) -> None:
