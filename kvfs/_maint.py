@@ -322,7 +322,13 @@ def fsck(
             (e[0], e[1]) for bs in eng._deferred.values() for b in bs for e in b.extents or ()
         )
     owned |= eng.index.all_extent_files()
-    orphans = [(dev, rel) for dev, rel in listed if (dev, rel) not in owned]
+    # (and still there: a writer whose put found its data stored already removed its files
+    # and was gone from the writers by the time they were read, after the listing)
+    orphans = [
+        (dev, rel)
+        for dev, rel in listed
+        if (dev, rel) not in owned and os.path.lexists(tier.abspath(dev, rel))
+    ]
     blobs = eng.index.local_blobs()
     bad: builtins.list[BlobRow] = []
     #: blob rows whose size or digests are wrong while their local copy verifies, with
