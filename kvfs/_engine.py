@@ -137,7 +137,8 @@ def _created_paths(cfg: StoreConfig) -> builtins.list[Path]:
 def _undo_create(made: builtins.list[Path], lock: DirLock) -> None:
     """Remove what a failed open of a new store made (``made``: the paths of
     :func:`_created_paths` that were not there before it), holding the lock until only the
-    directories are left: an opener meanwhile gets StoreLocked, not a store half removed.
+    lock file's directory and its parents are left: an opener meanwhile gets StoreLocked,
+    not a store half removed, and one after finds nothing of it to lose from under it.
     Files are unlinked; directories removed only when empty (never anything someone else
     put there). Never raises."""
     lock_file = _abs(lock.path)
@@ -145,11 +146,17 @@ def _undo_create(made: builtins.list[Path], lock: DirLock) -> None:
         if p != lock_file and not p.is_dir():
             with contextlib.suppress(OSError):
                 p.unlink()
+    # The directories too, all but the lock file's own and its parents, before the lock
+    # file goes: an open that makes a new lock file once it is gone holds that lock at
+    # once, and the directories it then makes (blobs/, its fan-out) were removed from
+    # under it (FileNotFoundError, or its empty fan-out gone after its marker was written).
+    holding = {lock_file.parent, *lock_file.parent.parents}
+    _remove_dirs([d for d in made if d not in holding])
     if lock_file in made:
         with contextlib.suppress(OSError):
             lock_file.unlink()
     lock.release()
-    _remove_dirs(made)
+    _remove_dirs([d for d in made if d in holding])
 
 
 def _remove_dirs(made: builtins.list[Path]) -> None:

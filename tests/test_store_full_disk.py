@@ -219,6 +219,39 @@ def test_a_store_created_on_a_full_disk_is_made_whole_or_not_at_all(
         assert s.get("a/p") == b"x" * 100
 
 
+def test_a_failed_create_lets_its_lock_go_only_with_its_directories_gone(
+    small_disk: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The clean-up removed the lock file, let the lock go, then removed the directories it
+    had made: an open in that window made a new lock file, held it, and had its blobs/
+    removed from under it. When the lock goes now, only the lock file's directory is left."""
+    from kvfs._lock import DirLock
+
+    store = small_disk / "store"
+    at_release: list[list[str]] = []
+    release = DirLock.release
+
+    def noting(self: DirLock) -> None:
+        if self.path.parent == store:
+            at_release.append(sorted(os.listdir(store)) if store.exists() else [])
+        release(self)
+
+    monkeypatch.setattr(DirLock, "release", noting)
+    made_blobs = 0
+    for leave in range(0, 256 * 1024, 8192):
+        with filled(small_disk, leave=leave):
+            try:
+                with kvfs.open_store_sync(kvfs.StoreConfig(data_dirs=(store,))):
+                    pass
+            except kvfs.CapacityExceeded:
+                made_blobs += any("blobs" in seen for seen in at_release[-1:])
+                assert not store.exists()
+            else:
+                shutil.rmtree(store)
+        at_release.clear()
+    assert made_blobs == 0
+
+
 def test_an_empty_index_left_by_a_failed_create_is_no_store(small_disk: Path, run: Run) -> None:
     """What an older kvfs left after a create failed on a full disk (an empty index and lock
     file) is no store: commands say so, and a create that fails again removes it."""
