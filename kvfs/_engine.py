@@ -380,22 +380,29 @@ class Engine:
         #: the mount serving this store, with its options (kvfs._mount.serve_mount)
         self.mounted: dict[str, object] | None = None
         clean = self.index.get_meta("clean", True) is not False
-        if not clean and self.index.has_pages_without_blob():
-            # A damaged index: those pages' data may be among the files no row names, and
-            # fsck --repair makes their rows again from them. The sweep would remove them.
-            log.warning(
-                "the store was not closed cleanly, and its index is damaged: some pages name "
-                "data no blob row holds. The data files no row names are kept for kvfs fsck "
-                "--repair, which makes those rows again from them and removes the rest"
+        if not clean:
+            named = self.index.all_extent_files()
+            lost = (
+                _maint.lost_data_files(self, named)
+                if self.index.has_pages_without_blob()
+                else set()
             )
-        elif not clean:
-            self.recovered_orphans = self.tier.sweep(self.index.all_extent_files())
+            self.recovered_orphans = self.tier.sweep(named | lost)
             log.warning(
                 "the store was not closed cleanly (a crash, a kill, or a close under calls "
                 "still running): its accounting is recounted, and %d leftover data file(s) "
                 "of writes never committed were removed",
                 len(self.recovered_orphans),
             )
+            if lost:
+                # A damaged index: pages name data that no blob row holds, and these files
+                # are that data (verified): kept for fsck --repair, which makes its rows.
+                log.warning(
+                    "the index is damaged: some pages name data no blob row holds; %d data "
+                    "file(s) holding it were kept, not counted in the capacity until "
+                    "kvfs fsck --repair makes their rows again",
+                    len(lost),
+                )
         # The accounting saved by the last clean close; recomputed from every blob row after
         # a crash (or from an older store): a clean restart reads no per-page state at all.
         saved = self.index.get_meta("accounting") if clean else None

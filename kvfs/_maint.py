@@ -587,6 +587,19 @@ def _read_leaves(tier: LocalTier, extents: tuple, size: int) -> bytes | None:
     return leaves_now(buf) if size else leaf_hash(b"")
 
 
+def lost_data_files(eng: Engine, known: set[tuple[int, str]]) -> set[tuple[int, str]]:
+    """The files no row names that hold, verified, the data of pages whose blob row is gone
+    (a damaged index): what the sweep of an unclean open keeps for fsck --repair, which
+    makes those rows again from them. The other leftovers it removes, as ever: kept too,
+    every crash while a pinned page held nowhere else is kept added uncounted files."""
+    orphans = [f for f in eng.tier.all_files() if f not in known]
+    lost = eng.index.pages_without_blob()
+    if not orphans or not lost:
+        return set()
+    found = _find_lost_data(eng.tier, lost, orphans)
+    return {(e[0], e[1]) for extents, *_ in found.values() for e in extents}
+
+
 def _find_lost_data(
     tier: LocalTier,
     lost: dict[bytes, builtins.list[PageRow]],
