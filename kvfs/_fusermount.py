@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import trio
 
-__all__ = ["Snapshot", "Watchdog", "find_watchdog", "snapshot"]
+__all__ = ["Snapshot", "Watchdog", "find_watchdog", "release_failed", "snapshot"]
 
 log = logging.getLogger("kvfs.mount")
 
@@ -107,7 +107,7 @@ def _is_comm_socket(fd: int) -> bool:
 
 @dataclass
 class Watchdog:
-    """A mount's ``fusermount3`` child and this process's end of its socket."""
+    """A mount's ``fusermount3`` child and this process's end of its socket (-1: none)."""
 
     pid: int
     fd: int
@@ -124,8 +124,10 @@ class Watchdog:
             return
         self.released = True
         with contextlib.suppress(OSError):
-            if os.readlink(f"/proc/self/fd/{self.fd}") == self.link:
+            if self.fd >= 0 and os.readlink(f"/proc/self/fd/{self.fd}") == self.link:
                 os.close(self.fd)
+        if self.pid < 0:
+            return
         with trio.move_on_after(REAP_WAIT):
             await trio.to_thread.run_sync(_reap, self.pid, abandon_on_cancel=True)
             return
@@ -151,14 +153,41 @@ def find_watchdog(before: Snapshot | None) -> Watchdog | None:
         return None
 
 
-def _find(before: Snapshot) -> Watchdog | None:
+def _new(before: Snapshot) -> tuple[list[int], dict[int, str]]:
+    """The ``fusermount3`` children and the sockets of libfuse's kind (fd -> link) new since
+    ``before``."""
     pids = [p for p in _children() - before.children if _comm(p) == "fusermount3"]
     new = {
         fd: link
         for fd, link in _fds().items()
         if link.startswith("socket:") and before.fds.get(fd) != link
     }
-    fds = [fd for fd in new if _is_comm_socket(fd)]
+    return pids, {fd: link for fd, link in new.items() if _is_comm_socket(fd)}
+
+
+async def release_failed(before: Snapshot | None) -> None:
+    """After a ``pyfuse3.init`` that failed: close every socket and reap every
+    ``fusermount3`` it left. With ``auto_unmount`` libfuse keeps its end of the socket and
+    does not wait for the child even when the mount failed, and it tries twice when a
+    subtype is given (once with it, once without): each failed mount left up to two
+    descriptors and two zombies. Nothing is mounted, so none of them watches anything.
+    Never raises (anything not identified is left, as without this module)."""
+    if before is None:
+        return
+    try:
+        pids, fds = _new(before)
+    except OSError as e:
+        log.debug("what the failed mount left not identified: %s", e)
+        return
+    for fd, link in fds.items():
+        await Watchdog(-1, fd, link).release()
+    for pid in pids:
+        await Watchdog(pid, -1, "").release()
+
+
+def _find(before: Snapshot) -> Watchdog | None:
+    pids, new = _new(before)
+    fds = list(new)
     if len(pids) != 1 or len(fds) != 1:
         log.debug("fusermount3 watchdog not identified (children %s, sockets %s)", pids, fds)
         return None

@@ -132,6 +132,9 @@ async def serve_mount(
     try:
         pyfuse3.init(ops, str(mp), opts.fuse_options())
     except RuntimeError as e:
+        with trio.CancelScope(shield=True):
+            # (libfuse leaves its fusermount3 children and sockets even when it failed)
+            await _fusermount.release_failed(before)
         await ops.aclose()
         raise MountError(f"mounting {mp} failed ({e}); the kernel log (dmesg) may say more") from e
     # (this thread's new child, and a new socket of a kind only C code makes: pyfuse3.init's)

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import trio
 from _kvfs_mount import ServedMount
 
 import kvfs
@@ -712,6 +713,30 @@ def test_in_process_mounts_leave_no_fusermount3(tmp_path: Path) -> None:
             time.sleep(0.05)
         assert fusermount3_children() - children == set()
         assert open_sockets() - sockets == set()
+
+
+def test_a_failed_mount_leaves_no_fusermount3(tmp_path: Path) -> None:
+    # With auto_unmount libfuse keeps its socket to fusermount3 and never waits for it even
+    # when the mount fails (and with a subtype it tries twice): each failed mount left two
+    # zombies and two descriptors. "blkdev" (smuggled in through fsname) makes the kernel
+    # refuse the mount after fusermount3 has started: its source is no block device.
+    from kvfs._mount import MountError, MountOptions, serve_mount
+
+    cfg = kvfs.StoreConfig(data_dirs=[tmp_path / "data"])
+    mp = tmp_path / "mnt"
+    mp.mkdir()
+    children, sockets = fusermount3_children(), open_sockets()
+
+    async def main() -> None:
+        async with kvfs.open_store(cfg) as store:
+            with pytest.raises(MountError):
+                await serve_mount(store, mp, MountOptions(fsname="kvfs-test,blkdev"))
+
+    for _ in range(2):
+        trio.run(main)
+    assert not mounted(mp)
+    assert fusermount3_children() - children == set()
+    assert open_sockets() - sockets == set()
 
 
 MOUNT_THEN_SPAWN = """
