@@ -43,6 +43,8 @@ Each heartbeat also lists which of its host's manifests hold no pages (tombstone
 it took over from another host and deleted, see kvfs/_manifest.py), so that ``kvfs hosts``
 counts only sessions holding pages from one listing, reading no manifest: a manifest's size
 does not tell (a tombstone keeps the session's attributes and the versions it supersedes).
+A host keeps every tombstone it made, so the heartbeat names at most TOMBSTONE_BYTES of them
+and counts the rest (``tombstone_count``), which are then subtracted by number.
 """
 
 from __future__ import annotations
@@ -74,6 +76,10 @@ RETIRED = "retired/"
 #: a heartbeat older than two of its host's intervals plus this is shown as silent (S3 keeps
 #: whole seconds, and the looker's clock is compared with the archive's)
 SILENT_SLACK = 5.0
+#: at most this many bytes of tombstone names in a heartbeat (the first, sorted; the rest
+#: are counted): a host keeps every tombstone it made, and a heartbeat listing them all
+#: would grow without bound, written again every interval
+TOMBSTONE_BYTES = 64 * 1024
 log = logging.getLogger("kvfs.archive")
 
 
@@ -128,11 +134,19 @@ class Hosts:
             # Back: no longer retired (before the heartbeat, so that a failure here is
             # retried by the next beat, which finds the heartbeat still missing).
             await self.store.delete(RETIRED + self.store_id)
+        tombstones = sorted(await self.tombstones())
+        listed, size = [], 0
+        for name in tombstones:
+            size += len(name.encode()) + 5  # (msgpack's string header, at most)
+            if size > TOMBSTONE_BYTES:
+                break
+            listed.append(name)
         body = {
             "v": 1,
             "retention": self.retention,
             "interval": self.interval,
-            "tombstones": sorted(await self.tombstones()),
+            "tombstones": listed,
+            "tombstone_count": len(tombstones),  # (those not listed are only counted)
         }
         await self.store.put(self.key, msgpack.packb(body))
         self._beaten = True
@@ -196,6 +210,7 @@ class Hosts:
             }
             beat = await self._read_heartbeat(host) if host in beats else None
             empty: set[str] = set()  # its manifests without pages
+            unlisted = 0  # and how many more, not named
             if beat is not None:  # (a heartbeat outranks any marker: the host is back)
                 row.update(retention_s=beat.retention, heartbeat_s=beat.interval)
                 row["last_heartbeat"] = beat.seen
@@ -203,7 +218,7 @@ class Hosts:
                 row["state"] = "silent" if silent else "live"
                 if beat.retention > 0:
                     row["retire_at"] = beat.seen + 2 * beat.retention + 2 * beat.interval
-                empty = beat.tombstones
+                empty, unlisted = beat.tombstones, beat.unlisted
             elif host in retiring:
                 row.update((await self._retired_row(HOSTS + host + RETIRING))[0])
                 row["state"] = "retiring"
@@ -213,7 +228,10 @@ class Hosts:
             if row["state"] != "retired":
                 if host == self.store_id:
                     empty = set(await self.tombstones())  # its own index: up to date
-                row["sessions"] = len(mine - empty)
+                    unlisted = 0
+                # (those only counted are among its manifests listed, unless one is still
+                # queued to be written: at worst a session too few then)
+                row["sessions"] = max(0, len(mine - empty) - unlisted)
             out.append(row)
         return out
 
@@ -226,13 +244,15 @@ class Hosts:
             retention, interval = float(info["retention"]), float(info["interval"])
             # (none from kvfs before they were listed)
             tombstones = _strings(info.get("tombstones"))
+            count = _number(info.get("tombstone_count"))
+            unlisted = max(0, int(count) - len(tombstones)) if count is not None else 0
         except FileNotFoundError:
             return None  # retired by another host meanwhile
         except Exception as e:  # noqa: BLE001 - a damaged heartbeat: that host is kept
             log.warning("archive heartbeat %s is unreadable (%s); host kept", key, e)
             return None
         seen = await self.store.modified(key)
-        return None if seen is None else _Beat(retention, interval, seen, tombstones)
+        return None if seen is None else _Beat(retention, interval, seen, tombstones, unlisted)
 
     async def _heartbeat(self, host: str) -> tuple[float, float, float] | None:
         """A host's heartbeat: its retention, its interval and when it was written (the
@@ -405,6 +425,8 @@ class _Beat(NamedTuple):
     interval: float
     seen: float
     tombstones: set[str]
+    #: its tombstones counted but not named (past TOMBSTONE_BYTES of names)
+    unlisted: int = 0
 
 
 def _strings(v: object) -> set[str]:

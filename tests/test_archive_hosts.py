@@ -24,8 +24,10 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import msgpack
+import pytest
 import trio
 from _archive_dir import named, objects
 from hypothesis import HealthCheck, settings
@@ -371,6 +373,46 @@ def test_kvfs_hosts_counts_only_sessions_holding_pages(
     assert rc == 0
     (me,) = [h for h in json.loads(out) if h["this"]]
     assert me["store_id"] == w_id and me["sessions"] == 1
+
+
+def test_a_heartbeat_names_a_bounded_number_of_tombstones_and_counts_the_rest(
+    make_config: Callable[..., kvfs.StoreConfig],
+    archive_url: str,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A host keeps every tombstone it made, and its heartbeat, written every interval,
+    listed them all: it grew without bound. It names at most TOMBSTONE_BYTES of them
+    (lowered here to fit one) and counts the rest, and the others still count only W's
+    one session holding pages."""
+    import kvfs._hosts
+
+    monkeypatch.setattr(kvfs._hosts, "TOMBSTONE_BYTES", 20, raising=False)
+    x_cfg = archived_cfg(make_config, archive_url, name="host-x")
+    w_cfg = archived_cfg(make_config, archive_url, name="host-w", interval=0.05, retention=3600)
+    a_cfg = archived_cfg(make_config, archive_url, name="host-a", interval=0.05)
+    with kvfs.open_store_sync(x_cfg) as x:
+        for sess in ("t", "u", "v"):
+            x.put(PageKey.semantic(sess, "p", 0), kv_page(ord(sess)))
+            x.spill(sess)
+    with kvfs.open_store_sync(w_cfg) as w:
+        w_id = w.engine.store_id
+        for sess in ("t", "u", "v"):
+            w.restore(sess)
+        w.delete_session("t")
+        w.delete_session("u")
+        w.spill("v")
+
+    async def main() -> tuple[dict[str, Any], dict[str, object]]:
+        async with kvfs.open_store(w_cfg) as w, kvfs.open_store(a_cfg) as a:
+            await _beaten(w)
+            archive = a.engine.policy.store  # type: ignore[attr-defined]
+            beat = msgpack.unpackb(await archive.get(f"hosts/{w_id}"), raw=False)
+            (row,) = [h for h in await a.archive_hosts() if h["store_id"] == w_id]
+            return beat, row
+
+    beat, row = trio.run(main)
+    assert len(beat["tombstones"]) == 1 and beat["tombstone_count"] == 2
+    assert row["state"] == "live" and row["sessions"] == 1
 
 
 def test_a_heartbeat_outranks_a_retired_marker_and_a_retirement_under_way_shows(
