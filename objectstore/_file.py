@@ -20,7 +20,7 @@ from typing import TypeVar
 
 import trio
 
-from kvfs._errors import ArchiveUnavailable
+from kvfs._errors import ArchiveAccessDenied, ArchiveUnavailable
 
 from ._abc import ObjectNotFound, ObjectStore, archive_threads, check_key
 from ._retry import Backoff, retry
@@ -121,6 +121,11 @@ class FileStore(ObjectStore):
             )
         except (ObjectNotFound, ArchiveUnavailable, ValueError):
             raise
+        except PermissionError as e:  # (EACCES, EPERM) the archive answered: no outage
+            raise ArchiveAccessDenied(
+                f"{what} on {self.url}: access denied ({e.strerror or e}): check the "
+                f"permissions of {e.filename or self.root}"
+            ) from e
         except OSError as e:
             raise ArchiveUnavailable(f"{what} on {self.url} failed: {e.strerror or e}") from e
 

@@ -549,3 +549,27 @@ async def test_reads_given_up_on_a_hung_endpoint_leave_trio_s_threads_to_others(
     finally:
         server.close()  # the abandoned reads fail now and their threads end
         await store.aclose()
+
+
+async def test_filestore_refusal_is_access_denied(tmp_path: Path) -> None:
+    # kvfs.ArchiveAccessDenied says a file:// archive's EACCES is one (a refusal, not an
+    # outage: a restore goes on with the other objects), but FileStore raised the plain
+    # ArchiveUnavailable that stops them. An object that cannot be removed: immutable as
+    # root (which permissions do not stop), in a directory without write permission else.
+    s = await FileStore.open(tmp_path / "arch")
+    await s.put("blobs/ab/x", b"data")
+    obj, folder = tmp_path / "arch" / "blobs" / "ab" / "x", tmp_path / "arch" / "blobs" / "ab"
+    if os.geteuid() == 0:
+        if subprocess.run(["chattr", "+i", str(obj)], capture_output=True).returncode:
+            pytest.skip("chattr +i is not supported here")
+    else:
+        folder.chmod(0o500)
+    try:
+        with pytest.raises(ArchiveAccessDenied, match="access denied"):
+            await s.delete("blobs/ab/x")
+    finally:
+        if os.geteuid() == 0:
+            subprocess.run(["chattr", "-i", str(obj)], check=True)
+        else:
+            folder.chmod(0o700)
+    assert await s.get("blobs/ab/x") == b"data"
