@@ -667,6 +667,8 @@ class Engine:
                 return
             del self._leases[h]
             blobs = self._deferred.pop(h, [])
+            for b in blobs:  # (out of _deferred, not yet unlinked: fsck must know)
+                self.index.dropping(b)
         for b in blobs:
             self._drop_files(b)
 
@@ -677,9 +679,11 @@ class Engine:
         with self._cap_lock:
             if self._leases[b.hash] > 0:
                 self._deferred.setdefault(b.hash, []).append(b)
+                self.index.dropped(b)
                 return
             self._leases.pop(b.hash, None)
         self.tier.unlink(b.extents)
+        self.index.dropped(b)
         with self._cap_lock:
             self._account(b, -1)
 

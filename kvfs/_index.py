@@ -270,6 +270,12 @@ class Index:
         #: it cannot forget it (a restore then brought deleted pages back)
         self.on_changed: Callable[[sqlite3.Connection, set[str], list[BlobRow]], None] | None
         self.on_changed = None
+        #: (device, file) of local copies a transaction took out of the index whose files
+        #: the engine has not yet removed, nor deferred for a lease (Engine._drop_files):
+        #: fsck must not take them for orphans meanwhile (a repair removed them from under
+        #: a reader). Added inside the transaction, so never absent from both.
+        self._dropping: set[tuple[int, str]] = set()
+        self._dropping_lock = threading.Lock()
         self._db = sqlite3.connect(
             str(path), check_same_thread=False, isolation_level=None, timeout=30
         )
@@ -525,6 +531,22 @@ class Index:
             "sessions": sessions,
         }
 
+    def dropping(self, b: BlobRow | None) -> None:
+        """``b``'s local files are leaving the index: see ``_dropping``."""
+        if b is not None and b.extents is not None:
+            with self._dropping_lock:
+                self._dropping.update((e[0], e[1]) for e in b.extents)
+
+    def dropped(self, b: BlobRow) -> None:
+        """``b``'s files are removed, or deferred until its last lease ends."""
+        if b.extents is not None:
+            with self._dropping_lock:
+                self._dropping.difference_update((e[0], e[1]) for e in b.extents)
+
+    def dropping_files(self) -> set[tuple[int, str]]:
+        with self._dropping_lock:
+            return set(self._dropping)
+
     def all_extent_files(self) -> set[tuple[int, str]]:
         out: set[tuple[int, str]] = set()
         for (ext,) in self._q("SELECT extents FROM blobs WHERE extents IS NOT NULL"):
@@ -638,6 +660,7 @@ class Index:
             if n:
                 db.execute("UPDATE blobs SET refs=? WHERE hash=?", (n, h))
                 return b.refs, n, None
+            self.dropping(b)
             db.execute("DELETE FROM blobs WHERE hash=?", (h,))
             self._changed(db, set(), [b])  # (its archive object is collected)
             return b.refs, 0, b
@@ -800,6 +823,7 @@ class Index:
                     (now, _pack(list(extents)), disk_bytes, h),
                 )
                 replaced_copy = eb if stale else None
+                self.dropping(replaced_copy)
         freed = None
         if old_page is not None:
             db.execute("DELETE FROM pages WHERE path=?", (path,))
@@ -832,12 +856,12 @@ class Index:
                 (now, _pack(merged), d),
             )
 
-    @staticmethod
-    def _unref(db: sqlite3.Connection, h: bytes) -> BlobRow | None:
+    def _unref(self, db: sqlite3.Connection, h: bytes) -> BlobRow | None:
         """Drop one reference; delete and return the blob row when it was the last."""
         db.execute("UPDATE blobs SET refs=refs-1 WHERE hash=?", (h,))
         r = db.execute(f"SELECT {_BLOB_COLS} FROM blobs WHERE hash=?", (h,)).fetchone()
         if r is not None and r[3] <= 0:
+            self.dropping(_blob(r))
             db.execute("DELETE FROM blobs WHERE hash=?", (h,))
             return _blob(r)
         return None
@@ -951,6 +975,7 @@ class Index:
                 return None
             if extents is not None and _blob(r).extents != extents:
                 return None
+            self.dropping(_blob(r))
             db.execute("UPDATE blobs SET extents=NULL, disk_bytes=0 WHERE hash=?", (h,))
             return _blob(r)
 

@@ -314,14 +314,17 @@ def fsck(
     }
     tier = eng.tier
     # Files first, then what may own them: a file written meanwhile is either not listed,
-    # or its writer is still alive (uncommitted), or the index names it (committed).
+    # or its writer is still alive (uncommitted), or the index names it (committed). One
+    # the index dropped meanwhile is being removed, then deferred while a reader holds it
+    # (where it goes before it leaves the files being removed): asked in that order.
     listed = builtins.list(tier.all_files())
     owned = tier.writing_files()
+    owned |= eng.index.all_extent_files()
+    owned |= eng.index.dropping_files()
     with eng._cap_lock:  # deleted while a reader holds them: they go when it is done
         owned.update(
             (e[0], e[1]) for bs in eng._deferred.values() for b in bs for e in b.extents or ()
         )
-    owned |= eng.index.all_extent_files()
     # (and still there: a writer whose put found its data stored already removed its files
     # and was gone from the writers by the time they were read, after the listing)
     orphans = [

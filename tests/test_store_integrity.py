@@ -262,6 +262,34 @@ def test_fsck_repair_on_a_live_store_touches_only_what_is_damaged(
         assert not any(store.fsck().values())  # nothing missing, corrupt or orphaned
 
 
+def test_fsck_repair_between_a_deletes_commit_and_its_unlink_spares_a_readers_files(
+    make_config: Callable[..., kvfs.StoreConfig],
+) -> None:
+    """A delete commits, then drops the files (deferred while a reader holds them). A repair
+    that ran between the two found the files named by no row and not yet deferred, and
+    removed them as orphans from under the reader (found by a stress run)."""
+    with kvfs.open_store_sync(make_config(ndev=2, stripe_unit=64 * KiB)) as store:
+        eng = store.engine
+        data = os.urandom(300 * KiB)
+        store.put("x/held", data)
+        drop = eng._drop_files
+        found: dict[str, list[str]] = {}
+
+        def repair_first(blob: object) -> None:  # fsck of another client, at that instant
+            found.update(store.fsck(repair=True))
+            drop(blob)  # type: ignore[arg-type]
+
+        with eng.lease("x/held") as (page, blob):
+            eng._drop_files = repair_first  # type: ignore[method-assign]
+            try:
+                store.delete("x/held")
+            finally:
+                eng._drop_files = drop  # type: ignore[method-assign]
+            assert found["orphans"] == [], found
+            assert bytes(eng.read_held(page, blob, 0, len(data))) == data
+        assert not any(store.fsck().values())
+
+
 def test_a_directory_among_the_data_files_stops_neither_an_open_nor_a_repair(
     make_config: Callable[..., kvfs.StoreConfig],
 ) -> None:
