@@ -27,6 +27,14 @@ and every ``interval`` seconds, and looks at the others' heartbeats as often:
   and which of its manifests still hold pages), so that ``kvfs hosts`` says it was
   retired: without it, such a host looked like one that never wrote a heartbeat. A host
   retired with nothing left leaves nothing behind (its retirement is logged).
+* What stays is looked at again, by every pass (at most once per heartbeat interval of the
+  looker, by the marker's age): a tombstone goes once it supersedes no manifest still there
+  (what it hid is gone: its host deleted the session, or was retired itself), found so at
+  two looks in a row (a reader that listed the superseded manifest before it went may still
+  be reading the tombstone), and the marker goes once none of the host's manifests is
+  left. Pinned and unreadable manifests stay, and so does the marker beside them. Without
+  this, a fleet whose store ids change kept a marker and tombstones per host gone, for
+  ever. A marker found beside its host's heartbeat (a race with the host's return) goes.
 * A host whose retention is 0 keeps everything, so nobody retires it; a host that never
   wrote a heartbeat (kvfs before the ninth session, a store used without a background task)
   is never retired either.
@@ -34,7 +42,8 @@ and every ``interval`` seconds, and looks at the others' heartbeats as often:
 A host retired this way that does start again (or was only cut off) finds its heartbeat gone
 (its index records that it wrote one; it looks before every drop of a local copy) and
 writes all its manifests again, deletes its ``retired/`` marker and beats: it is live
-again (a heartbeat outranks a marker in any case, one a race left included); its own retention
+again (a heartbeat outranks a marker in any case, one a race left included, which the next
+pass deletes); its own retention
 pass deletes the sessions it did not touch meanwhile (all of them, unless pinned), and a page
 of another one read before that fails as missing from the archive (docs/archive.md, failure
 table).
@@ -43,8 +52,8 @@ Each heartbeat also lists which of its host's manifests hold no pages (tombstone
 it took over from another host and deleted, see kvfs/_manifest.py), so that ``kvfs hosts``
 counts only sessions holding pages from one listing, reading no manifest: a manifest's size
 does not tell (a tombstone keeps the session's attributes and the versions it supersedes).
-A host keeps every tombstone it made, so the heartbeat names at most TOMBSTONE_BYTES of them
-and counts the rest (``tombstone_count``), which are then subtracted by number.
+A live host keeps every tombstone it made, so the heartbeat names at most TOMBSTONE_BYTES of
+them and counts the rest (``tombstone_count``), which are then subtracted by number.
 """
 
 from __future__ import annotations
@@ -58,7 +67,13 @@ import msgpack
 
 from ._collect import INTENTS
 from ._events import log_event
-from ._manifest import MANIFESTS, pack_manifest, parse_manifest
+from ._manifest import (
+    MANIFESTS,
+    legacy_manifest_key,
+    pack_manifest,
+    parse_manifest,
+    session_key_part,
+)
 
 if TYPE_CHECKING:
     from objectstore import ObjectStore
@@ -304,6 +319,7 @@ class Hosts:
                     await self._retire(host, "an interrupted retirement, resumed", now, info)
             elif host != self.store_id:
                 await self._retire_if_silent(host, now)
+        await self._tidy_retired(now)
 
     async def _retire_if_silent(self, host: str, now: float) -> None:
         beat = await self._heartbeat(host)
@@ -415,6 +431,138 @@ class Hosts:
                 intents=len(intents),
                 message=why,
             )
+
+    async def _tidy_retired(self, now: float) -> None:
+        """Look again at the hosts retired with something left (``retired/`` markers): a
+        marker beside its host's heartbeat is stale (the host is back) and goes; for the
+        others, at most once per heartbeat interval of the looker (the marker's age tells,
+        whoever looked), see :meth:`_tidy`."""
+        markers = await self.store.list_all(RETIRED)
+        if not markers:
+            return
+        keys = set(await self.store.list_all(HOSTS))
+        listed: set[str] | None = None  # the manifests, listed once per pass at most
+        for key in markers:
+            host = key[len(RETIRED) :]
+            if HOSTS + host + RETIRING in keys:
+                continue  # retired again right now: that retirement writes its marker
+            if HOSTS + host in keys:
+                # Back (it deletes its marker before it beats, and a retiring host can
+                # write one just after): a heartbeat outranks a marker, which would stay
+                # until the host is retired again. Looked at once more: a host retired
+                # since the listing has a marker that must stay.
+                if await self.store.modified(HOSTS + host) is not None:
+                    await self.store.delete(key)
+                    log.info("archive host %s is back: its stale retired marker deleted", host)
+                continue
+            written = await self.store.modified(key)
+            if written is None or now - written < self.interval:
+                continue  # gone meanwhile, or looked at (or retired) lately
+            if listed is None:
+                listed = set(await self.store.list_all(MANIFESTS))
+            await self._tidy(host, key, now, listed)
+
+    async def _tidy(self, host: str, key: str, now: float, listed: set[str]) -> None:
+        """Delete what is left of a retired ``host`` once nothing needs it, and update (or
+        delete) its marker.
+
+        Its manifests with pages (pinned: pins never expire) and unreadable ones stay, and
+        so does a tombstone while it supersedes a manifest that is still there (deleting it
+        would bring back what that one names and the session's deletion removed: see
+        merge_manifests). One that hides nothing any more goes, but only at the second look
+        in a row to find it so (a heartbeat interval or more apart): a reader that listed
+        the superseded manifest before it went may still be reading the tombstone. Its
+        marker goes once none of its manifests is left. Nothing goes while its heartbeat is
+        there (it is back: it owns them again), and a tombstone is read again right before
+        it goes (a host back, writing before its first heartbeat, may have replaced it)."""
+        info = await self._marker(key)
+        before = _strings(info.get("free"))  # found hiding nothing at the previous look
+        # kept at the last look, holding pages (pinned, or unreadable): they stay, and a
+        # host gone does not change them, so they are not read again at every look
+        known = _strings(info.get("sessions"))
+        held: list[str] = []  # its manifests kept that hold pages (or may: unreadable)
+        kept = tombstones = deleted = 0
+        free: list[str] = []
+        for mkey in sorted(k for k in listed if k.endswith("@" + host)):
+            part = mkey[len(MANIFESTS) : -len(host) - 1]
+            if part in known:
+                kept += 1
+                held.append(part)
+                continue
+            m = await self._read_manifest(mkey)
+            if m is None:
+                continue  # deleted since the listing
+            if m is _UNREADABLE or m["pages"] or m.get("pinned"):
+                kept += 1
+                if m is _UNREADABLE or m["pages"]:
+                    held.append(part)
+                continue
+            if await self._hides_something(mkey, m, listed):
+                tombstones += 1
+                continue
+            if part not in before:
+                free.append(part)  # (goes at the next look, if still so)
+                tombstones += 1
+                continue
+            if await self.store.modified(HOSTS + host) is not None:
+                return  # back: what it wrote is its own again
+            if await self._read_manifest(mkey) != m:
+                tombstones += 1  # rewritten meanwhile (by the host, back): looked at again
+                continue
+            await self.store.delete(mkey)
+            deleted += 1
+        if deleted:
+            log_event("retired-host-tombstones", host=host, deleted=deleted, left=kept + tombstones)
+        if not kept and not tombstones:
+            await self.store.delete(key)
+            log.info("archive host %s, retired, has nothing left: its marker deleted", host)
+            return
+        marker = {
+            **info,
+            "sessions": held,
+            "kept": kept,
+            "tombstones": tombstones,
+            "free": free,
+            "checks": int(_number(info.get("checks")) or 0) + 1,
+        }
+        await self.store.put(key, msgpack.packb(marker))  # (also dates this look)
+        if await self.store.modified(HOSTS + host) is not None:
+            await self.store.delete(key)  # back meanwhile: a heartbeat outranks it
+
+    async def _read_manifest(self, key: str) -> dict[str, Any] | None:
+        """A manifest (None: gone; _UNREADABLE: it cannot be read, its pages are unknown)."""
+        try:
+            return parse_manifest(await self.store.get(key))  # type: ignore[arg-type, no-any-return]
+        except FileNotFoundError:
+            return None
+        except ValueError:
+            return _UNREADABLE
+
+    async def _hides_something(self, mkey: str, m: dict[str, Any], listed: set[str]) -> bool:
+        """Whether manifest ``m`` (at ``mkey``) supersedes another manifest of its session
+        that is still there: one of a host it names, of that version or older (as
+        merge_manifests decides), or one that cannot be read (it may be)."""
+        d, sup = m["session"], m.get("supersedes") or {}
+        if not sup:
+            return False
+        own = MANIFESTS + session_key_part(d) + "@"
+        if not mkey.startswith(own):
+            return True  # not where its session's manifests are: nothing is known
+        legacy = legacy_manifest_key(d)
+        # the others' keys, and a legacy manifest (one per session, or a long name uncut)
+        candidates = {own + sid for sid in sup} | {legacy + "@" + sid for sid in sup}
+        candidates = ((candidates | {legacy}) & listed) - {mkey}
+        for key in sorted(candidates):
+            o = await self._read_manifest(key)
+            if o is _UNREADABLE:
+                return True
+            if o is not None and sup.get(o["store_id"], -1.0) >= o["spilled_at"]:
+                return True
+        return False
+
+
+#: what _read_manifest returns for a manifest that cannot be read
+_UNREADABLE: dict[str, Any] = {}
 
 
 class _Beat(NamedTuple):

@@ -10,7 +10,8 @@ Bucket (or directory) layout under the configured prefix::
                                          (kvfs/_collect.py)
     hosts/<store id>                     a host's heartbeat: its retention (kvfs/_hosts.py)
     retired/<store id>                   that host was retired by another, and something of
-                                         it stays (its pinned sessions' manifests)
+                                         it stays (its pinned sessions' manifests, tombstones
+                                         still superseding a manifest: kvfs/_hosts.py)
 
 A manifest lists only pages whose content is in ``blobs/``; it is written after those
 objects are confirmed, in one PUT, so a reader sees the previous manifest or the new one.

@@ -440,3 +440,108 @@ def test_a_heartbeat_outranks_a_retired_marker_and_a_retirement_under_way_shows(
     gone = rows["gone"]
     assert gone["state"] == "retiring" and gone["retention_s"] is None
     assert gone["retired_at"] is None and gone["sessions"] == 0
+
+
+# -- what stays of a retired host: tidied once nothing needs it -------------------------------
+
+
+def test_a_retired_hosts_tombstones_and_marker_go_once_they_supersede_nothing(
+    make_config: Callable[..., kvfs.StoreConfig],
+    archive_url: str,  # noqa: F811
+) -> None:
+    """Hosts B and C each took session u over from host X and deleted it: their manifests of
+    u are tombstones superseding X's. C also holds a pinned session. Both go and host A
+    retires them: the tombstones stay while X's manifest does (u stays deleted, however
+    often A looks), and so do the markers. Once X deletes u, A deletes both tombstones
+    (they hide nothing any more) and B's marker (nothing of B is left); C's pinned session
+    and its marker stay. Before, every such host's marker and tombstones stayed for ever."""
+    x_cfg = archived_cfg(make_config, archive_url, name="host-x")  # keeps its sessions
+    a_cfg = archived_cfg(make_config, archive_url, name="host-a", interval=0.05, retention=1)
+    u = PageKey.semantic("u", "p", 0)
+    with kvfs.open_store_sync(x_cfg) as x:
+        x.put(u, kv_page(80))
+        x.spill("u")
+    ids = {}
+    for name in ("host-b", "host-c"):  # both take u over while X's is its only version
+        with kvfs.open_store_sync(archived_cfg(make_config, archive_url, name=name)) as h:
+            ids[name] = h.engine.store_id
+            h.restore("u")
+    for name in ("host-b", "host-c"):
+        with kvfs.open_store_sync(archived_cfg(make_config, archive_url, name=name)) as h:
+            h.delete_session("u")  # its manifest of u: a tombstone superseding X's
+            if name == "host-c":
+                h.pin_session("kept")
+                h.put(PageKey.semantic("kept", "p", 0), kv_page(81))
+                h.spill("kept")
+    b_id, c_id = ids["host-b"], ids["host-c"]
+
+    async def marker(a: kvfs.Store, host: str) -> dict[str, Any]:
+        raw = await a.engine.policy.store.get(f"retired/{host}")  # type: ignore[attr-defined]
+        return msgpack.unpackb(raw, raw=False)  # type: ignore[no-any-return]
+
+    async def left(a: kvfs.Store, host: str) -> list[str]:
+        return sorted(k for k in await _listed(a, "manifests/") if k.endswith("@" + host))
+
+    def x_deletes_u() -> None:
+        with kvfs.open_store_sync(x_cfg) as x:
+            x.delete_session("u")
+
+    async def main() -> None:
+        for name in ("host-b", "host-c"):  # a heartbeat each, then gone for good
+            cfg = archived_cfg(make_config, archive_url, name=name, interval=60, retention=1.5)
+            async with kvfs.open_store(cfg) as h:
+                await _beaten(h)
+        async with kvfs.open_store(a_cfg) as a:
+            with trio.fail_after(60):
+                while len(await _listed(a, "retired/")) < 2:
+                    await trio.sleep(0.1)
+            retired = {h: (await marker(a, h))["at"] for h in (b_id, c_id)}
+            with trio.fail_after(60):  # A looked at both again, twice, X's u still there
+                while min([(await marker(a, h)).get("checks", 0) for h in (b_id, c_id)]) < 2:
+                    await trio.sleep(0.1)
+            assert len(await left(a, b_id)) == 1 and len(await left(a, c_id)) == 2
+            assert [s["session"] for s in await a.archived_sessions()] == ["kept"]
+            await trio.to_thread.run_sync(x_deletes_u)  # nothing left to hide
+            with trio.fail_after(60):
+                while await left(a, b_id) or len(await left(a, c_id)) > 1:
+                    await trio.sleep(0.1)
+                while f"retired/{b_id}" in await _listed(a, "retired/"):
+                    await trio.sleep(0.1)
+            (kept,) = await left(a, c_id)
+            assert "kept" in kept
+            c = await marker(a, c_id)
+            assert c["at"] == retired[c_id] and c["sessions"] == [
+                kept[len("manifests/") :].rpartition("@")[0]
+            ]
+            rows = {h["store_id"]: h for h in await a.archive_hosts()}
+            assert b_id not in rows
+            assert rows[c_id]["state"] == "retired" and rows[c_id]["sessions"] == 1
+
+    trio.run(main)
+    with kvfs.open_store_sync(archived_cfg(make_config, archive_url, name="host-v")) as v:
+        assert [s["session"] for s in v.archived_sessions()] == ["kept"]
+        with pytest.raises(kvfs.SessionNotFound):
+            v.restore("u")
+
+
+def test_a_retired_marker_left_beside_a_heartbeat_is_deleted(
+    make_config: Callable[..., kvfs.StoreConfig],
+    archive_url: str,  # noqa: F811
+) -> None:
+    """A race can leave ``retired/<id>`` beside that host's heartbeat (the retiring host
+    writes it just after the host, back, deleted it). The next pass that finds both
+    deletes the marker: it no longer stayed until the host was retired again."""
+    cfg = archived_cfg(make_config, archive_url, name="host-a", interval=0.05, retention=1)
+
+    async def main() -> None:
+        async with kvfs.open_store(cfg) as a:
+            await _beaten(a)
+            store = a.engine.policy.store  # type: ignore[attr-defined]
+            me = a.engine.store_id  # type: ignore[attr-defined]
+            await store.put(f"retired/{me}", msgpack.packb({"v": 1, "at": 1.0, "sessions": []}))
+            with trio.fail_after(60):
+                while f"retired/{me}" in await _listed(a, "retired/"):
+                    await trio.sleep(0.1)
+            assert f"hosts/{me}" in await _listed(a, "hosts/")
+
+    trio.run(main)
