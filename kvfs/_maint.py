@@ -278,8 +278,8 @@ FSCK_FINDINGS: dict[str, str] = {
     "archive_error": "with `--check-archive`: the archive could not be reached (exit 8, after "
     "the local check and repair, which stand)",
 }
-#: The findings that are problems: exit 5 until ``--repair`` mends them.
-FSCK_PROBLEMS = (
+#: The problems the local check finds (the archive's are added by --check-archive).
+_LOCAL_PROBLEMS = (
     "missing",
     "corrupt",
     "orphans",
@@ -287,9 +287,9 @@ FSCK_PROBLEMS = (
     "bad_blob_rows",
     "wrong_refs",
     "wrong_page_size",
-    "archive_missing",
-    "archive_corrupt",
 )
+#: The findings that are problems: exit 5 until ``--repair`` mends them.
+FSCK_PROBLEMS = (*_LOCAL_PROBLEMS, "archive_missing", "archive_corrupt")
 
 _LOST = "no blob row held its data, and no copy of it was found"
 _DAMAGED = "its data was damaged and held nowhere else"
@@ -299,18 +299,7 @@ def fsck(
     eng: Engine, *, repair: bool, verify_data: bool, progress: object, archive: bool = False
 ) -> dict[str, builtins.list[str]]:
     out: dict[str, builtins.list[str]] = {
-        k: []
-        for k in (
-            "missing",
-            "corrupt",
-            "orphans",
-            "missing_blob_rows",
-            "bad_blob_rows",
-            "wrong_refs",
-            "wrong_page_size",
-            "damaged_pages",
-            "repaired",
-        )
+        k: [] for k in (*_LOCAL_PROBLEMS, "damaged_pages", "repaired")
     }
     tier = eng.tier
     # Files first, then what may own them: a file written meanwhile is either not listed,
