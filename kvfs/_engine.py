@@ -382,11 +382,7 @@ class Engine:
         clean = self.index.get_meta("clean", True) is not False
         if not clean:
             named = self.index.all_extent_files()
-            lost = (
-                _maint.lost_data_files(self, named)
-                if self.index.has_pages_without_blob()
-                else set()
-            )
+            lost = _maint.lost_data_files(self, named)
             self.recovered_orphans = self.tier.sweep(named | lost)
             log.warning(
                 "the store was not closed cleanly (a crash, a kill, or a close under calls "

@@ -583,14 +583,6 @@ class Index:
             out.setdefault(bytes(p.hash), []).append(p)
         return out
 
-    def has_pages_without_blob(self) -> bool:
-        return bool(
-            self._q(
-                "SELECT 1 FROM pages p WHERE NOT EXISTS"
-                " (SELECT 1 FROM blobs b WHERE b.hash = p.hash) LIMIT 1"
-            )
-        )
-
     def wrong_refs(self) -> list[tuple[bytes, int, int]]:
         """(content, references its row counts, pages naming it) for every blob row whose
         count is not the pages' (one statement: one committed state)."""

@@ -584,9 +584,11 @@ def lost_data_files(eng: Engine, known: set[tuple[int, str]]) -> set[tuple[int, 
     (a damaged index): what the sweep of an unclean open keeps for fsck --repair, which
     makes those rows again from them. The other leftovers it removes, as ever: kept too,
     every crash while a pinned page held nowhere else is kept added uncounted files."""
+    lost = eng.index.pages_without_blob()  # (none, on all but a damaged index)
+    if not lost:
+        return set()
     orphans = [f for f in eng.tier.all_files() if f not in known]
-    lost = eng.index.pages_without_blob()
-    if not orphans or not lost:
+    if not orphans:
         return set()
     found = _find_lost_data(eng.tier, lost, orphans)
     return {(e[0], e[1]) for extents, *_ in found.values() for e in extents}
