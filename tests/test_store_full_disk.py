@@ -186,6 +186,22 @@ def test_a_store_closed_on_a_full_disk_recounts_at_the_next_open_and_loses_nothi
         assert sorted(p.path for p in s.list()) == sorted(data)
 
 
+def failed_creates(disk: Path, store: Path) -> Iterator[tuple[int, kvfs.CapacityExceeded]]:
+    """Create a store at ``store`` with each amount of free space from 0 to ~256 KiB left
+    on ``disk`` (the index, its WAL and shared memory, the directories table, the device
+    marker each run out in turn): ``(bytes left, error)`` of each create that failed,
+    looked at while the disk is still that full; one that opened is removed."""
+    for leave in range(0, 256 * 1024, 8192):
+        with filled(disk, leave=leave):
+            try:
+                with kvfs.open_store_sync(kvfs.StoreConfig(data_dirs=(store,))):
+                    pass
+            except kvfs.CapacityExceeded as e:
+                yield leave, e
+            else:
+                shutil.rmtree(store)
+
+
 def test_a_store_created_on_a_full_disk_is_made_whole_or_not_at_all(
     small_disk: Path, run: Run
 ) -> None:
@@ -196,17 +212,10 @@ def test_a_store_created_on_a_full_disk_is_made_whole_or_not_at_all(
     kvfs store")."""
     store = small_disk / "store"
     failed = 0
-    for leave in range(0, 256 * 1024, 8192):
-        with filled(small_disk, leave=leave):
-            try:
-                with kvfs.open_store_sync(kvfs.StoreConfig(data_dirs=(store,))):
-                    pass
-            except kvfs.CapacityExceeded as e:
-                assert "disk is full" in str(e) and "nothing was left behind" in str(e)
-                assert not store.exists(), (leave, sorted(os.listdir(store)))
-                failed += 1
-            else:
-                shutil.rmtree(store)
+    for leave, e in failed_creates(small_disk, store):
+        assert "disk is full" in str(e) and "nothing was left behind" in str(e)
+        assert not store.exists(), (leave, sorted(os.listdir(store)))
+        failed += 1
     assert failed > 8
     (small_disk / "kept").mkdir()  # a directory that was there stays, and empty
     with filled(small_disk), pytest.raises(kvfs.CapacityExceeded, match="disk is full"):
@@ -238,17 +247,9 @@ def test_a_failed_create_lets_its_lock_go_only_with_its_directories_gone(
 
     monkeypatch.setattr(DirLock, "release", noting)
     made_blobs = 0
-    for leave in range(0, 256 * 1024, 8192):
-        with filled(small_disk, leave=leave):
-            try:
-                with kvfs.open_store_sync(kvfs.StoreConfig(data_dirs=(store,))):
-                    pass
-            except kvfs.CapacityExceeded:
-                made_blobs += any("blobs" in seen for seen in at_release[-1:])
-                assert not store.exists()
-            else:
-                shutil.rmtree(store)
-        at_release.clear()
+    for _, _ in failed_creates(small_disk, store):  # (the last release: the failed open's)
+        made_blobs += any("blobs" in seen for seen in at_release[-1:])
+        assert not store.exists()
     assert made_blobs == 0
 
 
