@@ -789,13 +789,16 @@ class Index:
         if extents is None and (existing is None or _blob(existing).extents is None):
             raise LookupError("the data to share is no longer held locally")
         if existing is None:
+            # One reference for this page, and one for each page already naming the data
+            # (none, unless a damaged index lost its row: this put mends those pages)
+            named = db.execute("SELECT COUNT(*) FROM pages WHERE hash=?", (h,)).fetchone()[0]
             db.execute(
                 f"INSERT INTO blobs ({_BLOB_COLS}) VALUES (?,?,?,?,?,?,?,?,?)",
                 (
                     h,
                     c.size,
                     c.leaves,
-                    1,
+                    1 + named,
                     _pack(list(extents)) if extents is not None else None,
                     disk_bytes if extents is not None else 0,
                     0,

@@ -403,3 +403,36 @@ def test_a_file_its_writer_removed_during_the_check_is_no_orphan(
         monkeypatch.setattr(tier, "writing_files", writer_done_meanwhile)
         found = s.fsck()
         assert problems(found) == {}, found
+
+
+def test_a_put_of_the_data_of_a_lost_blob_row_counts_the_pages_it_mends(
+    make_config: Callable[..., kvfs.StoreConfig],
+) -> None:
+    """A put of bytes whose blob row was lost made a row counting only its own page: the
+    pages already naming those bytes read again, and deleting the new page freed the data
+    under them (they named a row that was gone once more)."""
+    data = os.urandom(100 * KiB)
+    cfg = make_config(ndev=2, stripe_unit=64 * KiB)
+    with kvfs.open_store_sync(cfg) as s:
+        info = s.put("s/a", data)
+        s.put("t/b", data)
+    with index_of(cfg) as db:
+        db.execute("DELETE FROM blobs")
+    with kvfs.open_store_sync(cfg) as s:
+        fresh = s.put("u/c", data)  # the same bytes: a row again, new files
+        assert fresh.checksum == info.checksum
+        assert s.get("s/a") == data and s.get("t/b") == data
+        found = s.fsck()
+        assert found["wrong_refs"] == [] and found["missing_blob_rows"] == []
+        assert sorted(found["orphans"]) == files_of(info)  # the old copy, no row names it
+        s.delete("u/c")
+        assert s.get("s/a") == data and s.get("t/b") == data
+        s.delete("s/a")
+        assert s.get("t/b") == data
+        found = s.fsck(repair=True)
+        assert set(problems(found)) == {"orphans"}
+        assert not problems(s.fsck())
+        accounted(s)
+        s.delete("t/b")
+        assert not any(os.path.exists(f) for f in files_of(fresh))
+        accounted(s)
