@@ -129,7 +129,11 @@ class Watchdog:
         if self.pid < 0:
             return
         with trio.move_on_after(REAP_WAIT):
-            await trio.to_thread.run_sync(_reap, self.pid, abandon_on_cancel=True)
+            # (its own limiter: a thread abandoned here keeps its token until the watchdog
+            # exits, which would hold a slot of the default one every to_thread call shares)
+            await trio.to_thread.run_sync(
+                _reap, self.pid, abandon_on_cancel=True, limiter=trio.CapacityLimiter(1)
+            )
             return
         log.debug("fusermount3 (pid %d) still running; reaped when it exits", self.pid)
 

@@ -739,6 +739,28 @@ def test_a_failed_mount_leaves_no_fusermount3(tmp_path: Path) -> None:
     assert open_sockets() - sockets == set()
 
 
+def test_a_watchdog_slow_to_exit_is_reaped_without_a_trio_thread_slot(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Past REAP_WAIT the thread left waiting for the watchdog held a token of trio's default
+    # thread limiter until it exited: a watchdog that never exits took one of the slots
+    # every to_thread call of the daemon shares, for good.
+    from kvfs import _fusermount
+
+    monkeypatch.setattr(_fusermount, "REAP_WAIT", 0.1)
+    pid = os.posix_spawnp("sleep", ["sleep", "2"], os.environ)
+
+    async def main() -> int:
+        await _fusermount.Watchdog(pid, -1, "").release()
+        return trio.to_thread.current_default_thread_limiter().borrowed_tokens
+
+    assert trio.run(main) == 0
+    deadline = time.monotonic() + 60
+    while os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not os.path.exists(f"/proc/{pid}")  # reaped by the thread left behind: no zombie
+
+
 MOUNT_THEN_SPAWN = """
 import subprocess, sys, trio, kvfs
 from kvfs._mount import serve_mount
