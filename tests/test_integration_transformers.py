@@ -309,6 +309,9 @@ def test_corrupt_page_ends_the_prefix(
         hit = kv.load("s", ids)
         assert hit.tokens == CHUNK and "corrupt" in hit.note
         assert torch.equal(cache_tensors(hit.cache)[1][1], cache_tensors(cache)[1][1][:, :, :CHUNK])
+        # a prefill says why it reused less than was cached (its result dropped the note)
+        res = kv.prefill("s", ids, save=False)
+        assert res.reused_tokens == CHUNK and "stopped at chunk 1" in res.note, res.note
         # the next save of that KV rewrites the damaged page: the prefix is whole again
         # (it was skipped as present, and every later load stopped there)
         assert kv.save("s", ids, cache).pages_written == 1

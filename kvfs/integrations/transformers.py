@@ -125,7 +125,8 @@ class PrefillResult:
     compute_seconds: float
     save: SaveResult | None = None
     sources: tuple[str, ...] = field(default=())
-    #: why the cache was not saved though asked to be (no room: ENOSPC), if it was not
+    #: why the cached prefix was cut short (the load's note), and why the cache was not
+    #: saved though asked to be (no room: ENOSPC), if either happened
     note: str = ""
 
 
@@ -421,8 +422,9 @@ class TransformersKV:
         At least the last token is computed (its logits are the result). Returns the logits
         of the last token and the cache, ready for decoding. A save that finds no room
         (``CapacityExceeded``, ENOSPC) is logged and said in ``note``, with ``save=None``:
-        the prefill's result stands. Raises GeometryMismatch (see :meth:`load`) before
-        anything is computed.
+        the prefill's result stands; so does a prefix the load cut short (``note`` gives the
+        load's reason too). Raises GeometryMismatch (see :meth:`load`) before anything is
+        computed.
         """
         toks = _token_list(input_ids)
         if not toks:
@@ -433,15 +435,15 @@ class TransformersKV:
         ids = torch.tensor([toks[hit.tokens :]], dtype=torch.long, device=self.device)
         out = forward(self.model, ids, cache)
         compute = time.perf_counter() - t0
-        saved, note = None, ""
+        saved, notes = None, [hit.note] if hit.note else []
         if save:
             try:
                 saved = self.save(session, toks, cache_of(out))
             except OSError as e:  # CapacityExceeded, a full directory: the work is not lost
                 if e.errno not in (errno.ENOSPC, errno.EDQUOT):
                     raise
-                note = f"not saved: {e}"
-                log.warning("session %r: the prefilled KV cache was %s", session, note)
+                notes.append(f"not saved: {e}")
+                log.warning("session %r: the prefilled KV cache was %s", session, notes[-1])
         return PrefillResult(
             logits=out.logits[0, -1],
             cache=cache_of(out),
@@ -451,7 +453,7 @@ class TransformersKV:
             compute_seconds=compute,
             save=saved,
             sources=hit.sources,
-            note=note,
+            note="; ".join(notes),
         )
 
 
