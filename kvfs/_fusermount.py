@@ -15,6 +15,17 @@ it) and makes the socket close-on-exec; :meth:`Watchdog.release` closes it once 
 is closed, so the watchdog makes its check then (nothing mounted: it just exits), and reaps
 it. (A child forked without exec still holds a copy of the socket, as it does of the
 /dev/fuse descriptor: the watchdog acts once both this process and that child are gone.)
+
+When the process dies, the watchdog unmounts only if opening the mountpoint fails with
+ENOTCONN, which it does once the /dev/fuse descriptor is released (the connection is aborted
+then). An exiting process closes its descriptors in ascending order, and Linux releases them
+in reverse (the last one queued first); libfuse's socket was numbered above /dev/fuse, so it
+was released first. The watchdog woke and opened the mountpoint while the connection was still
+up: its request was then aborted with ECONNABORTED, not ENOTCONN, and the dead mount stayed
+(now and then, on a loaded machine: the dying process had to be descheduled between the two
+releases). :func:`snapshot` therefore holds a descriptor open below every one
+``pyfuse3.init`` opens, and :func:`find_watchdog` moves the socket there: the connection is
+gone before the watchdog is woken.
 """
 
 from __future__ import annotations
@@ -38,12 +49,22 @@ log = logging.getLogger("kvfs.mount")
 REAP_WAIT = 10.0
 
 
-@dataclass(frozen=True)
+@dataclass
 class Snapshot:
     """This process's descriptors (fd -> what /proc shows it is) and this thread's children."""
 
     fds: dict[int, str]
     children: frozenset[int]
+    #: a descriptor (on /dev/null) opened first, numbered below every descriptor opened
+    #: after it, where the watchdog's socket moves; -1 if none could be opened
+    low: int = -1
+
+    def close(self) -> None:
+        """Close ``low`` (a no-op once it holds the watchdog's socket: it is -1 then)."""
+        if self.low >= 0:
+            with contextlib.suppress(OSError):
+                os.close(self.low)
+            self.low = -1
 
 
 def _fds() -> dict[int, str]:
@@ -74,11 +95,19 @@ def _children() -> frozenset[int]:
 
 def snapshot() -> Snapshot | None:
     """Taken just before ``pyfuse3.init``, in the thread that calls it; None if /proc
-    cannot tell (the watchdog is then left to this process's exit). Never raises."""
+    cannot tell (the watchdog is then left to this process's exit). Never raises. Hand it
+    to :func:`find_watchdog` or :func:`release_failed`, which close what it holds."""
     try:
-        return Snapshot(_fds(), _children())
+        low = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        low = -1
+    try:
+        return Snapshot(_fds(), _children(), low)
     except OSError as e:
         log.debug("no snapshot to find the fusermount3 watchdog by: %s", e)
+        with contextlib.suppress(OSError):
+            if low >= 0:
+                os.close(low)
         return None
 
 
@@ -155,18 +184,19 @@ def find_watchdog(before: Snapshot | None) -> Watchdog | None:
     except OSError as e:
         log.debug("fusermount3 watchdog not identified: %s", e)
         return None
+    finally:
+        before.close()
 
 
-def _new(before: Snapshot) -> tuple[list[int], dict[int, str]]:
-    """The ``fusermount3`` children and the sockets of libfuse's kind (fd -> link) new since
-    ``before``."""
+def _new(before: Snapshot) -> tuple[list[int], dict[int, str], list[int]]:
+    """The ``fusermount3`` children, the sockets of libfuse's kind (fd -> link) and the
+    /dev/fuse descriptors new since ``before``."""
     pids = [p for p in _children() - before.children if _comm(p) == "fusermount3"]
-    new = {
-        fd: link
-        for fd, link in _fds().items()
-        if link.startswith("socket:") and before.fds.get(fd) != link
+    new = {fd: link for fd, link in _fds().items() if before.fds.get(fd) != link}
+    socks = {
+        fd: link for fd, link in new.items() if link.startswith("socket:") and _is_comm_socket(fd)
     }
-    return pids, {fd: link for fd, link in new.items() if _is_comm_socket(fd)}
+    return pids, socks, [fd for fd, link in new.items() if link == "/dev/fuse"]
 
 
 async def release_failed(before: Snapshot | None) -> None:
@@ -178,8 +208,9 @@ async def release_failed(before: Snapshot | None) -> None:
     Never raises (anything not identified is left, as without this module)."""
     if before is None:
         return
+    before.close()
     try:
-        pids, fds = _new(before)
+        pids, fds, _ = _new(before)
     except OSError as e:
         log.debug("what the failed mount left not identified: %s", e)
         return
@@ -190,11 +221,19 @@ async def release_failed(before: Snapshot | None) -> None:
 
 
 def _find(before: Snapshot) -> Watchdog | None:
-    pids, new = _new(before)
+    pids, new, dev = _new(before)
     fds = list(new)
     if len(pids) != 1 or len(fds) != 1:
         log.debug("fusermount3 watchdog not identified (children %s, sockets %s)", pids, fds)
         return None
     fd = fds[0]
     os.set_inheritable(fd, False)
-    return Watchdog(pids[0], fd, new[fd])
+    if len(dev) == 1 and 0 <= before.low < dev[0]:
+        # Below /dev/fuse: released after it when this process dies (see the module's doc)
+        os.dup2(fd, before.low, inheritable=False)
+        os.close(fd)
+        fd = before.low
+        before.low = -1  # (it holds the socket now: not to be closed)
+    else:
+        log.debug("fusermount3 socket left at %d (/dev/fuse: %s, low: %d)", fd, dev, before.low)
+    return Watchdog(pids[0], fd, new[fds[0]])
