@@ -815,6 +815,34 @@ def test_a_prefill_whose_save_finds_no_room_keeps_its_result(
     assert int(result.logits.argmax()) == want
 
 
+def test_a_prefill_whose_cache_cannot_be_read_computes_everything(
+    make_config: Callable[..., kvfs.StoreConfig], tmp_path: Path
+) -> None:
+    """A load that failed (the archive unreachable, a mount whose daemon died) failed the
+    prefill: a cache turned a request it could have computed into an error."""
+    shape = GEOMETRIES["fp32-gqa-2layers"]
+    model = model_of(shape)
+    ids = tokens(3 * CHUNK + 1, seed=45)
+    archive = tmp_path / "archive"
+    cfg = make_config(ndev=1, archive_url=f"file://{archive}", extra={"archive": {"interval": 0}})
+    with (
+        kvfs.open_store_sync(cfg) as store,
+        TransformersKV(
+            store, model, model_id=shape.model_id, chunk_tokens=CHUNK, shared_session=None
+        ) as kv,
+    ):
+        kv.prefill("s", ids)
+        assert store.spill("s") > 0
+        archive.rename(tmp_path / "away")  # unmounted, say: the pages are held nowhere else
+        result = kv.prefill("s", ids)
+        assert result.reused_tokens == 0 and result.computed_tokens == len(ids)
+        assert "cache not read" in result.note and "archive" in result.note, result.note
+        want, _ = prefill(model, ids)
+        assert int(result.logits.argmax()) == want
+        (tmp_path / "away").rename(archive)
+        assert kv.prefill("s", ids).reused_tokens == 3 * CHUNK  # back: read again
+
+
 def test_a_model_split_over_devices_is_refused(tmp_path: Path) -> None:
     """Every layer's loaded KV went to the device of the model's first parameter: a model
     split by ``device_map`` failed in its forward pass with a device mismatch."""

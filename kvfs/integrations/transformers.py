@@ -28,7 +28,6 @@ layers only (a sliding-window layer does not hold the whole prefix).
 
 from __future__ import annotations
 
-import errno
 import logging
 import threading
 import time
@@ -125,8 +124,9 @@ class PrefillResult:
     compute_seconds: float
     save: SaveResult | None = None
     sources: tuple[str, ...] = field(default=())
-    #: why the cached prefix was cut short (the load's note), and why the cache was not
-    #: saved though asked to be (no room: ENOSPC), if either happened
+    #: why the cached prefix was cut short or could not be read at all (the load's note,
+    #: its error), and why the cache was not saved though asked to be (no room, a mount
+    #: gone), if any of those happened
     note: str = ""
 
 
@@ -420,28 +420,35 @@ class TransformersKV:
         """Prefill ``input_ids`` reusing the longest cached prefix, then save the cache.
 
         At least the last token is computed (its logits are the result). Returns the logits
-        of the last token and the cache, ready for decoding. A save that finds no room
-        (``CapacityExceeded``, ENOSPC) is logged and said in ``note``, with ``save=None``:
-        the prefill's result stands; so does a prefix the load cut short (``note`` gives the
-        load's reason too). Raises GeometryMismatch (see :meth:`load`) before anything is
-        computed.
+        of the last token and the cache, ready for decoding. The cache is a cache: a load
+        that fails (the archive unreachable, the mount's daemon gone: any ``OSError``) is a
+        miss, everything is computed; a save that fails (no room: ``CapacityExceeded``,
+        ENOSPC; the mount gone) leaves ``save=None``. Either is logged and said in
+        ``note``, as is a prefix the load cut short: the prefill's result stands. Raises
+        GeometryMismatch (see :meth:`load`) before anything is computed.
         """
         toks = _token_list(input_ids)
         if not toks:
             raise ValueError("nothing to prefill")
-        hit = self.load(session, toks, max_tokens=len(toks) - 1)
+        notes = []
+        try:
+            hit = self.load(session, toks, max_tokens=len(toks) - 1)
+        except OSError as e:  # ArchiveUnavailable, ENOTCONN: computed instead, as a miss
+            notes.append(f"cache not read: {e}")
+            log.warning("session %r: the KV cache was %s", session, notes[-1])
+            hit = LoadResult(None, 0, 0, 0, 0.0)
+        if hit.note:
+            notes.append(hit.note)
         t0 = time.perf_counter()
         cache = hit.cache if hit.cache is not None else build_cache(self.model.config, [])
         ids = torch.tensor([toks[hit.tokens :]], dtype=torch.long, device=self.device)
         out = forward(self.model, ids, cache)
         compute = time.perf_counter() - t0
-        saved, notes = None, [hit.note] if hit.note else []
+        saved = None
         if save:
             try:
                 saved = self.save(session, toks, cache_of(out))
             except OSError as e:  # CapacityExceeded, a full directory: the work is not lost
-                if e.errno not in (errno.ENOSPC, errno.EDQUOT):
-                    raise
                 notes.append(f"not saved: {e}")
                 log.warning("session %r: the prefilled KV cache was %s", session, notes[-1])
         return PrefillResult(
