@@ -854,3 +854,52 @@ def test_a_model_split_over_devices_is_refused(tmp_path: Path) -> None:
     for one in ({"a": "cpu", "b": "cpu"}, {"a": 0, "b": "cuda:0"}, {"a": "cuda", "b": 0}):
         model.hf_device_map = one  # one device, however accelerate spells it
         TransformersKV(tmp_path, model, model_id=shape.model_id, chunk_tokens=CHUNK).close()
+
+
+def _tiny(config_class: str, model_class: str, **kw: Any) -> Any:
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = getattr(transformers, config_class)(vocab_size=1000, **kw)
+    return getattr(transformers, model_class)(cfg).eval()
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"multi_query": True, "new_decoder_architecture": False},  # one KV head
+        {"new_decoder_architecture": True, "num_kv_heads": 2},  # cached expanded to 4
+    ],
+    ids=["multi-query", "grouped"],
+)
+def test_falcon_caches_are_saved_and_reused(tmp_path: Path, kw: dict[str, Any]) -> None:
+    """A multi-query Falcon caches one KV head and says so in ``multi_query`` alone (it has no
+    ``num_key_value_heads``): the geometry counted every attention head, and each save
+    failed with GeometryMismatch."""
+    model = _tiny(
+        "FalconConfig", "FalconForCausalLM", hidden_size=64, num_hidden_layers=2,
+        num_attention_heads=4, **kw,
+    )  # fmt: skip
+    ids = tokens(2 * CHUNK + 1, seed=46)
+    with TransformersKV(tmp_path, model, model_id="falcon-tiny", chunk_tokens=CHUNK) as kv:
+        assert kv.geometry.kv_heads == (1 if kw.get("multi_query") else 4)
+        first = kv.prefill("s", ids)
+        assert first.save is not None and first.save.chunks == 2, first.note
+        again = kv.prefill("s", ids)
+    assert again.reused_tokens == 2 * CHUNK and not again.note
+    want, _ = prefill(model, ids)
+    assert int(again.logits.argmax()) == int(first.logits.argmax()) == want
+
+
+def test_a_model_with_latent_attention_is_refused(tmp_path: Path) -> None:
+    """A DeepSeek-V3 model (multi-head latent attention: keys and values of different
+    sizes) was taken, and every save failed with a GeometryMismatch naming 128 KV heads."""
+    model = _tiny(
+        "DeepseekV3Config", "DeepseekV3ForCausalLM", hidden_size=64, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=4, intermediate_size=64,
+        moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2,
+        first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8,
+        qk_nope_head_dim=8, v_head_dim=8, n_group=1, topk_group=1,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="latent attention"):
+        TransformersKV(tmp_path, model, model_id="deepseek-tiny", chunk_tokens=CHUNK)

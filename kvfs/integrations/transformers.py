@@ -73,11 +73,23 @@ SHARED_SESSION = "prefix-cache"
 
 
 def geometry_of(model: Any, model_id: str, chunk_tokens: int = 256) -> Geometry:
-    """The KV geometry of a transformers model (decoder config, parameter dtype)."""
+    """The KV geometry of a transformers model (decoder config, parameter dtype). Raises
+    ValueError for multi-head latent attention (DeepSeek-V2/V3: ``kv_lora_rank``), whose
+    keys and values differ in size."""
     cfg = model.config
     cfg = cfg.get_text_config(decoder=True) if hasattr(cfg, "get_text_config") else cfg
+    if getattr(cfg, "kv_lora_rank", None):
+        raise ValueError(
+            f"{type(cfg).__name__} uses multi-head latent attention (kv_lora_rank "
+            f"{cfg.kv_lora_rank}): its keys and values differ in size, and kvfs pages hold "
+            "one head size for both"
+        )
     heads = cfg.num_attention_heads
     kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    # (Falcon has no num_key_value_heads: it caches one KV head when multi_query without the
+    # new decoder architecture, else every attention head, its num_kv_heads expanded)
+    if getattr(cfg, "multi_query", False) and not getattr(cfg, "new_decoder_architecture", False):
+        kv_heads = 1
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
     dtype = str(model.dtype).removeprefix("torch.")
     return Geometry(
