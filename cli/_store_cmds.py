@@ -776,7 +776,7 @@ def cmd_spill_restore(args: argparse.Namespace) -> int:
         for s in args.sessions:
             t0 = time.perf_counter()
             # and the page bytes of each session as they are archived or come back
-            local = _local_bytes(store, s) if args.op == "spill" else 0
+            local = _local_bytes(store, s)
             with Progress(f"{args.op} {s}", 1, fmt=fmt_bytes) as pages:
                 n = getattr(store, args.op)(s, progress=_bytes_to(pages))
             r = {"session": s, "bytes": n, "seconds": round(time.perf_counter() - t0, 3)}
@@ -785,6 +785,10 @@ def cmd_spill_restore(args: argparse.Namespace) -> int:
                 # what the upload sent (compressed, only what the archive lacked) beside it
                 r["bytes"] = max(0, local - _local_bytes(store, s))
                 r["uploaded_bytes"] = n
+            else:
+                # page bytes that came back, as ls counts them: the store's own count is of
+                # contents, each once, so pages sharing one (dedup) were counted as one
+                r["bytes"] = max(0, _local_bytes(store, s) - local)
             results.append(r)
             bar.update()
     emit()

@@ -318,6 +318,23 @@ def test_spill_and_restore(run: Run, tmp_path: Path) -> None:
     assert rc == 3 and "no kvfs store" in err and not (tmp_path / "h3").exists()
 
 
+def test_restore_reports_the_page_bytes_that_came_back_as_spill_reports_those_that_left(
+    run: Run, tmp_path: Path
+) -> None:
+    """Two pages of a session holding the same bytes: spill said 2 x their size left the
+    local tier, and restore said it brought back half of that (the store counts each
+    content once), though ls showed the whole session local again."""
+    d = one_page(run, tmp_path, os.urandom(20000), archive=True)
+    assert run("put", "f", "sessions/a/p/layer-001", *d)[0] == 0
+    rc, out, _ = run("spill", "a", "--json", *d)
+    assert rc == 0 and json.loads(out)[0]["bytes"] == 40000
+    rc, out, _ = run("restore", "a", "--json", *d)
+    assert rc == 0 and json.loads(out)[0]["bytes"] == 40000
+    assert run("spill", "a", *d)[0] == 0
+    rc, out, _ = run("restore", "a", *d)
+    assert rc == 0 and "restored a: 39.1 KiB" in out, out
+
+
 def test_fsck_finds_and_repairs(run: Run, tmp_path: Path) -> None:
     d = one_page(run, tmp_path, os.urandom(50000))
     assert run("fsck", *d)[0] == 0
