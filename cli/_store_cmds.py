@@ -32,6 +32,7 @@ from ._util import (
     name_order,
     print_json,
     print_table,
+    printable,
     seconds,
 )
 
@@ -831,7 +832,8 @@ def cmd_fsck(args: argparse.Namespace) -> int:
     problems = sum(len(found.get(k, ())) for k in FSCK_PROBLEMS)
     lines = [
         f"{k}: {len(v)}"
-        + "".join(f"\n  {x}" for x in v[:20])
+        # one line each, as ls shows names: a newline in a page's name would split it in two
+        + "".join(f"\n  {printable(x)}" for x in v[:20])
         + (f"\n  ... {len(v) - 20} more" if len(v) > 20 else "")
         for k, v in found.items()
     ]

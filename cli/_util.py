@@ -27,6 +27,7 @@ __all__ = [
     "name_order",
     "print_json",
     "print_table",
+    "printable",
     "to_jsonable",
 ]
 
@@ -160,7 +161,7 @@ def print_table(
 ) -> None:
     """A plain text table: columns padded, numbers right-aligned (or per ``align``: 'l'/'r')."""
     out = file or sys.stdout
-    rows = [[("" if c is None else _printable(str(c))) for c in r] for r in rows]
+    rows = [[("" if c is None else printable(str(c))) for c in r] for r in rows]
     widths = [_width(h) for h in headers]
     for r in rows:
         for i, c in enumerate(r):
@@ -191,8 +192,9 @@ def _width(s: str) -> int:
     )
 
 
-def _printable(s: str) -> str:
-    """A cell on one line: control characters (a newline in a page name) escaped."""
+def printable(s: str) -> str:
+    """A cell or a listed name on one line: control characters (a newline in a page name)
+    escaped."""
     if s.isprintable():
         return s
     return "".join(ch if ch.isprintable() else repr(ch)[1:-1] for ch in s)

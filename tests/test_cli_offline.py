@@ -363,6 +363,23 @@ def test_fsck_finds_and_repairs(run: Run, tmp_path: Path) -> None:
     assert run("ls", "sessions/a/p/layer-000", *d)[0] == 3
 
 
+def test_fsck_lists_a_page_whose_name_holds_a_newline_on_one_line(run: Run, tmp_path: Path) -> None:
+    """fsck printed damaged page names as they are: a name holding a newline split its
+    entry over two lines, which read as a second entry (ls escapes it)."""
+    d = data(tmp_path)
+    (tmp_path / "f").write_bytes(os.urandom(50000))
+    assert run("put", "f", "sessions/nl\nx/p/layer-000", *d)[0] == 0
+    with kvfs.open_store_sync(kvfs.StoreConfig(data_dirs=(tmp_path / "d0", tmp_path / "d1"))) as s:
+        ext = s.stat("sessions/nl\nx/p/layer-000").extents[0]
+    with open(ext.path, "r+b") as f:
+        f.seek(ext.offset + 10)
+        f.write(b"\xff\xfe\xfd")
+    rc, out, _ = run("fsck", *d)
+    assert rc == 5 and "\n  sessions/nl\\nx/p/layer-000\n" in out, out
+    rc, out, _ = run("fsck", "--repair", *d)
+    assert rc == 0 and "\n  deleted sessions/nl\\nx/p/layer-000: its data" in out, out
+
+
 def test_fsck_repair_keeps_a_damaged_pinned_page_and_says_so(run: Run, tmp_path: Path) -> None:
     """fsck --repair deleted a damaged pinned page held nowhere else, and said "repaired"
     (exit 0): the pin vanished without a word."""
