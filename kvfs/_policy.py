@@ -12,7 +12,7 @@ import sqlite3
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from ._errors import KvfsError
+from ._errors import ArchiveUnavailable, KvfsError
 from ._events import log_event
 from ._index import BlobRow, PageRow
 from ._manifest import enqueue_in
@@ -213,8 +213,9 @@ class TieringPolicy:
         self, *, repair: bool, progress: Callable[[int, int], None] | None = None
     ) -> dict[str, list[str]]:
         """fsck of the archive's copies (``kvfs fsck --check-archive``): without an archive there is
-        none to check."""
-        raise KvfsError("no archive tier is configured: there is no archive to check")
+        none to check. ArchiveUnavailable, as every archive call without one raises: fsck
+        then keeps what the local check found and repaired, and kvfs exits 8."""
+        raise ArchiveUnavailable("no archive tier is configured: there is no archive to check")
 
     def memory_copy(self, h: bytes) -> bytes | None:
         """A verified copy of archive-only data held in memory (see the archive tier's

@@ -380,6 +380,27 @@ def test_fsck_lists_a_page_whose_name_holds_a_newline_on_one_line(run: Run, tmp_
     assert rc == 0 and "\n  deleted sessions/nl\\nx/p/layer-000: its data" in out, out
 
 
+def test_fsck_check_archive_without_an_archive_keeps_the_local_findings_and_exits_8(
+    run: Run, tmp_path: Path
+) -> None:
+    """With no archive configured, fsck --check-archive did the local check (and repair),
+    then dropped its findings for a plain error, exit 1, where docs/cli.md gives 8 for an
+    archive not configured and says the local check and repair stand."""
+    d = one_page(run, tmp_path, os.urandom(5000))
+    with kvfs.open_store_sync(kvfs.StoreConfig(data_dirs=(tmp_path / "d0", tmp_path / "d1"))) as s:
+        ext = s.stat("sessions/a/p/layer-000").extents[0]
+    with open(ext.path, "r+b") as f:
+        f.seek(ext.offset + 10)
+        f.write(b"\xff\xfe\xfd")
+    rc, out, err = run("fsck", "--check-archive", "--repair", "--json", *d)
+    found = json.loads(out)
+    assert rc == 8 and "no archive tier is configured" in found["archive_error"][0], err
+    assert found["damaged_pages"] == ["sessions/a/p/layer-000"] and found["repaired"], found
+    assert run("ls", "sessions/a/p/layer-000", *d)[0] == 3  # the repair stands
+    rc, out, _ = run("fsck", "--check-archive", *d)
+    assert rc == 8 and "clean; the archive could not be checked" in out, out
+
+
 def test_fsck_repair_keeps_a_damaged_pinned_page_and_says_so(run: Run, tmp_path: Path) -> None:
     """fsck --repair deleted a damaged pinned page held nowhere else, and said "repaired"
     (exit 0): the pin vanished without a word."""
@@ -435,8 +456,8 @@ def test_fsck_check_archive_finds_damaged_objects_and_uploads_again_what_is_held
     assert run("evict", "held", *d)[0] == 0
     rc, _, _ = run("get", "sessions/held/p/layer-000", "back", *d)
     assert rc == 0 and (tmp_path / "back").read_bytes() == (tmp_path / "g").read_bytes()
-    rc, _, err = run("fsck", "--check-archive", *data(tmp_path))
-    assert rc != 0 and "no archive tier is configured" in err
+    rc, out, _ = run("fsck", "--check-archive", *data(tmp_path))
+    assert rc == 8 and "no archive tier is configured" in out
 
 
 def test_config_shows_sources_and_masks(
