@@ -275,8 +275,8 @@ FSCK_FINDINGS: dict[str, str] = {
     "`--repair`: those whose data is not held here to upload again; exit 5)",
     "archive_repaired": "with `--check-archive --repair`: the objects uploaded again from a "
     "verified local copy",
-    "archive_error": "with `--check-archive`: the archive could not be reached (exit 8, after "
-    "the local check and repair, which stand)",
+    "archive_error": "with `--check-archive`: the archive could not be reached, or none is "
+    "configured (exit 8, after the local check and repair, which stand)",
 }
 #: The problems the local check finds (the archive's are added by --check-archive).
 _LOCAL_PROBLEMS = (
