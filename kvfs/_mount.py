@@ -120,7 +120,9 @@ async def serve_mount(
     mp = Path(mountpoint).absolute()
     check_mountpoint(mp)
     if opts.fsname == "kvfs":  # show which store is mounted (mount, df, /proc/mounts)
-        opts = replace(opts, fsname="kvfs:" + _option_safe(str(store.config.data_dirs[0])))
+        # (absolute: a relative one, as the embedded defaults give, says nothing elsewhere)
+        first = Path(store.config.data_dirs[0]).absolute()
+        opts = replace(opts, fsname="kvfs:" + _option_safe(str(first)))
     ops = KvfsOperations(
         store,
         direct_io=opts.direct_io,

@@ -744,6 +744,22 @@ def test_a_failed_mount_leaves_no_fusermount3(tmp_path: Path) -> None:
     assert open_sockets() - sockets == set()
 
 
+def test_the_mount_names_its_store_by_an_absolute_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The embedded defaults give a relative data directory, and `mount` and `df` showed
+    # "kvfs:kvfs-data": which store that was depended on where the daemon was started.
+    monkeypatch.chdir(tmp_path)
+    mp = tmp_path / "mnt"
+    mp.mkdir()
+    with (
+        ServedMount(kvfs.StoreConfig(data_dirs=[Path("kvfs-data")]), mp),
+        open("/proc/self/mountinfo") as f,
+    ):
+        (line,) = [x for x in f if x.split()[4] == str(mp)]
+    assert line.split(" - ")[1].split()[1] == f"kvfs:{tmp_path / 'kvfs-data'}"
+
+
 def test_the_watchdogs_socket_is_numbered_below_dev_fuse(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
