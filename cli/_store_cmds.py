@@ -16,6 +16,7 @@ from typing import Any
 
 import kvfs
 from kvfs._control import DaemonUnavailable
+from kvfs._keys import split_path
 from kvfs._maint import FSCK_PROBLEMS
 from kvfs._remote import SyncRemoteStore
 
@@ -195,7 +196,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def _resolve(store: Any, target: str) -> tuple[str, str]:
     """("page", path), ("session", name) or ("directory", "path/"): a directory of pages
     that is no session (a prefix's, as a user pastes it from the mount). Raises
-    PageNotFound when it is none of them."""
+    PageNotFound when it is none of them; InvalidKey when it could be none of them."""
     try:
         return "page", store.stat(target).path
     except (kvfs.PageNotFound, kvfs.InvalidKey):
@@ -206,6 +207,7 @@ def _resolve(store: Any, target: str) -> tuple[str, str]:
         below = target.rstrip("/") + "/"
         if below != "/" and store.list(path_prefix=below):
             return "directory", below
+        split_path(target.rstrip("/"))  # ('..', empty, NUL: a bad name, not a missing one)
         raise kvfs.PageNotFound(f"no page or session {target!r}") from None
     # the directory itself: a bare name could mean sessions/<name> to the next call
     return "session", d if "/" in d or d == "." else d + "/"
@@ -236,6 +238,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
                 prefix = args.target.rstrip("/") + "/"
                 pages = store.list(path_prefix=prefix)
                 if not pages and prefix != "sessions/":  # (always there: on the mount too)
+                    split_path(args.target.rstrip("/"))  # (a bad name: InvalidKey, exit 2)
                     raise kvfs.PageNotFound(
                         f"no page, session or directory {args.target!r}"
                     ) from None

@@ -857,3 +857,17 @@ def test_stats_watch_does_not_hold_the_store(run: Run, tmp_path: Path) -> None:
             assert opened and watch.poll() is None  # while the watch runs
         finally:
             watch.kill()
+
+
+@pytest.mark.parametrize("cmd", ["ls", "pin", "rm", "evict"])
+def test_a_name_no_page_or_session_could_have_is_a_usage_error(
+    run: Run, tmp_path: Path, cmd: str
+) -> None:
+    """``kvfs ls 'sessions/a/../b'`` and ``kvfs pin ''`` said "no page" (exit 3, as for a
+    name that is merely missing), where ``restore`` said why the name is bad (exit 2)."""
+    d = one_page(run, tmp_path, b"x")
+    for bad, why in [("sessions/a/../b", "'..'"), ("", "empty")]:
+        rc, _, err = run(cmd, bad, *d)
+        assert rc == 2 and why in err, (bad, rc, err)
+    rc, _, err = run(cmd, "sessions/nope", *d)  # a good name, missing: not found
+    assert rc == 3, err
