@@ -605,12 +605,7 @@ def _each(args: argparse.Namespace, page_op: str, session_op: str, verb: str) ->
             results,
             [
                 f"{verb} {r['kind']} {r['target']}"
-                # (a session pin reports no count: the store call returns none)
-                + (
-                    f" ({count(r['pages'], 'page')})"
-                    if r["kind"] != "page" and r["pages"] is not None
-                    else ""
-                )
+                + (f" ({count(r['pages'], 'page')})" if r["kind"] != "page" else "")
                 for r in results
             ],
         )
@@ -629,8 +624,14 @@ def _each(args: argparse.Namespace, page_op: str, session_op: str, verb: str) ->
                 else:
                     r = getattr(store, page_op if kind == "page" else session_op)(name)
                 counted = isinstance(r, int) and not isinstance(r, bool)
-                # ("result": what the store call returned, kept for scripts that read it)
-                pages = r if counted else 1 if kind == "page" else None
+                # ("result": what the store call returned, kept for scripts that read it;
+                # a session's pin returns nothing: its pages are those it holds)
+                if counted:
+                    pages = r
+                elif kind == "page":
+                    pages = 1
+                else:
+                    pages = store.session_info(name).pages
                 results.append({"target": t, "kind": kind, "pages": pages, "result": r})
     emit()
     return 0

@@ -130,12 +130,15 @@ def test_pin_unpin_rm(run: Run, tmp_path: Path) -> None:
     assert rc == 0 and json.loads(out) == []
 
 
-def test_pin_and_unpin_of_a_session_say_no_count_they_do_not_know(run: Run, tmp_path: Path) -> None:
-    """`kvfs pin SESSION` printed "pinned session a (None pages)": a session pin reports no
-    page count (the store call returns none); and one page was "(1 pages)"."""
+def test_pin_and_unpin_of_a_session_count_its_pages(run: Run, tmp_path: Path) -> None:
+    """`kvfs pin SESSION` printed "pinned session a (None pages)", then nothing of a count,
+    and its --json said "pages": null (the store call returns none), where rm and a
+    directory's pin count them; and one page was "(1 pages)"."""
     d = one_page(run, tmp_path, b"x" * 100)
-    assert run("pin", "a", *d)[1] == "pinned session a\n"
-    assert run("unpin", "a", *d)[1] == "unpinned session a\n"
+    assert run("pin", "a", *d)[1] == "pinned session a (1 page)\n"
+    assert run("unpin", "a", *d)[1] == "unpinned session a (1 page)\n"
+    (r,) = json.loads(run("pin", "a", "--json", *d)[1])
+    assert r["kind"] == "session" and r["pages"] == 1
     assert run("rm", "a", *d)[1] == "deleted session a (1 page)\n"
 
 
