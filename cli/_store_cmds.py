@@ -573,7 +573,7 @@ def cmd_put(args: argparse.Namespace) -> int:
     _emit(
         args,
         _page_json(info),
-        [f"{info.path}: {fmt_bytes(info.size)} stored ({info.checksum[:16]})"],
+        [f"{printable(info.path)}: {fmt_bytes(info.size)} stored ({info.checksum[:16]})"],
     )
     return 0
 
@@ -604,7 +604,7 @@ def _each(args: argparse.Namespace, page_op: str, session_op: str, verb: str) ->
             args,
             results,
             [
-                f"{verb} {r['kind']} {r['target']}"
+                f"{verb} {r['kind']} {printable(r['target'])}"
                 + (f" ({count(r['pages'], 'page')})" if r["kind"] != "page" else "")
                 for r in results
             ],
@@ -717,7 +717,7 @@ def cmd_evict(args: argparse.Namespace) -> int:
         args,
         results,
         [
-            f"evicted {r['kind']} {r['target']}: {fmt_bytes(r['freed_bytes'])} freed"
+            f"evicted {r['kind']} {printable(r['target'])}: {fmt_bytes(r['freed_bytes'])} freed"
             + (
                 f" ({r['pinned_kept']} pinned page(s) kept: kvfs unpin first)"
                 if r["pinned_kept"]
@@ -763,7 +763,7 @@ def cmd_spill_restore(args: argparse.Namespace) -> int:
             args,
             results,
             [
-                f"{verb} {r['session']}: {fmt_bytes(r['bytes'])} in {r['seconds']:.2f}s"
+                f"{verb} {printable(r['session'])}: {fmt_bytes(r['bytes'])} in {r['seconds']:.2f}s"
                 + (f" ({fmt_bytes(r['uploaded_bytes'])} uploaded)" if "uploaded_bytes" in r else "")
                 for r in results
             ],

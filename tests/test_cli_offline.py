@@ -874,3 +874,17 @@ def test_a_name_no_page_or_session_could_have_is_a_usage_error(
         assert rc == 2 and why in err, (bad, rc, err)
     rc, _, err = run(cmd, "sessions/nope", *d)  # a good name, missing: not found
     assert rc == 3, err
+
+
+def test_messages_show_a_name_holding_a_newline_on_one_line(run: Run, tmp_path: Path) -> None:
+    """put, pin, evict and rm printed names raw: a newline in one split its message in two,
+    as ls and fsck (which escape it) never did."""
+    d = data(tmp_path)
+    (tmp_path / "f").write_bytes(b"x" * 100)
+    name = "sessions/nl\nx/p/layer-000"
+    for argv in (("put", "f", name), ("pin", name), ("unpin", name), ("evict", "--force", name)):
+        rc, out, err = run(*argv, *d)  # (evict, with no archive: deleted)
+        assert rc == 0 and out.count("\n") == 1 and "nl\\nx" in out, (argv, out, err)
+    assert run("put", "f", name, *d)[0] == 0
+    rc, out, _ = run("rm", name, *d)
+    assert rc == 0 and out == "deleted page sessions/nl\\nx/p/layer-000\n"
