@@ -122,7 +122,18 @@ class FileOps:
         return n
 
     def _attrs(self, node: Node) -> pyfuse3.EntryAttributes:
-        return self.table.attrs(node, self.dirs.get(node.path))
+        a = self.table.attrs(node, self.dirs.get(node.path))
+        if node.rewriting > 0:
+            # Its writer builds the next version, which only grows: say that version's
+            # size, as for a file being written. The kernel takes a stat's size as the
+            # file's, and its writer's next O_APPEND write went to the committed end, over
+            # the bytes written since.
+            a.st_size = max(
+                [a.st_size]
+                + [h.again.writer.size for h in self.handles.values() if h.node is node and h.again]
+            )
+            a.st_blocks = -(-a.st_size // 512)
+        return a
 
     async def _entry(self, node: Node) -> pyfuse3.EntryAttributes:
         if node.kind is Kind.META:

@@ -1230,6 +1230,28 @@ def test_readers_see_committed_bytes_while_a_writer_builds_the_next_version(mnt:
     assert p.read_bytes() == b"B" * MiB + b"A" * MiB
 
 
+def test_an_appending_writer_goes_on_at_the_end_once_its_page_was_committed(mnt: Path) -> None:
+    """A stat of a page whose writer builds its next version (a dup closed, or the open
+    file renamed) said the committed size: the kernel took it as the file's size, and the
+    writer's next O_APPEND write landed there, over the bytes it had written since."""
+    for how in ("dup", "rename"):
+        p = mnt / f"log-{how}"
+        tmp = p.with_name(p.name + ".tmp")
+        fd = os.open(p if how == "dup" else tmp, os.O_CREAT | os.O_WRONLY | os.O_APPEND, 0o644)
+        try:
+            os.write(fd, b"A" * 100)
+            if how == "dup":
+                os.close(os.dup(fd))  # commits it
+            else:
+                os.rename(tmp, p)  # commits it
+            os.write(fd, b"B" * 100)
+            assert os.fstat(fd).st_size == 200, how
+            os.write(fd, b"C" * 100)
+        finally:
+            os.close(fd)
+        assert p.read_bytes() == b"A" * 100 + b"B" * 100 + b"C" * 100, how
+
+
 def test_a_directory_holding_a_file_being_written_does_not_rename_empty(mnt: Path) -> None:
     """A directory rename ignored files still being written in it: the file was later
     published under the old name, which came back; and an empty directory replaced one
