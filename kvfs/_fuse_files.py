@@ -236,6 +236,12 @@ class FileOps:
             return h.content[off : off + size]
         if h.ahead is not None:
             return await h.ahead.read(off, size)
+        if h.again is not None:
+            # Its writer reads what it wrote: the next version it builds, not the one its
+            # page holds (committed meanwhile, it is the held version once more).
+            async with h.again_lock:
+                if h.again is not None:
+                    return await self._thread(h.again.writer.read, off, size)
         if h.held is not None:
             return await self._thread(self._read_held, h, off, size)
         node = h.node

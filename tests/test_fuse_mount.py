@@ -1252,6 +1252,30 @@ def test_an_appending_writer_goes_on_at_the_end_once_its_page_was_committed(mnt:
         assert p.read_bytes() == b"A" * 100 + b"B" * 100 + b"C" * 100, how
 
 
+def test_a_writer_reads_back_what_it_wrote_once_its_page_was_committed(mnt: Path) -> None:
+    """An O_RDWR writer whose page a dup's close or a rename committed, writing on: reads
+    through its descriptor answered the committed version, without the writes it had made
+    since (those it reads back from the page cache aside)."""
+    for how in ("dup", "rename"):
+        p = mnt / f"rw-{how}"
+        tmp = p.with_name(p.name + ".tmp")
+        fd = os.open(p if how == "dup" else tmp, os.O_CREAT | os.O_RDWR, 0o644)
+        try:
+            os.write(fd, b"A" * 100)
+            if how == "dup":
+                os.close(os.dup(fd))  # commits it
+            else:
+                os.rename(tmp, p)  # commits it
+            os.pwrite(fd, b"B" * 10, 5)
+            os.write(fd, b"C" * 100)
+            want = b"A" * 5 + b"B" * 10 + b"A" * 85 + b"C" * 100
+            assert os.pread(fd, 1000, 0) == want, how
+            assert p.read_bytes() == b"A" * 100, how  # another open: the committed version
+        finally:
+            os.close(fd)
+        assert p.read_bytes() == want, how
+
+
 def test_a_directory_holding_a_file_being_written_does_not_rename_empty(mnt: Path) -> None:
     """A directory rename ignored files still being written in it: the file was later
     published under the old name, which came back; and an empty directory replaced one
