@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvfs import CorruptPage, KvfsError, PageKey
+from kvfs._mountinfo import kvfs_mount_of
 
 __all__ = [
     "NotAKvfsPage",
@@ -239,7 +240,8 @@ def source_from_mount(path: str | os.PathLike[str], *, through: bool = False) ->
     attribute reads (ESTALE, ENOENT: the handle still reads the page it opened).
 
     Raises FileNotFoundError, NotAKvfsPage (no ``user.kvfs.extents``), CorruptPage
-    (attributes that contradict each other).
+    (attributes that contradict each other; a file on no kvfs mount whose attributes name
+    no data files that hold its page: nothing would verify a read through it).
     """
     name = os.fspath(path)
     fd = os.open(path, os.O_RDONLY)
@@ -250,6 +252,13 @@ def source_from_mount(path: str | os.PathLike[str], *, through: bool = False) ->
             found = _mount_attrs(fd, name)
         data: bytes | None = None
         if found is None or (found[0] > 0 and not found[3]):
+            if kvfs_mount_of(name) is None:
+                # only a mount verifies what it serves: a plain file's bytes would be
+                # handed over as the page, checked against nothing
+                raise CorruptPage(
+                    f"{name!r}: its kvfs attributes name no data files that hold its page, "
+                    "and it is on no kvfs mount, which could serve the page verified"
+                )
             data = _read_through(fd, name)
             found = (len(data), b"", (), ())
         size, checksum, files, extents = found

@@ -346,20 +346,26 @@ def test_write_host_buffer_commits_with_right_checksum(
 
 
 # -- by path (the mount's xattrs) -----------------------------------------------------
-def fake_mount_file(tmp_path: Any, info: kvfs.PageInfo, name: str = "page") -> str:
-    """A plain file carrying the xattrs a kvfs mount shows on a page."""
+def fake_xattrs(info: kvfs.PageInfo) -> dict[str, bytes]:
+    """The xattrs a kvfs mount shows on a page (the extents as the explicit list)."""
     import json
 
+    return {
+        "user.kvfs.extents": json.dumps(
+            [[e.path, e.offset, e.length] for e in info.extents]
+        ).encode(),
+        "user.kvfs.size": str(info.size).encode(),
+        "user.kvfs.checksum": info.checksum.encode(),
+    }
+
+
+def fake_mount_file(tmp_path: Any, info: kvfs.PageInfo, name: str = "page") -> str:
+    """A plain file carrying the xattrs a kvfs mount shows on a page."""
     p = str(tmp_path / name)
     with open(p, "wb"):
         pass
-    os.setxattr(
-        p,
-        "user.kvfs.extents",
-        json.dumps([[e.path, e.offset, e.length] for e in info.extents]).encode(),
-    )
-    os.setxattr(p, "user.kvfs.size", str(info.size).encode())
-    os.setxattr(p, "user.kvfs.checksum", info.checksum.encode())
+    for attr, value in fake_xattrs(info).items():
+        os.setxattr(p, attr, value)
     return p
 
 
@@ -420,6 +426,29 @@ def test_read_by_path_needs_the_xattr(fp: gds.FastPath, tmp_path: Any) -> None:
         fp.read_path(p, aligned(4096))
     with pytest.raises(FileNotFoundError):
         fp.read_path(tmp_path / "absent", aligned(4096))
+
+
+def test_a_file_on_no_mount_is_never_read_through(
+    make_config: Callable[..., kvfs.StoreConfig], tmp_path: Any
+) -> None:
+    """A file on no kvfs mount whose attributes say its page is archive-only (extents
+    ``[]``), or whose size is not what its extents cover, was read through as if a mount
+    had verified it: its own bytes came back as the page, checked against nothing."""
+    cfg = make_config(ndev=1, stripe_unit=MiB, name="plain")
+    with kvfs.open_store_sync(cfg) as store, gds.FastPath() as fp:
+        info = store.put(key(0), rand(8 * KiB))
+        p = fake_mount_file(tmp_path, info)
+        with open(p, "wb") as f:
+            f.write(b"not the page: nothing checks these bytes")
+        for name, value in (("user.kvfs.extents", b"[]"), ("user.kvfs.size", b"4096")):
+            os.setxattr(p, name, value)
+            dest = aligned(8 * KiB)
+            with pytest.raises(kvfs.CorruptPage, match="no kvfs mount"):
+                fp.read_path(p, dest).result()
+            assert not dest.any()
+            os.setxattr(p, "user.kvfs.extents", fake_xattrs(info)["user.kvfs.extents"])
+            os.setxattr(p, "user.kvfs.size", fake_xattrs(info)["user.kvfs.size"])
+        assert fp.read_path(p, dest).result() == info.size  # its own attributes: read
 
 
 # -- no GPU library on the host path --------------------------------------------------
