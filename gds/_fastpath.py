@@ -313,17 +313,23 @@ class FastPath:
         The file stays open (the daemon's lease) until the future resolves. Only the root
         checksum is known by path, so corruption is reported once all bytes are in. A read
         that fails its checksum, or finds a data file gone, is done once more through the
-        mount, which verifies (and, from the archive, heals) what it serves: the
+        file opened at the call (the mount verifies, and from the archive heals, what it
+        serves, and reads the page that file holds, whatever the name holds by then): the
         attributes are the inode's, not the open file's, so another process's open of a
         name replaced behind the kernel's back could hand this read another page's
         extents, unleased. Raises FileNotFoundError, NotAKvfsPage, and CorruptPage for
         attributes that do not parse, now; the future raises CorruptPage (the fast read's
         error, whatever the read through the mount then failed with).
         """
+        if self._closed:  # (before the open: a closed FastPath says so, path or not)
+            raise RuntimeError("this FastPath is closed")
+        # opened once, for the read and for its second try: a second open of the name
+        # would read whatever the name holds by then, or find it gone
+        handle = os.open(path, os.O_RDONLY)
 
         def start(again: bool = False, through: bool = False) -> Future[int]:
             return self._start(
-                lambda: source_from_mount(path, through=through),
+                lambda: source_from_mount(path, through=through, handle=handle),
                 into,
                 backend,
                 verify,
@@ -333,37 +339,56 @@ class FastPath:
 
         out: Future[int] = Future()
         out.set_running_or_notify_cancel()
-        first = start()
+        try:
+            first = start()
+        except BaseException:
+            os.close(handle)
+            raise
         self._track(out)
-        first.add_done_callback(lambda f: self._through_or_pass(path, f, out, start))
+        first.add_done_callback(lambda f: self._through_or_pass(path, handle, f, out, start))
         return out
 
     @staticmethod
     def _through_or_pass(
         path: str | os.PathLike[str],
+        handle: int,
         done: Future[int],
         out: Future[int],
         start: Callable[..., Future[int]],
     ) -> None:
         """``done``'s outcome into ``out``; a CorruptPage of a file on a kvfs mount is
         answered by a read through the mount instead (a file elsewhere, with attributes
-        of its own making, has nothing that verifies it)."""
+        of its own making, has nothing that verifies it). ``handle`` is closed before
+        ``out`` resolves, as a read's own files are."""
         err = done.exception()
+        is_open = [True]
+
+        def settle(f: Future[int], error: BaseException | None = None) -> None:
+            """``error``, else ``f``'s outcome, into ``out``, once ``handle`` is closed."""
+            if is_open:
+                is_open.clear()
+                try:
+                    os.close(handle)
+                except OSError as e:
+                    error = error or f.exception() or e
+            if error is not None:
+                out.set_exception(error)
+            else:
+                _settle(out, f)
+
         try:
             if not isinstance(err, CorruptPage) or kvfs_mount_of(path) is None:
-                _settle(out, done)
+                settle(done)
                 return
 
             def second(f: Future[int]) -> None:
-                if f.exception() is not None:
-                    out.set_exception(err)  # (the first error says which bytes)
-                else:
-                    _settle(out, f)
+                # (the first error says which bytes)
+                settle(f, err if f.exception() is not None else None)
 
             start(again=True, through=True).add_done_callback(second)
         except BaseException as e:  # never leave ``out`` unresolved
             if not out.done():
-                out.set_exception(err if isinstance(err, CorruptPage) else e)
+                settle(done, err if isinstance(err, CorruptPage) else e)
 
     def read_many(
         self, keys: Sequence[KeyLike], intos: Sequence[object], **kw: Any

@@ -227,15 +227,20 @@ def source_from_engine(engine: Any, key: PageKey | str) -> PageSource:
     )
 
 
-def source_from_mount(path: str | os.PathLike[str], *, through: bool = False) -> PageSource:
+def source_from_mount(
+    path: str | os.PathLike[str], *, through: bool = False, handle: int | None = None
+) -> PageSource:
     """Open a page file on a kvfs mount and read its extents from its xattrs (``through``:
     read the page through the mount instead, which verifies what it serves).
 
     The open handle keeps the page leased (the daemon does not evict or unlink data while a
-    handle is open) until the source is released. A page the mount holds only in the
-    archive is restored first by reading one byte of it through the mount (as any reader's
-    first read does). Where the backing files cannot be used, the page is read through
-    the open handle instead (``held``): the daemon serves it from its memory copy (no local
+    handle is open) until the source is released. ``handle``: that file already open (a
+    descriptor of ``path``), used instead of opening the name again and left open on
+    release (the caller closes it), so that a second source of one read describes the
+    page the first one held, whatever the name holds by then. A page the mount holds only
+    in the archive is restored first by reading one byte of it through the mount (as any
+    reader's first read does). Where the backing files cannot be used, the page is read
+    through the open handle instead (``held``): the daemon serves it from its memory copy (no local
     room for the restore), or the name was replaced or unlinked between the open and the
     attribute reads (ESTALE, ENOENT: the handle still reads the page it opened).
 
@@ -244,7 +249,7 @@ def source_from_mount(path: str | os.PathLike[str], *, through: bool = False) ->
     no data files that hold its page: nothing would verify a read through it).
     """
     name = os.fspath(path)
-    fd = os.open(path, os.O_RDONLY)
+    fd = os.open(path, os.O_RDONLY) if handle is None else handle
     try:
         found = None if through else _mount_attrs(fd, name)
         if found is not None and found[0] > 0 and not found[3]:
@@ -263,11 +268,13 @@ def source_from_mount(path: str | os.PathLike[str], *, through: bool = False) ->
             found = (len(data), b"", (), ())
         size, checksum, files, extents = found
     except BaseException:
-        os.close(fd)
+        if handle is None:
+            os.close(fd)
         raise
 
     def release(ok: bool) -> None:
-        os.close(fd)
+        if handle is None:
+            os.close(fd)
 
     return PageSource(
         name=name,
@@ -316,9 +323,10 @@ def _read_through(fd: int, name: str) -> bytes:
     """The whole page, read through the mount (which verifies what it serves: EIO is a
     page that failed its checksum, CorruptPage here)."""
     chunks: list[bytes] = []
+    pos = 0  # (preads: a handle shared by two sources of one read has no offset to trust)
     while True:
         try:
-            b = os.read(fd, 16 << 20)
+            b = os.pread(fd, 16 << 20, pos)
         except OSError as e:
             if e.errno != errno.EIO:
                 raise
@@ -326,3 +334,4 @@ def _read_through(fd: int, name: str) -> bytes:
         if not b:
             return b"".join(chunks)
         chunks.append(b)
+        pos += len(b)

@@ -265,3 +265,41 @@ def test_a_damaged_local_copy_read_by_path_is_healed_through_the_mount(
         dest = aligned(data.nbytes)  # and the copy on disk is whole again
         assert fp.read_path(p, dest, backend="host").result(timeout=60) == data.nbytes
         assert np.array_equal(dest, data)
+
+
+@pytest.mark.parametrize("then", ["unlinked", "replaced"])
+def test_a_read_by_path_done_again_reads_the_page_it_opened(
+    make_config: Callable[..., kvfs.StoreConfig], tmp_path: Path, then: str
+) -> None:
+    """A by-path read that failed its checksum was done again by opening the name anew,
+    not through the handle that holds the page: the name unlinked meanwhile, the read of a
+    page the archive could heal failed as corrupt; replaced, it gave the new page."""
+    from test_gds import HoldAfter
+
+    url = f"file://{tmp_path / 'archive'}"
+    cfg = make_config(ndev=1, archive_url=url, extra={"archive": {"interval": 0}})
+    data, other = rand(2 * MiB + 9, seed=1), rand(2 * MiB + 9, seed=2)
+    with kvfs.open_store_sync(cfg) as s:
+        s.put("sessions/s/p/layer-000", data)
+        s.spill("s")
+    mp = tmp_path / "mnt"
+    mp.mkdir()
+    held = HoldAfter(0)  # the read's pieces wait, its handle open, until released
+    with ServedMount(cfg, mp), gds.FastPath(io_pool=held) as fp:
+        p, tmp = mp / "sessions/s/p/layer-000", mp / "sessions/s/p/.tmp"
+        with open(p, "rb") as f:
+            f.read(1)  # restored from the archive: a local copy to damage
+        flip_mounted_byte(os.getxattr(p, "user.kvfs.extents"), 5, 1)
+        write(tmp, other)
+        dest = aligned(data.nbytes)
+        try:
+            fut = fp.read_path(p, dest)
+            if then == "unlinked":
+                os.unlink(p)
+            else:
+                os.rename(tmp, p)
+        finally:
+            held.release()
+        assert fut.result(timeout=60) == data.nbytes
+        assert np.array_equal(dest, data)
+    held.shutdown()
