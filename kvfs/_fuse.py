@@ -499,7 +499,11 @@ class KvfsOperations(FileOps, pyfuse3.Operations):
         s = pyfuse3.StatvfsData()
         s.f_bsize = s.f_frsize = 4096
         s.f_blocks = e.capacity // 4096
-        s.f_bfree = s.f_bavail = max(0, e.capacity - e.used - e.reserved) // 4096
+        # What the cap leaves, or what the disks hold if that is less (a cap given beyond
+        # them): df promised room that a write then found full (ENOSPC)
+        room = max(0, e.capacity - e.used - e.reserved)
+        disks = sum(await self._thread(e.tier.free_bytes_per_filesystem))
+        s.f_bfree = s.f_bavail = min(room, disks) // 4096
         s.f_files = s.f_ffree = s.f_favail = 1 << 32
         s.f_namemax = 255
         return s

@@ -314,3 +314,21 @@ def test_a_restore_onto_a_full_disk_brings_back_what_fits(small_disk: Path, tmp_
         assert s.restore("big") == (8 - tiers.count("local+archive")) * MiB
         assert all(s.get(k) == v for k, v in data.items())
         clean(s)
+
+
+def test_df_on_the_mount_shows_no_more_room_than_the_disk_has(
+    small_disk: Path, tmp_path: Path
+) -> None:
+    """statfs said the cap less what is used, whatever the disk held: with 1 GiB given on a
+    16 MiB disk, df showed 1 GiB available and a 40 MiB write then failed with ENOSPC."""
+    from _kvfs_mount import ServedMount
+
+    cfg = kvfs.StoreConfig(data_dirs=[small_disk / "d"], capacity=1 << 30)
+    mp = tmp_path / "mnt"
+    mp.mkdir()
+    with ServedMount(cfg, mp):
+        st = os.statvfs(mp)
+        assert st.f_blocks * st.f_frsize == 1 << 30  # the cap given, as given
+        shown = st.f_bavail * st.f_frsize
+        assert 0 < shown <= free(small_disk), (shown, free(small_disk))
+        assert st.f_bfree == st.f_bavail
