@@ -455,9 +455,15 @@ async def control_service(
     finally:
         # Only its own: where the file was deleted and another daemon bound the path
         # since, removing it cut that daemon's clients off.
-        with contextlib.suppress(FileNotFoundError):
+        try:
             if os.lstat(sock_path).st_ino == bound:
                 sock_path.unlink()
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            # (a directory gone read-only: raised, it made a clean stop exit 1, a failure
+            # to systemd; the next daemon replaces the leftover, which nothing answers on)
+            log.warning("control: could not remove %s: %s", sock_path, e.strerror)
 
 
 # -- blocking client pieces (shared with kvfs._remote) ------------------------------------
