@@ -207,14 +207,17 @@ INLINE_BYTES = 1 << 20
 
 async def recv_frame(stream: trio.SocketStream) -> Any:
     """One decoded message. Returns ``None`` at a clean EOF between messages; raises
-    EOFError when the peer closes or stalls mid-message, ValueError for a frame over
-    MAX_FRAME, MalformedFrame for a whole frame that is no message."""
+    EOFError when the peer closes or stalls mid-message, FrameTooLarge for a header
+    announcing more than MAX_FRAME (its body is not read), MalformedFrame for a whole frame
+    that is no message."""
     hdr = await _recv_into(stream, bytearray(4), eof_ok=True)
     if hdr is None:
         return None
     (n,) = _HDR.unpack(hdr)
     if n > MAX_FRAME:
-        raise ValueError(f"control frame of {n} bytes")
+        raise FrameTooLarge(
+            f"a control frame of {n} bytes is over the control channel's {MAX_FRAME}"
+        )
     body = await _recv_body(stream, n)
     if n > INLINE_BYTES:
         return await trio.to_thread.run_sync(decode, body)
@@ -294,17 +297,9 @@ async def _serve_one(store: Store, stream: trio.SocketStream) -> None:
     if uid not in (os.getuid(), 0):
         log.warning("control: refused a connection from uid %d", uid)
         log_event("error", level=logging.WARNING, what="control connection refused", uid=uid)
-        with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
-            await stream.send_all(
-                encode([1, "PermissionError", f"uid {uid} may not use this kvfs daemon"])
-            )
-            await stream.send_eof()
-            # Read what the client sent until it closes: closing with unread data would
-            # reset the connection and could discard the answer before the client reads it.
-            with trio.move_on_after(5):
-                while await stream.receive_some(65536):
-                    pass
-        await stream.aclose()
+        await _answer_and_close(
+            stream, [1, "PermissionError", f"uid {uid} may not use this kvfs daemon"]
+        )
         return
     async with stream:
         while True:
@@ -313,6 +308,14 @@ async def _serve_one(store: Store, stream: trio.SocketStream) -> None:
             except MalformedFrame as e:  # a whole frame: the next one can still be read
                 await send_frame(stream, [1, "ValueError", f"malformed control request: {e}"])
                 continue
+            except FrameTooLarge as e:
+                # The peer's mistake (another protocol, a stray write): answered, and the
+                # connection closed, since the body it announced cannot be skipped. (It was
+                # dropped without a word, the client told the daemon had died, and the log
+                # got a traceback.)
+                log.warning("control: closed a connection: %s", e)
+                await _answer_and_close(stream, [1, "ValueError", str(e)])
+                return
             if request is None:
                 return
             if not (
@@ -333,6 +336,19 @@ async def _serve_one(store: Store, stream: trio.SocketStream) -> None:
                 await _with_progress(store, stream, method, args, kwargs)
                 continue
             await send_frame(stream, await _dispatch(store, method, args, kwargs))
+
+
+async def _answer_and_close(stream: trio.SocketStream, reply: list[Any]) -> None:
+    """Send ``reply`` and close a connection that cannot go on."""
+    with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+        await stream.send_all(encode(reply))
+        await stream.send_eof()
+        # Read what the client sent until it closes: closing with unread data would
+        # reset the connection and could discard the answer before the client reads it.
+        with trio.move_on_after(5):
+            while await stream.receive_some(65536):
+                pass
+    await stream.aclose()
 
 
 async def _dispatch(

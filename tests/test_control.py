@@ -974,3 +974,32 @@ async def test_a_command_finds_its_daemon_by_any_spelling_of_its_store(
 
         await trio.to_thread.run_sync(commands)
         n.cancel_scope.cancel()
+
+
+async def test_a_frame_announced_over_the_limit_is_answered_and_logged_in_one_line(
+    make_config: MakeConfig, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A header announcing more than the frame limit (a client of another protocol, 4 bytes
+    of garbage) dropped the connection without a word, so the client was told the daemon
+    had died, and logged a traceback at ERROR for the peer's mistake."""
+    import struct
+
+    sock = tmp_path / "c.sock"
+    async with kvfs.open_store(make_config()) as store, trio.open_nursery() as n:
+        await n.start(control_service, store, sock)
+
+        def sync_side() -> None:
+            with socket.socket(socket.AF_UNIX) as s:
+                s.connect(os.fspath(sock))
+                s.settimeout(30)
+                s.sendall(struct.pack(">I", 0xFFFFFFFF))
+                reply = read_frame_sync(s)
+                assert reply[:2] == [1, "ValueError"] and "4294967295" in reply[2], reply
+                assert s.recv(10) == b""  # (its body cannot be skipped: the stream is lost)
+            with open_remote_store_sync(sock) as r:
+                assert r.ping()
+
+        await trio.to_thread.run_sync(sync_side)
+        n.cancel_scope.cancel()
+    mine = [r for r in caplog.records if r.name == "kvfs.control" and r.levelno > logging.INFO]
+    assert [(r.levelno, r.exc_info) for r in mine] == [(logging.WARNING, None)], mine
