@@ -21,7 +21,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -249,8 +249,20 @@ def _detach(argv: Sequence[str], log_file: str | os.PathLike[str]) -> int:
             env={**os.environ, READY_FD_ENV: str(w)},
         )
     os.close(w)
-    with os.fdopen(r, "rb") as f:
-        msg = f.read().decode(errors="replace").strip()
+    try:
+        with _sigterm_raised(), os.fdopen(r, "rb") as f:
+            msg = f.read().decode(errors="replace").strip()
+    except BaseException as e:
+        # Interrupted (Ctrl-C, `timeout`'s SIGTERM): the daemon, in a session of its own,
+        # went on and mounted after this command had said it failed. It is stopped as a
+        # SIGINT stops it (unmounting, if it got that far) and waited for; a second
+        # interrupt leaves it.
+        child.send_signal(signal.SIGINT)
+        child.wait()
+        if isinstance(e, _Terminated):
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)  # (the exit it would have had)
+        raise
     if msg == "ok":
         # The daemon outlives this call on purpose; keep its handle so it is not reported as
         # a leaked child while this process lives (a CLI process exits at once anyway).
@@ -266,6 +278,28 @@ def _detach(argv: Sequence[str], log_file: str | os.PathLike[str]) -> int:
 
 
 _DETACHED: list[subprocess.Popen[bytes]] = []
+
+
+class _Terminated(BaseException):
+    """SIGTERM arrived while the command waited for its daemon."""
+
+
+@contextlib.contextmanager
+def _sigterm_raised() -> Iterator[None]:
+    """SIGTERM raises _Terminated in here (in the main thread; elsewhere it is left as it is)."""
+
+    def raise_terminated(signum: int, frame: object) -> None:
+        raise _Terminated
+
+    try:
+        previous = signal.signal(signal.SIGTERM, raise_terminated)
+    except ValueError:  # (not the main thread)
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _alive(pid: int) -> bool:

@@ -28,7 +28,7 @@ from _kvfs_mount import ServedMount
 
 import kvfs
 from gds._source import decode_extents
-from kvfs._daemon import READY_FD_ENV
+from kvfs._daemon import READY_FD_ENV, _alive
 
 MiB = 1 << 20
 KVFS = [sys.executable, "-m", "cli"]
@@ -1551,3 +1551,49 @@ def test_a_socket_that_cannot_be_removed_at_exit_does_not_fail_a_clean_stop(
         subprocess.run(["umount", "-l", str(sockdir)], check=False)
     m.start()
     assert m.stop() == 0
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_detached_mount_interrupted_while_its_daemon_starts_leaves_no_mount(
+    tmp_path: Path, sig: int
+) -> None:
+    """Ctrl-C on `kvfs mount` (or `timeout`'s SIGTERM) while the detached daemon was still
+    starting ended the command ("interrupted", exit 130) and left the daemon, in its own
+    session, to mount a moment later: a script saw the mount fail, and its retry found "already
+    a mount point". The daemon is held stopped here until the command has been signalled."""
+    mp, data, err = tmp_path / "mnt", tmp_path / "data", tmp_path / "err"
+    mp.mkdir()
+    with open(err, "wb") as out:
+        parent = subprocess.Popen(
+            [*KVFS, "mount", "--data", str(data), str(mp)], stdout=out, stderr=out
+        )
+    child = None
+    try:
+        deadline = time.monotonic() + 60
+        while child is None and time.monotonic() < deadline:
+            child = _daemon_child(parent.pid)
+        assert child is not None, "the daemon was not started"
+        os.kill(child, signal.SIGSTOP)
+        parent.send_signal(sig)
+        os.kill(child, signal.SIGCONT)
+        rc = parent.wait(timeout=60)
+        assert rc in (130, -signal.SIGTERM), err.read_text()
+        assert "Traceback" not in err.read_text(), err.read_text()
+        # the daemon has exited with the command, and mounted nothing
+        assert not _alive(child), proc_state(child)
+        assert not mounted(mp)
+    finally:
+        parent.kill()
+        parent.wait()
+        if child is not None and _alive(child):
+            os.kill(child, signal.SIGKILL)
+        subprocess.run(["fusermount3", "-u", "-z", str(mp)], capture_output=True)
+
+
+def _daemon_child(pid: int) -> int | None:
+    """The detached daemon that the `kvfs mount` process ``pid`` runs, once it runs it."""
+    with contextlib.suppress(OSError):
+        for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split():
+            if b"--foreground" in Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0"):
+                return int(child)
+    return None
