@@ -354,6 +354,9 @@ class ArchiveIndex:
                     continue
                 if db.execute(_PINNED_HOLDERS, (h, asked)).fetchone()[0]:
                     continue
+                # (marked inside the transaction, as Index.drop_local does: a concurrent
+                # fsck takes files that no row names and nothing marks for orphans)
+                self.index.dropping(_blob(r))
                 db.execute("UPDATE blobs SET extents=NULL, disk_bytes=0 WHERE hash=?", (h,))
                 out.append(_blob(r))
         return out

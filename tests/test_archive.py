@@ -1110,3 +1110,32 @@ def test_fsck_with_the_archive_unreachable_keeps_its_report(
         finally:
             os.rename(tmp_path / "gone", tmp_path / "arch")
     assert f"removed orphan {orphan}" in found["repaired"] and found["archive_error"]
+
+
+def test_fsck_repair_between_a_spills_drop_and_its_unlink_finds_no_orphan(
+    make_config: Callable[..., kvfs.StoreConfig], tmp_path: Path
+) -> None:
+    """A spill commits the drop of its local copies, then removes their files. A repair of
+    another client that ran between the two took those files for orphans (the spill's
+    transaction did not mark them as leaving the index, as a delete's or an eviction's does)
+    and removed them as such: found by a crash-injection run, fsck beside a spill."""
+    cfg = archived_cfg(make_config, f"file://{tmp_path / 'archive'}")
+    with kvfs.open_store_sync(cfg) as store:
+        eng = store.engine
+        pages = fill(store, "s", 3)
+        drop = eng._drop_files
+        found: list[dict[str, list[str]]] = []
+
+        def repair_first(blob: object) -> None:  # fsck of another client, at that instant
+            found.append(store.fsck(repair=True))
+            drop(blob)  # type: ignore[arg-type]
+
+        eng._drop_files = repair_first  # type: ignore[method-assign]
+        try:
+            store.spill("s")
+        finally:
+            eng._drop_files = drop  # type: ignore[method-assign]
+        assert len(found) == len(pages)  # (each copy dropped after a repair)
+        assert all(f["orphans"] == [] and f["repaired"] == [] for f in found), found
+        assert not any(store.fsck().values())
+        assert {k: store.get(k) for k in pages} == pages
