@@ -1230,20 +1230,31 @@ def test_readers_see_committed_bytes_while_a_writer_builds_the_next_version(mnt:
     assert p.read_bytes() == b"B" * MiB + b"A" * MiB
 
 
+def committed_by_its_writer(mnt: Path, name: str, how: str, flags: int) -> tuple[Path, int]:
+    """The page ``name``, 100 bytes of A, committed while its writer goes on (``how``: a dup
+    of its descriptor closed, or the open file renamed to ``name``); and that descriptor."""
+    p = mnt / name
+    tmp = p.with_name(p.name + ".tmp")
+    fd = os.open(p if how == "dup" else tmp, os.O_CREAT | flags, 0o644)
+    try:
+        os.write(fd, b"A" * 100)
+        if how == "dup":
+            os.close(os.dup(fd))
+        else:
+            os.rename(tmp, p)
+    except BaseException:
+        os.close(fd)
+        raise
+    return p, fd
+
+
 def test_an_appending_writer_goes_on_at_the_end_once_its_page_was_committed(mnt: Path) -> None:
     """A stat of a page whose writer builds its next version (a dup closed, or the open
     file renamed) said the committed size: the kernel took it as the file's size, and the
     writer's next O_APPEND write landed there, over the bytes it had written since."""
     for how in ("dup", "rename"):
-        p = mnt / f"log-{how}"
-        tmp = p.with_name(p.name + ".tmp")
-        fd = os.open(p if how == "dup" else tmp, os.O_CREAT | os.O_WRONLY | os.O_APPEND, 0o644)
+        p, fd = committed_by_its_writer(mnt, f"log-{how}", how, os.O_WRONLY | os.O_APPEND)
         try:
-            os.write(fd, b"A" * 100)
-            if how == "dup":
-                os.close(os.dup(fd))  # commits it
-            else:
-                os.rename(tmp, p)  # commits it
             os.write(fd, b"B" * 100)
             assert os.fstat(fd).st_size == 200, how
             os.write(fd, b"C" * 100)
@@ -1257,15 +1268,8 @@ def test_a_writer_reads_back_what_it_wrote_once_its_page_was_committed(mnt: Path
     through its descriptor answered the committed version, without the writes it had made
     since (those it reads back from the page cache aside)."""
     for how in ("dup", "rename"):
-        p = mnt / f"rw-{how}"
-        tmp = p.with_name(p.name + ".tmp")
-        fd = os.open(p if how == "dup" else tmp, os.O_CREAT | os.O_RDWR, 0o644)
+        p, fd = committed_by_its_writer(mnt, f"rw-{how}", how, os.O_RDWR)
         try:
-            os.write(fd, b"A" * 100)
-            if how == "dup":
-                os.close(os.dup(fd))  # commits it
-            else:
-                os.rename(tmp, p)  # commits it
             os.pwrite(fd, b"B" * 10, 5)
             os.write(fd, b"C" * 100)
             want = b"A" * 5 + b"B" * 10 + b"A" * 85 + b"C" * 100
