@@ -55,7 +55,7 @@ class Snapshot:
 
     fds: dict[int, str]
     children: frozenset[int]
-    #: a descriptor (on /dev/null) opened first, numbered below every descriptor opened
+    #: a descriptor (on /dev/null) opened last, numbered below every descriptor opened
     #: after it, where the watchdog's socket moves; -1 if none could be opened
     low: int = -1
 
@@ -98,17 +98,14 @@ def snapshot() -> Snapshot | None:
     cannot tell (the watchdog is then left to this process's exit). Never raises. Hand it
     to :func:`find_watchdog` or :func:`release_failed`, which close what it holds."""
     try:
-        low = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
-    except OSError:
-        low = -1
-    try:
-        return Snapshot(_fds(), _children(), low)
+        taken = Snapshot(_fds(), _children())
     except OSError as e:
         log.debug("no snapshot to find the fusermount3 watchdog by: %s", e)
-        with contextlib.suppress(OSError):
-            if low >= 0:
-                os.close(low)
         return None
+    # (after the listing: a new descriptor too, but neither a socket nor /dev/fuse)
+    with contextlib.suppress(OSError):
+        taken.low = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+    return taken
 
 
 def _comm(pid: int) -> str:
