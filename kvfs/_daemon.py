@@ -256,7 +256,8 @@ def _detach(argv: Sequence[str], log_file: str | os.PathLike[str]) -> int:
         # Interrupted (Ctrl-C, `timeout`'s SIGTERM): the daemon, in a session of its own,
         # went on and mounted after this command had said it failed. It is stopped as a
         # SIGINT stops it (unmounting, if it got that far) and waited for; a second
-        # interrupt leaves it.
+        # interrupt leaves it. (One that lands inside Popen, before it returns the child,
+        # still leaves the daemon running: there is no child to stop yet.)
         child.send_signal(signal.SIGINT)
         child.wait()
         if isinstance(e, _Terminated):

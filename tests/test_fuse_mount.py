@@ -1578,6 +1578,10 @@ def test_a_detached_mount_interrupted_while_its_daemon_starts_leaves_no_mount(
             child = _daemon_child(parent.pid)
         assert child is not None, "the daemon was not started"
         os.kill(child, signal.SIGSTOP)
+        # (signalled once it waits for the daemon: signalled while still starting it, in
+        # subprocess.Popen, it could not know the child yet; see the note in _detach)
+        while not _waiting_on_a_pipe(parent.pid) and time.monotonic() < deadline:
+            time.sleep(0.01)
         parent.send_signal(sig)
         os.kill(child, signal.SIGCONT)
         rc = parent.wait(timeout=60)
@@ -1592,6 +1596,14 @@ def test_a_detached_mount_interrupted_while_its_daemon_starts_leaves_no_mount(
         if child is not None and _alive(child):
             os.kill(child, signal.SIGKILL)
         subprocess.run(["fusermount3", "-u", "-z", str(mp)], capture_output=True)
+
+
+def _waiting_on_a_pipe(pid: int) -> bool:
+    """Whether the process ``pid`` sleeps in a read of a pipe."""
+    try:
+        return Path(f"/proc/{pid}/wchan").read_text().endswith("pipe_read")
+    except OSError:
+        return False
 
 
 def _daemon_child(pid: int) -> int | None:
