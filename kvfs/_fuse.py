@@ -205,10 +205,12 @@ class KvfsOperations(FileOps, pyfuse3.Operations):
             if fields.update_size:
                 for x in [x for x in self.handles.values() if x.node is node]:
                     await self._drain(x)
-                if attr.st_size < w.writer.size:
-                    raise fuse_error(errno.EINVAL)  # a page being written only grows
                 try:
+                    # Shrinking too: the file is not a page yet, so its close publishes
+                    # what the truncate left (it answered EINVAL, and the close published
+                    # the bytes the writer had cut).
                     await self._thread(w.writer.truncate, attr.st_size)
+                    w.queued_end = min(w.queued_end, attr.st_size)
                 except OSError as e:
                     # as a failed write: the file is discarded, and its close says why (it
                     # was published as an empty page after `truncate -s 1G` got ENOSPC)

@@ -616,6 +616,25 @@ class BlobWriter:
             ],
         )
 
+    def truncate(self, size: int) -> None:
+        """Cut each data file after the last byte it holds of page offsets below ``size``
+        (a buffered writer's: the mount's file being written shrinks). Files read past
+        their end as zeros, so bytes written past ``size`` later follow zeros, not what was
+        cut. The files keep their headers."""
+        assert not self.direct, "a direct writer takes whole blobs, never a truncate"
+        unit, n = self.tier.unit, self.tier.n
+        last = (size - 1) // unit  # the chunk holding the last byte kept (-1: none)
+        with self._lock:
+            fds = dict(self._fds)
+        for dev, (fd, _direct) in fds.items():
+            end = HEADER
+            c = last - (last - (dev - self.start)) % n  # this file's last chunk up to it
+            if c >= 0:
+                end = self.tier.locate(self.start, c * unit)[1] + min(unit, size - c * unit)
+            self._mapped(dev, os.ftruncate, fd, end)
+        with self._lock:
+            self.size = min(self.size, size)
+
     def _mapped(self, dev: int, fn: Callable[..., Any], *args: Any) -> Any:
         """``fn(*args)`` with a full device reported as CapacityExceeded."""
         try:

@@ -406,11 +406,28 @@ class PageWriter:
         return len(mv)
 
     def truncate(self, size: int) -> None:
+        """Make the page being written ``size`` bytes long, as ``ftruncate`` does: growing
+        adds zeros (room reserved as for a write: CapacityExceeded), shrinking drops the
+        bytes past ``size`` from the data files, so a later write past the end leaves zeros
+        between, not the dropped bytes. Not concurrently with a write (the mount waits for
+        the writes queued before it). Raises ValueError for a negative size or a closed
+        writer."""
         if not isinstance(size, int) or size < 0:
             raise ValueError(f"size must be a non-negative int, not {size!r}")
-        with self._lock:
+        with self.engine._using(), self._lock:
+            if self._done:
+                raise ValueError("writer is closed")
             if size < self._size:
-                raise ValueError("a page being written cannot shrink")
+                self._w.truncate(size)
+                self._size = size
+                for i in [i for i in self._leaf_hashes if (i + 1) * LEAF > size]:
+                    del self._leaf_hashes[i]  # the leaf lost bytes, or lies past the end
+                # Room held past what the smaller page needs goes back to other writers.
+                keep = self.engine.tier.disk_bytes(size)
+                if self._reserved > keep:
+                    self.engine._unreserve(self._reserved - keep)
+                    self._reserved = keep
+                return
         if size > self._size:
             self.write(self._size, bytes(size - self._size))
 

@@ -534,6 +534,36 @@ def test_a_write_sets_the_files_mtime(mnt: Path) -> None:
     assert os.stat(mnt / "g").st_mtime_ns == 10**18
 
 
+def test_a_file_being_written_shrinks_and_grows_with_truncate(make_mount: object) -> None:
+    """A file still being written is truncated as any file: ftruncate shrinking it was
+    EINVAL, yet its close published the bytes the writer had cut; truncate by name, and
+    Python's write, seek(0), truncate() rewrite, too."""
+    m = make_mount("trunc", "--stripe-unit", "64KiB")  # type: ignore[operator]
+    data = os.urandom(300 * 1024)  # five stripe units
+    with open(m.mp / "shrunk", "wb") as f:
+        f.write(data)
+        f.flush()
+        os.ftruncate(f.fileno(), 100_000)
+        assert os.fstat(f.fileno()).st_size == 100_000
+        f.seek(200_000)
+        f.write(b"tail")  # past the cut: zeros between, not the bytes that were cut
+    assert (m.mp / "shrunk").read_bytes() == data[:100_000] + bytes(100_000) + b"tail"
+    with open(m.mp / "by-name", "wb") as f:
+        f.write(data[:5000])
+        f.flush()
+        os.truncate(m.mp / "by-name", 1000)
+        os.truncate(m.mp / "by-name", 3000)  # grows with zeros
+    assert (m.mp / "by-name").read_bytes() == data[:1000] + bytes(2000)
+    with open(m.mp / "rewritten", "w+b") as f:
+        f.write(data)
+        f.seek(0)
+        f.truncate()
+        f.write(b"short")
+        f.seek(0)
+        assert f.read() == b"short"  # its writer reads what the file holds now
+    assert (m.mp / "rewritten").read_bytes() == b"short"
+
+
 def test_an_open_page_whose_name_went_has_no_links(mnt: Path) -> None:
     """fstat of an open page whose name was unlinked or replaced says st_nlink 0, as for
     a file being written (it said 1)."""

@@ -233,6 +233,29 @@ def test_page_writer_counts_bytes_and_refuses_negative_offsets(
         assert store.fsck()["corrupt"] == []
 
 
+def test_a_page_writer_shrinks_and_grows_with_truncate(
+    make_config: Callable[..., kvfs.StoreConfig],
+) -> None:
+    """truncate to a smaller size cuts the page being written (ValueError before: the
+    mount answered EINVAL and published the uncut bytes), over stripes on two devices; a
+    later write past the new end leaves zeros between, not the bytes cut."""
+    with kvfs.open_store_sync(make_config(ndev=2, stripe_unit=16 * KiB)) as store:
+        data = os.urandom(100 * KiB)
+        for cut in (0, 20 * KiB + 5, 32 * KiB, 48 * KiB + 1):
+            w = store.begin_write(f"eng/cut-{cut}")
+            w.write(0, data)
+            w.truncate(cut)
+            assert w.size == cut
+            assert w.read(0, 200 * KiB) == data[:cut]
+            w.write(70 * KiB, b"tail")
+            w.truncate(70 * KiB + 10)  # grows with zeros
+            w.commit()
+            want = data[:cut] + bytes(70 * KiB - cut) + b"tail" + bytes(6)
+            assert store.get(f"eng/cut-{cut}") == want
+        assert store.fsck()["corrupt"] == []
+        assert store.engine.reserved == 0  # the room the cut bytes held was given back
+
+
 # -- group commit ------------------------------------------------------------------------
 def test_concurrent_commits_one_winner_per_key(
     make_config: Callable[..., kvfs.StoreConfig],
