@@ -13,6 +13,7 @@ import ctypes
 import errno
 import functools
 import logging
+import os
 import time
 from typing import Any
 
@@ -134,6 +135,32 @@ class KvfsOperations(FileOps, pyfuse3.Operations):
         self.read_ahead_budget = AheadBudget(read_ahead_budget)
         #: where read-ahead runs; the mount sets it (without one, no read-ahead)
         self.nursery: trio.Nursery | None = None
+        #: the store's directories found gone, and said so in the log (see store_gone)
+        self._gone: set[str] = set()
+
+    def store_gone(self) -> bool:
+        """True when a directory of the store (a data directory, the index's) is missing:
+        removed under the running daemon (``rm -rf``). The guard then answers EIO without a
+        traceback: every lookup failed with one (the index could not be opened by a new
+        thread), flooding the log with the same error. The first request to find a
+        directory gone logs it, once, in one line.
+
+        The daemon goes on answering, EIO where the store is needed: stopping it would
+        unmount, and an engine writing there would then fill the disk under the mountpoint
+        instead of getting errors. ``kvfs umount`` stops it."""
+        cfg = self.engine.config
+        dirs = dict.fromkeys(str(d) for d in (*cfg.data_dirs, cfg.index_path.parent))
+        missing = [d for d in dirs if not os.path.isdir(d)]
+        new = [d for d in missing if d not in self._gone]
+        if new:
+            self._gone.update(new)
+            log.error(
+                "the store's directory %s is gone (removed while the daemon ran?): requests "
+                "that need it fail with EIO; unmount (kvfs umount) and check the store "
+                "(kvfs fsck)",
+                ", ".join(new),
+            )
+        return bool(missing)
 
     # -- names ------------------------------------------------------------------------
     def _writing_under(self, path: str) -> bool:

@@ -2,7 +2,9 @@
 
 pyfuse3 ends the whole mount when a handler raises anything but ``FUSEError``, so each
 handler is wrapped: a :class:`~kvfs.KvfsError` becomes its ``errno``, an :class:`OSError`
-keeps its own, anything else is logged at ERROR and answered with EIO.
+keeps its own, anything else is logged at ERROR and answered with EIO. When the store's own
+directories are gone (removed under the running daemon) nearly every request fails so: that
+is said once, in one line naming them, not in a traceback per request.
 """
 
 from __future__ import annotations
@@ -48,10 +50,17 @@ def guard(fn: Callable[P, Coroutine[Any, Any, T]]) -> Callable[P, Coroutine[Any,
                 log.error("%s%r failed", fn.__name__, args[1:3], exc_info=True)
             raise fuse_error(e.errno or errno.EIO) from None
         except Exception:
-            log.error("unexpected error in %s%r", fn.__name__, args[1:3], exc_info=True)
+            if not _store_gone(args[0]):
+                log.error("unexpected error in %s%r", fn.__name__, args[1:3], exc_info=True)
             raise fuse_error(errno.EIO) from None
 
     return wrapper
+
+
+def _store_gone(ops: object) -> bool:
+    """The Operations object's store lost a directory (``store_gone``, which logs it)."""
+    check = getattr(ops, "store_gone", None)
+    return bool(check is not None and check())
 
 
 def decode_name(name: bytes) -> str:
