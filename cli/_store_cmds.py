@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import os
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -18,6 +19,7 @@ import kvfs
 from kvfs._control import DaemonUnavailable
 from kvfs._keys import split_path
 from kvfs._maint import FSCK_PROBLEMS
+from kvfs._mountinfo import kvfs_mount_of
 from kvfs._remote import SyncRemoteStore
 
 from ._target import add_store_flags, map_mount_paths, open_target
@@ -223,6 +225,7 @@ def _emit(args: argparse.Namespace, result: Any, lines: list[str]) -> None:
 
 # -- ls -------------------------------------------------------------------------------
 def cmd_ls(args: argparse.Namespace) -> int:
+    given = args.target  # (open_target turns a path on the mount into the store's path)
     with open_target(args, from_archive=args.archived) as store:
         if args.archived:
             return _ls_archived(args, store.archived_sessions())
@@ -237,7 +240,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
             except (kvfs.SessionNotFound, kvfs.InvalidKey):
                 prefix = args.target.rstrip("/") + "/"
                 pages = store.list(path_prefix=prefix)
-                if not pages and prefix != "sessions/":  # (always there: on the mount too)
+                # ("sessions/" is always there: on the mount too)
+                if not pages and prefix != "sessions/" and not _dir_on_a_mount(given):
                     split_path(args.target.rstrip("/"))  # (a bad name: InvalidKey, exit 2)
                     raise kvfs.PageNotFound(
                         f"no page, session or directory {args.target!r}"
@@ -269,6 +273,18 @@ def cmd_ls(args: argparse.Namespace) -> int:
         rows.append(row)
     print_table(headers, rows)
     return 0
+
+
+def _dir_on_a_mount(target: str | None) -> bool:
+    """``target`` is a directory a kvfs mount shows (a path on it, or a name in a working
+    directory on it). Made with mkdir and still empty, it has no pages, and the store's API
+    knows pages and sessions, not directories: ``kvfs ls`` of it said "no page" (exit 3)
+    where ``ls`` shows it."""
+    return (
+        target is not None
+        and os.path.isdir(target)
+        and kvfs_mount_of(os.path.abspath(target)) is not None
+    )
 
 
 def _session_arg(p: kvfs.PageInfo) -> str:

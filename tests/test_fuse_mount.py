@@ -1183,6 +1183,20 @@ def kvfs_cli(m: object, *args: str) -> str:
     return r.stdout
 
 
+def test_kvfs_ls_of_an_empty_directory_on_the_mount_lists_nothing(make_mount: object) -> None:
+    """kvfs ls of a directory made with mkdir and still empty lists no pages and exits 0,
+    as ls does (it said "no page, session or directory", exit 3); a name that is not there
+    is still exit 3."""
+    m = make_mount("lsdir")  # type: ignore[operator]
+    for d in ("empty", "sessions/s1", "engine/sub"):
+        (m.mp / d).mkdir(parents=True)
+        assert json.loads(kvfs_cli(m, "ls", str(m.mp / d), "--json")) == []
+    r = subprocess.run([*KVFS, "ls", "empty", "--json"], cwd=m.mp, capture_output=True, text=True)
+    assert (r.returncode, json.loads(r.stdout)) == (0, []), r.stderr
+    r = subprocess.run([*KVFS, "ls", str(m.mp / "nothing")], capture_output=True, text=True)
+    assert r.returncode == 3, r.stderr
+
+
 def test_touch_chown_and_tar_on_the_mount_root_keep_it_listable(
     make_mount: object, tmp_path: Path
 ) -> None:
