@@ -75,6 +75,15 @@ def _attr_value(value: bytes) -> str:
         raise fuse_error(errno.EINVAL) from None
 
 
+def _identity(path: str | os.PathLike[str]) -> tuple[int, int] | None:
+    """(device, inode) of a directory; None when there is none."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino)
+
+
 def keep_heap() -> None:
     """Keep freed 1 MiB request buffers in the heap (glibc; a no-op elsewhere).
 
@@ -135,22 +144,24 @@ class KvfsOperations(FileOps, pyfuse3.Operations):
         self.read_ahead_budget = AheadBudget(read_ahead_budget)
         #: where read-ahead runs; the mount sets it (without one, no read-ahead)
         self.nursery: trio.Nursery | None = None
+        cfg = store.engine.config
+        #: the store's directories as they were at the start (device, inode): one removed
+        #: and made again (a write's makedirs does) is another directory, without the index
+        self._store_dirs = {str(d): _identity(d) for d in (*cfg.data_dirs, cfg.index_path.parent)}
         #: the store's directories found gone, and said so in the log (see store_gone)
         self._gone: set[str] = set()
 
     def store_gone(self) -> bool:
-        """True when a directory of the store (a data directory, the index's) is missing:
-        removed under the running daemon (``rm -rf``). The guard then answers EIO without a
-        traceback: every lookup failed with one (the index could not be opened by a new
-        thread), flooding the log with the same error. The first request to find a
-        directory gone logs it, once, in one line.
+        """True when a directory of the store (a data directory, the index's) is missing,
+        or is not the one it was: removed under the running daemon (``rm -rf``). The guard
+        then answers EIO without a traceback: every lookup failed with one (the index
+        could not be opened by a new thread), flooding the log with the same error. The
+        first request to find a directory gone logs it, once, in one line.
 
         The daemon goes on answering, EIO where the store is needed: stopping it would
         unmount, and an engine writing there would then fill the disk under the mountpoint
         instead of getting errors. ``kvfs umount`` stops it."""
-        cfg = self.engine.config
-        dirs = dict.fromkeys(str(d) for d in (*cfg.data_dirs, cfg.index_path.parent))
-        missing = [d for d in dirs if not os.path.isdir(d)]
+        missing = [d for d, was in self._store_dirs.items() if _identity(d) != was]
         new = [d for d in missing if d not in self._gone]
         if new:
             self._gone.update(new)
