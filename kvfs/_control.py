@@ -3,6 +3,8 @@
 Wire format: every message is a 4-byte big-endian length and a msgpack body. A request is
 ``[method, args, kwargs]``; the answer is ``[0, result]`` or ``[1, error_type, message]``.
 One request at a time per connection; clients open several connections for concurrency.
+A client of another protocol (curl on the socket) is answered and dropped at its first
+bytes: they announce a frame of hundreds of MiB whose body is no request.
 Records (:class:`PageInfo`, :class:`SessionInfo`, :class:`StoreStatistics`) travel as maps
 tagged with their type and come back as the same frozen dataclasses.
 
@@ -159,6 +161,11 @@ def encode(obj: Any) -> bytes:
     return _HDR.pack(len(body)) + body
 
 
+class ForeignFrame(ValueError):
+    """A frame that cannot be a request of this protocol: a client of another one (an HTTP
+    request's ``GET `` read as a length of 1.2 GB). Its body cannot be skipped."""
+
+
 class MalformedFrame(ValueError):
     """A whole frame whose body is no message of this protocol (the stream stays usable)."""
 
@@ -205,11 +212,16 @@ STALL_SECONDS = 60.0
 INLINE_BYTES = 1 << 20
 
 
-async def recv_frame(stream: trio.SocketStream) -> Any:
+#: The first byte of every request's body: msgpack's array of three ([method, args, kwargs]).
+_REQUEST_LEAD = 0x93
+
+
+async def recv_frame(stream: trio.SocketStream, *, request: bool = False) -> Any:
     """One decoded message. Returns ``None`` at a clean EOF between messages; raises
     EOFError when the peer closes or stalls mid-message, FrameTooLarge for a header
     announcing more than MAX_FRAME (its body is not read), MalformedFrame for a whole frame
-    that is no message."""
+    that is no message. With ``request`` (the daemon's side), ForeignFrame as soon as the
+    body of a frame over INLINE_BYTES starts with anything but a request's first byte."""
     hdr = await _recv_into(stream, bytearray(4), eof_ok=True)
     if hdr is None:
         return None
@@ -218,15 +230,22 @@ async def recv_frame(stream: trio.SocketStream) -> Any:
         raise FrameTooLarge(
             f"a control frame of {n} bytes is over the control channel's {MAX_FRAME}"
         )
-    body = await _recv_body(stream, n)
+    # Any text protocol's first 4 bytes read as a length of 512 MiB or more: its client
+    # (curl on the socket) waited STALL_SECONDS for the rest of a body it never meant to
+    # send. A frame that large is a put, whose body starts as every request's does; one
+    # that does not is refused at its first byte. (Small ones are read whole and answered,
+    # the stream still in step.)
+    lead = _REQUEST_LEAD if request and n > INLINE_BYTES else None
+    body = await _recv_body(stream, n, lead)
     if n > INLINE_BYTES:
         return await trio.to_thread.run_sync(decode, body)
     return decode(body)
 
 
-async def _recv_body(stream: trio.SocketStream, n: int) -> bytearray:
+async def _recv_body(stream: trio.SocketStream, n: int, lead: int | None = None) -> bytearray:
     """``n`` bytes, the buffer grown as they arrive: a header announcing 2 GiB and nothing
-    after it held (and zero-filled, on the loop) 2 GiB until the peer left."""
+    after it held (and zero-filled, on the loop) 2 GiB until the peer left. Raises
+    ForeignFrame when ``lead`` is given and the first byte is another."""
     buf, got = bytearray(min(n, INLINE_BYTES)), 0
     while got < n:
         if got == len(buf):
@@ -238,6 +257,11 @@ async def _recv_body(stream: trio.SocketStream, n: int) -> bytearray:
             raise EOFError(f"the peer sent nothing for {STALL_SECONDS:g} s mid-message")
         if not k:
             raise EOFError("connection closed mid-message")
+        if got == 0 and lead is not None and buf[0] != lead:
+            raise ForeignFrame(
+                f"a control frame of {n} bytes whose body starts with {bytes(buf[:8])!r} "
+                "is no kvfs request (a client of another protocol?)"
+            )
         got += k
     return buf
 
@@ -304,11 +328,11 @@ async def _serve_one(store: Store, stream: trio.SocketStream) -> None:
     async with stream:
         while True:
             try:
-                request = await recv_frame(stream)
+                request = await recv_frame(stream, request=True)
             except MalformedFrame as e:  # a whole frame: the next one can still be read
                 await send_frame(stream, [1, "ValueError", f"malformed control request: {e}"])
                 continue
-            except FrameTooLarge as e:
+            except (FrameTooLarge, ForeignFrame) as e:
                 # The peer's mistake (another protocol, a stray write): answered, and the
                 # connection closed, since the body it announced cannot be skipped. (It was
                 # dropped without a word, the client told the daemon had died, and the log

@@ -1003,3 +1003,30 @@ async def test_a_frame_announced_over_the_limit_is_answered_and_logged_in_one_li
         n.cancel_scope.cancel()
     mine = [r for r in caplog.records if r.name == "kvfs.control" and r.levelno > logging.INFO]
     assert [(r.levelno, r.exc_info) for r in mine] == [(logging.WARNING, None)], mine
+
+
+async def test_a_client_of_another_protocol_is_answered_at_once_and_logged_in_one_line(
+    make_config: MakeConfig, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An HTTP request on the socket (curl --unix-socket) had its "GET " read as a frame of
+    1.2 GB: the daemon waited STALL_SECONDS (60) for the rest of it, and then dropped the
+    client without a word. (The client's 30 s timeout here is only a guard.)"""
+    sock = tmp_path / "c.sock"
+    async with kvfs.open_store(make_config()) as store, trio.open_nursery() as n:
+        await n.start(control_service, store, sock)
+
+        def sync_side() -> None:
+            with socket.socket(socket.AF_UNIX) as s:
+                s.connect(os.fspath(sock))
+                s.settimeout(30)
+                s.sendall(b"GET / HTTP/1.1\r\nHost: x\r\nUser-Agent: curl/8.5.0\r\n\r\n")
+                reply = read_frame_sync(s)
+                assert reply[:2] == [1, "ValueError"] and "no kvfs request" in reply[2], reply
+                assert s.recv(10) == b""  # (its body cannot be skipped: the stream is lost)
+            with open_remote_store_sync(sock) as r:
+                assert r.ping()
+
+        await trio.to_thread.run_sync(sync_side)
+        n.cancel_scope.cancel()
+    mine = [r for r in caplog.records if r.name == "kvfs.control" and r.levelno > logging.INFO]
+    assert [(r.levelno, r.exc_info) for r in mine] == [(logging.WARNING, None)], mine
