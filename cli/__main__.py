@@ -30,6 +30,31 @@ COMMAND_MODULES = [
 ]
 
 
+class CommandParser(argparse.ArgumentParser):
+    """A command's parser, which takes its positionals wherever they stand among its flags
+    (``kvfs get PATH --json FILE``, ``kvfs rm A --json B``): argparse's own took the
+    positionals it found together, so one after a flag was an "unrecognized argument"."""
+
+    _intermixing = False
+
+    def parse_known_args(  # type: ignore[override]
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        # argparse's intermixed parse calls this method twice itself (flags first, then
+        # the positionals left), cannot take a parser that has subcommands (bench), and
+        # drops a "--" (`kvfs get -- -odd-name` lost its PATH): those parse as before.
+        nested = any(
+            a.nargs in (argparse.PARSER, argparse.REMAINDER) for a in self._get_positional_actions()
+        )
+        if self._intermixing or nested or "--" in (args or ()):
+            return super().parse_known_args(args, namespace)
+        self._intermixing = True
+        try:
+            return self.parse_known_intermixed_args(args, namespace)
+        finally:
+            self._intermixing = False
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="kvfs",
@@ -37,7 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--debug", action="store_true", help="show tracebacks and debug logs")
     p.add_argument("--version", action="version", version=f"kvfs {kvfs.__version__}")
-    sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    sub = p.add_subparsers(
+        dest="command", metavar="COMMAND", required=True, parser_class=CommandParser
+    )
     for name in COMMAND_MODULES:
         importlib.import_module(name).register(sub)
     return p

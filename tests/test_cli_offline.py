@@ -71,6 +71,24 @@ def test_put_ls_get_roundtrip(run: Run, tmp_path: Path) -> None:
     assert rc == 0 and (tmp_path / "out.bin").read_bytes() == payload
 
 
+def test_positionals_may_stand_after_flags(run: Run, tmp_path: Path) -> None:
+    """`kvfs get PATH --json FILE` was refused (unrecognized arguments: FILE), as was
+    `kvfs rm A --json B`: argparse took the positionals it found together, so one after a
+    flag was no positional. A "--" still ends the flags."""
+    d = one_page(run, tmp_path, b"q" * 1000)
+    rc, out, _ = run("get", "sessions/a/p/layer-000", "--json", "out.bin", *d)
+    assert rc == 0 and json.loads(out)["file"] == "out.bin"
+    assert (tmp_path / "out.bin").read_bytes() == b"q" * 1000
+    rc, out, _ = run("get", *d[:2], "sessions/a/p/layer-000", *d[2:], "two.bin")
+    assert rc == 0 and (tmp_path / "two.bin").read_bytes() == b"q" * 1000
+    rc, out, _ = run("get", "--json", *d, "--", "sessions/a/p/layer-000", "three.bin")
+    assert rc == 0 and (tmp_path / "three.bin").read_bytes() == b"q" * 1000
+    assert run("put", "f", "--pin", "sessions/b/p/layer-000", *d)[0] == 0
+    rc, out, _ = run("rm", "a", "--json", "b", *d)
+    assert rc == 0 and [r["target"] for r in json.loads(out)] == ["a", "b"]
+    assert json.loads(run("ls", "--json", *d)[1]) == []
+
+
 def test_stats_table_and_json(run: Run, tmp_path: Path) -> None:
     d = one_page(run, tmp_path, b"y" * 5000, archive=True)
     rc, out, _ = run("stats", *d)
