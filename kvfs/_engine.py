@@ -520,7 +520,9 @@ class Engine:
                 deferred, self._deferred = self._deferred, {}
             for blobs in deferred.values():
                 for b in blobs:
-                    if b.extents:
+                    # (a lease still held past the wait: its reader may still read the
+                    # files, so they stay, swept as orphans by the next open, unclean)
+                    if b.extents and not self._leases[b.hash]:
                         self.tier.unlink(b.extents)
                         with self._cap_lock:
                             self._account(b, -1)
@@ -644,17 +646,22 @@ class Engine:
     @contextmanager
     def lease(self, key: PageKey | str) -> Iterator[tuple[PageRow, BlobRow]]:
         """Hold a page's data in place: it is not evicted, and its files are not removed
-        (even by delete) until the lease ends. Raises PageNotFound."""
+        (even by delete) until the lease ends. A lease counts as a call in flight, so
+        :meth:`close` waits for it: the fast path reads the files behind the store's back
+        while it holds one (closed first, the store unlinked a deleted page's files under
+        the read, and released its lock with the read still going). Raises PageNotFound,
+        StoreClosed."""
         k = as_key(key)
-        with self._using(), self._cap_lock:
-            found = self.index.page_and_blob(k.path)
-            if found is None:
-                raise PageNotFound(f"no page {k.path!r}")
-            self._leases[found[1].hash] += 1
-        try:
-            yield found
-        finally:
-            self._unlease(found[1].hash)
+        with self._using():
+            with self._cap_lock:
+                found = self.index.page_and_blob(k.path)
+                if found is None:
+                    raise PageNotFound(f"no page {k.path!r}")
+                self._leases[found[1].hash] += 1
+            try:
+                yield found
+            finally:
+                self._unlease(found[1].hash)
 
     def _unlease(self, h: bytes) -> None:
         with self._cap_lock:

@@ -419,6 +419,39 @@ def test_close_waits_for_a_read_by_path(
         held.shutdown()
 
 
+def test_closing_the_store_waits_for_a_fast_path_read(
+    make_config: Callable[..., kvfs.StoreConfig],
+) -> None:
+    """The store closed before its FastPath (against the documented order) did not wait for
+    the read's lease: it unlinked the files of the page deleted meanwhile under the read,
+    closed the index and released its lock, and the read failed with ProgrammingError. Now
+    close waits for it as for any call, and a read begun after is StoreClosed at the call."""
+    with kvfs.open_store_sync(make_config(ndev=3, stripe_unit=64 * KiB)) as store:
+        data = rand(MiB + 4096)
+        files = {e.path for e in store.put(key(0), data).extents}
+        store.put(key(1), data[:4096])
+        held = HoldAfter(0)
+        fp = gds.FastPath(store, io_pool=held)
+        dest = aligned(data.nbytes)
+        fut = fp.read(key(0), dest)
+        store.delete(key(0))  # (its files wait for the read's lease)
+        closing = threading.Thread(target=store.close)
+        closing.start()
+        closing.join(0.5)
+        assert closing.is_alive()  # close waits for the read in flight
+        assert all(os.path.exists(f) for f in files)
+        held.release()
+        assert fut.result(timeout=60) == data.nbytes
+        assert np.array_equal(dest, data)
+        closing.join(60)
+        assert not closing.is_alive()
+        assert not any(os.path.exists(f) for f in files)  # unlinked when the lease ended
+        with pytest.raises(kvfs.StoreClosed):
+            fp.read(key(1), aligned(4096))
+        fp.close()
+        held.shutdown()
+
+
 def test_read_by_path_needs_the_xattr(fp: gds.FastPath, tmp_path: Any) -> None:
     p = tmp_path / "plain"
     p.write_bytes(b"x" * 10)
