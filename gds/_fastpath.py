@@ -23,7 +23,7 @@ from typing import Any
 import trio
 
 from kvfs import CorruptPage, PageInfo, PageKey
-from kvfs._aligned import BouncePool, as_bytes_view
+from kvfs._aligned import BouncePool, address_of, as_bytes_view
 from kvfs._checksum import LEAF
 from kvfs._keys import as_key
 from kvfs._mountinfo import kvfs_mount_of
@@ -155,17 +155,25 @@ class FastPath:
                 ) from e
         return b
 
-    def _target(self, b: str, dest: object, size: int, allow_unaligned: bool) -> Target:
+    def _check(self, b: str, dest: object, size: int, allow_unaligned: bool) -> None:
+        """Refuse a destination :meth:`_target` would refuse, building nothing: a page only
+        the archive holds is restored after this (it was restored, then the destination
+        refused). Raises what _target raises."""
         if b == "host":
-            view = host_view(dest, size)
-            t = HostTarget(view[:size], direct=self.direct, bounce=self._bounce)
-            if not t.base_aligned and self.direct and not allow_unaligned:
+            view = host_view(dest, size)[:size]
+            if address_of(view) % ALIGN and self.direct and not allow_unaligned:
                 raise UnalignedDestination(
                     "destination is not 4 KiB aligned: allocate it with kvfs.aligned_buffer "
                     "(or numpy over one), or pass allow_unaligned=True to read through "
                     "bounce buffers"
                 )
-            return t
+        else:
+            device_bytes(dest, size)
+
+    def _target(self, b: str, dest: object, size: int, allow_unaligned: bool) -> Target:
+        if b == "host":
+            self._check(b, dest, size, allow_unaligned)
+            return HostTarget(host_view(dest, size)[:size], direct=self.direct, bounce=self._bounce)
         flat, dev = device_bytes(dest, size)
         if b == "kvikio":
             return KvikioTarget(flat[:size], dev, self._pinned, self.threads)
@@ -174,7 +182,7 @@ class FastPath:
     # -- reads ------------------------------------------------------------------------
     def _start(
         self,
-        make_source: Callable[[], PageSource],
+        make_source: Callable[[Callable[[int], None]], PageSource],
         into: object,
         backend: str | None,
         verify: bool | None,
@@ -185,8 +193,8 @@ class FastPath:
         if self._closed and not again:  # a heal's second read finishes a read begun before
             raise RuntimeError("this FastPath is closed")
         b = self.backend_for(into, backend)
-        src = make_source()
         unaligned = self.allow_unaligned if allow_unaligned is None else allow_unaligned
+        src = make_source(lambda size: self._check(b, into, size, unaligned))
         try:
             if src.held is not None:
                 return self._copy_held(b, into, src, unaligned)
@@ -244,8 +252,8 @@ class FastPath:
         eng = self._need_engine()
         sources: list[PageSource] = []
 
-        def make() -> PageSource:
-            src = source_from_engine(eng, key)
+        def make(check: Callable[[int], None]) -> PageSource:
+            src = source_from_engine(eng, key, check=check)
             sources.append(src)
             return src
 
@@ -329,7 +337,7 @@ class FastPath:
 
         def start(again: bool = False, through: bool = False) -> Future[int]:
             return self._start(
-                lambda: source_from_mount(path, through=through, handle=handle),
+                lambda check: source_from_mount(path, through=through, handle=handle, check=check),
                 into,
                 backend,
                 verify,

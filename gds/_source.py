@@ -179,17 +179,23 @@ def decode_extents(
     return tuple(files), tuple(ext)
 
 
-def source_from_engine(engine: Any, key: PageKey | str) -> PageSource:
+def source_from_engine(
+    engine: Any, key: PageKey | str, *, check: Callable[[int], None] | None = None
+) -> PageSource:
     """Lease a page of ``engine`` (a :class:`kvfs.Engine`) and describe its backing files.
 
     A page held only in the archive tier is restored to the local tier first (as
-    ``Engine.get`` does). Raises PageNotFound, StoreClosed, ArchiveUnavailable. The lease
-    is held until the returned source is released; on an error nothing is held.
+    ``Engine.get`` does), after ``check(size)`` (the destination's checks: what it raises
+    is raised before anything is downloaded). Raises PageNotFound, StoreClosed,
+    ArchiveUnavailable. The lease is held until the returned source is released; on an
+    error nothing is held.
     """
     cm = engine.lease(key)
     page, blob = cm.__enter__()
     held: bytes | None = None
     try:
+        if check is not None:
+            check(blob.size)
         if not blob.local:
             got = engine._restore(blob, page)
             if isinstance(got, bytes):  # no local room: the archive's verified memory copy
@@ -228,7 +234,11 @@ def source_from_engine(engine: Any, key: PageKey | str) -> PageSource:
 
 
 def source_from_mount(
-    path: str | os.PathLike[str], *, through: bool = False, handle: int | None = None
+    path: str | os.PathLike[str],
+    *,
+    through: bool = False,
+    handle: int | None = None,
+    check: Callable[[int], None] | None = None,
 ) -> PageSource:
     """Open a page file on a kvfs mount and read its extents from its xattrs (``through``:
     read the page through the mount instead, which verifies what it serves).
@@ -239,7 +249,7 @@ def source_from_mount(
     release (the caller closes it), so that a second source of one read describes the
     page the first one held, whatever the name holds by then. A page the mount holds only
     in the archive is restored first by reading one byte of it through the mount (as any
-    reader's first read does). Where the backing files cannot be used, the page is read
+    reader's first read does), after ``check(size)`` (as for :func:`source_from_engine`). Where the backing files cannot be used, the page is read
     through the open handle instead (``held``): the daemon serves it from its memory copy (no local
     room for the restore), or the name was replaced or unlinked between the open and the
     attribute reads (ESTALE, ENOENT: the handle still reads the page it opened).
@@ -252,6 +262,8 @@ def source_from_mount(
     fd = os.open(path, os.O_RDONLY) if handle is None else handle
     try:
         found = None if through else _mount_attrs(fd, name)
+        if found is not None and check is not None:
+            check(found[0])
         if found is not None and found[0] > 0 and not found[3]:
             os.pread(fd, 1, 0)  # archive-only: a read through the mount restores it
             found = _mount_attrs(fd, name)

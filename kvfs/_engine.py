@@ -720,7 +720,9 @@ class Engine:
     # -- reads (kvfs/_reads.py) -------------------------------------------------------
     def get(self, key: PageKey | str, into: object | None = None) -> bytes | int:
         """Read a whole page. Returns bytes, or with ``into`` (a writable buffer at least the
-        page's size) the number of bytes read into it. Raises PageNotFound, CorruptPage."""
+        page's size) the number of bytes read into it. Raises PageNotFound, CorruptPage;
+        TypeError or ValueError for an ``into`` that cannot take the page, before a page
+        only the archive holds is restored."""
         with self._using():
             return _reads.get(self, as_key(key), into)
 

@@ -79,23 +79,32 @@ def read_piece_size(concurrent: int) -> int:
 def get(eng: Engine, k: PageKey, into: object | None) -> bytes | int:
     """:meth:`Engine.get` once the store is known open and the key parsed."""
     with eng.lease(k) as (page, blob):
+        # The destination is checked before anything is restored: a page only the archive
+        # held was downloaded (and took local room) for a buffer then refused.
+        dest = None if into is None else _destination(into, blob.size, k)
         if not blob.local:
             got = eng._restore(blob, page)
             if isinstance(got, bytes):  # no local room: served from memory
                 eng.note_read(page, len(got))
-                return _from_memory(got, into, k)
+                return _from_memory(got, dest)
             blob = got
-        if into is None:
+        if dest is None:
             buf = aligned_buffer(blob.size)
             _or_healed(eng, page, blob, lambda b: _read_verified(eng, page, b, buf, 0, b.size))
             return bytes(buf)
-        dest = as_bytes_view(into, "the buffer to read into", writable=True)
-        if len(dest) < blob.size:
-            raise ValueError(
-                f"buffer of {len(dest)} bytes is smaller than page {k.path!r} ({blob.size} bytes)"
-            )
         _or_healed(eng, page, blob, lambda b: _read_verified(eng, page, b, dest, 0, b.size))
         return blob.size
+
+
+def _destination(into: object, size: int, k: PageKey) -> memoryview:
+    """A writable flat view of ``into``, refused (TypeError, ValueError) unless it holds
+    ``size`` bytes."""
+    dest = as_bytes_view(into, "the buffer to read into", writable=True)
+    if len(dest) < size:
+        raise ValueError(
+            f"buffer of {len(dest)} bytes is smaller than page {k.path!r} ({size} bytes)"
+        )
+    return dest
 
 
 def _check_range(offset: int, size: int) -> None:
@@ -145,15 +154,10 @@ def read_held(
     return data[offset - lo : end - lo]
 
 
-def _from_memory(data: bytes, into: object | None, k: PageKey) -> bytes | int:
-    """:func:`get`'s answer from a verified copy held in memory."""
-    if into is None:
+def _from_memory(data: bytes, dest: memoryview | None) -> bytes | int:
+    """:func:`get`'s answer from a verified copy held in memory (``dest``: checked already)."""
+    if dest is None:
         return data
-    dest = as_bytes_view(into, "the buffer to read into", writable=True)
-    if len(dest) < len(data):
-        raise ValueError(
-            f"buffer of {len(dest)} bytes is smaller than page {k.path!r} ({len(data)} bytes)"
-        )
     dest[: len(data)] = data
     return len(data)
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import trio
+from _archive_dir import objects
 
 import kvfs
 from kvfs import PageKey
@@ -72,6 +73,32 @@ def test_spill_then_restore_on_access(make_config, archive_url: str) -> None:  #
         assert st["bytes_restored"] >= sum(map(len, data.values()))
         assert st["restore_p50_s"] is not None
         assert 0 < st["bytes_spilled"] < sum(map(len, data.values()))  # compressed
+
+
+def test_a_bad_buffer_is_refused_before_an_archive_only_page_is_restored(
+    make_config: Callable[..., kvfs.StoreConfig], tmp_path: Path
+) -> None:
+    """A get into a buffer too small, read-only or no buffer at all, of a page only the
+    archive held, downloaded and restored the page (taking local room) before refusing
+    the buffer."""
+    archive = tmp_path / "archive"
+    with kvfs.open_store_sync(archived_cfg(make_config, f"file://{archive}")) as s:
+        data = fill(s, "agent", 1)
+        ((k, v),) = data.items()
+        assert s.spill("agent") > 0 and len(objects(archive)) == 1
+        for into, error in (
+            (bytearray(len(v) - 1), ValueError),
+            (bytes(len(v)), TypeError),
+            (np.zeros(len(v) // 2, np.uint16)[::2], ValueError),
+            ("no buffer", TypeError),
+        ):
+            with pytest.raises(error):
+                s.get(k, into)
+            assert s.stat(k).tier == "archive", type(into)
+        st = s.statistics()
+        assert (st.misses, st.extra["archive"]["bytes_restored"], st.used_bytes) == (0, 0, 0)
+        buf = bytearray(len(v))
+        assert s.get(k, buf) == len(v) and buf == v  # a sound one restores it
 
 
 @pytest.mark.parametrize("processes", [0, 2])

@@ -107,6 +107,31 @@ def test_archived_page_is_restored_then_read(
         assert s.stat(key(0)).tier == "local+archive"
 
 
+def test_a_bad_destination_is_refused_before_an_archive_only_page_is_restored(
+    make_config: Callable[..., kvfs.StoreConfig], tmp_path: Any
+) -> None:
+    """A read into an unaligned, too small or read-only destination of a page only the
+    archive held restored the page (a download, and local room) before refusing it."""
+    url = f"file://{tmp_path / 'archive'}"
+    cfg = make_config(ndev=2, name="arch", archive_url=url, extra={"archive": {"interval": 0}})
+    with kvfs.open_store_sync(cfg) as s, gds.FastPath(s) as fp:
+        data = rand(3 * MiB + 1)
+        s.put(key(0), data)
+        assert s.spill("sess") > 0
+        for dest, error in (
+            (aligned(data.nbytes + 1)[1:], gds.UnalignedDestination),
+            (aligned(data.nbytes - 1), ValueError),
+            (bytes(data.nbytes), TypeError),
+        ):
+            with pytest.raises(error):
+                fp.read(key(0), dest)
+            assert s.stat(key(0)).tier == "archive", error
+        assert s.statistics().used_bytes == 0 and not s.engine._leases
+        dest = aligned(data.nbytes)
+        assert fp.read(key(0), dest).result() == data.nbytes
+        assert np.array_equal(dest, data)
+
+
 def test_destination_may_be_larger_and_any_dtype(store: kvfs.SyncStore, fp: gds.FastPath) -> None:
     data = rand(MiB)
     store.put(key(0), data)

@@ -146,7 +146,8 @@ def test_archive_only_pages_by_path(
 ) -> None:
     """A page the mount holds only in the archive had extents covering 0 bytes, and the
     by-path read failed as corrupt. It is restored by a read through the mount first; where
-    there is no room for that, read through the mount (the daemon's memory copy)."""
+    there is no room for that, read through the mount (the daemon's memory copy). An
+    unaligned destination was refused only after that restore."""
     from test_gds import _archive_only_with_no_room, key
 
     url = f"file://{tmp_path / 'archive'}"
@@ -166,6 +167,9 @@ def test_archive_only_pages_by_path(
         with ServedMount(cfg, mp), gds.FastPath() as fp:
             page = mp / key(0).path
             assert os.getxattr(page, "user.kvfs.tier") == b"archive"
+            with pytest.raises(gds.UnalignedDestination):
+                fp.read_path(page, aligned(data.nbytes + 1)[1:])
+            assert os.getxattr(page, "user.kvfs.tier") == b"archive"  # nothing restored
             dest = aligned(data.nbytes)
             assert fp.read_path(page, dest).result(timeout=60) == data.nbytes
             assert np.array_equal(dest, data)
