@@ -79,6 +79,11 @@ class FileOps:
         mixes this in (kvfs._fuse.KvfsOperations)."""
         raise NotImplementedError
 
+    def store_gone(self) -> bool:
+        """True when a directory of the store was removed under the daemon; provided by
+        the Operations class that mixes this in."""
+        raise NotImplementedError
+
     async def _thread(self, fn: Callable[..., T], *args: Any) -> T:
         return await trio.to_thread.run_sync(functools.partial(fn, *args), limiter=self.limiter)
 
@@ -153,6 +158,8 @@ class FileOps:
         key = validate_page(path)
         if path in self.pending:
             raise fuse_error(errno.EBUSY)
+        if self.store_gone():  # (its close would commit into an index nothing reads)
+            raise fuse_error(errno.EIO)
         writer = await self._thread(self.engine.begin_write, key)
         node = self.table.bind(path, Kind.PENDING)
         node.pending = Pending(
@@ -358,7 +365,14 @@ class FileOps:
         version and what it holds. A write handle that stays open after its page was
         committed (a dup's close, a rename) reads that version from then on: not the name,
         which another publisher may replace or unlink (none held, reads ENOENT, when it is
-        gone already). One thread hop for all of it."""
+        gone already). One thread hop for all of it.
+
+        Not when the store's directories are gone (removed under the daemon): the commit
+        went into the index file still open there, and its close was answered with success
+        for a page no restart would find."""
+        if self.store_gone():
+            w.writer.abort()
+            raise OSError(errno.EIO, "the store's directory is gone: nothing is committed")
         info = w.writer.commit(attrs=w.commit_attrs(), replace=True)
         row = self.engine.index.page(path)
         if not hold:

@@ -582,6 +582,32 @@ def test_a_data_directory_removed_under_the_daemon_is_logged_once(make_mount: ob
         assert f"the store's directory {m.data} is gone" in errors[0]
 
 
+def test_nothing_written_after_the_data_directory_went_is_acknowledged(
+    make_mount: object,
+) -> None:
+    """A file created, or closed, after the data directory was removed under the daemon
+    fails with EIO: a worker thread that had the index open already committed into the
+    removed file, close said success, and after a restart the page did not exist."""
+    m = make_mount("written-after")  # type: ignore[operator]
+    write(m.mp / "before", b"x")
+    files = [open(m.mp / f"open-before-{i}", "wb") for i in range(8)]  # noqa: SIM115
+    for f in files:
+        f.write(b"y")  # (the files exist before the directory goes)
+    shutil.rmtree(m.data)
+    for f in files:
+        f.write(b"z")
+        with pytest.raises(OSError) as ei:
+            f.close()
+        assert ei.value.errno == errno.EIO
+    for name in ("after", "later"):
+        with pytest.raises(OSError) as ei:
+            write(m.mp / name, b"w" * 4096)
+        assert ei.value.errno == errno.EIO
+    errors = m.new_errors()
+    assert len(errors) == 1, errors
+    assert f"the store's directory {m.data} is gone" in errors[0]
+
+
 def test_an_open_page_whose_name_went_has_no_links(mnt: Path) -> None:
     """fstat of an open page whose name was unlinked or replaced says st_nlink 0, as for
     a file being written (it said 1)."""
