@@ -39,6 +39,7 @@ import trio
 from . import _errors
 from ._events import log_event
 from ._keys import PageKey
+from ._reads import too_small
 from ._store import Store
 from ._types import DeviceStatistics, Extent, PageInfo, SessionInfo, StoreStatistics
 
@@ -386,6 +387,8 @@ async def _dispatch(
             result: Any = True
         elif method == "identity":
             result = _identity(store)
+        elif method == "get" and "room" in kwargs:
+            result = await _get_within(store, *args, **kwargs)
         else:
             result = await getattr(store, method)(*args, **kwargs)
     except Exception as e:  # noqa: BLE001 - every failure goes back to the client
@@ -393,6 +396,15 @@ async def _dispatch(
         return [1, type(e).__name__, str(e)]
     _log_done(method, args, kwargs, result, t0)
     return [0, result]
+
+
+async def _get_within(store: Store, path: str, *, room: int) -> bytes | int:
+    """A page for a client's buffer of ``room`` bytes: one that cannot fit is refused
+    before it is read, so a page only the archive holds is not restored for nothing."""
+    size = (await store.stat(path)).size
+    if size > room:
+        raise too_small(room, path, size)
+    return await store.get(path)
 
 
 def _identity(store: Store) -> dict[str, Any]:

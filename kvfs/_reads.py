@@ -101,10 +101,13 @@ def _destination(into: object, size: int, k: PageKey) -> memoryview:
     ``size`` bytes."""
     dest = as_bytes_view(into, "the buffer to read into", writable=True)
     if len(dest) < size:
-        raise ValueError(
-            f"buffer of {len(dest)} bytes is smaller than page {k.path!r} ({size} bytes)"
-        )
+        raise too_small(len(dest), k.path, size)
     return dest
+
+
+def too_small(room: int, path: str, size: int) -> ValueError:
+    """The error of a get into a buffer of ``room`` bytes, short of the page's ``size``."""
+    return ValueError(f"buffer of {room} bytes is smaller than page {path!r} ({size} bytes)")
 
 
 def _check_range(offset: int, size: int) -> None:

@@ -43,6 +43,7 @@ from ._control import (
 from ._errors import StoreClosed
 from ._gather import BatchCalls, one_buffer_per_key, pairs
 from ._keys import PageKey, as_key
+from ._reads import too_small
 from ._types import PageInfo
 from ._writes import check_attrs
 
@@ -61,11 +62,16 @@ def _dest(into: object | None) -> memoryview | None:
     return None if into is None else as_bytes_view(into, "the buffer to read into", writable=True)
 
 
+def _get_args(path: str, dest: memoryview | None) -> tuple[tuple[str], dict[str, int]]:
+    """A get's arguments on the wire: with a buffer, its size (``room``), so the daemon
+    refuses a page that cannot fit before it restores one the archive holds (it restored
+    and sent the page, and then the client refused it)."""
+    return (path,), ({} if dest is None else {"room": len(dest)})
+
+
 def _copy_into(data: bytes, dest: memoryview, path: str) -> int:
-    if len(dest) < len(data):  # (as in-process)
-        raise ValueError(
-            f"buffer of {len(dest)} bytes is smaller than page {path!r} ({len(data)} bytes)"
-        )
+    if len(dest) < len(data):  # (a page replaced by a larger one since the daemon looked)
+        raise too_small(len(dest), path, len(data))
     dest[: len(data)] = data
     return len(data)
 
@@ -326,7 +332,8 @@ class SyncRemoteStore(_Api):
 
     def get(self, key: KeyLike, into: object | None = None) -> bytes | int:
         path, dest = _k(key), _dest(into)
-        data: bytes = self._call("get", path)
+        args, kw = _get_args(path, dest)
+        data: bytes = self._call("get", *args, **kw)
         return data if dest is None else _copy_into(data, dest, path)
 
     def put_many(
@@ -431,7 +438,8 @@ class RemoteStore(_Api, BatchCalls):
 
     async def get(self, key: KeyLike, into: object | None = None) -> bytes | int:
         path, dest = _k(key), _dest(into)
-        data: bytes = await self._call("get", path)
+        args, kw = _get_args(path, dest)
+        data: bytes = await self._call("get", *args, **kw)
         return data if dest is None else _copy_into(data, dest, path)
 
     async def spill(  # type: ignore[override]

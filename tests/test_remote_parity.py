@@ -63,6 +63,33 @@ async def test_many_calls_raise_the_store_error_as_it_is(
         await trio.to_thread.run_sync(sync_side)
 
 
+async def test_a_buffer_too_small_is_refused_before_an_archive_only_page_is_restored(
+    make_config: MakeConfig, tmp_path: Path
+) -> None:
+    """A get through the daemon into a buffer too small for a page only the archive held
+    restored the page (taking local room) and sent it, and only then did the client refuse
+    the buffer: the daemon now hears the buffer's size with the request."""
+    sock = tmp_path / "g.sock"
+    cfg = make_config(archive_url=f"file://{tmp_path}/arch", extra={"archive": {"interval": 0}})
+    key, data = "sessions/a/p/layer-000", os.urandom(100_000)
+    async with served(cfg, sock) as store:
+        await store.put(key, data)
+        await store.spill("a")
+        async with kvfs.open_remote_store(sock) as r:
+            with pytest.raises(ValueError, match="buffer of 10 bytes is smaller than page"):
+                await r.get(key, bytearray(10))
+        s = SyncRemoteStore(sock)
+        try:
+            with pytest.raises(ValueError, match="smaller than page"):
+                await trio.to_thread.run_sync(s.get, key, bytearray(len(data) - 1))
+            assert (await store.stat(key)).tier == "archive"
+            buf = bytearray(len(data) + 1)  # (a larger one is fine, as in-process)
+            assert await trio.to_thread.run_sync(s.get, key, buf) == len(data)
+            assert buf[: len(data)] == data
+        finally:
+            s.close()
+
+
 async def test_async_client_reports_progress(make_config: MakeConfig, tmp_path: Path) -> None:
     """``progress=`` on RemoteStore.spill/restore/evict was a TypeError."""
     sock = tmp_path / "p.sock"
