@@ -93,8 +93,10 @@ def _answers(socket: Any) -> bool:
 
 
 def map_mount_paths(args: argparse.Namespace) -> None:
-    """Targets given as paths on a kvfs mount (``/mnt/kv/sessions/agent-1``, or a name
-    that exists in the working directory when that is on the mount) become the store paths
+    """Targets given as paths on a kvfs mount (``/mnt/kv/sessions/agent-1``, a relative
+    path that leads onto it from outside, ``mnt/sessions/new/p0/layer-000``, whether or not
+    it exists yet, or a name that exists in the working directory when that is on the
+    mount) become the store paths
     they show, and the mount's store is the one used unless the command names another.
     Other targets are left alone; an absolute path elsewhere is InvalidKey."""
     if getattr(args, "mapped_mount_paths", False):
@@ -102,13 +104,23 @@ def map_mount_paths(args: argparse.Namespace) -> None:
     args.mapped_mount_paths = True
     mounts = sorted(kvfs_mounts(), key=len, reverse=True)
     used: set[str] = set()
+    cwd = os.path.abspath(os.curdir)
+
+    def within(path: str, mp: str) -> bool:
+        return path == mp or path.startswith(mp.rstrip("/") + "/")
 
     def mapped(target: str) -> str:
-        if not (os.path.isabs(target) or target.startswith(".") or os.path.lexists(target)):
-            return target  # a session or page name
         path = os.path.abspath(target)
+        # A relative path that leads onto a mount from outside it (mnt/sessions/new/p/l,
+        # the page a put makes) is on it before it exists: as a name it went to a new
+        # ./kvfs-data store, which the put made
+        enters = any(within(path, mp) and not within(cwd, mp) for mp in mounts)
+        if not (
+            os.path.isabs(target) or target.startswith(".") or enters or os.path.lexists(target)
+        ):
+            return target  # a session or page name
         for mp in mounts:
-            if path == mp or path.startswith(mp.rstrip("/") + "/"):
+            if within(path, mp):
                 rel = path[len(mp) :].strip("/") or "."
                 used.add(mp)
                 # a directory on the mount means that directory ("name/"), not a session name

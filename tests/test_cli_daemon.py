@@ -300,6 +300,24 @@ def test_targets_given_as_paths_on_the_mount(
         assert {s["dir"] for s in json.loads(out)} == {".", "lmcache", "sessions/agent-1"}
 
 
+def test_a_relative_path_onto_the_mount_names_its_page_before_it_exists(
+    daemon: Daemon, run: Run, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """From beside the mount, `kvfs put f mnt/sessions/new/p0/layer-000` took the path,
+    not there yet, for a page name: it made a new store in ./kvfs-data and stored the page
+    there as mnt/sessions/new/p0/layer-000; a get of such a path said "no kvfs store in
+    kvfs-data". An absolute path or one that exists already reached the mount's store."""
+    monkeypatch.chdir(daemon.mp.parent)
+    (tmp_path / "f").write_bytes(b"v" * 10)
+    rc, out, err = run("put", str(tmp_path / "f"), "mnt/sessions/new/p0/layer-000", "--json")
+    assert rc == 0, err
+    assert json.loads(out)["path"] == "sessions/new/p0/layer-000"
+    assert (daemon.mp / "sessions/new/p0/layer-000").read_bytes() == b"v" * 10
+    assert not (daemon.mp.parent / "kvfs-data").exists()
+    rc, _, err = run("get", "mnt/sessions/nope/p0/layer-000", "out")
+    assert (rc, err.strip()) == (3, "kvfs get: no page 'sessions/nope/p0/layer-000'")
+
+
 def test_commands_run_in_a_directory_on_the_mount_use_its_store(
     daemon: Daemon, run: Run, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
