@@ -712,7 +712,7 @@ def cmd_evict(args: argparse.Namespace) -> int:
             plan.append((t, kind, name, pages, pinned))
         for t, kind, name, pages, pinned in plan:
             # what the archive lacks is uploaded first: the bytes as they go
-            with Progress(f"evict {t}", 1, fmt=fmt_bytes) as bar:
+            with _progress(args, f"evict {t}", 1, fmt=fmt_bytes) as bar:
                 if kind == "directory":  # the pages checked above
                     freed = sum(store.evict(key=p.path, progress=_bytes_to(bar)) for p in pages)
                 else:
@@ -758,6 +758,12 @@ def _still_local(store: Any, path: str) -> bool:
         return False
 
 
+def _progress(args: argparse.Namespace, label: str, total: int, **kw: Any) -> Progress:
+    """A progress bar on a terminal, none with ``--json``: a script that asks for JSON reads
+    the output, not a bar (drawn on stderr, it filled a log that took both streams)."""
+    return Progress(label, total, enabled=False if args.json else None, **kw)
+
+
 def _bytes_to(bar: Progress) -> Callable[[int, int], None]:
     """A store's ``progress(bytes done, bytes in all)`` shown on ``bar``."""
 
@@ -787,7 +793,7 @@ def cmd_spill_restore(args: argparse.Namespace) -> int:
 
     with (
         open_target(args, from_archive=args.op == "restore") as store,
-        Progress(args.op, len(args.sessions), unit=" sessions") as bar,
+        _progress(args, args.op, len(args.sessions), unit=" sessions") as bar,
         _partial(emit, results, verb),
     ):
         # (not for a restore: it may name a session only the archive knows)
@@ -798,7 +804,7 @@ def cmd_spill_restore(args: argparse.Namespace) -> int:
             t0 = time.perf_counter()
             # and the page bytes of each session as they are archived or come back
             local = _local_bytes(store, s)
-            with Progress(f"{args.op} {s}", 1, fmt=fmt_bytes) as pages:
+            with _progress(args, f"{args.op} {s}", 1, fmt=fmt_bytes) as pages:
                 n = getattr(store, args.op)(s, progress=_bytes_to(pages))
             r = {"session": s, "bytes": n, "seconds": round(time.perf_counter() - t0, 3)}
             if args.op == "spill":
@@ -829,7 +835,7 @@ def cmd_fsck(args: argparse.Namespace) -> int:
     with open_target(args) as store:
         engine = getattr(store, "engine", None)
         if engine is not None:  # in-process: a progress bar per checked content
-            bar = Progress("fsck", 1, unit=" contents")
+            bar = _progress(args, "fsck", 1, unit=" contents")
 
             def progress(done: int, total: int) -> None:
                 bar.total = max(total, 1)
@@ -840,7 +846,7 @@ def cmd_fsck(args: argparse.Namespace) -> int:
                     repair=args.repair, archive=args.check_archive, progress=progress
                 )
         else:  # the daemon's: progress frames over the control channel
-            with Progress("fsck", 1, unit=" contents") as bar:
+            with _progress(args, "fsck", 1, unit=" contents") as bar:
 
                 def remote_progress(done: int, total: int) -> None:
                     bar.total = max(total, 1)

@@ -3,6 +3,7 @@ arguments and exit codes through a real ``python -m cli`` process."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -772,6 +773,44 @@ def test_a_progress_bar_clears_what_a_longer_line_left(
         bar.update(3 << 20)
     draws = capsys.readouterr().err.split("\r")[1:]
     assert draws and all(d.rstrip("\n").endswith("\x1b[K") for d in draws)
+
+
+def _stderr_on_a_terminal(tmp_path: Path, *argv: str) -> tuple[int, str, str]:
+    """``kvfs ARGV`` in a process whose stderr is a terminal (a pty) and whose stdout is a
+    pipe, as in ``kvfs spill s --json > out.json`` typed at a shell."""
+    import pty
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVFS_")}
+    master, slave = pty.openpty()
+    try:
+        r = subprocess.run(
+            [sys.executable, "-m", "cli", *argv],
+            stdout=subprocess.PIPE,
+            stderr=slave,
+            env=env,
+            cwd=tmp_path,
+            check=False,
+        )
+        os.close(slave)
+        err = b""
+        with contextlib.suppress(OSError):  # (EIO: the terminal's other end is closed)
+            while chunk := os.read(master, 65536):
+                err += chunk
+    finally:
+        os.close(master)
+    return r.returncode, r.stdout.decode(), err.decode(errors="replace")
+
+
+def test_json_output_draws_no_progress_bar_on_a_terminal(run: Run, tmp_path: Path) -> None:
+    """spill, restore, evict and fsck drew their bars on a terminal with --json too: a
+    script asking for JSON got bars in the log that took its stderr."""
+    d = one_page(run, tmp_path, os.urandom(300_000), archive=True)
+    rc, out, err = _stderr_on_a_terminal(tmp_path, "spill", "a", *d)
+    assert rc == 0 and "\x1b[K" in err, (out, err)  # the bar, where no --json is given
+    for argv in (("restore", "a"), ("spill", "a"), ("evict", "a"), ("fsck",)):
+        rc, out, err = _stderr_on_a_terminal(tmp_path, *argv, "--json", *d)
+        assert rc == 0 and "\x1b[K" not in err, (argv, err)
+        json.loads(out)
 
 
 def test_ls_puts_numbers_in_names_in_numeric_order(run: Run, tmp_path: Path) -> None:
