@@ -271,7 +271,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
                 ",".join(f"{k}={v}" for k, v in sorted(p.attrs.items())),
             ]
         rows.append(row)
-    print_table(headers, rows)
+    print_table(headers, rows, empty=f"no pages in {printable(given or args.target)}")
     return 0
 
 
@@ -339,6 +339,7 @@ def _ls_archived(args: argparse.Namespace, sessions: list[dict[str, Any]]) -> in
             ]
             for s in sessions
         ],
+        empty="no sessions in the archive",
     )
     return 0
 
@@ -388,6 +389,7 @@ def cmd_hosts(args: argparse.Namespace) -> int:
             for h in hosts
         ],
         align="lllrlll",
+        empty="no host has written to the archive yet",
     )
     return 0
 
@@ -419,7 +421,7 @@ def _ls_sessions(args: argparse.Namespace, sessions: list[kvfs.SessionInfo]) -> 
         if args.long:
             row += [fmt_time(s.created), s.model or ""]
         rows.append(row)
-    print_table(headers, rows)
+    print_table(headers, rows, empty="no sessions")
     return 0
 
 

@@ -158,10 +158,16 @@ def print_table(
     *,
     align: str | None = None,
     file: Any = None,
+    empty: str | None = None,
 ) -> None:
-    """A plain text table: columns padded, numbers right-aligned (or per ``align``: 'l'/'r')."""
+    """A plain text table: columns padded, numbers right-aligned (or per ``align``: 'l'/'r').
+    With no rows, ``empty`` is printed instead where given ("no sessions"): the headers
+    alone read as output cut short."""
     out = file or sys.stdout
     rows = [[("" if c is None else printable(str(c))) for c in r] for r in rows]
+    if not rows and empty is not None:
+        print(empty, file=out)
+        return
     widths = [_width(h) for h in headers]
     for r in rows:
         for i, c in enumerate(r):

@@ -813,6 +813,23 @@ def test_json_output_draws_no_progress_bar_on_a_terminal(run: Run, tmp_path: Pat
         json.loads(out)
 
 
+def test_an_empty_listing_says_so(run: Run, tmp_path: Path) -> None:
+    """ls, ls --archived and hosts with nothing to list printed a table's headers and
+    rule alone, as if the output were cut short."""
+    d = one_page(run, tmp_path, b"x", archive=True)
+    assert run("rm", "a", *d)[0] == 0
+    for argv, said in (
+        (("ls",), "no sessions"),
+        (("ls", "sessions"), "no pages in sessions"),
+        (("ls", "--archived"), "no sessions in the archive"),
+        (("hosts",), "no host has written to the archive yet"),
+    ):
+        rc, out, err = run(*argv, *d)
+        assert (rc, out) == (0, said + "\n"), (argv, err)
+        rc, out, _ = run(*argv, "--json", *d)
+        assert (rc, json.loads(out)) == (0, []), argv
+
+
 def test_ls_puts_numbers_in_names_in_numeric_order(run: Run, tmp_path: Path) -> None:
     """A model with 1000+ layers, or sessions agent-9 and agent-10: plain string order
     listed layer-1000 before layer-999."""
