@@ -587,7 +587,12 @@ def cmd_put(args: argparse.Namespace) -> int:
         with open(args.file, "rb") as f:
             data = f.read()
     with open_target(args, create=True) as store:
-        info = store.put(args.key, data, attrs=attrs or None, pin=args.pin, replace=args.replace)
+        try:
+            info = store.put(
+                args.key, data, attrs=attrs or None, pin=args.pin, replace=args.replace
+            )
+        except kvfs.PageExists as e:  # (the store's word says why, not what to do)
+            raise kvfs.PageExists(f"{e} (--replace replaces it)") from None
     _emit(
         args,
         _page_json(info),

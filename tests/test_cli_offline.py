@@ -830,6 +830,15 @@ def test_an_empty_listing_says_so(run: Run, tmp_path: Path) -> None:
         assert (rc, json.loads(out)) == (0, []), argv
 
 
+def test_a_put_over_an_existing_page_says_how_to_replace_it(run: Run, tmp_path: Path) -> None:
+    """It said the page exists and pages are write-once, and not that --replace replaces
+    it."""
+    d = one_page(run, tmp_path, b"x")
+    rc, _, err = run("put", "f", "sessions/a/p/layer-000", *d)
+    assert rc == 1 and "--replace" in err and "sessions/a/p/layer-000" in err, err
+    assert run("put", "f", "sessions/a/p/layer-000", "--replace", *d)[0] == 0
+
+
 def test_ls_puts_numbers_in_names_in_numeric_order(run: Run, tmp_path: Path) -> None:
     """A model with 1000+ layers, or sessions agent-9 and agent-10: plain string order
     listed layer-1000 before layer-999."""
