@@ -602,6 +602,8 @@ def cmd_put(args: argparse.Namespace) -> int:
 
 
 def cmd_get(args: argparse.Namespace) -> int:
+    if args.json and args.file == "-":  # (the output is the page: JSON cannot be beside it)
+        raise ValueError("--json describes a page written to a FILE; name one (or drop --json)")
     with open_target(args) as store:
         data = store.get(args.key)
     if args.file == "-":

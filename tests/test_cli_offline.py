@@ -839,6 +839,15 @@ def test_a_put_over_an_existing_page_says_how_to_replace_it(run: Run, tmp_path: 
     assert run("put", "f", "sessions/a/p/layer-000", "--replace", *d)[0] == 0
 
 
+def test_get_to_standard_output_with_json_is_a_usage_error(run: Run, tmp_path: Path) -> None:
+    """`kvfs get PATH --json` wrote the page's raw bytes where JSON was asked for (exit 0):
+    a script parsing it got bytes."""
+    d = one_page(run, tmp_path, b"raw bytes")
+    for dest in ((), ("-",)):
+        rc, out, err = run("get", "sessions/a/p/layer-000", *dest, "--json", *d)
+        assert (rc, out) == (2, "") and "FILE" in err, err
+
+
 def test_ls_puts_numbers_in_names_in_numeric_order(run: Run, tmp_path: Path) -> None:
     """A model with 1000+ layers, or sessions agent-9 and agent-10: plain string order
     listed layer-1000 before layer-999."""
