@@ -296,6 +296,11 @@ def open_target(
                 remote.close()
             return
         if mode == "daemon" and unavailable is not None:
+            if type(unavailable) is DaemonUnavailable:  # (a busy one is there: not this)
+                raise DaemonUnavailable(
+                    f"{unavailable}: start one with kvfs mount, or drop --daemon to open "
+                    "the data directory itself"
+                ) from unavailable
             raise unavailable
     refuse_store_on_mount(config)
     new = is_new_store(config)  # (an empty index: what a failed create of old left)

@@ -848,6 +848,15 @@ def test_get_to_standard_output_with_json_is_a_usage_error(run: Run, tmp_path: P
         assert (rc, out) == (2, "") and "FILE" in err, err
 
 
+def test_daemon_mode_with_no_daemon_says_what_to_do(run: Run, tmp_path: Path) -> None:
+    """`kvfs ls --daemon` with no daemon running said only that none answers on its
+    socket."""
+    d = one_page(run, tmp_path, b"x")
+    rc, _, err = run("ls", "--daemon", *d)
+    assert rc == 7 and "no kvfs daemon answers" in err, err
+    assert "kvfs mount" in err and "drop --daemon" in err, err
+
+
 def test_ls_puts_numbers_in_names_in_numeric_order(run: Run, tmp_path: Path) -> None:
     """A model with 1000+ layers, or sessions agent-9 and agent-10: plain string order
     listed layer-1000 before layer-999."""
