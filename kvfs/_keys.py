@@ -80,7 +80,7 @@ def split_path(path: str) -> tuple[str, ...]:
         raise InvalidKey(f"path is longer than {MAX_PATH_BYTES} bytes")
     parts = tuple(path.split("/"))
     for p in parts:
-        _check_part(p, "path component")
+        _check_part(p, f"path {path!r}: component")
     return parts
 
 

@@ -968,9 +968,13 @@ def test_a_name_no_page_or_session_could_have_is_a_usage_error(
     run: Run, tmp_path: Path, cmd: str
 ) -> None:
     """``kvfs ls 'sessions/a/../b'`` and ``kvfs pin ''`` said "no page" (exit 3, as for a
-    name that is merely missing), where ``restore`` said why the name is bad (exit 2)."""
+    name that is merely missing), where ``restore`` said why the name is bad (exit 2). The
+    reason named the bad part alone ("path component may not be '..'"), not the name."""
     d = one_page(run, tmp_path, b"x")
-    for bad, why in [("sessions/a/../b", "'..'"), ("", "empty")]:
+    for bad, why in [
+        ("sessions/a/../b", "path 'sessions/a/../b': component may not be '..'"),
+        ("", "path is empty"),
+    ]:
         rc, _, err = run(cmd, bad, *d)
         assert rc == 2 and why in err, (bad, rc, err)
     rc, _, err = run(cmd, "sessions/nope", *d)  # a good name, missing: not found
