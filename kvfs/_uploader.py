@@ -381,16 +381,28 @@ def restore_batch(
 
     store = _open_store(url, options)
     out: list[Restored] = []
+    # Once one download finds the archive unreachable, the jobs still waiting for a slot
+    # are not tried: each would wait out the store's deadline again (a batch of 14 pages,
+    # 4 at a time, took four deadlines, minutes, before the restore said so). A refusal
+    # (ArchiveAccessDenied) may be one object's: the others are still tried.
+    down: list[ArchiveUnavailable] = []
 
     async def one(job: RestoreJob, limit: trio.CapacityLimiter) -> None:
         try:
             async with limit:
+                if down:
+                    raise ArchiveUnavailable(str(down[0]))
                 try:
                     obj = await store.get(job.key)
                 except ObjectNotFound:
                     raise MissingObject(
                         f"archive object {job.key} is missing from {store.url}"
                     ) from None
+                except ArchiveAccessDenied:
+                    raise
+                except ArchiveUnavailable as e:
+                    down.append(e)
+                    raise
             out.append(await trio.to_thread.run_sync(_restore_one, spec, job, obj))
         except Exception as e:
             out.append(Restored(job.h, None, 0, (), e))

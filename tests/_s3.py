@@ -107,14 +107,16 @@ def iam_credentials(server: S3Server, statements: list[dict]) -> Iterator[None]:
 
 class SilentServer:
     """An endpoint that accepts connections, reads each request's head and never answers
-    (a hung server, a black-holed load balancer). ``requests`` counts the heads read;
-    ``close()`` resets every connection, so the clients waiting on it give up."""
+    (a hung server, a black-holed load balancer). ``requests`` counts the heads read, and
+    ``lines`` holds their request lines (``GET /bucket/key HTTP/1.1``); ``close()`` resets
+    every connection, so the clients waiting on it give up."""
 
     def __init__(self) -> None:
         self._listener = socket.create_server(("127.0.0.1", 0))
         self._lock = threading.Lock()
         self._conns: list[socket.socket] = []
         self.requests = 0
+        self.lines: list[str] = []
         threading.Thread(target=self._accept, daemon=True).start()
 
     @property
@@ -141,6 +143,7 @@ class SilentServer:
                 head += data
             with self._lock:
                 self.requests += 1
+                self.lines.append(head.split(b"\r\n", 1)[0].decode("latin-1"))
 
     def close(self) -> None:
         with contextlib.suppress(OSError):

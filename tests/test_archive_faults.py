@@ -246,6 +246,50 @@ def test_a_restore_with_the_endpoint_down_stops_trying_once_it_knows(
             assert s.get(PageKey.semantic("a", "p", i)) == page(i)
 
 
+def test_a_restore_worker_stops_downloading_its_batch_once_the_archive_is_unreachable(
+    s3_server,  # noqa: ANN001
+    proxy,  # noqa: ANN001
+    make_config,  # noqa: ANN001
+) -> None:
+    """A restore worker tried every page of its batch in turn, ``concurrency / processes``
+    at a time, each waiting out the store's deadline: with the defaults a 28-page session
+    restored while the endpoint went away took four deadlines (240 s) to say so. Once one
+    download says the archive is unreachable, the rest of its batch are not tried. The
+    endpoint here reads each request and never answers, so every download tried is seen."""
+    from _s3 import SilentServer
+
+    _, cfg = proxied_config(
+        s3_server,
+        proxy,
+        make_config,
+        ndev=1,
+        query="deadline=0.3&read_timeout=0.2&connect_timeout=0.2",
+        concurrency=8,
+        upload_processes=2,
+    )
+    silent = SilentServer()
+    with kvfs.open_store_sync(cfg) as s:
+        put_pages(s, "a", 24)
+        s.spill("a")
+        proxy.down()  # (cuts the workers' pooled connections to the real server)
+        real, proxy.target = proxy.target, ("127.0.0.1", int(silent.endpoint.rsplit(":", 1)[1]))
+        proxy.up()
+        try:
+            with pytest.raises(kvfs.ArchiveUnavailable):
+                s.restore("a")
+        finally:
+            proxy.down()
+            proxy.target = real
+            proxy.up()
+            silent.close()
+        tried = {line.split()[1] for line in silent.lines if "/blobs/" in line}
+        # two batches of 12, each 4 at a time: one round each, not all 24 pages
+        assert 0 < len(tried) <= 8, sorted(tried)
+        s.restore("a")
+        for i in range(24):
+            assert s.get(PageKey.semantic("a", "p", i)) == page(i)
+
+
 def test_delete_while_endpoint_down_is_finished_later(s3_server, proxy, make_config) -> None:  # noqa: ANN001
     bucket, cfg = proxied_config(
         s3_server,
