@@ -446,7 +446,17 @@ class Engine:
         if cfg.archive_url:
             from ._archive import ArchivingPolicy  # imports objectstore/boto3 only when used
 
-            self.policy = ArchivingPolicy(self)  # a failure: __init__ closes what is open
+            try:
+                self.policy = ArchivingPolicy(self)  # a failure: __init__ closes what is open
+            except BaseException:
+                if clean:
+                    # Nothing was written yet: the index is left clean, as it was found (an
+                    # archive unreachable at open made every later open recount the data,
+                    # sweep for orphans, and warn of a crash that never happened).
+                    with contextlib.suppress(Exception):
+                        self.index.set_meta("accounting", [self.used, self.dev_used])
+                        self.index.set_meta("clean", True)
+                raise
         elif self.index.has_archive_only():
             # (their reads fail as missing: say why once, where an operator looks)
             log.warning(

@@ -599,10 +599,33 @@ def test_spill_without_archive_is_a_clear_error(sync_store: kvfs.SyncStore) -> N
         sync_store.spill("x")
 
 
-def test_unreachable_archive_fails_open_clearly(make_config) -> None:  # noqa: ANN001
+def test_unreachable_archive_fails_open_clearly(make_config, s3_server) -> None:  # noqa: ANN001
+    # (s3_server for its credentials in the environment: without any, the open says so)
     url = "s3://b?endpoint=http://127.0.0.1:9&open_deadline=0.3"
     with pytest.raises(kvfs.ArchiveUnavailable, match="cannot reach"):
         kvfs.open_store_sync(make_config(archive_url=url)).__enter__()
+
+
+def test_an_open_refused_for_an_unreachable_archive_leaves_the_store_clean(
+    make_config,  # noqa: ANN001
+    s3_server,  # noqa: ANN001 - (for its credentials in the environment)
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """An open that failed because the archive could not be reached had already marked the
+    index in use, and left it so: every later open (each ``kvfs stats`` retried while the
+    endpoint was down, then the daemon) recounted the data, swept the disks for orphans and
+    warned that the store "was not closed cleanly" after a crash that never happened."""
+    cfg = make_config()
+    with kvfs.open_store_sync(cfg) as s:
+        s.put(PageKey.semantic("a", "p", 0), kv_page(1))
+    url = "s3://b?endpoint=http://127.0.0.1:9&open_deadline=0.3"
+    for _ in range(2):
+        with pytest.raises(kvfs.ArchiveUnavailable, match="cannot reach"):
+            kvfs.open_store_sync(make_config(archive_url=url)).__enter__()
+    with kvfs.open_store_sync(cfg) as s:
+        assert s.get(PageKey.semantic("a", "p", 0)) == kv_page(1)
+        assert s.statistics().used_bytes > 0
+    assert "not closed cleanly" not in caplog.text
 
 
 def test_rename_and_replace_keep_manifests_consistent(make_config, s3_server) -> None:  # noqa: ANN001
