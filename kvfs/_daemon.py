@@ -31,7 +31,7 @@ from ._config import StoreConfig
 from ._errors import leaf_errors
 from ._fuse_nodes import process_of
 from ._mount import BadMountArgument, MountError, MountOptions, check_mountpoint, serve_mount
-from ._mountinfo import kvfs_mount_of, kvfs_mounts
+from ._mountinfo import kvfs_mount_of, kvfs_mounts, realpath
 from ._settings import config_socket_path, runtime_dir
 from ._store import Store, open_store
 
@@ -49,7 +49,7 @@ def state_path(mountpoint: str | os.PathLike[str]) -> Path:
     """Where the daemon serving ``mountpoint`` records its pid."""
     # (the resolved path: a mount through a symlink, an umount by the real path, or the
     # other way round, name one mount; unresolved, umount missed its daemon)
-    digest = hashlib.sha1(os.path.realpath(mountpoint).encode()).hexdigest()[:16]
+    digest = hashlib.sha1(realpath(mountpoint).encode()).hexdigest()[:16]
     return runtime_dir() / f"mount-{digest}.json"
 
 
@@ -115,16 +115,17 @@ def main(
     ``--foreground``) in a new session with its output in ``log_file`` and waits for its
     readiness message. Errors are printed to stderr, one line.
     """
-    # What can be told before anything is created (the store, the detached daemon's log).
-    mountpoint = os.path.realpath(mountpoint)  # (a symlink: libfuse failed on it, ENOTCONN)
+    # What can be told before anything is created (the store, the detached daemon's log),
+    # and touching no FUSE mount (a stopped daemon's hangs a stat, see _mountinfo).
+    mountpoint = realpath(mountpoint)  # (a symlink: libfuse failed on it, ENOTCONN)
     try:
         check_mountpoint(Path(mountpoint))
         for d in config.data_dirs:
-            if d.exists() and not d.is_dir():
-                raise BadMountArgument(f"data directory {d} is not a directory")
             on = kvfs_mount_of(d)
             if on is not None:  # (its lock and index would be another store's pages)
                 raise BadMountArgument(f"data directory {d} is on the kvfs mount {on}")
+            if d.exists() and not d.is_dir():
+                raise BadMountArgument(f"data directory {d} is not a directory")
             if d.is_dir() and not os.access(d, os.W_OK):  # (a read-only file system too)
                 raise BadMountArgument(f"data directory {d} is not writable")
         if log_file is not None and not Path(log_file).absolute().parent.is_dir():
@@ -303,12 +304,17 @@ def _sigterm_raised() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
-def _alive(pid: int) -> bool:
+def _state(pid: int) -> str:
+    """The process's state letter (R, S, D, T: stopped, Z: a zombie...), "" when it is gone."""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+            return f.read().rsplit(")", 1)[1].split()[0]
     except (OSError, IndexError):
-        return False
+        return ""
+
+
+def _alive(pid: int) -> bool:
+    return _state(pid) not in ("", "Z")
 
 
 def _daemon_pid(state: dict[str, Any]) -> int | None:
@@ -338,6 +344,11 @@ class MountBusy(OSError):
     """The mount is in use (open files, a working directory in it): not unmounted."""
 
 
+class DaemonStopped(TimeoutError):
+    """The mount is gone, but its daemon is stopped (SIGSTOP, Ctrl-Z): it cannot exit (and
+    let go of the store) until it is continued."""
+
+
 def stop_daemon(
     mountpoint: str | os.PathLike[str], *, timeout: float = 60.0, force: bool = False
 ) -> dict[str, Any]:
@@ -346,9 +357,11 @@ def stop_daemon(
     unmount comes first, and only a mount nobody uses can be unmounted, so no reader is cut
     off halfway (it would get ENOTCONN), and the daemon then stops by itself; SIGTERM otherwise
     (--force). Without a live daemon, unmount a
-    leftover kvfs mount. Raises FileNotFoundError when nothing is mounted there, MountBusy,
-    TimeoutError."""
-    mp = os.path.realpath(mountpoint)
+    leftover kvfs mount. Nothing looks at the mount itself (a stopped daemon's would hang
+    it): a stopped daemon's (SIGSTOP, Ctrl-Z) is unmounted as any, lazily with ``force``,
+    and it is not waited for (DaemonStopped). Raises FileNotFoundError when nothing is
+    mounted there, MountBusy, DaemonStopped, TimeoutError."""
+    mp = realpath(mountpoint)
     path = state_path(mp)
     pid = None
     with contextlib.suppress(OSError, ValueError):
@@ -370,6 +383,8 @@ def stop_daemon(
         if not unmounted:
             with contextlib.suppress(ProcessLookupError):  # (it may be gone already)
                 os.kill(pid, signal.SIGTERM)
+            if _state(pid) == "T" and _mounted(mp):  # (the SIGTERM waits until it runs again)
+                subprocess.run(["fusermount3", "-u", "-z", mp], capture_output=True)
     elif _mounted(mp):
         subprocess.run(["fusermount3", "-u", "-z", mp], check=True)
         pid = None
@@ -377,6 +392,11 @@ def stop_daemon(
         raise FileNotFoundError(f"no kvfs mount at {mp}")
     deadline = time.monotonic() + timeout
     while (pid is not None and _alive(pid)) or _mounted(mp):
+        if pid is not None and _state(pid) == "T" and not _mounted(mp):
+            raise DaemonStopped(
+                f"{mp} is unmounted, but its daemon (pid {pid}) is stopped (SIGSTOP, Ctrl-Z): "
+                f"it closes the store and exits once continued (kill -CONT {pid})"
+            )
         if time.monotonic() > deadline:
             raise TimeoutError(f"the daemon (pid {pid}) did not stop within {timeout:.0f}s")
         time.sleep(0.05)

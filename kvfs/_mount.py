@@ -15,7 +15,7 @@ from pathlib import Path
 import pyfuse3
 import trio
 
-from . import _fusermount
+from . import _fusermount, _mountinfo
 from ._fuse import KvfsOperations
 from ._store import Store
 
@@ -61,6 +61,19 @@ class MountOptions:
 
 
 def check_mountpoint(mountpoint: Path) -> None:
+    """Raise BadMountArgument unless ``mountpoint`` (absolute, best resolved) is a directory
+    that can be mounted on; MountError without /dev/fuse. A FUSE file system mounted there
+    already is told from the mount table, before the path is touched: a stat would wait
+    for its daemon, for ever if that is stopped (SIGSTOP, Ctrl-Z) or stuck."""
+    try:
+        kind = _mountinfo.mounted_at(str(mountpoint))
+    except OSError:  # (no table to read: the stat below tells, as it can)
+        kind = None
+    if kind is not None and kind.startswith("fuse"):
+        how = "kvfs umount" if kind == _mountinfo.KVFS_FS else "fusermount3 -u"
+        raise BadMountArgument(
+            f"{mountpoint} is already a mount point ({kind}): unmount it first ({how} {mountpoint})"
+        )
     try:
         st = os.stat(mountpoint)
     except FileNotFoundError:

@@ -587,3 +587,77 @@ def test_a_socket_of_another_store_is_refused(
     assert (daemon.mp / "sessions/s/p/layer-000").read_bytes() == b"a" * 100
     rc, out, _ = run("ls", "s", "--data", str(daemon.data), "--socket", str(sock), "--daemon")
     assert rc == 0 and "layer-000" in out
+
+
+def _kvfs(*argv: str) -> subprocess.CompletedProcess[str]:
+    """The kvfs command in a process of its own, given a minute (a hang fails the test)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVFS_")}
+    return subprocess.run([*KVFS, *argv], capture_output=True, text=True, timeout=60, env=env)
+
+
+def test_mount_and_umount_beside_a_stopped_daemon(tmp_path: Path) -> None:
+    """`kvfs mount` on the mountpoint of a daemon that is stopped (SIGSTOP, Ctrl-Z) hung: it
+    looked at the path (a stat waits for the daemon) before the mount table. It now reads the
+    table first and says the mountpoint is taken (exit 2, as for any mountpoint in use), and
+    touches nothing on that mount: not through a symlink, nor a data directory in it. `kvfs
+    umount` hung the same way; it unmounts such a mount (lazily with --force, when in use)
+    and, as the daemon cannot exit while stopped, says so at once (exit 1)."""
+    from kvfs._daemon import state_path
+
+    d = Daemon(tmp_path / "m")
+    other = tmp_path / "other"
+    other.mkdir()
+    (tmp_path / "link").symlink_to(d.mp)
+    os.kill(d.proc.pid, signal.SIGSTOP)
+    try:
+        for mp in (d.mp, tmp_path / "link"):
+            r = _kvfs("mount", "--data", str(tmp_path / "d2"), str(mp))
+            assert r.returncode == 2, r.stderr
+            assert f"{d.mp} is already a mount point (fuse.kvfs)" in r.stderr
+            assert f"kvfs umount {d.mp}" in r.stderr
+        r = _kvfs("mount", "--data", str(d.mp / "sub"), str(other))
+        assert r.returncode == 2 and "is on the kvfs mount" in r.stderr, r.stderr
+        assert not (tmp_path / "d2").exists()
+        r = _kvfs("umount", str(tmp_path / "link"))
+        assert r.returncode == 1, r.stderr
+        assert f"its daemon (pid {d.proc.pid}) is stopped" in r.stderr
+        assert f"kill -CONT {d.proc.pid}" in r.stderr
+        assert str(d.mp) not in {m for m, _ in kvfs_mounts_table()}
+        os.kill(d.proc.pid, signal.SIGCONT)  # it notices the mount is gone and stops
+        assert d.proc.wait(timeout=60) == 0
+        assert not state_path(d.mp).exists()
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(d.proc.pid, signal.SIGCONT)
+        d.stop()
+    assert not d.errors()
+    # in use (a file open) as well: refused, then unmounted lazily with --force. (Nothing
+    # is left for the daemon to answer when it stops, not even a release: the page is put
+    # before it starts, and the file is held open by another process, as every close of a
+    # descriptor on the mount waits for the daemon, a child's copy too.)
+    import kvfs
+
+    with kvfs.open_store_sync(kvfs.StoreConfig(data_dirs=(tmp_path / "busy" / "data",))) as s:
+        s.put("f", b"x")
+    d = Daemon(tmp_path / "busy")
+    holder = subprocess.Popen(
+        ["sh", "-c", 'exec 3<"$0" && echo open && exec sleep 600', str(d.mp / "f")],
+        stdout=subprocess.PIPE,
+    )
+    assert holder.stdout is not None and holder.stdout.readline() == b"open\n"
+    os.kill(d.proc.pid, signal.SIGSTOP)
+    try:
+        r = _kvfs("umount", str(d.mp))
+        assert r.returncode == 9 and "in use" in r.stderr, r.stderr
+        r = _kvfs("umount", "--force", str(d.mp))
+        assert r.returncode == 1 and "is stopped" in r.stderr, r.stderr
+        assert str(d.mp) not in {m for m, _ in kvfs_mounts_table()}
+        os.kill(d.proc.pid, signal.SIGCONT)  # the SIGTERM --force sent takes effect now
+        assert d.proc.wait(timeout=60) == 0
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(d.proc.pid, signal.SIGCONT)
+        holder.kill()
+        holder.communicate()
+        d.stop()
+    assert not d.errors()
