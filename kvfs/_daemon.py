@@ -1,11 +1,12 @@
 """The kvfs daemon: one store, its FUSE mount and the services that share the store.
 
 ``run_daemon`` is the async core (tests and embedding); ``main`` is what ``kvfs mount`` calls:
-in the foreground it runs until SIGTERM/SIGINT or an outside unmount; otherwise it starts
-itself again in the foreground, detached, and returns once the mount answers (or with the
-daemon's error). The daemon records its pid per mountpoint so ``kvfs umount`` can stop it
-and wait. A SIGKILLed daemon leaves no dead mount (``auto_unmount``) and no half-written
-page (the engine sweeps unreferenced files at the next start).
+in the foreground it runs until SIGTERM/SIGINT/SIGHUP or an outside unmount (further
+signals while it stops are absorbed); otherwise it starts itself again in the foreground,
+detached, and returns once the mount answers (or with the daemon's error). The daemon
+records its pid per mountpoint so ``kvfs umount`` can stop it and wait. A SIGKILLed daemon
+leaves no dead mount (``auto_unmount``) and no half-written page (the engine sweeps
+unreferenced files at the next start).
 """
 
 from __future__ import annotations
@@ -35,7 +36,16 @@ from ._mountinfo import kvfs_mount_of, kvfs_mounts, realpath
 from ._settings import config_socket_path, runtime_dir
 from ._store import Store, open_store
 
-__all__ = ["READY_FD_ENV", "Service", "main", "run_daemon", "state_path", "stop_daemon"]
+__all__ = [
+    "READY_FD_ENV",
+    "STOP_SIGNALS",
+    "Service",
+    "Stopped",
+    "main",
+    "run_daemon",
+    "state_path",
+    "stop_daemon",
+]
 
 log = logging.getLogger("kvfs.daemon")
 
@@ -43,6 +53,17 @@ log = logging.getLogger("kvfs.daemon")
 Service = Callable[..., Awaitable[None]]
 #: The detached child tells its parent on this fd: ``ok`` or the error.
 READY_FD_ENV = "KVFS_READY_FD"
+#: Each stops the daemon cleanly (unmount, close the store). Once it is stopping, more of them
+#: are absorbed: they killed it while it closed the store. SIGKILL is the hard stop.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
+class Stopped(MountError):
+    """A stop signal arrived before the mount was ready: nothing was mounted."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"{signal.Signals(signum).name} before the mount was ready: not mounted")
+        self.signum = signum
 
 
 def state_path(mountpoint: str | os.PathLike[str]) -> Path:
@@ -61,40 +82,93 @@ async def run_daemon(
     *,
     task_status: trio.TaskStatus[Store] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Open the store, start each service, mount; run until SIGTERM/SIGINT, cancellation or an
-    outside unmount; then unmount and close the store. Reports the store once mounted.
+    """Open the store, start each service, mount; run until a STOP_SIGNALS signal
+    (SIGTERM, SIGINT, SIGHUP), cancellation or an outside unmount; then unmount and close
+    the store. Reports the store once mounted.
 
-    Raises StoreLocked (another process owns the data), MountError. Writes still open at exit
-    are discarded; committed pages are durable.
+    The signals are the daemon's from the call to its return: one that arrives before the
+    mount is ready stops it (once the store is open) with nothing mounted (Stopped); once
+    it is stopping, for whatever reason, more of them are absorbed (the first logged), so
+    the unmount and the close always complete. SIGKILL does not wait: the mount goes
+    (``auto_unmount``) and the next open recounts, as after a crash.
+
+    Raises StoreLocked (another process owns the data), MountError, Stopped. Writes still
+    open at exit are discarded; committed pages are durable.
     """
-    async with open_store(config) as store, trio.open_nursery() as nursery:
-        nursery.start_soon(_stop_on_signal, nursery.cancel_scope)
-        for service in services:
-            await nursery.start(service, store)
-        await nursery.start(_mount_then_stop, store, mountpoint, options, nursery.cancel_scope)
-        task_status.started(store)
+    stopping, mounted = _Stopping(), False
+    with stopping.handling_signals():
+        async with open_store(config) as store, trio.open_nursery() as nursery:
+            nursery.start_soon(_cancel_when, stopping.event, nursery.cancel_scope)
+            for service in services:
+                await nursery.start(service, store)
+            await nursery.start(_mount_then_stop, store, mountpoint, options, stopping.event)
+            task_status.started(store)
+            mounted = True
+    if stopping.signum is not None and not mounted:
+        raise Stopped(stopping.signum)
+
+
+class _Stopping:
+    """Whether and why the daemon stops: ``event`` is set by the first STOP_SIGNALS signal
+    (kept in ``signum``) or by the end of the mount, and the signals that come after it are
+    absorbed, the first of them logged."""
+
+    def __init__(self) -> None:
+        self.event = trio.Event()
+        self.signum: int | None = None
+        self._told = False
+
+    @contextlib.contextmanager
+    def handling_signals(self) -> Iterator[None]:
+        """Take STOP_SIGNALS in here (the main thread, in trio): each is handled in the loop as
+        it comes. (trio.open_signal_receiver queues them for a task, and delivers those left
+        again when it closes, to the default handler: one that came while the daemon closed
+        the store would kill it as it finished.)"""
+        token = trio.lowlevel.current_trio_token()
+
+        def handler(signum: int, frame: object) -> None:
+            with contextlib.suppress(trio.RunFinishedError):
+                token.run_sync_soon(self._on_signal, signum)
+
+        previous = {s: signal.signal(s, handler) for s in STOP_SIGNALS}
+        try:
+            yield
+        finally:
+            for s, h in previous.items():
+                signal.signal(s, h)
+
+    def _on_signal(self, signum: int) -> None:
+        name = signal.Signals(signum).name
+        if not self.event.is_set():
+            log.info("%s: unmounting", name)
+            self.signum = signum
+            self.event.set()
+        elif not self._told:
+            self._told = True
+            log.info(
+                "%s: already stopping; the store is closing (this and further signals are "
+                "ignored; SIGKILL stops the daemon at once, as a crash would)",
+                name,
+            )
 
 
 async def _mount_then_stop(
     store: Store,
     mountpoint: str | os.PathLike[str],
     options: MountOptions | None,
-    scope: trio.CancelScope,
+    stop: trio.Event,
     *,
     task_status: trio.TaskStatus[Path],
 ) -> None:
     try:
         await serve_mount(store, mountpoint, options, task_status=task_status)
     finally:
-        scope.cancel()
+        stop.set()  # (unmounted from outside: stop the rest too)
 
 
-async def _stop_on_signal(scope: trio.CancelScope) -> None:
-    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
-        async for sig in signals:
-            log.info("%s: unmounting", signal.Signals(sig).name)
-            scope.cancel()
-            return
+async def _cancel_when(stop: trio.Event, scope: trio.CancelScope) -> None:
+    await stop.wait()
+    scope.cancel()
 
 
 def main(
@@ -114,6 +188,8 @@ def main(
     Detached (``foreground=False``): runs ``child_argv`` (the same command with
     ``--foreground``) in a new session with its output in ``log_file`` and waits for its
     readiness message. Errors are printed to stderr, one line.
+
+    This is the process's main: once the daemon has stopped, STOP_SIGNALS are ignored.
     """
     # What can be told before anything is created (the store, the detached daemon's log),
     # and touching no FUSE mount (a stopped daemon's hangs a stat, see _mountinfo).
@@ -171,9 +247,16 @@ def main(
             return 130
         print(f"kvfs mount: {msg}", file=sys.stderr)
         log.debug("daemon failed", exc_info=True)
+        stopped = [x.signum for x in leaves if isinstance(x, Stopped)]
+        if stopped:
+            return 128 + stopped[0]  # (the status the signal gives a process it ends)
         # (an exit status of 0 or 130 would tell the parent it mounted or was interrupted)
         return next((c for c in map(exit_code, leaves) if c not in (0, 130)), 1)
     finally:
+        # The daemon has stopped and this process exits next: a stop signal from here (Ctrl-C
+        # pressed once more) has nothing left to stop, and would only turn the exit into a kill
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, signal.SIG_IGN)
         with contextlib.suppress(OSError):
             if json.loads(path.read_text()).get("pid") == os.getpid():
                 path.unlink()
@@ -377,9 +460,8 @@ def stop_daemon(
                     "it): close those, or unmount anyway with --force (they then get ENOTCONN)",
                 )
             unmounted = r.returncode == 0
-        # A daemon whose mount is gone stops by itself: a SIGTERM then could land after it
-        # stopped listening for one, and kill it while it closes the store (exit -15, the
-        # index recounted at the next open as after a crash)
+        # A daemon whose mount is gone stops by itself (a SIGTERM while it closes the store
+        # is absorbed now; it killed it once, exit -15): only one still mounted needs it
         if not unmounted:
             with contextlib.suppress(ProcessLookupError):  # (it may be gone already)
                 os.kill(pid, signal.SIGTERM)

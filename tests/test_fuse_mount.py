@@ -1701,3 +1701,132 @@ def _daemon_child(pid: int) -> int | None:
             if b"--foreground" in Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0"):
                 return int(child)
     return None
+
+
+# A daemon (kvfs._daemon.main, as `kvfs mount --foreground` runs it) with one more service,
+# which holds the daemon while it starts (argv[3] "start") or stops (argv[3] "stop"): it
+# makes the file argv[4] then and waits for the file argv[5].
+_HELD_DAEMON = """
+import logging, sys, trio
+from pathlib import Path
+from kvfs import StoreConfig
+from kvfs._daemon import main
+from kvfs._mount import MountOptions
+
+data, mp, when, holding, release = sys.argv[1:6]
+
+async def hold():
+    with trio.CancelScope(shield=True):
+        Path(holding).touch()
+        while not Path(release).exists():
+            await trio.sleep(0.01)
+
+async def service(store, *, task_status):
+    if when == "start":
+        await hold()
+    task_status.started()
+    try:
+        await trio.sleep_forever()
+    finally:
+        if when == "stop":
+            await hold()
+
+logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+config = StoreConfig(data_dirs=(Path(data),))
+sys.exit(main(config, mp, MountOptions(), foreground=True, services=[service]))
+"""
+
+
+class _HeldDaemon:
+    """_HELD_DAEMON in a subprocess; ``wait_held()`` returns once the service holds it."""
+
+    def __init__(self, root: Path, when: str) -> None:
+        self.mp, self.data, self.log = root / "mnt", root / "data", root / "daemon.log"
+        self.holding, self.release = root / "holding", root / "release"
+        self.mp.mkdir()
+        argv = [sys.executable, "-c", _HELD_DAEMON, str(self.data), str(self.mp), when]
+        with open(self.log, "wb") as out:
+            self.proc = subprocess.Popen(
+                [*argv, str(self.holding), str(self.release)], stdout=out, stderr=out
+            )
+
+    def wait_held(self) -> None:
+        deadline = time.monotonic() + 60
+        while not self.holding.exists():
+            assert self.proc.poll() is None, self.log.read_text()
+            assert time.monotonic() < deadline, self.log.read_text()
+            time.sleep(0.01)
+
+    def signal(self, sig: int) -> None:
+        """Send ``sig`` and return once the daemon took it (none waits to be delivered), or
+        it is gone."""
+        self.proc.send_signal(sig)
+        while self.proc.poll() is None:
+            with open(f"/proc/{self.proc.pid}/status") as f:
+                pending = [x.split()[1] for x in f if x.startswith(("SigPnd:", "ShdPnd:"))]
+            if all(int(p, 16) == 0 for p in pending):
+                return
+            time.sleep(0.01)
+
+    def cleanup(self) -> None:
+        self.release.touch()
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+        subprocess.run(["fusermount3", "-u", "-z", str(self.mp)], capture_output=True)
+
+
+def test_signals_while_the_daemon_closes_are_absorbed(tmp_path: Path) -> None:
+    """A second SIGTERM (or SIGINT) while the daemon unmounted and closed the store after the
+    first one killed it there (exit -15: its signal handler was gone with the first signal),
+    the index left unclean (recounted at the next open) and the mount left to auto_unmount.
+    Now every signal after the first is absorbed, the first of them logged, and the daemon
+    closes the store and exits 0. (SIGKILL is the hard stop.)"""
+    import sqlite3
+
+    from kvfs._index import meta_value
+
+    d = _HeldDaemon(tmp_path, "stop")
+    try:
+        deadline = time.monotonic() + 60
+        while not mounted(d.mp):
+            assert d.proc.poll() is None and time.monotonic() < deadline, d.log.read_text()
+            time.sleep(0.01)
+        (d.mp / "f").write_bytes(b"x" * 10_000)
+        d.proc.send_signal(signal.SIGTERM)
+        d.wait_held()  # the daemon is closing now
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGTERM):
+            d.signal(sig)
+        d.release.touch()
+        assert d.proc.wait(timeout=60) == 0, d.log.read_text()
+        text = d.log.read_text()
+        assert text.count("SIGTERM: unmounting") == 1, text
+        assert text.count("already stopping") == 1, text
+        assert "Traceback" not in text and "ERROR" not in text, text
+        assert not mounted(d.mp)
+    finally:
+        d.cleanup()
+    db = sqlite3.connect(f"file:{d.data}/kvfs-index.sqlite3?mode=ro", uri=True)
+    with contextlib.closing(db):
+        [(clean,)] = db.execute("SELECT v FROM meta WHERE k='clean'").fetchall()
+    assert meta_value(clean) is True
+    with kvfs.open_store_sync(kvfs.StoreConfig(data_dirs=(d.data,))) as store:
+        assert store.get("f") == b"x" * 10_000
+
+
+def test_a_signal_before_the_mount_is_ready_stops_the_daemon_cleanly(tmp_path: Path) -> None:
+    """SIGTERM while the daemon starts (its store open, the mount not yet made) stops it
+    before it mounts, with the exit status of that signal and one line saying so (it
+    failed with "RuntimeError: child exited without calling task_status.started()")."""
+    d = _HeldDaemon(tmp_path, "start")
+    try:
+        d.wait_held()
+        d.signal(signal.SIGTERM)
+        d.release.touch()
+        assert d.proc.wait(timeout=60) == 128 + signal.SIGTERM, d.log.read_text()
+        text = d.log.read_text()
+        assert "kvfs mount: SIGTERM before the mount was ready: not mounted" in text, text
+        assert "RuntimeError" not in text and "Traceback" not in text, text
+        assert not mounted(d.mp)
+    finally:
+        d.cleanup()
