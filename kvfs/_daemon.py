@@ -3,10 +3,11 @@
 ``run_daemon`` is the async core (tests and embedding); ``main`` is what ``kvfs mount`` calls:
 in the foreground it runs until SIGTERM/SIGINT/SIGHUP or an outside unmount (further
 signals while it stops are absorbed); otherwise it starts itself again in the foreground,
-detached, and returns once the mount answers (or with the daemon's error). The daemon
-records its pid per mountpoint so ``kvfs umount`` can stop it and wait. A SIGKILLed daemon
-leaves no dead mount (``auto_unmount``) and no half-written page (the engine sweeps
-unreferenced files at the next start).
+detached, and returns once the mount answers (or with the daemon's error). A detached
+daemon that finds its starter gone when it is ready unmounts and fails. The daemon records
+its pid per mountpoint so ``kvfs umount`` can stop it and wait. A SIGKILLed daemon leaves no
+dead mount (``auto_unmount``) and no half-written page (the engine sweeps unreferenced files
+at the next start).
 """
 
 from __future__ import annotations
@@ -189,6 +190,8 @@ def main(
     ``--foreground``) in a new session with its output in ``log_file`` and waits for its
     readiness message. Errors are printed to stderr, one line.
 
+    In the foreground, started so (``READY_FD_ENV``): a daemon that cannot tell its starter
+    it is ready (the starter is gone: interrupted, killed) unmounts and fails (StarterGone).
     This is the process's main: once the daemon has stopped, STOP_SIGNALS are ignored.
     """
     # What can be told before anything is created (the store, the detached daemon's log),
@@ -229,11 +232,17 @@ def main(
     path = state_path(mountpoint)
 
     async def serve() -> None:
+        nonlocal ready_fd
         async with trio.open_nursery() as n:
             await n.start(run_daemon, config, mountpoint, options, services)
             _write_state(path, mountpoint, config)
             if ready_fd is not None:
-                _tell(ready_fd, b"ok\n")
+                told, ready_fd = _tell(ready_fd, b"ok\n"), None
+                if not told:  # (its pipe closed: nobody will know this mount is there)
+                    raise StarterGone(
+                        "the command that started this daemon is gone (interrupted or killed "
+                        "before the mount was ready, it could not report it): unmounted"
+                    )
             sd_notify(b"READY=1")  # (systemd's Type=notify: units after it find the mount)
 
     try:
@@ -263,6 +272,11 @@ def main(
     return 0
 
 
+class StarterGone(MountError):
+    """The command that started the daemon (``kvfs mount``) was gone when the daemon could
+    tell it the mount was ready: nobody knows of the mount, so the daemon unmounts."""
+
+
 def _describe(e: BaseException) -> str:
     from ._errors import KvfsError
 
@@ -286,10 +300,17 @@ def sd_notify(msg: bytes) -> bool:
         return False
 
 
-def _tell(fd: int, msg: bytes) -> None:
-    with contextlib.suppress(OSError):
+def _tell(fd: int, msg: bytes) -> bool:
+    """Write ``msg`` to the starter's pipe and close it; False when the starter could not be
+    told (it is gone: EPIPE)."""
+    try:
         os.write(fd, msg)
-        os.close(fd)
+        return True
+    except OSError:
+        return False
+    finally:
+        with contextlib.suppress(OSError):
+            os.close(fd)
 
 
 def _write_state(path: Path, mountpoint: str | os.PathLike[str], config: StoreConfig) -> None:
@@ -323,16 +344,23 @@ def _default_log(config: StoreConfig) -> Path:
 def _detach(argv: Sequence[str], log_file: str | os.PathLike[str]) -> int:
     r, w = os.pipe()
     with open(log_file, "ab") as logf, open(os.devnull, "rb") as null:
-        child = subprocess.Popen(
-            list(argv),
-            stdin=null,
-            stdout=logf,
-            stderr=logf,
-            pass_fds=(w,),
-            start_new_session=True,
-            env={**os.environ, READY_FD_ENV: str(w)},
-        )
-    os.close(w)
+        try:
+            child = subprocess.Popen(
+                list(argv),
+                stdin=null,
+                stdout=logf,
+                stderr=logf,
+                pass_fds=(w,),
+                start_new_session=True,
+                env={**os.environ, READY_FD_ENV: str(w)},
+            )
+        except BaseException:
+            # Interrupted inside Popen, the child may be running all the same, unknown
+            # here: with this end closed, it finds nobody to tell it is ready, and stops.
+            os.close(r)
+            raise
+        finally:
+            os.close(w)
     try:
         with _sigterm_raised(), os.fdopen(r, "rb") as f:
             msg = f.read().decode(errors="replace").strip()
@@ -340,8 +368,7 @@ def _detach(argv: Sequence[str], log_file: str | os.PathLike[str]) -> int:
         # Interrupted (Ctrl-C, `timeout`'s SIGTERM): the daemon, in a session of its own,
         # went on and mounted after this command had said it failed. It is stopped as a
         # SIGINT stops it (unmounting, if it got that far) and waited for; a second
-        # interrupt leaves it. (One that lands inside Popen, before it returns the child,
-        # still leaves the daemon running: there is no child to stop yet.)
+        # interrupt leaves it.
         child.send_signal(signal.SIGINT)
         child.wait()
         if isinstance(e, _Terminated):

@@ -1703,6 +1703,73 @@ def _daemon_child(pid: int) -> int | None:
     return None
 
 
+def test_a_daemon_whose_starter_is_gone_before_it_is_ready_unmounts_and_exits(
+    tmp_path: Path,
+) -> None:
+    """A detached daemon reports "ready" on a pipe to the `kvfs mount` that started it. One
+    whose starter was gone by then (interrupted inside subprocess.Popen, before it knew the
+    child to stop; or killed) mounted all the same, after the command had reported a failure
+    or said nothing. It now unmounts, says why in its log and exits 1. Here the reading end
+    is closed before the daemon even starts."""
+    mp, data, log = tmp_path / "mnt", tmp_path / "data", tmp_path / "daemon.log"
+    mp.mkdir()
+    r, w = os.pipe()
+    os.close(r)  # (the starter is gone)
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [*KVFS, "mount", "--foreground", "--data", str(data), str(mp)],
+            stdout=out,
+            stderr=out,
+            pass_fds=(w,),
+            env={**os.environ, READY_FD_ENV: str(w)},
+        )
+    os.close(w)
+    try:
+        assert proc.wait(timeout=60) == 1, log.read_text()
+        assert not mounted(mp)
+        text = log.read_text()
+        assert "mounted" in text and "the command that started this daemon is gone" in text, text
+        assert "Traceback" not in text, text
+    finally:
+        proc.kill()
+        proc.wait()
+        subprocess.run(["fusermount3", "-u", "-z", str(mp)], capture_output=True)
+
+
+def test_a_detached_mount_killed_while_its_daemon_starts_leaves_no_mount(tmp_path: Path) -> None:
+    """`kvfs mount` killed (SIGKILL: it cannot stop its daemon) while the daemon starts: the
+    daemon finds nobody to tell it is ready, unmounts and exits; it stayed mounted."""
+    mp, data = tmp_path / "mnt", tmp_path / "data"
+    mp.mkdir()
+    parent = subprocess.Popen(
+        [*KVFS, "mount", "--data", str(data), str(mp)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    child = None
+    try:
+        deadline = time.monotonic() + 60
+        while child is None and time.monotonic() < deadline:
+            child = _daemon_child(parent.pid)
+        assert child is not None, "the daemon was not started"
+        os.kill(child, signal.SIGSTOP)
+        parent.kill()
+        parent.wait()
+        os.kill(child, signal.SIGCONT)
+        while _alive(child) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(child), proc_state(child)
+        assert not mounted(mp)
+        text = (data / "kvfs-daemon.log").read_text()
+        assert "the command that started this daemon is gone" in text, text
+    finally:
+        parent.kill()
+        parent.wait()
+        if child is not None and _alive(child):
+            os.kill(child, signal.SIGKILL)
+        subprocess.run(["fusermount3", "-u", "-z", str(mp)], capture_output=True)
+
+
 # A daemon (kvfs._daemon.main, as `kvfs mount --foreground` runs it) with one more service,
 # which holds the daemon while it starts (argv[3] "start") or stops (argv[3] "stop"): it
 # makes the file argv[4] then and waits for the file argv[5].
