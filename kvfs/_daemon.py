@@ -22,8 +22,10 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Awaitable, Callable, Iterator, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +40,7 @@ from ._settings import config_socket_path, runtime_dir
 from ._store import Store, open_store
 
 __all__ = [
+    "LOG_FD_ENV",
     "READY_FD_ENV",
     "STOP_SIGNALS",
     "Service",
@@ -54,6 +57,8 @@ log = logging.getLogger("kvfs.daemon")
 Service = Callable[..., Awaitable[None]]
 #: The detached child tells its parent on this fd: ``ok`` or the error.
 READY_FD_ENV = "KVFS_READY_FD"
+#: The detached child's log, open on this fd: its output moves there once it holds the store.
+LOG_FD_ENV = "KVFS_LOG_FD"
 #: Each stops the daemon cleanly (unmount, close the store). Once it is stopping, more of them
 #: are absorbed: they killed it while it closed the store. SIGKILL is the hard stop.
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
@@ -187,8 +192,9 @@ def main(
     ``exit_code(error)`` when it failed, which a detached daemon's parent returns too).
 
     Detached (``foreground=False``): runs ``child_argv`` (the same command with
-    ``--foreground``) in a new session with its output in ``log_file`` and waits for its
-    readiness message. Errors are printed to stderr, one line.
+    ``--foreground``) in a new session and waits for its readiness message; its output goes
+    to ``log_file`` once it holds the store (before, to this command: see _detach). Errors
+    are printed to stderr, one line.
 
     In the foreground, started so (``READY_FD_ENV``): a daemon that cannot tell its starter
     it is ready (the starter is gone: interrupted, killed) unmounts and fails (StarterGone).
@@ -224,11 +230,10 @@ def main(
             log_file = _default_log(config)
             log_file.parent.mkdir(parents=True, exist_ok=True)  # (a store made by this mount)
         return _detach(child_argv, log_file)
-    ready = os.environ.pop(READY_FD_ENV, None)
-    ready_fd = int(ready) if ready else None
-    if ready_fd is not None:
-        # fusermount3 (auto_unmount) outlives the mount call: it must not hold the pipe open.
-        os.set_inheritable(ready_fd, False)
+    # fusermount3 (auto_unmount) outlives the mount call: it must not hold the pipe open.
+    ready_fd, log_fd = _inherited_fd(READY_FD_ENV), _inherited_fd(LOG_FD_ENV)
+    if log_fd is not None:
+        services = [partial(_output_to_log, log_fd), *services]
     path = state_path(mountpoint)
 
     async def serve() -> None:
@@ -300,6 +305,17 @@ def sd_notify(msg: bytes) -> bool:
         return False
 
 
+def _inherited_fd(env: str) -> int | None:
+    """The descriptor the starter passed in ``$env`` (taken out of the environment), made
+    close-on-exec; None when there is none."""
+    value = os.environ.pop(env, None)
+    if not value:
+        return None
+    fd = int(value)
+    os.set_inheritable(fd, False)
+    return fd
+
+
 def _tell(fd: int, msg: bytes) -> bool:
     """Write ``msg`` to the starter's pipe and close it; False when the starter could not be
     told (it is gone: EPIPE)."""
@@ -311,6 +327,25 @@ def _tell(fd: int, msg: bytes) -> bool:
     finally:
         with contextlib.suppress(OSError):
             os.close(fd)
+
+
+async def _output_to_log(log_fd: int, store: Store, *, task_status: trio.TaskStatus[None]) -> None:
+    """A service, started first: once the store is held (its lock taken), move stdout and
+    stderr, until then a file of the starter's, to the log open on ``log_fd``, with what
+    they held; the file is emptied, so the starter has nothing left to show of it."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    with contextlib.suppress(OSError):  # (not a file: nothing to carry over)
+        early = bytearray()
+        while chunk := os.pread(2, 1 << 16, len(early)):
+            early += chunk
+        with open(log_fd, "ab", closefd=False) as logf:
+            logf.write(early)
+        os.ftruncate(2, 0)
+    os.dup2(log_fd, 1)
+    os.dup2(log_fd, 2)
+    os.close(log_fd)
+    task_status.started()
 
 
 def _write_state(path: Path, mountpoint: str | os.PathLike[str], config: StoreConfig) -> None:
@@ -342,17 +377,24 @@ def _default_log(config: StoreConfig) -> Path:
 
 
 def _detach(argv: Sequence[str], log_file: str | os.PathLike[str]) -> int:
-    r, w = os.pipe()
-    with open(log_file, "ab") as logf, open(os.devnull, "rb") as null:
+    # The daemon's output goes to `early`, this command's, until it holds the store, and
+    # then, with what it said so far, to the log (_output_to_log): a daemon that failed to
+    # take the store (another daemon serves it) wrote its error into that log, the other's.
+    with (
+        open(log_file, "ab") as logf,
+        tempfile.TemporaryFile() as early,
+        open(os.devnull, "rb") as null,
+    ):
+        r, w = os.pipe()
         try:
             child = subprocess.Popen(
                 list(argv),
                 stdin=null,
-                stdout=logf,
-                stderr=logf,
-                pass_fds=(w,),
+                stdout=early,
+                stderr=early,
+                pass_fds=(w, logf.fileno()),
                 start_new_session=True,
-                env={**os.environ, READY_FD_ENV: str(w)},
+                env={**os.environ, READY_FD_ENV: str(w), LOG_FD_ENV: str(logf.fileno())},
             )
         except BaseException:
             # Interrupted inside Popen, the child may be running all the same, unknown
@@ -361,31 +403,39 @@ def _detach(argv: Sequence[str], log_file: str | os.PathLike[str]) -> int:
             raise
         finally:
             os.close(w)
-    try:
-        with _sigterm_raised(), os.fdopen(r, "rb") as f:
-            msg = f.read().decode(errors="replace").strip()
-    except BaseException as e:
-        # Interrupted (Ctrl-C, `timeout`'s SIGTERM): the daemon, in a session of its own,
-        # went on and mounted after this command had said it failed. It is stopped as a
-        # SIGINT stops it (unmounting, if it got that far) and waited for; a second
-        # interrupt leaves it.
-        child.send_signal(signal.SIGINT)
-        child.wait()
-        if isinstance(e, _Terminated):
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
-            os.kill(os.getpid(), signal.SIGTERM)  # (the exit it would have had)
-        raise
-    if msg == "ok":
-        # The daemon outlives this call on purpose; keep its handle so it is not reported as
-        # a leaked child while this process lives (a CLI process exits at once anyway).
-        _DETACHED.append(child)
-        return 0
-    rc = child.wait()
-    print(
-        f"kvfs mount: {msg.removeprefix('error: ') or f'the daemon exited ({rc})'} "
-        f"(log: {log_file})",
-        file=sys.stderr,
-    )
+        try:
+            with _sigterm_raised(), os.fdopen(r, "rb") as f:
+                msg = f.read().decode(errors="replace").strip()
+        except BaseException as e:
+            # Interrupted (Ctrl-C, `timeout`'s SIGTERM): the daemon, in a session of its
+            # own, went on and mounted after this command had said it failed. It is stopped
+            # as a SIGINT stops it (unmounting, if it got that far) and waited for; a second
+            # interrupt leaves it.
+            child.send_signal(signal.SIGINT)
+            child.wait()
+            if isinstance(e, _Terminated):
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)
+                os.kill(os.getpid(), signal.SIGTERM)  # (the exit it would have had)
+            raise
+        if msg == "ok":
+            # The daemon outlives this call on purpose; keep its handle so it is not
+            # reported as a leaked child while this process lives (a CLI process exits at
+            # once anyway).
+            _DETACHED.append(child)
+            return 0
+        rc = child.wait()
+        early.seek(0)
+        said = early.read().decode(errors="replace").strip()
+    if said:  # (its own words, its error among them, before it held the store: in no log)
+        print(said, file=sys.stderr)
+        if not msg:
+            print(f"kvfs mount: the daemon exited ({rc})", file=sys.stderr)
+    else:
+        print(
+            f"kvfs mount: {msg.removeprefix('error: ') or f'the daemon exited ({rc})'} "
+            f"(log: {log_file})",
+            file=sys.stderr,
+        )
     return rc if 0 < rc < 128 else 1  # (killed by a signal: no status of its own)
 
 

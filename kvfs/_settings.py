@@ -436,7 +436,7 @@ def load_settings(
 
 #: ``KVFS_*`` variables that are not options: read elsewhere (the test suite's knob too),
 #: never misspelt settings
-_OTHER_ENV = {"KVFS_CONFIG", "KVFS_READY_FD", "KVFS_CHAOS_SECONDS"}
+_OTHER_ENV = {"KVFS_CONFIG", "KVFS_READY_FD", "KVFS_LOG_FD", "KVFS_CHAOS_SECONDS"}
 
 
 def unknown_environment(env: Mapping[str, str] | None = None) -> list[str]:

@@ -661,3 +661,37 @@ def test_mount_and_umount_beside_a_stopped_daemon(tmp_path: Path) -> None:
         holder.communicate()
         d.stop()
     assert not d.errors()
+
+
+def test_a_mount_that_fails_writes_nothing_into_the_running_daemons_log(tmp_path: Path) -> None:
+    """A second `kvfs mount` of a data directory a daemon serves failed (exit 6, rightly),
+    and its daemon wrote the error into the running daemon's log (the default log is the
+    data directory's) and pointed the user there. A detached daemon now writes into the log
+    only once it holds the store: what it said before (here, the refusal) goes to the
+    command that started it; what a daemon that starts said before, to its log after all."""
+    data, mp, mp2 = tmp_path / "data", tmp_path / "mnt", tmp_path / "mnt2"
+    mp.mkdir()
+    mp2.mkdir()
+    log = data / "kvfs-daemon.log"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVFS_")}
+    r = subprocess.run(
+        [*KVFS, "mount", "--data", str(data), str(mp)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**env, "KVFS_NOT_A_SETTING": "1"},  # (the daemon warns before it holds the store)
+    )
+    try:
+        assert r.returncode == 0, r.stderr
+        before = log.read_text()
+        assert "$KVFS_NOT_A_SETTING is no kvfs setting" in before, before
+        assert "mounted" in before, before
+        for log_flag in ([], ["--log", str(log)]):
+            r = _kvfs("mount", "--data", str(data), *log_flag, str(mp2))
+            assert log.read_text() == before
+            assert r.returncode == 6, r.stderr
+            assert "in use by pid" in r.stderr and "(log:" not in r.stderr, r.stderr
+        assert _kvfs("umount", str(mp)).returncode == 0
+    finally:
+        subprocess.run(["fusermount3", "-u", "-z", str(mp)], capture_output=True)
+    assert "ERROR" not in log.read_text() and "Traceback" not in log.read_text()
