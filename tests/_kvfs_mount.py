@@ -23,7 +23,7 @@ import kvfs
 from kvfs._daemon import READY_FD_ENV
 from kvfs._mount import MountOptions, serve_mount
 
-__all__ = ["DaemonMount", "ServedMount", "daemon_mount"]
+__all__ = ["DaemonMount", "ServedMount", "daemon_mount", "index_is_clean"]
 
 
 class DaemonMount:
@@ -58,6 +58,20 @@ class DaemonMount:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def index_is_clean(data: Path) -> bool:
+    """Whether the store in ``data`` was closed cleanly (its index says so: the next open
+    does not recount it, as after a crash)."""
+    import contextlib
+    import sqlite3
+
+    from kvfs._index import meta_value
+
+    db = sqlite3.connect(f"file:{data}/kvfs-index.sqlite3?mode=ro", uri=True)
+    with contextlib.closing(db):
+        [(clean,)] = db.execute("SELECT v FROM meta WHERE k='clean'").fetchall()
+    return meta_value(clean) is True
 
 
 def daemon_mount(cfg: kvfs.StoreConfig, mp: Path) -> DaemonMount:

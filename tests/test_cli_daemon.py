@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from _kvfs_mount import DaemonMount
+from _kvfs_mount import DaemonMount, index_is_clean
 
 from kvfs._mountinfo import mounts as kvfs_mounts_table
 
@@ -386,10 +386,6 @@ def test_umount_lets_the_daemon_close_the_store_cleanly(tmp_path: Path, run: Run
     the daemon stopped listening for it, it killed the daemon while it closed the store
     (exit -15 in most runs), the index left unclean (the next open recounts as after a
     crash) and the access times of the last reads lost."""
-    import sqlite3
-
-    from kvfs._index import meta_value
-
     mp = tmp_path / "mnt"
     mp.mkdir()
     for _ in range(3):
@@ -403,10 +399,7 @@ def test_umount_lets_the_daemon_close_the_store_cleanly(tmp_path: Path, run: Run
             assert d.proc.wait(timeout=30) == 0
         finally:
             d.stop()
-        db = sqlite3.connect(f"file:{tmp_path}/data/kvfs-index.sqlite3?mode=ro", uri=True)
-        with contextlib.closing(db):
-            [(clean,)] = db.execute("SELECT v FROM meta WHERE k='clean'").fetchall()
-        assert meta_value(clean) is True
+        assert index_is_clean(tmp_path / "data")
 
 
 def test_stats_shows_the_daemons_own_settings_and_mount(tmp_path: Path, run: Run) -> None:

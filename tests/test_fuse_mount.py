@@ -20,11 +20,12 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import IO
 
 import numpy as np
 import pytest
 import trio
-from _kvfs_mount import ServedMount
+from _kvfs_mount import ServedMount, index_is_clean
 
 import kvfs
 from gds._source import decode_extents
@@ -1653,21 +1654,11 @@ def test_a_detached_mount_interrupted_while_its_daemon_starts_leaves_no_mount(
     starting ended the command ("interrupted", exit 130) and left the daemon, in its own
     session, to mount a moment later: a script saw the mount fail, and its retry found "already
     a mount point". The daemon is held stopped here until the command has been signalled."""
-    mp, data, err = tmp_path / "mnt", tmp_path / "data", tmp_path / "err"
-    mp.mkdir()
-    with open(err, "wb") as out:
-        parent = subprocess.Popen(
-            [*KVFS, "mount", "--data", str(data), str(mp)], stdout=out, stderr=out
-        )
-    child = None
-    try:
-        deadline = time.monotonic() + 60
-        while child is None and time.monotonic() < deadline:
-            child = _daemon_child(parent.pid)
-        assert child is not None, "the daemon was not started"
-        os.kill(child, signal.SIGSTOP)
+    mp, err = tmp_path / "mnt", tmp_path / "err"
+    with open(err, "wb") as out, _detached_mount_held(tmp_path, out) as (parent, child):
         # (signalled once it waits for the daemon: signalled while still starting it, in
         # subprocess.Popen, it could not know the child yet; see the note in _detach)
+        deadline = time.monotonic() + 60
         while not _waiting_on_a_pipe(parent.pid) and time.monotonic() < deadline:
             time.sleep(0.01)
         parent.send_signal(sig)
@@ -1678,6 +1669,28 @@ def test_a_detached_mount_interrupted_while_its_daemon_starts_leaves_no_mount(
         # the daemon has exited with the command, and mounted nothing
         assert not _alive(child), proc_state(child)
         assert not mounted(mp)
+
+
+@contextlib.contextmanager
+def _detached_mount_held(
+    root: Path, out: IO[bytes] | int
+) -> Iterator[tuple[subprocess.Popen[bytes], int]]:
+    """`kvfs mount` (detached) of ``root/data`` at ``root/mnt``, its output to ``out``, and
+    its daemon held stopped (SIGSTOP) as soon as it runs: (the command, the daemon's pid).
+    Afterwards both are gone and nothing is mounted, whatever happened."""
+    mp, data = root / "mnt", root / "data"
+    mp.mkdir()
+    parent = subprocess.Popen(
+        [*KVFS, "mount", "--data", str(data), str(mp)], stdout=out, stderr=out
+    )
+    child = None
+    try:
+        deadline = time.monotonic() + 60
+        while child is None and time.monotonic() < deadline:
+            child = _daemon_child(parent.pid)
+        assert child is not None, "the daemon was not started"
+        os.kill(child, signal.SIGSTOP)
+        yield parent, child
     finally:
         parent.kill()
         parent.wait()
@@ -1739,35 +1752,17 @@ def test_a_daemon_whose_starter_is_gone_before_it_is_ready_unmounts_and_exits(
 def test_a_detached_mount_killed_while_its_daemon_starts_leaves_no_mount(tmp_path: Path) -> None:
     """`kvfs mount` killed (SIGKILL: it cannot stop its daemon) while the daemon starts: the
     daemon finds nobody to tell it is ready, unmounts and exits; it stayed mounted."""
-    mp, data = tmp_path / "mnt", tmp_path / "data"
-    mp.mkdir()
-    parent = subprocess.Popen(
-        [*KVFS, "mount", "--data", str(data), str(mp)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    child = None
-    try:
-        deadline = time.monotonic() + 60
-        while child is None and time.monotonic() < deadline:
-            child = _daemon_child(parent.pid)
-        assert child is not None, "the daemon was not started"
-        os.kill(child, signal.SIGSTOP)
+    with _detached_mount_held(tmp_path, subprocess.DEVNULL) as (parent, child):
         parent.kill()
         parent.wait()
         os.kill(child, signal.SIGCONT)
+        deadline = time.monotonic() + 60
         while _alive(child) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert not _alive(child), proc_state(child)
-        assert not mounted(mp)
-        text = (data / "kvfs-daemon.log").read_text()
+        assert not mounted(tmp_path / "mnt")
+        text = (tmp_path / "data" / "kvfs-daemon.log").read_text()
         assert "the command that started this daemon is gone" in text, text
-    finally:
-        parent.kill()
-        parent.wait()
-        if child is not None and _alive(child):
-            os.kill(child, signal.SIGKILL)
-        subprocess.run(["fusermount3", "-u", "-z", str(mp)], capture_output=True)
 
 
 # A daemon (kvfs._daemon.main, as `kvfs mount --foreground` runs it) with one more service,
@@ -1849,10 +1844,6 @@ def test_signals_while_the_daemon_closes_are_absorbed(tmp_path: Path) -> None:
     the index left unclean (recounted at the next open) and the mount left to auto_unmount.
     Now every signal after the first is absorbed, the first of them logged, and the daemon
     closes the store and exits 0. (SIGKILL is the hard stop.)"""
-    import sqlite3
-
-    from kvfs._index import meta_value
-
     d = _HeldDaemon(tmp_path, "stop")
     try:
         deadline = time.monotonic() + 60
@@ -1873,10 +1864,7 @@ def test_signals_while_the_daemon_closes_are_absorbed(tmp_path: Path) -> None:
         assert not mounted(d.mp)
     finally:
         d.cleanup()
-    db = sqlite3.connect(f"file:{d.data}/kvfs-index.sqlite3?mode=ro", uri=True)
-    with contextlib.closing(db):
-        [(clean,)] = db.execute("SELECT v FROM meta WHERE k='clean'").fetchall()
-    assert meta_value(clean) is True
+    assert index_is_clean(d.data)
     with kvfs.open_store_sync(kvfs.StoreConfig(data_dirs=(d.data,))) as store:
         assert store.get("f") == b"x" * 10_000
 
