@@ -9,6 +9,7 @@ import socket
 import stat
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import trio
@@ -984,25 +985,9 @@ async def test_a_frame_announced_over_the_limit_is_answered_and_logged_in_one_li
     had died, and logged a traceback at ERROR for the peer's mistake."""
     import struct
 
-    sock = tmp_path / "c.sock"
-    async with kvfs.open_store(make_config()) as store, trio.open_nursery() as n:
-        await n.start(control_service, store, sock)
-
-        def sync_side() -> None:
-            with socket.socket(socket.AF_UNIX) as s:
-                s.connect(os.fspath(sock))
-                s.settimeout(30)
-                s.sendall(struct.pack(">I", 0xFFFFFFFF))
-                reply = read_frame_sync(s)
-                assert reply[:2] == [1, "ValueError"] and "4294967295" in reply[2], reply
-                assert s.recv(10) == b""  # (its body cannot be skipped: the stream is lost)
-            with open_remote_store_sync(sock) as r:
-                assert r.ping()
-
-        await trio.to_thread.run_sync(sync_side)
-        n.cancel_scope.cancel()
-    mine = [r for r in caplog.records if r.name == "kvfs.control" and r.levelno > logging.INFO]
-    assert [(r.levelno, r.exc_info) for r in mine] == [(logging.WARNING, None)], mine
+    reply = await _answered_and_dropped(make_config, tmp_path, struct.pack(">I", 0xFFFFFFFF))
+    assert reply[:2] == [1, "ValueError"] and "4294967295" in reply[2], reply
+    _one_warning(caplog)
 
 
 async def test_a_client_of_another_protocol_is_answered_at_once_and_logged_in_one_line(
@@ -1011,22 +996,36 @@ async def test_a_client_of_another_protocol_is_answered_at_once_and_logged_in_on
     """An HTTP request on the socket (curl --unix-socket) had its "GET " read as a frame of
     1.2 GB: the daemon waited STALL_SECONDS (60) for the rest of it, and then dropped the
     client without a word. (The client's 30 s timeout here is only a guard.)"""
+    http = b"GET / HTTP/1.1\r\nHost: x\r\nUser-Agent: curl/8.5.0\r\n\r\n"
+    reply = await _answered_and_dropped(make_config, tmp_path, http)
+    assert reply[:2] == [1, "ValueError"] and "no kvfs request" in reply[2], reply
+    _one_warning(caplog)
+
+
+async def _answered_and_dropped(make_config: MakeConfig, tmp_path: Path, sent: bytes) -> Any:
+    """The daemon's answer to ``sent``, after which it closed the connection (a frame whose
+    body cannot be skipped loses the stream); the daemon still answers the next client."""
     sock = tmp_path / "c.sock"
     async with kvfs.open_store(make_config()) as store, trio.open_nursery() as n:
         await n.start(control_service, store, sock)
 
-        def sync_side() -> None:
+        def sync_side() -> Any:
             with socket.socket(socket.AF_UNIX) as s:
                 s.connect(os.fspath(sock))
                 s.settimeout(30)
-                s.sendall(b"GET / HTTP/1.1\r\nHost: x\r\nUser-Agent: curl/8.5.0\r\n\r\n")
+                s.sendall(sent)
                 reply = read_frame_sync(s)
-                assert reply[:2] == [1, "ValueError"] and "no kvfs request" in reply[2], reply
-                assert s.recv(10) == b""  # (its body cannot be skipped: the stream is lost)
+                assert s.recv(10) == b""
             with open_remote_store_sync(sock) as r:
                 assert r.ping()
+            return reply
 
-        await trio.to_thread.run_sync(sync_side)
+        reply = await trio.to_thread.run_sync(sync_side)
         n.cancel_scope.cancel()
+    return reply
+
+
+def _one_warning(caplog: pytest.LogCaptureFixture) -> None:
+    """The control channel logged one line above INFO, a warning with no traceback."""
     mine = [r for r in caplog.records if r.name == "kvfs.control" and r.levelno > logging.INFO]
     assert [(r.levelno, r.exc_info) for r in mine] == [(logging.WARNING, None)], mine

@@ -9,8 +9,9 @@ import os
 import subprocess
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -91,9 +92,11 @@ def test_layer_keys_of_a_prefix_in_layer_order(store: kvfs.SyncStore, fp: gds.Fa
     assert np.array_equal(dests[3], rand(4096, seed=10))
 
 
-def test_archived_page_is_restored_then_read(
+@contextmanager
+def archive_only_page(
     make_config: Callable[..., kvfs.StoreConfig], tmp_path: Any
-) -> None:
+) -> Iterator[tuple[kvfs.SyncStore, gds.FastPath, np.ndarray]]:
+    """A store, its fast path and the bytes of its page key(0), which only the archive holds."""
     url = f"file://{tmp_path / 'archive'}"
     cfg = make_config(ndev=2, name="arch", archive_url=url, extra={"archive": {"interval": 0}})
     with kvfs.open_store_sync(cfg) as s, gds.FastPath(s) as fp:
@@ -101,6 +104,13 @@ def test_archived_page_is_restored_then_read(
         s.put(key(0), data)
         assert s.spill("sess") > 0
         assert s.stat(key(0)).tier == "archive"
+        yield s, fp, data
+
+
+def test_archived_page_is_restored_then_read(
+    make_config: Callable[..., kvfs.StoreConfig], tmp_path: Any
+) -> None:
+    with archive_only_page(make_config, tmp_path) as (s, fp, data):
         dest = aligned(data.nbytes)
         assert fp.read(key(0), dest).result() == data.nbytes
         assert np.array_equal(dest, data)
@@ -112,12 +122,7 @@ def test_a_bad_destination_is_refused_before_an_archive_only_page_is_restored(
 ) -> None:
     """A read into an unaligned, too small or read-only destination of a page only the
     archive held restored the page (a download, and local room) before refusing it."""
-    url = f"file://{tmp_path / 'archive'}"
-    cfg = make_config(ndev=2, name="arch", archive_url=url, extra={"archive": {"interval": 0}})
-    with kvfs.open_store_sync(cfg) as s, gds.FastPath(s) as fp:
-        data = rand(3 * MiB + 1)
-        s.put(key(0), data)
-        assert s.spill("sess") > 0
+    with archive_only_page(make_config, tmp_path) as (s, fp, data):
         for dest, error in (
             (aligned(data.nbytes + 1)[1:], gds.UnalignedDestination),
             (aligned(data.nbytes - 1), ValueError),
