@@ -234,12 +234,12 @@ class Hosts:
                 if beat.retention > 0:
                     row["retire_at"] = beat.seen + 2 * beat.retention + 2 * beat.interval
                 empty, unlisted = beat.tombstones, beat.unlisted
+            elif host in retired:  # (written last: its .retiring, if still there, goes next)
+                fields, held = await self._retired_row(RETIRED + host)
+                row.update(fields, state="retired", sessions=len(mine & held))
             elif host in retiring:
                 row.update((await self._retired_row(HOSTS + host + RETIRING))[0])
                 row["state"] = "retiring"
-            elif host in retired:
-                fields, held = await self._retired_row(RETIRED + host)
-                row.update(fields, state="retired", sessions=len(mine & held))
             if row["state"] != "retired":
                 if host == self.store_id:
                     empty = set(await self.tombstones())  # its own index: up to date
