@@ -49,7 +49,7 @@ from ._index import BlobRow, Index, PageRow, meta_value
 from ._keys import PageKey, as_key, session_dir, session_name
 from ._local import DEVICE_MARKER, LocalTier, device_store
 from ._lock import DirLock
-from ._policy import TieringPolicy
+from ._policy import AccessClock, TieringPolicy
 from ._types import PageInfo, SessionInfo, StoreStatistics
 from ._writes import RESERVE_WAIT_SECONDS, PageWriter, check_attrs
 
@@ -374,6 +374,8 @@ class Engine:
         self._damaged_lock = threading.Lock()  # (their list in the index, kept in order)
         self._atimes: tuple[dict[str, float], dict[bytes, float], dict[str, float]] = ({}, {}, {})
         self._atime_flushed = time.monotonic()
+        #: blob access times by burst, for eviction's order (a prefix goes tail first)
+        self.clock = AccessClock()
         self._counters: Counter[str] = Counter()
         self._evictions: Counter[str] = Counter()
         self.recovered_orphans: builtins.list[str] = []
@@ -842,10 +844,11 @@ class Engine:
         """Note a read's access time; they reach the index in batches, written by a
         background thread so that no read waits for that commit and its fsync."""
         now = time.time()
+        at = self.clock.stamp(page.session, now)
         with self._cap_lock:
             pa, ba, sa = self._atimes
             pa[page.path] = now
-            ba[page.hash] = now
+            ba[page.hash] = max(at, ba.get(page.hash, at))
             sa[page.session] = now
             due = time.monotonic() - self._atime_flushed > ATIME_FLUSH_SECONDS
             if due:

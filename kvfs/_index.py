@@ -59,7 +59,8 @@ CREATE TABLE IF NOT EXISTS blobs (
     created REAL NOT NULL,
     atime REAL NOT NULL
 );
-CREATE INDEX IF NOT EXISTS blobs_lru ON blobs(atime) WHERE extents IS NOT NULL;
+DROP INDEX IF EXISTS blobs_lru;
+CREATE INDEX IF NOT EXISTS blobs_evict ON blobs(atime, created DESC) WHERE extents IS NOT NULL;
 CREATE TABLE IF NOT EXISTS pages (
     path TEXT PRIMARY KEY,
     session TEXT NOT NULL,
@@ -224,6 +225,9 @@ class PageCommit:
     #: the extents of a damaged local copy of ``h`` that these files replace (in the same
     #: transaction: a crash between a drop and the commit left the page's data nowhere)
     stale: tuple | None = None
+    #: the access time the blob gets (``Engine.clock``'s, for eviction's order); None: the
+    #: commit's time
+    atime: float | None = None
 
 
 class _Pending:
@@ -560,12 +564,13 @@ class Index:
         ]
 
     def eviction_candidates(self, limit: int) -> list[BlobRow]:
-        """Local blobs, least recently used first, that no pinned page or session holds."""
+        """Local blobs, least recently used first, that no pinned page or session holds;
+        of those used at the same time (one burst, see ``AccessClock``) the newest first."""
         rows = self._q(
             f"SELECT {_BLOB_COLS} FROM blobs b WHERE b.extents IS NOT NULL AND NOT EXISTS ("
             " SELECT 1 FROM pages p LEFT JOIN sessions s ON s.dir=p.session"
             " WHERE p.hash=b.hash AND (p.pinned=1 OR s.pinned=1))"
-            " ORDER BY b.atime LIMIT ?",
+            " ORDER BY b.atime, b.created DESC LIMIT ?",
             (limit,),
         )
         return [_blob(r) for r in rows]
@@ -785,6 +790,7 @@ class Index:
             _check_no_clash(db, path)
         existing = db.execute(f"SELECT {_BLOB_COLS} FROM blobs WHERE hash=?", (h,)).fetchone()
         used_new = True
+        at = now if c.atime is None else c.atime
         replaced_copy: BlobRow | None = None
         if extents is None and (existing is None or _blob(existing).extents is None):
             raise LookupError("the data to share is no longer held locally")
@@ -803,7 +809,7 @@ class Index:
                     disk_bytes if extents is not None else 0,
                     0,
                     now,
-                    now,
+                    at,
                 ),
             )
         else:
@@ -811,11 +817,14 @@ class Index:
             stale = c.stale is not None and eb.extents == c.stale
             if (eb.local and not stale) or extents is None:
                 used_new = False
-                db.execute("UPDATE blobs SET refs=refs+1, atime=? WHERE hash=?", (now, h))
+                db.execute(
+                    "UPDATE blobs SET refs=refs+1, atime=MAX(atime, ?) WHERE hash=?", (at, h)
+                )
             else:  # known only in the archive, or damaged: our files become its local copy
                 db.execute(
-                    "UPDATE blobs SET refs=refs+1, atime=?, extents=?, disk_bytes=? WHERE hash=?",
-                    (now, _pack(list(extents)), disk_bytes, h),
+                    "UPDATE blobs SET refs=refs+1, atime=MAX(atime, ?), extents=?, disk_bytes=?"
+                    " WHERE hash=?",
+                    (at, _pack(list(extents)), disk_bytes, h),
                 )
                 replaced_copy = eb if stale else None
                 self.dropping(replaced_copy)

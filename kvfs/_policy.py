@@ -2,13 +2,16 @@
 
 This is the one place that decides eviction. The base policy evicts least-recently-used
 blobs that no pinned page or pinned session holds and that no reader has leased; with no
-archive tier, evicting a blob deletes the pages that share it. The archive tier subclasses
+archive tier, evicting a blob deletes the pages that share it. Access times come from
+:class:`AccessClock`, which makes that order keep a prefix's head longest. The archive tier subclasses
 :class:`TieringPolicy` and overrides :meth:`evict_blob` to spill before dropping the local copy.
 """
 
 from __future__ import annotations
 
 import sqlite3
+import threading
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -20,7 +23,50 @@ from ._manifest import enqueue_in
 if TYPE_CHECKING:
     from ._engine import Engine
 
-__all__ = ["TieringPolicy"]
+__all__ = ["AccessClock", "TieringPolicy"]
+
+#: a session directory's accesses less than this apart are one burst (a prefix read or
+#: written in order, chunk after chunk; a prefill computes between its saves)
+BURST_GAP = 2.0
+#: and a burst is at most this long: within it, a page used last is not counted as used
+#: after one used first, so this is how coarse LRU may get (one busy directory that many
+#: requests share, LMCache's or vLLM's, has a new burst at least this often)
+BURST_SPAN = 30.0
+
+
+class AccessClock:
+    """The access time each put and read records, for eviction's order.
+
+    A prefix is useful from its head only: an engine that finds chunk 0 of a context
+    missing recomputes all of it, whatever later chunks are kept. Plain LRU evicts a prefix
+    read or written in order head first (chunk 0 has the oldest time), so the first pages
+    to go left the rest unusable. Here the pages of one session directory touched in one
+    burst (accesses less than ``gap`` apart, for at most ``span``) all get the burst's
+    start as their time, and eviction breaks ties by creation, newest first: a prefix goes
+    tail first, and what stays is still a usable prefix. Between bursts and between
+    directories the order is LRU; within a burst it is by creation, whatever order the
+    pages were read in (readers run in parallel, and the mount reads a file in many
+    requests)."""
+
+    def __init__(self, gap: float = BURST_GAP, span: float = BURST_SPAN) -> None:
+        self.gap = gap
+        self.span = span
+        self._bursts: dict[str, tuple[float, float]] = {}  # session: (start, last access)
+        self._lock = threading.Lock()
+
+    def stamp(self, session: str, now: float | None = None) -> float:
+        """The access time to record for a page of session directory ``session``."""
+        now = time.time() if now is None else now
+        with self._lock:
+            start, last = self._bursts.get(session, (now, now))
+            if now - last > self.gap or now - start > self.span or now < start:
+                start = now  # a new burst (``now < start``: the clock was set back)
+                if len(self._bursts) >= 4096:  # forget the bursts that ended
+                    self._bursts = {
+                        d: sl for d, sl in self._bursts.items() if now - sl[1] <= self.gap
+                    }
+            self._bursts[session] = (start, now)
+            return start
 
 
 class TieringPolicy:

@@ -259,6 +259,7 @@ def commit(
                 replace=replace,
                 session_attrs=sess_attrs,
                 stale=stale,
+                atime=eng.clock.stamp(k.session_dir, now),
             ),
             now=now,
         )

@@ -170,14 +170,76 @@ def test_pinned_pages_and_sessions_are_never_evicted(
 
 
 def test_eviction_is_least_recently_used(make_config: Callable[..., kvfs.StoreConfig]) -> None:
+    """Between session directories and between bursts of access the order is LRU."""
+    from kvfs._policy import AccessClock
+
     cfg = make_config(ndev=1, stripe_unit=64 * KiB, capacity=4 * (64 * KiB + 4 * KiB))
     with kvfs.open_store_sync(cfg) as store:
         for name in "abcd":
-            store.put(name, os.urandom(64 * KiB))
-        store.get("a")  # a is now the most recently used
-        store.put("e", os.urandom(64 * KiB))
-        assert {p.path for p in store.list(path_prefix="")} == {"a", "c", "d", "e"}
+            store.put(f"{name}/p", os.urandom(64 * KiB))
+        store.engine.clock = AccessClock()  # the get below is a later burst, however fast
+        store.get("a/p")  # a is now the most recently used
+        store.put("e/p", os.urandom(64 * KiB))
+        assert {p.path for p in store.list(path_prefix="")} == {"a/p", "c/p", "d/p", "e/p"}
         assert store.statistics().evictions == {"capacity": 1}
+
+
+def _chunks(n: int) -> list[kvfs.PageKey]:
+    return [kvfs.PageKey.semantic("agent", f"c{i:03d}", 0) for i in range(n)]
+
+
+def test_a_prefix_written_in_order_is_evicted_tail_first(
+    make_config: Callable[..., kvfs.StoreConfig],
+) -> None:
+    """A prefix is usable from its head only. Its chunks, saved in order, had each a later
+    access time than the one before, so LRU evicted chunk 0 first: what stayed was of no
+    use to an engine (it recomputes from the first missing chunk)."""
+    cfg = make_config(ndev=1, stripe_unit=64 * KiB, capacity=4 * (64 * KiB + 4 * KiB))
+    with kvfs.open_store_sync(cfg) as store:
+        chunks = _chunks(4)
+        for k in chunks:
+            store.put(k, os.urandom(64 * KiB))
+        store.put("other/p", os.urandom(64 * KiB))
+        store.put("other/q", os.urandom(64 * KiB))
+        left = {p.path for p in store.list(session="agent")}
+        assert left == {chunks[0].path, chunks[1].path}
+
+
+def test_a_prefix_read_in_order_is_evicted_tail_first(
+    make_config: Callable[..., kvfs.StoreConfig],
+) -> None:
+    """Read back chunk after chunk, a prefix's pages were stamped in that order and LRU took
+    the head first; one burst of reads now counts as one access, and eviction takes the
+    newest-written pages of it first."""
+    from kvfs._policy import AccessClock
+
+    cfg = make_config(ndev=1, stripe_unit=64 * KiB, capacity=5 * (64 * KiB + 4 * KiB))
+    with kvfs.open_store_sync(cfg) as store:
+        chunks = _chunks(4)
+        for k in chunks:
+            store.put(k, os.urandom(64 * KiB))
+        store.put("other/p", os.urandom(64 * KiB))
+        store.engine.clock = AccessClock()  # the reads below are a later burst, however fast
+        for k in chunks:
+            store.get(k)
+        store.put("other/q", os.urandom(64 * KiB))  # other/p is the least recently used
+        assert not store.exists("other/p")
+        store.put("other/r", os.urandom(64 * KiB))
+        left = {p.path for p in store.list(session="agent")}
+        assert left == {k.path for k in chunks[:3]}
+
+
+def test_access_bursts_end_after_a_gap_or_a_span() -> None:
+    """The access clock's rule, at given times: one directory's accesses less than ``gap``
+    apart share the first one's time, for at most ``span``; each directory has its own."""
+    from kvfs._policy import AccessClock
+
+    c = AccessClock(gap=5, span=60)
+    assert [c.stamp("s", t) for t in (100, 101, 104, 108.5)] == [100, 100, 100, 100]
+    assert c.stamp("t", 109) == 109  # another directory: its own burst
+    assert c.stamp("s", 114) == 114  # 5.5 s after the last access: a new burst
+    assert [c.stamp("s", t) for t in range(115, 180, 4)] == [114] * 15 + [175, 175]  # 61 s on
+    assert c.stamp("s", 50) == 50  # the clock was set back: a new burst, not a time ahead
 
 
 def test_default_cap_is_what_the_disks_hold(make_config: Callable[..., kvfs.StoreConfig]) -> None:

@@ -122,11 +122,11 @@ def test_leased_files_survive_delete_and_evict(
 def test_capacity_eviction_skips_leased_pages(make_config: Callable[..., kvfs.StoreConfig]) -> None:
     cfg = make_config(ndev=1, stripe_unit=64 * KiB, capacity=3 * (64 * KiB + 4 * KiB))
     with kvfs.open_store_sync(cfg) as store:
-        for name in "abc":
-            store.put(name, os.urandom(64 * KiB))
-        with store.engine.lease("a"):
-            store.put("d", os.urandom(64 * KiB))  # a is the oldest, but leased: b goes
-        assert {p.path for p in store.list(path_prefix="")} == {"a", "c", "d"}
+        for name in "abc":  # one directory each: one burst would go newest first
+            store.put(f"{name}/p", os.urandom(64 * KiB))
+        with store.engine.lease("a/p"):
+            store.put("d/p", os.urandom(64 * KiB))  # a is the oldest, but leased: b goes
+        assert {p.path for p in store.list(path_prefix="")} == {"a/p", "c/p", "d/p"}
 
 
 # -- the async API -----------------------------------------------------------------------
