@@ -75,6 +75,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "with a retention: when the others take it for gone if it stays silent (due: at "
         "their next look); never with retention 0 (keep) or no heartbeat.",
     )
+    _add_mount(p)
     add_store_flags(p)
     p.set_defaults(func=cmd_hosts)
 
@@ -87,6 +88,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "bytes read and written (for the archive: restored and spilled). The counters are "
         "the daemon's since it started, or this command's own when no daemon runs.",
     )
+    _add_mount(p, "; after --watch, give its SECONDS first (--watch 2 /mnt/kv)")
     p.add_argument(
         "--watch",
         type=seconds,
@@ -174,6 +176,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "Prints each kind of finding (docs/cli.md says what each lists); exit 5 when there are problems, or when --repair kept damaged pages it "
         "could not mend (unrecoverable).",
     )
+    _add_mount(p)
     p.add_argument(
         "--repair",
         action="store_true",
@@ -195,6 +198,20 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 # -- helpers --------------------------------------------------------------------------
+def _add_mount(p: argparse.ArgumentParser, more: str = "") -> None:
+    """MOUNT for a command that names no page or session: which mount's daemon to ask, as
+    the others find it from a path on the mount (``kvfs stats /mnt/kv`` from elsewhere was
+    a usage error; only a working directory on the mount or --data named the store)."""
+    p.add_argument(
+        "mount",
+        nargs="?",
+        metavar="MOUNT",
+        help="the mount point, or any path on a kvfs mount: use the store it serves, as a "
+        "path on a mount does for ls or pin (unless --data or --config names another; "
+        f"without MOUNT, a working directory on a mount does the same){more}",
+    )
+
+
 def _resolve(store: Any, target: str) -> tuple[str, str]:
     """("page", path), ("session", name) or ("directory", "path/"): a directory of pages
     that is no session (a prefix's, as a user pastes it from the mount). Raises

@@ -98,7 +98,9 @@ def map_mount_paths(args: argparse.Namespace) -> None:
     it exists yet, or a name that exists in the working directory when that is on the
     mount) become the store paths
     they show, and the mount's store is the one used unless the command names another.
-    Other targets are left alone; an absolute path elsewhere is InvalidKey."""
+    Other targets are left alone; an absolute path elsewhere is InvalidKey. A command's
+    ``mount`` (the MOUNT of stats, hosts and fsck) is always a path: the mount point or
+    any path on it picks the store; one off the mounts, relative or not, is InvalidKey."""
     if getattr(args, "mapped_mount_paths", False):
         return  # (a command that mapped them before it opened the store)
     args.mapped_mount_paths = True
@@ -109,14 +111,20 @@ def map_mount_paths(args: argparse.Namespace) -> None:
     def within(path: str, mp: str) -> bool:
         return path == mp or path.startswith(mp.rstrip("/") + "/")
 
-    def mapped(target: str) -> str:
+    def mapped(target: str, *, mount: bool = False) -> str:
+        """``mount``: ``target`` names a mount (a command's MOUNT), never a page or session,
+        so any path off the mounts is refused, a relative one too."""
         path = os.path.abspath(target)
         # A relative path that leads onto a mount from outside it (mnt/sessions/new/p/l,
         # the page a put makes) is on it before it exists: as a name it went to a new
         # ./kvfs-data store, which the put made
         enters = any(within(path, mp) and not within(cwd, mp) for mp in mounts)
         if not (
-            os.path.isabs(target) or target.startswith(".") or enters or os.path.lexists(target)
+            mount
+            or os.path.isabs(target)
+            or target.startswith(".")
+            or enters
+            or os.path.lexists(target)
         ):
             return target  # a session or page name
         for mp in mounts:
@@ -126,11 +134,17 @@ def map_mount_paths(args: argparse.Namespace) -> None:
                 # a directory on the mount means that directory ("name/"), not a session name
                 is_dir = os.path.isdir(path) and rel != "." and "/" not in rel
                 return rel + "/" if is_dir and rel != SESSIONS_DIR else rel
-        if os.path.isabs(target):  # (no store path is absolute: "no such page" misled)
+        if mount or os.path.isabs(target):  # (no store path is absolute: "no such page" misled)
             on = f"the kvfs mounts are {', '.join(mounts)}" if mounts else "none is mounted"
             raise kvfs.InvalidKey(
-                f"{target} is not on a kvfs mount ({on}): name a page or session by its path "
-                "in the store (sessions/agent-1, lmcache/f.data) or by a path on a mount"
+                f"{target} is not on a kvfs mount ({on}): "
+                + (
+                    "name its mount point or a path on it, or leave it out to use the mount "
+                    "the working directory is on (or --data)"
+                    if mount
+                    else "name a page or session by its path in the store "
+                    "(sessions/agent-1, lmcache/f.data) or by a path on a mount"
+                )
             )
         return target
 
@@ -138,6 +152,9 @@ def map_mount_paths(args: argparse.Namespace) -> None:
         value = getattr(args, name, None)
         if isinstance(value, str):
             setattr(args, name, mapped(value))
+    mount = getattr(args, "mount", None)
+    if isinstance(mount, str):  # (stats, hosts, fsck: only the store it leads to is used)
+        mapped(mount, mount=True)
     for name in ("targets", "sessions"):
         values = getattr(args, name, None)
         if isinstance(values, list):

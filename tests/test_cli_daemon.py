@@ -300,6 +300,48 @@ def test_targets_given_as_paths_on_the_mount(
         assert {s["dir"] for s in json.loads(out)} == {".", "lmcache", "sessions/agent-1"}
 
 
+def test_stats_hosts_and_fsck_take_the_mount_or_a_path_on_it(
+    tmp_path: Path, run: Run, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`kvfs stats /mnt/kv` from outside the mount was a usage error ("unrecognized
+    arguments"): stats, hosts and fsck found a daemon only from a working directory on the
+    mount or with --data, where ls, pin or evict took a path on the mount. The daemon here
+    has a control socket of its own, which only the mount's state names."""
+    conf = tmp_path / "kvfs.toml"
+    conf.write_text(f'[archive]\narchive_url = "file://{tmp_path}/arch"\n')
+    d = Daemon(tmp_path / "m", "--config", str(conf), "--socket", str(tmp_path / "own.sock"))
+    try:
+        page = d.mp / "sessions" / "agent-1" / "p0" / "layer-000"
+        page.parent.mkdir(parents=True)
+        page.write_bytes(b"k" * 100)
+        # the mount point, a path on it, and a relative path onto it, among the flags
+        for where in (str(d.mp), str(page), "m/mnt/sessions"):
+            rc, out, err = run("stats", "--json", where, "--daemon")
+            assert rc == 0, (where, err)
+            st = json.loads(out)
+            assert st["pages"] == 1 and st["extra"]["mount"]["mountpoint"] == str(d.mp)
+        rc, out, err = run("stats", str(d.mp))
+        assert rc == 0 and f"mount: {d.mp} (pid " in out, err
+        rc, out, err = run("hosts", str(d.mp), "--json")
+        assert rc == 0, err
+        (me,) = json.loads(out)
+        assert me["this"]
+        rc, out, err = run("fsck", "--repair", str(page.parent), "--json")
+        assert rc == 0 and json.loads(out)["missing"] == [], err
+        # a path off the mounts, or a name that is none on them: the other commands' error
+        for cmd in ("stats", "hosts", "fsck"):
+            for where in (str(tmp_path), "no-such-dir"):
+                rc, _, err = run(cmd, where)
+                assert rc == 2 and f"{where} is not on a kvfs mount (the kvfs mounts are " in err
+        # none named, from a directory on the mount: as before
+        monkeypatch.chdir(page.parent)
+        rc, out, err = run("stats", "--json")
+        assert rc == 0 and json.loads(out)["extra"]["mount"]["mountpoint"] == str(d.mp), err
+    finally:
+        d.stop()
+    assert not d.errors()
+
+
 def test_a_relative_path_onto_the_mount_names_its_page_before_it_exists(
     daemon: Daemon, run: Run, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
