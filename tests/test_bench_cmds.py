@@ -4,14 +4,61 @@ not speed: the figures go to docs/benchmarks.md, never into an assertion)."""
 from __future__ import annotations
 
 import json
+import os
+import pty
 import re
 import statistics
+import sys
+import threading
+import tty
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from cli.__main__ import main
+
+#: ``terminal(argv)`` -> (exit code, stdout, what stderr's terminal got)
+Terminal = Callable[[list[str]], tuple[int, str, str]]
+
+
+def _read_terminal(master: int) -> bytes:
+    """Everything written to a pseudo-terminal until its last writer closes it."""
+    got = []
+    while True:
+        try:
+            chunk = os.read(master, 65536)
+        except OSError:  # EIO: no writer left, all read
+            break
+        if not chunk:
+            break
+        got.append(chunk)
+    return b"".join(got)
+
+
+@pytest.fixture
+def terminal(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> Terminal:
+    """The command in this process with its stderr on a terminal (a pseudo-terminal), as a
+    user at one runs it: progress lines show only there."""
+
+    def go(argv: list[str]) -> tuple[int, str, str]:
+        master, slave = pty.openpty()
+        tty.setraw(slave)  # (a "\n" stays one)
+        got: list[bytes] = []
+        reader = threading.Thread(target=lambda: got.append(_read_terminal(master)))
+        reader.start()
+        try:
+            with open(slave, "w") as err, monkeypatch.context() as m:
+                m.setattr(sys, "stderr", err)
+                capsys.readouterr()
+                rc = main(argv)
+        finally:
+            reader.join()
+            os.close(master)
+        return rc, capsys.readouterr().out, got[0].decode()
+
+    return go
 
 
 def test_bench_gds_json(capsys: pytest.CaptureFixture[str]) -> None:
@@ -21,7 +68,7 @@ def test_bench_gds_json(capsys: pytest.CaptureFixture[str]) -> None:
     methods = {r["method"] for r in res["results"]}
     assert {"raw", "fastpath", "store.get"} <= methods
     assert all(r["gbps"] > 0 for r in res["results"])
-    assert "[1/1] 1 MiB pages" in captured.err  # progress on stderr
+    assert "[1/1]" not in captured.err  # no progress with --json
 
 
 def test_bench_ttft_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -33,7 +80,7 @@ def test_bench_ttft_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
     res = json.loads(captured.out)
     assert [r["tokens"] for r in res["rows"]] == [256, 300]
     assert all(r["same_first_token"] for r in res["rows"])  # the loaded cache gives the same token
-    assert "[2/2] 300 tokens" in captured.err
+    assert "[2/2]" not in captured.err  # no progress with --json
     # under one page: a clear error (it was "max() arg is an empty sequence")
     args = ["bench", "ttft", "--model", "small", "--tokens", "128", "--no-archive"]
     assert main([*args, "--dir", str(tmp_path)]) == 2
@@ -108,30 +155,46 @@ def test_bench_archive_json(capsys: pytest.CaptureFixture[str]) -> None:
     assert res["read_p99_idle_ms"] > 0 and res["reads_during_spill"] >= 20
 
 
-def test_bench_control_table_and_progress(capsys: pytest.CaptureFixture[str]) -> None:
+CONTROL = ["bench", "control", "--small", "1000", "--small-pages", "3", "--large", "64KiB"]
+CONTROL += ["--large-pages", "2", "--clients", "1", "--repeat", "1", "--no-worker-process"]
+
+
+def test_bench_control_table_and_progress(terminal: Terminal) -> None:
     """It ran ~26 s with nothing on stderr, and a 1000-byte page size showed as "0 KiB"."""
-    args = ["bench", "control", "--small", "1000", "--small-pages", "3", "--large", "64KiB"]
-    args += ["--large-pages", "2", "--clients", "1", "--repeat", "1", "--no-worker-process"]
-    assert main(args) == 0
-    captured = capsys.readouterr()
-    assert "small pages, round 1/1" in captured.err and "large pages, round 1/1" in captured.err
-    rows = [line.split() for line in captured.out.splitlines()[2:]]
+    rc, out, err = terminal(CONTROL)
+    assert rc == 0
+    assert "small pages, round 1/1" in err and "large pages, round 1/1" in err
+    rows = [line.split() for line in out.splitlines()[2:]]
     assert [(r[0], r[1], r[2], r[3]) for r in rows[:2]] == [
         ("small", "1000", "B", "put"),
         ("small", "1000", "B", "get"),
-    ], captured.out
+    ], out
 
 
-def test_bench_ttft_sharing_shows_progress(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+def test_bench_shows_no_progress_with_json_or_off_a_terminal(
+    terminal: Terminal, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    """A line per round came on stderr with --json too, and into a file or pipe that took
+    stderr: a script asking for JSON got them in its log. The other commands draw their
+    progress bars only on a terminal and never with --json; bench now does the same."""
+    rc, out, err = terminal([*CONTROL, "--json"])
+    assert rc == 0 and json.loads(out)["results"]
+    assert "round" not in err, err
+    capsys.readouterr()
+    assert main(CONTROL) == 0  # (stderr is pytest's capture: no terminal)
+    captured = capsys.readouterr()
+    assert "small" in captured.out and "round" not in captured.err, captured.err
+
+
+def test_bench_ttft_sharing_shows_progress(tmp_path: Path, terminal: Terminal) -> None:
     pytest.importorskip("torch", reason="needs the engines extra (make test installs it)")
     args = ["bench", "ttft", "--sharing", "--model", "small", "--sessions", "2"]
-    args += ["--system-tokens", "256", "--user-tokens", "64", "--dir", str(tmp_path), "--json"]
-    assert main(args) == 0
-    captured = capsys.readouterr()
-    assert json.loads(captured.out)["all_first_tokens_match"]
-    assert "[2/2] session agent-001" in captured.err
+    args += ["--system-tokens", "256", "--user-tokens", "64", "--dir", str(tmp_path)]
+    rc, out, err = terminal(args)
+    assert rc == 0
+    rows = [line for line in out.splitlines() if line.startswith("agent-")]
+    assert len(rows) == 2 and all(r.endswith("yes") for r in rows), out  # same first token
+    assert "[2/2] session agent-001" in err
 
 
 @pytest.mark.parametrize(
@@ -234,27 +297,29 @@ def test_bench_archive_ctrl_c_says_interrupted_and_stops_its_server() -> None:
     """A Ctrl-C at the terminal reached the moto server too (one process group): it died
     first and the run ended on a network error, its uploads not deleted. The server now
     outlives the benchmark's own handling of the interrupt, and is stopped last."""
-    import os
     import signal
     import subprocess
-    import sys
 
     args = ["bench", "archive", "--pages", "24", "--page-mib", "0.5", "--repeat", "3"]
     args += ["--latency-reads", "20", "--numpy-kv", "--tokens", "64", "--layers", "1"]
+    master, slave = pty.openpty()  # stderr on a terminal: the rounds show there
+    tty.setraw(slave)
     proc = subprocess.Popen(
         [sys.executable, "-m", "cli", *args],
         cwd=Path(__file__).parent.parent,
         stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
+        stderr=slave,
         start_new_session=True,  # its own process group, as a shell gives a command
     )
-    assert proc.stderr is not None
+    os.close(slave)
     err = ""
     while "round 1/3" not in err:  # (in round 2 now: uploads made, the server busy)
-        line = proc.stderr.readline()
-        assert line, err
-        err += line
+        try:
+            chunk = os.read(master, 65536).decode()
+        except OSError:  # EIO: it exited
+            chunk = ""
+        assert chunk, err
+        err += chunk
     servers = [
         pid
         for pid in (int(d.name) for d in Path("/proc").iterdir() if d.name.isdigit())
@@ -262,8 +327,9 @@ def test_bench_archive_ctrl_c_says_interrupted_and_stops_its_server() -> None:
     ]
     assert len(servers) == 1
     os.killpg(proc.pid, signal.SIGINT)  # what the terminal does on Ctrl-C
-    err += proc.communicate(timeout=120)[1]
-    assert proc.returncode == 130, err
+    err += _read_terminal(master).decode()
+    os.close(master)
+    assert proc.wait(timeout=120) == 130, err
     assert err.endswith("kvfs: interrupted\n"), err
     assert "warning" not in err and "Traceback" not in err, err
     import time

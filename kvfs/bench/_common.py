@@ -2,9 +2,10 @@
 
 Each benchmark module defines ``register(sub)`` (called by ``cli``) and builds its parser with
 :func:`new_parser` (a sweep over page sizes and client counts declares its options with
-:func:`add_sweep`), prints progress with :func:`log` (stderr, so ``--json`` output on stdout
-stays clean) and records :func:`machine` beside its results, so every figure in
-docs/benchmarks.md says where it was measured.
+:func:`add_sweep`), prints progress with :func:`progress` (on a terminal's stderr, and not
+with ``--json``, as the other commands' progress bars), warnings with :func:`log` (stderr,
+always; ``--json`` output on stdout stays clean) and records :func:`machine` beside its
+results, so every figure in docs/benchmarks.md says where it was measured.
 """
 
 from __future__ import annotations
@@ -15,10 +16,11 @@ import platform
 import sys
 import tempfile
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
-__all__ = ["DirectUse", "add_sweep", "log", "machine", "new_parser", "scratch_base"]
+__all__ = ["DirectUse", "add_sweep", "log", "machine", "new_parser", "progress", "scratch_base"]
 
 
 def new_parser(
@@ -38,8 +40,27 @@ def new_parser(
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    p.set_defaults(func=run)
+    p.set_defaults(func=partial(_run, run))
     return p
+
+
+#: Whether :func:`progress` prints: set for each run by :func:`_run` (a benchmark function
+#: called by itself, not through its command, shows its progress).
+_progress_shown = True
+
+
+def _run(run: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
+    """``run(args)``, its progress lines shown as the other commands show their progress
+    bars: on a terminal, never with ``--json`` (cli._store_cmds._progress). They came with
+    ``--json`` too, and into a file or pipe that took stderr: a script asking for JSON got
+    a line per round in its log."""
+    global _progress_shown
+    before = _progress_shown
+    _progress_shown = not args.json and sys.stderr.isatty()
+    try:
+        return run(args)
+    finally:
+        _progress_shown = before
 
 
 def add_sweep(
@@ -160,8 +181,15 @@ class DirectUse:
 
 
 def log(msg: str) -> None:
-    """A progress line on stderr, flushed at once."""
+    """A line on stderr, flushed at once, whatever the output: a warning, say."""
     print(msg, file=sys.stderr, flush=True)
+
+
+def progress(msg: str) -> None:
+    """A progress line (a round begun or done) on stderr, flushed at once: only on a
+    terminal and without ``--json`` (see :func:`_run`)."""
+    if _progress_shown:
+        log(msg)
 
 
 def machine(**extra: Any) -> dict[str, Any]:

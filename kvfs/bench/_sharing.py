@@ -34,7 +34,7 @@ def run_sharing(
     import kvfs
     from kvfs.integrations.transformers import TransformersKV
 
-    from ._common import log
+    from ._common import progress
     from .ttft import conditions, load_model
 
     shape, m = load_model(model)
@@ -49,7 +49,7 @@ def run_sharing(
     ):
         m(input_ids=torch.randint(0, shape.vocab, (1, 128)))  # warm up
         for i in range(sessions):
-            log(f"kvfs bench ttft --sharing: [{i + 1}/{sessions}] session agent-{i:03d}...")
+            progress(f"kvfs bench ttft --sharing: [{i + 1}/{sessions}] session agent-{i:03d}...")
             toks = system + torch.randint(0, shape.vocab, (user_tokens,), generator=gen).tolist()
             t0 = time.perf_counter()
             base = m(input_ids=torch.tensor([toks]), use_cache=True)

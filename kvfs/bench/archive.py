@@ -43,7 +43,7 @@ import numpy as np
 
 import kvfs
 from kvfs._codec import CODECS, encode, shuffle
-from kvfs.bench._common import at_least, log, machine, new_parser
+from kvfs.bench._common import at_least, log, machine, new_parser, progress
 
 __all__ = ["register", "run_archive_bench"]
 
@@ -400,7 +400,7 @@ def run_archive_bench(
                 best[k] = max(best[k], v)
             ratios["spill"].append(spill / put)
             ratios["restore"].append(restore / get)
-            log(
+            progress(
                 f"  round {r + 1}/{args.repeat}: spill {spill:.0f} vs put {put:.0f} MB/s, "
                 f"restore {restore:.0f} vs get {get:.0f} MB/s"
             )
@@ -601,7 +601,7 @@ def _main(args: argparse.Namespace) -> int:
     if args.endpoint:  # (before minutes of work too)
         _check_listing(args.endpoint, args.bucket)
     t0 = time.perf_counter()
-    log("generating KV tensors...")
+    progress("generating KV tensors...")
     arrs, source = kv_tensors(args.tokens, args.layers, args.numpy_kv)
     comp = compression(arrs, args.level)
     if args.endpoint:

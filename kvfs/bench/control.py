@@ -35,7 +35,7 @@ import trio
 import kvfs
 from kvfs._control import control_service
 from kvfs._remote import RemoteStore
-from kvfs.bench._common import at_least, log, machine, need_room, new_parser, scratch_base
+from kvfs.bench._common import at_least, log, machine, need_room, new_parser, progress, scratch_base
 
 __all__ = ["register", "run_control_bench"]
 
@@ -170,7 +170,7 @@ async def run_control_bench(
             # the median of the rounds' own (the phases of a round ran back to back)
             times: dict[tuple[str, str], list[float]] = {}
             for r in range(repeat):
-                log(f"kvfs bench control: {label} pages, round {r + 1}/{repeat}: put, get...")
+                progress(f"kvfs bench control: {label} pages, round {r + 1}/{repeat}: put, get...")
                 for who, api in (("in-process", store), ("remote", remote)):
                     # Fresh bytes for every client and round: a put of bytes the store holds
                     # already writes nothing (162 of 216 puts were deduplicated).

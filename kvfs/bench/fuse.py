@@ -42,11 +42,11 @@ from typing import Any
 from kvfs.bench._common import (
     add_sweep,
     at_least,
-    log,
     machine,
     need_room,
     new_parser,
     positive_ints,
+    progress,
     scratch_base,
 )
 from kvfs.bench._nullfs import null_mount
@@ -229,7 +229,7 @@ def run_fuse_bench(
                 rounds: list[dict[str, Any]] = []
                 for rnd in range(max(1, repeat)):
                     names = [f"page-{size_mib}-{c}-{rnd}-{i}" for i in range(per * c)]
-                    log(
+                    progress(
                         f"fuse bench: {size_mib} MiB pages, {c} clients, {len(names)} pages"
                         + (f", round {rnd + 1}/{repeat}" if repeat > 1 else "")
                     )

@@ -36,11 +36,11 @@ from kvfs._aligned import open_direct
 from kvfs.bench._common import (
     DirectUse,
     at_least,
-    log,
     machine,
     need_room,
     new_parser,
     positive_ints,
+    progress,
     scratch_base,
 )
 
@@ -181,7 +181,7 @@ def run(args: argparse.Namespace) -> int:
         with _open(cfg, mp) as store, gds.FastPath(store, threads=args.threads) as fp:
             pool = ThreadPoolExecutor(args.threads)
             for i, size_mib in enumerate(sizes):
-                log(
+                progress(
                     f"kvfs bench gds: [{i + 1}/{len(sizes)}] {size_mib} MiB pages x "
                     f"{layers_for(size_mib, args.layers)} layers..."
                 )

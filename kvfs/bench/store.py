@@ -37,11 +37,11 @@ from kvfs.bench._common import (
     DirectUse,
     add_sweep,
     at_least,
-    log,
     machine,
     need_room,
     new_parser,
     positive_ints,
+    progress,
     scratch_base,
 )
 
@@ -204,7 +204,7 @@ def _cell(
             best[k] = max(best[k], v)
         ratios["put"].append(kp / rp)
         ratios["get"].append(kg / rg)
-        log(
+        progress(
             f"  {size // MiB:>3} MiB x {clients} clients, round {rnd + 1}/{repeat}: "
             f"put {kp:.2f}/{rp:.2f} GB/s, get {kg:.2f}/{rg:.2f} GB/s (kvfs/raw)"
         )
@@ -331,7 +331,7 @@ def _main(args: argparse.Namespace) -> int:
         if args.index:
             from ._index_bench import print_index_bench, run_index_bench
 
-            res = run_index_bench(dirs[0], args.index, progress=log)
+            res = run_index_bench(dirs[0], args.index, progress=progress)
             print_json(res) if args.json else print_index_bench(res)
             return 0
         res = run_store_bench(

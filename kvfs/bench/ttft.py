@@ -30,10 +30,10 @@ from typing import Any
 from kvfs.bench._common import (
     DirectUse,
     at_least,
-    log,
     machine,
     new_parser,
     positive_ints,
+    progress,
     scratch_base,
 )
 
@@ -209,7 +209,9 @@ def run_ttft(
             )
         m(input_ids=torch.randint(0, shape.vocab, (1, 128)))  # warm up kernels and memory
         for i, n in enumerate(lengths):
-            log(f"kvfs bench ttft: [{i + 1}/{len(lengths)}] {n} tokens: prefill, save, load...")
+            progress(
+                f"kvfs bench ttft: [{i + 1}/{len(lengths)}] {n} tokens: prefill, save, load..."
+            )
             ids = torch.randint(0, shape.vocab, (1, n), generator=torch.Generator().manual_seed(n))
             # The prefill is timed as the loads are, best of --repeat: once, the first
             # length's ran cold (4x slower than the same length later in a run).
