@@ -265,9 +265,21 @@ def headroom(free: int) -> int:
 class Engine:
     """Owns one store directory set. Open with :meth:`open`; close with :meth:`close`."""
 
-    def __init__(self, config: StoreConfig) -> None:
+    def __init__(self, config: StoreConfig, *, archive_required: bool = True) -> None:
+        """Open the store at ``config`` (see :meth:`_open` for what an open recovers).
+
+        ``archive_required=False`` is for inspecting the local tier while the archive is
+        down (``kvfs fsck``, ``stats`` and ``ls`` offline): an archive that cannot be opened
+        (ArchiveUnavailable) leaves the store open as one configured without an archive,
+        and ``archive_error`` says why. Its archive-only pages read as missing, and a repair,
+        spill or restore raises ArchiveUnavailable with that reason. Otherwise the open
+        raises ArchiveUnavailable, and StoreLocked, KvfsError, DiskFull as always.
+        """
         self.config = config
         self._closed = True
+        self._archive_required = archive_required
+        #: why the archive configured could not be opened (``archive_required=False``)
+        self.archive_error: str | None = None
         #: the process that opened the store: a forked child inherits this object, but not
         #: its threads, and must not share its SQLite connections, lock or files
         self._pid = os.getpid()
@@ -450,15 +462,21 @@ class Engine:
 
             try:
                 self.policy = ArchivingPolicy(self)  # a failure: __init__ closes what is open
-            except BaseException:
-                if clean:
-                    # Nothing was written yet: the index is left clean, as it was found (an
-                    # archive unreachable at open made every later open recount the data,
-                    # sweep for orphans, and warn of a crash that never happened).
-                    with contextlib.suppress(Exception):
-                        self.index.set_meta("accounting", [self.used, self.dev_used])
-                        self.index.set_meta("clean", True)
-                raise
+            except BaseException as e:
+                if self._archive_required or not isinstance(e, ArchiveUnavailable):
+                    if clean:
+                        # Nothing was written yet: the index is left clean, as it was found
+                        # (an archive unreachable at open made every later open recount the
+                        # data, sweep for orphans, and warn of a crash that never happened).
+                        with contextlib.suppress(Exception):
+                            self.index.set_meta("accounting", [self.used, self.dev_used])
+                            self.index.set_meta("clean", True)
+                    raise
+                # Open for inspection, as without an archive: the recovery above touched
+                # local files only, and nothing of the archive's (its recorded identity, the
+                # queue of its changes in the index) was read or written.
+                self.archive_error = str(e)
+                log.info("opened without its archive, which cannot be used: %s", e)
         elif self.index.has_archive_only():
             # (their reads fail as missing: say why once, where an operator looks)
             log.warning(
@@ -1002,6 +1020,8 @@ class Engine:
         from ._archive import ArchivingPolicy
 
         self._check_open()
+        if self.archive_error is not None:  # (configured, and could not be opened)
+            raise ArchiveUnavailable(self.archive_error)
         if not isinstance(self.policy, ArchivingPolicy):
             raise ArchiveUnavailable("no archive tier is configured (set archive_url)")
         return self.policy
@@ -1081,7 +1101,14 @@ class Engine:
         served), except pinned ones: kept, and listed as ``unrecoverable``. With
         ``archive``, also download and verify the archive object of everything archived
         (see ArchivingPolicy.check_archive). Returns findings by kind
-        (:data:`kvfs._maint.FSCK_FINDINGS`)."""
+        (:data:`kvfs._maint.FSCK_FINDINGS`). Opened without the archive it could not open
+        (``archive_error``), the check is local and says so in ``archive_error``, and a
+        repair raises ArchiveUnavailable, changing nothing: it could delete the pages of
+        damaged local copies that the archive holds good copies of."""
+        if repair and self.archive_error is not None:
+            raise ArchiveUnavailable(
+                f"{self.archive_error} (fsck --repair needs the archive: nothing was changed)"
+            )
         with self._using():
             return _maint.fsck(
                 self, repair=repair, verify_data=verify_data, progress=progress, archive=archive

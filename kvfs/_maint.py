@@ -213,12 +213,27 @@ def statistics(eng: Engine) -> StoreStatistics:
             bytes_written=k.get("bytes_written", 0),
             bytes_read=k.get("bytes_read", 0),
             evictions=dict(eng._evictions),
-            extra={**eng.policy.statistics(), **_settings(eng)},
+            extra={**eng.policy.statistics(), **_settings(eng), **_archive_error(eng)},
             devices=tuple(
                 DeviceStatistics(i, str(r), eng.dev_used[i], free[i])
                 for i, r in enumerate(eng.tier.roots)
             ),
         )
+
+
+def _archive_error(eng: Engine) -> dict[str, object]:
+    """The archive configured that the store was opened without, and why (see Engine's
+    ``archive_required``): the figures are then the local tier's alone."""
+    if eng.archive_error is None:
+        return {}
+    from ._archive import archive_identity  # (imports objectstore)
+
+    return {
+        "archive_error": {
+            "url": archive_identity(eng.config.archive_url),
+            "error": eng.archive_error,
+        }
+    }
 
 
 def _settings(eng: Engine) -> dict[str, object]:
@@ -388,7 +403,9 @@ def fsck(
     out["damaged_pages"] = sorted({p for paths in names.values() for p in paths})
     if repair:
         _repair(eng, out, bad, fixable, archive_rows, lost, found, names)
-    if archive:  # then the archive's copies: a download of each
+    if eng.archive_error is not None:  # the archive configured could not be opened
+        out["archive_error"] = [eng.archive_error]
+    elif archive:  # then the archive's copies: a download of each
         base = len(blobs)
 
         def archive_progress(done: int, total: int) -> None:

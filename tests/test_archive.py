@@ -628,6 +628,41 @@ def test_an_open_refused_for_an_unreachable_archive_leaves_the_store_clean(
     assert "not closed cleanly" not in caplog.text
 
 
+def test_an_open_for_inspection_goes_on_without_an_archive_it_cannot_open(
+    make_config,  # noqa: ANN001
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A store whose archive could not be opened could not be opened at all, so nothing
+    could look at its local tier while the archive was down. Opened with
+    ``archive_required=False`` it opens as one without an archive and says why; a repair,
+    spill or restore refuses with that reason, and the archive's state is left alone."""
+    arch = tmp_path / "arch"
+    cfg = archived_cfg(make_config, f"file://{arch}")
+    with kvfs.open_store_sync(cfg) as s:
+        data = fill(s, "a", 2)
+        s.spill("a")
+        s.put(PageKey.semantic("b", "p0", 0), kv_page(9))
+    arch.rename(tmp_path / "away")  # (a share not mounted now)
+    with pytest.raises(kvfs.ArchiveUnavailable, match="does not exist"):
+        kvfs.open_store_sync(cfg).__enter__()
+    with kvfs.open_store_sync(cfg, archive_required=False) as s:
+        assert "does not exist" in str(s.engine.archive_error)
+        assert {p.tier for p in s.list(session="a")} == {"archive"}
+        assert s.get(PageKey.semantic("b", "p0", 0)) == kv_page(9)
+        found = s.fsck()
+        assert found["archive_error"] == [s.engine.archive_error] and not found["corrupt"]
+        for refused in (lambda: s.fsck(repair=True), lambda: s.spill("b"), lambda: s.restore("a")):
+            with pytest.raises(kvfs.ArchiveUnavailable, match="does not exist"):
+                refused()
+        assert s.statistics().extra["archive_error"]["url"] == f"file://{arch}"
+    (tmp_path / "away").rename(arch)
+    with kvfs.open_store_sync(cfg) as s:
+        assert s.engine.archive_error is None
+        assert all(s.get(k) == v for k, v in data.items())
+    assert "not closed cleanly" not in caplog.text
+
+
 def test_rename_and_replace_keep_manifests_consistent(make_config, s3_server) -> None:  # noqa: ANN001
     bucket = s3_server.new_bucket()
     url = f"s3://{bucket}?endpoint={s3_server.endpoint}"
