@@ -43,7 +43,13 @@ __all__ = ["register", "render_stats"]
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("ls", help="list sessions, or the pages of a session or path prefix")
+    p = sub.add_parser(
+        "ls",
+        help="list sessions, or the pages of a session or path prefix",
+        description="Offline (no daemon), a store whose archive cannot be reached is listed "
+        "from its own index, saying so on stderr: pages only the archive holds show as "
+        "archive. --archived needs the archive.",
+    )
     p.add_argument("target", nargs="?", metavar="PATH|SESSION")
     p.add_argument(
         "-l", dest="long", action="store_true", help="long listing (checksum, created, attributes)"
@@ -86,7 +92,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         "that had to restore from the archive; archive HITS are pages restored, MISSES "
         "restores refused because the object failed its checksum. READ and WRITTEN are page "
         "bytes read and written (for the archive: restored and spilled). The counters are "
-        "the daemon's since it started, or this command's own when no daemon runs.",
+        "the daemon's since it started, or this command's own when no daemon runs. "
+        "Offline, a store whose archive cannot be reached is read without it: the archive "
+        "line says so (with --json: archive_error in extra).",
     )
     _add_mount(p, "; after --watch, give its SECONDS first (--watch 2 /mnt/kv)")
     p.add_argument(
@@ -174,7 +182,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         "wrong checksums, orphans, lost or wrong rows",
         description="Check the index against the files and its rows against each other. "
         "Prints each kind of finding (docs/cli.md says what each lists); exit 5 when there are problems, or when --repair kept damaged pages it "
-        "could not mend (unrecoverable).",
+        "could not mend (unrecoverable). Offline (no daemon), a store whose archive cannot "
+        "be reached is checked without it: archive_error says why, exit 8 after the local "
+        "check; --repair is refused then (exit 8, nothing changed).",
     )
     _add_mount(p)
     p.add_argument(
@@ -243,7 +253,7 @@ def _emit(args: argparse.Namespace, result: Any, lines: list[str]) -> None:
 # -- ls -------------------------------------------------------------------------------
 def cmd_ls(args: argparse.Namespace) -> int:
     given = args.target  # (open_target turns a path on the mount into the store's path)
-    with open_target(args, from_archive=args.archived) as store:
+    with open_target(args, from_archive=args.archived, inspect=not args.archived) as store:
         if args.archived:
             return _ls_archived(args, store.archived_sessions())
         if args.target in (None, "."):  # ("." : the mount's root, see map_mount_paths)
@@ -521,7 +531,13 @@ def render_stats(st: kvfs.StoreStatistics, *, own_counters: bool = False) -> str
             f"{sec(a.get('restore_p50_s'))} p99 {sec(a.get('restore_p99_s'))}"
         )
     else:
-        out.append("archive: none configured")
+        err = st.extra.get("archive_error")
+        out.append(
+            f"archive {err.get('url')}: unavailable, not opened ({err.get('error')}); the "
+            "figures above are the local tier's"
+            if isinstance(err, dict)
+            else "archive: none configured"
+        )
     ev = ", ".join(f"{k} {v}" for k, v in sorted(st.evictions.items())) or "none"
     out.append(f"evictions: {ev}")
     out += _settings_lines(st.extra)
@@ -560,7 +576,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
         # Opened for each refresh: a watch over the data directory itself held its lock
         # all along (a daemon could not start), and one through a daemon ended with it
         try:
-            with open_target(args) as store:
+            with open_target(args, inspect=True) as store:
                 st = store.statistics()
                 own = not isinstance(store, SyncRemoteStore)
         except (kvfs.StoreLocked, DaemonUnavailable) as e:
@@ -858,7 +874,8 @@ def _local_bytes(store: Any, session: str) -> int:
 
 
 def cmd_fsck(args: argparse.Namespace) -> int:
-    with open_target(args) as store:
+    # (a repair needs the archive: it could delete pages whose good copy is there)
+    with open_target(args, inspect=not args.repair) as store:
         engine = getattr(store, "engine", None)
         if engine is not None:  # in-process: a progress bar per checked content
             bar = _progress(args, "fsck", 1, unit=" contents")

@@ -268,13 +268,22 @@ def warn_unknown_environment() -> None:
 
 @contextmanager
 def open_target(
-    args: argparse.Namespace, *, create: bool = False, from_archive: bool = False
+    args: argparse.Namespace,
+    *,
+    create: bool = False,
+    from_archive: bool = False,
+    inspect: bool = False,
 ) -> Iterator[Any]:
     """A SyncStore-like object for the command: the daemon's store or the local one.
 
     ``from_archive``: the command reads the archive (a restore, ``ls --archived``), so on
     a fresh host, one that shares an archive another host spilled to, the store is made
     when an archive is configured (not the embedded default).
+
+    ``inspect``: the command only reads the local tier (``fsck`` without ``--repair``,
+    ``stats``, ``ls``), so a data directory whose archive cannot be opened is opened
+    without it, saying so on stderr (``store.engine.archive_error``): the user learns what
+    is local while the archive is down. Every other command still refuses to open then.
 
     Raises DaemonUnavailable (``--daemon`` and none answers), StoreLocked (the directory is
     owned by a process that does not answer on the control socket), FileNotFoundError (no
@@ -329,7 +338,9 @@ def open_target(
             if new:
                 store = stack.enter_context(_made_or_undone(config))
             else:
-                store = stack.enter_context(kvfs.open_store_sync(config))
+                store = stack.enter_context(
+                    kvfs.open_store_sync(config, archive_required=not inspect)
+                )
         except kvfs.StoreLocked as e:
             if mode == "offline" and _answers(settings.socket_path()):
                 raise kvfs.StoreLocked(
@@ -339,6 +350,12 @@ def open_target(
         if new:  # (a forgotten --config writes into a store of its own: say so)
             dirs = ", ".join(str(d) for d in config.data_dirs)
             print(f"kvfs: made a new store in {dirs}", file=sys.stderr)
+        if getattr(store.engine, "archive_error", None):
+            print(
+                f"kvfs: opened without the archive, which cannot be used now "
+                f"({store.engine.archive_error}): only the local tier is inspected",
+                file=sys.stderr,
+            )
         yield store
 
 

@@ -291,7 +291,9 @@ FSCK_FINDINGS: dict[str, str] = {
     "archive_repaired": "with `--check-archive --repair`: the objects uploaded again from a "
     "verified local copy",
     "archive_error": "with `--check-archive`: the archive could not be reached, or none is "
-    "configured (exit 8, after the local check and repair, which stand)",
+    "configured (exit 8, after the local check and repair, which stand). Offline (no "
+    "daemon), also without it: the archive configured could not be opened, and the local "
+    "check ran without it (exit 8 after it; `--repair` is refused then, and changes nothing)",
 }
 #: The problems the local check finds (the archive's are added by --check-archive).
 _LOCAL_PROBLEMS = (

@@ -993,3 +993,88 @@ def test_messages_show_a_name_holding_a_newline_on_one_line(run: Run, tmp_path: 
     assert run("put", "f", name, *d)[0] == 0
     rc, out, _ = run("rm", name, *d)
     assert rc == 0 and out == "deleted page sessions/nl\\nx/p/layer-000\n"
+
+
+def _archived_store(run: Run, tmp_path: Path, s3_server) -> tuple[list[str], list[str]]:  # noqa: ANN001
+    """Session a spilled (its page held by the archive alone), b local; the data options
+    with the archive reachable, and with its endpoint down (the same bucket: the archive
+    this store recorded)."""
+    bucket = s3_server.new_bucket()
+    dirs = ["--data", f"{tmp_path}/d0,{tmp_path}/d1"]
+    up = [*dirs, "--archive", f"s3://{bucket}?endpoint={s3_server.endpoint}"]
+    down = [*dirs, "--archive", f"s3://{bucket}?endpoint=http://127.0.0.1:1&open_deadline=0.5"]
+    (tmp_path / "f").write_bytes(os.urandom(5000))
+    (tmp_path / "g").write_bytes(os.urandom(7000))
+    assert run("put", "f", "sessions/a/p/layer-000", *up)[0] == 0
+    assert run("put", "g", "sessions/b/p/layer-000", *up)[0] == 0
+    assert run("spill", "a", *up)[0] == 0
+    return up, down
+
+
+def test_offline_fsck_stats_and_ls_inspect_the_local_tier_while_the_archive_is_unreachable(
+    run: Run,
+    tmp_path: Path,
+    s3_server,  # noqa: ANN001
+) -> None:
+    """With the archive's endpoint down, `kvfs fsck`, `stats` and `ls` on the data
+    directory did not open the store at all (exit 8, "cannot reach the S3 endpoint"): no
+    local check ran, and the user learnt nothing of the local pages while S3 was down."""
+    up, down = _archived_store(run, tmp_path, s3_server)
+    for flags in ([], ["--check-archive"]):
+        rc, out, err = run("fsck", "--json", *flags, *down)
+        found = json.loads(out)
+        assert rc == 8 and "cannot reach the S3 endpoint" in found["archive_error"][0], err
+        assert not any(found[k] for k in ("missing", "corrupt", "orphans", "damaged_pages"))
+        assert "opened without the archive" in err and "only the local tier" in err, err
+    rc, out, _ = run("fsck", *down)
+    assert rc == 8 and out.endswith("clean; the archive could not be checked\n"), out
+    rc, out, _ = run("stats", "--json", *down)
+    st = json.loads(out)
+    assert rc == 0 and st["pages"] == 2 and "archive" not in st["extra"], st
+    assert "cannot reach the S3 endpoint" in st["extra"]["archive_error"]["error"], st
+    rc, out, _ = run("stats", *down)
+    assert rc == 0 and "unavailable, not opened (cannot reach the S3 endpoint" in out, out
+    rc, out, err = run("ls", "--json", *down)
+    assert rc == 0 and [s["session"] for s in json.loads(out)] == ["a", "b"], err
+    assert "only the local tier is inspected" in err, err
+    for session, where in (("a", "archive"), ("b", "local")):
+        rc, out, _ = run("ls", session, "--json", *down)
+        assert rc == 0 and [p["tier"] for p in json.loads(out)] == [where], out
+    # nothing was changed: the archive back, its page comes back from it
+    rc, _, err = run("ls", "--archived", *down)
+    assert rc == 8 and "cannot reach" in err, err
+    assert run("restore", "a", *up)[0] == 0
+    assert run("get", "sessions/a/p/layer-000", "back", *up)[0] == 0
+    assert (tmp_path / "back").read_bytes() == (tmp_path / "f").read_bytes()
+
+
+def test_offline_fsck_finds_local_damage_while_the_archive_is_unreachable_and_repairs_nothing(
+    run: Run,
+    tmp_path: Path,
+    s3_server,  # noqa: ANN001
+) -> None:
+    """A damaged local copy of archived data with the archive's endpoint down: `kvfs fsck`
+    exited 8 without checking anything (the store did not open). It is found now, beside
+    the archive's error; --repair, which could delete pages whose good copy the archive
+    holds, still refuses to open, and so do the other commands that change the store."""
+    up, down = _archived_store(run, tmp_path, s3_server)
+    assert run("restore", "a", *up)[0] == 0  # local+archive
+    with kvfs.open_store_sync(kvfs.StoreConfig(data_dirs=(tmp_path / "d0", tmp_path / "d1"))) as s:
+        ext = s.stat("sessions/a/p/layer-000").extents[0]
+    with open(ext.path, "r+b") as f:
+        f.seek(ext.offset + 10)
+        f.write(b"\xff\xfe\xfd")
+    rc, out, err = run("fsck", "--json", *down)
+    found = json.loads(out)
+    assert rc == 5 and found["damaged_pages"] == ["sessions/a/p/layer-000"], err
+    assert "cannot reach the S3 endpoint" in found["archive_error"][0], found
+    for cmd in (["fsck", "--repair"], ["rm", "a"], ["evict", "b"], ["put", "f", "c/x"]):
+        rc, _, err = run(*cmd, *down)
+        assert rc == 8 and "cannot reach the S3 endpoint" in err, (cmd, err)
+    rc, out, _ = run("ls", "--json", *up)
+    assert [s["session"] for s in json.loads(out)] == ["a", "b"], out
+    # with the archive back, the repair restores the damaged copy from it
+    rc, out, _ = run("fsck", "--repair", *up)
+    assert rc == 0, out
+    assert run("get", "sessions/a/p/layer-000", "back", *up)[0] == 0
+    assert (tmp_path / "back").read_bytes() == (tmp_path / "f").read_bytes()
