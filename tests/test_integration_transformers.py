@@ -903,3 +903,31 @@ def test_a_model_with_latent_attention_is_refused(tmp_path: Path) -> None:
     )  # fmt: skip
     with pytest.raises(ValueError, match="latent attention"):
         TransformersKV(tmp_path, model, model_id="deepseek-tiny", chunk_tokens=CHUNK)
+
+
+def test_a_session_pressed_out_by_another_keeps_its_head(
+    make_config: Callable[..., kvfs.StoreConfig],
+) -> None:
+    """Eviction took a session's pages least recently used first: its first chunk, saved
+    first, went first, and a load found nothing to reuse though half its pages were still
+    there. A save is one burst of access, which eviction takes from its tail. (One thread
+    saves, so that the pages are written in chunk order.)"""
+    shape = GEOMETRIES["fp32-gqa-2layers"]
+    model = model_of(shape)
+    old, new = tokens(4 * CHUNK, seed=61), tokens(4 * CHUNK, seed=62)
+    _, old_cache = prefill(model, old)
+    _, new_cache = prefill(model, new)
+    kw: dict[str, Any] = {"model_id": shape.model_id, "chunk_tokens": CHUNK, "threads": 1}
+    with kvfs.open_store_sync(make_config(ndev=1, name="sizing")) as store:
+        with TransformersKV(store, model, **kw) as kv:
+            kv.save("old", old, old_cache)
+        used = store.statistics().used_bytes  # what one session's pages take on disk
+    with (
+        kvfs.open_store_sync(make_config(ndev=1, capacity=used + used // 2)) as store,
+        TransformersKV(store, model, **kw) as kv,
+    ):
+        kv.save("old", old, old_cache)
+        kv.save("new", new, new_cache)  # half of "old" has to go: its last two chunks
+        assert store.statistics().evictions == {"capacity": 4}
+        assert kv.load("old", old).tokens == 2 * CHUNK
+        assert kv.load("new", new).tokens == 4 * CHUNK
