@@ -83,14 +83,32 @@ def quiet_third_party_loggers() -> None:
         lg.setLevel(max(lg.getEffectiveLevel(), logging.INFO))
 
 
+class _CommandFormatter(logging.Formatter):
+    """``kvfs ls: warning: ...``: a command's log lines, as its error lines read."""
+
+    def __init__(self, command: str) -> None:
+        super().__init__()
+        self.command = command
+
+    def format(self, record: logging.LogRecord) -> str:
+        return f"kvfs {self.command}: {record.levelname.lower()}: {record.getMessage()}"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if extra:  # told by the command's own parser: its usage, not the top level's
         _command_parser(parser, args.command).error(f"unrecognized arguments: {' '.join(extra)}")
+    handler = logging.StreamHandler()
+    if args.command != "mount" and not args.debug:
+        # The daemon's log (and --debug) is a record, with times and sources; a command
+        # warns as it reports its errors, in one line naming itself (a timestamped
+        # "WARNING kvfs.engine:" line read as a crash report)
+        handler.setFormatter(_CommandFormatter(args.command))
     logging.basicConfig(
         level=logging.DEBUG if args.debug else logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        handlers=[handler],
     )
     quiet_third_party_loggers()
     events = logging.getLogger("kvfs.events")

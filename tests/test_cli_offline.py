@@ -604,6 +604,26 @@ def test_bad_arguments_and_one_line_errors(tmp_path: Path) -> None:
     assert r.stderr.strip().splitlines()[-1].startswith("kvfs ls: ")
 
 
+def test_a_commands_warning_is_one_line_naming_the_command(run: Run, tmp_path: Path) -> None:
+    """A warning logged while a command ran came out as the daemon's log records it
+    ("2026-11-27 23:43:21,252 WARNING kvfs.engine: ..."), unlike the command's own lines;
+    --debug keeps that record's form."""
+    d = one_page(run, tmp_path, b"w" * 5000, archive=True)
+    assert run("spill", "a", *d)[0] == 0
+    without = data(tmp_path)  # the same store, with no archive configured
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVFS_")}
+    cmd = [sys.executable, "-m", "cli"]
+    r = subprocess.run([*cmd, "ls", *without], capture_output=True, text=True, env=env)
+    assert r.returncode == 0 and "SESSION" in r.stdout
+    assert r.stderr.splitlines() == [
+        "kvfs ls: warning: opened without an archive, but some pages are held only by the "
+        f"archive this store spilled to (file://{tmp_path}/arch): they read as missing until "
+        "it is configured"
+    ]
+    r = subprocess.run([*cmd, "--debug", "ls", *without], capture_output=True, text=True, env=env)
+    assert r.returncode == 0 and " WARNING kvfs.engine: opened without an archive" in r.stderr
+
+
 def test_a_bad_target_among_several_changes_nothing(run: Run, tmp_path: Path) -> None:
     """`kvfs rm a b typo` deleted a and b, then reported only the typo."""
     d = data(tmp_path)
