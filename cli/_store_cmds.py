@@ -96,10 +96,10 @@ def register(sub: argparse._SubParsersAction) -> None:
         "Offline, a store whose archive cannot be reached is read without it: the archive "
         "line says so (with --json: archive_error in extra).",
     )
-    _add_mount(p, "; after --watch, give its SECONDS first (--watch 2 /mnt/kv)")
+    _add_mount(p)
     p.add_argument(
         "--watch",
-        type=seconds,
+        type=_watch_seconds,
         metavar="SECONDS",
         nargs="?",
         const=2.0,
@@ -568,7 +568,25 @@ def _on(v: object) -> str:
     return "on" if v else "off"
 
 
+class _NotSeconds(str):
+    """What followed --watch, and is no number: the MOUNT (``kvfs stats --watch /mnt/kv``)."""
+
+
+def _watch_seconds(text: str) -> float | _NotSeconds:
+    """--watch's SECONDS; a word that is no number is left for MOUNT (--watch's value is
+    optional, so argparse gave it the path that followed: "invalid seconds value")."""
+    try:
+        float(text)
+    except ValueError:
+        return _NotSeconds(text)
+    return seconds(text)
+
+
 def cmd_stats(args: argparse.Namespace) -> int:
+    if isinstance(args.watch, _NotSeconds):
+        if args.mount is not None:
+            raise ValueError(f"--watch takes a number of seconds, not {str(args.watch)!r}")
+        args.mount, args.watch = str(args.watch), 2.0
     if args.count and not args.watch:
         raise ValueError("--count needs --watch (it counts the refreshes)")
     n = 0

@@ -322,6 +322,12 @@ def test_stats_hosts_and_fsck_take_the_mount_or_a_path_on_it(
             assert st["pages"] == 1 and st["extra"]["mount"]["mountpoint"] == str(d.mp)
         rc, out, err = run("stats", str(d.mp))
         assert rc == 0 and f"mount: {d.mp} (pid " in out, err
+        # after --watch, whose SECONDS may be left out (it took MOUNT for them: exit 2)
+        for args in (("--watch", str(d.mp)), ("--watch", "0.1", str(d.mp))):
+            rc, out, err = run("stats", *args, "--count", "1", "--json")
+            assert rc == 0 and json.loads(out)["extra"]["mount"]["mountpoint"] == str(d.mp), err
+        rc, _, err = run("stats", "--watch", "soon", str(d.mp))
+        assert rc == 2 and "--watch takes a number of seconds, not 'soon'" in err
         rc, out, err = run("hosts", str(d.mp), "--json")
         assert rc == 0, err
         (me,) = json.loads(out)
