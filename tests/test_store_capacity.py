@@ -3,10 +3,11 @@ pinned pages and pinned sessions never evicted, CapacityExceeded when nothing ma
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -184,8 +185,19 @@ def test_eviction_is_least_recently_used(make_config: Callable[..., kvfs.StoreCo
         assert store.statistics().evictions == {"capacity": 1}
 
 
-def _chunks(n: int) -> list[kvfs.PageKey]:
-    return [kvfs.PageKey.semantic("agent", f"c{i:03d}", 0) for i in range(n)]
+@contextlib.contextmanager
+def _prefix_then_another_page(
+    make_config: Callable[..., kvfs.StoreConfig], room: int
+) -> Iterator[tuple[kvfs.SyncStore, list[kvfs.PageKey]]]:
+    """A store with room for ``room`` pages holding four chunks of a prefix, written in
+    order, then a page of another session (evicting what did not fit)."""
+    cfg = make_config(ndev=1, stripe_unit=64 * KiB, capacity=room * (64 * KiB + 4 * KiB))
+    with kvfs.open_store_sync(cfg) as store:
+        chunks = [kvfs.PageKey.semantic("agent", f"c{i:03d}", 0) for i in range(4)]
+        for k in chunks:
+            store.put(k, os.urandom(64 * KiB))
+        store.put("other/p", os.urandom(64 * KiB))
+        yield store, chunks
 
 
 def test_a_prefix_written_in_order_is_evicted_tail_first(
@@ -194,12 +206,7 @@ def test_a_prefix_written_in_order_is_evicted_tail_first(
     """A prefix is usable from its head only. Its chunks, saved in order, had each a later
     access time than the one before, so LRU evicted chunk 0 first: what stayed was of no
     use to an engine (it recomputes from the first missing chunk)."""
-    cfg = make_config(ndev=1, stripe_unit=64 * KiB, capacity=4 * (64 * KiB + 4 * KiB))
-    with kvfs.open_store_sync(cfg) as store:
-        chunks = _chunks(4)
-        for k in chunks:
-            store.put(k, os.urandom(64 * KiB))
-        store.put("other/p", os.urandom(64 * KiB))
+    with _prefix_then_another_page(make_config, room=4) as (store, chunks):
         store.put("other/q", os.urandom(64 * KiB))
         left = {p.path for p in store.list(session="agent")}
         assert left == {chunks[0].path, chunks[1].path}
@@ -213,12 +220,7 @@ def test_a_prefix_read_in_order_is_evicted_tail_first(
     newest-written pages of it first."""
     from kvfs._policy import AccessClock
 
-    cfg = make_config(ndev=1, stripe_unit=64 * KiB, capacity=5 * (64 * KiB + 4 * KiB))
-    with kvfs.open_store_sync(cfg) as store:
-        chunks = _chunks(4)
-        for k in chunks:
-            store.put(k, os.urandom(64 * KiB))
-        store.put("other/p", os.urandom(64 * KiB))
+    with _prefix_then_another_page(make_config, room=5) as (store, chunks):
         store.engine.clock = AccessClock()  # the reads below are a later burst, however fast
         for k in chunks:
             store.get(k)
