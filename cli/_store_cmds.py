@@ -895,6 +895,8 @@ def cmd_fsck(args: argparse.Namespace) -> int:
     # (a repair needs the archive: it could delete pages whose good copy is there)
     with open_target(args, inspect=not args.repair) as store:
         engine = getattr(store, "engine", None)
+        # opened without the archive it could not reach: a repair would be refused
+        offline = engine is not None and engine.archive_error is not None
         if engine is not None:  # in-process: a progress bar per checked content
             bar = _progress(args, "fsck", 1, unit=" contents")
 
@@ -948,18 +950,23 @@ def cmd_fsck(args: argparse.Namespace) -> int:
             )
         )
     else:
-        verdict = (
-            "problems found; --repair removes orphans, mends the index's rows, restores "
-            "damaged data the archive holds, and deletes the damaged pages it does not "
-            "(pinned ones are kept)"
+        does = (
+            "removes orphans, mends the index's rows, restores damaged data the archive "
+            "holds, and deletes the damaged pages it does not (pinned ones are kept)"
             + (
                 "; and uploads again the damaged archive objects held here"
                 if args.check_archive
                 else ""
             )
         )
-    if found.get("archive_error"):  # the local check and repair above stand
-        verdict += "; the archive could not be checked"
+        verdict = f"problems found; --repair {does}"
+        if offline:  # --repair refuses to open the store without its archive
+            verdict = (
+                "problems found; the archive could not be checked, and --repair needs it: "
+                f"it refuses to run until the archive can be reached, then {does}"
+            )
+    if found.get("archive_error") and not (offline and problems):  # (said above)
+        verdict += "; the archive could not be checked"  # the local check and repair stand
     _emit(args, found, [*lines, verdict])
     if problems and not (args.repair and not lost):
         return EXIT["corrupt"]

@@ -1076,7 +1076,9 @@ def test_offline_fsck_finds_local_damage_while_the_archive_is_unreachable_and_re
     """A damaged local copy of archived data with the archive's endpoint down: `kvfs fsck`
     exited 8 without checking anything (the store did not open). It is found now, beside
     the archive's error; --repair, which could delete pages whose good copy the archive
-    holds, still refuses to open, and so do the other commands that change the store."""
+    holds, still refuses to open, and so do the other commands that change the store. The
+    verdict said "--repair removes ..." all the same: it says now that the repair needs
+    the archive back."""
     up, down = _archived_store(run, tmp_path, s3_server)
     assert run("restore", "a", *up)[0] == 0  # local+archive
     with kvfs.open_store_sync(kvfs.StoreConfig(data_dirs=(tmp_path / "d0", tmp_path / "d1"))) as s:
@@ -1088,6 +1090,12 @@ def test_offline_fsck_finds_local_damage_while_the_archive_is_unreachable_and_re
     found = json.loads(out)
     assert rc == 5 and found["damaged_pages"] == ["sessions/a/p/layer-000"], err
     assert "cannot reach the S3 endpoint" in found["archive_error"][0], found
+    # the verdict said "--repair removes ...", a repair that then refused to run
+    rc, out, _ = run("fsck", *down)
+    verdict = out.splitlines()[-1]
+    assert rc == 5 and "--repair needs it" in verdict, out
+    assert "refuses to run until the archive can be reached, then removes" in verdict, out
+    assert "--repair removes" not in verdict and verdict.count("could not be checked") == 1
     for cmd in (["fsck", "--repair"], ["rm", "a"], ["evict", "b"], ["put", "f", "c/x"]):
         rc, _, err = run(*cmd, *down)
         assert rc == 8 and "cannot reach the S3 endpoint" in err, (cmd, err)
