@@ -65,6 +65,20 @@ _DENIED = {
     "AccountProblem",
 }
 
+#: Refusals of the credentials themselves, whatever the request: the cause, and the two
+#: places such a key is usually set (the environment, or the shared credentials file).
+_WRONG_KEY = {
+    "InvalidAccessKeyId": (
+        "the access key id is unknown to the server (InvalidAccessKeyId)",
+        "AWS_ACCESS_KEY_ID, or aws_access_key_id",
+    ),
+    "SignatureDoesNotMatch": (
+        "the secret access key is wrong (SignatureDoesNotMatch: the request's signature "
+        "does not match the access key id's secret)",
+        "AWS_SECRET_ACCESS_KEY, or aws_secret_access_key",
+    ),
+}
+
 
 def _code(e: BaseException) -> str:
     if isinstance(e, bce.ClientError):
@@ -232,7 +246,10 @@ class S3Store(ObjectStore):
         try:
 
             async def check() -> None:
-                await self._thread(checker.head_bucket, Bucket=bucket)
+                try:
+                    await self._thread(checker.head_bucket, Bucket=bucket)
+                except bce.ClientError as e:
+                    raise await self._with_reason(e, checker) from None
                 # any server answers a HEAD with 200; an S3 listing has a shape to check
                 kw: dict[str, Any] = {"Bucket": bucket, "MaxKeys": 1}
                 if self.prefix:
@@ -278,15 +295,47 @@ class S3Store(ObjectStore):
             part_size=self.part_size,
         )
 
+    async def _with_reason(self, e: bce.ClientError, client: Any = None) -> bce.ClientError:
+        """``e``, or, where ``e`` is a HEAD's 403, the error of a request that says why when
+        the credentials themselves are refused. A reply to a HEAD has no body, so no error
+        code: a wrong secret key or an unknown access key id read as a missing permission
+        (AccessDenied). A one-key listing is refused for the same reason, with a body; any
+        other answer to it (a listing, AccessDenied, no answer) leaves ``e`` as it is."""
+        if _status(e) != 403 or _code(e) not in ("", "403"):
+            return e
+        kw: dict[str, Any] = {"Bucket": self.bucket, "MaxKeys": 1}
+        if self.prefix:
+            kw["Prefix"] = self.prefix
+        listing = functools.partial((client or self._client).list_objects_v2, **kw)
+        try:
+            # a read: given up when the caller is cancelled, as the HEAD would have been
+            await trio.to_thread.run_sync(
+                listing, abandon_on_cancel=True, limiter=archive_threads()
+            )
+        except bce.ClientError as f:
+            if _code(f) in _WRONG_KEY:
+                return f
+        except Exception:  # (no better reason to give: the HEAD's answer stands)
+            pass
+        return e
+
     def _permanent(
         self, e: bce.ClientError, what: str, needs: str, key: str | None = None
     ) -> ArchiveUnavailable:
         """The error for a reply that retrying cannot change. A refusal (403) is
         ArchiveAccessDenied naming the permission ``needs`` and what it is needed on (the
-        object ``key``, else the bucket): the archive answered, it is no outage."""
+        object ``key``, else the bucket): the archive answered, it is no outage. One of the
+        credentials themselves (a wrong secret key, an unknown access key id) names that
+        instead, and where it is set."""
         code, status = _code(e), _status(e)
         if code in ("NoSuchBucket",) or (status == 404 and "bucket" in what.lower()):
             why = f"bucket {self.bucket!r} does not exist"
+        elif code in _WRONG_KEY:
+            cause, setting = _WRONG_KEY[code]
+            return ArchiveAccessDenied(
+                f"{what} on {self.url}: {cause}; fix {setting} in ~/.aws/credentials (in "
+                "the profile that AWS_PROFILE or the archive URL's profile= names)"
+            )
         elif code in _DENIED or status == 403:
             on = (
                 f"s3://{self.bucket}/{self._key(key)}"
@@ -483,7 +532,8 @@ class S3Store(ObjectStore):
         except bce.ClientError as e:
             if _status(e) == 404 or _code(e) in ("404", "NoSuchKey", "NotFound"):
                 return None
-            raise self._permanent(e, f"head {key}", "s3:GetObject", key) from e
+            why = await self._with_reason(e)
+            raise self._permanent(why, f"head {key}", "s3:GetObject", key) from why
         return float(r["LastModified"].timestamp())
 
     async def delete(self, key: str) -> None:

@@ -430,3 +430,37 @@ def test_a_put_needing_room_when_the_archive_refuses_uploads_says_so(
         assert "the archive refused access" in message and "s3:PutObject" in message, message
         assert "unreachable" not in message, message
         assert all(i.tier == "local" for i in s.list(session="a"))  # nothing lost
+
+
+def test_a_wrong_secret_key_is_named_at_open_and_in_a_spill_not_taken_for_a_permission(
+    s3_server,  # noqa: ANN001
+    make_config,  # noqa: ANN001
+) -> None:
+    """A wrong secret key read as a missing permission: the open said "access denied (403):
+    it needs s3:ListBucket" (its first request is a HEAD, whose 403 has no body to say
+    why), and a spill whose upload workers started with the wrong key "access denied
+    (SignatureDoesNotMatch): it needs s3:PutObject". Both name the wrong secret now, and
+    the variable to fix."""
+    from _s3 import iam_credentials
+
+    from kvfs._uploader import shutdown_workers
+
+    bucket = s3_server.new_bucket()
+    cfg = make_config(
+        ndev=1,
+        archive_url=f"s3://{bucket}?endpoint={s3_server.endpoint}&deadline=5",
+        extra={"archive": {"interval": 0, "upload_processes": 2}},
+    )
+    with iam_credentials(s3_server, _allow_all_but()):
+        with kvfs.open_store_sync(cfg) as s:
+            put_pages(s, "a", 2)
+            os.environ["AWS_SECRET_ACCESS_KEY"] = "wrong"  # (iam_credentials restores it)
+            shutdown_workers()  # the next spill's workers start with the wrong key
+            with pytest.raises(kvfs.ArchiveAccessDenied) as spill:
+                s.spill("a")
+            assert all(i.tier == "local" for i in s.list(session="a"))  # nothing lost
+        with pytest.raises(kvfs.ArchiveAccessDenied) as at_open, kvfs.open_store_sync(cfg):
+            pass
+    for message in (str(spill.value), str(at_open.value)):
+        assert "the secret access key is wrong (SignatureDoesNotMatch" in message, message
+        assert "AWS_SECRET_ACCESS_KEY" in message and "access denied" not in message, message

@@ -396,21 +396,57 @@ async def test_bad_endpoint_is_named() -> None:
     assert "testing" not in str(ei.value)  # credentials never appear in messages
 
 
-async def test_denied_access_is_named(s3_server, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+async def test_denied_access_is_named(s3_server) -> None:  # noqa: ANN001
+    from _s3 import iam_credentials
+
     bucket = s3_server.new_bucket()
-    # moto checks signatures only with auth enabled; an unknown key id is denied there.
-    from moto.core.config import default_user_config
-
-    monkeypatch.setitem(default_user_config["iam"], "load_aws_managed_policies", False)
-    import moto.settings
-
-    monkeypatch.setattr(moto.settings, "INITIAL_NO_AUTH_ACTION_COUNT", 0)
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIAUNKNOWNKEYID0000")
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong-secret")
-    with pytest.raises(ArchiveAccessDenied, match="denied") as ei:
-        await open_objectstore(f"s3://{bucket}?endpoint={s3_server.endpoint}")
-    assert "wrong-secret" not in str(ei.value)
+    policy = [
+        {"Effect": "Allow", "Action": "s3:*", "Resource": "*"},
+        {"Effect": "Deny", "Action": "s3:*", "Resource": f"arn:aws:s3:::{bucket}"},
+    ]  # (moto refuses a bucket's HEAD only when every action on it is)
+    with iam_credentials(s3_server, policy):
+        secret = os.environ["AWS_SECRET_ACCESS_KEY"]
+        with pytest.raises(ArchiveAccessDenied, match=r"access denied \(403\)") as ei:
+            await open_objectstore(f"s3://{bucket}?endpoint={s3_server.endpoint}")
+    assert secret not in str(ei.value)
     assert "s3:ListBucket" in str(ei.value)  # what the check at open needs
+
+
+@pytest.mark.parametrize(
+    ("variable", "code"),
+    [
+        ("AWS_SECRET_ACCESS_KEY", "SignatureDoesNotMatch"),
+        ("AWS_ACCESS_KEY_ID", "InvalidAccessKeyId"),
+    ],
+)
+async def test_a_wrong_secret_key_or_key_id_is_named_with_where_it_is_set(
+    s3_server,  # noqa: ANN001
+    variable: str,
+    code: str,
+) -> None:
+    """A wrong secret key (or an access key id the server does not know) read as a missing
+    permission: "access denied (403): it needs s3:ListBucket ...". The open's first request
+    is a HEAD, and S3's 403 to a HEAD has no body to say why; nor has the HEAD of an object,
+    the first request of a store opened unchecked (an upload worker's). A request answered
+    with a body now tells a wrong key from a refused permission."""
+    from _s3 import iam_credentials
+
+    bucket = s3_server.new_bucket()
+    url = f"s3://{bucket}/p?endpoint={s3_server.endpoint}"
+    with iam_credentials(s3_server, [{"Effect": "Allow", "Action": "s3:*", "Resource": "*"}]):
+        os.environ[variable] = "AKIAWRONGKEY00000000"  # (iam_credentials restores it)
+        with pytest.raises(ArchiveAccessDenied, match=code) as ei:
+            await open_objectstore(url)
+        store = await open_objectstore(url, verify=False)
+        try:
+            with pytest.raises(ArchiveAccessDenied, match=code) as head:
+                await store.exists("blobs/x")
+        finally:
+            await store.aclose()
+    for message in (str(ei.value), str(head.value)):
+        assert variable in message and "access denied" not in message, message
+        assert "s3:ListBucket" not in message and "AKIAWRONGKEY" not in message, message
+    assert "checking the bucket" in str(ei.value) and "head blobs/x" in str(head.value)
 
 
 async def test_missing_directory_without_create(tmp_path: Path) -> None:
