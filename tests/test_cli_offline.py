@@ -38,6 +38,15 @@ def one_page(run: Run, tmp_path: Path, payload: bytes, archive: bool = False) ->
     return d
 
 
+def damage_the_page(tmp_path: Path) -> None:
+    """Flip three bytes of sessions/a/p/layer-000's local copy (the store is closed)."""
+    with kvfs.open_store_sync(kvfs.StoreConfig(data_dirs=(tmp_path / "d0", tmp_path / "d1"))) as s:
+        ext = s.stat("sessions/a/p/layer-000").extents[0]
+    with open(ext.path, "r+b") as f:
+        f.seek(ext.offset + 10)
+        f.write(b"\xff\xfe\xfd")
+
+
 def tier(run: Run, d: list[str]) -> str:
     """The tier ``ls`` shows for session a's first page."""
     return json.loads(run("ls", "a", "--json", *d)[1])[0]["tier"]
@@ -360,11 +369,7 @@ def test_restore_reports_the_page_bytes_that_came_back_as_spill_reports_those_th
 def test_fsck_finds_and_repairs(run: Run, tmp_path: Path) -> None:
     d = one_page(run, tmp_path, os.urandom(50000))
     assert run("fsck", *d)[0] == 0
-    with kvfs.open_store_sync(kvfs.StoreConfig(data_dirs=(tmp_path / "d0", tmp_path / "d1"))) as s:
-        ext = s.stat("sessions/a/p/layer-000").extents[0]
-    with open(ext.path, "r+b") as f:
-        f.seek(ext.offset + 10)
-        f.write(b"\xff\xfe\xfd")
+    damage_the_page(tmp_path)
     (tmp_path / "d1" / "stray").write_bytes(b"")
     # one line on stderr, from a process of its own (in this one pytest owns the logging):
     # the event log's record of the failed read came first, timestamped
@@ -409,11 +414,7 @@ def test_fsck_check_archive_without_an_archive_keeps_the_local_findings_and_exit
     then dropped its findings for a plain error, exit 1, where docs/cli.md gives 8 for an
     archive not configured and says the local check and repair stand."""
     d = one_page(run, tmp_path, os.urandom(5000))
-    with kvfs.open_store_sync(kvfs.StoreConfig(data_dirs=(tmp_path / "d0", tmp_path / "d1"))) as s:
-        ext = s.stat("sessions/a/p/layer-000").extents[0]
-    with open(ext.path, "r+b") as f:
-        f.seek(ext.offset + 10)
-        f.write(b"\xff\xfe\xfd")
+    damage_the_page(tmp_path)
     rc, out, err = run("fsck", "--check-archive", "--repair", "--json", *d)
     found = json.loads(out)
     assert rc == 8 and "no archive tier is configured" in found["archive_error"][0], err
@@ -428,11 +429,7 @@ def test_fsck_repair_keeps_a_damaged_pinned_page_and_says_so(run: Run, tmp_path:
     (exit 0): the pin vanished without a word."""
     d = one_page(run, tmp_path, os.urandom(50000))
     assert run("pin", "sessions/a/p/layer-000", *d)[0] == 0
-    with kvfs.open_store_sync(kvfs.StoreConfig(data_dirs=(tmp_path / "d0", tmp_path / "d1"))) as s:
-        ext = s.stat("sessions/a/p/layer-000").extents[0]
-    with open(ext.path, "r+b") as f:
-        f.seek(ext.offset + 10)
-        f.write(b"\xff\xfe\xfd")
+    damage_the_page(tmp_path)
     rc, out, _ = run("fsck", "--repair", *d)
     assert rc == 5 and "1 damaged page(s) kept that cannot be read" in out, out
     assert "kept sessions/a/p/layer-000, pinned: its data was damaged" in out
@@ -1081,11 +1078,7 @@ def test_offline_fsck_finds_local_damage_while_the_archive_is_unreachable_and_re
     the archive back."""
     up, down = _archived_store(run, tmp_path, s3_server)
     assert run("restore", "a", *up)[0] == 0  # local+archive
-    with kvfs.open_store_sync(kvfs.StoreConfig(data_dirs=(tmp_path / "d0", tmp_path / "d1"))) as s:
-        ext = s.stat("sessions/a/p/layer-000").extents[0]
-    with open(ext.path, "r+b") as f:
-        f.seek(ext.offset + 10)
-        f.write(b"\xff\xfe\xfd")
+    damage_the_page(tmp_path)
     rc, out, err = run("fsck", "--json", *down)
     found = json.loads(out)
     assert rc == 5 and found["damaged_pages"] == ["sessions/a/p/layer-000"], err
