@@ -171,8 +171,9 @@ def configuration_markdown() -> str:
         "as `PageInfo` as a msgpack extension type). A message that is none of this "
         "protocol is answered with a `ValueError` and the connection goes on; a message's "
         "buffer grows as its bytes arrive (a length alone costs nothing), a peer silent "
-        "(or not reading) for 60 s in the middle of a message is dropped, and messages "
-        "carrying pages are packed and unpacked off the daemon's event loop.",
+        "(or not reading) for 60 s in the middle of a message is dropped, and a page in a "
+        "message is neither copied into a packed body nor out of the one received: the "
+        "daemon holds one copy of a page put or got (docs/architecture.md).",
         "",
         "Other processes (engine workers) use the daemon's store through it with the "
         "object API's interface: `async with kvfs.open_remote_store(socket) as store:` "

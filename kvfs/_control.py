@@ -6,7 +6,10 @@ One request at a time per connection; clients open several connections for concu
 A client of another protocol (curl on the socket) is answered and dropped at its first
 bytes: they announce a frame of hundreds of MiB whose body is no request.
 Records (:class:`PageInfo`, :class:`SessionInfo`, :class:`StoreStatistics`) travel as maps
-tagged with their type and come back as the same frozen dataclasses.
+tagged with their type and come back as the same frozen dataclasses. A page (a bin over
+INLINE_BYTES near a message's top) is sent from its own buffer, not packed into a body
+(:func:`body_pieces`), and the daemon receives it as a view into the frame it read
+(:func:`decode`): one copy of it in the daemon; the bytes on the wire are msgpack's.
 
 Permissions: the socket is made mode 0600 right after ``bind`` and every connection's peer
 is checked with ``SO_PEERCRED``: only the daemon's own user (and root) is served, so the
@@ -23,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
+import functools
 import logging
 import os
 import socket
@@ -37,6 +41,8 @@ import msgpack
 import trio
 
 from . import _errors
+from ._aligned import aligned_buffer
+from ._engine import Engine
 from ._events import log_event
 from ._keys import PageKey
 from ._reads import too_small
@@ -89,6 +95,7 @@ METHODS = frozenset(
 )
 MAX_FRAME = 1 << 31
 _HDR = struct.Struct(">I")
+_BIN32 = struct.Struct(">BI")  # msgpack's bin 32 header: 0xc6 and the length
 _RECORDS: dict[str, type] = {
     c.__name__: c for c in (PageInfo, SessionInfo, StoreStatistics, DeviceStatistics, Extent)
 }
@@ -145,11 +152,53 @@ def packed(obj: Any) -> bytes:
     except ValueError as e:  # msgpack: a bytes object over 4 GiB
         raise FrameTooLarge(f"a message too large for the control channel ({e})") from None
     if len(body) > MAX_FRAME:
-        raise FrameTooLarge(
-            f"a message of {len(body)} bytes is over the control channel's {MAX_FRAME} "
-            "(pages that large: through the mount, or the object API in the daemon's process)"
-        )
+        raise _too_large(len(body))
     return body
+
+
+def _too_large(n: int) -> FrameTooLarge:
+    return FrameTooLarge(
+        f"a message of {n} bytes is over the control channel's {MAX_FRAME} "
+        "(pages that large: through the mount, or the object API in the daemon's process)"
+    )
+
+
+def body_pieces(obj: Any) -> list[bytes | memoryview]:
+    """A message's body as the pieces to send: together the bytes of :func:`packed`, but a
+    buffer over INLINE_BYTES near the top (a put's data, a get's answer) is a piece of its
+    own behind its bin header, not copied into one packed body (that copy held the page
+    twice, in the daemon and in the client). Raises FrameTooLarge past MAX_FRAME."""
+    if not _carries_page(obj):
+        return [packed(obj)]
+    pieces: list[bytes | memoryview] = []
+    _pack_into(pieces, obj, 2)
+    n = sum(len(p) for p in pieces)
+    if n > MAX_FRAME:
+        raise _too_large(n)
+    return pieces
+
+
+def _pack_into(pieces: list[bytes | memoryview], obj: Any, depth: int) -> None:
+    """Append ``obj``'s msgpack to ``pieces``, descending ``depth`` levels of lists."""
+    page = isinstance(obj, (bytes, bytearray, memoryview)) and len(obj) > INLINE_BYTES
+    if page:
+        view = memoryview(obj).cast("B")  # (flat: a put's data was made so, bytes are)
+        if len(view) > MAX_FRAME:
+            raise _too_large(len(view))
+        small = _BIN32.pack(0xC6, len(view))
+    elif depth and isinstance(obj, list):
+        small = msgpack.Packer().pack_array_header(len(obj))
+    else:
+        small = packed(obj)
+    if pieces and isinstance(pieces[-1], bytes):
+        pieces[-1] += small
+    else:
+        pieces.append(small)
+    if page:
+        pieces.append(view)
+    elif depth and isinstance(obj, list):
+        for x in obj:
+            _pack_into(pieces, x, depth - 1)
 
 
 class FrameTooLarge(ValueError):
@@ -171,12 +220,102 @@ class MalformedFrame(ValueError):
     """A whole frame whose body is no message of this protocol (the stream stays usable)."""
 
 
-def decode(body: bytes | bytearray | memoryview) -> Any:
-    """A message from its body. Raises MalformedFrame."""
+def decode(body: bytes | bytearray | memoryview, *, views: bool = False) -> Any:
+    """A message from its body. With ``views``, a bin over INLINE_BYTES near the top (a
+    put's data, a get's answer) comes as a memoryview into ``body``: msgpack copies every
+    bin into a new bytes, and the receiver held the page twice. Raises MalformedFrame."""
     try:
-        return msgpack.unpackb(body, ext_hook=_ext, raw=False, strict_map_key=False)
+        spans = _page_spans(memoryview(body)) if views and len(body) > INLINE_BYTES else []
+        if not spans:
+            return msgpack.unpackb(body, ext_hook=_ext, raw=False, strict_map_key=False)
+        return _unpack_around(memoryview(body), spans)
     except Exception as e:  # noqa: BLE001 - msgpack's own errors, an unknown record...
         raise MalformedFrame(f"{type(e).__name__}: {e}") from None
+
+
+#: msgpack's types of a fixed size by their first byte: the bytes after it (nil, booleans,
+#: numbers, fixext)
+_FIXED = {0xC0: 0, 0xC2: 0, 0xC3: 0, 0xCA: 4, 0xCB: 8, 0xCC: 1, 0xCD: 2, 0xCE: 4, 0xCF: 8}
+_FIXED |= {0xD0: 1, 0xD1: 2, 0xD2: 4, 0xD3: 8, 0xD4: 2, 0xD5: 3, 0xD6: 5, 0xD7: 9, 0xD8: 17}
+#: the others (bin, ext, str, array, map 8/16/32): the width of their length, the bytes
+#: between it and the payload (ext's type), the items per count (arrays 1, maps 2; 0: bytes)
+_SIZED = {0xC4: (1, 0, 0), 0xC5: (2, 0, 0), 0xC6: (4, 0, 0), 0xC7: (1, 1, 0), 0xC8: (2, 1, 0)}
+_SIZED |= {0xC9: (4, 1, 0), 0xD9: (1, 0, 0), 0xDA: (2, 0, 0), 0xDB: (4, 0, 0), 0xDC: (2, 0, 1)}
+_SIZED |= {0xDD: (4, 0, 1), 0xDE: (2, 0, 2), 0xDF: (4, 0, 2)}
+
+
+def _item(b: memoryview, at: int) -> tuple[int, int, int]:
+    """The msgpack item at ``at``: (where its payload starts, its payload's bytes, its
+    items). Raises IndexError or KeyError for a truncated or an unknown one."""
+    t = b[at]
+    if t < 0x80 or t >= 0xE0:  # fixint
+        return at + 1, 0, 0
+    if t < 0xA0:  # fixmap, fixarray
+        return at + 1, 0, (t & 0x0F) * (2 if t < 0x90 else 1)
+    if t < 0xC0:  # fixstr
+        return at + 1, t & 0x1F, 0
+    if t in _FIXED:
+        return at + 1, _FIXED[t], 0
+    width, gap, per = _SIZED[t]
+    if at + 1 + width > len(b):
+        raise IndexError("truncated")
+    n = int.from_bytes(b[at + 1 : at + 1 + width], "big")
+    return at + 1 + width + gap, 0 if per else n, n * per
+
+
+def _end(b: memoryview, at: int) -> int:
+    """Where the msgpack item at ``at`` ends."""
+    start, size, items = _item(b, at)
+    at = start + size
+    for _ in range(items):
+        at = _end(b, at)
+    if at > len(b):
+        raise IndexError("truncated")
+    return at
+
+
+def _page_spans(b: memoryview) -> list[tuple[tuple[int, ...], int, int, int]]:
+    """Each bin over INLINE_BYTES in the top two levels of arrays: (its index path, where
+    its header starts, where its bytes start and end). Nothing when ``b`` is no whole
+    msgpack item (msgpack then says what is wrong)."""
+    spans: list[tuple[tuple[int, ...], int, int, int]] = []
+
+    def walk(at: int, path: tuple[int, ...]) -> int:
+        start, size, items = _item(b, at)
+        if b[at] == 0xC6 and size > INLINE_BYTES and start + size <= len(b):
+            spans.append((path, at, start, start + size))
+            return start + size
+        if len(path) < 2 and (0x90 <= b[at] <= 0x9F or b[at] in (0xDC, 0xDD)):
+            for i in range(items):
+                start = walk(start, (*path, i))
+            return start
+        return _end(b, at)
+
+    try:
+        walk(0, ())
+    except (IndexError, KeyError, RecursionError):
+        return []
+    return spans
+
+
+def _unpack_around(b: memoryview, spans: list[tuple[tuple[int, ...], int, int, int]]) -> Any:
+    """The message in ``b`` with each span's bin a view into ``b``: the rest is unpacked
+    with a nil in each one's place (a copy of the small parts only), then the views put in."""
+    parts: list[bytes | memoryview] = []
+    at = 0
+    for _path, head, _start, end in spans:
+        parts += [b[at:head], b"\xc0"]
+        at = end
+    parts.append(b[at:])
+    msg = msgpack.unpackb(b"".join(parts), ext_hook=_ext, raw=False, strict_map_key=False)
+    for path, _head, start, end in spans:
+        if not path:
+            return b[start:end]
+        within = msg
+        for i in path[:-1]:
+            within = within[i]
+        within[path[-1]] = b[start:end]
+    return msg
 
 
 def _error_class(name: str) -> type[BaseException]:
@@ -208,21 +347,27 @@ def _peer_uid(sock: trio.socket.SocketType | socket.socket) -> int:
 #: A peer that stops sending, or reading, in the middle of a message for this long is
 #: dropped (between messages a connection may idle for ever: clients pool them).
 STALL_SECONDS = 60.0
-#: Bodies up to this size are packed and unpacked on the trio loop; larger ones (pages) in
-#: a thread: a 512 MiB page stalled the loop, and the mount's requests with it, for a second.
+#: Bodies up to this size are unpacked on the trio loop; larger ones in a thread: a 512 MiB
+#: page stalled the loop, and the mount's requests with it, for a second. A bin over this
+#: size near a message's top is a page, sent and received without a copy of it.
 INLINE_BYTES = 1 << 20
+_ZEROS = memoryview(bytes(INLINE_BYTES))
 
 
 #: The first byte of every request's body: msgpack's array of three ([method, args, kwargs]).
 _REQUEST_LEAD = 0x93
 
 
-async def recv_frame(stream: trio.SocketStream, *, request: bool = False) -> Any:
+async def recv_frame(
+    stream: trio.SocketStream, *, request: bool = False, views: bool = False
+) -> Any:
     """One decoded message. Returns ``None`` at a clean EOF between messages; raises
     EOFError when the peer closes or stalls mid-message, FrameTooLarge for a header
     announcing more than MAX_FRAME (its body is not read), MalformedFrame for a whole frame
     that is no message. With ``request`` (the daemon's side), ForeignFrame as soon as the
-    body of a frame over INLINE_BYTES starts with anything but a request's first byte."""
+    body of a frame over INLINE_BYTES starts with anything but a request's first byte, and
+    a put's data comes as a view into the frame's buffer (see :func:`decode`), as does a
+    get's answer with ``views``."""
     hdr = await _recv_into(stream, bytearray(4), eof_ok=True)
     if hdr is None:
         return None
@@ -239,7 +384,9 @@ async def recv_frame(stream: trio.SocketStream, *, request: bool = False) -> Any
     lead = _REQUEST_LEAD if request and n > INLINE_BYTES else None
     body = await _recv_body(stream, n, lead)
     if n > INLINE_BYTES:
-        return await trio.to_thread.run_sync(decode, body)
+        return await trio.to_thread.run_sync(
+            functools.partial(decode, body, views=request or views)
+        )
     return decode(body)
 
 
@@ -250,7 +397,9 @@ async def _recv_body(stream: trio.SocketStream, n: int, lead: int | None = None)
     buf, got = bytearray(min(n, INLINE_BYTES)), 0
     while got < n:
         if got == len(buf):
-            buf.extend(bytes(min(len(buf), n - len(buf))))
+            # By INLINE_BYTES at a time (the bytearray's realloc grows it in place): doubled
+            # from a new zero-filled bytes, each step held half the frame once more.
+            buf += _ZEROS[: min(INLINE_BYTES, n - len(buf))]
         with memoryview(buf) as view, view[got:] as free:
             with trio.move_on_after(STALL_SECONDS) as waited:
                 k = await stream.socket.recv_into(free)
@@ -282,29 +431,28 @@ async def _recv_into(
 
 
 async def send_frame(stream: trio.SocketStream, obj: Any) -> None:
-    """Send one message (a large body goes as it is, not copied behind its header).
-    An answer too large for a frame goes as the error saying so. Raises EOFError when
-    the peer stops reading mid-message for STALL_SECONDS (an unread answer of a page held
-    its bytes in the daemon for as long as the client lived)."""
+    """Send one message (a page in it goes as it is, not copied into a packed body: see
+    :func:`body_pieces`). An answer too large for a frame goes as the error saying so.
+    Raises EOFError when the peer stops reading mid-message for STALL_SECONDS (an unread
+    answer of a page held its bytes in the daemon for as long as the client lived)."""
     try:
-        if _carries_page(obj):
-            body = await trio.to_thread.run_sync(packed, obj)
-        else:
-            body = packed(obj)
+        pieces = body_pieces(obj)
     except FrameTooLarge as e:
         if not (isinstance(obj, list) and obj and obj[0] == 0):
             raise
-        body = packed([1, "ValueError", str(e)])
-    if len(body) < 1 << 16:
-        await stream.send_all(_HDR.pack(len(body)) + body)
+        pieces = [packed([1, "ValueError", str(e)])]
+    n = sum(len(p) for p in pieces)
+    if n < 1 << 16:
+        await stream.send_all(b"".join([_HDR.pack(n), *pieces]))
         return
-    await stream.send_all(_HDR.pack(len(body)))
-    with memoryview(body) as view:
-        for at in range(0, len(body), INLINE_BYTES):
-            with trio.move_on_after(STALL_SECONDS) as waited:
-                await stream.send_all(view[at : at + INLINE_BYTES])
-            if waited.cancelled_caught:
-                raise EOFError(f"the peer read nothing for {STALL_SECONDS:g} s mid-message")
+    await stream.send_all(_HDR.pack(n))
+    for piece in pieces:
+        with memoryview(piece) as view:
+            for at in range(0, len(view), INLINE_BYTES):
+                with trio.move_on_after(STALL_SECONDS) as waited:
+                    await stream.send_all(view[at : at + INLINE_BYTES])
+                if waited.cancelled_caught:
+                    raise EOFError(f"the peer read nothing for {STALL_SECONDS:g} s mid-message")
 
 
 def _carries_page(obj: Any) -> bool:
@@ -343,24 +491,32 @@ async def _serve_one(store: Store, stream: trio.SocketStream) -> None:
                 return
             if request is None:
                 return
-            if not (
-                isinstance(request, list)
-                and len(request) == 3
-                and isinstance(request[0], str)
-                and isinstance(request[1], list)
-                and isinstance(request[2], dict)
-                and all(isinstance(k, str) for k in request[2])
-            ):
-                # (it was unpacked as it came: the connection dropped with a traceback in
-                # the log, and the client was told the daemon had died)
-                why = "malformed control request: not [method, [args], {kwargs}]"
-                await send_frame(stream, [1, "ValueError", why])
-                continue
-            method, args, kwargs = request
-            if method in _WITH_PROGRESS and kwargs.pop("progress", False):
-                await _with_progress(store, stream, method, args, kwargs)
-                continue
-            await send_frame(stream, await _dispatch(store, method, args, kwargs))
+            await _answer(store, stream, request)
+            # Let go of the request (a put's page) now: kept until the next request came,
+            # an idle pooled connection held its last page in the daemon.
+            del request
+
+
+async def _answer(store: Store, stream: trio.SocketStream, request: Any) -> None:
+    """Carry out one decoded request and send its answer."""
+    if not (
+        isinstance(request, list)
+        and len(request) == 3
+        and isinstance(request[0], str)
+        and isinstance(request[1], list)
+        and isinstance(request[2], dict)
+        and all(isinstance(k, str) for k in request[2])
+    ):
+        # (it was unpacked as it came: the connection dropped with a traceback in the log,
+        # and the client was told the daemon had died)
+        why = "malformed control request: not [method, [args], {kwargs}]"
+        await send_frame(stream, [1, "ValueError", why])
+        return
+    method, args, kwargs = request
+    if method in _WITH_PROGRESS and kwargs.pop("progress", False):
+        await _with_progress(store, stream, method, args, kwargs)
+        return
+    await send_frame(stream, await _dispatch(store, method, args, kwargs))
 
 
 async def _answer_and_close(stream: trio.SocketStream, reply: list[Any]) -> None:
@@ -387,8 +543,12 @@ async def _dispatch(
             result: Any = True
         elif method == "identity":
             result = _identity(store)
-        elif method == "get" and "room" in kwargs:
-            result = await _get_within(store, *args, **kwargs)
+        elif method == "get":
+            # (the engine's calls in one thread, as the store's get makes one; under trio's
+            # default limiter, as this module's other engine calls)
+            result = await trio.to_thread.run_sync(
+                functools.partial(_read_page, store.engine, *args, **kwargs)
+            )
         else:
             result = await getattr(store, method)(*args, **kwargs)
     except Exception as e:  # noqa: BLE001 - every failure goes back to the client
@@ -398,13 +558,26 @@ async def _dispatch(
     return [0, result]
 
 
-async def _get_within(store: Store, path: str, *, room: int) -> bytes | int:
-    """A page for a client's buffer of ``room`` bytes: one that cannot fit is refused
-    before it is read, so a page only the archive holds is not restored for nothing."""
-    size = (await store.stat(path)).size
-    if size > room:
+def _read_page(engine: Engine, path: str, *, room: int | None = None) -> Any:
+    """A page for a get's answer, in one worker thread (as the store's get: one hop). A
+    large one is read into a buffer of its own size and sent from it: ``store.get``'s bytes
+    were a copy of its read buffer (and the packed answer, before, a third). With ``room``
+    (a client's buffer of that many bytes), a page that cannot fit is refused before it is
+    read, so a page only the archive holds is not restored for nothing."""
+    size = engine.stat(path).size
+    if room is not None and size > room:
         raise too_small(room, path, size)
-    return await store.get(path)
+    if size <= INLINE_BYTES:
+        return engine.get(path)
+    buf = aligned_buffer(size)
+    try:
+        got = engine.get(path, into=buf)
+    except ValueError:  # (too small: replaced by a larger page since its size was read)
+        if engine.stat(path).size <= size:
+            raise
+        return engine.get(path)
+    assert isinstance(got, int)
+    return buf[:got]
 
 
 def _identity(store: Store) -> dict[str, Any]:
@@ -585,11 +758,12 @@ def check_daemon_peer(
         )
 
 
-def read_frame_sync(s: socket.socket) -> Any:
-    """One decoded message; raises DaemonUnavailable on EOF (the daemon went away)."""
+def read_frame_sync(s: socket.socket, *, views: bool = False) -> Any:
+    """One decoded message; raises DaemonUnavailable on EOF (the daemon went away). With
+    ``views``, a get's answer is a view into the frame's buffer (see :func:`decode`)."""
     hdr = _recv_sync(s, 4)
     (n,) = _HDR.unpack(hdr)
-    return decode(_recv_sync(s, n))
+    return decode(_recv_sync(s, n), views=views)
 
 
 def _recv_sync(s: socket.socket, n: int) -> bytearray:
@@ -662,22 +836,25 @@ def call_sync(
     *,
     on_error: Callable[[str, str], None] = raise_remote,
     on_progress: Callable[[int, int], None] | None = None,
+    views: bool = False,
 ) -> Any:
     """Send one request and return its result (or raise the daemon's error). Progress
-    frames (``[2, done, total]``) before the answer go to ``on_progress``."""
+    frames (``[2, done, total]``) before the answer go to ``on_progress``. With ``views``,
+    a page answered is a view into the frame's buffer (see :func:`decode`)."""
+    pieces = body_pieces([method, list(args), kwargs])
     try:
-        body = packed([method, list(args), kwargs])
-        s.sendall(_HDR.pack(len(body)))
-        s.sendall(body)
+        s.sendall(_HDR.pack(sum(len(p) for p in pieces)))
+        for piece in pieces:
+            s.sendall(piece)
     except (BrokenPipeError, ConnectionResetError) as e:
         raise DaemonUnavailable(
             "the kvfs daemon closed the connection (it stopped or was killed)"
         ) from e
-    reply = read_frame_sync(s)
+    reply = read_frame_sync(s, views=views)
     while reply[0] == 2:
         if on_progress is not None:
             on_progress(reply[1], reply[2])
-        reply = read_frame_sync(s)
+        reply = read_frame_sync(s, views=views)
     if reply[0] == 0:
         return reply[1]
     on_error(reply[1], reply[2])  # raises, unless the caller raises it later itself

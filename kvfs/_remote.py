@@ -69,7 +69,7 @@ def _get_args(path: str, dest: memoryview | None) -> tuple[tuple[str], dict[str,
     return (path,), ({} if dest is None else {"room": len(dest)})
 
 
-def _copy_into(data: bytes, dest: memoryview, path: str) -> int:
+def _copy_into(data: bytes | memoryview, dest: memoryview, path: str) -> int:
     if len(dest) < len(data):  # (a page replaced by a larger one since the daemon looked)
         raise too_small(len(dest), path, len(data))
     dest[: len(data)] = data
@@ -216,7 +216,9 @@ class SyncRemoteStore(_Api):
         self._pid = os.getpid()
         _sync_clients.add(self)
 
-    def _call(self, method: str, *args: Any, on_progress: Any = None, **kw: Any) -> Any:
+    def _call(
+        self, method: str, *args: Any, on_progress: Any = None, views: bool = False, **kw: Any
+    ) -> Any:
         s = None
         if self._closed:
             raise StoreClosed(f"this client of {self.path} was closed")
@@ -244,6 +246,7 @@ class SyncRemoteStore(_Api):
                 kw,
                 on_progress=on_progress,
                 on_error=lambda name, message: answer.append((name, message)),
+                views=views,
             )
         except BaseException:
             s.close()
@@ -333,7 +336,8 @@ class SyncRemoteStore(_Api):
     def get(self, key: KeyLike, into: object | None = None) -> bytes | int:
         path, dest = _k(key), _dest(into)
         args, kw = _get_args(path, dest)
-        data: bytes = self._call("get", *args, **kw)
+        # (into a buffer: the page is copied there from the frame, not from a bytes of it)
+        data: bytes = self._call("get", *args, views=dest is not None, **kw)
         return data if dest is None else _copy_into(data, dest, path)
 
     def put_many(
@@ -391,7 +395,7 @@ class RemoteStore(_Api, BatchCalls):
         return stream
 
     async def _call(  # type: ignore[override]
-        self, method: str, *args: Any, on_progress: Any = None, **kw: Any
+        self, method: str, *args: Any, on_progress: Any = None, views: bool = False, **kw: Any
     ) -> Any:
         stream = None
         if self._closed:
@@ -406,11 +410,11 @@ class RemoteStore(_Api, BatchCalls):
         try:
             try:
                 await send_frame(stream, [method, builtins.list(args), kw])
-                reply = await recv_frame(stream)
+                reply = await recv_frame(stream, views=views)
                 while reply is not None and reply[0] == 2:  # progress, then the answer
                     if on_progress is not None:
                         on_progress(reply[1], reply[2])
-                    reply = await recv_frame(stream)
+                    reply = await recv_frame(stream, views=views)
                 if reply is None:
                     raise EOFError
             except (
@@ -439,7 +443,7 @@ class RemoteStore(_Api, BatchCalls):
     async def get(self, key: KeyLike, into: object | None = None) -> bytes | int:
         path, dest = _k(key), _dest(into)
         args, kw = _get_args(path, dest)
-        data: bytes = await self._call("get", *args, **kw)
+        data: bytes = await self._call("get", *args, views=dest is not None, **kw)
         return data if dest is None else _copy_into(data, dest, path)
 
     async def spill(  # type: ignore[override]
