@@ -41,11 +41,8 @@ import msgpack
 import trio
 
 from . import _errors
-from ._aligned import aligned_buffer
-from ._engine import Engine
 from ._events import log_event
 from ._keys import PageKey
-from ._reads import too_small
 from ._store import Store
 from ._types import DeviceStatistics, Extent, PageInfo, SessionInfo, StoreStatistics
 
@@ -544,11 +541,7 @@ async def _dispatch(
         elif method == "identity":
             result = _identity(store)
         elif method == "get":
-            # (the engine's calls in one thread, as the store's get makes one; under trio's
-            # default limiter, as this module's other engine calls)
-            result = await trio.to_thread.run_sync(
-                functools.partial(_read_page, store.engine, *args, **kwargs)
-            )
+            result = await _read_page(store, *args, **kwargs)
         else:
             result = await getattr(store, method)(*args, **kwargs)
     except Exception as e:  # noqa: BLE001 - every failure goes back to the client
@@ -558,26 +551,14 @@ async def _dispatch(
     return [0, result]
 
 
-def _read_page(engine: Engine, path: str, *, room: int | None = None) -> Any:
-    """A page for a get's answer, in one worker thread (as the store's get: one hop). A
-    large one is read into a buffer of its own size and sent from it: ``store.get``'s bytes
-    were a copy of its read buffer (and the packed answer, before, a third). With ``room``
-    (a client's buffer of that many bytes), a page that cannot fit is refused before it is
-    read, so a page only the archive holds is not restored for nothing."""
-    size = engine.stat(path).size
-    if room is not None and size > room:
-        raise too_small(room, path, size)
-    if size <= INLINE_BYTES:
-        return engine.get(path)
-    buf = aligned_buffer(size)
-    try:
-        got = engine.get(path, into=buf)
-    except ValueError:  # (too small: replaced by a larger page since its size was read)
-        if engine.stat(path).size <= size:
-            raise
-        return engine.get(path)
-    assert isinstance(got, int)
-    return buf[:got]
+async def _read_page(store: Store, path: str, *, room: int | None = None) -> Any:
+    """A page for a get's answer. A large one is read into a buffer of its own and sent
+    from it: ``store.get``'s bytes were a copy of its read buffer (and the packed answer,
+    before, a third). With ``room`` (a client's buffer of that many bytes), a page that
+    cannot fit is refused before it is read, so a page only the archive holds is not
+    restored for nothing."""
+    got = await store._read_page(path, room)
+    return bytes(got) if len(got) <= INLINE_BYTES else got
 
 
 def _identity(store: Store) -> dict[str, Any]:

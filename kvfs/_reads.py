@@ -76,12 +76,17 @@ def read_piece_size(concurrent: int) -> int:
     return READ_PIECE * max(1, min(concurrent, 16))
 
 
-def get(eng: Engine, k: PageKey, into: object | None) -> bytes | int:
-    """:meth:`Engine.get` once the store is known open and the key parsed."""
+def get(
+    eng: Engine, k: PageKey, into: object | None, *, room: int | None = None, own: bool = False
+) -> bytes | int | memoryview:
+    """:meth:`Engine.get` once the store is known open and the key parsed; with ``own``,
+    :meth:`Engine.read_page`."""
     with eng.lease(k) as (page, blob):
         # The destination is checked before anything is restored: a page only the archive
         # held was downloaded (and took local room) for a buffer then refused.
         dest = None if into is None else _destination(into, blob.size, k)
+        if room is not None and blob.size > room:
+            raise too_small(room, k.path, blob.size)
         if not blob.local:
             got = eng._restore(blob, page)
             if isinstance(got, bytes):  # no local room: served from memory
@@ -91,7 +96,7 @@ def get(eng: Engine, k: PageKey, into: object | None) -> bytes | int:
         if dest is None:
             buf = aligned_buffer(blob.size)
             _or_healed(eng, page, blob, lambda b: _read_verified(eng, page, b, buf, 0, b.size))
-            return bytes(buf)
+            return buf if own else bytes(buf)
         _or_healed(eng, page, blob, lambda b: _read_verified(eng, page, b, dest, 0, b.size))
         return blob.size
 

@@ -77,6 +77,11 @@ class Store(BatchCalls):
         """
         return await self._run(self._engine.get, key, into)
 
+    async def _read_page(self, key: KeyLike, room: int | None = None) -> bytes | memoryview:
+        """:meth:`Engine.read_page`, under this store's limit on threads (the daemon's
+        answer to a remote get)."""
+        return await self._run(self._engine.read_page, key, room=room)
+
     async def read_range(self, key: KeyLike, offset: int, size: int) -> bytes:
         return await self._run(self._engine.read_range, key, offset, size)
 
