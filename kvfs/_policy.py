@@ -52,19 +52,25 @@ class AccessClock:
         self.gap = gap
         self.span = span
         self._bursts: dict[str, tuple[float, float]] = {}  # session: (start, last access)
+        self._pruned = 0.0  # when the bursts that ended were last forgotten
         self._lock = threading.Lock()
 
     def stamp(self, session: str, now: float | None = None) -> float:
         """The access time to record for a page of session directory ``session``."""
         now = time.time() if now is None else now
         with self._lock:
+            if (
+                session not in self._bursts
+                and len(self._bursts) >= 4096
+                and not 0 <= now - self._pruned <= self.gap
+            ):
+                # forget the bursts that ended (once a gap at most: with thousands of
+                # sessions busy at once, each new one would scan them all)
+                self._pruned = now
+                self._bursts = {d: sl for d, sl in self._bursts.items() if now - sl[1] <= self.gap}
             start, last = self._bursts.get(session, (now, now))
             if now - last > self.gap or now - start > self.span or now < start:
                 start = now  # a new burst (``now < start``: the clock was set back)
-                if len(self._bursts) >= 4096:  # forget the bursts that ended
-                    self._bursts = {
-                        d: sl for d, sl in self._bursts.items() if now - sl[1] <= self.gap
-                    }
             self._bursts[session] = (start, now)
             return start
 

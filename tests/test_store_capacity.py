@@ -496,3 +496,16 @@ def test_a_streaming_write_left_open_at_close_leaves_nothing(
             if f.is_file() and "blobs" in f.parts
         )
         assert on_disk == store.statistics().used_bytes == 0
+
+
+def test_the_access_clock_forgets_the_bursts_that_ended() -> None:
+    """It forgot the bursts that ended only when a session it knew began a new one: a
+    daemon whose sessions each came once (agents that never return) grew it without end."""
+    from kvfs._policy import AccessClock
+
+    c = AccessClock(gap=2, span=30)
+    for i in range(5000):  # all busy at once: none forgotten
+        assert c.stamp(f"agent-{i}", 100.0) == 100.0
+    assert len(c._bursts) == 5000
+    assert c.stamp("later", 200.0) == 200.0  # the others' bursts ended long ago
+    assert list(c._bursts) == ["later"]
