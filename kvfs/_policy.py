@@ -69,9 +69,14 @@ class AccessClock:
                 self._pruned = now
                 self._bursts = {d: sl for d, sl in self._bursts.items() if now - sl[1] <= self.gap}
             start, last = self._bursts.get(session, (now, now))
-            if now - last > self.gap or now - start > self.span or now < start:
-                start = now  # a new burst (``now < start``: the clock was set back)
-            self._bursts[session] = (start, now)
+            if now - last > self.gap or now - start > self.span or start - now > self.gap:
+                start = last = now  # a new burst (``start - now``: the clock was set back)
+            # A time a little before the burst's start is a caller that read the clock, then
+            # waited for this lock behind the burst's first access (parallel readers of one
+            # prefix): it is of the burst. As a new burst of its own it gave the first page
+            # read a later time than the rest, and eviction kept it longer than all of them,
+            # the head included.
+            self._bursts[session] = (start, max(last, now))
             return start
 
 

@@ -244,6 +244,21 @@ def test_access_bursts_end_after_a_gap_or_a_span() -> None:
     assert c.stamp("s", 50) == 50  # the clock was set back: a new burst, not a time ahead
 
 
+def test_an_access_timed_just_before_its_bursts_start_is_of_that_burst() -> None:
+    """Parallel readers each read the clock, then wait for the access clock's lock: one
+    whose time was a little earlier than the burst's first access (taken by another reader
+    that got the lock first) began a new burst at its own time, taken for a clock set back.
+    The first page read then had a later time than all the others of the burst, and
+    eviction took the prefix's head before that page."""
+    from kvfs._policy import AccessClock
+
+    c = AccessClock(gap=5, span=60)
+    assert [c.stamp("s", t) for t in (100.002, 100.0, 100.001, 103)] == [100.002] * 4
+    assert c.stamp("s", 107.5) == 100.002  # (within the gap of the latest access, 103)
+    assert c.stamp("s", 101) == 100.002  # late, but within the gap of the burst's start
+    assert c.stamp("s", 94) == 94  # more than the gap before it: the clock was set back
+
+
 def test_default_cap_is_what_the_disks_hold(make_config: Callable[..., kvfs.StoreConfig]) -> None:
     """Without a configured cap the cap is what the disks hold when the store opens, less
     the headroom kept on each for the index (1%, at least 64 MiB, at most a quarter).
