@@ -91,7 +91,10 @@ class _CommandFormatter(logging.Formatter):
         self.command = command
 
     def format(self, record: logging.LogRecord) -> str:
-        return f"kvfs {self.command}: {record.levelname.lower()}: {record.getMessage()}"
+        line = f"kvfs {self.command}: {record.levelname.lower()}: {record.getMessage()}"
+        if record.exc_info:  # (a bug's traceback is one flag away, not lost)
+            line += " (kvfs --debug shows its traceback)"
+        return line
 
 
 def main(argv: Sequence[str] | None = None) -> int:

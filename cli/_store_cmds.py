@@ -183,8 +183,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         description="Check the index against the files and its rows against each other. "
         "Prints each kind of finding (docs/cli.md says what each lists); exit 5 when there are problems, or when --repair kept damaged pages it "
         "could not mend (unrecoverable). Offline (no daemon), a store whose archive cannot "
-        "be reached is checked without it: archive_error says why, exit 8 after the local "
-        "check; --repair is refused then (exit 8, nothing changed).",
+        "be reached is checked without it: archive_error says why, and the exit is 8 (5 "
+        "when the local check found problems); --repair is refused then (exit 8, nothing "
+        "changed).",
     )
     _add_mount(p)
     p.add_argument(

@@ -350,10 +350,13 @@ def open_target(
         if new:  # (a forgotten --config writes into a store of its own: say so)
             dirs = ", ".join(str(d) for d in config.data_dirs)
             print(f"kvfs: made a new store in {dirs}", file=sys.stderr)
-        if getattr(store.engine, "archive_error", None):
+        why = getattr(store.engine, "archive_error", None)
+        if why and getattr(args, "archive_error_said", None) != why:
+            # (once: `stats --watch` opens the store for each refresh, and said it each time)
+            args.archive_error_said = why
             print(
-                f"kvfs: opened without the archive, which cannot be used now "
-                f"({store.engine.archive_error}): only the local tier is inspected",
+                f"kvfs: opened without the archive, which cannot be used now ({why}): only "
+                "the local tier is inspected",
                 file=sys.stderr,
             )
         yield store

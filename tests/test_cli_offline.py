@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -621,6 +622,27 @@ def test_a_commands_warning_is_one_line_naming_the_command(run: Run, tmp_path: P
     assert r.returncode == 0 and " WARNING kvfs.engine: opened without an archive" in r.stderr
 
 
+def test_a_commands_log_line_of_an_exception_says_where_its_traceback_is() -> None:
+    """A command's one-line log format dropped an error's traceback without a word."""
+    from cli.__main__ import _CommandFormatter
+
+    try:
+        raise OSError("disk on fire")
+    except OSError:
+        record = logging.LogRecord(
+            "kvfs.spill",
+            logging.ERROR,
+            __file__,
+            1,
+            "unexpected error in %s",
+            ("a",),
+            sys.exc_info(),
+        )
+    assert _CommandFormatter("spill").format(record) == (
+        "kvfs spill: error: unexpected error in a (kvfs --debug shows its traceback)"
+    )
+
+
 def test_a_bad_target_among_several_changes_nothing(run: Run, tmp_path: Path) -> None:
     """`kvfs rm a b typo` deleted a and b, then reported only the typo."""
     d = data(tmp_path)
@@ -1051,6 +1073,8 @@ def test_offline_fsck_stats_and_ls_inspect_the_local_tier_while_the_archive_is_u
     assert "cannot reach the S3 endpoint" in st["extra"]["archive_error"]["error"], st
     rc, out, _ = run("stats", *down)
     assert rc == 0 and "unavailable, not opened (cannot reach the S3 endpoint" in out, out
+    rc, _, err = run("stats", "--watch", "0.1", "--count", "3", *down)  # (said it each time)
+    assert rc == 0 and err.count("opened without the archive") == 1, err
     rc, out, err = run("ls", "--json", *down)
     assert rc == 0 and [s["session"] for s in json.loads(out)] == ["a", "b"], err
     assert "only the local tier is inspected" in err, err
