@@ -18,6 +18,7 @@ import builtins
 import contextlib
 import errno
 import logging
+import math
 import os
 import sqlite3
 import threading
@@ -190,6 +191,17 @@ def _open_error(e: Exception, cfg: StoreConfig, *, new: bool) -> Exception:
         f"cannot {what} the store in {cfg.data_dirs[0]} (index in {cfg.index_path.parent}): "
         f"its disk is full ({e}); {left}. Free space there and try again"
     )
+
+
+def _pin_until(pinned: bool, ttl: float | None) -> float | None:
+    """When a pin of ``ttl`` seconds made now ends (None: never)."""
+    if ttl is None:
+        return None
+    if not pinned:
+        raise ValueError("an unpin takes no ttl")
+    if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not 0 < ttl < math.inf:
+        raise ValueError(f"a pin's ttl is a number of seconds > 0, not {ttl!r}")
+    return time.time() + float(ttl)
 
 
 def _open_index(cfg: StoreConfig) -> Index:
@@ -484,6 +496,10 @@ class Engine:
                 "this store spilled to (%s): they read as missing until it is configured",
                 self.index.get_meta("archive") or "unknown",
             )
+        try:  # (pins that ended while the store was closed: their room is free again)
+            self._release_expired_pins()
+        except Exception as e:  # a full disk: eviction and the periodic pass try again
+            log.warning("pins whose lifetime ended are not released yet: %s", e)
         keep_reserve(cfg.index_path.parent)
 
     def _account(self, b: BlobRow, sign: int) -> None:
@@ -995,18 +1011,37 @@ class Engine:
             _maint.rename(self, as_key(src), as_key(dst))
 
     # -- pin --------------------------------------------------------------------------
-    def pin(self, key: PageKey | str, pinned: bool = True) -> None:
+    def pin(self, key: PageKey | str, pinned: bool = True, *, ttl: float | None = None) -> None:
+        """Pin a page (for ``ttl`` seconds, else until it is unpinned), or unpin it. Pinning
+        again replaces the pin's lifetime: without ``ttl`` the pin is for good, with one it
+        ends then, whatever it was. Raises PageNotFound, ValueError (a ``ttl`` not > 0)."""
         with self._using():
             k = as_key(key)
-            if not self.index.set_page_pinned(k.path, pinned):
+            if not self.index.set_page_pinned(k.path, pinned, _pin_until(pinned, ttl)):
                 raise PageNotFound(f"no page {k.path!r}")
 
-    def pin_session(self, session: str, pinned: bool = True) -> None:
-        """Pin a session (it may have no pages yet: pinning reserves its place), or unpin
-        one (SessionNotFound when there is none: a typo made an empty session)."""
+    def pin_session(self, session: str, pinned: bool = True, *, ttl: float | None = None) -> None:
+        """Pin a session (it may have no pages yet: pinning reserves its place), for ``ttl``
+        seconds as :meth:`pin` a page, or unpin one (SessionNotFound when there is none: a
+        typo made an empty session)."""
         with self._using():
+            until = _pin_until(pinned, ttl)
             d = self.resolve_session(session) if pinned else self._existing_session(session)
-            self.index.set_session_pinned(d, pinned)
+            self.index.set_session_pinned(d, pinned, until)
+
+    def release_expired_pins(self, now: float | None = None) -> int:
+        """Unpin the pages and sessions whose pin's lifetime has ended by ``now`` (default:
+        the time now), as an unpin would. Returns how many were released. Done before
+        eviction looks for candidates, periodically in a running store, and at open."""
+        with self._using():
+            return self._release_expired_pins(now)
+
+    def _release_expired_pins(self, now: float | None = None) -> int:
+        """:meth:`release_expired_pins` inside a call already counted (a put making room)."""
+        released = self.index.release_expired_pins(time.time() if now is None else now)
+        for target, kind in released:
+            log_event("unpin", kind=kind, target=target, reason="expired")
+        return len(released)
 
     # -- eviction ---------------------------------------------------------------------
     def evict(

@@ -149,6 +149,7 @@ def session_json(engine: Engine, session_path: str) -> bytes:
         "dir": info.dir,
         "model": info.model,
         "pinned": info.pinned,
+        "pin_until": info.pin_until,
         "pages": info.pages,
         "bytes": info.bytes,
         "local_bytes": info.local_bytes,

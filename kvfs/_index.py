@@ -10,6 +10,8 @@ Tables:
             local extents (NULL when the data is not held locally), archive state.
   pages     one row per key: path, session directory, blob checksum, times, pinned, attrs.
   sessions  one row per session directory: times, pinned, attrs (model id...).
+  pin_expiry  when a pin with a lifetime ends, per pinned page or session (a pin without
+            one has no row); the pin is then released as an unpin releases it.
   meta      store identity and layout.
 
 Writes go through one connection under one lock (transactions, group commit). Reads outside
@@ -80,6 +82,13 @@ CREATE TABLE IF NOT EXISTS sessions (
     pinned INTEGER NOT NULL DEFAULT 0,
     attrs BLOB
 );
+CREATE TABLE IF NOT EXISTS pin_expiry (
+    target TEXT NOT NULL,
+    kind TEXT NOT NULL,
+    until REAL NOT NULL,
+    PRIMARY KEY (target, kind)
+);
+CREATE INDEX IF NOT EXISTS pin_expiry_until ON pin_expiry(until);
 """
 
 Extent = tuple[int, str, int, int]  # (device index, file relative to device root, offset, length)
@@ -831,6 +840,8 @@ class Index:
         freed = None
         if old_page is not None:
             db.execute("DELETE FROM pages WHERE path=?", (path,))
+            # the page put is pinned as it says: for good, or not at all
+            self._set_pin_until(db, path, "page", None)
             freed = self._unref(db, old_page.hash) if old_page.hash != h else None
             if old_page.hash == h:
                 db.execute("UPDATE blobs SET refs=refs-1 WHERE hash=?", (h,))
@@ -910,6 +921,8 @@ class Index:
             p = _page(r)
             self.removals[p.session] += 1
             db.execute("DELETE FROM pages WHERE path=?", (path,))
+            # (its pin's lifetime goes with it: not onto a page put there later)
+            self._set_pin_until(db, path, "page", None)
             gone.append(p)
             b = self._unref(db, p.hash)
             if b is not None:
@@ -944,6 +957,7 @@ class Index:
             paths = [r[0] for r in db.execute("SELECT path FROM pages WHERE session=?", (d,))]
             deleted = self._delete_pages(db, paths)
             db.execute("DELETE FROM sessions WHERE dir=?", (d,))
+            self._set_pin_until(db, d, "session", None)
             return deleted
 
     def rename_page(self, src: str, dst: str, dst_session: str) -> tuple[PageRow, BlobRow | None]:
@@ -965,6 +979,9 @@ class Index:
                 db.execute("DELETE FROM pages WHERE path=?", (dst,))
                 freed = self._unref(db, old[0])
             db.execute("UPDATE pages SET path=?, session=? WHERE path=?", (dst, dst_session, src))
+            # the page's pin moves with it, and its lifetime too; the replaced page's goes
+            self._set_pin_until(db, dst, "page", None)
+            db.execute("UPDATE pin_expiry SET target=? WHERE target=? AND kind='page'", (dst, src))
             self._touch_session(db, dst_session, time.time())
             # both sessions' manifests name the old path, or the replaced data
             self._changed(db, {p.session, dst_session}, [freed] if freed else [])
@@ -994,14 +1011,63 @@ class Index:
             db.execute("UPDATE pages SET attrs=? WHERE path=?", (_pack(merged), path))
             return True
 
-    def set_page_pinned(self, path: str, pinned: bool) -> bool:
+    def set_page_pinned(self, path: str, pinned: bool, until: float | None = None) -> bool:
+        """Pin or unpin a page; False when there is no such page. A pin ends at ``until``
+        (a time.time()) when given, else never; either replaces the lifetime a pin had, and
+        an unpin removes it."""
         with self.transaction() as db:
-            row = db.execute("SELECT session FROM pages WHERE path=?", (path,)).fetchone()
+            row = db.execute("SELECT session, pinned FROM pages WHERE path=?", (path,)).fetchone()
             if row is None:
                 return False
             db.execute("UPDATE pages SET pinned=? WHERE path=?", (int(pinned), path))
-            self._changed(db, {row[0]}, [])  # the archive's manifest carries pins
+            self._set_pin_until(db, path, "page", until if pinned else None)
+            if bool(row[1]) != pinned:  # (a pin renewed changes nothing the manifest says)
+                self._changed(db, {row[0]}, [])  # the archive's manifest carries pins
             return True
+
+    @staticmethod
+    def _set_pin_until(db: sqlite3.Connection, target: str, kind: str, until: float | None) -> None:
+        if until is None:
+            db.execute("DELETE FROM pin_expiry WHERE target=? AND kind=?", (target, kind))
+        else:
+            db.execute(
+                "INSERT OR REPLACE INTO pin_expiry (target, kind, until) VALUES (?,?,?)",
+                (target, kind, until),
+            )
+
+    def pin_until(self, target: str, kind: str) -> float | None:
+        """When the pin of page (``kind`` "page") or session directory ("session")
+        ``target`` ends; None when it has no lifetime (or there is no pin)."""
+        r = self._q("SELECT until FROM pin_expiry WHERE target=? AND kind=?", (target, kind))
+        return float(r[0][0]) if r else None
+
+    def release_expired_pins(self, now: float) -> list[tuple[str, str]]:
+        """Unpin every page and session whose pin's lifetime ended by ``now``, as an unpin
+        does (the archive's manifest follow-up included), in one transaction: a pin renewed
+        meanwhile is not released. Returns the (target, kind) released."""
+        if not self._q("SELECT 1 FROM pin_expiry WHERE until <= ? LIMIT 1", (now,)):
+            return []  # (a read, no write transaction: make_room asks at every pass)
+        released: list[tuple[str, str]] = []
+        with self.transaction() as db:
+            rows = db.execute(
+                "SELECT target, kind FROM pin_expiry WHERE until <= ? ORDER BY until", (now,)
+            ).fetchall()
+            for target, kind in rows:
+                if kind == "page":
+                    p = db.execute(
+                        "SELECT session, pinned FROM pages WHERE path=?", (target,)
+                    ).fetchone()
+                    if p is not None and p[1]:
+                        db.execute("UPDATE pages SET pinned=0 WHERE path=?", (target,))
+                        self._changed(db, {p[0]}, [])
+                        released.append((target, kind))
+                else:
+                    s = db.execute("SELECT pinned FROM sessions WHERE dir=?", (target,)).fetchone()
+                    if s is not None and s[0]:
+                        self._set_session_pinned(db, target, False)
+                        released.append((target, kind))
+                db.execute("DELETE FROM pin_expiry WHERE target=? AND kind=?", (target, kind))
+        return released
 
     def touch_session(self, d: str) -> None:
         """The session, and every page of it and their data, was used now (a restore: the
@@ -1017,15 +1083,21 @@ class Index:
                 (now, d),
             )
 
-    def set_session_pinned(self, d: str, pinned: bool) -> None:
-        """Raises PageExists for a directory at or below a page: no session can be there."""
+    def set_session_pinned(self, d: str, pinned: bool, until: float | None = None) -> None:
+        """Pin or unpin a session, as :meth:`set_page_pinned` a page. Raises PageExists for
+        a directory at or below a page: no session can be there."""
         with self.transaction() as db:
             above = _page_above(db, d, itself=True)
             if above is not None:
                 raise PageExists(f"{d!r}: {above!r} is a page, so no session can be there")
-            self._touch_session(db, d, time.time())
-            db.execute("UPDATE sessions SET pinned=? WHERE dir=?", (int(pinned), d))
-            self._changed(db, {d}, [])
+            self._set_session_pinned(db, d, pinned)
+            self._set_pin_until(db, d, "session", until if pinned else None)
+
+    def _set_session_pinned(self, db: sqlite3.Connection, d: str, pinned: bool) -> None:
+        # (a touch: retention counts from an unpin, or from a pin's end)
+        self._touch_session(db, d, time.time())
+        db.execute("UPDATE sessions SET pinned=? WHERE dir=?", (int(pinned), d))
+        self._changed(db, {d}, [])
 
     def set_session_attrs(self, d: str, attrs: dict[str, str]) -> None:
         with self.transaction() as db:

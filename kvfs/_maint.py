@@ -153,6 +153,7 @@ def evict(
     reason: str,
     progress: Callable[[int, int], None] | None = None,
 ) -> int:
+    eng._release_expired_pins()  # (before the pins are read: an ended one keeps nothing)
     if session is not None:
         d = eng.resolve_session(session)
         if eng.index.session(d) is None:

@@ -96,6 +96,7 @@ class TieringPolicy:
         Called with the engine's eviction lock held, so victims are never chosen twice.
         """
         self.engine.flush_atimes()
+        self.engine._release_expired_pins()  # (their data may go now: a put must not fail)
         first: list[BlobRow] | None = None  # the candidates the check read: the first pass's
         if self.lossy_eviction:
             first = self._enough_candidates(need)

@@ -307,6 +307,7 @@ def page_info(eng: Engine, p: PageRow, b: BlobRow) -> PageInfo:
         tier=tier or "none",
         attrs=p.attrs,
         extents=ext,
+        pin_until=eng.index.pin_until(p.path, "page") if p.pinned else None,
     )
 
 
@@ -352,4 +353,5 @@ def session_info(eng: Engine, d: str) -> SessionInfo:
         bytes=u["bytes"],
         local_bytes=u["local_bytes"],
         archived_bytes=u["archived_bytes"],
+        pin_until=eng.index.pin_until(d, "session") if s.pinned else None,
     )

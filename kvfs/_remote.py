@@ -163,14 +163,15 @@ class _Api:
     def rename(self, src: KeyLike, dst: KeyLike) -> Any:
         return self._call("rename", _k(src), _k(dst))
 
-    def pin(self, key: KeyLike) -> Any:
-        return self._call("pin", _k(key))
+    def pin(self, key: KeyLike, *, ttl: float | None = None) -> Any:
+        # (ttl only when given: a pin for good is the call an older daemon knows)
+        return self._call("pin", _k(key), **({} if ttl is None else {"ttl": ttl}))
 
     def unpin(self, key: KeyLike) -> Any:
         return self._call("unpin", _k(key))
 
-    def pin_session(self, session: str) -> Any:
-        return self._call("pin_session", session)
+    def pin_session(self, session: str, *, ttl: float | None = None) -> Any:
+        return self._call("pin_session", session, **({} if ttl is None else {"ttl": ttl}))
 
     def unpin_session(self, session: str) -> Any:
         return self._call("unpin_session", session)

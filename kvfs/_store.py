@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import builtins
 import functools
+import logging
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager, contextmanager
@@ -27,6 +28,8 @@ from ._keys import PageKey
 from ._types import PageInfo, SessionInfo, StoreStatistics
 
 __all__ = ["Store", "SyncStore", "open_store", "open_store_sync"]
+
+log = logging.getLogger("kvfs.store")
 
 T = TypeVar("T")
 KeyLike = PageKey | str
@@ -120,14 +123,18 @@ class Store(BatchCalls):
     async def rename(self, src: KeyLike, dst: KeyLike) -> None:
         await self._run(self._engine.rename, src, dst)
 
-    async def pin(self, key: KeyLike) -> None:
-        await self._run(self._engine.pin, key, True)
+    async def pin(self, key: KeyLike, *, ttl: float | None = None) -> None:
+        """Keep a page from eviction until it is unpinned, or for ``ttl`` seconds. Pinning
+        again replaces the lifetime (without ``ttl``: for good). Raises PageNotFound,
+        ValueError (a ``ttl`` not > 0)."""
+        await self._run(self._engine.pin, key, True, ttl=ttl)
 
     async def unpin(self, key: KeyLike) -> None:
         await self._run(self._engine.pin, key, False)
 
-    async def pin_session(self, session: str) -> None:
-        await self._run(self._engine.pin_session, session, True)
+    async def pin_session(self, session: str, *, ttl: float | None = None) -> None:
+        """Keep a session's pages from eviction, as :meth:`pin` a page."""
+        await self._run(self._engine.pin_session, session, True, ttl=ttl)
 
     async def unpin_session(self, session: str) -> None:
         await self._run(self._engine.pin_session, session, False)
@@ -195,6 +202,7 @@ async def open_store(config: StoreConfig | None = None, **overrides: Any) -> Asy
     try:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(_flush_atimes_forever, engine)
+            nursery.start_soon(_release_expired_pins_forever, engine)
             background = getattr(engine.policy, "background", None)
             if background is not None:  # the archive tier's spiller
                 nursery.start_soon(background)
@@ -215,6 +223,20 @@ async def _flush_atimes_forever(engine: Engine) -> None:
     while True:
         await trio.sleep(5)
         await trio.to_thread.run_sync(engine.flush_atimes)
+
+
+#: how often a running store releases the pins whose lifetime ended (eviction releases
+#: them first whatever this is: the capacity they held is never what fails a put)
+PIN_EXPIRY_SECONDS = 5.0
+
+
+async def _release_expired_pins_forever(engine: Engine) -> None:
+    while True:
+        await trio.sleep(PIN_EXPIRY_SECONDS)
+        try:
+            await trio.to_thread.run_sync(engine.release_expired_pins)
+        except Exception as e:  # (a full disk: the next pass, or an eviction, tries again)
+            log.warning("pins whose lifetime ended are not released yet: %s", e)
 
 
 class SyncStore:
@@ -267,14 +289,14 @@ class SyncStore:
     def rename(self, src: KeyLike, dst: KeyLike) -> None:
         self._engine.rename(src, dst)
 
-    def pin(self, key: KeyLike) -> None:
-        self._engine.pin(key, True)
+    def pin(self, key: KeyLike, *, ttl: float | None = None) -> None:
+        self._engine.pin(key, True, ttl=ttl)
 
     def unpin(self, key: KeyLike) -> None:
         self._engine.pin(key, False)
 
-    def pin_session(self, session: str) -> None:
-        self._engine.pin_session(session, True)
+    def pin_session(self, session: str, *, ttl: float | None = None) -> None:
+        self._engine.pin_session(session, True, ttl=ttl)
 
     def unpin_session(self, session: str) -> None:
         self._engine.pin_session(session, False)

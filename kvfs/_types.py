@@ -34,6 +34,8 @@ class PageInfo:
     tier: str
     attrs: dict[str, str]
     extents: tuple[Extent, ...] = ()
+    #: when the page's own pin ends (a time.time()); None: pinned for good, or not pinned
+    pin_until: float | None = None
 
     @property
     def local(self) -> bool:
@@ -52,6 +54,8 @@ class SessionInfo:
     bytes: int
     local_bytes: int
     archived_bytes: int
+    #: when the session's pin ends (a time.time()); None: pinned for good, or not pinned
+    pin_until: float | None = None
 
     @property
     def model(self) -> str | None:

@@ -1,0 +1,213 @@
+"""Pins with a lifetime (``pin(key, ttl=...)``): kept from eviction until they end, then
+released as an unpin releases them (before eviction looks, periodically, and at open); a
+pin again replaces the lifetime, an unpin clears it, and it survives a restart."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import trio
+
+import kvfs
+import kvfs._store
+from kvfs._control import control_service
+from kvfs._fuse_ns import session_json
+from kvfs._remote import open_remote_store
+
+KiB = 1024
+MakeConfig = Callable[..., kvfs.StoreConfig]
+PAGE = 64 * KiB
+ROOM = PAGE + 4 * KiB  # a page's bytes on disk, header and alignment included
+
+
+def _ended(until: float | None) -> None:
+    """Wait until the time ``until`` has passed (a pin of a fraction of a second)."""
+    assert until is not None
+    while time.time() <= until:
+        time.sleep(min(0.05, max(0.001, until - time.time() + 0.001)))
+
+
+def test_a_page_pinned_for_a_while_is_kept_until_its_pin_ends_then_evicted(
+    make_config: MakeConfig,
+) -> None:
+    """A pin had no end: a page an agent pinned before it crashed held its room for good."""
+    cfg = make_config(ndev=1, stripe_unit=PAGE, capacity=2 * ROOM)
+    with kvfs.open_store_sync(cfg) as store:
+        store.put("a/p", os.urandom(PAGE))
+        store.put("b/p", os.urandom(PAGE))
+        store.pin("a/p", ttl=3600)
+        store.pin("b/p", ttl=3600)
+        with pytest.raises(kvfs.CapacityExceeded):
+            store.put("c/p", os.urandom(PAGE))  # both pins hold: nothing may go
+        assert store.exists("a/p") and store.exists("b/p")
+        store.pin("b/p", ttl=0.5)  # (pinning again replaces the lifetime)
+        _ended(store.stat("b/p").pin_until)
+        store.put("c/p", os.urandom(PAGE))  # b's pin has ended: b makes the room
+        assert not store.exists("b/p")
+        assert store.exists("a/p") and store.stat("a/p").pinned
+        assert store.statistics().evictions == {"capacity": 1}
+
+
+def test_a_session_pinned_for_a_while_is_kept_from_an_evict_until_its_pin_ends(
+    make_config: MakeConfig,
+) -> None:
+    with kvfs.open_store_sync(make_config()) as store:
+        store.put(kvfs.PageKey.semantic("s", "p", 0), os.urandom(PAGE))
+        store.pin_session("s", ttl=3600)
+        assert store.session_info("s").pin_until is not None
+        assert store.evict(session="s") == 0
+        store.pin_session("s", ttl=0.5)
+        _ended(store.session_info("s").pin_until)
+        assert store.evict(session="s") > 0  # (no archive: the pages go, the session too)
+        assert store.list(path_prefix="sessions/s/") == []
+
+
+def test_a_pins_lifetime_survives_a_restart_and_one_that_ended_meanwhile_is_released_at_open(
+    make_config: MakeConfig,
+) -> None:
+    cfg = make_config()
+    with kvfs.open_store_sync(cfg) as store:
+        store.put("a/p", b"a")
+        store.put("b/p", b"b")
+        store.pin("a/p", ttl=3600)
+        store.pin("b/p", ttl=0.5)
+        until = store.stat("a/p").pin_until
+        ended = store.stat("b/p").pin_until
+    _ended(ended)
+    with kvfs.open_store_sync(cfg) as store:
+        a, b = store.stat("a/p"), store.stat("b/p")
+        assert a.pinned and a.pin_until == until
+        assert not b.pinned and b.pin_until is None
+
+
+def test_a_pin_without_a_ttl_makes_a_pin_with_one_for_good_and_the_other_way_round(
+    make_config: MakeConfig,
+) -> None:
+    with kvfs.open_store_sync(make_config()) as store:
+        store.put("a/p", b"a")
+        store.pin("a/p", ttl=0.5)
+        ended = store.stat("a/p").pin_until
+        store.pin("a/p")
+        assert store.stat("a/p").pin_until is None
+        _ended(ended)
+        assert store.engine.release_expired_pins() == 0
+        assert store.stat("a/p").pinned
+        store.pin("a/p", ttl=0.5)  # a lifetime on a pin for good: it ends too
+        _ended(store.stat("a/p").pin_until)
+        assert store.engine.release_expired_pins() == 1
+        assert not store.stat("a/p").pinned
+
+
+def test_unpin_delete_and_replace_clear_a_pins_lifetime_and_rename_moves_it(
+    make_config: MakeConfig,
+) -> None:
+    """The lifetime of a pin gone must not end a pin made later for good on that name."""
+    with kvfs.open_store_sync(make_config()) as store:
+        for k in ("a/p", "b/p", "c/p", "d/p"):
+            store.put(k, k.encode())
+            store.pin(k, ttl=0.5)
+        ended = max(store.stat(k).pin_until or 0.0 for k in ("a/p", "b/p", "c/p", "d/p"))
+        store.unpin("a/p")
+        assert store.stat("a/p").pin_until is None
+        store.pin("a/p")
+        store.delete("b/p")
+        store.put("b/p", b"b", pin=True)
+        store.put("c/p", b"c2", pin=True, replace=True)
+        store.rename("d/p", "e/p")
+        assert store.stat("e/p").pinned and store.stat("e/p").pin_until is not None
+        _ended(ended)
+        assert store.engine.release_expired_pins() == 1  # e/p's, moved with it
+        assert all(store.stat(k).pinned for k in ("a/p", "b/p", "c/p"))
+        assert not store.stat("e/p").pinned
+
+
+def test_a_pin_that_ends_is_an_unpin_in_the_archives_manifest_too(tmp_path: Path) -> None:
+    """A pin's end goes the way of an unpin: the session's manifest, which another host's
+    retirement of this one trusts, is rewritten unpinned."""
+    import msgpack
+
+    archive = tmp_path / "archive"
+    cfg = kvfs.StoreConfig(
+        data_dirs=(tmp_path / "d",),
+        archive_url=f"file://{archive}",
+        extra={"archive": {"interval": 0, "upload_processes": 0}},
+    )
+
+    def pinned() -> bool:
+        (path,) = (archive / "manifests").glob("sessions%2Fa@*")
+        return bool(msgpack.unpackb(path.read_bytes(), raw=False)["pinned"])
+
+    with kvfs.open_store_sync(cfg) as st:
+        st.put("sessions/a/p/layer-000", b"A" * 6000)
+        st.spill("a")
+        st.pin_session("a", ttl=0.5)
+        pol = st.engine.policy
+        pol.call(pol.spiller.flush_pending)  # (the daemon's next background pass)
+        assert pinned()
+        _ended(st.session_info("a").pin_until)
+        assert st.engine.release_expired_pins() == 1
+        pol.call(pol.spiller.flush_pending)
+        assert not pinned()
+
+
+def test_the_mounts_session_metadata_says_when_its_pin_ends(make_config: MakeConfig) -> None:
+    with kvfs.open_store_sync(make_config()) as store:
+        store.put(kvfs.PageKey.semantic("s", "p", 0), b"x")
+        store.pin_session("s", ttl=600)
+        doc = json.loads(session_json(store.engine, "sessions/s"))
+        assert doc["pinned"] and doc["pin_until"] == store.session_info("s").pin_until
+        store.pin_session("s")
+        assert json.loads(session_json(store.engine, "sessions/s"))["pin_until"] is None
+
+
+def test_a_pins_lifetime_must_be_a_number_of_seconds_over_zero(make_config: MakeConfig) -> None:
+    with kvfs.open_store_sync(make_config()) as store:
+        store.put("a/p", b"a")
+        for bad in (0, -1, float("nan"), float("inf"), True, "30m"):
+            with pytest.raises(ValueError):
+                store.pin("a/p", ttl=bad)  # type: ignore[arg-type]
+            with pytest.raises(ValueError):
+                store.pin_session("a/", ttl=bad)  # type: ignore[arg-type]
+        assert not store.stat("a/p").pinned
+        with pytest.raises(ValueError):
+            store.engine.pin("a/p", False, ttl=10)
+
+
+async def test_a_running_store_releases_pins_that_ended(
+    make_config: MakeConfig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Nothing released a pin but an unpin: ``ls`` showed it pinned for ever."""
+    monkeypatch.setattr(kvfs._store, "PIN_EXPIRY_SECONDS", 0.1)
+    async with kvfs.open_store(make_config()) as store:
+        await store.put("a/p", b"a")
+        await store.pin_session("a/", ttl=0.3)
+        with trio.fail_after(30):  # (a bound on the wait, not a timing asserted)
+            while (await store.session_info("a/")).pinned:
+                await trio.sleep(0.05)
+        assert (await store.session_info("a/")).pin_until is None
+
+
+async def test_a_pin_with_a_ttl_through_the_daemon(make_config: MakeConfig, tmp_path: Path) -> None:
+    sock = tmp_path / "c.sock"
+    async with kvfs.open_store(make_config()) as store, trio.open_nursery() as n:
+        await n.start(control_service, store, sock)
+        async with open_remote_store(sock) as r:
+            await r.put("sessions/s/p/layer-000", b"x")
+            before = time.time()
+            await r.pin("sessions/s/p/layer-000", ttl=1800)
+            await r.pin_session("s", ttl=60)
+            info = await r.stat("sessions/s/p/layer-000")
+            assert info.pinned and info.pin_until is not None
+            assert before + 1800 <= info.pin_until <= time.time() + 1800
+            s = await r.session_info("s")
+            assert s.pinned and s.pin_until is not None and s.pin_until <= time.time() + 60
+            with pytest.raises(ValueError):
+                await r.pin("sessions/s/p/layer-000", ttl=-5)
+            await r.pin("sessions/s/p/layer-000")  # for good again
+            assert (await r.stat("sessions/s/p/layer-000")).pin_until is None
+        n.cancel_scope.cancel()
