@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import math
 import os
 import sys
 import time
@@ -16,6 +17,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import kvfs
+from kvfs._config import parse_duration
 from kvfs._control import DaemonUnavailable
 from kvfs._keys import split_path
 from kvfs._maint import FSCK_PROBLEMS
@@ -134,11 +136,21 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     for name, text, fn in (
         ("rm", "delete pages or whole sessions", cmd_rm),
-        ("pin", "pin pages or sessions (never evicted)", cmd_pin),
+        ("pin", "pin pages or sessions (never evicted until unpinned, or for a while)", cmd_pin),
         ("unpin", "unpin pages or sessions", cmd_unpin),
     ):
         p = sub.add_parser(name, help=text)
         p.add_argument("targets", nargs="+", metavar="SESSION|PATH")
+        if name == "pin":
+            p.add_argument(
+                "--for",
+                dest="ttl",
+                type=_pin_duration,
+                metavar="DURATION",
+                help="the pin ends after DURATION (90s, 30m, 2h, 7d; a number: seconds), as an "
+                "unpin would end it: what a process that crashed pinned is not kept for good. "
+                "Pinning again replaces the lifetime: without --for the pin is for good",
+            )
         add_store_flags(p)
         p.set_defaults(func=fn)
 
@@ -290,7 +302,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
         headers += ["CREATED", "CHECKSUM", "ATTRS"]
     rows = []
     for p in pages:
-        pin = "yes" if p.pinned else "session" if _session_arg(p) in held else ""
+        pin = _pin_cell(p.pinned, p.pin_until) or ("session" if _session_arg(p) in held else "")
         row = [p.path, fmt_bytes(p.size), p.tier, pin, fmt_time(p.atime)]
         if args.long:
             row += [
@@ -323,6 +335,13 @@ def _session_arg(p: kvfs.PageInfo) -> str:
     return p.session + "/"
 
 
+def _pin_cell(pinned: bool, until: float | None) -> str:
+    """The PINNED column: "yes" for a pin for good, the time left of one with a lifetime."""
+    if not pinned:
+        return ""
+    return "yes" if until is None else f"{fmt_span(max(0.0, until - time.time()))} left"
+
+
 def _session_pinned(store: Any, session: str) -> bool:
     try:
         return bool(store.session_info(session).pinned)
@@ -337,6 +356,7 @@ def _page_json(p: kvfs.PageInfo) -> dict[str, Any]:
         "size": p.size,
         "tier": p.tier,
         "pinned": p.pinned,
+        "pin_until": p.pin_until,
         "atime": p.atime,
         "created": p.created,
         "checksum": p.checksum,
@@ -443,7 +463,7 @@ def _ls_sessions(args: argparse.Namespace, sessions: list[kvfs.SessionInfo]) -> 
             fmt_bytes(s.bytes),
             fmt_bytes(s.local_bytes),
             fmt_bytes(s.archived_bytes),
-            "yes" if s.pinned else "",
+            _pin_cell(s.pinned, s.pin_until),
             fmt_time(s.atime),
         ]
         if args.long:
@@ -673,7 +693,11 @@ def cmd_get(args: argparse.Namespace) -> int:
 
 
 # -- rm / pin / unpin / evict ---------------------------------------------------------
-def _each(args: argparse.Namespace, page_op: str, session_op: str, verb: str) -> int:
+def _each(
+    args: argparse.Namespace, page_op: str, session_op: str, verb: str, note: str = "", **kw: Any
+) -> int:
+    """``page_op`` or ``session_op`` (with ``kw``, which --json's records show too) on each
+    target; ``note`` ends each line said."""
     results: list[dict[str, Any]] = []
 
     def emit() -> None:
@@ -683,6 +707,7 @@ def _each(args: argparse.Namespace, page_op: str, session_op: str, verb: str) ->
             [
                 f"{verb} {r['kind']} {printable(r['target'])}"
                 + (f" ({count(r['pages'], 'page')})" if r["kind"] != "page" else "")
+                + note
                 for r in results
             ],
         )
@@ -696,10 +721,10 @@ def _each(args: argparse.Namespace, page_op: str, session_op: str, verb: str) ->
                 if kind == "directory":  # each page below it
                     pages = store.list(path_prefix=name)
                     for p in pages:
-                        getattr(store, page_op)(p.path)
+                        getattr(store, page_op)(p.path, **kw)
                     r: Any = len(pages)
                 else:
-                    r = getattr(store, page_op if kind == "page" else session_op)(name)
+                    r = getattr(store, page_op if kind == "page" else session_op)(name, **kw)
                 counted = isinstance(r, int) and not isinstance(r, bool)
                 # ("result": what the store call returned, kept for scripts that read it;
                 # a session's pin returns nothing: its pages are those it holds)
@@ -709,7 +734,7 @@ def _each(args: argparse.Namespace, page_op: str, session_op: str, verb: str) ->
                     pages = 1
                 else:
                     pages = store.session_info(name).pages
-                results.append({"target": t, "kind": kind, "pages": pages, "result": r})
+                results.append({"target": t, "kind": kind, "pages": pages, "result": r, **kw})
     emit()
     return 0
 
@@ -731,7 +756,22 @@ def cmd_rm(args: argparse.Namespace) -> int:
 
 
 def cmd_pin(args: argparse.Namespace) -> int:
-    return _each(args, "pin", "pin_session", "pinned")
+    if args.ttl is None:
+        return _each(args, "pin", "pin_session", "pinned")
+    return _each(
+        args, "pin", "pin_session", "pinned", f" for {fmt_duration(args.ttl)}", ttl=args.ttl
+    )
+
+
+def _pin_duration(text: str) -> float:
+    """--for's DURATION: a bad one is a usage error (exit 2)."""
+    try:
+        seconds = parse_duration(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    if not 0 < seconds < math.inf:
+        raise argparse.ArgumentTypeError(f"a pin lasts more than 0 seconds, not {text!r}")
+    return seconds
 
 
 def cmd_unpin(args: argparse.Namespace) -> int:

@@ -21,6 +21,7 @@ from kvfs._remote import open_remote_store
 
 KiB = 1024
 MakeConfig = Callable[..., kvfs.StoreConfig]
+Run = Callable[..., tuple[int, str, str]]
 PAGE = 64 * KiB
 ROOM = PAGE + 4 * KiB  # a page's bytes on disk, header and alignment included
 
@@ -211,3 +212,41 @@ async def test_a_pin_with_a_ttl_through_the_daemon(make_config: MakeConfig, tmp_
             await r.pin("sessions/s/p/layer-000")  # for good again
             assert (await r.stat("sessions/s/p/layer-000")).pin_until is None
         n.cancel_scope.cancel()
+
+
+def test_cli_pin_for_a_duration_and_ls_shows_the_time_left(run: Run, tmp_path: Path) -> None:
+    d = ("--data", str(tmp_path / "d"))
+    (tmp_path / "f").write_bytes(b"z" * 100)
+    assert run("put", "f", "sessions/a/p/layer-000", *d)[0] == 0
+    assert run("put", "f", "sessions/b/p/layer-000", *d)[0] == 0
+    before = time.time()
+    rc, out, _ = run("pin", "--for", "30m", "a", "sessions/b/p/layer-000", *d)
+    assert rc == 0
+    assert out == "pinned session a (1 page) for 30m\npinned page sessions/b/p/layer-000 for 30m\n"
+    (page,) = json.loads(run("ls", "sessions/b/p/layer-000", "--json", *d)[1])
+    assert page["pinned"] and before + 1800 <= page["pin_until"] <= time.time() + 1800
+    sessions = {s["session"]: s for s in json.loads(run("ls", "--json", *d)[1])}
+    assert before + 1800 <= sessions["a"]["pin_until"] <= time.time() + 1800
+    assert sessions["b"]["pin_until"] is None and not sessions["b"]["pinned"]
+    rc, out, _ = run("ls", "sessions/b/p/layer-000", *d)
+    assert rc == 0 and "  30m left  " in out.splitlines()[2]
+    rc, out, _ = run("ls", *d)
+    rows = {r.split()[0]: r for r in out.splitlines()[2:]}
+    assert "  30m left  " in rows["a"] and "left" not in rows["b"]
+    assert run("pin", "a", *d)[0] == 0  # for good again
+    (s,) = [s for s in json.loads(run("ls", "--json", *d)[1]) if s["session"] == "a"]
+    assert s["pinned"] and s["pin_until"] is None
+    rc, out, _ = run("pin", "--for", "2h", "a", "--json", *d)
+    assert rc == 0 and json.loads(out)[0]["ttl"] == 7200
+
+
+@pytest.mark.parametrize("bad", ["1x", "0", "-5m", "soon", ""])
+def test_cli_pin_for_a_bad_duration_is_a_usage_error(run: Run, tmp_path: Path, bad: str) -> None:
+    d = ("--data", str(tmp_path / "d"))
+    (tmp_path / "f").write_bytes(b"z")
+    assert run("put", "f", "sessions/a/p/layer-000", *d)[0] == 0
+    with pytest.raises(SystemExit) as e:
+        run("pin", "--for", bad, "a", *d)
+    assert e.value.code == 2
+    (s,) = json.loads(run("ls", "--json", *d)[1])
+    assert not s["pinned"]
