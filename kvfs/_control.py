@@ -138,7 +138,11 @@ def _ext(code: int, data: bytes) -> Any:
     name, d = msgpack.unpackb(data, ext_hook=_ext, raw=False, strict_map_key=False)
     for k in _TUPLES & d.keys():
         d[k] = tuple(d[k])
-    return _RECORDS[name](**d)
+    cls = _RECORDS[name]
+    # A field this kvfs does not know (a newer daemon's: PageInfo gained pin_until) is
+    # left out: the record still means what this side reads of it
+    known = {f.name for f in dataclasses.fields(cls)}
+    return cls(**{k: v for k, v in d.items() if k in known})
 
 
 def packed(obj: Any) -> bytes:

@@ -1147,3 +1147,21 @@ async def test_a_page_frame_cut_short_or_overlong_is_answered_and_the_connection
             assert await r.get("s/p/1", into=buf) == len(page) - 1 and buf[:-1] == page[1:]
             assert await r.read_range("s/p/1", 5, 2 << 20) == page[6 : 6 + (2 << 20)]
         n.cancel_scope.cancel()
+
+
+def test_a_record_with_a_field_this_side_does_not_know_still_decodes() -> None:
+    """A record from a newer daemon (one more field, as PageInfo's pin_until was) failed to
+    decode: `PageInfo.__init__() got an unexpected keyword argument`, and every ls or stat
+    through that daemon with it."""
+    import msgpack
+
+    from kvfs._control import _RECORD_EXT, decode
+
+    fields = {
+        "path": "s/p", "session": "s", "size": 3, "checksum": "ab", "created": 1.0,
+        "atime": 2.0, "pinned": False, "tier": "local", "attrs": {}, "extents": (),
+        "colour": "blue",
+    }  # fmt: skip
+    body = msgpack.packb(["PageInfo", fields], use_bin_type=True)
+    msg = msgpack.packb([0, msgpack.ExtType(_RECORD_EXT, body)], use_bin_type=True)
+    assert decode(msg) == [0, kvfs.PageInfo(**{k: v for k, v in fields.items() if k != "colour"})]
