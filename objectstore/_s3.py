@@ -313,10 +313,9 @@ class S3Store(ObjectStore):
                 listing, abandon_on_cancel=True, limiter=archive_threads()
             )
         except bce.ClientError as f:
-            if _code(f) in _WRONG_KEY:
-                return f
+            return f if _code(f) in _WRONG_KEY else e
         except Exception:  # (no better reason to give: the HEAD's answer stands)
-            pass
+            return e
         return e
 
     def _permanent(
