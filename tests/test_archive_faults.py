@@ -459,8 +459,8 @@ def test_a_wrong_secret_key_is_named_at_open_and_in_a_spill_not_taken_for_a_perm
             with pytest.raises(kvfs.ArchiveAccessDenied) as spill:
                 s.spill("a")
             assert all(i.tier == "local" for i in s.list(session="a"))  # nothing lost
-        with pytest.raises(kvfs.ArchiveAccessDenied) as at_open, kvfs.open_store_sync(cfg):
-            pass
+        with pytest.raises(kvfs.ArchiveAccessDenied) as at_open:
+            kvfs.open_store_sync(cfg).__enter__()
     for message in (str(spill.value), str(at_open.value)):
         assert "the secret access key is wrong (SignatureDoesNotMatch" in message, message
         assert "AWS_SECRET_ACCESS_KEY" in message and "access denied" not in message, message
