@@ -230,7 +230,8 @@ def _add_mount(p: argparse.ArgumentParser, more: str = "") -> None:
         nargs="?",
         metavar="MOUNT",
         help="the mount point, or any path on a kvfs mount: use the store it serves, as a "
-        "path on a mount does for ls or pin (unless --data or --config names another; "
+        "path on a mount does for ls or pin (--data or --config naming another store is a "
+        "usage error; "
         f"without MOUNT, a working directory on a mount does the same){more}",
     )
 

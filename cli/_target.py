@@ -97,7 +97,8 @@ def map_mount_paths(args: argparse.Namespace) -> None:
     path that leads onto it from outside, ``mnt/sessions/new/p0/layer-000``, whether or not
     it exists yet, or a name that exists in the working directory when that is on the
     mount) become the store paths
-    they show, and the mount's store is the one used unless the command names another.
+    they show, and the mount's store is the one used (``--data`` or ``--config`` that names
+    another store is a usage error: see :func:`_refuse_another_store`).
     Other targets are left alone; an absolute path elsewhere is InvalidKey. A command's
     ``mount`` (the MOUNT of stats, hosts and fsck) is always a path: the mount point or
     any path on it picks the store; one off the mounts, relative or not, is InvalidKey."""
@@ -170,17 +171,46 @@ def map_mount_paths(args: argparse.Namespace) -> None:
         # default ./kvfs-data made inside the mount (it was, as a page and a directory)
         here = kvfs_mount_of(os.getcwd())
         used = {here} if here else used
-    if (
-        len(used) == 1
-        and getattr(args, "data", None) is None
-        and getattr(args, "config", None) is None
-    ):
+    named = _named_data_dirs(args) if used else None
+    if named is not None:
+        _refuse_another_store(args, named, used)
+    elif len(used) == 1:
         state = mount_state(used.pop())
         if state is not None:
             args.data = ",".join(state["data_dirs"])
             args.index_dir = state.get("index_dir")
             if getattr(args, "socket", None) is None:
                 args.socket = state.get("control_socket")
+
+
+def _named_data_dirs(args: argparse.Namespace) -> list[str] | None:
+    """The data directories that ``--data`` or the file ``--config`` names, or None when
+    neither does (a configuration file may set only the archive, say: then the mount's data
+    directories are the store). Raises ValueError (a file that does not parse)."""
+    data, config = getattr(args, "data", None), getattr(args, "config", None)
+    if data is None and config is None:
+        return None
+    settings = load_settings(config, flags={"data_dirs": data})
+    if settings.sources["data_dirs"] not in ("flag", str(settings.config_file)):
+        return None
+    return [str(d) for d in settings["data_dirs"]]
+
+
+def _refuse_another_store(args: argparse.Namespace, named: list[str], used: set[str]) -> None:
+    """A path on a mount and ``--data``/``--config`` that name different stores are a
+    usage error: the flags won without a word (``kvfs stats /mnt/a --data /other`` reported
+    on /other). The same data directories, in any order, are the mount's store. A mount
+    whose daemon left no state to compare with is not refused. Raises ValueError."""
+    ours = {os.path.realpath(d) for d in named}
+    for mp in sorted(used):
+        state = mount_state(mp)
+        if state is None or {os.path.realpath(d) for d in state["data_dirs"]} == ours:
+            continue
+        flag = "--data" if getattr(args, "data", None) is not None else f"--config {args.config}"
+        raise ValueError(
+            f"the kvfs mount {mp} serves the store in {','.join(state['data_dirs'])}, but "
+            f"{flag} names {','.join(named)}: name the mount or the store, not both"
+        )
 
 
 def refuse_store_on_mount(config: kvfs.StoreConfig) -> None:

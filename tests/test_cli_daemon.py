@@ -348,6 +348,48 @@ def test_stats_hosts_and_fsck_take_the_mount_or_a_path_on_it(
     assert not d.errors()
 
 
+def test_a_path_on_a_mount_and_data_or_config_naming_another_store_is_a_usage_error(
+    daemon: Daemon, run: Run, tmp_path: Path
+) -> None:
+    """`kvfs stats /mnt/a --data /other` reported on /other without a word (and `kvfs ls`
+    listed it): --data and --config won over the mount. Now naming two stores is exit 2
+    with one line naming both; the mount's own data directories are accepted."""
+    page = daemon.mp / "sessions" / "agent-1" / "p0" / "layer-000"
+    page.parent.mkdir(parents=True)
+    page.write_bytes(b"k" * 100)
+    other = tmp_path / "other"
+    (tmp_path / "f").write_bytes(b"o" * 10)
+    assert run("put", "f", "sessions/elsewhere/p0/layer-000", "--data", str(other))[0] == 0
+    conf = tmp_path / "other.toml"
+    conf.write_text(f'[store]\ndata_dirs = ["{other}"]\n')
+    for flags, named in ((["--data", str(other)], "--data"), (["--config", str(conf)], "--config")):
+        for argv in (
+            ["stats", str(daemon.mp)],
+            ["stats", "--json", str(page)],
+            ["ls", str(page.parent.parent)],
+            ["pin", str(page.parent.parent)],
+        ):
+            rc, out, err = run(*argv, *flags)
+            assert (rc, out, err.count("\n")) == (2, "", 1), (argv, flags, out, err)
+            assert f"{daemon.mp} serves the store in {daemon.data}" in err, err
+            assert f"{named}" in err and f"names {other}" in err, err
+    assert not json.loads(run("ls", str(page), "--json")[1])[0]["pinned"]
+    # the mount's own data directories, by --data or by a file, are its store
+    mine = tmp_path / "mine.toml"
+    mine.write_text(f'[store]\ndata_dirs = ["{daemon.data}"]\n')
+    for flags in (["--data", str(daemon.data)], ["--config", str(mine)]):
+        rc, out, err = run("stats", "--json", str(daemon.mp), *flags)
+        assert rc == 0 and json.loads(out)["pages"] == 1, err
+        rc, out, err = run("ls", str(page.parent.parent), "--json", *flags)
+        assert rc == 0, err
+        assert [p["path"] for p in json.loads(out)] == ["sessions/agent-1/p0/layer-000"]
+    # a file that names no data directory names no store: the mount's is used with it
+    only = tmp_path / "only.toml"
+    only.write_text("[store]\nio_threads = 2\n")
+    rc, out, err = run("stats", "--json", str(daemon.mp), "--config", str(only))
+    assert rc == 0 and json.loads(out)["pages"] == 1, err
+
+
 def test_a_relative_path_onto_the_mount_names_its_page_before_it_exists(
     daemon: Daemon, run: Run, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
