@@ -43,6 +43,10 @@ from ._util import (
 
 __all__ = ["register", "render_stats"]
 
+#: How often `kvfs stats --watch` tries again an archive it found down: each try waits out
+#: the endpoint's open_deadline (15 s), and each refresh waited it out.
+ARCHIVE_RETRY_SECONDS = 60.0
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
@@ -107,7 +111,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         const=2.0,
         help="refresh every SECONDS (default 2) until interrupted; with --json, one "
         "object per line (JSON Lines). The store is opened for each refresh (a daemon may "
-        "start meanwhile); one that finds it busy says so and the next tries again",
+        "start meanwhile); one that finds it busy says so and the next tries again. "
+        "Offline, an archive that cannot be reached is not waited for again: it is tried "
+        f"again every {ARCHIVE_RETRY_SECONDS:g} s",
     )
     p.add_argument("--count", type=int, default=0, help="with --watch: stop after N refreshes")
     add_store_flags(p)
@@ -612,13 +618,19 @@ def cmd_stats(args: argparse.Namespace) -> int:
     if args.count and not args.watch:
         raise ValueError("--count needs --watch (it counts the refreshes)")
     n = 0
+    down: str | None = None  # why the archive could not be opened, while it is not tried
+    tried = 0.0  # when it was found down (time.monotonic())
+    said = False
     while True:
+        if down is not None and time.monotonic() - tried >= ARCHIVE_RETRY_SECONDS:
+            down = None  # (it may be back)
         # Opened for each refresh: a watch over the data directory itself held its lock
         # all along (a daemon could not start), and one through a daemon ended with it
         try:
-            with open_target(args, inspect=True) as store:
+            with open_target(args, inspect=True, archive_down=down) as store:
                 st = store.statistics()
                 own = not isinstance(store, SyncRemoteStore)
+                why = getattr(getattr(store, "engine", None), "archive_error", None)
         except (kvfs.StoreLocked, DaemonUnavailable) as e:
             if not args.watch:
                 raise
@@ -629,6 +641,15 @@ def cmd_stats(args: argparse.Namespace) -> int:
                 return EXIT["locked"]
             time.sleep(args.watch)
             continue
+        if args.watch and why is not None and down is None:  # (just tried, and down)
+            if not said and not (args.count and n + 1 >= args.count):
+                said = True
+                print(
+                    "kvfs stats: the next refreshes do not wait for the archive; it is tried "
+                    f"again every {ARCHIVE_RETRY_SECONDS:g} s",
+                    file=sys.stderr,
+                )
+            down, tried = why, time.monotonic()
         if args.json:
             print_json(st, line=bool(args.watch))  # watching: one object per line
         else:

@@ -303,6 +303,7 @@ def open_target(
     create: bool = False,
     from_archive: bool = False,
     inspect: bool = False,
+    archive_down: str | None = None,
 ) -> Iterator[Any]:
     """A SyncStore-like object for the command: the daemon's store or the local one.
 
@@ -314,6 +315,8 @@ def open_target(
     ``stats``, ``ls``), so a data directory whose archive cannot be opened is opened
     without it, saying so on stderr (``store.engine.archive_error``): the user learns what
     is local while the archive is down. Every other command still refuses to open then.
+    ``archive_down`` (with ``inspect``): the archive was found down a moment ago, for this
+    reason; the data directory is opened without trying it again (see :class:`Engine`).
 
     Raises DaemonUnavailable (``--daemon`` and none answers), StoreLocked (the directory is
     owned by a process that does not answer on the control socket), FileNotFoundError (no
@@ -369,7 +372,11 @@ def open_target(
                 store = stack.enter_context(_made_or_undone(config))
             else:
                 store = stack.enter_context(
-                    kvfs.open_store_sync(config, archive_required=not inspect)
+                    kvfs.open_store_sync(
+                        config,
+                        archive_required=not inspect,
+                        archive_down=archive_down if inspect else None,
+                    )
                 )
         except kvfs.StoreLocked as e:
             if mode == "offline" and _answers(settings.socket_path()):

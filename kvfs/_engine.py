@@ -277,7 +277,13 @@ def headroom(free: int) -> int:
 class Engine:
     """Owns one store directory set. Open with :meth:`open`; close with :meth:`close`."""
 
-    def __init__(self, config: StoreConfig, *, archive_required: bool = True) -> None:
+    def __init__(
+        self,
+        config: StoreConfig,
+        *,
+        archive_required: bool = True,
+        archive_down: str | None = None,
+    ) -> None:
         """Open the store at ``config`` (see :meth:`_open` for what an open recovers).
 
         ``archive_required=False`` is for inspecting the local tier while the archive is
@@ -286,10 +292,19 @@ class Engine:
         and ``archive_error`` says why. Its archive-only pages read as missing, and a repair,
         spill or restore raises ArchiveUnavailable with that reason. Otherwise the open
         raises ArchiveUnavailable, and StoreLocked, KvfsError, DiskFull as always.
+
+        ``archive_down`` (with ``archive_required=False`` only, else ValueError): why the
+        archive could not be opened a moment ago (an earlier open's ``archive_error``). It
+        is not tried again, so the open does not wait out the endpoint's ``open_deadline``
+        once more (``kvfs stats --watch`` opens the store for each refresh); the store opens
+        as if the archive had failed so, and ``archive_error`` is that reason.
         """
+        if archive_down is not None and archive_required:
+            raise ValueError("archive_down is for an open with archive_required=False")
         self.config = config
         self._closed = True
         self._archive_required = archive_required
+        self._archive_down = archive_down
         #: why the archive configured could not be opened (``archive_required=False``)
         self.archive_error: str | None = None
         #: the process that opened the store: a forked child inherits this object, but not
@@ -469,7 +484,11 @@ class Engine:
         self._closed = False
         self._calls = 0  # API calls in flight (see _using): close() waits for them
         self._calls_done = threading.Condition()
-        if cfg.archive_url:
+        if cfg.archive_url and self._archive_down is not None:
+            # (as below, when the open fails: nothing of the archive's is read or written)
+            self.archive_error = self._archive_down
+            log.info("opened without its archive, not tried again: %s", self._archive_down)
+        elif cfg.archive_url:
             from ._archive import ArchivingPolicy  # imports objectstore/boto3 only when used
 
             try:

@@ -366,13 +366,18 @@ class SyncStore:
 
 @contextmanager
 def open_store_sync(
-    config: StoreConfig | None = None, *, archive_required: bool = True, **overrides: Any
+    config: StoreConfig | None = None,
+    *,
+    archive_required: bool = True,
+    archive_down: str | None = None,
+    **overrides: Any,
 ) -> Iterator[SyncStore]:
     """Blocking counterpart of :func:`open_store`. ``archive_required=False``: for an
     inspection of the local tier, an archive that cannot be opened leaves the store open
-    without it (``store.engine.archive_error`` says why; see :class:`Engine`)."""
+    without it (``store.engine.archive_error`` says why), and ``archive_down`` opens so
+    without trying it (an earlier open found it down; see :class:`Engine`)."""
     cfg = (config or StoreConfig()).replace(**overrides) if overrides else (config or StoreConfig())
-    s = SyncStore(Engine(cfg, archive_required=archive_required))
+    s = SyncStore(Engine(cfg, archive_required=archive_required, archive_down=archive_down))
     try:
         yield s
     finally:

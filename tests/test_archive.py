@@ -663,6 +663,30 @@ def test_an_open_for_inspection_goes_on_without_an_archive_it_cannot_open(
     assert "not closed cleanly" not in caplog.text
 
 
+def test_an_open_for_inspection_told_the_archive_is_down_does_not_try_it(
+    make_config,  # noqa: ANN001
+    tmp_path: Path,
+) -> None:
+    """``kvfs stats --watch`` opens the store for each refresh, and each open tried the
+    archive again, waiting out an unreachable endpoint's open_deadline every time. Told
+    why it was down (``archive_down``), an open for inspection leaves it alone, here one
+    that would open, and says that reason; a required archive cannot be skipped so."""
+    arch = tmp_path / "arch"
+    cfg = archived_cfg(make_config, f"file://{arch}")
+    with kvfs.open_store_sync(cfg) as s:
+        fill(s, "a", 1)
+        s.spill("a")
+    with kvfs.open_store_sync(cfg, archive_required=False, archive_down="down a moment ago") as s:
+        assert s.engine.archive_error == "down a moment ago"
+        assert s.statistics().extra["archive_error"]["error"] == "down a moment ago"
+        with pytest.raises(kvfs.ArchiveUnavailable, match="down a moment ago"):
+            s.restore("a")
+    with pytest.raises(ValueError, match="archive_required=False"):
+        kvfs.open_store_sync(cfg, archive_down="down").__enter__()
+    with kvfs.open_store_sync(cfg) as s:
+        assert s.engine.archive_error is None and s.restore("a")
+
+
 def test_rename_and_replace_keep_manifests_consistent(make_config, s3_server) -> None:  # noqa: ANN001
     bucket = s3_server.new_bucket()
     url = f"s3://{bucket}?endpoint={s3_server.endpoint}"

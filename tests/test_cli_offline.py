@@ -1089,6 +1089,38 @@ def test_offline_fsck_stats_and_ls_inspect_the_local_tier_while_the_archive_is_u
     assert (tmp_path / "back").read_bytes() == (tmp_path / "f").read_bytes()
 
 
+def test_stats_watch_waits_for_an_unreachable_archive_once_and_tries_it_now_and_then(
+    run: Run,
+    tmp_path: Path,
+    s3_server,  # noqa: ANN001
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`kvfs stats --watch` on a data directory whose archive's endpoint is down opens the
+    store for each refresh, and each open waited out the endpoint's open_deadline (15 s by
+    default) again before it fell back to the local tier. The first refresh waits; the
+    next ones open without the archive, which is tried again every ARCHIVE_RETRY_SECONDS,
+    and that is said once."""
+    _, down = _archived_store(run, tmp_path, s3_server)
+    caplog.set_level(logging.INFO, logger="kvfs.engine")
+
+    def tries() -> int:  # (the opens that tried the archive and waited for it)
+        said = "opened without its archive, which cannot be used"
+        return sum(said in r.getMessage() for r in caplog.records)
+
+    for every, waited in ((3600.0, 1), (0.0, 4)):
+        monkeypatch.setattr("cli._store_cmds.ARCHIVE_RETRY_SECONDS", every)
+        caplog.clear()
+        rc, out, err = run("stats", "--watch", "0.01", "--count", "4", "--json", *down)
+        assert rc == 0 and tries() == waited, err
+        refreshes = [json.loads(line) for line in out.splitlines()]
+        assert len(refreshes) == 4 and {st["pages"] for st in refreshes} == {2}, out
+        for st in refreshes:  # (the archive's line says why all the same)
+            assert "cannot reach the S3 endpoint" in st["extra"]["archive_error"]["error"], st
+        assert err.count("opened without the archive") == 1, err
+        assert err.count(f"do not wait for the archive; it is tried again every {every:g} s") == 1
+
+
 def test_offline_fsck_finds_local_damage_while_the_archive_is_unreachable_and_repairs_nothing(
     run: Run,
     tmp_path: Path,
