@@ -171,6 +171,11 @@ def map_mount_paths(args: argparse.Namespace) -> None:
         # default ./kvfs-data made inside the mount (it was, as a page and a directory)
         here = kvfs_mount_of(os.getcwd())
         used = {here} if here else used
+    if len(used) > 1:  # (no store was named then: "no kvfs store in kvfs-data" misled)
+        raise ValueError(
+            f"the paths given are on {len(used)} kvfs mounts ({', '.join(sorted(used))}): "
+            "a command works on one store; run it once for each mount"
+        )
     named = _named_data_dirs(args) if used else None
     if named is not None:
         _refuse_another_store(args, named, used)

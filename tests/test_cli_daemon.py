@@ -390,6 +390,25 @@ def test_a_path_on_a_mount_and_data_or_config_naming_another_store_is_a_usage_er
     assert rc == 0 and json.loads(out)["pages"] == 1, err
 
 
+def test_paths_on_two_mounts_in_one_command_are_a_usage_error(
+    daemon: Daemon, run: Run, tmp_path: Path
+) -> None:
+    """`kvfs rm /mnt/a/sessions/x /mnt/b/sessions/y` named no store (each mount's is
+    used only when all the paths are on it) and failed with "no kvfs store in kvfs-data"."""
+    other = Daemon(tmp_path / "m2")
+    try:
+        for d in (daemon, other):
+            (d.mp / "sessions" / "s").mkdir(parents=True)
+        both = [str(daemon.mp / "sessions" / "s"), str(other.mp / "sessions" / "s")]
+        rc, _, err = run("rm", *both)
+        assert rc == 2 and err.count("\n") == 1, err
+        assert f"on 2 kvfs mounts ({', '.join(sorted([str(daemon.mp), str(other.mp)]))})" in err
+        assert (daemon.mp / "sessions" / "s").is_dir() and (other.mp / "sessions" / "s").is_dir()
+    finally:
+        other.stop()
+    assert not other.errors()
+
+
 def test_a_relative_path_onto_the_mount_names_its_page_before_it_exists(
     daemon: Daemon, run: Run, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
