@@ -374,8 +374,15 @@ class Spiller:
         async def referenced() -> set[bytes] | None:
             return await self._named(frozenset(cands))
 
-        async def unheld(h: bytes) -> bool:  # held again here meanwhile: its object stays
-            return not self.engine.is_leased(h) and await _thread(self.engine.index.blob, h) is None
+        async def unheld(h: bytes) -> bool:
+            # Held again here meanwhile, as data the archive holds: its object stays, and
+            # that row's last reference queues it again. A put of the same bytes makes a
+            # row the archive does not hold (its spill uploads it again): that row never
+            # queues the object, so it goes now, or it stayed in the bucket for good.
+            if self.engine.is_leased(h):
+                return False
+            b = await _thread(self.engine.index.blob, h)
+            return b is None or not b.archived
 
         async def delete(h: bytes) -> None:
             await self.store.delete(blob_key(h))
