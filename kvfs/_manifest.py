@@ -327,20 +327,20 @@ class ArchiveIndex:
     def drop_local_many(
         self,
         hashes: list[bytes],
-        named: Mapping[str, Collection[bytes]],
+        named: Mapping[str, Collection[tuple[str, bytes]]],
         asked: str | None = None,
     ) -> list[BlobRow]:
         """Forget the local copies of archived blobs, in one transaction (the same update as
         ``Index.drop_local``). Returns the rows as they were, for those that were local.
 
-        A copy goes only where every session holding the blob is in ``named`` (session ->
-        the blobs this host's manifest of it names) with that blob, checked inside the
+        A copy goes only where every page holding the blob is in ``named`` (session ->
+        the pages, as (path, blob), this host's manifest of it names), checked inside the
         transaction: a page only the archive holds must be named by its session's manifest
         (other hosts delete any object no manifest names, and a host rebuilt from the
         archive knows only what manifests list). A put that shared the content into another
-        session after those manifests were written keeps it local, and so does a pin that
-        landed since the caller chose its blobs (see :meth:`droppable`: pins of session
-        ``asked`` do not count)."""
+        page (of any session) after those manifests were written keeps it local, and so
+        does a pin that landed since the caller chose its blobs (see :meth:`droppable`:
+        pins of session ``asked`` do not count)."""
         out: list[BlobRow] = []
         if not hashes:
             return out
@@ -349,8 +349,8 @@ class ArchiveIndex:
                 r = db.execute(f"SELECT {_BLOB_COLS} FROM blobs WHERE hash=?", (h,)).fetchone()
                 if r is None or r[4] is None:
                     continue
-                holders = db.execute("SELECT DISTINCT session FROM pages WHERE hash=?", (h,))
-                if any(h not in named.get(s, ()) for (s,) in holders):
+                holders = db.execute("SELECT session, path FROM pages WHERE hash=?", (h,))
+                if any((path, h) not in named.get(s, ()) for s, path in holders):
                     continue
                 if db.execute(_PINNED_HOLDERS, (h, asked)).fetchone()[0]:
                     continue
@@ -385,6 +385,13 @@ class ArchiveIndex:
     def droppable(self, h: bytes, session: str | None) -> bool:
         """No pinned page or pinned session holds ``h``, other than ``session`` (asked for)."""
         return self.index._q(_PINNED_HOLDERS, (h, session))[0][0] == 0
+
+    def pages_holding(self, h: bytes) -> list[tuple[str, str]]:
+        """(session, path) of every page holding blob ``h``."""
+        return [
+            (r[0], r[1])
+            for r in self.index._q("SELECT session, path FROM pages WHERE hash=?", (h,))
+        ]
 
     def sessions_of_blob(self, h: bytes) -> list[str]:
         return [

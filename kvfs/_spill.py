@@ -64,8 +64,10 @@ class Spiller:
         self._active: set[str] = set()
         #: per session: the index's removal count its last manifest written here reflects
         self.written: dict[str, int] = {}
-        #: per session: the contents its manifest, as this host last wrote it, names
-        self.named: dict[str, set[bytes]] = {}
+        #: per session: the pages (path, content) its manifest, as this host last wrote it,
+        #: names. By page, not content: a page put since under another path, sharing content
+        #: the manifest names for an older page, is not named by it (see name_in_manifests)
+        self.named: dict[str, set[tuple[str, bytes]]] = {}
         #: per session: held while its manifest is built and stored (write_manifest)
         self._manifest_locks: dict[str, threading.Lock] = {}
         #: manifest key -> (its version tag, the contents it names), for collections
@@ -175,11 +177,13 @@ class Spiller:
         the bucket delete any object no manifest names, and a host rebuilt from the archive
         knows only what manifests list. Raises ArchiveUnavailable."""
         await self._check_named()
-        holders: dict[str, set[bytes]] = {}
+        holders: dict[str, set[tuple[str, bytes]]] = {}
         for h in hashes:
-            for d in await _thread(self.aindex.sessions_of_blob, h):
-                holders.setdefault(d, set()).add(h)
-        stale = [d for d, hs in sorted(holders.items()) if not hs <= self.named.get(d, set())]
+            for d, path in await _thread(self.aindex.pages_holding, h):
+                holders.setdefault(d, set()).add((path, h))
+        # By page: a manifest naming the content for one page does not name another page of
+        # the session put since with the same bytes, which would be left in no manifest.
+        stale = [d for d, ps in sorted(holders.items()) if not ps <= self.named.get(d, set())]
         for d in stale:
             await self.write_manifest(d)
         await self._verify_referenced(await self.collector.settle(hashes, fresh, started))
@@ -203,7 +207,7 @@ class Spiller:
                     m = parse_manifest(await self.store.get(manifest_key(s, sid)))  # type: ignore[arg-type]
                 except (FileNotFoundError, ValueError):
                     return  # unknown: what it shares stays local
-            self.named.setdefault(s, {bytes(p["hash"]) for p in m["pages"]})
+            self.named.setdefault(s, {(p["path"], bytes(p["hash"])) for p in m["pages"]})
 
         async with one_error_nursery() as n:
             for s in await trio.to_thread.run_sync(unknown):
@@ -299,7 +303,9 @@ class Spiller:
                 await self._drop_own_legacy(d)
             self.policy.count("manifests_written")
             self.written[d] = max(self.written.get(d, 0), seen)
-            self.named[d] = set() if m is None else {bytes(p["hash"]) for p in m["pages"]}
+            self.named[d] = (
+                set() if m is None else {(p["path"], bytes(p["hash"])) for p in m["pages"]}
+            )
         finally:
             lock.release()
         await _thread(self.aindex.done, "manifest", [d], asked)
@@ -354,7 +360,7 @@ class Spiller:
             idx = self.engine.index
 
             def gains(d: str) -> bool:
-                return not idx.archived_hashes(d) <= self.named.get(d, set())
+                return not idx.archived_hashes(d) <= {h for _, h in self.named.get(d, ())}
 
             first = await trio.to_thread.run_sync(lambda: {d for d in pending if gains(d)})
             pending.sort(key=lambda d: d not in first)
