@@ -202,8 +202,10 @@ def test_a_session_that_cannot_spill_holds_up_neither_the_others_nor_retention(
 ) -> None:
     """A cold session with a damaged local page failed every pass first: no other session
     spilled, and the retention step after it in the same pass never ran."""
-    # 8 pages of 48 KiB are under the high watermark, 16 above it
-    cfg = _pressured(make_config, _url(tmp_path), interval=0.05, high_watermark=0.15)
+    # 15 pages of 48 KiB are under the high watermark, 16 above it: the pressure begins
+    # once both sessions are whole (at 0.15 it began while "good" was being written, and
+    # the pages put after its spill had read the session stayed local)
+    cfg = _pressured(make_config, _url(tmp_path), interval=0.05, high_watermark=0.18)
 
     async def main() -> None:
         async with kvfs.open_store(cfg) as s:
