@@ -510,6 +510,7 @@ class Spiller:
         removals = self.engine.index.removals
         at_fetch = removals[d]
         written = self.written.get(d, 0) >= at_fetch
+        started = time.monotonic()
         ms = await self.session_manifests(d)
         merged = merge_manifests(ms) if ms else None
         if merged is None or not merged["pages"]:
@@ -527,9 +528,50 @@ class Spiller:
         if added:  # (its manifest is queued: an archive down now gets it written later)
             try:
                 await self.write_manifest(d)
+                added -= await self._drop_collected_imports(d, merged, started)
             except ArchiveUnavailable as e:
                 self._failed(f"the manifest of {d} after its import", e, "next pass")
         return added
+
+    async def _drop_collected_imports(self, d: str, merged: dict, started: float) -> int:
+        """After the manifest naming what an import added is written: the pages whose
+        objects a collection deleted meanwhile go again. Their owner deleted them after this
+        host read its manifest, and its collection read the manifests before this host's
+        existed; kept, they listed here and in this host's manifest, and no read of them
+        could ever succeed. :meth:`Collector.settle` says which objects a collection may
+        have taken (those its intents name: a HEAD each, only while one ran); the others
+        are named by a manifest the collection read. Returns the pages dropped."""
+        hashes = sorted({bytes(p["hash"]) for p in merged["pages"]})
+        check = await self.collector.settle(hashes, hashes, started)
+        await self._verify_referenced(check)  # (content held here too goes up again)
+
+        def archive_only(h: bytes) -> bool:
+            b = self.engine.index.blob(h)
+            return b is not None and not b.local and b.archived
+
+        gone_objects = [
+            h
+            for h in check
+            if await _thread(archive_only, h) and not await self.store.exists(blob_key(h))
+        ]
+        if not gone_objects:
+            return 0
+        paths = [
+            path
+            for h in gone_objects
+            for s, path in await _thread(self.aindex.pages_holding, h)
+            if s == d
+        ]
+        gone, freed = await _thread(self.engine.index.delete_pages, paths)
+        await _thread(after_delete, self.engine, gone, freed)
+        for p in gone:
+            log.info(
+                "%s: deleted by its owner while this host imported it (its archive object "
+                "is gone); it is not listed here",
+                p.path,
+            )
+        await self.write_manifest(d)
+        return len(gone)
 
     # -- background -------------------------------------------------------------------------
     async def run(self) -> None:

@@ -392,3 +392,48 @@ def test_a_collection_reads_only_the_manifests_changed_since_the_last(
         gone = "blobs/" + kvfs.checksum(kv_page(100)).hex()  # s1's deleted page: collected
         assert not s.engine.policy.call(store.exists, gone)  # type: ignore[attr-defined]
         assert s.get(PageKey.semantic("s2", "p", 1)) == kv_page(201)
+
+
+def test_a_page_its_owner_deletes_while_another_host_imports_it_goes_there_too(
+    make_config,  # noqa: ANN001
+    archive_url: str,  # noqa: F811
+) -> None:
+    """A restores B's session: it reads B's manifest and imports the page, and before A's
+    own manifest names it, B deletes the page and collects its object (no manifest named
+    it when B read them). A listed the page, and named it in its manifest, for good: every
+    read of it failed, on A and on any host restoring the session from A's manifest."""
+    import trio
+
+    k = PageKey.semantic("s", "p", 0)
+    with (
+        kvfs.open_store_sync(archived_cfg(make_config, archive_url, name="host-a")) as a,
+        kvfs.open_store_sync(archived_cfg(make_config, archive_url, name="host-b")) as b,
+    ):
+        b.put(k, kv_page(9))
+        b.put(PageKey.semantic("s", "p", 1), kv_page(10))  # stays: the session lives on
+        b.spill("s")
+        gate, reached = threading.Event(), threading.Event()
+        store = a.engine.policy.store  # type: ignore[attr-defined]
+        real = store.put
+
+        async def gated(key: str, *args: object, **kw: object) -> object:
+            if key.startswith("manifests/") and not reached.is_set():
+                reached.set()
+                await trio.to_thread.run_sync(gate.wait)
+            return await real(key, *args, **kw)
+
+        store.put = gated
+        restoring, errors = in_thread(lambda: a.restore("s"))
+        assert reached.wait(30), "A never got to writing its manifest"
+        b.delete(k)  # B's last reference: B rewrites its manifest and collects the object
+        gone = "blobs/" + kvfs.checksum(kv_page(9)).hex()
+        assert not b.engine.policy.call(store.exists, gone)  # type: ignore[attr-defined]
+        gate.set()
+        restoring.join(30)
+        assert not errors, errors
+        assert [i.path for i in a.list(session="s")] == ["sessions/s/p/layer-001"]
+        assert a.get(PageKey.semantic("s", "p", 1)) == kv_page(10)
+    # A host restoring the session from the archive now finds only the page that exists.
+    with kvfs.open_store_sync(archived_cfg(make_config, archive_url, name="host-c")) as c:
+        c.restore("s")
+        assert [i.path for i in c.list(session="s")] == ["sessions/s/p/layer-001"]
