@@ -451,16 +451,18 @@ class Index:
             )
         ]
 
-    def archived_pages(self, session: str) -> list[tuple[PageRow, bytes]]:
-        """The session's pages whose content is archived, each with its blob's leaf hashes,
-        by path: one statement (one consistent state; no query per page)."""
+    def archived_pages(self, session: str) -> list[tuple[PageRow, bytes, float | None]]:
+        """The session's pages whose content is archived, each with its blob's leaf hashes
+        and when its pin ends (None: pinned for good, or not pinned), by path: one
+        statement (one consistent state; no query per page)."""
         cols = ", ".join(f"p.{c.strip()}" for c in _PAGE_COLS.split(","))
         rows = self._q(
-            f"SELECT {cols}, b.leaves FROM pages p JOIN blobs b ON b.hash = p.hash"
+            f"SELECT {cols}, b.leaves, e.until FROM pages p JOIN blobs b ON b.hash = p.hash"
+            " LEFT JOIN pin_expiry e ON e.target = p.path AND e.kind = 'page'"
             " WHERE p.session=? AND b.archived ORDER BY p.path",
             (session,),
         )
-        return [(_page(r[:-1]), r[-1]) for r in rows]
+        return [(_page(r[:-2]), r[-2], r[-1] if r[6] else None) for r in rows]
 
     def archived_hashes(self, session: str) -> set[bytes]:
         """The contents of the session's archived pages (no leaf hashes: a set test)."""
@@ -1019,10 +1021,15 @@ class Index:
             row = db.execute("SELECT session, pinned FROM pages WHERE path=?", (path,)).fetchone()
             if row is None:
                 return False
+            r = db.execute("SELECT until FROM pin_expiry WHERE target=? AND kind='page'", (path,))
+            ended_at = r.fetchone()
+            until = until if pinned else None
             db.execute("UPDATE pages SET pinned=? WHERE path=?", (int(pinned), path))
-            self._set_pin_until(db, path, "page", until if pinned else None)
-            if bool(row[1]) != pinned:  # (a pin renewed changes nothing the manifest says)
-                self._changed(db, {row[0]}, [])  # the archive's manifest carries pins
+            self._set_pin_until(db, path, "page", until)
+            # The archive's manifest carries pins and when they end (a pin renewed with the
+            # same end changes nothing there)
+            if bool(row[1]) != pinned or (ended_at[0] if ended_at else None) != until:
+                self._changed(db, {row[0]}, [])
             return True
 
     @staticmethod

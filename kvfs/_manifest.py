@@ -18,8 +18,11 @@ objects are confirmed, in one PUT, so a reader sees the previous manifest or the
 Its fields: ``v``, ``session`` (directory), ``name``, ``created``, ``atime``, ``pinned``,
 ``attrs``, ``store_id`` and ``spilled_at`` of the host that wrote it, ``supersedes`` (the
 other hosts' manifest versions it imported: ``{store id: spilled_at}``) and ``pages``: a list
-of ``{path, size, hash, leaves, codec, created, pinned, attrs}``. A session's view is
-:func:`merge_manifests` of its hosts' manifests.
+of ``{path, size, hash, leaves, codec, created, pinned, attrs}``. The session and each page
+also have ``pin_until`` where their pin has an end (a time.time() of the writer's); without
+it a pin is for good, as in manifests written before pins had ends. Readers ignore fields
+they do not know, so a kvfs older than ``pin_until`` reads such a manifest and takes its
+pins for good. A session's view is :func:`merge_manifests` of its hosts' manifests.
 
 The index keeps a small queue table, ``archive_pending``, of manifests to rewrite and blob
 objects to delete, so work that the archive could not take (endpoint down) or that a crash
@@ -169,6 +172,7 @@ def parse_manifest(data: bytes) -> dict:
             f"manifest damaged: no digest, and fields {sorted(set(m) - _LEGACY_FIELDS)}"
         )
     _check_fields(m, _MANIFEST_FIELDS, "manifest")
+    _check_pin_until(m, "manifest")
     if not all(isinstance(v, (int, float)) for v in m.get("supersedes", {}).values()):
         raise ValueError("manifest field 'supersedes' is not {store id: time}")
     d = m["session"]
@@ -176,6 +180,7 @@ def parse_manifest(data: bytes) -> dict:
         if not isinstance(p, dict):
             raise ValueError("a manifest page is not a record")
         _check_fields(p, _PAGE_FIELDS, "manifest page")
+        _check_pin_until(p, "manifest page")
         try:
             key = as_key(p["path"])
         except ValueError as e:
@@ -220,6 +225,13 @@ def _check_fields(r: dict, fields: Mapping[str, type | tuple[type, ...]], what: 
             raise ValueError(f"{what} field {name!r} is missing or not a {_kind_name(kind)}")
     if "supersedes" in r and not isinstance(r["supersedes"], dict):
         raise ValueError(f"{what} field 'supersedes' is not a map")
+
+
+def _check_pin_until(r: dict, what: str) -> None:
+    """``pin_until`` is optional (kvfs before pins had ends wrote none), but a time."""
+    until = r.get("pin_until")
+    if "pin_until" in r and (not isinstance(until, (int, float)) or isinstance(until, bool)):
+        raise ValueError(f"{what} field 'pin_until' is not a time")
 
 
 def _kind_name(kind: type | tuple[type, ...]) -> str:
@@ -475,10 +487,12 @@ class ArchiveIndex:
                         p["size"],
                         p.get("created", now),
                         m.get("atime", now),
-                        int(p.get("pinned", False)),
+                        int(pinned_now(p, now)),
                         _pack(p.get("attrs", {})),
                     ),
                 )
+                if pinned_now(p, now):
+                    Index._set_pin_until(db, p["path"], "page", p.get("pin_until"))
                 added += 1
             if added:
                 # The pages just added are archive-only here: a manifest of this host's must
@@ -487,8 +501,16 @@ class ArchiveIndex:
                 # import's transaction: a crash right after it still gets it written.
                 enqueue_in(db, "manifest", [d])
             Index._touch_session(db, d, m.get("atime", now), m.get("attrs") or {})
-            if m.get("pinned"):
-                db.execute("UPDATE sessions SET pinned=1 WHERE dir=?", (d,))
+            # The manifest's pin, and its end: one that ended already is none (its host
+            # died before it could rewrite the manifest unpinned). A pin this host has of
+            # the session stays as it is.
+            if (
+                pinned_now(m, now)
+                and db.execute(
+                    "UPDATE sessions SET pinned=1 WHERE dir=? AND NOT pinned", (d,)
+                ).rowcount
+            ):
+                Index._set_pin_until(db, d, "session", m.get("pin_until"))
         return added, replaced, freed
 
 
@@ -503,38 +525,61 @@ def build_manifest(
     None when the session has no archived page (its manifest should be deleted), unless it
     supersedes other hosts' manifests: then a manifest without pages says so (a tombstone;
     deleting it would bring back what those name and this host deleted)."""
-    s = index.session(d)
-    pages = (
-        []
-        if s is None
-        else [
-            {
-                "path": p.path,
-                "size": p.size,
-                "hash": p.hash,
-                "leaves": leaves,
-                "codec": codecs.get(p.hash, "see-object"),
-                "created": p.created,
-                "pinned": p.pinned,
-                "attrs": p.attrs,
-            }
-            for p, leaves in index.archived_pages(d)
-        ]
-    )
+    with index.snapshot():  # (a pin and its end from one state: never a pin without it)
+        s = index.session(d)
+        s_until = index.pin_until(d, "session") if s is not None and s.pinned else None
+        pages = (
+            []
+            if s is None
+            else [
+                _with_pin_until(
+                    {
+                        "path": p.path,
+                        "size": p.size,
+                        "hash": p.hash,
+                        "leaves": leaves,
+                        "codec": codecs.get(p.hash, "see-object"),
+                        "created": p.created,
+                        "pinned": p.pinned,
+                        "attrs": p.attrs,
+                    },
+                    until,
+                )
+                for p, leaves, until in index.archived_pages(d)
+            ]
+        )
     if not pages and not supersedes:
         return None
     name = session_name(d)
     now = time.time()
-    return {
-        "v": VERSION,
-        "session": d,
-        "name": name,
-        "created": now if s is None else s.created,
-        "atime": now if s is None else s.atime,
-        "pinned": False if s is None else s.pinned,
-        "attrs": {} if s is None else s.attrs,
-        "store_id": store_id,
-        "spilled_at": time.time(),
-        "supersedes": supersedes or {},
-        "pages": pages,
-    }
+    return _with_pin_until(
+        {
+            "v": VERSION,
+            "session": d,
+            "name": name,
+            "created": now if s is None else s.created,
+            "atime": now if s is None else s.atime,
+            "pinned": False if s is None else s.pinned,
+            "attrs": {} if s is None else s.attrs,
+            "store_id": store_id,
+            "spilled_at": time.time(),
+            "supersedes": supersedes or {},
+            "pages": pages,
+        },
+        s_until,
+    )
+
+
+def _with_pin_until(record: dict, until: float | None) -> dict:
+    """``record`` (a manifest or one of its pages), with ``pin_until`` when its pin has an
+    end: absent, a pin is for good, as every manifest before pins had ends said."""
+    if until is not None:
+        record["pin_until"] = until
+    return record
+
+
+def pinned_now(record: Mapping[str, object], now: float) -> bool:
+    """Whether a manifest (its session) or one of its pages is pinned at ``now``: pinned,
+    and with no ``pin_until`` or one still to come."""
+    until = record.get("pin_until")
+    return bool(record.get("pinned")) and (not isinstance(until, (int, float)) or until > now)

@@ -250,3 +250,100 @@ def test_cli_pin_for_a_bad_duration_is_a_usage_error(run: Run, tmp_path: Path, b
     assert e.value.code == 2
     (s,) = json.loads(run("ls", "--json", *d)[1])
     assert not s["pinned"]
+
+
+def _archived(tmp_path: Path, host: str) -> kvfs.StoreConfig:
+    return kvfs.StoreConfig(
+        data_dirs=(tmp_path / host,),
+        archive_url=f"file://{tmp_path / 'archive'}",
+        extra={"archive": {"interval": 0, "upload_processes": 0}},
+    )
+
+
+def test_another_host_that_imports_a_session_keeps_its_pins_until_they_end(
+    tmp_path: Path,
+) -> None:
+    """The manifest recorded a pin, not its end: a host that died before its pins ended
+    left them for good to every host that imported its sessions (and to itself, rebuilt
+    from the archive)."""
+    import msgpack
+
+    with kvfs.open_store_sync(_archived(tmp_path, "a")) as a:
+        for s in ("long", "ended", "good"):
+            a.put(f"sessions/{s}/p/layer-000", s.encode() * 100)
+            a.put(f"sessions/{s}/p/layer-001", s.encode() * 200)
+            a.spill(s)
+        a.pin_session("long", ttl=3600)
+        a.pin("sessions/long/p/layer-000", ttl=1800)
+        a.pin_session("ended", ttl=0.5)
+        a.pin("sessions/ended/p/layer-000", ttl=0.5)
+        a.pin_session("good")
+        a.pin("sessions/good/p/layer-000")
+        pol = a.engine.policy
+        pol.call(pol.spiller.flush_pending)  # (the daemon's next background pass)
+        long_until = a.session_info("long").pin_until
+        page_until = a.stat("sessions/long/p/layer-000").pin_until
+        ended = a.session_info("ended").pin_until
+        (path,) = (tmp_path / "archive" / "manifests").glob("sessions%2Flong@*")
+        m = msgpack.unpackb(path.read_bytes(), raw=False)
+        assert m["pin_until"] == long_until
+        assert [p.get("pin_until") for p in m["pages"]] == [page_until, None]
+    _ended(ended)  # (host a is gone before the release it would have made)
+    with kvfs.open_store_sync(_archived(tmp_path, "b")) as b:
+        for s in ("long", "ended", "good"):
+            b.restore(s)
+        long, page = b.session_info("long"), b.stat("sessions/long/p/layer-000")
+        assert long.pinned and long.pin_until == long_until
+        assert page.pinned and page.pin_until == page_until
+        assert not b.stat("sessions/long/p/layer-001").pinned
+        assert not b.session_info("ended").pinned
+        assert not b.stat("sessions/ended/p/layer-000").pinned
+        good = b.session_info("good")  # a pin without an end is still one for good
+        assert good.pinned and good.pin_until is None
+        page = b.stat("sessions/good/p/layer-000")
+        assert page.pinned and page.pin_until is None
+        assert b.engine.release_expired_pins() == 0
+
+
+def test_renewing_a_pin_after_a_spill_rewrites_the_end_its_manifest_records(
+    tmp_path: Path,
+) -> None:
+    """A renewal changed only this host's end: another host importing the session took
+    the first end, and released a pin still renewed here."""
+    import msgpack
+
+    def manifest() -> dict:
+        (path,) = (tmp_path / "archive" / "manifests").glob("sessions%2Fa@*")
+        return msgpack.unpackb(path.read_bytes(), raw=False)  # type: ignore[no-any-return]
+
+    with kvfs.open_store_sync(_archived(tmp_path, "a")) as a:
+        a.put("sessions/a/p/layer-000", b"A" * 6000)
+        a.spill("a")
+        pol = a.engine.policy
+        for ttl in (60, 600):
+            a.pin("sessions/a/p/layer-000", ttl=ttl)
+            a.pin_session("a", ttl=ttl)
+            pol.call(pol.spiller.flush_pending)
+            assert manifest()["pin_until"] == a.session_info("a").pin_until
+            (p,) = manifest()["pages"]
+            assert p["pin_until"] == a.stat("sessions/a/p/layer-000").pin_until
+        a.pin("sessions/a/p/layer-000")  # for good now: the end goes
+        pol.call(pol.spiller.flush_pending)
+        (p,) = manifest()["pages"]
+        assert p["pinned"] and "pin_until" not in p
+
+
+@pytest.mark.parametrize("bad", ["soon", True, None, [1.0]])
+def test_a_manifest_whose_pin_end_is_not_a_time_is_unreadable(bad: object) -> None:
+    from kvfs._checksum import checksum, leaves_of
+    from kvfs._manifest import pack_manifest, parse_manifest
+
+    page = {"path": "sessions/a/p/layer-000", "size": 1, "leaves": leaves_of(b"x")}
+    page |= {"hash": checksum(b"x"), "pinned": True}
+    m = {"v": 1, "session": "sessions/a", "name": "a", "created": 1.0, "atime": 1.0}
+    m |= {"pinned": True, "attrs": {}, "store_id": "x", "spilled_at": 1.0, "pages": [page]}
+    assert parse_manifest(pack_manifest({**m, "pin_until": 5.0}))["pin_until"] == 5.0
+    with pytest.raises(ValueError, match="pin_until"):
+        parse_manifest(pack_manifest({**m, "pin_until": bad}))
+    with pytest.raises(ValueError, match="pin_until"):
+        parse_manifest(pack_manifest({**m, "pages": [{**page, "pin_until": bad}]}))
