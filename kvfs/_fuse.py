@@ -41,6 +41,7 @@ from ._fuse_ns import (
 )
 from ._fuse_xattr import extents_xattr
 from ._keys import MAX_NAME_BYTES, SESSIONS_DIR
+from ._reads import session_pinned
 from ._store import Store
 from ._writes import ATTR_GID, ATTR_MODE, ATTR_MTIME, ATTR_UID, ATTR_XATTR, RESERVED_ATTRS
 
@@ -574,8 +575,7 @@ class KvfsOperations(FileOps, pyfuse3.Operations):
         if field == "pinned":  # kept from eviction: the page pinned, or its session
             held = info.pinned
             if not held:
-                row = await self._thread(self.engine.index.session, node.page.session)
-                held = row is not None and row.pinned
+                held = await self._thread(session_pinned, self.engine, node.page.session)
             return b"1" if held else b"0"
         return str(getattr(info, field)).encode()
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import builtins
 import os
 import threading
+import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, TypeVar
@@ -293,9 +294,29 @@ def _check_leaves(
 
 
 # -- metadata -----------------------------------------------------------------------------
+def pin_now(eng: Engine, target: str, kind: str, pinned: bool) -> tuple[bool, float | None]:
+    """Whether page (``kind`` "page") or session directory ("session") ``target``, whose
+    row says ``pinned``, is pinned now, and when that pin ends (None: for good). A pin
+    whose end has passed reads as none before the release pass has run: ``ls`` showed it
+    pinned, with ``0s left``, until then."""
+    if not pinned:
+        return False, None
+    until = eng.index.pin_until(target, kind)
+    if until is not None and until <= time.time():
+        return False, None
+    return True, until
+
+
+def session_pinned(eng: Engine, d: str) -> bool:
+    """Whether session directory ``d`` is pinned now (see :func:`pin_now`)."""
+    s = eng.index.session(d)
+    return s is not None and pin_now(eng, d, "session", s.pinned)[0]
+
+
 def page_info(eng: Engine, p: PageRow, b: BlobRow) -> PageInfo:
     tier = "+".join(t for t, on in (("local", b.local), ("archive", b.archived)) if on)
     ext = tuple(Extent(e[0], eng.tier.abspath(e[0], e[1]), e[2], e[3]) for e in (b.extents or ()))
+    pinned, until = pin_now(eng, p.path, "page", p.pinned)
     return PageInfo(
         path=p.path,
         session=PageKey(p.path).session,
@@ -303,11 +324,11 @@ def page_info(eng: Engine, p: PageRow, b: BlobRow) -> PageInfo:
         checksum=b.hash.hex(),
         created=p.created,
         atime=p.atime,
-        pinned=p.pinned,
+        pinned=pinned,
         tier=tier or "none",
         attrs=p.attrs,
         extents=ext,
-        pin_until=eng.index.pin_until(p.path, "page") if p.pinned else None,
+        pin_until=until,
     )
 
 
@@ -342,16 +363,17 @@ def session_info(eng: Engine, d: str) -> SessionInfo:
         raise SessionNotFound(f"no session {session_name(d)!r}")
     u = eng.index.session_usage(d)
     name = session_name(d)
+    pinned, until = pin_now(eng, d, "session", s.pinned)
     return SessionInfo(
         session=name,
         dir=d,
         created=s.created,
         atime=s.atime,
-        pinned=s.pinned,
+        pinned=pinned,
         attrs=s.attrs,
         pages=u["pages"],
         bytes=u["bytes"],
         local_bytes=u["local_bytes"],
         archived_bytes=u["archived_bytes"],
-        pin_until=eng.index.pin_until(d, "session") if s.pinned else None,
+        pin_until=until,
     )

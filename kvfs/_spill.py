@@ -33,6 +33,7 @@ from ._manifest import (
     merge_manifests,
     pack_manifest,
     parse_manifest,
+    pinned_now,
     session_key_part,
     session_of_manifest_key,
 )
@@ -479,6 +480,9 @@ class Spiller:
             m = merge_manifests(ms)
             if not m["pages"]:
                 continue  # deleted on the hosts whose manifests count (tombstones)
+            # (a pin whose end has passed is none: its host may have died before it could
+            # write the manifest unpinned)
+            pinned = pinned_now(m, time.time())
             out.append(
                 {
                     "session": m["name"],
@@ -486,7 +490,8 @@ class Spiller:
                     "pages": len(m["pages"]),
                     "bytes": sum(p["size"] for p in m["pages"]),
                     "attrs": m["attrs"],
-                    "pinned": m["pinned"],
+                    "pinned": pinned,
+                    "pin_until": m.get("pin_until") if pinned else None,
                     "created": m["created"],
                     "atime": m["atime"],
                     "spilled_at": m["spilled_at"],

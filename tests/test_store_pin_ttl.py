@@ -20,9 +20,19 @@ from kvfs._fuse_ns import session_json
 from kvfs._remote import open_remote_store
 
 KiB = 1024
+ROOT_INODE = 1  # (pyfuse3.ROOT_INODE)
 MakeConfig = Callable[..., kvfs.StoreConfig]
 Run = Callable[..., tuple[int, str, str]]
 PAGE = 64 * KiB
+
+
+class _Ctx:
+    """A FUSE request's context, as the mount's loop passes it."""
+
+    uid, gid, pid, umask = os.getuid(), os.getgid(), os.getpid(), 0o022
+
+
+CTX = _Ctx()
 ROOM = PAGE + 4 * KiB  # a page's bytes on disk, header and alignment included
 
 
@@ -347,3 +357,48 @@ def test_a_manifest_whose_pin_end_is_not_a_time_is_unreadable(bad: object) -> No
         parse_manifest(pack_manifest({**m, "pin_until": bad}))
     with pytest.raises(ValueError, match="pin_until"):
         parse_manifest(pack_manifest({**m, "pages": [{**page, "pin_until": bad}]}))
+
+
+async def test_a_pin_that_ended_reads_as_none_before_it_is_released(
+    make_config: MakeConfig, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Until the next release pass (up to 5 s in a running store) a pin that had ended
+    still read as pinned: stat and list said pinned, ls showed ``0s left``, the mount's
+    user.kvfs.pinned said 1, and so did an archived session's listing."""
+    from kvfs._fuse import KvfsOperations
+
+    monkeypatch.setattr(kvfs._store, "PIN_EXPIRY_SECONDS", 3600.0)  # (no pass meanwhile)
+    cfg = make_config(archive_url=f"file://{tmp_path / 'archive'}")
+    async with kvfs.open_store(cfg) as store:
+        ops = KvfsOperations(store)
+        try:
+            key = "sessions/s/p/layer-000"
+            await store.put(key, b"x" * 100)
+            await store.put("sessions/t/p/layer-000", b"y" * 100)
+            await store.spill("s")
+            await store.pin(key, ttl=0.5)
+            await store.pin_session("s", ttl=0.5)
+            await store.pin_session("t", ttl=3600)
+            pol = store.engine.policy
+            await trio.to_thread.run_sync(pol.call, pol.spiller.flush_pending)
+            ino = (await ops.lookup(ROOT_INODE, b"sessions", CTX)).st_ino
+            for name in (b"s", b"p", b"layer-000"):
+                ino = (await ops.lookup(ino, name, CTX)).st_ino
+            assert await ops.getxattr(ino, b"user.kvfs.pinned", CTX) == b"1"
+            ends = [(await store.session_info("s")).pin_until, (await store.stat(key)).pin_until]
+            await trio.to_thread.run_sync(_ended, max(ends))  # type: ignore[type-var]
+            info = await store.stat(key)
+            assert not info.pinned and info.pin_until is None
+            (listed,) = await store.list(session="s")
+            assert not listed.pinned and listed.pin_until is None
+            s = await store.session_info("s")
+            assert not s.pinned and s.pin_until is None
+            assert {x.session: x.pinned for x in await store.sessions()} == {"s": False, "t": True}
+            assert not json.loads(session_json(store.engine, "sessions/s"))["pinned"]
+            assert await ops.getxattr(ino, b"user.kvfs.pinned", CTX) == b"0"
+            (archived,) = await store.archived_sessions()
+            assert not archived["pinned"] and archived["pin_until"] is None
+            # (nothing released yet: the index still holds the pins that ended)
+            assert store.engine.index.session("sessions/s").pinned  # type: ignore[union-attr]
+        finally:
+            await ops.aclose()
