@@ -201,8 +201,7 @@ async def open_store(config: StoreConfig | None = None, **overrides: Any) -> Asy
     raised: BaseException | None = None
     try:
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(_flush_atimes_forever, engine)
-            nursery.start_soon(_release_expired_pins_forever, engine)
+            nursery.start_soon(_housekeeping_forever, engine)
             background = getattr(engine.policy, "background", None)
             if background is not None:  # the archive tier's spiller
                 nursery.start_soon(background)
@@ -219,24 +218,28 @@ async def open_store(config: StoreConfig | None = None, **overrides: Any) -> Asy
             await store.aclose()
 
 
-async def _flush_atimes_forever(engine: Engine) -> None:
+#: how often a running store does its housekeeping: writes the access times reads noted,
+#: and releases the pins whose lifetime ended (eviction releases those first whatever this
+#: is: the capacity they held is never what fails a put)
+HOUSEKEEPING_SECONDS = 5.0
+
+
+async def _housekeeping_forever(engine: Engine) -> None:
+    """Every HOUSEKEEPING_SECONDS, each step in turn. A step that fails (a full disk: SQLite
+    cannot write) is logged and the next pass tries again (meanwhile an eviction releases
+    ended pins, and access times not written only order eviction less well): an atime
+    flush that raised ended the store's nursery, and with it every call of the daemon."""
+    steps: tuple[tuple[Callable[[], object], str], ...] = (
+        (engine.flush_atimes, "access times not written this time"),
+        (engine.release_expired_pins, "pins whose lifetime ended are not released yet"),
+    )
     while True:
-        await trio.sleep(5)
-        await trio.to_thread.run_sync(engine.flush_atimes)
-
-
-#: how often a running store releases the pins whose lifetime ended (eviction releases
-#: them first whatever this is: the capacity they held is never what fails a put)
-PIN_EXPIRY_SECONDS = 5.0
-
-
-async def _release_expired_pins_forever(engine: Engine) -> None:
-    while True:
-        await trio.sleep(PIN_EXPIRY_SECONDS)
-        try:
-            await trio.to_thread.run_sync(engine.release_expired_pins)
-        except Exception as e:  # (a full disk: the next pass, or an eviction, tries again)
-            log.warning("pins whose lifetime ended are not released yet: %s", e)
+        await trio.sleep(HOUSEKEEPING_SECONDS)
+        for step, undone in steps:
+            try:
+                await trio.to_thread.run_sync(step)
+            except Exception as e:
+                log.warning("%s: %s", undone, e)
 
 
 class SyncStore:

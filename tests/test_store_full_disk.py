@@ -332,3 +332,37 @@ def test_df_on_the_mount_shows_no_more_room_than_the_disk_has(
         shown = st.f_bavail * st.f_frsize
         assert 0 < shown <= free(small_disk), (shown, free(small_disk))
         assert st.f_bfree == st.f_bavail
+
+
+async def test_an_access_time_flush_on_a_full_disk_does_not_end_the_store(
+    small_disk: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The running store's atime flush was not guarded: SQLite that could not grow the
+    index on a full disk raised out of it, and ended the store's nursery (every call of
+    the daemon failed from then on)."""
+    import trio
+
+    import kvfs._store
+
+    monkeypatch.setattr(kvfs._store, "HOUSEKEEPING_SECONDS", 0.05)
+    cfg = kvfs.StoreConfig(data_dirs=(small_disk / "store",), capacity=1 << 30)
+    keys = [f"s/p{i:04d}" for i in range(400)]
+    with kvfs.open_store_sync(cfg) as s:
+        for k in keys:
+            s.put(k, k.encode())
+        s.put("t/p", b"t")
+    # (closed: the index's WAL is checkpointed and truncated; the flush must grow it)
+    async with kvfs.open_store(cfg) as store:
+        with filled(small_disk):
+            for k in keys:  # access times for every page: more than the WAL holds
+                assert await store.get(k) == k.encode()
+            with trio.fail_after(60):  # (a bound on the wait, not a timing asserted)
+                while "access times not written" not in caplog.text:
+                    await trio.sleep(0.05)
+        # the same store goes on, housekeeping included: a pin that ends is released
+        await store.pin("t/p", ttl=0.2)
+        with trio.fail_after(60):
+            while store.engine.index.page("t/p").pinned:  # type: ignore[union-attr]
+                await trio.sleep(0.05)
+        await store.put("t/q", b"q")
+        assert await store.get("t/q") == b"q"

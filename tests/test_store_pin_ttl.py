@@ -193,7 +193,7 @@ async def test_a_running_store_releases_pins_that_ended(
     make_config: MakeConfig, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Nothing released a pin but an unpin: ``ls`` showed it pinned for ever."""
-    monkeypatch.setattr(kvfs._store, "PIN_EXPIRY_SECONDS", 0.1)
+    monkeypatch.setattr(kvfs._store, "HOUSEKEEPING_SECONDS", 0.1)
     async with kvfs.open_store(make_config()) as store:
         await store.put("a/p", b"a")
         await store.pin_session("a/", ttl=0.3)
@@ -367,7 +367,7 @@ async def test_a_pin_that_ended_reads_as_none_before_it_is_released(
     user.kvfs.pinned said 1, and so did an archived session's listing."""
     from kvfs._fuse import KvfsOperations
 
-    monkeypatch.setattr(kvfs._store, "PIN_EXPIRY_SECONDS", 3600.0)  # (no pass meanwhile)
+    monkeypatch.setattr(kvfs._store, "HOUSEKEEPING_SECONDS", 3600.0)  # (no pass meanwhile)
     cfg = make_config(archive_url=f"file://{tmp_path / 'archive'}")
     async with kvfs.open_store(cfg) as store:
         ops = KvfsOperations(store)
