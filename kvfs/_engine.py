@@ -516,6 +516,8 @@ class Engine:
                 self.index.get_meta("archive") or "unknown",
             )
         try:  # (pins that ended while the store was closed: their room is free again)
+            if n := self.index.drop_stale_pin_ends():
+                log.info("forgot the ends of %d pins no longer there (an older kvfs ran)", n)
             self._release_expired_pins()
         except Exception as e:  # a full disk: eviction and the periodic pass try again
             log.warning("pins whose lifetime ended are not released yet: %s", e)

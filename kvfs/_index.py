@@ -1048,6 +1048,22 @@ class Index:
         r = self._q("SELECT until FROM pin_expiry WHERE target=? AND kind=?", (target, kind))
         return float(r[0][0]) if r else None
 
+    def drop_stale_pin_ends(self) -> int:
+        """Forget the ends of pins that are no longer there: rows of ``pin_expiry`` whose
+        page or session is not pinned (or gone). A kvfs older than pin lifetimes unpins,
+        deletes and renames without clearing them (a store downgraded, then upgraded), and
+        such a row ended the pin of a page put pinned on that path later. Returns how many
+        went; a read only when there are none."""
+        stale = (
+            "(kind='page' AND NOT EXISTS (SELECT 1 FROM pages WHERE path=target AND pinned))"
+            " OR (kind='session'"
+            " AND NOT EXISTS (SELECT 1 FROM sessions WHERE dir=target AND pinned))"
+        )
+        if not self._q(f"SELECT 1 FROM pin_expiry WHERE {stale} LIMIT 1"):
+            return 0
+        with self.transaction() as db:
+            return int(db.execute(f"DELETE FROM pin_expiry WHERE {stale}").rowcount)
+
     def release_expired_pins(self, now: float) -> list[tuple[str, str]]:
         """Unpin every page and session whose pin's lifetime ended by ``now``, as an unpin
         does (the archive's manifest follow-up included), in one transaction: a pin renewed

@@ -402,3 +402,35 @@ async def test_a_pin_that_ended_reads_as_none_before_it_is_released(
             assert store.engine.index.session("sessions/s").pinned  # type: ignore[union-attr]
         finally:
             await ops.aclose()
+
+
+def test_the_end_of_a_pin_an_older_kvfs_removed_is_forgotten_at_open(
+    make_config: MakeConfig,
+) -> None:
+    """A kvfs older than pin lifetimes renames, unpins and deletes without clearing their
+    ends: after it ran (a downgrade, then an upgrade), a page put pinned for good on the
+    path a page pinned for a while had left got that pin's end."""
+    import sqlite3
+
+    cfg = make_config()
+    with kvfs.open_store_sync(cfg) as store:
+        store.put("a/p", b"a")
+        store.put("b/p", b"b")
+        store.pin("a/p", ttl=3600)
+        store.pin("b/p", ttl=3600)
+        store.pin_session("s", ttl=3600)
+        index = store.engine.index.path
+    # what the older kvfs did: rename a/p to z/p, unpin b/p, unpin session s (its SQL)
+    db = sqlite3.connect(index)
+    with db:
+        db.execute("UPDATE pages SET path='z/p', session='z' WHERE path='a/p'")
+        db.execute("INSERT INTO sessions VALUES ('z', 0, 0, 0, NULL)")
+        db.execute("UPDATE pages SET pinned=0 WHERE path='b/p'")
+        db.execute("UPDATE sessions SET pinned=0 WHERE dir='sessions/s'")
+    db.close()
+    with kvfs.open_store_sync(cfg) as store:
+        store.put("a/p", b"a2", pin=True)
+        info = store.stat("a/p")
+        assert info.pinned and info.pin_until is None  # for good, as it was put
+        rows = store.engine.index._q("SELECT target, kind FROM pin_expiry")
+        assert rows == []
