@@ -120,8 +120,9 @@ def test_a_drop_skips_content_a_session_without_a_naming_manifest_holds(
         pol.call(pol.spiller.spill_session, "sessions/a", False)  # archived and named, kept
         h = kvfs.checksum(same)
         s.put(PageKey.semantic("late", "p", 0), same)  # after a's manifest was written
-        both = {"sessions/a": {h}, "sessions/late": {h}}
-        assert pol.aindex.drop_local_many([h], {"sessions/a": {h}}) == []
+        named_a = {"sessions/a": {("sessions/a/p/layer-000", h)}}
+        both = {**named_a, "sessions/late": {("sessions/late/p/layer-000", h)}}
+        assert pol.aindex.drop_local_many([h], named_a) == []
         assert s.engine.index.blob(h).local
         assert [r.hash for r in pol.aindex.drop_local_many([h], both)] == [h]
 
