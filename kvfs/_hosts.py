@@ -11,16 +11,17 @@ and every ``interval`` seconds, and looks at the others' heartbeats as often:
   hosts' clocks.
 * A host silent for more than twice its retention plus two of its heartbeat intervals has
   not touched any of its sessions for longer than its retention: it would have deleted
-  them itself. Its manifests are deleted, except those of a session that is pinned or holds a
-  pinned page (pins are never expired), and the objects they named are queued for this host's
-  collection, which deletes them only once no manifest of any host names them
-  (kvfs/_collect.py). Its collection intents (``gc/<store id>-*``, finished or not) are
-  deleted too: only their host removes them otherwise, and a host silent that long stopped
-  deleting long ago. Its heartbeat goes first, whatever stays, and only if it is still the
-  one judged silent (a host that beat meanwhile is back: left alone); a ``.retiring``
-  marker beside it says the retirement is under way, so that one a failure interrupted is
-  finished by a later pass, and each manifest goes only while the heartbeat is still
-  missing. The host is not looked at again.
+  them itself. Its manifests are deleted, except those of a session that is pinned or
+  holds a pinned page (a pin whose end, ``pin_until``, has passed is none: by the
+  archive's clock, with a margin for the skew of its host's, see ``_pin_margin``), and the
+  objects they named are queued for this host's collection, which deletes them only once
+  no manifest of any host names them (kvfs/_collect.py). Its collection intents
+  (``gc/<store id>-*``, finished or not) are deleted too: only their host removes them
+  otherwise, and a host silent that long stopped deleting long ago. Its heartbeat goes
+  first, whatever stays, and only if it is still the one judged silent (a host that beat
+  meanwhile is back: left alone); a ``.retiring`` marker beside it says the retirement is
+  under way, so that one a failure interrupted is finished by a later pass, and each
+  manifest goes only while the heartbeat is still missing. The host is not looked at again.
 * Where anything of it stays (a pinned session's manifest, a manifest kept as a tombstone,
   one unreadable), the retiring host writes ``retired/<store id>`` last (msgpack: who
   retired it and when, by the archive's clock, the retention and last heartbeat it had,
@@ -32,9 +33,13 @@ and every ``interval`` seconds, and looks at the others' heartbeats as often:
   (what it hid is gone: its host deleted the session, or was retired itself), found so at
   two looks in a row (a reader that listed the superseded manifest before it went may still
   be reading the tombstone), and the marker goes once none of the host's manifests is
-  left. Pinned and unreadable manifests stay, and so does the marker beside them. Without
-  this, a fleet whose store ids change kept a marker and tombstones per host gone, for
-  ever. A marker found beside its host's heartbeat (a race with the host's return) goes.
+  left. Unreadable manifests stay, and so do pinned ones while a pin of theirs holds: the
+  marker records when each of those pins ends, so that one is read again only once its
+  pins have ended, and then deleted as the retirement would have deleted it (its objects
+  queued for collection). Without this, a fleet whose store ids change kept a marker and
+  tombstones per host gone, for ever, and a host retired with pins that ended later kept
+  those sessions and their objects for ever. A marker found beside its host's heartbeat
+  (a race with the host's return) goes.
 * A host whose retention is 0 keeps everything, so nobody retires it; a host that never
   wrote a heartbeat (kvfs before the ninth session, a store used without a background task)
   is never retired either.
@@ -59,6 +64,7 @@ them and counts the rest (``tombstone_count``), which are then subtracted by num
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -72,6 +78,7 @@ from ._manifest import (
     legacy_manifest_key,
     pack_manifest,
     parse_manifest,
+    pinned_now,
     session_key_part,
 )
 
@@ -356,6 +363,9 @@ class Hosts:
         deleted = kept = tombstoned = 0
         #: its manifests kept that hold pages (or may: unreadable), by session key part
         held: list[str] = []
+        #: when the pins keeping one of them end (by session key part; none: for good)
+        ends: dict[str, float] = {}
+        margin = self._pin_margin(info)
         listed = set(await self.store.list_all(MANIFESTS))
         for mkey in listed:
             if not mkey.endswith("@" + host):
@@ -373,22 +383,16 @@ class Hosts:
                 kept += 1  # unreadable: what it names is unknown, so it stays
                 held.append(session_part[len(MANIFESTS) :])
                 continue
-            if m.get("pinned") or any(p.get("pinned") for p in m["pages"]):
+            end = _pins_end(m, now - margin)
+            if end is not None:  # (a pin that has ended is none)
                 kept += 1
                 if m["pages"]:
                     held.append(session_part[len(MANIFESTS) :])
+                    if end != math.inf:
+                        ends[session_part[len(MANIFESTS) :]] = end
                 continue
-            # Queued before the manifest goes: a failure (or a kill) in between leaves the
-            # manifest, retired again next time, never objects that nothing would collect.
-            await self.forget([bytes(p["hash"]) for p in m["pages"]])
-            if any(f"{session_part}@{sid}" in listed for sid in m.get("supersedes", {})):
-                # It supersedes manifests still there (the host took the session over from
-                # theirs): deleting it would bring back what they name and it deleted.
-                # Its pages go; a tombstone keeps saying what is no longer there.
-                await self.store.put(mkey, pack_manifest({**m, "pages": []}))
+            if await self._release(mkey, m, listed):
                 tombstoned += 1
-            else:
-                await self.store.delete(mkey)
             deleted += 1
         # Its intents would linger in every settle's listing forever: a collection stops
         # deleting half a window after its intent is written, long before this.
@@ -407,6 +411,7 @@ class Hosts:
                 "by": info.get("by") or self.store_id,
                 "at": now,
                 "sessions": held,
+                "ends": ends,
                 "kept": kept,
                 "tombstones": tombstoned,
             }
@@ -418,7 +423,7 @@ class Hosts:
         # Its heartbeat went even where pinned manifests stay: a host only cut off finds it
         # missing when it is back and writes its manifests again. Kept, the host went on
         # trusting manifests deleted here, and dropped local copies of pages whose objects
-        # were collected. (What stays is never looked at again: pins are never expired.)
+        # were collected. (What stays is looked at again: _tidy_retired.)
         await self.store.delete(HOSTS + host + RETIRING)
         if deleted or not kept:
             self.count("hosts_retired", 1)
@@ -431,6 +436,38 @@ class Hosts:
                 intents=len(intents),
                 message=why,
             )
+
+    async def _release(self, mkey: str, m: dict[str, Any], listed: set[str]) -> bool:
+        """Retire manifest ``m`` (at ``mkey``) of a host retired, pinned by nothing: queue
+        what it names for this host's collection, then delete it, or replace it by a
+        tombstone where it supersedes a manifest still in ``listed`` (return True then)."""
+        # Queued before the manifest goes: a failure (or a kill) in between leaves the
+        # manifest, retired again next time, never objects that nothing would collect.
+        await self.forget([bytes(p["hash"]) for p in m["pages"]])
+        session_part = mkey.rpartition("@")[0]
+        if any(f"{session_part}@{sid}" in listed for sid in m.get("supersedes", {})):
+            # It supersedes manifests still there (the host took the session over from
+            # theirs): deleting it would bring back what they name and it deleted. Its
+            # pages go; a tombstone keeps saying what is no longer there (unpinned: a pin
+            # it had has ended, and a kvfs older than pin ends would read it for good).
+            tomb = {k: v for k, v in m.items() if k != "pin_until"}
+            await self.store.put(mkey, pack_manifest({**tomb, "pages": [], "pinned": False}))
+            return True
+        await self.store.delete(mkey)
+        return False
+
+    def _pin_margin(self, info: dict[str, Any]) -> float:
+        """Seconds past its end that a pin of a retired host (its marker's ``info``) is
+        still taken to hold its manifest.
+
+        Its end is a time of that host's clock, compared with the archive's (the looker's
+        ``now``): they may differ, and the pin must not end early. Its heartbeat interval
+        (a quarter of its retention, an hour at most) is far beyond the skew of clocks kept
+        in step, and scales as its silence was judged (two intervals of slack): the host
+        itself would have deleted the session only at a retention pass after the end, and
+        its retirement waited twice its retention already. The looker's own interval where
+        the marker does not say (one a kvfs before retired markers left)."""
+        return _number(info.get("interval")) or self.interval
 
     async def _tidy_retired(self, now: float) -> None:
         """Look again at the hosts retired with something left (``retired/`` markers): a
@@ -466,36 +503,67 @@ class Hosts:
         """Delete what is left of a retired ``host`` once nothing needs it, and update (or
         delete) its marker.
 
-        Its manifests with pages (pinned: pins never expire) and unreadable ones stay, and
-        so does a tombstone while it supersedes a manifest that is still there (deleting it
-        would bring back what that one names and the session's deletion removed: see
-        merge_manifests). One that hides nothing any more goes, but only at the second look
-        in a row to find it so (a heartbeat interval or more apart): a reader that listed
-        the superseded manifest before it went may still be reading the tombstone. Its
-        marker goes once none of its manifests is left. Nothing goes while its heartbeat is
-        there (it is back: it owns them again), and a tombstone is read again right before
-        it goes (a host back, writing before its first heartbeat, may have replaced it)."""
+        Its manifests with pages stay while a pin of theirs holds (read again only once the
+        ends the marker records for them have passed, then deleted as :meth:`_retire`
+        would have: :meth:`_release`), unreadable ones stay, and so does a tombstone while
+        it supersedes a manifest that is still there (deleting it would bring back what
+        that one names and the session's deletion removed: see merge_manifests). One that
+        hides nothing any more goes, but only at the second look in a row to find it so (a
+        heartbeat interval or more apart): a reader that listed the superseded manifest
+        before it went may still be reading the tombstone. Its marker goes once none of its
+        manifests is left. Nothing goes while its heartbeat is there (it is back: it owns
+        them again), and a manifest is read again right before it goes (a host back,
+        writing before its first heartbeat, may have replaced it)."""
         info = await self._marker(key)
         before = _strings(info.get("free"))  # found hiding nothing at the previous look
         # kept at the last look, holding pages (pinned, or unreadable): they stay, and a
-        # host gone does not change them, so they are not read again at every look
+        # host gone does not change them, so they are not read again at every look, but
+        # for those kept by pins that have ended since (their ends are in the marker; a
+        # marker without them, from a kvfs before pin ends, has every one read once)
         known = _strings(info.get("sessions"))
+        margin = self._pin_margin(info)
+        ends = _ends(info.get("ends"))
+        has_ends = isinstance(info.get("ends"), dict)
         held: list[str] = []  # its manifests kept that hold pages (or may: unreadable)
-        kept = tombstones = deleted = 0
+        kept_ends: dict[str, float] = {}  # when the pins keeping them end (none: for good)
+        kept = tombstones = deleted = released = 0
         free: list[str] = []
         for mkey in sorted(k for k in listed if k.endswith("@" + host)):
             part = mkey[len(MANIFESTS) : -len(host) - 1]
-            if part in known:
+            end = ends.get(part)  # (None: its pins are for good, or it is unreadable)
+            if part in known and has_ends and (end is None or end > now - margin):
                 kept += 1
                 held.append(part)
+                if end is not None:
+                    kept_ends[part] = end
                 continue
             m = await self._read_manifest(mkey)
             if m is None:
                 continue  # deleted since the listing
-            if m is _UNREADABLE or m["pages"] or m.get("pinned"):
+            if m is _UNREADABLE:
                 kept += 1
-                if m is _UNREADABLE or m["pages"]:
+                held.append(part)
+                continue
+            end = _pins_end(m, now - margin)
+            if end is not None:
+                kept += 1
+                if m["pages"]:
                     held.append(part)
+                    if end != math.inf:
+                        kept_ends[part] = end
+                continue
+            if m["pages"]:
+                # Its pins ended since it was kept: it goes as the retirement would have
+                # deleted it then, its objects through this host's collection. Only while
+                # the heartbeat is missing, and as read (a host back may have rewritten it).
+                if await self.store.modified(HOSTS + host) is not None:
+                    return  # back: what it wrote is its own again
+                if await self._read_manifest(mkey) != m:
+                    kept += 1  # rewritten meanwhile: read again at the next look
+                    continue
+                if await self._release(mkey, m, listed):
+                    tombstones += 1  # (a tombstone now, looked at as the others)
+                released += 1
                 continue
             if await self._hides_something(mkey, m, listed):
                 tombstones += 1
@@ -513,6 +581,14 @@ class Hosts:
             deleted += 1
         if deleted:
             log_event("retired-host-tombstones", host=host, deleted=deleted, left=kept + tombstones)
+        if released:
+            log_event(
+                "retired-host-pins-ended",
+                level=logging.WARNING,
+                host=host,
+                manifests=released,
+                left=kept + tombstones,
+            )
         if not kept and not tombstones:
             await self.store.delete(key)
             log.info("archive host %s, retired, has nothing left: its marker deleted", host)
@@ -520,6 +596,7 @@ class Hosts:
         marker = {
             **info,
             "sessions": held,
+            "ends": kept_ends,
             "kept": kept,
             "tombstones": tombstones,
             "free": free,
@@ -575,6 +652,26 @@ class _Beat(NamedTuple):
     tombstones: set[str]
     #: its tombstones counted but not named (past TOMBSTONE_BYTES of names)
     unlisted: int = 0
+
+
+def _pins_end(m: dict[str, Any], now: float) -> float | None:
+    """When the last pin of manifest ``m`` (its session's or one of its pages') in force at
+    ``now`` ends: math.inf for a pin for good, None when no pin is in force."""
+    ends = [r.get("pin_until") for r in (m, *m["pages"]) if pinned_now(r, now)]
+    if not ends:
+        return None
+    numbers = [_number(u) for u in ends]
+    return math.inf if None in numbers else max(u for u in numbers if u is not None)
+
+
+def _ends(v: object) -> dict[str, float]:
+    """A marker's ``ends``: when the pins keeping each of its host's manifests end."""
+    out: dict[str, float] = {}
+    for k, u in v.items() if isinstance(v, dict) else ():
+        end = _number(u)
+        if isinstance(k, str) and end is not None:
+            out[k] = end
+    return out
 
 
 def _strings(v: object) -> set[str]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
+from typing import Any
 
 import msgpack
 import pytest
@@ -186,6 +187,117 @@ def test_a_host_silent_for_good_is_retired_but_its_pins_stay(
             assert not [k for k in await _objects(a, "gc/") if b_id in k]  # B's intents went
 
     trio.run(main)
+
+
+async def _retired_marker(a: kvfs.Store, host: str) -> dict[str, Any]:
+    """``retired/<host>``, once A has written it."""
+    store = a.engine.policy.store  # type: ignore[attr-defined]
+    with trio.fail_after(60):
+        while f"retired/{host}" not in await _objects(a, "retired/"):
+            await trio.sleep(0.05)
+    return msgpack.unpackb(await store.get(f"retired/{host}"), raw=False)  # type: ignore[no-any-return]
+
+
+def test_a_retired_hosts_manifests_go_once_their_pins_end_and_their_objects_are_collected(
+    make_config: Callable[..., kvfs.StoreConfig],
+    archive_url: str,  # noqa: F811
+) -> None:
+    """Host B goes for good with two sessions pinned for a while: the pin of ``early`` ends
+    before A retires B, that of a page of ``late`` after. Retirement kept both manifests
+    and never read them again: their sessions and objects stayed in the bucket for ever.
+    Now ``early`` goes with the retirement, and ``late`` at a look of A's once its pin has
+    ended; A collects their objects, and B's marker goes with the last of them."""
+    # B's silence limit is 2 x 0.8 s + 2 x 0.2 s; late's pin outlasts it by far, however
+    # slowly this machine runs, and ends some seconds later
+    b_cfg = archived_cfg(make_config, archive_url, name="host-b", interval=60, retention=0.8)
+    a_cfg = archived_cfg(make_config, archive_url, name="host-a", interval=0.05, retention=1)
+    early, late = PageKey.semantic("early", "p", 0), PageKey.semantic("late", "p", 0)
+    only_b = {kvfs.checksum(kv_page(91)), kvfs.checksum(kv_page(92)), kvfs.checksum(kv_page(93))}
+
+    async def main() -> None:
+        async with kvfs.open_store(b_cfg) as b:  # (no spill or retention pass of its own)
+            b_id = b.engine.store_id  # type: ignore[attr-defined]
+            await b.put(early, kv_page(91))
+            await b.put(late, kv_page(92))
+            await b.put(PageKey.semantic("late", "p", 1), kv_page(93))  # (not pinned)
+            await b.pin_session("early", ttl=0.5)
+            await b.pin(late, ttl=8)
+            for sess in ("early", "late"):
+                await b.spill(sess)
+            with trio.fail_after(30):
+                while not await _objects(b, "hosts/"):
+                    await trio.sleep(0.05)
+        async with kvfs.open_store(a_cfg) as a:
+            marker = await _retired_marker(a, b_id)
+            (kept,) = [k for k in await _objects(a, "manifests/") if k.endswith("@" + b_id)]
+            assert "late" in kept  # early's pin had ended: early went with the retirement
+            part = kept[len("manifests/") :].rpartition("@")[0]
+            assert marker["sessions"] == [part] and list(marker["ends"]) == [part]
+            with trio.fail_after(60):  # late's pin ends, and a look of A's then deletes it
+                while f"retired/{b_id}" in await _objects(a, "retired/"):
+                    await trio.sleep(0.1)
+            assert not [k for k in await _objects(a, "manifests/") if k.endswith("@" + b_id)]
+            assert await a.archived_sessions() == []
+            with trio.fail_after(60):  # collected: what only B's manifests named
+                while _hashes(await _objects(a, "blobs/")) & only_b:
+                    await trio.sleep(0.1)
+
+    trio.run(main)
+
+
+def test_a_retired_hosts_manifest_stays_while_a_pin_of_it_holds(
+    make_config: Callable[..., kvfs.StoreConfig],
+    archive_url: str,  # noqa: F811
+) -> None:
+    """Host B goes for good with a session pinned for an hour, a page pinned for an hour
+    (in a session whose other page is not pinned) and a session pinned for good. A retires
+    B and looks at what stays again and again: all three stay whole, with their objects,
+    and B's marker records when the two pins with an end end."""
+    b_cfg = archived_cfg(make_config, archive_url, name="host-b", interval=60, retention=0.8)
+    a_cfg = archived_cfg(make_config, archive_url, name="host-a", interval=0.05, retention=1)
+    keys = {s: PageKey.semantic(s, "p", 0) for s in ("hour", "page", "good")}
+    loose = PageKey.semantic("page", "p", 1)
+    pages = {k: kv_page(94 + i) for i, k in enumerate([*keys.values(), loose])}
+
+    async def main() -> None:
+        async with kvfs.open_store(b_cfg) as b:
+            b_id = b.engine.store_id  # type: ignore[attr-defined]
+            for k, page in pages.items():
+                await b.put(k, page)
+            await b.pin_session("hour", ttl=3600)
+            await b.pin(keys["page"], ttl=3600)
+            await b.pin_session("good")
+            ends = {
+                "hour": (await b.session_info("hour")).pin_until,
+                "page": (await b.stat(keys["page"])).pin_until,
+            }
+            for sess in keys:
+                await b.spill(sess)
+            with trio.fail_after(30):
+                while not await _objects(b, "hosts/"):
+                    await trio.sleep(0.05)
+        async with kvfs.open_store(a_cfg) as a:
+            await _retired_marker(a, b_id)
+            store = a.engine.policy.store  # type: ignore[attr-defined]
+            with trio.fail_after(60):  # A looked at what stays twice more
+                while msgpack.unpackb(await store.get(f"retired/{b_id}")).get("checks", 0) < 2:
+                    await trio.sleep(0.1)
+            marker = msgpack.unpackb(await store.get(f"retired/{b_id}"), raw=False)
+            assert len(marker["sessions"]) == 3
+            assert sorted(marker["ends"].values()) == sorted(ends.values())
+            left = [k for k in await _objects(a, "manifests/") if k.endswith("@" + b_id)]
+            assert len(left) == 3
+            assert {s["session"] for s in await a.archived_sessions()} == set(keys)
+            assert {kvfs.checksum(p) for p in pages.values()} <= _hashes(
+                await _objects(a, "blobs/")
+            )
+
+    trio.run(main)
+    with kvfs.open_store_sync(archived_cfg(make_config, archive_url, name="host-v")) as v:
+        for sess in keys:
+            v.restore(sess)
+        for k, page in pages.items():
+            assert v.get(k) == page
 
 
 def test_a_session_a_retired_host_deleted_stays_deleted(
