@@ -67,7 +67,8 @@ class Spiller:
         self.written: dict[str, int] = {}
         #: per session: the pages (path, content) its manifest, as this host last wrote it,
         #: names. By page, not content: a page put since under another path, sharing content
-        #: the manifest names for an older page, is not named by it (see name_in_manifests)
+        #: the manifest names for an older page, is not named by it (see name_in_manifests).
+        #: While one is written, only what both it and the one before it name
         self.named: dict[str, set[tuple[str, bytes]]] = {}
         #: per session: held while its manifest is built and stored (write_manifest)
         self._manifest_locks: dict[str, threading.Lock] = {}
@@ -292,10 +293,21 @@ class Spiller:
             asked = time.time()  # removal requests older than this are reflected below
             seen = self.engine.index.removals[d]  # what this manifest reflects, at least
             sid = self.engine.store_id
+            # From the index read below until the new manifest is stored, the archive may
+            # hold either one: only what both name may be trusted by a drop. A page the new
+            # one leaves out (deleted, renamed, replaced) and put again meanwhile was
+            # dropped on the old one's word, then named by neither once the new one landed.
+            old = self.named.get(d, set())
+            trusted: set[tuple[str, bytes]] = set()
+            self.named[d] = trusted
             supersedes = await _thread(self.aindex.imported, d)
             m = await trio.to_thread.run_sync(
                 lambda: build_manifest(self.engine.index, d, sid, codecs, supersedes)
             )
+            named = set() if m is None else {(p["path"], bytes(p["hash"])) for p in m["pages"]}
+            # (a failed write leaves this: it holds either way. In place: a reset of
+            # ``named`` meanwhile, by rewrite_all_manifests, is not undone)
+            trusted |= old & named
             if m is None:
                 await self.store.delete(manifest_key(d, sid))
             else:
@@ -304,9 +316,7 @@ class Spiller:
                 await self._drop_own_legacy(d)
             self.policy.count("manifests_written")
             self.written[d] = max(self.written.get(d, 0), seen)
-            self.named[d] = (
-                set() if m is None else {(p["path"], bytes(p["hash"])) for p in m["pages"]}
-            )
+            self.named[d] = named
         finally:
             lock.release()
         await _thread(self.aindex.done, "manifest", [d], asked)

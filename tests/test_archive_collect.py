@@ -437,3 +437,80 @@ def test_a_page_its_owner_deletes_while_another_host_imports_it_goes_there_too(
     with kvfs.open_store_sync(archived_cfg(make_config, archive_url, name="host-c")) as c:
         c.restore("s")
         assert [i.path for i in c.list(session="s")] == ["sessions/s/p/layer-001"]
+
+
+class _WatchedLock:
+    """A session's manifest lock that says (``contended``) when a caller has to wait for it."""
+
+    def __init__(self, contended: threading.Event) -> None:
+        self._lock = threading.Lock()
+        self.contended = contended
+
+    def acquire(self, blocking: bool = True) -> bool:
+        got = self._lock.acquire(blocking)
+        if not got:
+            self.contended.set()
+        return got
+
+    def release(self) -> None:
+        self._lock.release()
+
+
+def test_an_eviction_while_a_manifest_is_written_keeps_what_the_new_one_does_not_name(
+    make_config,  # noqa: ANN001
+    archive_url: str,  # noqa: F811
+) -> None:
+    """A delete rewrites the session's manifest (it no longer names page p); while that
+    write is under way, p is put again with the same bytes and evicted. The eviction
+    trusted what the previous manifest named (p) until the new one was stored, so it
+    dropped p's local copy, and the new manifest, written without p, left it archive-only
+    and named by no manifest: a host restoring the session from the archive never saw it
+    (and once no other page shared its content, another host's collection deleted it)."""
+    import trio
+
+    same = kv_page(11)
+    kp, kq = PageKey.semantic("s", "p", 0), PageKey.semantic("s", "q", 0)
+    with kvfs.open_store_sync(archived_cfg(make_config, archive_url, name="host-a")) as a:
+        a.put(kp, same)
+        a.put(kq, same)  # the content outlives p's delete
+        a.put(PageKey.semantic("s", "r", 0), kv_page(12))
+        a.spill("s")
+        assert a.get(kq) == same  # local again, and still archived
+        policy = a.engine.policy  # type: ignore[attr-defined]
+        gate, reached, settled = threading.Event(), threading.Event(), threading.Event()
+        policy.spiller._manifest_locks[a.engine.resolve_session("s")] = _WatchedLock(settled)
+        store = policy.store
+        real = store.put
+
+        async def gated(key: str, *args: object, **kw: object) -> object:
+            if key.startswith("manifests/") and not reached.is_set():
+                reached.set()
+                await trio.to_thread.run_sync(gate.wait)
+            return await real(key, *args, **kw)
+
+        store.put = gated
+        deleting, d_errors = in_thread(lambda: a.delete(kp))  # rewrites the manifest
+        assert reached.wait(30), "the delete never got to writing the manifest"
+        a.put(kp, same)  # shares the local, archived copy again
+
+        def evict() -> None:
+            try:
+                a.evict(kp)
+            finally:
+                settled.set()
+
+        # The eviction either finishes, or waits for the manifest being written: either
+        # way the write may go on now.
+        evicting, e_errors = in_thread(evict)
+        assert settled.wait(30), "the eviction neither finished nor waited"
+        gate.set()
+        deleting.join(30)
+        evicting.join(30)
+        assert not d_errors and not e_errors, (d_errors, e_errors)
+        assert a.stat(kp).tier == "archive"  # the eviction did drop the copy
+        assert a.get(kp) == same
+    # A host restoring the session from the archive sees every page the host holds.
+    with kvfs.open_store_sync(archived_cfg(make_config, archive_url, name="host-c")) as c:
+        c.restore("s")
+        assert len(c.list(session="s")) == 3
+        assert c.get(kp) == same
