@@ -30,6 +30,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TypeVar
 
 from . import _maint, _reads, _writes
 from ._config import DISK_CAPACITY, StoreConfig
@@ -62,6 +63,7 @@ CLOSE_WAIT_SECONDS = 120.0
 ATIME_FLUSH_SECONDS = 5.0
 
 log = logging.getLogger("kvfs.engine")
+K = TypeVar("K")
 
 
 #: A file beside the index that holds room for it. It is removed before the index opens, so
@@ -191,6 +193,12 @@ def _open_error(e: Exception, cfg: StoreConfig, *, new: bool) -> Exception:
         f"cannot {what} the store in {cfg.data_dirs[0]} (index in {cfg.index_path.parent}): "
         f"its disk is full ({e}); {left}. Free space there and try again"
     )
+
+
+def _keep_newer(into: dict[K, float], times: dict[K, float]) -> None:
+    """Merge access times ``times`` into ``into``, the later time of a key winning."""
+    for k, t in times.items():
+        into[k] = max(t, into.get(k, t))
 
 
 def _pin_until(pinned: bool, ttl: float | None) -> float | None:
@@ -932,10 +940,22 @@ class Engine:
             log.warning("access times not written this time: %s", e)
 
     def flush_atimes(self) -> None:
+        """Write the access times reads noted since the last flush. When the write fails (a
+        full disk), the batch is noted again for the next flush, beside those noted
+        meanwhile (the later time of a key wins, as in the index): else eviction ordered
+        those pages by older times, as if never read since. Raises what the index raised."""
         with self._cap_lock:
             batch, self._atimes = self._atimes, ({}, {}, {})
             self._atime_flushed = time.monotonic()
-        self.index.flush_atimes(*batch)
+        try:
+            self.index.flush_atimes(*batch)
+        except BaseException:
+            with self._cap_lock:
+                pa, ba, sa = self._atimes
+                _keep_newer(pa, batch[0])
+                _keep_newer(ba, batch[1])
+                _keep_newer(sa, batch[2])
+            raise
 
     # -- metadata (views built in kvfs/_reads.py) -------------------------------------
     def stat(self, key: PageKey | str) -> PageInfo:

@@ -366,3 +366,33 @@ async def test_an_access_time_flush_on_a_full_disk_does_not_end_the_store(
                 await trio.sleep(0.05)
         await store.put("t/q", b"q")
         assert await store.get("t/q") == b"q"
+
+
+def test_access_times_a_failed_flush_could_not_write_are_written_by_the_next(
+    small_disk: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A flush took the batch of access times noted by reads before writing it: when the
+    write failed (a full disk), they were gone, and eviction ordered those pages by the
+    times of their puts, as if never read since."""
+    import kvfs._engine
+
+    monkeypatch.setattr(kvfs._engine, "ATIME_FLUSH_SECONDS", 1e9)  # flushed here, not by reads
+    cfg = kvfs.StoreConfig(data_dirs=(small_disk / "store",), capacity=1 << 30)
+    keys = [f"s/p{i:04d}" for i in range(400)]
+    with kvfs.open_store_sync(cfg) as s:
+        for k in keys:
+            s.put(k, k.encode())
+    # (closed: the index's WAL is checkpointed and truncated; the flush must grow it)
+    with kvfs.open_store_sync(cfg) as s:
+        index = s.engine.index
+        put_at = {k: index.page(k).atime for k in keys}  # type: ignore[union-attr]
+        session_put_at = index.session("s").atime  # type: ignore[union-attr]
+        with filled(small_disk):
+            for k in keys:  # access times for every page: more than the WAL holds
+                assert s.get(k) == k.encode()
+            with pytest.raises(kvfs.CapacityExceeded):
+                s.engine.flush_atimes()
+        s.engine.flush_atimes()  # room again
+        unread = [k for k in keys if index.page(k).atime <= put_at[k]]  # type: ignore[union-attr]
+        assert unread == []
+        assert index.session("s").atime > session_put_at  # type: ignore[union-attr]
