@@ -305,9 +305,12 @@ class Spiller:
                 lambda: build_manifest(self.engine.index, d, sid, codecs, supersedes)
             )
             named = set() if m is None else {(p["path"], bytes(p["hash"])) for p in m["pages"]}
-            # (a failed write leaves this: it holds either way. In place: a reset of
-            # ``named`` meanwhile, by rewrite_all_manifests, is not undone)
-            trusted |= old & named
+            # (a failed write leaves this: it holds either way. Only where ``trusted`` is
+            # still there: a reset of ``named`` meanwhile, by rewrite_all_manifests, is not
+            # undone. Replaced whole, never changed in place: a worker thread may be
+            # iterating the set, see flush_pending)
+            if self.named.get(d) is trusted:
+                self.named[d] = old & named
             if m is None:
                 await self.store.delete(manifest_key(d, sid))
             else:
@@ -571,13 +574,30 @@ class Spiller:
         ]
         if not gone_objects:
             return 0
-        paths = [
-            path
+        pages = [
+            (path, h)
             for h in gone_objects
             for s, path in await _thread(self.aindex.pages_holding, h)
             if s == d
         ]
-        gone, freed = await _thread(self.engine.index.delete_pages, paths)
+
+        def delete_unless_put_again() -> tuple[list[Any], list[Any]]:
+            # (in one transaction with the check: a put of the path meanwhile, or of these
+            # bytes, which made them local again, keeps its page)
+            idx = self.engine.index
+            with idx.transaction() as db:
+                still = [
+                    path
+                    for path, h in pages
+                    if db.execute(
+                        "SELECT 1 FROM pages p JOIN blobs b ON b.hash=p.hash"
+                        " WHERE p.path=? AND p.hash=? AND b.extents IS NULL",
+                        (path, h),
+                    ).fetchone()
+                ]
+                return idx._delete_pages(db, still)
+
+        gone, freed = await trio.to_thread.run_sync(delete_unless_put_again)
         await _thread(after_delete, self.engine, gone, freed)
         for p in gone:
             log.info(
