@@ -552,6 +552,13 @@ class Hosts:
                     if end != math.inf:
                         kept_ends[part] = end
                 continue
+            if m["pages"] and part not in known:
+                # Not one the retirement kept (for its pins, or unreadable): written since, by
+                # the host back before its first heartbeat. It stays, as every manifest with
+                # pages stayed before pins had ends.
+                kept += 1
+                held.append(part)
+                continue
             if m["pages"]:
                 # Its pins ended since it was kept: it goes as the retirement would have
                 # deleted it then, its objects through this host's collection. Only while

@@ -300,6 +300,44 @@ def test_a_retired_hosts_manifest_stays_while_a_pin_of_it_holds(
             assert v.get(k) == page
 
 
+def test_a_manifest_a_retired_host_writes_before_its_heartbeat_stays(
+    make_config: Callable[..., kvfs.StoreConfig],
+    archive_url: str,  # noqa: F811
+) -> None:
+    """Host B, retired, comes back and writes a manifest of an unpinned session before its
+    first heartbeat. A's later looks at what B left deleted it (no pin in force: taken for
+    one whose pins had ended), where before pins had ends every manifest with pages
+    stayed. Only those the retirement kept for their pins go when the pins end."""
+    b_cfg = archived_cfg(make_config, archive_url, name="host-b", interval=60, retention=0.8)
+    a_cfg = archived_cfg(make_config, archive_url, name="host-a", interval=0.05, retention=1)
+
+    async def main() -> None:
+        async with kvfs.open_store(b_cfg) as b:
+            b_id = b.engine.store_id  # type: ignore[attr-defined]
+            store = b.engine.policy.store  # type: ignore[attr-defined]
+            await b.put(PageKey.semantic("hour", "p", 0), kv_page(81))
+            await b.pin_session("hour", ttl=3600)  # (B's marker stays for it)
+            await b.put(PageKey.semantic("fresh", "p", 0), kv_page(82))
+            for sess in ("hour", "fresh"):
+                await b.spill(sess)
+            (fresh,) = [k for k in await _objects(b, "manifests/") if "fresh" in k]
+            written = await store.get(fresh)
+            with trio.fail_after(30):
+                while not await _objects(b, "hosts/"):
+                    await trio.sleep(0.05)
+        async with kvfs.open_store(a_cfg) as a:
+            await _retired_marker(a, b_id)
+            assert fresh not in await _objects(a, "manifests/")  # retired with B
+            archive = a.engine.policy.store  # type: ignore[attr-defined]
+            await archive.put(fresh, written)  # B, back, writes it again before it beats
+            with trio.fail_after(60):  # A looked at what B left twice more
+                while msgpack.unpackb(await archive.get(f"retired/{b_id}")).get("checks", 0) < 2:
+                    await trio.sleep(0.1)
+            assert fresh in await _objects(a, "manifests/")
+
+    trio.run(main)
+
+
 def test_a_session_a_retired_host_deleted_stays_deleted(
     make_config: Callable[..., kvfs.StoreConfig],
     archive_url: str,  # noqa: F811
