@@ -39,6 +39,25 @@ def gate_blob_deletes(s: kvfs.SyncStore) -> tuple[threading.Event, threading.Eve
     return gate, reached
 
 
+def gate_manifest_puts(s: kvfs.SyncStore) -> tuple[threading.Event, threading.Event]:
+    """Make ``s``'s first manifest write wait for the returned ``gate``; ``reached`` is set
+    when it is about to go (the manifest is built from the index, not stored yet)."""
+    import trio
+
+    gate, reached = threading.Event(), threading.Event()
+    store = s.engine.policy.store  # type: ignore[attr-defined]
+    real = store.put
+
+    async def gated(key: str, *args: object, **kw: object) -> object:
+        if key.startswith("manifests/") and not reached.is_set():
+            reached.set()
+            await trio.to_thread.run_sync(gate.wait)
+        return await real(key, *args, **kw)
+
+    store.put = gated
+    return gate, reached
+
+
 def in_thread(fn: Callable[[], object]) -> tuple[threading.Thread, list[BaseException]]:
     errors: list[BaseException] = []
 
@@ -402,7 +421,6 @@ def test_a_page_its_owner_deletes_while_another_host_imports_it_goes_there_too(
     own manifest names it, B deletes the page and collects its object (no manifest named
     it when B read them). A listed the page, and named it in its manifest, for good: every
     read of it failed, on A and on any host restoring the session from A's manifest."""
-    import trio
 
     k = PageKey.semantic("s", "p", 0)
     with (
@@ -412,17 +430,8 @@ def test_a_page_its_owner_deletes_while_another_host_imports_it_goes_there_too(
         b.put(k, kv_page(9))
         b.put(PageKey.semantic("s", "p", 1), kv_page(10))  # stays: the session lives on
         b.spill("s")
-        gate, reached = threading.Event(), threading.Event()
+        gate, reached = gate_manifest_puts(a)
         store = a.engine.policy.store  # type: ignore[attr-defined]
-        real = store.put
-
-        async def gated(key: str, *args: object, **kw: object) -> object:
-            if key.startswith("manifests/") and not reached.is_set():
-                reached.set()
-                await trio.to_thread.run_sync(gate.wait)
-            return await real(key, *args, **kw)
-
-        store.put = gated
         restoring, errors = in_thread(lambda: a.restore("s"))
         assert reached.wait(30), "A never got to writing its manifest"
         b.delete(k)  # B's last reference: B rewrites its manifest and collects the object
@@ -466,7 +475,6 @@ def test_an_eviction_while_a_manifest_is_written_keeps_what_the_new_one_does_not
     dropped p's local copy, and the new manifest, written without p, left it archive-only
     and named by no manifest: a host restoring the session from the archive never saw it
     (and once no other page shared its content, another host's collection deleted it)."""
-    import trio
 
     same = kv_page(11)
     kp, kq = PageKey.semantic("s", "p", 0), PageKey.semantic("s", "q", 0)
@@ -477,18 +485,9 @@ def test_an_eviction_while_a_manifest_is_written_keeps_what_the_new_one_does_not
         a.spill("s")
         assert a.get(kq) == same  # local again, and still archived
         policy = a.engine.policy  # type: ignore[attr-defined]
-        gate, reached, settled = threading.Event(), threading.Event(), threading.Event()
+        settled = threading.Event()
         policy.spiller._manifest_locks[a.engine.resolve_session("s")] = _WatchedLock(settled)
-        store = policy.store
-        real = store.put
-
-        async def gated(key: str, *args: object, **kw: object) -> object:
-            if key.startswith("manifests/") and not reached.is_set():
-                reached.set()
-                await trio.to_thread.run_sync(gate.wait)
-            return await real(key, *args, **kw)
-
-        store.put = gated
+        gate, reached = gate_manifest_puts(a)
         deleting, d_errors = in_thread(lambda: a.delete(kp))  # rewrites the manifest
         assert reached.wait(30), "the delete never got to writing the manifest"
         a.put(kp, same)  # shares the local, archived copy again
