@@ -131,6 +131,14 @@ def configuration_markdown() -> str:
         "variable that is no setting is ignored with a warning naming the one it is "
         "close to (`$KVFS_CAPACTY is no kvfs setting: ignored ($KVFS_CAPACITY?)`).",
         "",
+        "The object API reads no file and no variable: `kvfs.StoreConfig` has the `store` "
+        "options below as fields of the same names, and takes the same values (sizes as "
+        'bytes or as strings such as `"64MiB"`, `capacity` also `"disk"`, directories as '
+        "strings or paths); the fields hold ints and paths. `archive_url` is a field too "
+        "(empty: no archive tier; no `auto`), and the other `archive` options go in "
+        '`extra={"archive": {...}}` (docs/archive.md). A value of the wrong type is a '
+        '`TypeError` naming the field (`io_threads="8"`, `direct_io="false"`).',
+        "",
         "## Options",
         "",
         "| option | environment | default | meaning |",

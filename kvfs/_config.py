@@ -9,7 +9,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import operator
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -82,7 +84,16 @@ def parse_duration(text: str | float) -> float:
 
 @dataclass(frozen=True)
 class StoreConfig:
-    """Everything a store needs to open. Every field has a default."""
+    """Everything a store needs to open. Every field has a default.
+
+    The sizes take what the configuration file and ``--capacity`` take: an int of bytes or
+    a string such as ``"64MiB"`` or ``"2GB"`` (:func:`parse_size`), and ``capacity`` also
+    ``"disk"`` (:data:`DISK_CAPACITY`); the directories take a ``str`` or a path. The
+    fields hold the normalised values (ints, :class:`~pathlib.Path`), as annotated, so a
+    type checker wants the ints: ``capacity=kvfs.parse_size("2TiB")``. Raises TypeError
+    for a value of the wrong type (``io_threads="8"``, ``direct_io="false"``,
+    ``data_dirs=None``) and ValueError for one out of range, each naming the field.
+    """
 
     #: One root directory per NVMe device; pages are striped across them.
     data_dirs: tuple[Path, ...] = (Path("kvfs-data"),)
@@ -109,17 +120,45 @@ class StoreConfig:
     extra: dict[str, object] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        dirs = tuple(
-            Path(d)
-            for d in (
-                self.data_dirs if not isinstance(self.data_dirs, (str, Path)) else [self.data_dirs]
+        # Checked and normalised here, where the caller can see the field it got wrong: a
+        # "64MiB" or a "false" used to get as far as a comparison ('<=' not supported
+        # between 'str' and 'int') or to be taken as true.
+        raw: object = self.data_dirs
+        if isinstance(raw, (str, os.PathLike)):
+            raw = (raw,)
+        if not isinstance(raw, Iterable) or isinstance(raw, bytes):
+            raise TypeError(
+                "StoreConfig.data_dirs must be a directory or a list of them, "
+                f"not {type(raw).__name__}"
             )
-        )
+        dirs = tuple(_path("data_dirs", d) for d in raw)
         if not dirs:
             raise ValueError("at least one data directory is needed")
         if len({os.path.abspath(d) for d in dirs}) != len(dirs):
             raise ValueError("data directories must be distinct")
         object.__setattr__(self, "data_dirs", dirs)
+        index_dir = self.index_dir
+        object.__setattr__(
+            self,
+            "index_dir",
+            _path("index_dir", index_dir) if index_dir not in (None, "") else None,
+        )
+        object.__setattr__(self, "capacity", _size("capacity", self.capacity))
+        object.__setattr__(self, "stripe_unit", _size("stripe_unit", self.stripe_unit))
+        for name in ("direct_io", "durable"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(
+                    f"StoreConfig.{name} must be True or False, not {getattr(self, name)!r}"
+                )
+        if isinstance(self.io_threads, bool) or not isinstance(self.io_threads, int):
+            raise TypeError(f"StoreConfig.io_threads must be an int, not {self.io_threads!r}")
+        if not isinstance(self.archive_url, str):
+            raise TypeError(
+                "StoreConfig.archive_url must be a string ('' for no archive tier), "
+                f"not {self.archive_url!r}"
+            )
+        if not isinstance(self.extra, dict):
+            raise TypeError(f"StoreConfig.extra must be a dict, not {type(self.extra).__name__}")
         if self.stripe_unit <= 0 or self.stripe_unit % ALIGN:
             raise ValueError(f"stripe_unit must be a positive multiple of {ALIGN}")
         if self.capacity < 0 and self.capacity != DISK_CAPACITY:
@@ -137,3 +176,25 @@ class StoreConfig:
 
     def replace(self, **changes: object) -> StoreConfig:
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
+
+
+def _path(name: str, value: object) -> Path:
+    if not isinstance(value, (str, os.PathLike)):
+        raise TypeError(f"StoreConfig.{name}: a directory is a str or a path, not {value!r}")
+    return Path(value)
+
+
+def _size(name: str, value: object) -> int:
+    """A size field's bytes, from an int or a size string (``capacity`` also "disk")."""
+    if isinstance(value, str):
+        if name == "capacity" and value.strip().lower() == "disk":
+            return DISK_CAPACITY
+        try:
+            return parse_size(value)
+        except ValueError as e:
+            raise ValueError(f"StoreConfig.{name}: {e}") from None
+    if isinstance(value, bool) or not hasattr(value, "__index__"):
+        raise TypeError(
+            f"StoreConfig.{name} must be an int of bytes or a size such as '64MiB', not {value!r}"
+        )
+    return operator.index(value)  # numpy's integers too

@@ -282,3 +282,39 @@ def test_archive_settings_in_extra_are_checked_by_name_and_kind() -> None:
         {"archive": {"interval": 2, "retention": "1d", "store_options": {"deadline": 1}}}
     )
     assert (cfg.interval, cfg.retention) == (2, 86400.0)
+
+
+def test_store_config_takes_size_strings_and_names_the_field_of_a_wrong_type(
+    tmp_path: Path,
+) -> None:
+    """``StoreConfig(stripe_unit="64KiB", capacity="64MiB")``, the sizes the configuration
+    file and ``--capacity`` take, failed with "'<=' not supported between instances of
+    'str' and 'int'"; ``io_threads="8"`` and ``data_dirs=None`` failed as deep, and
+    ``direct_io="false"`` was taken as true."""
+    import kvfs
+
+    cfg = kvfs.StoreConfig(
+        data_dirs=[str(tmp_path / "d")], stripe_unit="64KiB", capacity="64MiB", index_dir=""
+    )
+    assert (cfg.stripe_unit, cfg.capacity) == (64 << 10, 64 << 20)
+    assert (cfg.data_dirs, cfg.index_dir) == ((tmp_path / "d",), None)
+    assert cfg.replace(capacity=" Disk ").capacity == kvfs.DISK_CAPACITY
+    with kvfs.open_store_sync(cfg, capacity="2MiB") as s:
+        assert s.statistics().capacity_bytes == 2 << 20
+        assert s.config.stripe_unit == 64 << 10
+
+    def refused(error: type[Exception], **fields: object) -> str:
+        with pytest.raises(error) as e:
+            kvfs.StoreConfig(**fields)  # type: ignore[arg-type]
+        return str(e.value)
+
+    assert "StoreConfig.capacity" in refused(ValueError, capacity="64 megs")
+    assert "StoreConfig.stripe_unit" in refused(TypeError, stripe_unit=None)
+    assert "StoreConfig.capacity" in refused(TypeError, capacity=1.5)
+    assert "StoreConfig.io_threads" in refused(TypeError, io_threads="8")
+    assert "StoreConfig.data_dirs" in refused(TypeError, data_dirs=None)
+    assert "StoreConfig.data_dirs" in refused(TypeError, data_dirs=[1])
+    assert "StoreConfig.direct_io" in refused(TypeError, direct_io="false")
+    assert "StoreConfig.archive_url" in refused(TypeError, archive_url=None)
+    assert "StoreConfig.extra" in refused(TypeError, extra=None)
+    assert "multiple of 4096" in refused(ValueError, stripe_unit="5000")
