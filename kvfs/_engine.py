@@ -19,6 +19,7 @@ import contextlib
 import errno
 import logging
 import math
+import numbers
 import os
 import sqlite3
 import threading
@@ -207,7 +208,9 @@ def _pin_until(pinned: bool, ttl: float | None) -> float | None:
         return None
     if not pinned:
         raise ValueError("an unpin takes no ttl")
-    if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not 0 < ttl < math.inf:
+    # numbers.Real, not (int, float): numpy's np.int64(3) (a duration computed with numpy)
+    # was refused as "not > 0" in-process, and pinned through the daemon
+    if isinstance(ttl, bool) or not isinstance(ttl, numbers.Real) or not 0 < ttl < math.inf:
         raise ValueError(f"a pin's ttl is a number of seconds > 0, not {ttl!r}")
     return time.time() + float(ttl)
 

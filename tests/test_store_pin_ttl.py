@@ -434,3 +434,30 @@ def test_the_end_of_a_pin_an_older_kvfs_removed_is_forgotten_at_open(
         assert info.pinned and info.pin_until is None  # for good, as it was put
         rows = store.engine.index._q("SELECT target, kind FROM pin_expiry")
         assert rows == []
+
+
+async def test_a_pins_lifetime_may_be_a_numpy_number_in_process_as_through_the_daemon(
+    make_config: MakeConfig, tmp_path: Path
+) -> None:
+    """``pin(key, ttl=np.int64(60))`` (a lifetime computed with numpy) was refused in-process
+    as "a pin's ttl is a number of seconds > 0, not np.int64(60)", and pinned through the
+    daemon (its client sends a numpy scalar as the number it is)."""
+    import numpy as np
+
+    sock = tmp_path / "c.sock"
+    async with kvfs.open_store(make_config()) as store, trio.open_nursery() as n:
+        await n.start(control_service, store, sock)
+        await store.put("a/p", b"a")
+        async with open_remote_store(sock) as r:
+            for pin in (store.pin, r.pin):
+                for ttl in (np.int64(60), np.float32(60)):
+                    before = time.time()
+                    await pin("a/p", ttl=ttl)  # type: ignore[arg-type]
+                    until = (await store.stat("a/p")).pin_until
+                    assert until is not None and before + 60 <= until <= time.time() + 60
+                    await store.unpin("a/p")
+            for pin_session in (store.pin_session, r.pin_session):
+                await pin_session("a/", ttl=np.int64(60))  # type: ignore[arg-type]
+                assert (await store.session_info("a/")).pin_until is not None
+                await store.unpin_session("a/")
+        n.cancel_scope.cancel()
