@@ -117,6 +117,10 @@ def too_small(room: int, path: str, size: int) -> ValueError:
 
 
 def _check_range(offset: int, size: int) -> None:
+    for what, n in (("offset", offset), ("size", size)):
+        # (a "0" or a None got as far as a comparison: '<' not supported between ...)
+        if isinstance(n, bool) or not hasattr(n, "__index__"):
+            raise TypeError(f"a range's {what} is an int, not {n!r}")
     if offset < 0 or size < 0:
         raise ValueError(
             f"a range needs offset >= 0 and size >= 0, not offset={offset}, size={size}"

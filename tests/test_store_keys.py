@@ -213,3 +213,21 @@ def test_attrs_are_what_the_mount_can_show(sync_store: kvfs.SyncStore) -> None:
     s.set_session_attrs("t", {"notes": "n" * 100_000, "fs.uid": "x"})
     with pytest.raises(kvfs.InvalidKey, match="not valid UTF-8"):
         s.set_session_attrs("t", {"bad": "\udc80"})
+
+
+def test_a_range_of_no_ints_is_a_type_error_naming_the_argument(
+    sync_store: kvfs.SyncStore,
+) -> None:
+    """``read_range(key, "0", 5)`` or with ``size=None`` failed with "'<' not supported
+    between instances of 'str' and 'int'", a float with "'float' object cannot be
+    interpreted as an integer", and a bool was taken as 0 or 1."""
+    import numpy as np
+
+    s = sync_store
+    s.put("r", b"0123456789")
+    for offset, size, what in (("0", 5, "offset"), (0, None, "size"), (0.0, 5, "offset")):
+        with pytest.raises(TypeError, match=f"a range's {what} is an int, not"):
+            s.read_range("r", offset, size)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="offset is an int, not True"):
+        s.read_range("r", True, 5)
+    assert s.read_range("r", np.int64(2), np.uint8(3)) == b"234"  # (numpy's ints are ints)
