@@ -106,7 +106,7 @@ def as_bytes_view(
         raise TypeError(
             f"{what} must be a {'writable ' if writable else ''}buffer (bytes, bytearray, "
             f"numpy array, kvfs.aligned_buffer){' ' + kinds if kinds else ''}, "
-            f"not {type(data).__name__}"
+            f"not {type(data).__name__}{_tensor_hint(data)}"
         ) from None
     if mv.format == "O" or getattr(getattr(data, "dtype", None), "hasobject", False):
         # numpy dtype=object: pointers, meaningless in any other process
@@ -118,3 +118,13 @@ def as_bytes_view(
     if mv.nbytes == 0:  # cast() refuses a shape with a zero in it: (0, heads, dim)
         return memoryview(bytearray()) if not mv.readonly else memoryview(b"")
     return mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv
+
+
+def _tensor_hint(data: object) -> str:
+    """How to pass a torch tensor, which has no buffer interface: its ``numpy()`` refuses
+    bf16, the dtype of most KV caches; a byte view of it works for every dtype."""
+    if not (callable(getattr(data, "data_ptr", None)) and hasattr(data, "is_cuda")):
+        return ""
+    if getattr(data, "is_cuda", False):
+        return " (a CUDA tensor is GPU memory: gds.FastPath reads and writes it)"
+    return " (a CPU tensor: pass tensor.view(torch.uint8).numpy(), a view of its bytes)"

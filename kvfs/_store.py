@@ -65,18 +65,21 @@ class Store(BatchCalls):
         pin: bool = False,
         replace: bool = False,
     ) -> PageInfo:
-        """Store a write-once page from any buffer. Returns its info.
+        """Store a write-once page from any C-contiguous buffer (bytes, bytearray, a numpy
+        array; a torch CPU tensor as ``t.view(torch.uint8).numpy()``). Returns its info.
 
-        Raises InvalidKey (a bad key, or ``attrs`` the mount could not show as xattrs: see
+        Raises TypeError (no buffer), ValueError (a strided one), InvalidKey (a bad key, or ``attrs`` the mount could not show as xattrs: see
         docs/mount.md), PageExists (unless ``replace``), CapacityExceeded. Atomic: after an
         error or a crash the page is either wholly there or not at all.
         """
         return await self._run(self._engine.put, key, data, attrs=attrs, pin=pin, replace=replace)
 
     async def get(self, key: KeyLike, into: object | None = None) -> bytes | int:
-        """Read a page: bytes, or the count read into ``into`` (aligned buffers use O_DIRECT).
+        """Read a page: bytes, or the count read into ``into`` (a writable C-contiguous
+        buffer at least the page's size, as :meth:`put` takes; aligned buffers use O_DIRECT).
 
-        Raises PageNotFound, CorruptPage (never returns data that fails its checksum).
+        Raises PageNotFound, CorruptPage (never returns data that fails its checksum);
+        TypeError or ValueError for an ``into`` that cannot take the page.
         """
         return await self._run(self._engine.get, key, into)
 

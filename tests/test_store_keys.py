@@ -231,3 +231,22 @@ def test_a_range_of_no_ints_is_a_type_error_naming_the_argument(
     with pytest.raises(TypeError, match="offset is an int, not True"):
         s.read_range("r", True, 5)
     assert s.read_range("r", np.int64(2), np.uint8(3)) == b"234"  # (numpy's ints are ints)
+
+
+def test_a_torch_tensor_is_refused_with_the_byte_view_to_pass_instead(
+    sync_store: kvfs.SyncStore,
+) -> None:
+    """A torch tensor has no buffer interface: put and get(into=) said only "not Tensor",
+    and ``tensor.numpy()``, the obvious way out, refuses bf16, the dtype of most KV."""
+    torch = pytest.importorskip("torch", reason="needs the engines extra (make test installs it)")
+    s = sync_store
+    kv = torch.arange(24, dtype=torch.bfloat16).reshape(4, 6)
+    with pytest.raises(TypeError, match=r"pass tensor\.view\(torch\.uint8\)\.numpy\(\)"):
+        s.put("t", kv)
+    assert not s.exists("t")
+    s.put("t", kv.view(torch.uint8).numpy())
+    out = torch.zeros(4, 6, dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match=r"pass tensor\.view\(torch\.uint8\)\.numpy\(\)"):
+        s.get("t", into=out)
+    assert s.get("t", into=out.view(torch.uint8).numpy()) == kv.numel() * 2
+    assert torch.equal(out, kv)
