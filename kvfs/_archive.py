@@ -38,7 +38,7 @@ from objectstore._abc import one_error_nursery
 
 from ._checksum import leaves_of, tree_hash
 from ._codec import CodecChoice, elem_size, encode
-from ._config import parse_duration
+from ._config import parse_duration, parse_size
 from ._errors import (
     ArchiveAccessDenied,
     ArchiveUnavailable,
@@ -133,10 +133,11 @@ class ArchiveConfig:
 
     @classmethod
     def from_extra(cls, extra: dict[str, object]) -> ArchiveConfig:
-        """The settings in ``extra["archive"]``. Raises ValueError naming a setting that is
-        unknown (with the name meant, where a close one or its configuration file name is
-        given) or of the wrong kind."""
-        from ._settings import ARCHIVE_FIELDS, closest
+        """The settings in ``extra["archive"]``, sizes and durations as numbers or as the
+        configuration file writes them ("256MiB", "7d"). Raises ValueError naming a setting
+        that is unknown (with the name meant, where a close one or its configuration file
+        name is given) or of the wrong kind."""
+        from ._settings import ARCHIVE_FIELDS, OPTIONS, closest
 
         raw = dict(extra.get("archive") or {})  # type: ignore[call-overload]
         names = {f.name for f in fields(cls)}
@@ -147,8 +148,19 @@ class ArchiveConfig:
                 meant = ARCHIVE_FIELDS.get(u) or closest(u, names)
                 hints.append(f"{u} ({meant}?)" if meant in names else u)
             raise ValueError(f"unknown archive setting(s): {', '.join(hints)}")
-        if "retention" in raw:
-            raw["retention"] = parse_duration(raw["retention"])
+        # The sizes and durations take the strings the configuration file takes ("256MiB",
+        # "7d"), as StoreConfig's sizes do: given in extra, "256MiB" was "no int".
+        for opt in OPTIONS:
+            name = ARCHIVE_FIELDS.get(opt.name)
+            if name not in raw or not isinstance(raw[name], str):
+                continue
+            try:
+                if opt.kind == "duration":
+                    raw[name] = parse_duration(raw[name])
+                elif opt.kind == "size":
+                    raw[name] = parse_size(raw[name])
+            except ValueError as e:
+                raise ValueError(f"archive setting {name}: {e}") from None
         for f in fields(cls):
             if f.name in raw and not _of_kind(raw[f.name], f.default):
                 kind = "dict" if f.default is None else type(f.default).__name__

@@ -188,6 +188,24 @@ def test_retention_takes_a_duration_and_needs_an_archive(tmp_path: Path) -> None
         no_archive.store_config()
 
 
+def test_the_archive_settings_in_extra_take_the_sizes_the_configuration_file_takes() -> None:
+    """``extra={"archive": {"memory_copies": "256MiB"}}`` was refused as "no int", though
+    the configuration file takes that size for the same setting (and StoreConfig's own
+    sizes take it)."""
+    from kvfs._archive import ArchiveConfig
+
+    cfg = ArchiveConfig.from_extra(
+        {"archive": {"memory_copies": "256MiB", "evict_ahead": "1 GiB", "retention": "1h"}}
+    )
+    assert (cfg.memory_copies, cfg.evict_ahead, cfg.retention) == (256 << 20, 1 << 30, 3600.0)
+    with pytest.raises(ValueError, match="archive setting memory_copies: not a size"):
+        ArchiveConfig.from_extra({"archive": {"memory_copies": "lots"}})
+    with pytest.raises(ValueError, match="archive setting retention: not a duration"):
+        ArchiveConfig.from_extra({"archive": {"retention": "soon"}})
+    with pytest.raises(ValueError, match="archive setting evict_ahead: True is no int"):
+        ArchiveConfig.from_extra({"archive": {"evict_ahead": True}})
+
+
 def _as_uid(uid: int, fn: Callable[[], int]) -> int:
     """``fn()``'s result, run in a forked child that became ``uid``."""
     pid = os.fork()
