@@ -1,10 +1,26 @@
-"""Corrupting stored pages on purpose, for the tests that prove corruption is caught."""
+"""Corrupting stored pages on purpose, for the tests that prove corruption is caught, and
+what ``fsck`` reports of a store with nothing wrong."""
 
 from __future__ import annotations
 
 import os
 
 import kvfs
+
+#: ``fsck()`` of a store with nothing wrong, no repair asked for and no archive check: every
+#: finding of the local check empty. Compared whole, so that a finding added without a
+#: test shows up as a key no test expected.
+CLEAN_FSCK = {
+    "missing": [],
+    "corrupt": [],
+    "orphans": [],
+    "missing_blob_rows": [],
+    "bad_blob_rows": [],
+    "wrong_refs": [],
+    "wrong_page_size": [],
+    "damaged_pages": [],
+    "repaired": [],
+}
 
 
 def flip_byte(path: str | os.PathLike[str], offset: int, mask: int = 0xFF) -> None:

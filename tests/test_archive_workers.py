@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from _corrupt import CLEAN_FSCK
 
 import kvfs
 from kvfs import PageKey
@@ -263,17 +264,7 @@ def test_spill_and_restore_with_or_without_workers(
         assert [d for d, _ in seen] == sorted(d for d, _ in seen) and len(seen) == 7
         for k, v in data.items():
             assert s.get(k) == v
-        assert s.fsck() == {
-            "missing": [],
-            "corrupt": [],
-            "orphans": [],
-            "missing_blob_rows": [],
-            "bad_blob_rows": [],
-            "wrong_refs": [],
-            "wrong_page_size": [],
-            "damaged_pages": [],
-            "repaired": [],
-        }
+        assert s.fsck() == CLEAN_FSCK
     other = make_config(
         ndev=1,
         name="other",
