@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import msgpack
 
@@ -554,10 +554,7 @@ class BlobWriter:
                 if b is not None:
                     self.tier.bounce.give(b)
         except OSError as e:
-            full = self._full(dev, e)
-            if full is e:
-                raise
-            raise full from e
+            self._raise_full(dev, e)
 
     def write_whole(self, data: memoryview) -> None:
         """Write a whole blob held in one buffer: one vectored write per device file (its
@@ -601,10 +598,7 @@ class BlobWriter:
                 _pwritev_full(fd, batch, off)
                 off += sum(len(b) for b in batch)
         except OSError as e:
-            full = self._full(dev, e)
-            if full is e:
-                raise
-            raise full from e
+            self._raise_full(dev, e)
 
     def _write_pieces(self, data: memoryview) -> None:
         piece = self.tier.piece
@@ -640,15 +634,14 @@ class BlobWriter:
         try:
             return fn(*args)
         except OSError as e:
-            full = self._full(dev, e)
-            if full is e:
-                raise
-            raise full from e
+            self._raise_full(dev, e)
 
-    def _full(self, dev: int, e: OSError) -> OSError:
+    def _raise_full(self, dev: int, e: OSError) -> NoReturn:
+        """Raise ``e`` again, or DiskFull from it where it says the device is full: the
+        one place every write path of this writer decides which of the two a caller gets."""
         if e.errno in (28, 122):  # ENOSPC, EDQUOT
-            return DiskFull(f"device {self.tier.roots[dev]} is full: {e.strerror}")
-        return e
+            raise DiskFull(f"device {self.tier.roots[dev]} is full: {e.strerror}") from e
+        raise e
 
     def _kick(self, dev: int, fd: int, n: int) -> None:
         """Start writing back a buffered file's dirty pages once KICK_BYTES accumulated."""
