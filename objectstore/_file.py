@@ -21,6 +21,7 @@ from typing import TypeVar
 import trio
 
 from kvfs._errors import ArchiveAccessDenied, ArchiveUnavailable
+from kvfs._local import fsync_dir
 
 from ._abc import ObjectNotFound, ObjectStore, archive_threads, check_key
 from ._retry import Backoff, retry
@@ -39,14 +40,6 @@ _TEMPORARY = {errno.EAGAIN, errno.EINTR, errno.ESTALE, errno.ETIMEDOUT, errno.EB
 
 def _is_temporary(e: BaseException) -> bool:
     return isinstance(e, OSError) and e.errno in _TEMPORARY
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class FileStore(ObjectStore):
@@ -199,7 +192,7 @@ class FileStore(ObjectStore):
                         if attempt == _MKDIR_TRIES - 1 or path.parent.is_file():
                             raise
                 if self.durable:
-                    _fsync_dir(path.parent)
+                    fsync_dir(path.parent)
                 return stored
             finally:
                 tmp.unlink(missing_ok=True)
