@@ -1,5 +1,6 @@
-"""What the fast-path tests share (``test_gds.py`` and ``test_gds_gpu.py``): page data,
-aligned buffers, page keys, and the striped store and :class:`gds.FastPath` fixtures.
+"""What the fast-path tests share (``test_gds.py``, ``test_gds_gpu.py``, ``test_gds_mount.py``):
+page data, aligned buffers, page keys, a store with a page held only in the archive and no
+room to restore it, and the striped store and :class:`gds.FastPath` fixtures.
 
 A module declares the two fixtures in one line, with the reader threads it wants::
 
@@ -20,7 +21,7 @@ import pytest
 import gds
 import kvfs
 
-__all__ = ["KiB", "MiB", "aligned", "fastpath_fixtures", "key", "rand"]
+__all__ = ["KiB", "MiB", "aligned", "archive_only_with_no_room", "fastpath_fixtures", "key", "rand"]
 
 KiB = 1024
 MiB = 1024 * KiB
@@ -36,6 +37,32 @@ def aligned(n: int) -> np.ndarray:
 
 def key(layer: int, prefix: str = "p0") -> kvfs.PageKey:
     return kvfs.PageKey.semantic("sess", prefix, layer)
+
+
+def archive_only_with_no_room(
+    make_config: Callable[..., kvfs.StoreConfig], archive_url: str, data: np.ndarray, **kw: Any
+) -> kvfs.StoreConfig:
+    """A store (one device, 4 MiB, ``make_config(**kw)``) whose key(0) holds ``data`` only in
+    the archive at ``archive_url``, its capacity filled with pinned pages so that nothing
+    can make room for a restore of it: a read of key(0) is served from the archive's memory
+    copy. The tests of that path on the host, on a GPU and by path through a mount share it."""
+    cfg = make_config(
+        ndev=1,
+        capacity=4 * MiB,
+        archive_url=archive_url,
+        extra={"archive": {"interval": 0}},
+        **kw,
+    )
+    with kvfs.open_store_sync(cfg) as s:
+        s.put(key(0), data)
+        s.spill("sess")
+        s.pin_session("hold")
+        for i in range(1 << 20):
+            try:
+                s.put(kvfs.PageKey.semantic("hold", "p", i), rand(512 * KiB, seed=100 + i))
+            except kvfs.CapacityExceeded:
+                break
+    return cfg
 
 
 def fastpath_fixtures(threads: int) -> tuple[Any, Any]:

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import trio
 from _corrupt import flip_stored_byte
-from _gds import KiB, MiB, aligned, fastpath_fixtures, key, rand
+from _gds import KiB, MiB, aligned, archive_only_with_no_room, fastpath_fixtures, key, rand
 
 import gds
 import kvfs
@@ -559,33 +559,13 @@ def test_a_damaged_local_copy_of_archived_data_heals_on_the_fast_path(
             path.read(other, aligned(MiB)).result(timeout=60)
 
 
-def _archive_only_with_no_room(cfg: kvfs.StoreConfig, data: np.ndarray) -> None:
-    """Store ``data`` as key(0), spill it, and fill the capacity with pinned pages, so that
-    nothing can make room for its restore."""
-    with kvfs.open_store_sync(cfg) as s:
-        s.put(key(0), data)
-        s.spill("sess")
-        s.pin_session("hold")
-        for i in range(1 << 20):
-            try:
-                s.put(kvfs.PageKey.semantic("hold", "p", i), rand(512 * KiB, seed=100 + i))
-            except kvfs.CapacityExceeded:
-                break
-
-
 def test_an_archive_only_page_with_no_local_room_is_read_from_memory(
     make_config: Callable[..., kvfs.StoreConfig], tmp_path: Any
 ) -> None:
     """``get`` serves such a page from the archive's verified memory copy; the fast path
     crashed on it (AttributeError: the restore gave bytes, not a local copy)."""
-    cfg = make_config(
-        ndev=1,
-        capacity=4 * MiB,
-        archive_url=f"file://{tmp_path / 'archive'}",
-        extra={"archive": {"interval": 0}},
-    )
     data = rand(MiB + 5)
-    _archive_only_with_no_room(cfg, data)
+    cfg = archive_only_with_no_room(make_config, f"file://{tmp_path / 'archive'}", data)
     with kvfs.open_store_sync(cfg) as s, gds.FastPath(s) as fp:
         dest = aligned(data.nbytes)
         assert fp.read(key(0), dest).result(timeout=60) == data.nbytes

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 from _corrupt import flip_stored_byte
-from _gds import MiB, aligned, fastpath_fixtures, key, rand
+from _gds import MiB, aligned, archive_only_with_no_room, fastpath_fixtures, key, rand
 
 import gds
 import kvfs
@@ -144,16 +144,9 @@ def test_a_missing_or_short_data_file_is_corrupt_on_the_gpu_path(
 def test_a_page_held_only_in_memory_reaches_gpu_memory(make_config: Any, tmp_path: Any) -> None:
     """An archive-only page with no local room (served from the archive's memory copy)."""
     import cupy as cp
-    from test_gds import _archive_only_with_no_room
 
-    cfg = make_config(
-        ndev=1,
-        capacity=4 * MiB,
-        archive_url=f"file://{tmp_path / 'archive'}",
-        extra={"archive": {"interval": 0}},
-    )
     data = rand(MiB + 5)
-    _archive_only_with_no_room(cfg, data)
+    cfg = archive_only_with_no_room(make_config, f"file://{tmp_path / 'archive'}", data)
     with kvfs.open_store_sync(cfg) as s, gds.FastPath(s) as path:
         dest = poisoned(cp, data.nbytes)
         assert path.read(key(0), dest).result(timeout=60) == data.nbytes

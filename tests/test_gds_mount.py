@@ -13,8 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 from _corrupt import flip_mounted_byte
+from _gds import KiB, MiB, aligned, archive_only_with_no_room, key, rand
 from _kvfs_mount import ServedMount
-from test_gds import KiB, MiB, aligned, rand
 
 import gds
 import kvfs
@@ -148,8 +148,6 @@ def test_archive_only_pages_by_path(
     by-path read failed as corrupt. It is restored by a read through the mount first; where
     there is no room for that, read through the mount (the daemon's memory copy). An
     unaligned destination was refused only after that restore."""
-    from test_gds import _archive_only_with_no_room, key
-
     url = f"file://{tmp_path / 'archive'}"
     arch = {"archive": {"interval": 0}}
     roomy = make_config(ndev=2, name="roomy", archive_url=url, extra=arch)
@@ -157,10 +155,7 @@ def test_archive_only_pages_by_path(
     with kvfs.open_store_sync(roomy) as s:
         s.put(key(0), data)
         s.spill("sess")
-    tight = make_config(
-        ndev=1, name="tight", capacity=4 * MiB, archive_url=f"{url}-tight", extra=arch
-    )
-    _archive_only_with_no_room(tight, data)
+    tight = archive_only_with_no_room(make_config, f"{url}-tight", data, name="tight")
     for cfg, tier in ((roomy, "local+archive"), (tight, "archive")):
         mp = tmp_path / f"mnt-{cfg.data_dirs[0].parent.name}"
         mp.mkdir()
