@@ -261,22 +261,20 @@ def _cell(
     (mp / "bench").mkdir(exist_ok=True)
     r: dict[str, float] = {}
     method = ""
-    r["write_plain"] = _parallel(
-        [partial(_write_files, ps, size, src, False) for ps in _split(theirs, c)]
-    )
+
+    def write(paths: list[Path], fsync: bool = False) -> float:
+        """One write phase: the ``c`` clients write their shares of ``paths`` at once (bytes/s).
+        The four phases differ only in where they write and whether they fsync."""
+        return _parallel([partial(_write_files, ps, size, src, fsync) for ps in _split(paths, c)])
+
+    r["write_plain"] = write(theirs)
     for p in theirs:
         p.unlink()
-    r["write_plain_fsync"] = _parallel(
-        [partial(_write_files, ps, size, src, True) for ps in _split(theirs, c)]
-    )
-    r["write_null"] = _parallel(
-        [partial(_write_files, ps, size, src, False) for ps in _split(nothing, c)]
-    )
+    r["write_plain_fsync"] = write(theirs, fsync=True)
+    r["write_null"] = write(nothing)
     for p in nothing:
         p.unlink()
-    r["write_mount"] = _parallel(
-        [partial(_write_files, ps, size, src, False) for ps in _split(mine, c)]
-    )
+    r["write_mount"] = write(mine)
     extents = [_extents(p) for p in mine]
     backing = sorted({e[0] for page in extents for e in page})
     all_files = [str(p) for p in theirs] + backing
