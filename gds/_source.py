@@ -193,10 +193,11 @@ def source_from_engine(
     cm = engine.lease(key)
     page, blob = cm.__enter__()
     held: bytes | None = None
+    restored = not blob.local  # (a miss, counted by _restore: its read is no hit)
     try:
         if check is not None:
             check(blob.size)
-        if not blob.local:
+        if restored:
             got = engine._restore(blob, page)
             if isinstance(got, bytes):  # no local room: the archive's verified memory copy
                 held = got
@@ -216,7 +217,7 @@ def source_from_engine(
     def release(ok: bool) -> None:
         try:
             if ok:
-                engine.note_read(page, blob.size)
+                engine.note_read(page, blob.size, restored=restored)
         finally:
             cm.__exit__(None, None, None)
 

@@ -902,14 +902,17 @@ class Engine:
                 out[b.hash] = b.extents
         return out
 
-    def note_read(self, page: PageRow, nbytes: int) -> None:
+    def note_read(self, page: PageRow, nbytes: int, *, restored: bool = False) -> None:
         """Count a verified read of ``page`` and note its access time. A read that had to
-        restore its data first was counted as a miss too (:meth:`_restore`); the others are
-        the hits (a restoring read counted as both, and the hit rate of reads that all
-        restored read 50%)."""
+        restore its data first (``restored``) was counted as a miss already
+        (:meth:`_restore`); the others are the hits. Hits are counted here, not taken as
+        gets less misses: a read whose restore failed is a miss and no get, and took a hit
+        away (a counter that went down)."""
         with self._cap_lock:
             self._counters["gets"] += 1
             self._counters["bytes_read"] += nbytes
+            if not restored:
+                self._counters["hits"] += 1
         self.touch(page)
 
     def corrupt_read(self, message: str) -> CorruptPage:

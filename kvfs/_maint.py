@@ -208,7 +208,7 @@ def statistics(eng: Engine) -> StoreStatistics:
             puts=k.get("puts", 0),
             dedup_puts=k.get("dedup_puts", 0),
             gets=k.get("gets", 0),
-            hits=max(0, k.get("gets", 0) - k.get("misses", 0)),  # (see Engine.note_read)
+            hits=k.get("hits", 0),  # (see Engine.note_read)
             misses=k.get("misses", 0),
             corrupt_reads=k.get("corrupt_reads", 0),
             bytes_written=k.get("bytes_written", 0),

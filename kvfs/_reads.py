@@ -88,17 +88,20 @@ def get(
         dest = None if into is None else _destination(into, blob.size, k)
         if room is not None and blob.size > room:
             raise too_small(room, k.path, blob.size)
-        if not blob.local:
+        restored = not blob.local
+        if restored:
             got = eng._restore(blob, page)
             if isinstance(got, bytes):  # no local room: served from memory
-                eng.note_read(page, len(got))
+                eng.note_read(page, len(got), restored=True)
                 return _from_memory(got, dest)
             blob = got
         if dest is None:
             buf = aligned_buffer(blob.size)
             _or_healed(eng, page, blob, lambda b: _read_verified(eng, page, b, buf, 0, b.size))
+            eng.note_read(page, blob.size, restored=restored)
             return buf if own else bytes(buf)
         _or_healed(eng, page, blob, lambda b: _read_verified(eng, page, b, dest, 0, b.size))
+        eng.note_read(page, blob.size, restored=restored)
         return blob.size
 
 
@@ -133,10 +136,11 @@ def read_range(eng: Engine, k: PageKey, offset: int, size: int) -> bytes:
     with eng.lease(k) as (page, blob):
         if offset >= blob.size or size <= 0:
             return b""
-        if not blob.local:
+        restored = not blob.local
+        if restored:
             got = eng._restore(blob, page)
             if isinstance(got, bytes):  # no local room: served from memory
-                eng.note_read(page, max(0, min(size, len(got) - offset)))
+                eng.note_read(page, max(0, min(size, len(got) - offset)), restored=True)
                 return got[offset : offset + size]
             blob = got
         end = min(blob.size, offset + size)
@@ -144,6 +148,7 @@ def read_range(eng: Engine, k: PageKey, offset: int, size: int) -> bytes:
         hi = min(blob.size, -(-end // LEAF) * LEAF)
         buf = aligned_buffer(hi - lo)
         _or_healed(eng, page, blob, lambda b: _read_verified(eng, page, b, buf, lo, hi - lo))
+        eng.note_read(page, hi - lo, restored=restored)
         return bytes(buf[offset - lo : end - lo])
 
 
@@ -154,16 +159,18 @@ def read_held(
     _check_range(offset, size)
     if offset >= blob.size or size <= 0:
         return memoryview(b"")
-    if not blob.local:
+    restored = not blob.local
+    if restored:
         got = eng._restore(blob, page)
         if isinstance(got, bytes):  # no local room: served from memory
-            eng.note_read(page, max(0, min(size, len(got) - offset)))
+            eng.note_read(page, max(0, min(size, len(got) - offset)), restored=True)
             return memoryview(got)[offset : offset + size]
         blob = got
     end = min(blob.size, offset + size)
     lo = offset - offset % LEAF
     hi = min(blob.size, -(-end // LEAF) * LEAF)
     data = _or_healed(eng, page, blob, lambda b: _read_here(eng, page, b, lo, hi - lo, buffered))
+    eng.note_read(page, hi - lo, restored=restored)
     return data[offset - lo : end - lo]
 
 
@@ -202,7 +209,7 @@ def _read_here(
             raise
         raise corrupt from e
     digests = (leaf_hash(mv[j * LEAF : (j + 1) * LEAF]) for j in range(-(-n // LEAF)))
-    _check_leaves(eng, page, blob, off // LEAF, digests, n)
+    _check_leaves(eng, page, blob, off // LEAF, digests)
     return mv
 
 
@@ -269,7 +276,7 @@ def _read_pieces(
         if (corrupt := _as_corrupt(eng, page, e)) is None:
             raise
         raise corrupt from e
-    _check_leaves(eng, page, blob, off // LEAF, got, n)
+    _check_leaves(eng, page, blob, off // LEAF, got)
 
 
 def _as_corrupt(eng: Engine, page: PageRow, e: OSError) -> CorruptPage | None:
@@ -283,10 +290,11 @@ def _as_corrupt(eng: Engine, page: PageRow, e: OSError) -> CorruptPage | None:
 
 
 def _check_leaves(
-    eng: Engine, page: PageRow, blob: BlobRow, first: int, digests: Iterable[bytes], n: int
+    eng: Engine, page: PageRow, blob: BlobRow, first: int, digests: Iterable[bytes]
 ) -> None:
-    """Compare leaf digests (from leaf ``first`` on) with the stored ones; on a match
-    count the read as a hit and touch the page, else raise CorruptPage (counted)."""
+    """Compare leaf digests (from leaf ``first`` on) with the stored ones; on a mismatch
+    raise CorruptPage (counted). The caller counts the verified read (it knows whether the
+    read restored its data first: a miss, not a hit)."""
     for j, digest in enumerate(digests):
         bad = first + j
         if digest != blob.leaves[bad * DIGEST : (bad + 1) * DIGEST]:
@@ -294,7 +302,6 @@ def _check_leaves(
                 f"page {page.path!r} is corrupt: bytes {bad * LEAF}-"
                 f"{min(blob.size, (bad + 1) * LEAF)} do not match the checksum"
             )
-    eng.note_read(page, n)
 
 
 # -- metadata -----------------------------------------------------------------------------

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import trio
 from _archive_dir import objects
+from _corrupt import flip_byte
 
 import kvfs
 from kvfs import PageKey
@@ -73,6 +74,27 @@ def test_spill_then_restore_on_access(make_config, archive_url: str) -> None:  #
         assert st["bytes_restored"] >= sum(map(len, data.values()))
         assert st["restore_p50_s"] is not None
         assert 0 < st["bytes_spilled"] < sum(map(len, data.values()))  # compressed
+
+
+def test_a_restore_that_fails_leaves_the_hits_as_they_were(
+    make_config: Callable[..., kvfs.StoreConfig], tmp_path: Path
+) -> None:
+    """Hits were gets less misses, and a read whose restore failed (a corrupt object) is a
+    miss but no get: each such read took one hit away, so the hits, a counter, went down."""
+    archive = tmp_path / "archive"
+    with kvfs.open_store_sync(archived_cfg(make_config, f"file://{archive}")) as s:
+        s.put("sessions/a/p/layer-000", b"local")
+        data = fill(s, "agent", 1)
+        assert s.spill("agent") > 0
+        assert s.get("sessions/a/p/layer-000") == b"local"
+        assert s.statistics().hits == 1
+        (obj,) = objects(archive)
+        flip_byte(archive / "blobs" / obj, 100)
+        for _ in range(2):
+            with pytest.raises(kvfs.CorruptPage):
+                s.get(next(iter(data)))
+        st = s.statistics()
+        assert (st.gets, st.hits, st.misses) == (1, 1, 2)
 
 
 def test_a_bad_buffer_is_refused_before_an_archive_only_page_is_restored(
