@@ -201,7 +201,9 @@ def configuration_markdown() -> str:
         "`metrics_port` serves Prometheus text exposition at `/metrics` with the figures "
         "of `kvfs stats`; per-session series (`kvfs_session_bytes`, "
         "`kvfs_session_local_bytes`, `kvfs_session_pages`) exist for the "
-        '`metrics_sessions` largest sessions, the rest summed as `session="_other"`. '
+        "`metrics_sessions` largest sessions, labelled with the session and its directory "
+        '(`session="lmcache",dir="sessions/lmcache"`: an engine\'s own `lmcache/` is '
+        'another session of that name), the rest summed as `session="_other"`. '
         "The daemon logs to `log_target` at `log_level`; every spill, restore, eviction "
         "and error requested over the control channel is one structured line "
         "(`event=spill target=s1 bytes=123 seconds=0.25`; errors "

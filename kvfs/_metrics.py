@@ -2,8 +2,10 @@
 
 :func:`render_metrics` writes the figures ``kvfs stats`` shows in the Prometheus text
 exposition format (0.0.4). Per-session series are bounded: the ``max_sessions`` largest
-sessions by bytes get their own ``session`` label, the rest are summed under
-``session="_other"``, so the series count never grows with the number of sessions.
+sessions by bytes get their own series, labelled with the session's name and its directory
+(``session="s1",dir="sessions/s1"``: a semantic session and an engine's directory may share a
+name), the rest are summed under ``session="_other"``, so the series count never grows with
+the number of sessions.
 
 :func:`metrics_service` is a daemon service: a small trio HTTP/1.0 handler answering
 ``GET /metrics``. :func:`setup_logging` sends the ``kvfs`` loggers to stderr or journald.
@@ -96,10 +98,27 @@ def render_metrics(
     w("kvfs_gets_total", c, "Page reads.", st.gets)
     arch = st.extra.get("archive")
     a: dict[str, object] = arch if isinstance(arch, dict) else {}
-    w("kvfs_hits_total", c, "Reads served, per tier.", st.hits, {"tier": "local"})
+    # The tiers as `kvfs stats` shows them: for the archive, hits are pages restored and
+    # misses restores refused (the object failed its checksum)
+    w(
+        "kvfs_hits_total",
+        c,
+        "Reads served from the local tier; for the archive, pages restored.",
+        st.hits,
+        {"tier": "local"},
+    )
     if a:
         w("kvfs_hits_total", c, "", a.get("blobs_restored", 0), {"tier": "archive"})  # type: ignore[arg-type]
-    w("kvfs_misses_total", c, "Reads not served by the tier.", st.misses, {"tier": "local"})
+    w(
+        "kvfs_misses_total",
+        c,
+        "Reads that had to restore from the archive; for the archive, restores refused "
+        "because the object failed its checksum.",
+        st.misses,
+        {"tier": "local"},
+    )
+    if a:
+        w("kvfs_misses_total", c, "", a.get("corrupt_objects", 0), {"tier": "archive"})  # type: ignore[arg-type]
     w("kvfs_corrupt_reads_total", c, "Reads that failed their checksum.", st.corrupt_reads)
     w("kvfs_read_bytes_total", c, "Bytes read from the local tier.", st.bytes_read)
     w("kvfs_written_bytes_total", c, "Bytes written to the local tier.", st.bytes_written)
@@ -130,7 +149,8 @@ def render_metrics(
             if isinstance(v, (int, float)):
                 w("kvfs_restore_latency_seconds", "summary", "", float(v), {"quantile": q})
     # A session really named "_other" is summed with the rest, never shown alone: two
-    # series with one label set made the scrape invalid
+    # series with one label set made the scrape invalid. The directory is a label too, for
+    # the same reason: sessions/lmcache and an engine's lmcache/ are both "lmcache".
     top = sorted(
         (s for s in sessions if s.session != "_other"), key=lambda s: (-s.bytes, s.session)
     )
@@ -147,7 +167,7 @@ def render_metrics(
     ):
         w(name, g, help, None)
         for s in shown:
-            w(name, g, "", getattr(s, attr), {"session": s.session})
+            w(name, g, "", getattr(s, attr), {"session": s.session, "dir": s.dir})
         if rest:
             w(name, g, "", sum(getattr(s, attr) for s in rest), {"session": "_other"})
     return "\n".join(w.lines) + "\n"

@@ -120,7 +120,10 @@ def test_metrics_port_and_event_logs(tmp_path: Path, run: Run) -> None:
         text = (
             urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30).read().decode()
         )
-        assert "kvfs_pages 1" in text and 'kvfs_session_bytes{session="a"} 9000' in text
+        assert (
+            "kvfs_pages 1" in text
+            and 'kvfs_session_bytes{session="a",dir="sessions/a"} 9000' in text
+        )
         assert "kvfs_archive_sessions_spilled_total 1" in text
     finally:
         d.stop()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import socket
 import stat
 from collections.abc import Callable
@@ -342,7 +343,7 @@ async def test_metrics_endpoint_bounded_sessions(make_config: MakeConfig) -> Non
         assert "kvfs_pages 8" in text and "# TYPE kvfs_puts_total counter" in text
         sess = [x for x in text.splitlines() if x.startswith("kvfs_session_bytes{")]
         assert len(sess) == 4 and 'session="_other"' in sess[-1]
-        assert 'kvfs_session_bytes{session="s7"} 8000' in text
+        assert 'kvfs_session_bytes{session="s7",dir="sessions/s7"} 8000' in text
         assert sess[-1].endswith(" " + str(sum(1000 * (i + 1) for i in range(5))))
         async with await trio.open_tcp_stream("127.0.0.1", port) as stream:
             await stream.send_all(b"GET /other HTTP/1.0\r\n\r\n")
@@ -350,10 +351,115 @@ async def test_metrics_endpoint_bounded_sessions(make_config: MakeConfig) -> Non
         n.cancel_scope.cancel()
 
 
+_NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
+_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\\n]|\\[\\"n])*)"')
+
+
+def parse_exposition(
+    text: str,
+) -> tuple[dict[tuple[str, frozenset[tuple[str, str]]], float], dict[str, str]]:
+    """The samples of Prometheus text exposition 0.0.4 ({(name, labels): value}) and each
+    family's type, checked against the format's rules: every family has one HELP and one
+    TYPE line before its samples, its samples are together, counters are named *_total,
+    label values are escaped, values are numbers and no series appears twice."""
+    assert text.endswith("\n")
+    samples: dict[tuple[str, frozenset[tuple[str, str]]], float] = {}
+    helps: set[str] = set()
+    types: dict[str, str] = {}
+    done: set[str] = set()  # families whose samples ended
+    current = None
+    for line in text.splitlines():
+        if line.startswith("# "):
+            word, name, rest = (line[2:].split(" ", 2) + [""])[:3]
+            assert _NAME.fullmatch(name), line
+            if word == "HELP":
+                assert name not in helps and re.fullmatch(r"(?:[^\\]|\\[\\n])*", rest), line
+                helps.add(name)
+            elif word == "TYPE":
+                assert name not in types and rest in {"counter", "gauge", "summary", "untyped"}
+                assert rest != "counter" or name.endswith("_total"), line
+                types[name] = rest
+            continue
+        m = _NAME.match(line)
+        assert m, line
+        name, pos, labels = m.group(), m.end(), []
+        if line[pos] == "{":
+            pos += 1
+            while line[pos] != "}":
+                lm = _LABEL.match(line, pos)
+                assert lm, line
+                unescaped = re.sub(r"\\(.)", lambda e: {"n": "\n"}.get(e[1], e[1]), lm[2])
+                labels.append((lm[1], unescaped))
+                pos = lm.end() + (line[lm.end()] == ",")
+            pos += 1
+        assert line[pos] == " ", line
+        value = float(line[pos + 1 :])
+        family = re.sub(r"_(sum|count)$", "", name) if name not in types else name
+        assert family in types and family in helps, f"{line}: no TYPE or HELP before it"
+        assert len({k for k, _ in labels}) == len(labels), line
+        if family != current:
+            assert family not in done, f"{family}: its samples are not together"
+            if current is not None:
+                done.add(current)
+            current = family
+        key = (name, frozenset(labels))
+        assert key not in samples, f"{line}: a second sample of one series"
+        samples[key] = value
+    return samples, types
+
+
+def test_the_metrics_are_valid_exposition_and_their_counters_never_go_down(
+    make_config: MakeConfig, tmp_path: Path
+) -> None:
+    """A semantic session and an engine's directory of one name (sessions/lmcache and
+    lmcache/) gave two series with one label set, and Prometheus drops such a scrape
+    whole; the archive's misses that `kvfs stats` shows (corrupt objects) had no series;
+    and the local hits, taken as gets less misses, went down at a read whose restore
+    failed."""
+    from _corrupt import flip_byte
+
+    archive = tmp_path / "ar"
+    cfg = make_config(archive_url=f"file://{archive}", extra={"archive": {"interval": 0}})
+    with kvfs.open_store_sync(cfg) as s:
+
+        def scrape() -> tuple[dict[tuple[str, frozenset[tuple[str, str]]], float], dict[str, str]]:
+            return parse_exposition(render_metrics(s.statistics(), s.sessions()))
+
+        s.put("sessions/lmcache/p/layer-000", b"a" * 100)
+        s.put("lmcache/chunk", b"a" * 100)  # (the same content: a dedup put)
+        s.put('sessions/we"ird\\/p/layer-000', b"w" * 10)
+        s.put("sessions/b/p/layer-000", os.urandom(5000))
+        assert s.get("lmcache/chunk") == b"a" * 100
+        before, _ = scrape()
+        assert s.spill("b") > 0
+        (obj,) = (archive / "blobs").iterdir()
+        flip_byte(obj, 100)
+        with pytest.raises(kvfs.CorruptPage):
+            s.get("sessions/b/p/layer-000")
+        after, types = scrape()
+    for (name, labels), v in before.items():
+        if types.get(name) == "counter":
+            assert after[(name, labels)] >= v, (name, sorted(labels))
+
+    def value(name: str, **labels: str) -> float:
+        return after[(name, frozenset(labels.items()))]
+
+    assert value("kvfs_session_bytes", session="lmcache", dir="lmcache") == 100
+    assert value("kvfs_session_bytes", session="lmcache", dir="sessions/lmcache") == 100
+    assert value("kvfs_session_pages", session='we"ird\\', dir='sessions/we"ird\\') == 1
+    assert value("kvfs_hits_total", tier="local") == 1
+    assert value("kvfs_misses_total", tier="local") == 1
+    assert value("kvfs_misses_total", tier="archive") == 1
+    assert value("kvfs_dedup_puts_total") == 1
+    assert value("kvfs_evictions_total", reason="spill") == 1
+
+
 def test_render_escapes_labels() -> None:
     st = kvfs.StoreStatistics(0, 0, 0, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
     s = kvfs.SessionInfo('we"ird\\', "sessions/x", 0, 0, False, {}, 1, 10, 10, 0)
-    assert 'kvfs_session_bytes{session="we\\"ird\\\\"} 10' in render_metrics(st, [s])
+    assert 'kvfs_session_bytes{session="we\\"ird\\\\",dir="sessions/x"} 10' in render_metrics(
+        st, [s]
+    )
 
 
 def test_a_session_named_other_is_summed_not_shown_twice() -> None:
@@ -371,8 +477,8 @@ def test_a_session_named_other_is_summed_not_shown_twice() -> None:
         if x.startswith("kvfs_session_bytes{")
     ]
     assert lines == [
-        'kvfs_session_bytes{session="a"} 100',
-        'kvfs_session_bytes{session="b"} 10',
+        'kvfs_session_bytes{session="a",dir="a"} 100',
+        'kvfs_session_bytes{session="b",dir="b"} 10',
         'kvfs_session_bytes{session="_other"} 50001',
     ]
 
