@@ -97,8 +97,11 @@ def register(sub: argparse._SubParsersAction) -> None:
         description="Tiers: local HITS are reads served from the local tier, MISSES reads "
         "that had to restore from the archive; archive HITS are pages restored, MISSES "
         "restores refused because the object failed its checksum. READ and WRITTEN are page "
-        "bytes read and written (for the archive: restored and spilled). The counters are "
-        "the daemon's since it started, or this command's own when no daemon runs. "
+        "bytes read and written (for the archive: restored and spilled). On a mount, each "
+        "read the daemon serves counts (a page read whole may be several); reads the "
+        "kernel's page cache answers, and the fast path's reads by path, reach no counter. "
+        "The counters are the daemon's since it started, or this command's own when no "
+        "daemon runs; the figures of the index (pages, sessions, bytes) outlive both. "
         "Offline, a store whose archive cannot be reached is read without it: the archive "
         "line says so (with --json: archive_error in extra).",
     )
