@@ -104,9 +104,11 @@ def delete_blob_pages(eng: Engine, blob: BlobRow, reason: str) -> int:
         return 0  # pinned since it was chosen
     gone, freed = deleted
     after_delete(eng, gone, freed)
-    with eng._cap_lock:
-        eng._evictions[reason] += 1
-    n = sum(b.disk_bytes for b in freed if b.extents is not None)
+    dropped = [b for b in freed if b.extents is not None]
+    if dropped:
+        with eng._cap_lock:
+            eng._evictions[reason] += len(dropped)
+    n = sum(b.disk_bytes for b in dropped)
     log_event(
         "evict",
         content=blob.hash.hex()[:16],
@@ -123,8 +125,10 @@ def delete_evicted_pages(eng: Engine, pages: builtins.list[PageRow], reason: str
     after_delete(eng, gone, freed)
     bytes_of = {b.hash: b.disk_bytes for b in freed if b.extents is not None}
     by_content = collections.Counter(p.hash for p in gone)
-    with eng._cap_lock:
-        eng._evictions[reason] += len(by_content)
+    if bytes_of:  # local copies dropped, as the statistic says: a content another
+        # session's page still holds was counted though nothing left the disk
+        with eng._cap_lock:
+            eng._evictions[reason] += len(bytes_of)
     for h, n in by_content.items():  # one line per content, as a capacity eviction logs
         b = bytes_of.get(h, 0)  # 0: another session's page still holds it
         log_event("evict", content=h.hex()[:16], reason=reason, pages=n, bytes=b, archived=False)

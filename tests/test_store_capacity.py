@@ -524,3 +524,21 @@ def test_the_access_clock_forgets_the_bursts_that_ended() -> None:
     assert len(c._bursts) == 5000
     assert c.stamp("later", 200.0) == 200.0  # the others' bursts ended long ago
     assert list(c._bursts) == ["later"]
+
+
+def test_an_eviction_counts_the_local_copies_it_dropped_not_the_names(
+    make_config: Callable[..., kvfs.StoreConfig],
+) -> None:
+    """Evicting a session (no archive: its pages are deleted) whose data another session
+    still holds counted one eviction, though no copy left the disk and the statistic says
+    "local copies dropped"."""
+    data = os.urandom(100_000)
+    with kvfs.open_store_sync(make_config(ndev=1)) as s:
+        s.put("sessions/a/p/layer-000", data)
+        s.put("sessions/b/p/layer-000", data)  # the same content, stored once
+        assert s.evict(session="a") == 0
+        st = s.statistics()
+        assert (st.evictions, st.local_blobs) == ({}, 1)
+        assert s.evict(session="b") > 0
+        st = s.statistics()
+        assert (st.evictions, st.local_blobs) == ({"manual": 1}, 0)
