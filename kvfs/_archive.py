@@ -283,6 +283,8 @@ class ArchivingPolicy(TieringPolicy):
         # File removals after a spill (an unlink costs ~2.5 ms here; several at once ~half)
         self._io = ThreadPoolExecutor(self.cfg.concurrency, thread_name_prefix="kvfs-archive-io")
         self.restore_latencies: collections.deque[float] = collections.deque(maxlen=1024)
+        #: every restore's seconds since the store opened (blobs_restored counts them)
+        self.restore_seconds = 0.0
         self.counters: collections.Counter[str] = collections.Counter()
         self.codecs: dict[bytes, str] = {}
         # Compression runs in its own few threads at the lowest CPU priority: a spill takes
@@ -988,6 +990,8 @@ class ArchivingPolicy(TieringPolicy):
                 continue
             out.append(row)
             self.restore_latencies.append(time.monotonic() - t0)
+            with self._lock:
+                self.restore_seconds += self.restore_latencies[-1]
             self.count("bytes_restored", x.size)
             self.count("blobs_restored")
             log_event(
@@ -1420,6 +1424,7 @@ class ArchivingPolicy(TieringPolicy):
 
         with self._lock:
             c = dict(self.counters)
+            restore_seconds = self.restore_seconds
         return {
             "archive": {
                 "url": self.store.url,
@@ -1446,6 +1451,9 @@ class ArchivingPolicy(TieringPolicy):
                 "collections_presumed_dead": c.get("collections_presumed_dead", 0),
                 "restore_p50_s": pct(0.5),
                 "restore_p99_s": pct(0.99),
+                # every restore's seconds since the store opened (with blobs_restored, the
+                # count: a mean over any window, which the recent quantiles cannot give)
+                "restore_seconds": restore_seconds,
             }
         }
 

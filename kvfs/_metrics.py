@@ -49,8 +49,12 @@ class _Writer:
             self._seen.add(name)
             self.lines.append(f"# HELP {name} {help}")
             self.lines.append(f"# TYPE {name} {kind}")
-        if value is None:
-            return
+        if value is not None:
+            self.sample(name, value, labels)
+
+    def sample(self, name: str, value: float, labels: dict[str, object] | None = None) -> None:
+        """One sample line, with no HELP or TYPE: a summary's ``_sum`` and ``_count`` are
+        samples of its family, not families of their own."""
         lab = (
             ("{" + ",".join(f'{k}="{_esc(v)}"' for k, v in labels.items()) + "}") if labels else ""
         )
@@ -143,11 +147,21 @@ def render_metrics(
             ("errors", "Archive errors."),
         ):
             w(f"kvfs_archive_{key}_total", c, help, a.get(key, 0))  # type: ignore[arg-type]
-        w("kvfs_restore_latency_seconds", "summary", "Restore latency of recent restores.", None)
+        w(
+            "kvfs_restore_latency_seconds",
+            "summary",
+            "Seconds each restore took (quantiles: the last 1024; sum, count: all).",
+            None,
+        )
         for q, key in (("0.5", "restore_p50_s"), ("0.99", "restore_p99_s")):
             v = a.get(key)
             if isinstance(v, (int, float)):
                 w("kvfs_restore_latency_seconds", "summary", "", float(v), {"quantile": q})
+        # The summary's sum and count: every restore since the store opened, so a rate()
+        # over them gives the mean latency of any window (the quantiles are of the last
+        # 1024 restores only).
+        w.sample("kvfs_restore_latency_seconds_sum", float(a.get("restore_seconds", 0.0)))  # type: ignore[arg-type]
+        w.sample("kvfs_restore_latency_seconds_count", a.get("blobs_restored", 0))  # type: ignore[arg-type]
     # A session really named "_other" is summed with the rest, never shown alone: two
     # series with one label set made the scrape invalid. The directory is a label too, for
     # the same reason: sessions/lmcache and an engine's lmcache/ are both "lmcache".

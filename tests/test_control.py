@@ -454,6 +454,25 @@ def test_the_metrics_are_valid_exposition_and_their_counters_never_go_down(
     assert value("kvfs_evictions_total", reason="spill") == 1
 
 
+def test_the_restore_latency_summary_has_its_sum_and_count(
+    make_config: MakeConfig, tmp_path: Path
+) -> None:
+    """The summary had its two quantiles (of the last 1024 restores) and no _sum or
+    _count, so no mean latency over a window could be had from it."""
+    cfg = make_config(archive_url=f"file://{tmp_path / 'ar'}", extra={"archive": {"interval": 0}})
+    with kvfs.open_store_sync(cfg) as s:
+        s.put("sessions/b/p/layer-000", os.urandom(5000))
+        s.put("sessions/b/p/layer-001", os.urandom(5000))
+        assert s.spill("b") > 0
+        s.restore("b")
+        samples, types = parse_exposition(render_metrics(s.statistics(), s.sessions()))
+    assert types["kvfs_restore_latency_seconds"] == "summary"
+    assert samples[("kvfs_restore_latency_seconds_count", frozenset())] == 2
+    total = samples[("kvfs_restore_latency_seconds_sum", frozenset())]
+    p99 = samples[("kvfs_restore_latency_seconds", frozenset({("quantile", "0.99")}))]
+    assert 0 < p99 <= total
+
+
 def test_render_escapes_labels() -> None:
     st = kvfs.StoreStatistics(0, 0, 0, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
     s = kvfs.SessionInfo('we"ird\\', "sessions/x", 0, 0, False, {}, 1, 10, 10, 0)
