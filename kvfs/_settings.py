@@ -19,12 +19,16 @@ import hashlib
 import os
 import re
 import stat
+import sys
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import tomllib
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # tomllib is new in 3.11; tomli is the same parser under another name
+    import tomli as tomllib
 
 from ._config import DISK_CAPACITY, StoreConfig, parse_duration, parse_size
 
