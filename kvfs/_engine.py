@@ -171,6 +171,12 @@ def _remove_dirs(made: builtins.list[Path]) -> None:
                 d.rmdir()
 
 
+# SQLite's result codes, which the sqlite3 module (its constants and the exceptions'
+# sqlite_errorcode) names only from Python 3.11; on 3.10 the message is all there is.
+_SQLITE_IOERR = 10
+_SQLITE_FULL = 13
+
+
 def _open_error(e: Exception, cfg: StoreConfig, *, new: bool) -> Exception:
     """The error an open that failed with ``e`` raises: DiskFull, saying so, when ``e`` is a
     disk too full for it (ENOSPC/EDQUOT, SQLite's SQLITE_FULL, or an I/O error of SQLite's
@@ -181,9 +187,10 @@ def _open_error(e: Exception, cfg: StoreConfig, *, new: bool) -> Exception:
         isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)
     )
     if isinstance(e, sqlite3.OperationalError):
-        code = getattr(e, "sqlite_errorcode", 0)
-        full = code == sqlite3.SQLITE_FULL or "disk is full" in str(e)
-        if code & 0xFF == sqlite3.SQLITE_IOERR:
+        code = getattr(e, "sqlite_errorcode", None)
+        full = code == _SQLITE_FULL or "disk is full" in str(e)
+        ioerr = code & 0xFF == _SQLITE_IOERR if code is not None else "disk I/O error" in str(e)
+        if ioerr:
             with contextlib.suppress(OSError):
                 st = os.statvfs(cfg.index_path.parent)
                 full = st.f_bavail * st.f_frsize < (1 << 20)
