@@ -39,15 +39,19 @@ class DirTable:
         #: serialises the commits (each an fsync), in threads
         self._write = threading.Lock()
         self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute(
-            "CREATE TABLE IF NOT EXISTS dirs (path TEXT PRIMARY KEY, mode INTEGER,"
-            " uid INTEGER, gid INTEGER, mtime_ns INTEGER)"
-        )
-        self._rows = {
-            r[0]: DirRow(*r)
-            for r in self._db.execute("SELECT path, mode, uid, gid, mtime_ns FROM dirs")
-        }
+        try:
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute(
+                "CREATE TABLE IF NOT EXISTS dirs (path TEXT PRIMARY KEY, mode INTEGER,"
+                " uid INTEGER, gid INTEGER, mtime_ns INTEGER)"
+            )
+            self._rows = {
+                r[0]: DirRow(*r)
+                for r in self._db.execute("SELECT path, mode, uid, gid, mtime_ns FROM dirs")
+            }
+        except BaseException:  # (a failed open leaves no connection behind; see Index)
+            self._db.close()
+            raise
 
     def get(self, path: str) -> DirRow | None:
         with self._lock:

@@ -292,6 +292,15 @@ class Index:
         self._db = sqlite3.connect(
             str(path), check_same_thread=False, isolation_level=None, timeout=30
         )
+        try:
+            self._set_up(path, durable)
+        except BaseException:
+            # (a failed open, a full disk say, leaves no connection for the GC to find:
+            # Python 3.13 warns of one, and the suite makes warnings errors)
+            self._db.close()
+            raise
+
+    def _set_up(self, path: Path, durable: bool) -> None:
         self._db.execute("PRAGMA journal_mode=WAL")
         # FULL: a commit is on disk when put() returns. NORMAL keeps consistency, not the
         # last commits, across power loss; only for page-cache benchmarks.
