@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -12,6 +13,13 @@ import kvfs
 
 KiB = 1024
 MiB = 1024 * KiB
+
+# The commands the tests start get Ctrl-C's default action, as from a terminal. A shell
+# without job control starts a background job (`make test &`, a CI runner's step) with
+# SIGINT ignored, which every child inherits: `kvfs mount` then went on through the SIGINT a
+# test sent it and mounted (exit 0), where the test expects what Ctrl-C does (exit 130).
+# (Python's own handler, unlike an ignored signal, is reset to the default at exec.)
+signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture
