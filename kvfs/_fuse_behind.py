@@ -85,9 +85,11 @@ class WriteBehind:
         #: writes queued or being written
         self._pending = 0
         self._running = False
-        #: set by the loop while it waits until at most ``_want`` writes are pending
-        self._wake: trio.Event | None = None
-        self._want = 0
+        #: the loop's tasks waiting until at most so many writes are pending, each with
+        #: its event: a write waiting for room, and a flush or two draining (a child's
+        #: close of an inherited descriptor flushes beside the writer's own). One slot,
+        #: the later waiter took it and the earlier one was never woken: its close hung.
+        self._waiters: list[tuple[int, trio.Event]] = []
         #: the first write that failed; nothing after it matters any more
         self.error: BaseException | None = None
 
@@ -119,14 +121,13 @@ class WriteBehind:
         with self._cond:
             if self._pending <= most:
                 return
-            ev = self._wake = trio.Event()
-            self._want = most
+            waiter = (most, trio.Event())
+            self._waiters.append(waiter)
         try:
-            await ev.wait()
+            await waiter[1].wait()
         finally:
-            with self._cond:
-                if self._wake is ev:
-                    self._wake = None
+            with self._cond, contextlib.suppress(ValueError):  # (gone once it was set)
+                self._waiters.remove(waiter)
 
     def _run(self) -> None:
         """The writer thread: write the queue in order; exit once it stays empty."""
@@ -147,13 +148,14 @@ class WriteBehind:
             del buf
             with self._cond:
                 self._pending -= 1
-                ev = self._wake
-                if ev is None or self._pending > self._want:
+                done = [w for w in self._waiters if self._pending <= w[0]]
+                if not done:
                     continue
-                self._wake = None
+                self._waiters = [w for w in self._waiters if self._pending > w[0]]
             # RunFinishedError: the loop is gone, nobody waits any more
             with contextlib.suppress(trio.RunFinishedError):
-                self._token.run_sync_soon(ev.set)
+                for _, ev in done:
+                    self._token.run_sync_soon(ev.set)
 
 
 def _ignore(_outcome: object) -> None:

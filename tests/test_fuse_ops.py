@@ -10,7 +10,7 @@ import errno
 import json
 import logging
 import os
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -608,6 +608,44 @@ async def test_write_behind_budget_bounds_writes_spread_over_files() -> None:
     for wb in files:
         await wb.drain()
     assert submitted == 5 and written == [MiB] * 5 and budget.held == 0
+
+
+async def test_write_behind_wakes_every_task_waiting_on_one_file() -> None:
+    """Two closes of one file being written (the writer's, and a child's close of the
+    descriptor it inherited: subprocess's fork closes them all) drain its queue at once,
+    beside a write waiting for room. Each waiter took the one wake-up slot from the one
+    before: only the last was woken, and the others' FLUSH was never answered (a child of
+    an engine hung in close_range for good, its parent in vfork with it)."""
+    import threading
+
+    import trio
+
+    from kvfs._fuse_behind import WriteBehind
+
+    gate = threading.Event()
+
+    def write(off: int, buf: bytes) -> None:
+        assert gate.wait(10)
+
+    wb = WriteBehind(write, 2)
+    await wb.submit(0, b"a")
+    await wb.submit(1, b"b")  # the queue is full
+    finished: list[str] = []
+
+    async def wait(what: str, step: Callable[[], Awaitable[None]]) -> None:
+        await step()
+        finished.append(what)
+
+    with trio.move_on_after(10):  # (a guard: the waiters left behind waited for ever)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(wait, "flush", wb.drain)
+            nursery.start_soon(wait, "write", lambda: wb.submit(2, b"c"))
+            nursery.start_soon(wait, "child's flush", wb.drain)
+            await trio.testing.wait_all_tasks_blocked()
+            assert finished == []
+            gate.set()
+    assert sorted(finished) == ["child's flush", "flush", "write"]
+    await wb.drain()
 
 
 def test_page_writer_checksums_whole_leaves_as_written(sync_store: kvfs.SyncStore) -> None:
