@@ -263,6 +263,14 @@ class FileOps:
     async def write(self, fh: int, off: int, buf: bytes) -> int:
         h = self._handle(fh)
         node = h.node
+        while (
+            h.writable and h.committed and node.kind is Kind.PENDING and node.path in self.settling
+        ):
+            # A flush (a child's close of the descriptor it inherited) is committing what
+            # this handle wrote so far: the write goes to the next version once that is the
+            # page. (It was refused with EBADF: a writer's write failed because its process
+            # started another.)
+            await self.settling[node.path].wait()
         if h.writable and h.committed and not h.failed and node.kind is Kind.PAGE:
             # This handle's own flush committed the page and its writer goes on writing.
             if self.table.by_path.get(node.path) != node.ino:
@@ -405,6 +413,10 @@ class FileOps:
     @guard
     async def flush(self, fh: int) -> None:
         h = self._handle(fh)
+        async with h.close_lock:
+            await self._flush(h)
+
+    async def _flush(self, h: Handle) -> None:
         # close() sends flush; release follows asynchronously. Committing here makes the page
         # visible when close returns. A flush before any write is a shell's dup2 + close of
         # the original fd (``echo > f``, dd): the writer is not done, release commits.
@@ -445,11 +457,12 @@ class FileOps:
         if h is None:
             raise fuse_error(errno.EBADF)
         try:
-            if h.writable and not h.committed:
-                h.killed = h.killed or killed_by(h.opener)
-                await self._finish(h, h.node.path)
-            elif h.again is not None:
-                await self._commit_again(h)
+            async with h.close_lock:
+                if h.writable and not h.committed:
+                    h.killed = h.killed or killed_by(h.opener)
+                    await self._finish(h, h.node.path)
+                elif h.again is not None:
+                    await self._commit_again(h)
         except pyfuse3.FUSEError:
             if not (h.failed or h.again_failed):  # (those the close reported already)
                 raise

@@ -165,6 +165,11 @@ class Handle:
     opener: tuple[int, int] | None = None
     killed: int = 0
     committed: bool = False
+    #: held by a flush or the release while it commits or discards the file being written:
+    #: two flushes at once (the writer's close, and a child's close of the descriptor it
+    #: inherited, which a fork and exec sends) both committed the one writer, and the
+    #: second failed ("writer is closed") or returned before the page was there
+    close_lock: trio.Lock = field(default_factory=trio.Lock)
     #: writes after this handle's page was committed (a dup'd fd closed first): the next
     #: version of the page, committed over it by the next flush or the release
     again: Pending | None = None

@@ -610,6 +610,49 @@ async def test_write_behind_budget_bounds_writes_spread_over_files() -> None:
     assert submitted == 5 and written == [MiB] * 5 and budget.held == 0
 
 
+async def test_flushes_at_once_commit_a_file_once_and_writes_go_on(ops: KvfsOperations) -> None:
+    """A process that starts another while it writes a file: the child's close of the
+    descriptor it inherited flushes beside the writer's own, and the writer goes on writing
+    meanwhile. Both flushes committed the one writer (the second failed, "writer is
+    closed", with a traceback in the log; before that it was never answered), and a write
+    that came while the commit ran was refused with EBADF."""
+    import trio
+
+    first, second = os.urandom(MiB), os.urandom(MiB)
+    answered: list[str] = []
+
+    async def call(what: str, step: Awaitable[object]) -> None:
+        await step
+        answered.append(what)
+
+    async with trio.open_nursery() as nursery:
+        ops.nursery = nursery
+        fi, _ = await ops.create(ROOT, b"forked", 0o644, os.O_WRONLY, CTX)
+        await ops.write(fi.fh, 0, first)  # queued behind
+        with trio.move_on_after(20):  # (a guard: a flush was never answered)
+            async with trio.open_nursery() as closes:
+                closes.start_soon(call, "child's flush", ops.flush(fi.fh))
+                closes.start_soon(call, "flush", ops.flush(fi.fh))
+                await trio.testing.wait_all_tasks_blocked()
+                closes.start_soon(call, "write", ops.write(fi.fh, MiB, second))
+        assert sorted(answered) == ["child's flush", "flush", "write"]
+        await ops.flush(fi.fh)
+        await ops.release(fi.fh)
+        assert ops.engine.get("forked") == first + second
+        # the writes queued already: the write comes while the child's flush commits
+        fi, _ = await ops.create(ROOT, b"forked-2", 0o644, os.O_WRONLY, CTX)
+        await ops.write(fi.fh, 0, first)
+        await ops.fsync(fi.fh, False)
+        async with trio.open_nursery() as closes:
+            closes.start_soon(call, "child's flush", ops.flush(fi.fh))
+            await trio.testing.wait_all_tasks_blocked()
+            await ops.write(fi.fh, MiB, second)
+        await ops.flush(fi.fh)
+        await ops.release(fi.fh)
+        assert ops.engine.get("forked-2") == first + second
+        ops.nursery = None
+
+
 async def test_write_behind_wakes_every_task_waiting_on_one_file() -> None:
     """Two closes of one file being written (the writer's, and a child's close of the
     descriptor it inherited: subprocess's fork closes them all) drain its queue at once,
