@@ -212,8 +212,8 @@ def configuration_markdown() -> str:
         "and error requested over the control channel is one structured line "
         "(`event=spill target=s1 bytes=123 seconds=0.25`; errors "
         "`event=error method=... error=... message=...`: a caller's mistake at WARNING, a "
-        "failure of the daemon at ERROR, a lookup that found nothing at DEBUG), with the "
-        "fields also as journald fields (`KVFS_EVENT`) when logging to journald.",
+        "failure of the daemon at ERROR, a lookup or get that found nothing (a cache miss) at DEBUG), "
+        "with the fields also as journald fields (`KVFS_EVENT`) when logging to journald.",
         "",
     ]
     return "\n".join(out)

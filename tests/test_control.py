@@ -177,9 +177,11 @@ async def test_errors_keep_their_class(
     levels = {
         r.getMessage().split()[1]: r.levelname for r in caplog.records if r.name == "kvfs.events"
     }
-    assert levels["method=spill"] == levels["method=get"] == "WARNING", levels
-    # a lookup that finds nothing is an answer (`kvfs pin NAME` stats NAME first): no alarm
+    assert levels["method=spill"] == levels["method=put"] == "WARNING", levels
+    # a lookup that finds nothing is an answer (`kvfs pin NAME` stats NAME first), and a
+    # get that finds nothing is a cache miss: no alarm
     assert levels["method=stat"] == levels["method=session_info"] == "DEBUG", levels
+    assert levels["method=get"] == "DEBUG", levels
 
 
 async def test_spill_restore_evict_are_logged(
