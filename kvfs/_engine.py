@@ -997,8 +997,16 @@ class Engine:
             return self.index.pages(session=session_dir, limit=n)
 
     def sessions(self) -> builtins.list[SessionInfo]:
+        """Every session held. One deleted while the list is made is left out (its row
+        went between the listing and the reading of its figures)."""
         with self._using():
-            return [_reads.session_info(self, s.dir) for s in self.index.sessions()]
+            out = []
+            for s in self.index.sessions():
+                try:
+                    out.append(_reads.session_info(self, s.dir))
+                except SessionNotFound:
+                    continue
+            return out
 
     def session_info(self, session: str) -> SessionInfo:
         with self._using():

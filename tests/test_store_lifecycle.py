@@ -289,6 +289,36 @@ def test_concurrent_commits_one_winner_per_key(
         assert store.fsck() == CLEAN_FSCK
 
 
+def test_listing_sessions_while_others_are_deleted_leaves_the_deleted_ones_out(
+    make_config: Callable[..., kvfs.StoreConfig],
+) -> None:
+    """sessions() listed the rows, then read each one's figures: a session deleted between
+    the two made the whole call fail with SessionNotFound (`kvfs ls` beside an engine
+    dropping sessions; a soak's daemon log had five such warnings)."""
+    import threading
+
+    with kvfs.open_store_sync(make_config(ndev=1)) as store:
+        store.put("kept/a", b"k" * 4096)
+        stop = threading.Event()
+
+        def churn() -> None:
+            i = 0
+            while not stop.is_set():
+                store.put(PageKey.semantic(f"s{i % 5}", "p", 0), b"x" * 4096)
+                store.delete_session(f"s{i % 5}")
+                i += 1
+
+        t = threading.Thread(target=churn)
+        t.start()
+        try:
+            deadline = time.monotonic() + 3
+            while time.monotonic() < deadline:
+                assert "kept" in {x.session for x in store.sessions()}
+        finally:
+            stop.set()
+            t.join()
+
+
 def test_index_reads_do_not_wait_for_another_threads_transaction(
     make_config: Callable[..., kvfs.StoreConfig],
 ) -> None:
