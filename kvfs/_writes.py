@@ -172,6 +172,16 @@ class _BlobGone(Exception):
     """The data a dedup put meant to share was evicted before the commit."""
 
 
+def _flag(name: str, value: object) -> bool:
+    """A put's ``pin`` or ``replace``: True or False (numpy's bool too). Anything else is a
+    TypeError: ``replace="no"`` is truthy, and replaced the page it was meant to keep."""
+    if isinstance(value, bool):
+        return value
+    if type(value).__name__ in ("bool", "bool_") and hasattr(value, "dtype"):  # numpy's
+        return bool(value)
+    raise TypeError(f"put's {name} is True or False, not {value!r}")
+
+
 def put(
     eng: Engine,
     k: PageKey,
@@ -182,6 +192,7 @@ def put(
     replace: bool,
 ) -> PageInfo:
     """:meth:`Engine.put` once the store is known open and the key parsed."""
+    pin, replace = _flag("pin", pin), _flag("replace", replace)
     a = check_attrs(attrs)
     mv = as_bytes_view(data)
     if not replace and eng.index.page(k.path) is not None:

@@ -250,3 +250,19 @@ def test_a_torch_tensor_is_refused_with_the_byte_view_to_pass_instead(
         s.get("t", into=out)
     assert s.get("t", into=out.view(torch.uint8).numpy()) == kv.numel() * 2
     assert torch.equal(out, kv)
+
+
+def test_a_puts_flags_are_true_or_false(sync_store: kvfs.SyncStore) -> None:
+    """``put(key, data, replace="no")`` replaced the page (a non-empty string is truthy),
+    and ``pin="false"`` pinned it: a flag that is no bool is a TypeError, and the page
+    already there is kept."""
+    import numpy as np
+
+    s = sync_store
+    s.put("f/a", b"first")
+    for name, bad in (("replace", "no"), ("replace", 1), ("pin", "false"), ("pin", None)):
+        with pytest.raises(TypeError, match=f"put's {name} is True or False, not"):
+            s.put("f/a", b"second", **{name: bad})  # type: ignore[arg-type]
+    assert s.get("f/a") == b"first" and not s.stat("f/a").pinned
+    s.put("f/a", b"third", replace=np.bool_(True), pin=np.bool_(False))  # (numpy's bools)
+    assert s.get("f/a") == b"third" and not s.stat("f/a").pinned
