@@ -124,8 +124,10 @@ def render_metrics(
     if a:
         w("kvfs_misses_total", c, "", a.get("corrupt_objects", 0), {"tier": "archive"})  # type: ignore[arg-type]
     w("kvfs_corrupt_reads_total", c, "Reads that failed their checksum.", st.corrupt_reads)
-    w("kvfs_read_bytes_total", c, "Bytes read from the local tier.", st.bytes_read)
-    w("kvfs_written_bytes_total", c, "Bytes written to the local tier.", st.bytes_written)
+    # (page bytes, as kvfs stats shows READ and WRITTEN: a read that restored its page
+    # counts, and a deduplicated put counts its size though it wrote no data)
+    w("kvfs_read_bytes_total", c, "Page bytes read (gets and mount reads served).", st.bytes_read)
+    w("kvfs_written_bytes_total", c, "Page bytes put (deduplicated puts too).", st.bytes_written)
     w("kvfs_evictions_total", c, "Local copies dropped, by reason.", None)
     for reason, n in sorted(st.evictions.items()):
         w("kvfs_evictions_total", c, "", n, {"reason": reason})
