@@ -88,6 +88,7 @@ def test_unclean_restart_sweeps_orphans(make_config: Callable[..., kvfs.StoreCon
         store.engine._closed = True  # skip the clean close: the next open is unclean
         store.engine._lock.release()
         store.engine.index.close()
+        store.engine.dirs.close()  # (left open, Python 3.13 warned of it in a later test)
         store.engine.io_pool.shutdown()
         store.engine.hash_pool.shutdown()
     with kvfs.open_store_sync(cfg) as store:
