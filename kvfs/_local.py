@@ -404,13 +404,27 @@ def run_beside(pool: ThreadPoolExecutor, calls: list[Callable[[], object]]) -> N
 
 
 def wait_all(futs: list[Future[Any]]) -> None:
-    """Wait for every future; then raise the first error, if any."""
+    """Wait for every future, through a KeyboardInterrupt that arrives meanwhile; then raise
+    the interrupt, else the first error, if any.
+
+    The callers close or remove what the futures use once this returns (a writer's files, a
+    read's descriptors and buffer): a Ctrl-C that ended the wait for one future left it
+    writing, and a put's file on another device was then made again after the put had
+    removed its files, and left there."""
     first: BaseException | None = None
+    interrupt: BaseException | None = None
     for f in futs:
-        try:
-            f.result()
-        except BaseException as e:
-            first = first or e
+        while True:
+            try:
+                f.result()
+            except BaseException as e:
+                if not f.done():  # the wait was interrupted, not the call: wait again
+                    interrupt = interrupt or e
+                    continue
+                first = first or e
+            break
+    if interrupt is not None:
+        raise interrupt
     if first is not None:
         raise first
 

@@ -257,7 +257,10 @@ def _read_pieces(
                     futs[nxt] = eng.io_pool.submit(tier.read_piece, pieces[nxt], dest, None, opened)
                     nxt += 1
                 if j in futs:
-                    futs.pop(j).result()
+                    # (left in futs until it is over: an interrupt of this wait leaves
+                    # it to the wait below)
+                    futs[j].result()
+                    del futs[j]
                 pos, end = p.dest_off, p.dest_off + p.n
                 while pos < end:  # feed the leaf hashes, cutting at leaf boundaries
                     cut = min(end, (pos // LEAF + 1) * LEAF)

@@ -33,7 +33,7 @@ from ._checksum import LEAF, leaf_hash, tree_hash
 from ._errors import CapacityExceeded, InvalidKey, PageExists, PageNotFound
 from ._index import BlobRow, PageCommit, PageRow
 from ._keys import PageKey
-from ._local import BlobWriter
+from ._local import BlobWriter, wait_all
 from ._reads import page_info
 from ._types import PageInfo
 
@@ -220,8 +220,10 @@ def put(
         try:
             w.write_whole(mv)
         finally:
-            # Hashing reads the caller's buffer: it is over before put returns or raises.
-            done = [f.result() for f in hashing]
+            # Hashing reads the caller's buffer: it is over before put returns or raises
+            # (a Ctrl-C meanwhile included).
+            wait_all(hashing)
+        done = [f.result() for f in hashing]
         if leaves is None:
             leaves = b"".join(done)
         extents, disk = w.finish(size)
