@@ -374,7 +374,12 @@ class SyncRemoteStore(_Api):
 
 
 class RemoteStore(_Api, BatchCalls):
-    """:class:`~kvfs.Store`'s interface over the control socket, on trio."""
+    """:class:`~kvfs.Store`'s interface over the control socket, on trio.
+
+    A call cancelled here returns at once (its connection is closed), but the daemon
+    finishes what it received: a cancelled ``put`` whose page had arrived may be stored
+    only after the call returned (``exists`` says False, then True), and a ``spill`` or
+    ``restore`` runs to its end."""
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
