@@ -20,11 +20,14 @@ public methods are the entry points.
 from __future__ import annotations
 
 import builtins
+import contextlib
 import os
+import signal
 import threading
 import time
 import zlib
 from collections import Counter
+from collections.abc import Iterator
 from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
@@ -251,7 +254,52 @@ def commit(
     extents: tuple | None,
     disk: int = 0,
 ) -> PageInfo:
-    """Publish a written (or shared) page in the index and settle the accounting."""
+    """Publish a written (or shared) page in the index and settle the accounting.
+
+    A Ctrl-C (KeyboardInterrupt) meanwhile is held until the page is published or not and
+    its files and room settled, then raised: raised while the put waited for another
+    thread's group commit, the files were removed, the room given back, and the commit
+    that followed published the page all the same, naming files that were gone. So an
+    interrupted put may have stored its page (``exists`` tells), as a remote one may."""
+    with _interrupts_held():
+        return _commit(eng, k, h, size, leaves, w, reserved, attrs, pin, replace, extents, disk)
+
+
+@contextlib.contextmanager
+def _interrupts_held() -> Iterator[None]:
+    """Hold SIGINT's KeyboardInterrupt until the block is over, then raise it. Only in the
+    main thread (the one a signal handler runs in) and only where the handler is Python's
+    default: a program's own handler, and trio's, are left to do what they do."""
+    if (
+        threading.current_thread() is not threading.main_thread()
+        or signal.getsignal(signal.SIGINT) is not signal.default_int_handler
+    ):
+        yield
+        return
+    got: list[int] = []
+    signal.signal(signal.SIGINT, lambda signum, _frame: got.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        if got:
+            raise KeyboardInterrupt
+
+
+def _commit(
+    eng: Engine,
+    k: PageKey,
+    h: bytes,
+    size: int,
+    leaves: bytes,
+    w: BlobWriter | None,
+    reserved: int,
+    attrs: dict[str, str],
+    pin: bool,
+    replace: bool,
+    extents: tuple | None,
+    disk: int,
+) -> PageInfo:
     sess_attrs = {"model": attrs["model"]} if "model" in attrs else {}
     now = time.time()
     # These files take the place of a local copy that failed its checksum: shared, a good

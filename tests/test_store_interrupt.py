@@ -60,3 +60,50 @@ def test_ctrl_c_in_a_put_leaves_no_file_written_after_it(
         s.put(key, data)
         assert s.get(key) == bytes(data)
         assert not any(v for v in s.fsck().values())
+
+
+def test_ctrl_c_while_another_thread_commits_the_put_leaves_a_readable_page(
+    make_config: Callable[..., kvfs.StoreConfig],
+) -> None:
+    """A put waiting for the group commit another thread leads was interrupted there: it
+    removed its files and gave back its room, and the leader then published the page
+    anyway, naming files that were gone (a get found it corrupt). Now the interrupt waits
+    for the commit: the put raises KeyboardInterrupt, and its page, published, reads."""
+    cfg = make_config(ndev=1)
+    ours, theirs = b"a" * (256 * 1024), b"b" * (256 * 1024)
+    with kvfs.open_store_sync(cfg) as s:
+        index = s.engine.index
+        holding, release = threading.Event(), threading.Event()
+
+        def hold_the_index() -> None:  # the leader's transaction waits behind this one
+            with index.transaction():
+                holding.set()
+                release.wait(30)
+
+        holder = threading.Thread(target=hold_the_index)
+        holder.start()
+        assert holding.wait(30)
+        leader = threading.Thread(target=lambda: s.put("t/leader", theirs))
+        leader.start()
+        while not index._gc_leading:  # (the other thread leads the next commit)
+            threading.Event().wait(0.005)
+        main = threading.main_thread().ident
+        assert main is not None
+
+        def ctrl_c_then_release() -> None:
+            _ctrl_c_once_waiting(main, "commit_page", threading.Event())  # (a second after)
+            release.set()
+
+        waiter = threading.Thread(target=ctrl_c_then_release)
+        waiter.start()
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                s.put("t/ours", ours)
+        finally:
+            release.set()
+            for t in (waiter, holder, leader):
+                t.join(30)
+        assert s.get("t/leader") == theirs
+        assert s.get("t/ours") == ours  # (queued before the Ctrl-C: the leader published it)
+        assert s.engine.reserved == 0
+        assert not any(v for v in s.fsck().values())
