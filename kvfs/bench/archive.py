@@ -192,8 +192,8 @@ import os, sys
 n, parent = int(sys.argv.pop(1)), int(sys.argv.pop(1))
 if os.getppid() != parent:
     sys.exit(1)
-if n > 0:
-    os.nice(n)
+if n > os.nice(0):  # nice N itself, not N more than this command's (never less nice)
+    os.nice(n - os.nice(0))
 from moto.server import main
 sys.argv[0] = "moto_server"
 main()
