@@ -188,11 +188,21 @@ class LocalTier:
                 for x in range(256):
                     (root / "blobs" / f"{x:02x}").mkdir(exist_ok=True)
                 tmp = marker.with_suffix(".tmp")
-                tmp.write_bytes(msgpack.packb({"store": store_id, "index": i}))
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+                try:
+                    os.write(fd, msgpack.packb({"store": store_id, "index": i}))
+                    # Its bytes before its name: the directory's fsync below makes the
+                    # rename durable, not the file's contents (ext4 writes a new file's
+                    # data later), and a crash would leave an empty marker that every
+                    # later open refuses (it will not guess what the directory is). Durable
+                    # whatever ``durable`` says: a marker lost loses every page, not the
+                    # last few, and it is written once.
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
                 os.replace(tmp, marker)
-                if self.durable:
-                    fsync_dir(str(root / "blobs"))
-                    fsync_dir(str(root))
+                fsync_dir(str(root / "blobs"))
+                fsync_dir(str(root))
 
     def free_bytes(self) -> list[int]:
         out = []
