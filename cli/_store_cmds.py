@@ -1025,6 +1025,11 @@ def cmd_fsck(args: argparse.Namespace) -> int:
                 else ""
             )
         )
+        if found.get("unreadable"):  # (a repair leaves them: the device may come back)
+            does += (
+                "; it leaves the unreadable data and its pages as they are (a device failing "
+                "or not mounted: fsck again once it is back)"
+            )
         verdict = f"problems found; --repair {does}"
         if offline:  # --repair refuses to open the store without its archive
             verdict = (

@@ -370,13 +370,14 @@ class LocalTier:
                 os.unlink(self.abspath(dev, file))
 
     # -- recovery ---------------------------------------------------------------------
-    def all_files(self) -> Iterator[tuple[int, str]]:
-        """Every regular file under ``blobs/<xx>/`` of every device: what data files may
-        be. Anything else there (a directory someone made) is none of kvfs's: listed, an
-        unlink of it failed every open after a crash, and every fsck --repair."""
+    def all_files(self, skip: set[int] | frozenset[int] = frozenset()) -> Iterator[tuple[int, str]]:
+        """Every regular file under ``blobs/<xx>/`` of every device but those in ``skip``:
+        what data files may be. Anything else there (a directory someone made) is none of
+        kvfs's: listed, an unlink of it failed every open after a crash, and every fsck
+        --repair."""
         for dev, root in enumerate(self.roots):
             blobs = root / "blobs"
-            if not blobs.is_dir():
+            if dev in skip or not blobs.is_dir():
                 continue
             for sub in os.scandir(blobs):
                 if sub.is_dir(follow_symlinks=False):

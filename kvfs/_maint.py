@@ -28,7 +28,7 @@ from ._errors import (
 from ._events import log_event
 from ._index import BlobRow, PageRow
 from ._keys import SESSIONS_DIR, PageKey, as_key, session_name
-from ._local import LocalTier, placement
+from ._local import CorruptedFile, LocalTier, placement, read_marker
 from ._types import DeviceStatistics, StoreStatistics
 from ._writes import leaves_now
 
@@ -266,6 +266,11 @@ FSCK_FINDINGS: dict[str, str] = {
     "missing": "data files that blob rows name and that are gone",
     "corrupt": "contents (checksums) whose local copy does not match its checksum or is "
     "shorter than its extents",
+    "unreadable": "data files that blob rows name and that could not be read: an I/O "
+    "error (a failing device), or their device's directory is not there or not this "
+    "store's (its disk not mounted). Not damage: nothing is deleted or marked, and "
+    "`--repair` keeps their pages (listed under `unrecoverable`); fsck again once the "
+    "device is back",
     "orphans": "data files that no index row names, no writer is writing and no reader "
     "holds (the files of content in `missing_blob_rows` found among them are not listed)",
     "missing_blob_rows": "contents that pages name and no blob row holds (a damaged index): "
@@ -304,6 +309,7 @@ FSCK_FINDINGS: dict[str, str] = {
 _LOCAL_PROBLEMS = (
     "missing",
     "corrupt",
+    "unreadable",
     "orphans",
     "missing_blob_rows",
     "bad_blob_rows",
@@ -328,7 +334,11 @@ def fsck(
     # or its writer is still alive (uncommitted), or the index names it (committed). One
     # the index dropped meanwhile is being removed, then deferred while a reader holds it
     # (where it goes before it leaves the files being removed): asked in that order.
-    listed = builtins.list(tier.all_files())
+    # A device that cannot be read, or is not mounted (its marker gone with its disk), has
+    # not lost its files: they are unreadable, never missing or corrupt, so a repair does
+    # not delete pages whose data comes back with the device.
+    down = _devices_down(eng)
+    listed = builtins.list(tier.all_files(skip=down))
     owned = tier.writing_files()
     owned |= eng.index.all_extent_files()
     owned |= eng.index.dropping_files()
@@ -345,6 +355,7 @@ def fsck(
     ]
     blobs = eng.index.local_blobs()
     bad: builtins.list[BlobRow] = []
+    cut_off: builtins.list[BlobRow] = []  # unreadable now: their pages are kept
     #: blob rows whose size or digests are wrong while their local copy verifies, with
     #: the size and digests it verified with
     fixable: dict[bytes, tuple[BlobRow, int, bytes]] = {}
@@ -352,11 +363,23 @@ def fsck(
         assert b.extents is not None
         if callable(progress):
             progress(i, len(blobs))  # (contents checked, contents to check)
-        missing = [  # (each file once: a striped page has several extents in one file)
-            path
-            for path in dict.fromkeys(tier.abspath(e[0], e[1]) for e in b.extents)
-            if not os.path.exists(path)
-        ]
+        missing: builtins.list[str] = []
+        unreadable: builtins.list[str] = []
+        # (each file once: a striped page has several extents in one file)
+        for dev, rel in dict.fromkeys((e[0], e[1]) for e in b.extents):
+            path = tier.abspath(dev, rel)
+            try:
+                if dev in down:
+                    raise OSError(f"device {tier.roots[dev]} cannot be read")
+                os.stat(path)
+            except FileNotFoundError:
+                missing.append(path)
+            except OSError:
+                unreadable.append(path)
+        if unreadable:
+            out["unreadable"] += unreadable
+            cut_off.append(b)
+            continue
         if missing:
             out["missing"] += missing
             bad.append(b)
@@ -366,7 +389,12 @@ def fsck(
         held = sum(e[3] for e in b.extents)
         row_ok = held == b.size and _row_verifies(b)
         if verify_data or not row_ok:
-            leaves = _read_leaves(tier, b.extents, held)
+            try:
+                leaves = _read_leaves(tier, b.extents, held)
+            except OSError as e:
+                out["unreadable"].append(e.filename or str(e))
+                cut_off.append(b)
+                continue
             if leaves is None or tree_hash(held, leaves) != b.hash:
                 out["corrupt"].append(b.hash.hex())
                 bad.append(b)
@@ -384,6 +412,9 @@ def fsck(
     out["corrupt"] = [h for h in out["corrupt"] if h in kept]
     held_files = {tier.abspath(e[0], e[1]) for b in bad for e in b.extents or ()}
     out["missing"] = [p for p in out["missing"] if p in held_files]
+    cut_off = [b for b in cut_off if _same_copy(eng, b)]
+    cut_files = {tier.abspath(e[0], e[1]) for b in cut_off for e in b.extents or ()}
+    out["unreadable"] = [p for p in out["unreadable"] if p in cut_files]
     # The rows against each other: data held by the archive alone (its row against itself),
     # pages whose blob row is gone (their data looked for among the orphans), reference
     # counts, and the size of each page against its data's.
@@ -403,13 +434,20 @@ def fsck(
         sizes.update(p.path for p in eng.index.pages_of_blob(h) if p.size != size)
     out["wrong_page_size"] = sorted(sizes)
     names = {b.hash: [p.path for p in eng.index.pages_of_blob(b.hash)] for b in bad}
+    unreachable = sorted({p.path for b in cut_off for p in eng.index.pages_of_blob(b.hash)})
     for h in shaky:
         names[h] = [p.path for p in eng.index.pages_of_blob(h)]
     for h, pages in lost.items():
         names[h] = [p.path for p in pages]
-    out["damaged_pages"] = sorted({p for paths in names.values() for p in paths})
+    out["damaged_pages"] = sorted({*unreachable, *(p for paths in names.values() for p in paths)})
     if repair:
         _repair(eng, out, bad, fixable, archive_rows, lost, found, names)
+        for path in unreachable:
+            out["unrecoverable"].append(path)
+            out["repaired"].append(
+                f"kept {path}: its data could not be read (see unreadable); nothing was "
+                "changed, fsck again once its device is back"
+            )
     if eng.archive_error is not None:  # the archive configured could not be opened
         out["archive_error"] = [eng.archive_error]
     elif archive:  # then the archive's copies: a download of each
@@ -591,14 +629,29 @@ def _row_verifies(b: BlobRow) -> bool:
         return False
 
 
+def _devices_down(eng: Engine) -> set[int]:
+    """The devices whose marker cannot be read or does not say they are this store's:
+    failing, or not mounted (the directory under the mount point is there, empty)."""
+    down = set()
+    for dev, root in enumerate(eng.tier.roots):
+        try:
+            info = read_marker(root)
+        except (OSError, KvfsError):  # (KvfsError: what it holds is no marker)
+            info = None
+        if info is None or info.get("store") != eng.store_id or info.get("index") != dev:
+            down.add(dev)
+    return down
+
+
 def _read_leaves(tier: LocalTier, extents: tuple, size: int) -> bytes | None:
-    """The leaf digests of the ``size`` bytes ``extents`` hold; None when they cannot be
-    read (a file shorter than its extents, an I/O error)."""
+    """The leaf digests of the ``size`` bytes ``extents`` hold; None when a file is gone or
+    shorter than its extents. Raises OSError for an I/O error (a failing device: the data
+    may come back with it)."""
     buf = aligned_buffer(size)
     try:
         for p in tier.pieces(extents, 0, size):
             tier.read_piece(p, buf)
-    except OSError:
+    except (FileNotFoundError, CorruptedFile):
         return None
     return leaves_now(buf) if size else leaf_hash(b"")
 
@@ -646,7 +699,10 @@ def _find_lost_data(
             extents, want = placement(rel, start, size, unit, ndev)
             if want != on_disk:  # (a writer pads each file to exactly this)
                 continue
-            leaves = _read_leaves(tier, extents, size)
+            try:
+                leaves = _read_leaves(tier, extents, size)
+            except OSError:
+                continue  # (unreadable now: the next fsck looks again)
             h = tree_hash(size, leaves) if leaves is not None else b""
             if h in lost and h not in found:
                 assert leaves is not None

@@ -91,3 +91,37 @@ def test_a_device_cut_off_after_the_store_was_made_opens_again(
     loop_disk.comeback()
     with kvfs.open_store_sync(cfg) as s:
         assert {k: s.get(k) for k in pages} == pages
+
+
+def test_fsck_repair_keeps_the_pages_of_a_device_that_cannot_be_read(
+    tmp_path: Path, loop_disk: LoopDisk
+) -> None:
+    # An I/O error was "corrupt": the copy was marked damaged and --repair deleted its
+    # pages (then stopped on an EIO of its own), so the device came back to find them gone.
+    cfg = kvfs.StoreConfig(data_dirs=(tmp_path / "d0", loop_disk.path / "data"))
+    pages = {f"a/p{i}": os.urandom(100_000) for i in range(6)}
+    with kvfs.open_store_sync(cfg) as s:
+        for k, v in pages.items():
+            s.put(k, v)
+        on_disk = {k: s.stat(k).extents[0].device for k in pages}
+        cut = sorted(k for k, dev in on_disk.items() if dev == 1)
+        assert cut and len(cut) < len(pages)  # (pages on both devices)
+        os.sync()
+        loop_disk.shut_down()
+        found = s.fsck()
+        assert found["corrupt"] == [] and found["missing"] == []
+        assert found["unreadable"] and all(
+            p.startswith(str(loop_disk.path)) for p in found["unreadable"]
+        )
+        assert found["damaged_pages"] == cut
+        repaired = s.fsck(repair=True)
+        assert repaired["unrecoverable"] == cut
+        assert sorted(p.path for p in s.list()) == sorted(pages)  # nothing deleted
+        for k in pages:
+            if k not in cut:
+                assert s.get(k) == pages[k]
+    loop_disk.comeback()
+    with kvfs.open_store_sync(cfg) as s:
+        assert {k: s.get(k) for k in pages} == pages
+        found = s.fsck()
+        assert not any(found[k] for k in ("unreadable", "corrupt", "orphans", "damaged_pages"))
