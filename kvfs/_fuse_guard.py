@@ -12,6 +12,9 @@ from __future__ import annotations
 import errno
 import functools
 import logging
+import math
+import time
+import weakref
 from collections.abc import Callable, Coroutine
 from typing import Any, ParamSpec, TypeVar
 
@@ -48,6 +51,8 @@ def guard(fn: Callable[P, Coroutine[Any, Any, T]]) -> Callable[P, Coroutine[Any,
         except OSError as e:
             if e.errno is None:
                 log.error("%s%r failed", fn.__name__, args[1:3], exc_info=True)
+            elif e.errno in _DEVICE_ERRORS:
+                _device_error(args[0], fn.__name__, e)
             raise fuse_error(e.errno or errno.EIO) from None
         except Exception:
             if not _store_gone(args[0]):
@@ -55,6 +60,34 @@ def guard(fn: Callable[P, Coroutine[Any, Any, T]]) -> Callable[P, Coroutine[Any,
             raise fuse_error(errno.EIO) from None
 
     return wrapper
+
+
+#: errnos a data or index file's disk answers when it fails (kvfs's own answers of EIO
+#: are FUSEErrors, raised before they reach the guard)
+_DEVICE_ERRORS = frozenset({errno.EIO, errno.ENXIO, errno.ENODEV, errno.EROFS})
+#: a failing disk fails every request: one warning per this many seconds, with a count
+DEVICE_ERROR_LOG_SECONDS = 10.0
+#: per mount (its Operations object): when the last line was logged, errors since
+_device_errors: weakref.WeakKeyDictionary[object, list[float]] = weakref.WeakKeyDictionary()
+
+
+def _device_error(ops: object, handler: str, e: OSError) -> None:
+    """Log a disk's I/O error that a request was answered with: the caller sees only EIO,
+    and a failing device said nothing in the daemon's log (docs/architecture.md, "A
+    device that fails")."""
+    now = time.monotonic()
+    last = _device_errors.setdefault(ops, [-math.inf, 0])
+    if now - last[0] < DEVICE_ERROR_LOG_SECONDS:
+        last[1] += 1
+        return
+    more = int(last[1])
+    last[:] = [now, 0]
+    log.warning(
+        "%s: %s (a disk failing? kvfs fsck lists what cannot be read)%s",
+        handler,
+        e,
+        f"; {more} more such errors since the last of these lines" if more else "",
+    )
 
 
 def _store_gone(ops: object) -> bool:

@@ -6,7 +6,9 @@ each failure leaves is in docs/architecture.md, "A device that fails"."""
 
 from __future__ import annotations
 
+import errno
 import fcntl
+import logging
 import os
 import shutil
 import subprocess
@@ -14,9 +16,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import pyfuse3
 import pytest
 
 import kvfs
+from kvfs._fuse import KvfsOperations
 
 #: _IOR('X', 125, __u32): shut the file system down; flag 2 (NOLOGFLUSH) drops what its
 #: journal has not committed, as a power cut would.
@@ -125,3 +129,37 @@ def test_fsck_repair_keeps_the_pages_of_a_device_that_cannot_be_read(
         assert {k: s.get(k) for k in pages} == pages
         found = s.fsck()
         assert not any(found[k] for k in ("unreadable", "corrupt", "orphans", "damaged_pages"))
+
+
+async def test_the_mount_says_in_its_log_that_a_disk_fails(
+    tmp_path: Path, loop_disk: LoopDisk, caplog: pytest.LogCaptureFixture
+) -> None:
+    # cat on the mount got EIO and the daemon's log said nothing (a failing disk was
+    # news only to the programs it failed): one warning now, and a count of the rest
+    from types import SimpleNamespace
+
+    ctx = SimpleNamespace(uid=os.getuid(), gid=os.getgid(), pid=os.getpid(), umask=0o022)
+    cfg = kvfs.StoreConfig(data_dirs=(loop_disk.path / "data",), index_dir=tmp_path / "index")
+    async with kvfs.open_store(cfg) as store:
+        for i in range(3):
+            await store.put(f"a/p{i}", os.urandom(100_000))
+        ops = KvfsOperations(store)
+        try:
+            a = (await ops.lookup(pyfuse3.ROOT_INODE, b"a", ctx)).st_ino
+            inodes = [(await ops.lookup(a, f"p{i}".encode(), ctx)).st_ino for i in range(3)]
+            os.sync()
+            loop_disk.shut_down()
+            caplog.clear()
+            with caplog.at_level(logging.WARNING, logger="kvfs.fuse"):
+                for ino in inodes:
+                    with pytest.raises(pyfuse3.FUSEError) as e:
+                        fi = await ops.open(ino, os.O_RDONLY, ctx)
+                        try:
+                            await ops.read(fi.fh, 0, 100_000)
+                        finally:
+                            await ops.release(fi.fh)
+                    assert e.value.errno == errno.EIO
+        finally:
+            await ops.aclose()
+    said = [r.getMessage() for r in caplog.records if r.name == "kvfs.fuse"]
+    assert len(said) == 1 and "Input/output error" in said[0], said  # (then counted)
