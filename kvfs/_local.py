@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import functools
 import logging
 import os
@@ -73,6 +74,12 @@ def read_marker(root: Path, hint: str = "") -> dict[str, Any] | None:
         raw = marker.read_bytes()
     except FileNotFoundError:
         return None
+    except OSError as e:  # (a bare "[Errno 5] Input/output error" was all a CLI user saw)
+        failing = "; is its disk failing?" if e.errno == errno.EIO else ""
+        raise KvfsError(
+            f"{marker} cannot be read ({e.strerror}{failing}). It says which store and device "
+            f"{root} is: the store does not open without it{hint}"
+        ) from e
     try:
         info = msgpack.unpackb(raw)
         if not isinstance(info, dict):

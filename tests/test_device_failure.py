@@ -163,3 +163,17 @@ async def test_the_mount_says_in_its_log_that_a_disk_fails(
             await ops.aclose()
     said = [r.getMessage() for r in caplog.records if r.name == "kvfs.fuse"]
     assert len(said) == 1 and "Input/output error" in said[0], said  # (then counted)
+
+
+def test_an_open_while_a_device_fails_says_so(tmp_path: Path, loop_disk: LoopDisk) -> None:
+    # the open stopped at the marker with a bare "[Errno 5] Input/output error" (kvfs ls
+    # printed only that, exit 1)
+    cfg = kvfs.StoreConfig(data_dirs=(tmp_path / "d0", loop_disk.path / "data"))
+    with kvfs.open_store_sync(cfg) as s:
+        s.put("a/p", b"x" * 100_000)
+    loop_disk.shut_down()
+    with pytest.raises(kvfs.KvfsError, match=r"cannot be read \(Input/output error; is its disk"):
+        kvfs.open_store_sync(cfg).__enter__()
+    loop_disk.comeback()
+    with kvfs.open_store_sync(cfg) as s:  # nothing changed by the failed open
+        assert s.get("a/p") == b"x" * 100_000
