@@ -595,6 +595,26 @@ class Index:
         )
         return [_blob(r) for r in rows]
 
+    def evictable(self, hashes: Iterable[bytes]) -> set[bytes]:
+        """Of ``hashes``, the local blobs that no pinned page or session holds (what
+        :meth:`eviction_candidates` would list of them): read by key, so an evict of one
+        session reads its own blobs, not every local blob of the store."""
+        hs = list(hashes)
+        out: set[bytes] = set()
+        for i in range(0, len(hs), 500):  # (SQLite's limit on bound parameters)
+            chunk = hs[i : i + 500]
+            out.update(
+                bytes(r[0])
+                for r in self._q(
+                    f"SELECT b.hash FROM blobs b WHERE b.hash IN ({','.join('?' * len(chunk))})"
+                    " AND b.extents IS NOT NULL AND NOT EXISTS ("
+                    " SELECT 1 FROM pages p LEFT JOIN sessions s ON s.dir=p.session"
+                    " WHERE p.hash=b.hash AND (p.pinned=1 OR s.pinned=1))",
+                    chunk,
+                )
+            )
+        return out
+
     # -- cross-checks (fsck) -------------------------------------------------------------
     def pages_without_blob(self) -> dict[bytes, list[PageRow]]:
         """The pages naming data that no blob row holds (a damaged index), by content."""

@@ -170,7 +170,7 @@ def evict(
         pages = [p]
     else:
         raise ValueError("evict needs a page or a session")
-    evictable = {b.hash for b in eng.index.eviction_candidates(1 << 62)}
+    evictable = eng.index.evictable({p.hash for p in pages})
     with eng._evict_lock:
         hashes = sorted({p.hash for p in pages})
         blobs = [b for b in map(eng.index.blob, hashes) if b is not None and b.local]
