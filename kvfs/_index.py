@@ -196,6 +196,27 @@ _PAGE_AND_BLOB = (
 )
 
 
+def _where_pages(
+    select: str, session: str | None, path_prefix: str | None, limit: int | None
+) -> tuple[str, list[object]]:
+    """``select`` (over ``pages p``) narrowed to a session and/or a path prefix, by path."""
+    sql, where = select, []
+    args: list[object] = []
+    if session is not None:
+        where.append("p.session=?")
+        args.append(session)
+    if path_prefix:
+        # Range scan on the primary key: everything that starts with path_prefix.
+        where.append("p.path >= ? AND p.path < ?")
+        args += [path_prefix, path_prefix + "\U0010ffff"]
+    if where:
+        sql += " WHERE " + " AND ".join(where)
+    sql += " ORDER BY p.path"
+    if limit is not None:
+        sql += f" LIMIT {int(limit)}"
+    return sql, args
+
+
 def _blob(r: tuple) -> BlobRow:
     ext = _unpack(r[4])
     return BlobRow(
@@ -435,21 +456,24 @@ class Index:
         path_prefix: str | None = None,
         limit: int | None = None,
     ) -> list[PageRow]:
-        sql, args = f"SELECT {_PAGE_COLS} FROM pages", []
-        where = []
-        if session is not None:
-            where.append("session=?")
-            args.append(session)
-        if path_prefix:
-            # Range scan on the primary key: everything that starts with path_prefix.
-            where.append("path >= ? AND path < ?")
-            args += [path_prefix, path_prefix + "\U0010ffff"]
-        if where:
-            sql += " WHERE " + " AND ".join(where)
-        sql += " ORDER BY path"
-        if limit is not None:
-            sql += f" LIMIT {int(limit)}"
+        cols = ", ".join(f"p.{c.strip()}" for c in _PAGE_COLS.split(","))
+        sql, args = _where_pages(f"SELECT {cols} FROM pages p", session, path_prefix, limit)
         return [_page(r) for r in self._q(sql, args)]
+
+    def pages_and_blobs(
+        self, *, session: str | None = None, path_prefix: str | None = None
+    ) -> list[tuple[PageRow, BlobRow]]:
+        """The pages :meth:`pages` lists, each with its blob row, in one statement (one
+        committed state, no query per page); a page whose blob row is missing (a damaged
+        index: fsck's ``missing_blob_rows``) is left out."""
+        sql, args = _where_pages(
+            _PAGE_AND_BLOB.replace(" LEFT JOIN ", " JOIN ").partition(" WHERE ")[0],
+            session,
+            path_prefix,
+            None,
+        )
+        n = len(_PAGE_COLS.split(","))
+        return [(_page(r[:n]), _blob(r[n:])) for r in self._q(sql, args)]
 
     def sessions_with_archived_pages(self) -> list[str]:
         return [

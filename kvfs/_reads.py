@@ -362,13 +362,7 @@ def list_pages(
     pp = path_prefix
     if prefix is not None:
         pp = f"{sd}/{prefix}/"
-    rows = eng.index.pages(session=sd, path_prefix=pp)
-    out = []
-    for p in rows:
-        b = eng.index.blob(p.hash)
-        if b is not None:
-            out.append(page_info(eng, p, b))
-    return out
+    return [page_info(eng, p, b) for p, b in eng.index.pages_and_blobs(session=sd, path_prefix=pp)]
 
 
 def session_info(eng: Engine, d: str) -> SessionInfo:

@@ -1,9 +1,10 @@
 """The metadata work of a call on one session or page does not grow with the store.
 
 Timing is not asserted (docs/benchmarks.md has the figures, "Metadata at scale"): these
-tests count the SQLite virtual-machine instructions the index runs for a call, in a store
-of n other pages and in one of 4n. A call that scans every row of the store costs about
-four times as much in the larger one; one that reads by key costs the same.
+tests count the SQLite work the index does for a call (virtual-machine instructions, or
+statements) in a smaller store and a larger one. A call that scans every row of the store,
+or runs a statement per row, costs more in the larger one; one that reads by key costs
+the same.
 """
 
 from __future__ import annotations
@@ -74,3 +75,25 @@ def test_evicting_a_session_does_not_read_every_blob_of_the_store(
     # evictable: 3 s for a 40-page session among 250,000 pages)
     small, big = _steps_at_n_and_4n(make_config, lambda s, t: s.evict(session=t))
     assert big < small * SLACK, (small, big)
+
+
+def test_listing_a_directory_reads_its_pages_in_one_statement(
+    make_config: Callable[..., kvfs.StoreConfig],
+) -> None:
+    # (it read each page's blob row with a query of its own: 50,000 statements for
+    # `kvfs ls` of one LMCache directory)
+    counts = []
+    with kvfs.open_store_sync(make_config(ndev=1)) as store:
+        reader = store.engine.index._reader()
+        for n in (50, 100):
+            store.put_many((f"engine/c-{i:04d}", i.to_bytes(8, "little")) for i in range(n - 50, n))
+            statements: list[str] = []
+            reader.set_trace_callback(statements.append)
+            try:
+                by_session = store.list(session="engine")
+                by_prefix = store.list(path_prefix="engine/c-")
+            finally:
+                reader.set_trace_callback(None)
+            assert len(by_session) == len(by_prefix) == n
+            counts.append(len(statements))
+    assert counts[0] == counts[1], counts
