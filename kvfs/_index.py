@@ -187,12 +187,14 @@ _BLOB_COLS = "hash, size, leaves, refs, extents, disk_bytes, archived, created, 
 _PAGE_COLS = "path, session, hash, size, created, atime, pinned, attrs"
 
 
-_PAGE_AND_BLOB = (
-    "SELECT "
-    + ", ".join(f"p.{c.strip()}" for c in _PAGE_COLS.split(","))
-    + ", "
-    + ", ".join(f"b.{c.strip()}" for c in _BLOB_COLS.split(","))
-    + " FROM pages p LEFT JOIN blobs b ON b.hash = p.hash WHERE p.path=?"
+#: the columns qualified, for statements over ``pages p`` and ``blobs b``
+_P_COLS = ", ".join(f"p.{c.strip()}" for c in _PAGE_COLS.split(","))
+_B_COLS = ", ".join(f"b.{c.strip()}" for c in _BLOB_COLS.split(","))
+_PAGE_AND_BLOB = f"SELECT {_P_COLS}, {_B_COLS} FROM pages p LEFT JOIN blobs b ON b.hash = p.hash"
+#: blob ``b`` is held by no pinned page and no page of a pinned session
+_UNPINNED_B = (
+    "NOT EXISTS (SELECT 1 FROM pages p LEFT JOIN sessions s ON s.dir=p.session"
+    " WHERE p.hash=b.hash AND (p.pinned=1 OR s.pinned=1))"
 )
 
 
@@ -438,7 +440,7 @@ class Index:
 
     def page_and_blob(self, path: str) -> tuple[PageRow, BlobRow] | None:
         # One statement reads one committed state: no read transaction needed around it.
-        r = self._q(_PAGE_AND_BLOB, (path,))
+        r = self._q(f"{_PAGE_AND_BLOB} WHERE p.path=?", (path,))
         if not r:
             return None
         n = len(_PAGE_COLS.split(","))
@@ -456,8 +458,7 @@ class Index:
         path_prefix: str | None = None,
         limit: int | None = None,
     ) -> list[PageRow]:
-        cols = ", ".join(f"p.{c.strip()}" for c in _PAGE_COLS.split(","))
-        sql, args = _where_pages(f"SELECT {cols} FROM pages p", session, path_prefix, limit)
+        sql, args = _where_pages(f"SELECT {_P_COLS} FROM pages p", session, path_prefix, limit)
         return [_page(r) for r in self._q(sql, args)]
 
     def pages_and_blobs(
@@ -467,7 +468,7 @@ class Index:
         committed state, no query per page); a page whose blob row is missing (a damaged
         index: fsck's ``missing_blob_rows``) is left out."""
         sql, args = _where_pages(
-            _PAGE_AND_BLOB.replace(" LEFT JOIN ", " JOIN ").partition(" WHERE ")[0],
+            f"SELECT {_P_COLS}, {_B_COLS} FROM pages p JOIN blobs b ON b.hash = p.hash",
             session,
             path_prefix,
             None,
@@ -488,9 +489,8 @@ class Index:
         """The session's pages whose content is archived, each with its blob's leaf hashes
         and when its pin ends (None: pinned for good, or not pinned), by path: one
         statement (one consistent state; no query per page)."""
-        cols = ", ".join(f"p.{c.strip()}" for c in _PAGE_COLS.split(","))
         rows = self._q(
-            f"SELECT {cols}, b.leaves, e.until FROM pages p JOIN blobs b ON b.hash = p.hash"
+            f"SELECT {_P_COLS}, b.leaves, e.until FROM pages p JOIN blobs b ON b.hash = p.hash"
             " LEFT JOIN pin_expiry e ON e.target = p.path AND e.kind = 'page'"
             " WHERE p.session=? AND b.archived ORDER BY p.path",
             (session,),
@@ -611,9 +611,7 @@ class Index:
         """Local blobs, least recently used first, that no pinned page or session holds;
         of those used at the same time (one burst, see ``AccessClock``) the newest first."""
         rows = self._q(
-            f"SELECT {_BLOB_COLS} FROM blobs b WHERE b.extents IS NOT NULL AND NOT EXISTS ("
-            " SELECT 1 FROM pages p LEFT JOIN sessions s ON s.dir=p.session"
-            " WHERE p.hash=b.hash AND (p.pinned=1 OR s.pinned=1))"
+            f"SELECT {_BLOB_COLS} FROM blobs b WHERE b.extents IS NOT NULL AND {_UNPINNED_B}"
             " ORDER BY b.atime, b.created DESC LIMIT ?",
             (limit,),
         )
@@ -631,9 +629,7 @@ class Index:
                 bytes(r[0])
                 for r in self._q(
                     f"SELECT b.hash FROM blobs b WHERE b.hash IN ({','.join('?' * len(chunk))})"
-                    " AND b.extents IS NOT NULL AND NOT EXISTS ("
-                    " SELECT 1 FROM pages p LEFT JOIN sessions s ON s.dir=p.session"
-                    " WHERE p.hash=b.hash AND (p.pinned=1 OR s.pinned=1))",
+                    f" AND b.extents IS NOT NULL AND {_UNPINNED_B}",
                     chunk,
                 )
             )
@@ -642,10 +638,9 @@ class Index:
     # -- cross-checks (fsck) -------------------------------------------------------------
     def pages_without_blob(self) -> dict[bytes, list[PageRow]]:
         """The pages naming data that no blob row holds (a damaged index), by content."""
-        cols = ", ".join(f"p.{c.strip()}" for c in _PAGE_COLS.split(","))
         out: dict[bytes, list[PageRow]] = {}
         rows = self._q(
-            f"SELECT {cols} FROM pages p"
+            f"SELECT {_P_COLS} FROM pages p"
             " WHERE NOT EXISTS (SELECT 1 FROM blobs b WHERE b.hash = p.hash)"
         )
         for p in sorted(map(_page, rows), key=lambda p: p.path):
@@ -666,9 +661,8 @@ class Index:
 
     def wrong_page_sizes(self) -> list[tuple[PageRow, int]]:
         """Every page whose size is not its data's, with its data's size."""
-        cols = ", ".join(f"p.{c.strip()}" for c in _PAGE_COLS.split(","))
         rows = self._q(
-            f"SELECT {cols}, b.size FROM pages p JOIN blobs b ON b.hash = p.hash"
+            f"SELECT {_P_COLS}, b.size FROM pages p JOIN blobs b ON b.hash = p.hash"
             " WHERE p.size != b.size"
         )
         return sorted(((_page(r[:-1]), r[-1]) for r in rows), key=lambda x: x[0].path)
@@ -765,7 +759,7 @@ class Index:
             rows = [
                 (_page(x[:-1]), bool(x[-1]))
                 for x in db.execute(
-                    f"SELECT {', '.join(f'p.{c.strip()}' for c in _PAGE_COLS.split(','))},"
+                    f"SELECT {_P_COLS},"
                     " COALESCE(s.pinned, 0) FROM pages p LEFT JOIN sessions s"
                     " ON s.dir = p.session WHERE p.hash=? ORDER BY p.path",
                     (h,),
