@@ -13,6 +13,7 @@ import kvfs
 CLEAN_FSCK = {
     "missing": [],
     "corrupt": [],
+    "unreadable": [],
     "orphans": [],
     "missing_blob_rows": [],
     "bad_blob_rows": [],
