@@ -192,6 +192,8 @@ def print_table(
 def _width(s: str) -> int:
     """Terminal columns: East Asian wide and fullwidth characters take two, combining
     marks none."""
+    if s.isascii():  # (every ASCII character one: a 50,000-row ls spent a third here)
+        return len(s)
     return sum(
         0 if unicodedata.combining(ch) else 2 if unicodedata.east_asian_width(ch) in "WF" else 1
         for ch in s
