@@ -136,7 +136,9 @@ def encode(
     else:
         raise ValueError(f"unknown codec {codec!r}; use one of auto, {', '.join(CODECS)}")
     hdr = _HDR.pack(MAGIC, CODECS[codec], e if codec == "zstd+shuffle" else 0, len(mv))
-    return hdr + bytes(payload), codec
+    # One copy of the payload, behind its header: ``hdr + bytes(payload)`` made two of a raw
+    # one (its bytes, then the sum), and a spill worker held a 512 MiB page three times.
+    return b"".join((hdr, payload)), codec
 
 
 class CodecChoice:
