@@ -500,10 +500,11 @@ class ArchivingPolicy(TieringPolicy):
         log.warning("%s; this store uploads from its own process from now on", e)
         self.uploads = None
 
-    def _jobs(self, hashes: list[bytes], probe: bool = False) -> list[BlobJob]:
+    def _jobs(self, hashes: list[bytes], expected: bool = False) -> list[BlobJob]:
         """Worker jobs for the blobs still local, each holding a lease (released by
         :meth:`_release` when its worker is done): the files stay in place meanwhile.
-        Each HEADs its object first when ``probe``, else when it is likely there already
+        Each HEADs its object first when ``expected`` (and reads its data only if it is
+        missing), else beside the read when it is likely there already
         (:func:`worth_probing`)."""
         eng = self.engine
         jobs: list[BlobJob] = []
@@ -525,7 +526,8 @@ class ArchivingPolicy(TieringPolicy):
                         b.size,
                         elem_size(self._dtype_of(h)) or 2,
                         reads,
-                        probe or worth_probing(b.refs),
+                        expected or worth_probing(b.refs),
+                        expected,
                     )
                 )
         except BaseException:

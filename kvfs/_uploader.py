@@ -89,13 +89,17 @@ def scratch_buffer(size: int) -> memoryview:
 class BlobJob:
     """One local blob to upload: its checksum, size, value size for the shuffle filter, and
     its data as ``(absolute path, file offset, page offset, length)`` reads in page order.
-    ``probe``: HEAD the object before uploading (see :func:`kvfs._archive.worth_probing`)."""
+    ``probe``: HEAD the object before uploading (see :func:`kvfs._archive.worth_probing`),
+    while the page is read and compressed. ``expected``: the object should be there (a
+    check before local copies are dropped): HEAD it first, and read the page only when
+    it is missing."""
 
     h: bytes
     size: int
     elem: int
     reads: tuple[tuple[str, int, int, int], ...]
     probe: bool = True
+    expected: bool = False
 
 
 @dataclass(frozen=True)
@@ -232,7 +236,12 @@ def upload_batch(
         key = blob_key(job.h)
         got: list[tuple[bytes, str]] = []
         async with limit:
-            if not job.probe:  # the conditional put alone says whether it was there
+            if job.expected and await store.exists(key):
+                # (read and compressed beside the HEAD, an eviction of restored pages read
+                # and compressed every one of them, then dropped the work)
+                out.append(Uploaded(job.h, False, 0, None))
+                return
+            if not job.probe or job.expected:  # the conditional put says whether it was there
                 obj, used = await trio.to_thread.run_sync(_read_encode, job, level, codec, url)
                 stored = await store.put(key, obj, if_absent=True)
                 out.append(Uploaded(job.h, stored, len(obj) if stored else 0, used))

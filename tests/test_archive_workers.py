@@ -397,6 +397,35 @@ def test_evicting_a_restored_page_again_sends_no_body(
         assert s.session_info("a").local_bytes == 0
 
 
+def test_a_job_whose_object_should_be_there_reads_nothing_when_it_is(tmp_path: Path) -> None:
+    """Before local copies are dropped (an eviction of restored pages), the workers check
+    that each object is there. They read and compressed each page beside the HEAD, and
+    dropped the work when it was there: an eviction of a restored 512 MiB page read it and
+    held it three times in a worker for nothing. Here the job's data file does not exist:
+    reading it would fail the job."""
+    from kvfs import _uploader
+    from kvfs._checksum import leaves_of, tree_hash
+    from kvfs._codec import encode
+    from kvfs._manifest import blob_key
+
+    data = page(5)
+    h = tree_hash(len(data), leaves_of(data))
+    archive = tmp_path / "archive"
+    (archive / blob_key(h)).parent.mkdir(parents=True)
+    (archive / blob_key(h)).write_bytes(encode(data)[0])
+    gone = ((str(tmp_path / "no-such-file"), 4096, 0, len(data)),)
+    job = _uploader.BlobJob(h, len(data), 2, gone, probe=True, expected=True)
+    url = f"file://{archive}"
+    assert _uploader.upload_batch(url, {}, [job], 1, "auto", 4) == (
+        [_uploader.Uploaded(h, False, 0, None)],
+        None,
+    )
+    # missing after all: then the page is read (here: the file is missing too)
+    (archive / blob_key(h)).unlink()
+    done, error = _uploader.upload_batch(url, {}, [job], 1, "auto", 4)
+    assert done == [] and isinstance(error, kvfs.CorruptPage), error
+
+
 # -- restores in the workers ----------------------------------------------------------------
 def down_after_manifest(s: kvfs.SyncStore, proxy) -> None:  # noqa: ANN001
     """Take the endpoint down once a restore has read the session's manifest (in the store's
