@@ -463,6 +463,20 @@ class WorkerDied(Exception):
     """The worker process running a job ended before it answered."""
 
 
+def _ended(code: int | None) -> str:
+    """What ended a worker, from its exit status (None: not known)."""
+    if code is None or code >= 0:
+        return f"upload worker ended (exit status {code})"
+    try:
+        name = signal.Signals(-code).name
+    except ValueError:
+        name = f"signal {-code}"
+    # the kernel's OOM killer sends SIGKILL: a job's pages held in memory (several copies of
+    # each, a few jobs at a time) can be more than the machine has
+    hint = " (out of memory?)" if -code == signal.SIGKILL else ""
+    return f"upload worker killed by {name}{hint}"
+
+
 class WorkerUnavailable(Exception):
     """No worker process could be started (no interpreter to run, no processes left...)."""
 
@@ -536,9 +550,14 @@ class _Slot:
             self.jobs.send((fn, args))
             ok, value = pickle.loads(self.answers.recv_bytes())
         except (EOFError, OSError) as e:
-            code = self.proc.poll() if self.proc is not None else None
+            code = None
+            if self.proc is not None:
+                # (its pipe closed as it died: polled at once, it was not reaped yet, and
+                # the error said "exit status None" for a worker the OOM killer took)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    code = self.proc.wait(timeout=5)
             self.stop(kill=True)
-            raise WorkerDied(f"upload worker ended (exit status {code})") from e
+            raise WorkerDied(_ended(code)) from e
         if not ok:
             raise value
         return value

@@ -597,3 +597,18 @@ def test_workers_stopped_mid_job_are_reaped() -> None:
     assert [p.returncode for p in procs if p is not None and p.returncode is None] == []
     with pytest.raises(_uploader.WorkerDied):
         busy.result(timeout=60)
+
+
+def test_a_worker_killed_says_by_what() -> None:
+    """A worker the OOM killer took (a spill of 1 GiB pages) failed the spill with "upload
+    worker ended (exit status None), twice": its status was read before it was reaped."""
+    from kvfs import _uploader
+
+    w = _uploader._Workers(1)
+    try:
+        assert w.submit(abs, -1).result(timeout=60) == 1
+        (pid,) = w.pids()
+        with pytest.raises(_uploader.WorkerDied, match=r"killed by SIGKILL \(out of memory\?\)"):
+            w.submit(os.kill, pid, signal.SIGKILL).result(timeout=60)
+    finally:
+        w.shutdown()
