@@ -56,6 +56,7 @@ from ._policy import TieringPolicy
 from ._spill import Spiller
 from ._uploader import (
     BlobJob,
+    ByteLimiter,
     MissingObject,
     Restored,
     RestoreJob,
@@ -845,10 +846,10 @@ class ArchivingPolicy(TieringPolicy):
         bad: list[BlobRow] = []
         done = 0
 
-        async def check(b: BlobRow, limit: trio.CapacityLimiter) -> None:
+        async def check(b: BlobRow, limit: trio.CapacityLimiter, budget: ByteLimiter) -> None:
             nonlocal done
             key = blob_key(b.hash)
-            async with limit:
+            async with limit, budget.hold(b.size):
                 try:
                     obj = await self.store.get(key)
                 except ObjectNotFound:
@@ -868,10 +869,10 @@ class ArchivingPolicy(TieringPolicy):
                 progress(done, len(blobs))
 
         async def check_all() -> None:
-            limit = trio.CapacityLimiter(self.cfg.concurrency)
+            limit, budget = trio.CapacityLimiter(self.cfg.concurrency), ByteLimiter()
             async with one_error_nursery() as n:  # (ArchiveUnavailable, not a group)
                 for b in blobs:
-                    n.start_soon(check, b, limit)
+                    n.start_soon(check, b, limit, budget)
 
         if progress is not None:
             progress(0, len(blobs))
@@ -1235,6 +1236,7 @@ class ArchivingPolicy(TieringPolicy):
         staging = trio.CapacityLimiter(max(2, os.cpu_count() or 1))
         # downloaded objects wait in memory for a staging slot: at most this many at once
         held = trio.CapacityLimiter(downloads.total_tokens + staging.total_tokens)
+        budget = ByteLimiter()  # (and at most this many of their page bytes)
         wake = trio.Event()
         producing = len(blobs)
         down: list[ArchiveUnavailable] = []  # once one download says so, the rest do not try
@@ -1242,7 +1244,7 @@ class ArchivingPolicy(TieringPolicy):
         async def one(b: BlobRow) -> None:
             nonlocal producing
             try:
-                async with held:
+                async with held, budget.hold(b.size):
                     async with downloads:
                         if down:
                             raise ArchiveUnavailable(str(down[0]))

@@ -43,7 +43,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -83,6 +83,39 @@ def scratch_buffer(size: int) -> memoryview:
     if buf is None or len(buf) < size:
         buf = _scratch.buf = aligned_buffer(max(size, 1 << 20))
     return buf[:size]
+
+
+#: Page bytes that the archive transfers of one trio run hold in memory at once (a worker's
+#: batch of uploads or of restores, fsck's check of the archive, a restore in the store's
+#: process), besides their number (``concurrency``). Each holds its page two or three times
+#: until it is stored or written (read or decoded, shuffled, compressed): four jobs at once
+#: in each of two workers were ~23 GiB for 1 GiB pages (a spill of eight of them had its
+#: workers OOM-killed), and fsck --check-archive held 16 pages of 512 MiB in the daemon. A
+#: page larger than this goes alone.
+TRANSFER_BYTES = 512 << 20
+
+
+class ByteLimiter:
+    """Page bytes held at once by the tasks of one trio run, up to ``limit`` (default
+    :data:`TRANSFER_BYTES`): :meth:`hold` waits until its bytes fit beside those held, or
+    until none are held."""
+
+    def __init__(self, limit: int | None = None) -> None:
+        self.limit = TRANSFER_BYTES if limit is None else limit
+        self.held = 0
+        self._freed = trio.Event()
+
+    @contextlib.asynccontextmanager
+    async def hold(self, n: int) -> AsyncIterator[None]:
+        while self.held and self.held + n > self.limit:
+            await self._freed.wait()
+        self.held += n
+        try:
+            yield
+        finally:
+            self.held -= n
+            self._freed.set()  # every waiter looks again
+            self._freed = trio.Event()
 
 
 @dataclass(frozen=True)
@@ -232,10 +265,10 @@ def upload_batch(
     store = _open_store(url, options)
     out: list[Uploaded] = []
 
-    async def one(job: BlobJob, limit: trio.CapacityLimiter) -> None:
+    async def one(job: BlobJob, limit: trio.CapacityLimiter, budget: ByteLimiter) -> None:
         key = blob_key(job.h)
         got: list[tuple[bytes, str]] = []
-        async with limit:
+        async with limit, budget.hold(job.size):
             if job.expected and await store.exists(key):
                 # (read and compressed beside the HEAD, an eviction of restored pages read
                 # and compressed every one of them, then dropped the work)
@@ -262,10 +295,10 @@ def upload_batch(
             out.append(Uploaded(job.h, stored, len(obj) if stored else 0, used))
 
     async def run() -> None:
-        limit = trio.CapacityLimiter(max(1, concurrency))
+        limit, budget = trio.CapacityLimiter(max(1, concurrency)), ByteLimiter()
         async with one_error_nursery() as n:
             for job in jobs:
-                n.start_soon(one, job, limit)
+                n.start_soon(one, job, limit, budget)
 
     try:
         trio.run(run)
@@ -396,31 +429,37 @@ def restore_batch(
     # (ArchiveAccessDenied) may be one object's: the others are still tried.
     down: list[ArchiveUnavailable] = []
 
-    async def one(job: RestoreJob, limit: trio.CapacityLimiter) -> None:
+    async def one(job: RestoreJob, limit: trio.CapacityLimiter, budget: ByteLimiter) -> None:
         try:
-            async with limit:
-                if down:
-                    raise ArchiveUnavailable(str(down[0]))
-                try:
-                    obj = await store.get(job.key)
-                except ObjectNotFound:
-                    raise MissingObject(
-                        f"archive object {job.key} is missing from {store.url}"
-                    ) from None
-                except ArchiveAccessDenied:
-                    raise
-                except ArchiveUnavailable as e:
-                    down.append(e)
-                    raise
-            out.append(await trio.to_thread.run_sync(_restore_one, spec, job, obj))
+            # (the object and its page are held from the download until they are written:
+            # only the downloads were limited, and every job of a batch could be decoding)
+            async with budget.hold(job.size):
+                obj = await download(job, limit)
+                out.append(await trio.to_thread.run_sync(_restore_one, spec, job, obj))
         except Exception as e:
             out.append(Restored(job.h, None, 0, (), e))
 
+    async def download(job: RestoreJob, limit: trio.CapacityLimiter) -> bytes:
+        async with limit:
+            if down:
+                raise ArchiveUnavailable(str(down[0]))
+            try:
+                return await store.get(job.key)
+            except ObjectNotFound:
+                raise MissingObject(
+                    f"archive object {job.key} is missing from {store.url}"
+                ) from None
+            except ArchiveAccessDenied:
+                raise
+            except ArchiveUnavailable as e:
+                down.append(e)
+                raise
+
     async def run() -> None:
-        limit = trio.CapacityLimiter(max(1, concurrency))
+        limit, budget = trio.CapacityLimiter(max(1, concurrency)), ByteLimiter()
         async with trio.open_nursery() as n:
             for job in jobs:
-                n.start_soon(one, job, limit)
+                n.start_soon(one, job, limit, budget)
 
     trio.run(run)
     return out

@@ -426,6 +426,87 @@ def test_a_job_whose_object_should_be_there_reads_nothing_when_it_is(tmp_path: P
     assert done == [] and isinstance(error, kvfs.CorruptPage), error
 
 
+class Overlap:
+    """A function called from threads, counting how many calls run at once (``most``): each
+    lingers a moment, so calls that may run together do."""
+
+    def __init__(self, fn: Callable[..., object]) -> None:
+        self.fn, self.now, self.most = fn, 0, 0
+        self.lock = threading.Lock()
+
+    def __call__(self, *args: object) -> object:
+        with self.lock:
+            self.now += 1
+            self.most = max(self.most, self.now)
+        try:
+            time.sleep(0.05)
+            return self.fn(*args)
+        finally:
+            with self.lock:
+                self.now -= 1
+
+
+def test_a_workers_jobs_hold_at_most_transfer_bytes_of_pages(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A job holds its page two or three times until it is stored or written, and a
+    worker ran ``concurrency`` of them at once (a restore: every job of its batch) whatever
+    their size: a spill of eight 1 GiB pages had both workers OOM-killed. The limit on
+    their page bytes (TRANSFER_BYTES, 512 MiB) is lowered here to one page: one job at a
+    time, of the four that may run."""
+    from kvfs import _uploader
+    from kvfs._checksum import leaves_of, tree_hash
+    from kvfs._codec import encode
+    from kvfs._manifest import blob_key
+
+    monkeypatch.setattr(_uploader, "TRANSFER_BYTES", len(page(0)))
+    pages = {tree_hash(len(d), leaves_of(d)): d for d in map(page, range(4))}
+    url = f"file://{tmp_path / 'archive'}"
+    reads = Overlap(lambda job, level, *_: encode(pages[job.h], level=level))
+    monkeypatch.setattr(_uploader, "_read_encode", reads)
+    jobs = [_uploader.BlobJob(h, len(d), 2, (), probe=False) for h, d in pages.items()]
+    done, error = _uploader.upload_batch(url, {}, jobs, 1, "auto", 4)
+    assert error is None and sorted(u.h for u in done if u.stored) == sorted(pages)
+    assert reads.most == 1
+    writes = Overlap(lambda spec, job, obj: _uploader.Restored(job.h, (), 0, ()))
+    monkeypatch.setattr(_uploader, "_restore_one", writes)
+    spec = _uploader.TierSpec((str(tmp_path / "d0"),), 64 * KiB, direct=False, durable=False)
+    back = [_uploader.RestoreJob(h, len(d), blob_key(h), 0, h.hex()) for h, d in pages.items()]
+    got = _uploader.restore_batch(url, {}, spec, back, 4)
+    assert [r.error for r in got] == [None] * 4
+    assert writes.most == 1
+
+
+def test_fsck_of_the_archive_and_a_restore_in_the_store_hold_at_most_transfer_bytes(
+    make_config, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:  # noqa: ANN001
+    """fsck --check-archive downloaded and decoded ``concurrency`` (8) objects at once in the
+    store's process, the daemon, whatever their size: 16 pages of 512 MiB at its peak. A
+    restore in the store's process held up to 10. The limit on their page bytes is lowered
+    here to one page: one object at a time."""
+    from kvfs import _archive, _uploader
+
+    monkeypatch.setattr(_uploader, "TRANSFER_BYTES", len(page(0)))
+    cfg = make_config(
+        ndev=1,
+        archive_url=f"file://{tmp_path / 'archive'}",
+        extra={"archive": {"interval": 0, "upload_processes": 0}},
+    )
+    with kvfs.open_store_sync(cfg) as s:
+        for i in range(4):
+            s.put(PageKey.semantic("a", "p", i), page(i))
+        s.spill("a")
+        checks = Overlap(_archive.decode_verified)
+        monkeypatch.setattr(_archive, "decode_verified", checks)
+        assert s.fsck(archive=True)["archive_corrupt"] == []
+        assert checks.most == 1
+        checks.most = 0
+        assert s.restore("a") == 4 * len(page(0))
+        assert checks.most == 1
+        for i in range(4):
+            assert s.get(PageKey.semantic("a", "p", i)) == page(i)
+
+
 # -- restores in the workers ----------------------------------------------------------------
 def down_after_manifest(s: kvfs.SyncStore, proxy) -> None:  # noqa: ANN001
     """Take the endpoint down once a restore has read the session's manifest (in the store's
