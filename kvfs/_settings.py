@@ -157,7 +157,8 @@ OPTIONS: tuple[Option, ...] = (
         "archive_concurrency",
         "int",
         8,
-        "objects uploaded or downloaded at once per spill or restore",
+        "objects uploaded or downloaded at once per spill or restore (with at most 512 MiB "
+        "of their pages in memory per process: a larger page goes alone)",
     ),
     Option(
         "archive",
