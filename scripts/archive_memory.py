@@ -21,26 +21,17 @@ and about 3 x pages x mib of free disk.
 from __future__ import annotations
 
 import argparse
-import os
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
+from _memory import mounted_daemon, proc_status, reset_peak
 
 from kvfs import SyncRemoteStore
 
 MiB = 1 << 20
-
-
-def _status(pid: int, field: str) -> int:
-    """A ``/proc/PID/status`` memory field in bytes."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    raise KeyError(field)
 
 
 def _family(pid: int) -> list[int]:
@@ -70,18 +61,9 @@ def main() -> int:
     size = args.mib * MiB
     page = _page(args.kind, size)
     with tempfile.TemporaryDirectory(prefix="kvfs-archmem-") as tmp:
-        mnt, sock = Path(tmp, "mnt"), Path(tmp, "c.sock")
-        mnt.mkdir()
-        cmd = [sys.executable, "-m", "cli", "mount", "--foreground", "--socket", str(sock)]
-        cmd += ["--data", f"{tmp}/d0,{tmp}/d1", "--archive", f"file://{tmp}/archive"]
-        cmd += ["--capacity", f"{2 * args.pages * args.mib}MiB", str(mnt)]
-        daemon = subprocess.Popen(cmd, stderr=subprocess.DEVNULL)
-        try:
-            deadline = time.monotonic() + 60
-            while not (sock.exists() and os.path.ismount(mnt)):
-                if daemon.poll() is not None or time.monotonic() > deadline:
-                    raise SystemExit("the daemon did not start")
-                time.sleep(0.1)
+        options = ["--data", f"{tmp}/d0,{tmp}/d1", "--archive", f"file://{tmp}/archive"]
+        options += ["--capacity", f"{2 * args.pages * args.mib}MiB"]
+        with mounted_daemon(tmp, options) as (daemon, _, sock):
             r = SyncRemoteStore(sock)
             for i in range(args.pages):
                 page[:8] = i.to_bytes(8, "little")  # distinct pages: nothing deduplicated
@@ -102,15 +84,14 @@ def main() -> int:
                 pids = _family(daemon.pid)
                 before = {}
                 for pid in pids:
-                    Path(f"/proc/{pid}/clear_refs").write_text("5")
-                    before[pid] = _status(pid, "VmRSS")
+                    before[pid] = reset_peak(pid)
                 t0 = time.perf_counter()
                 step()
                 dt = time.perf_counter() - t0
                 peak = {}
                 for pid in pids:
                     try:
-                        peak[pid] = (_status(pid, "VmHWM") - before[pid]) / size
+                        peak[pid] = (proc_status(pid, "VmHWM") - before[pid]) / size
                     except (FileNotFoundError, KeyError):  # (a worker that ended)
                         peak[pid] = float("nan")
                 workers = [v for pid, v in peak.items() if pid != daemon.pid]
@@ -118,9 +99,6 @@ def main() -> int:
             page[:8] = last.to_bytes(8, "little")
             assert r.get(f"s/p/{last}") == page
             r.close()
-        finally:
-            subprocess.run([sys.executable, "-m", "cli", "umount", str(mnt)], check=False)
-            daemon.wait(60)
     return 0
 
 

@@ -20,29 +20,15 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
+
+from _memory import mounted_daemon, proc_status, reset_peak
 
 from kvfs import SyncRemoteStore
 
 MiB = 1 << 20
-
-
-def _status(pid: int | str, field: str) -> int:
-    """A ``/proc/PID/status`` memory field in bytes."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    raise KeyError(field)
-
-
-def _reset_peak(pid: int | str) -> int:
-    """Set the peak resident memory back to the current; returns the current."""
-    Path(f"/proc/{pid}/clear_refs").write_text("5")
-    return _status(pid, "VmRSS")
 
 
 def main() -> int:
@@ -51,17 +37,8 @@ def main() -> int:
     args = ap.parse_args()
     size = args.mib * MiB
     with tempfile.TemporaryDirectory(prefix="kvfs-ctlmem-") as tmp:
-        mnt, sock = Path(tmp, "mnt"), Path(tmp, "c.sock")
-        mnt.mkdir()
-        cmd = [sys.executable, "-m", "cli", "mount", "--foreground", "--socket", str(sock)]
-        cmd += ["--data", f"{tmp}/d0,{tmp}/d1", "--capacity", "4GiB", str(mnt)]
-        daemon = subprocess.Popen(cmd, stderr=subprocess.DEVNULL)
-        try:
-            deadline = time.monotonic() + 60
-            while not (sock.exists() and os.path.ismount(mnt)):
-                if daemon.poll() is not None or time.monotonic() > deadline:
-                    raise SystemExit("the daemon did not start")
-                time.sleep(0.1)
+        options = ["--data", f"{tmp}/d0,{tmp}/d1", "--capacity", "4GiB"]
+        with mounted_daemon(tmp, options) as (daemon, mnt, sock):
             page = os.urandom(size)
             into = bytearray(size)
             # (through the mount: the gets measured first find no heap kept from a put)
@@ -78,20 +55,17 @@ def main() -> int:
             print(f"page {args.mib} MiB; peak above the resident memory before each step (MiB)")
             print(f"{'step':10} {'daemon':>7} {'pages':>6} {'client':>7} {'pages':>6} {'held':>6}")
             for name, step in steps:
-                d0, c0 = _reset_peak(daemon.pid), _reset_peak("self")
+                d0, c0 = reset_peak(daemon.pid), reset_peak("self")
                 got = step()
-                d, c = _status(daemon.pid, "VmHWM") - d0, _status("self", "VmHWM") - c0
+                d, c = proc_status(daemon.pid, "VmHWM") - d0, proc_status("self", "VmHWM") - c0
                 del got
                 time.sleep(0.5)  # (the daemon lets go of a request once it has answered)
-                held = (_status(daemon.pid, "VmRSS") - d0) / size
+                held = (proc_status(daemon.pid, "VmRSS") - d0) / size
                 print(
                     f"{name:10} {d / MiB:7.0f} {d / size:6.2f} {c / MiB:7.0f} {c / size:6.2f} {held:6.2f}"
                 )
             assert r.get("s/p/1") == page and bytes(into) == page
             r.close()
-        finally:
-            subprocess.run([sys.executable, "-m", "cli", "umount", str(mnt)], check=False)
-            daemon.wait(60)
     return 0
 
 
