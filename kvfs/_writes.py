@@ -240,31 +240,6 @@ def put(
     )
 
 
-def commit(
-    eng: Engine,
-    k: PageKey,
-    h: bytes,
-    size: int,
-    leaves: bytes,
-    w: BlobWriter | None,
-    reserved: int,
-    attrs: dict[str, str],
-    pin: bool,
-    replace: bool,
-    extents: tuple | None,
-    disk: int = 0,
-) -> PageInfo:
-    """Publish a written (or shared) page in the index and settle the accounting.
-
-    A Ctrl-C (KeyboardInterrupt) meanwhile is held until the page is published or not and
-    its files and room settled, then raised: raised while the put waited for another
-    thread's group commit, the files were removed, the room given back, and the commit
-    that followed published the page all the same, naming files that were gone. So an
-    interrupted put may have stored its page (``exists`` tells), as a remote one may."""
-    with _interrupts_held():
-        return _commit(eng, k, h, size, leaves, w, reserved, attrs, pin, replace, extents, disk)
-
-
 @contextlib.contextmanager
 def _interrupts_held() -> Iterator[None]:
     """Hold SIGINT's KeyboardInterrupt until the block is over, then raise it. Only in the
@@ -286,7 +261,8 @@ def _interrupts_held() -> Iterator[None]:
             raise KeyboardInterrupt
 
 
-def _commit(
+@_interrupts_held()
+def commit(
     eng: Engine,
     k: PageKey,
     h: bytes,
@@ -298,8 +274,15 @@ def _commit(
     pin: bool,
     replace: bool,
     extents: tuple | None,
-    disk: int,
+    disk: int = 0,
 ) -> PageInfo:
+    """Publish a written (or shared) page in the index and settle the accounting.
+
+    A Ctrl-C (KeyboardInterrupt) meanwhile is held until the page is published or not and
+    its files and room settled, then raised: raised while the put waited for another
+    thread's group commit, the files were removed, the room given back, and the commit
+    that followed published the page all the same, naming files that were gone. So an
+    interrupted put may have stored its page (``exists`` tells), as a remote one may."""
     sess_attrs = {"model": attrs["model"]} if "model" in attrs else {}
     now = time.time()
     # These files take the place of a local copy that failed its checksum: shared, a good
