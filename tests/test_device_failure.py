@@ -80,17 +80,26 @@ def loop_disk(tmp_path: Path) -> Iterator[LoopDisk]:
         subprocess.run(["losetup", "-d", disk.loop], check=False)
 
 
+def two_devices(tmp_path: Path, disk: LoopDisk) -> kvfs.StoreConfig:
+    """A store on a plain directory (its index there too) and on ``disk``."""
+    return kvfs.StoreConfig(data_dirs=(tmp_path / "d0", disk.path / "data"))
+
+
+def put_all(s: kvfs.SyncStore, pages: dict[str, bytes]) -> None:
+    for k, v in pages.items():
+        s.put(k, v)
+
+
 def test_a_device_cut_off_after_the_store_was_made_opens_again(
     tmp_path: Path, loop_disk: LoopDisk
 ) -> None:
     # The device marker was renamed into place, its directory synced, but its bytes were
     # never: the comeback found an empty marker, and every open refused the store ("is
     # unreadable ... kvfs will not guess"), its pages lost with it.
-    cfg = kvfs.StoreConfig(data_dirs=(tmp_path / "d0", loop_disk.path / "data"))
+    cfg = two_devices(tmp_path, loop_disk)
     pages = {f"a/p{i}": os.urandom(100_000) for i in range(4)}
     with kvfs.open_store_sync(cfg) as s:
-        for k, v in pages.items():
-            s.put(k, v)
+        put_all(s, pages)
         loop_disk.shut_down()
     loop_disk.comeback()
     with kvfs.open_store_sync(cfg) as s:
@@ -102,11 +111,10 @@ def test_fsck_repair_keeps_the_pages_of_a_device_that_cannot_be_read(
 ) -> None:
     # An I/O error was "corrupt": the copy was marked damaged and --repair deleted its
     # pages (then stopped on an EIO of its own), so the device came back to find them gone.
-    cfg = kvfs.StoreConfig(data_dirs=(tmp_path / "d0", loop_disk.path / "data"))
+    cfg = two_devices(tmp_path, loop_disk)
     pages = {f"a/p{i}": os.urandom(100_000) for i in range(6)}
     with kvfs.open_store_sync(cfg) as s:
-        for k, v in pages.items():
-            s.put(k, v)
+        put_all(s, pages)
         on_disk = {k: s.stat(k).extents[0].device for k in pages}
         cut = sorted(k for k, dev in on_disk.items() if dev == 1)
         assert cut and len(cut) < len(pages)  # (pages on both devices)
@@ -168,7 +176,7 @@ async def test_the_mount_says_in_its_log_that_a_disk_fails(
 def test_an_open_while_a_device_fails_says_so(tmp_path: Path, loop_disk: LoopDisk) -> None:
     # the open stopped at the marker with a bare "[Errno 5] Input/output error" (kvfs ls
     # printed only that, exit 1)
-    cfg = kvfs.StoreConfig(data_dirs=(tmp_path / "d0", loop_disk.path / "data"))
+    cfg = two_devices(tmp_path, loop_disk)
     with kvfs.open_store_sync(cfg) as s:
         s.put("a/p", b"x" * 100_000)
     loop_disk.shut_down()
