@@ -29,6 +29,7 @@ import importlib.util
 import io
 import re
 import shlex
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -247,7 +248,13 @@ def script_parser(path: Path) -> argparse.ArgumentParser | None:
     spec = importlib.util.spec_from_file_location(f"_doc_script_{path.stem}", path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    # (as `python scripts/x.py` runs it: its own directory first on the path, where the
+    # modules scripts share live, scripts/_memory.py)
+    sys.path.insert(0, str(path.parent))
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(path.parent))
 
     def caught(self: argparse.ArgumentParser, *_: object, **__: object) -> None:
         raise _Parser(self)
