@@ -702,7 +702,8 @@ def cmd_get(args: argparse.Namespace) -> int:
     if args.json and args.file == "-":  # (the output is the page: JSON cannot be beside it)
         raise ValueError("--json describes a page written to a FILE; name one (or drop --json)")
     with open_target(args) as store:
-        data = store.get(args.key)
+        # (the buffer the page was read or received into: a bytes of it held the page twice)
+        data = store.read_page(args.key)
     if args.file == "-":
         sys.stdout.buffer.write(data)
         sys.stdout.buffer.flush()

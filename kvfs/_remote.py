@@ -341,6 +341,11 @@ class SyncRemoteStore(_Api):
         data: bytes = self._call("get", *args, views=dest is not None, **kw)
         return data if dest is None else _copy_into(data, dest, path)
 
+    def read_page(self, key: KeyLike) -> bytes | memoryview:
+        """As ``SyncStore.read_page``: a large page is a view into the daemon's answer, not
+        a copy of it; raises as :meth:`get` does."""
+        return self._call("get", _k(key), views=True)  # type: ignore[no-any-return]
+
     def put_many(
         self, items: Iterable[tuple[KeyLike, object]], *, concurrency: int = 4, **kw: Any
     ) -> builtins.list[PageInfo]:

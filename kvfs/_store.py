@@ -265,6 +265,11 @@ class SyncStore:
     def get(self, key: KeyLike, into: object | None = None) -> bytes | int:
         return self._engine.get(key, into)
 
+    def read_page(self, key: KeyLike) -> bytes | memoryview:
+        """A whole page in a buffer of its own, not a copy (see :meth:`Engine.read_page`);
+        raises as :meth:`get` does."""
+        return self._engine.read_page(key)
+
     def read_range(self, key: KeyLike, offset: int, size: int) -> bytes:
         return self._engine.read_range(key, offset, size)
 

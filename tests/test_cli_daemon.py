@@ -99,6 +99,29 @@ def test_commands_through_the_daemon(daemon: Daemon, run: Run, tmp_path: Path) -
     assert rc == 6 and "in use by" in err and "drop --offline" in err
 
 
+def test_get_through_the_daemon_holds_a_large_page_once(
+    daemon: Daemon, run: Run, tmp_path: Path
+) -> None:
+    """`kvfs get` wrote a bytes made of the daemon's answer: the frame and the bytes, the
+    page twice at its peak (tracemalloc, in this process: the client's side)."""
+    import tracemalloc
+
+    d = ["--data", str(daemon.data), "--daemon"]
+    size = 32 << 20
+    payload = os.urandom(size)
+    (tmp_path / "in").write_bytes(payload)
+    assert run("put", "in", "sessions/s1/p/layer-000", *d)[0] == 0
+    tracemalloc.start()
+    try:
+        rc, _, err = run("get", "sessions/s1/p/layer-000", "out", *d)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert rc == 0, err
+    assert (tmp_path / "out").read_bytes() == payload
+    assert peak < 1.2 * size, peak / size  # the frame (before: 2.0)
+
+
 def test_metrics_port_and_event_logs(tmp_path: Path, run: Run) -> None:
     import socket
 

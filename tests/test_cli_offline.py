@@ -82,6 +82,26 @@ def test_put_ls_get_roundtrip(run: Run, tmp_path: Path) -> None:
     assert rc == 0 and (tmp_path / "out.bin").read_bytes() == payload
 
 
+def test_get_holds_a_large_page_once(run: Run, tmp_path: Path) -> None:
+    """`kvfs get` wrote a bytes made of the read buffer: the page twice at its peak.
+    Measured with tracemalloc, which does not see the read buffer (an anonymous mapping):
+    the bytes made of it were the whole page."""
+    import tracemalloc
+
+    size = 32 << 20
+    payload = os.urandom(size)
+    d = one_page(run, tmp_path, payload)
+    tracemalloc.start()
+    try:
+        rc, _, err = run("get", "sessions/a/p/layer-000", "out.bin", *d)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert rc == 0, err
+    assert (tmp_path / "out.bin").read_bytes() == payload
+    assert peak < 0.2 * size, peak / size  # (before: 1.0)
+
+
 def test_positionals_may_stand_after_flags(run: Run, tmp_path: Path) -> None:
     """`kvfs get PATH --json FILE` was refused (unrecognized arguments: FILE), as was
     `kvfs rm A --json B`: argparse took the positionals it found together, so one after a
