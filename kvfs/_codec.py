@@ -172,26 +172,28 @@ def decode(
     obj: bytes, what: str = "archive object", into: Callable[[int], memoryview] | None = None
 ) -> memoryview:
     """The raw bytes of an object made by :func:`encode`, in a buffer from ``into(size)``
-    (e.g. an aligned allocator) or a new one. Raises CorruptPage."""
+    (e.g. an aligned allocator) or a new one; a raw object's are a view of ``obj`` itself
+    (``into`` is not called). Raises CorruptPage."""
     if len(obj) < HEADER:
         raise CorruptPage(f"{what} is truncated ({len(obj)} bytes)")
     magic, cid, e, size = _HDR.unpack_from(obj)
     if magic != MAGIC or cid not in _NAMES or (cid == 2 and not e):
         raise CorruptPage(f"{what} has no valid kvfs archive header")
     body = memoryview(obj)[HEADER:]
+    if cid == 0:
+        # The page is the object's body: copied into a buffer of its own, a restore held a
+        # large page twice before it was written.
+        if len(body) != size:
+            raise CorruptPage(f"{what} holds {len(body)} bytes, its header says {size}")
+        return body
     out = into(size) if into is not None else memoryview(bytearray(size))
     try:
-        if cid == 0:
-            got = len(body)
-            if got == size:
-                out[:size] = body
-        else:
-            plain = _dctx().decompress(body, max_output_size=size)
-            got = len(plain)
-            if got == size and cid == 1:
-                out[:size] = plain
-            elif got == size:
-                _unshuffle_into(out, plain, e)
+        plain = _dctx().decompress(body, max_output_size=size)
+        got = len(plain)
+        if got == size and cid == 1:
+            out[:size] = plain
+        elif got == size:
+            _unshuffle_into(out, plain, e)
     except (zstandard.ZstdError, ValueError) as err:
         raise CorruptPage(f"{what} does not decompress: {err}") from err
     if got != size:
