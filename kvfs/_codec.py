@@ -168,6 +168,19 @@ class CodecChoice:
                 self._chosen[elem] = used
 
 
+def _decompress_into(body: memoryview, out: memoryview) -> int:
+    """Decompress a zstd frame straight into ``out``; the bytes it holds (one more than
+    ``len(out)`` when it holds more than that)."""
+    got = 0
+    with _dctx().stream_reader(body) as reader:
+        while got < len(out):
+            n = reader.readinto(out[got:])
+            if not n:
+                return got
+            got += n
+        return got + len(reader.read(1))
+
+
 def decode(
     obj: bytes, what: str = "archive object", into: Callable[[int], memoryview] | None = None
 ) -> memoryview:
@@ -188,12 +201,17 @@ def decode(
         return body
     out = into(size) if into is not None else memoryview(bytearray(size))
     try:
-        plain = _dctx().decompress(body, max_output_size=size)
-        got = len(plain)
-        if got == size and cid == 1:
-            out[:size] = plain
-        elif got == size:
-            _unshuffle_into(out, plain, e)
+        if cid == 1:
+            # (straight into the page's buffer: decompress() made a bytes of the page that
+            # was then copied there, the page twice)
+            got = _decompress_into(body, out[:size])
+        else:
+            # (the planes are unshuffled from the decompressed page into its buffer: each
+            # value takes a byte from every plane, spread over the whole page)
+            plain = _dctx().decompress(body, max_output_size=size)
+            got = len(plain)
+            if got == size:
+                _unshuffle_into(out, plain, e)
     except (zstandard.ZstdError, ValueError) as err:
         raise CorruptPage(f"{what} does not decompress: {err}") from err
     if got != size:
