@@ -170,9 +170,9 @@ def evict(
         pages = [p]
     else:
         raise ValueError("evict needs a page or a session")
-    evictable = eng.index.evictable({p.hash for p in pages})
+    hashes = sorted({p.hash for p in pages})
+    evictable = eng.index.evictable(hashes)
     with eng._evict_lock:
-        hashes = sorted({p.hash for p in pages})
         blobs = [b for b in map(eng.index.blob, hashes) if b is not None and b.local]
         local = {b.hash for b in blobs}
         blobs = [b for b in blobs if b.hash in evictable and not eng.is_leased(b.hash)]
