@@ -498,10 +498,24 @@ def render_stats(st: kvfs.StoreStatistics, *, own_counters: bool = False) -> str
         f"{count(st.sessions, 'session')}; {count(st.local_blobs, 'distinct content')} "
         f"({fmt_bytes(st.local_bytes)}, {fmt_bytes(st.logical_bytes)} before dedup)"
     )
-    rows = [[d.index, d.path, fmt_bytes(d.used_bytes), fmt_bytes(d.free_bytes)] for d in st.devices]
+    rows = [
+        [
+            d.index,
+            d.path,
+            fmt_bytes(d.used_bytes),
+            fmt_bytes(d.free_bytes),
+            d.errors,
+            "failing" if d.failing else "ok",
+        ]
+        for d in st.devices
+    ]
     buf = io.StringIO()
-    print_table(["DEVICE", "PATH", "USED", "FREE"], rows, file=buf)
+    print_table(["DEVICE", "PATH", "USED", "FREE", "ERRORS", "STATE"], rows, file=buf)
     out.append(buf.getvalue().rstrip())
+    for d in st.devices:
+        if d.last_error is not None and d.last_error_at is not None:
+            ago = fmt_duration(max(0.0, time.time() - d.last_error_at))
+            out.append(f"device {d.index}: last disk error {ago} ago: {d.last_error}")
     extra = st.extra.get("archive")
     arch: dict[str, Any] | None = extra if isinstance(extra, dict) else None
     a: dict[str, Any] = arch or {}

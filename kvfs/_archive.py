@@ -50,7 +50,7 @@ from ._errors import (
 )
 from ._events import log_event
 from ._index import BlobRow, PageRow
-from ._local import fsync_dir
+from ._local import fsync_dir, is_disk_error
 from ._manifest import MANIFESTS, ArchiveIndex, blob_key
 from ._policy import TieringPolicy
 from ._spill import Spiller
@@ -772,11 +772,14 @@ class ArchivingPolicy(TieringPolicy):
                 self.counters["memory_reads"] += 1
             return data
 
-    def copy_in_memory(self, blob: BlobRow, no_room: Exception) -> bytes:
+    def copy_in_memory(
+        self, blob: BlobRow, no_room: Exception, reason: str = "no local room"
+    ) -> bytes:
         """Archive-only data that has no local room (the capacity is held by pinned pages,
-        open files or writes in flight), downloaded, verified and kept in memory, least
-        recently used first out, up to ``memory_copies`` bytes in all, so reads are served
-        without a local copy. Raises ``no_room`` for a page larger than that."""
+        open files or writes in flight), or whose local copy's disk fails (``reason``),
+        downloaded, verified and kept in memory, least recently used first out, up to
+        ``memory_copies`` bytes in all, so reads are served without a local copy. Raises
+        CapacityExceeded from ``no_room`` for a page larger than that."""
         if blob.size > self.cfg.memory_copies:
             raise CapacityExceeded(
                 f"{no_room} (and the page, {blob.size} bytes, is larger than the "
@@ -804,7 +807,7 @@ class ArchivingPolicy(TieringPolicy):
             "restore-in-memory",
             content=blob.hash.hex()[:16],
             bytes=blob.size,
-            reason="no local room",
+            reason=reason,
         )
         return data
 
@@ -950,7 +953,7 @@ class ArchivingPolicy(TieringPolicy):
             raise
         need = eng.tier.disk_bytes(len(data))
         eng._reserve(need)
-        w = eng.tier.writer(eng.tier.next_start(), direct=True)
+        w = eng.tier.writer(eng.tier.next_start(len(data)), direct=True)
         try:
             extents, disk = write_restored(w, data)  # directories: synced in _adopt
         except BaseException:
@@ -1089,6 +1092,23 @@ class ArchivingPolicy(TieringPolicy):
             except DiskFull:
                 break
             del failed[b.hash]
+        # Copies written to a disk that failed under them: once more, now that placement
+        # knows to avoid it (a blob striped over every device fails again)
+        sick = [b for b in blobs if is_disk_error(failed.get(b.hash))]
+        if sick and one_by_one_when_full:
+            try:
+                total += await self._restore_many(
+                    sick, missing_ok=missing_ok, one_by_one_when_full=False
+                )
+                back = sick
+            except Exception:  # (the first failure below is the one raised)
+                rows = await trio.to_thread.run_sync(
+                    lambda: [self.engine.index.blob(b.hash) for b in sick]
+                )
+                back = [b for b, cur in zip(sick, rows, strict=True) if cur and cur.local]
+                total += sum(b.size for b in back)
+            for b in back:
+                del failed[b.hash]
         if failed:
             raise next(iter(failed.values()))
         return total
@@ -1148,7 +1168,7 @@ class ArchivingPolicy(TieringPolicy):
                     settle(b.hash, e)
                     continue
                 held += need
-                w = eng.tier.writer(eng.tier.next_start(), direct=True)
+                w = eng.tier.writer(eng.tier.next_start(b.size), direct=True)
                 pending[b.hash] = (b, w, need)
                 jobs.append(RestoreJob(b.hash, b.size, blob_key(b.hash), w.start, w.nonce))
 
@@ -1174,6 +1194,8 @@ class ArchivingPolicy(TieringPolicy):
                         err = self._missing(r.h, str(err))
                     elif isinstance(err, CorruptPage):
                         self._count_corrupt(str(err))
+                    else:  # a failing disk: placement learns to avoid it
+                        eng.tier.note_error_of(err)
                     settle(r.h, err)  # the worker left no files; release() frees the room
                     continue
                 blob, w, need = pending.pop(r.h)

@@ -50,7 +50,7 @@ from ._errors import (
 from ._events import log_event
 from ._index import BlobRow, Index, PageRow, meta_value
 from ._keys import PageKey, as_key, session_dir, session_name
-from ._local import DEVICE_MARKER, LocalTier, device_store
+from ._local import DEVICE_MARKER, LocalTier, device_store, is_disk_error
 from ._lock import DirLock
 from ._policy import AccessClock, TieringPolicy
 from ._types import PageInfo, SessionInfo, StoreStatistics
@@ -1185,9 +1185,24 @@ class Engine:
             b = self.policy.restore_blob(blob)
         except CapacityExceeded as e:
             return self.policy.copy_in_memory(blob, e)
+        except OSError as e:  # (a disk's error writing the copy: served from memory)
+            return self.read_around(blob, page, e)
         if not b.local:
             raise PageNotFound(f"page {page.path!r} could not be restored")
         return b
+
+    def read_around(self, blob: BlobRow, page: PageRow, err: OSError) -> bytes:
+        """``blob``'s data when its local copy cannot be read (or written) for a disk's
+        error ``err`` (EIO...): the archive's copy, verified and held in memory as for want
+        of room (the archive's ``memory_copies``). Raises ``err`` for any other error, and
+        when the archive holds no copy or cannot give it (why is logged)."""
+        if not is_disk_error(err) or not blob.archived:
+            raise err
+        try:
+            return self.policy.copy_in_memory(blob, err, reason="disk error")
+        except KvfsError as e:
+            log.warning("page %r: its archived copy could not be read either: %s", page.path, e)
+            raise err from e
 
     # -- statistics, verification (kvfs/_maint.py) -----------------------------------
     def statistics(self) -> StoreStatistics:

@@ -24,6 +24,7 @@ from ._errors import KvfsError
 from ._fuse_nodes import Node
 from ._fuse_ns import child_path
 from ._keys import MAX_NAME_BYTES, MAX_PATH_BYTES
+from ._local import DISK_ERRORS
 
 __all__ = ["child_of", "decode_name", "fuse_error", "guard"]
 
@@ -51,7 +52,7 @@ def guard(fn: Callable[P, Coroutine[Any, Any, T]]) -> Callable[P, Coroutine[Any,
         except OSError as e:
             if e.errno is None:
                 log.error("%s%r failed", fn.__name__, args[1:3], exc_info=True)
-            elif e.errno in _DEVICE_ERRORS:
+            elif e.errno in DISK_ERRORS:  # (a disk's: kvfs's own errors were caught above)
                 _device_error(args[0], fn.__name__, e)
             raise fuse_error(e.errno or errno.EIO) from None
         except Exception:
@@ -62,9 +63,6 @@ def guard(fn: Callable[P, Coroutine[Any, Any, T]]) -> Callable[P, Coroutine[Any,
     return wrapper
 
 
-#: errnos a data or index file's disk answers when it fails (kvfs's own answers of EIO
-#: are FUSEErrors, raised before they reach the guard)
-_DEVICE_ERRORS = frozenset({errno.EIO, errno.ENXIO, errno.ENODEV, errno.EROFS})
 #: a failing disk fails every request: one warning per this many seconds, with a count
 DEVICE_ERROR_LOG_SECONDS = 10.0
 #: per mount (its Operations object): when the last line was logged, errors since

@@ -24,6 +24,7 @@ import functools
 import logging
 import os
 import threading
+import time
 import uuid
 import weakref
 from collections.abc import Callable, Iterator
@@ -64,6 +65,29 @@ HEADER = 4096
 MAGIC = b"KVFSBLB1"
 #: In every device root: which store and which device index the directory is.
 DEVICE_MARKER = ".kvfs-device"
+#: errnos a device's file system answers when its disk fails (dropped off the bus, shut
+#: down after an error), as opposed to a full disk or a missing file
+DISK_ERRORS = frozenset({errno.EIO, errno.ENXIO, errno.ENODEV, errno.EROFS})
+#: A device that answered one of DISK_ERRORS is left out of new placements for this long
+#: after its last one, then tried again: a disk that came back is used again, one still
+#: failing fails one more write and is left out again.
+FAILING_SECONDS = 60.0
+
+
+def is_disk_error(e: BaseException | None) -> bool:
+    """Whether ``e`` is a disk's own error (DISK_ERRORS), not kvfs's (a CorruptPage is EIO
+    too), nor a full disk."""
+    return isinstance(e, OSError) and not isinstance(e, KvfsError) and e.errno in DISK_ERRORS
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceTrouble:
+    """The disk errors one device answered since the store opened."""
+
+    errors: int
+    #: time.time() of the last one, and what it said
+    last: float
+    error: str
 
 
 def read_marker(root: Path, hint: str = "") -> dict[str, Any] | None:
@@ -173,6 +197,8 @@ class LocalTier:
         self.bounce = BouncePool(self.piece, bounce_buffers)
         self._rr = 0
         self._rr_lock = threading.Lock()
+        self._trouble: dict[int, DeviceTrouble] = {}
+        self._trouble_lock = threading.Lock()
 
     # -- set-up -----------------------------------------------------------------------
     def prepare(self, store_id: str) -> None:
@@ -212,9 +238,18 @@ class LocalTier:
                 fsync_dir(str(root))
 
     def free_bytes(self) -> list[int]:
+        """Free bytes of each device's file system; 0 for one whose disk fails (counted
+        against it): statistics and statfs go on for the others."""
         out = []
-        for r in self.roots:
-            st = os.statvfs(r)
+        for dev, r in enumerate(self.roots):
+            try:
+                st = os.statvfs(r)
+            except OSError as e:
+                if e.errno not in DISK_ERRORS:
+                    raise
+                self.note_error(dev, e)
+                out.append(0)
+                continue
             out.append(st.f_bavail * st.f_frsize)
         return out
 
@@ -229,11 +264,73 @@ class LocalTier:
     def abspath(self, dev: int, rel: str) -> str:
         return os.path.join(self.roots[dev], rel)
 
+    # -- health -----------------------------------------------------------------------
+    def note_error(self, dev: int, e: BaseException) -> None:
+        """Count ``e`` against device ``dev`` when it is a disk's error (DISK_ERRORS, not a
+        kvfs error nor a full disk): the device is then :meth:`failing`. The first error
+        after a healthy spell is a WARNING in the log."""
+        if not is_disk_error(e):
+            return
+        now = time.time()
+        with self._trouble_lock:
+            old = self._trouble.get(dev)
+            self._trouble[dev] = DeviceTrouble((old.errors if old else 0) + 1, now, str(e))
+        if old is None or now - old.last >= FAILING_SECONDS:
+            log.warning(
+                "device %d (%s) answered a disk error (%s): new pages go to the other "
+                "devices for %.0f s after its last one; its pages fail to read unless the "
+                "archive holds them",
+                dev,
+                self.roots[dev],
+                e,
+                FAILING_SECONDS,
+            )
+
+    def note_error_of(self, e: BaseException) -> None:
+        """:meth:`note_error` for an error met by another process (a restore worker), its
+        device found by the data file it names."""
+        name = getattr(e, "filename", None)
+        for dev, root in enumerate(self.roots):
+            if isinstance(name, str) and name.startswith(os.path.join(root, "")):
+                self.note_error(dev, e)
+                return
+
+    def trouble(self, dev: int) -> DeviceTrouble | None:
+        """Device ``dev``'s disk errors since the store opened; None if it had none."""
+        with self._trouble_lock:
+            return self._trouble.get(dev)
+
+    def failing(self) -> frozenset[int]:
+        """The devices whose last disk error is less than FAILING_SECONDS old."""
+        now = time.time()
+        with self._trouble_lock:
+            return frozenset(d for d, t in self._trouble.items() if now - t.last < FAILING_SECONDS)
+
     # -- placement --------------------------------------------------------------------
-    def next_start(self) -> int:
+    def next_start(self, size: int | None = None) -> int:
+        """The first device of a new blob of ``size`` bytes (None: not known yet), in
+        turn, skipping failing devices (see :meth:`place`)."""
         with self._rr_lock:
             self._rr = (self._rr + 1) % self.n
-            return self._rr
+            start = self._rr
+        return self.place(start, size)
+
+    def place(self, start: int, size: int | None = None) -> int:
+        """``start``, or where it is a failing device's (or the blob's chunks would reach
+        one), the next device from which they reach none. A blob striped over every
+        device cannot avoid one: ``start`` then. ``size`` None: one chunk, as far as is
+        known (the mount's writer learns its size as it goes)."""
+        bad = self.failing()
+        if not bad:
+            return start
+        chunks = 1 if size is None else max(1, -(-size // self.unit))
+        if chunks >= self.n:
+            return start
+        for j in range(self.n):
+            s = (start + j) % self.n
+            if not any((s + c) % self.n in bad for c in range(chunks)):
+                return s
+        return start
 
     def locate(self, start: int, page_off: int) -> tuple[int, int]:
         """(device, file offset) of a page offset for a blob placed at device ``start``."""
@@ -305,14 +402,17 @@ class LocalTier:
         :meth:`read_piece`'s ``opened``; close them with :meth:`close_files`. Raises
         FileNotFoundError for a missing file (nothing is left open then)."""
         out: dict[tuple[int, str], tuple[int, bool]] = {}
+        p = None
         try:
             for p in pieces:
                 if (p.dev, p.file) not in out:
                     out[(p.dev, p.file)] = open_direct(
                         self.abspath(p.dev, p.file), os.O_RDONLY, direct=self.direct
                     )
-        except BaseException:
+        except BaseException as e:
             self.close_files(out)
+            if p is not None:
+                self.note_error(p.dev, e)
             raise
         return out
 
@@ -329,7 +429,21 @@ class LocalTier:
         opened: dict[tuple[int, str], tuple[int, bool]] | None = None,
     ) -> None:
         """Read one piece into ``dest[p.dest_off:...]``, O_DIRECT where the buffer allows;
-        through a file of ``opened`` (see :meth:`open_files`) or one opened for the call."""
+        through a file of ``opened`` (see :meth:`open_files`) or one opened for the call.
+        A disk's error counts against the device (:meth:`note_error`)."""
+        try:
+            self._read_piece(p, dest, direct, opened)
+        except OSError as e:
+            self.note_error(p.dev, e)
+            raise
+
+    def _read_piece(
+        self,
+        p: Piece,
+        dest: memoryview,
+        direct: bool | None,
+        opened: dict[tuple[int, str], tuple[int, bool]] | None,
+    ) -> None:
         path = self.abspath(p.dev, p.file)
         target = dest[p.dest_off : p.dest_off + p.n]
         if opened is not None:
@@ -670,7 +784,9 @@ class BlobWriter:
 
     def _raise_full(self, dev: int, e: OSError) -> NoReturn:
         """Raise ``e`` again, or DiskFull from it where it says the device is full: the
-        one place every write path of this writer decides which of the two a caller gets."""
+        one place every write path of this writer decides which of the two a caller gets
+        (and where a disk's error counts against the device)."""
+        self.tier.note_error(dev, e)
         if e.errno in (28, 122):  # ENOSPC, EDQUOT
             raise DiskFull(f"device {self.tier.roots[dev]} is full: {e.strerror}") from e
         raise e

@@ -219,11 +219,24 @@ def statistics(eng: Engine) -> StoreStatistics:
             bytes_read=k.get("bytes_read", 0),
             evictions=dict(eng._evictions),
             extra={**eng.policy.statistics(), **_settings(eng), **_archive_error(eng)},
-            devices=tuple(
-                DeviceStatistics(i, str(r), eng.dev_used[i], free[i])
-                for i, r in enumerate(eng.tier.roots)
-            ),
+            devices=tuple(_device(eng, i, free[i]) for i in range(eng.tier.n)),
         )
+
+
+def _device(eng: Engine, i: int, free: int) -> DeviceStatistics:
+    trouble = eng.tier.trouble(i)
+    if trouble is None:
+        return DeviceStatistics(i, str(eng.tier.roots[i]), eng.dev_used[i], free)
+    return DeviceStatistics(
+        i,
+        str(eng.tier.roots[i]),
+        eng.dev_used[i],
+        free,
+        errors=trouble.errors,
+        failing=i in eng.tier.failing(),
+        last_error=trouble.error,
+        last_error_at=trouble.last,
+    )
 
 
 def _archive_error(eng: Engine) -> dict[str, object]:

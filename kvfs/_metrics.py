@@ -97,6 +97,22 @@ def render_metrics(
             d.free_bytes,
             {"device": d.index, "path": d.path},
         )
+    for d in st.devices:
+        w(
+            "kvfs_device_errors_total",
+            c,
+            "Disk errors (EIO, ENXIO, ENODEV, EROFS) per data device since the store opened.",
+            d.errors,
+            {"device": d.index, "path": d.path},
+        )
+    for d in st.devices:
+        w(
+            "kvfs_device_failing",
+            g,
+            "1 while a data device is left out of new placements after a recent disk error.",
+            int(d.failing),
+            {"device": d.index, "path": d.path},
+        )
     w("kvfs_puts_total", c, "Pages stored.", st.puts)
     w("kvfs_dedup_puts_total", c, "Puts whose content was already held.", st.dedup_puts)
     w("kvfs_gets_total", c, "Page reads.", st.gets)

@@ -280,9 +280,12 @@ class TieringPolicy:
         ``copy_in_memory``); without an archive there is none."""
         return None
 
-    def copy_in_memory(self, blob: BlobRow, no_room: Exception) -> bytes:
-        """Archive-only data, verified, held in memory because no local room was left;
-        without an archive, ``no_room`` is raised."""
+    def copy_in_memory(
+        self, blob: BlobRow, no_room: Exception, reason: str = "no local room"
+    ) -> bytes:
+        """Archive-only data, verified, held in memory because no local room was left (or
+        the local copy's disk fails: ``reason``); without an archive, ``no_room`` is
+        raised."""
         raise no_room
 
     def restore_blob(self, blob: BlobRow) -> BlobRow:

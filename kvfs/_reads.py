@@ -97,12 +97,31 @@ def get(
             blob = got
         if dest is None:
             buf = aligned_buffer(blob.size)
-            _or_healed(eng, page, blob, lambda b: _read_verified(eng, page, b, buf, 0, b.size))
+            served: memoryview | None = _or_healed(
+                eng,
+                page,
+                blob,
+                lambda b: _read_verified(eng, page, b, buf, 0, b.size),
+                lambda data: data,
+            )
             eng.note_read(page, blob.size, restored=restored)
+            if served is not None:  # from the archive's copy: the disk failed
+                return served if own else served.tobytes()
             return buf if own else bytes(buf)
-        _or_healed(eng, page, blob, lambda b: _read_verified(eng, page, b, dest, 0, b.size))
+        into_dest = dest  # (narrowed for the lambdas)
+        _or_healed(
+            eng,
+            page,
+            blob,
+            lambda b: _read_verified(eng, page, b, into_dest, 0, b.size),
+            lambda data: _fill(into_dest, data),
+        )
         eng.note_read(page, blob.size, restored=restored)
         return blob.size
+
+
+def _fill(dest: memoryview, data: memoryview) -> None:
+    dest[: len(data)] = data
 
 
 def _destination(into: object, size: int, k: PageKey) -> memoryview:
@@ -147,7 +166,13 @@ def read_range(eng: Engine, k: PageKey, offset: int, size: int) -> bytes:
         lo = offset - offset % LEAF
         hi = min(blob.size, -(-end // LEAF) * LEAF)
         buf = aligned_buffer(hi - lo)
-        _or_healed(eng, page, blob, lambda b: _read_verified(eng, page, b, buf, lo, hi - lo))
+        _or_healed(
+            eng,
+            page,
+            blob,
+            lambda b: _read_verified(eng, page, b, buf, lo, hi - lo),
+            lambda data: _fill(buf, data[lo:hi]),
+        )
         eng.note_read(page, hi - lo, restored=restored)
         return bytes(buf[offset - lo : end - lo])
 
@@ -169,7 +194,13 @@ def read_held(
     end = min(blob.size, offset + size)
     lo = offset - offset % LEAF
     hi = min(blob.size, -(-end // LEAF) * LEAF)
-    data = _or_healed(eng, page, blob, lambda b: _read_here(eng, page, b, lo, hi - lo, buffered))
+    data = _or_healed(
+        eng,
+        page,
+        blob,
+        lambda b: _read_here(eng, page, b, lo, hi - lo, buffered),
+        lambda whole: whole[lo:hi],
+    )
     eng.note_read(page, hi - lo, restored=restored)
     return data[offset - lo : end - lo]
 
@@ -182,14 +213,26 @@ def _from_memory(data: bytes, dest: memoryview | None) -> bytes | int:
     return len(data)
 
 
-def _or_healed(eng: Engine, page: PageRow, blob: BlobRow, read: Callable[[BlobRow], T]) -> T:
+def _or_healed(
+    eng: Engine,
+    page: PageRow,
+    blob: BlobRow,
+    read: Callable[[BlobRow], T],
+    served: Callable[[memoryview], T],
+) -> T:
     """``read(blob)``; when the local copy fails its checksum (or a file is missing) and the
     archive holds the blob, the copy is replaced from the archive and read again (counted in
-    ``corrupt_reads`` all the same). Raises CorruptPage when there is no good copy."""
+    ``corrupt_reads`` all the same). When its disk fails (EIO...), ``served(the page's
+    bytes)`` from the archive's copy, held in memory (the local copy stays: the disk may
+    come back). Raises CorruptPage when there is no good copy, the disk's OSError when
+    there is no other."""
     try:
-        return read(blob)
-    except CorruptPage as e:
-        return read(eng.heal(blob, e))
+        try:
+            return read(blob)
+        except CorruptPage as e:
+            return read(eng.heal(blob, e))
+    except OSError as e:
+        return served(memoryview(eng.read_around(blob, page, e)))
 
 
 def _read_here(

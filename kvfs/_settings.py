@@ -196,7 +196,8 @@ OPTIONS: tuple[Option, ...] = (
         "size",
         256 << 20,
         "bytes of archive-only pages held in memory to serve reads when the local tier has "
-        "no room for them (its capacity held by pinned pages, open files or writes in flight)",
+        "no room for them (its capacity held by pinned pages, open files or writes in flight), "
+        "and archived pages whose local copy's disk fails",
     ),
     Option(
         "archive",

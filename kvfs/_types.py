@@ -68,6 +68,14 @@ class DeviceStatistics:
     path: str
     used_bytes: int
     free_bytes: int
+    #: disk errors (EIO, ENXIO, ENODEV, EROFS) this device answered since the store opened
+    errors: int = 0
+    #: left out of new placements now: its last disk error is recent (see
+    #: kvfs._local.FAILING_SECONDS)
+    failing: bool = False
+    #: the last disk error, and when (time.time())
+    last_error: str | None = None
+    last_error_at: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

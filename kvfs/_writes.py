@@ -126,14 +126,18 @@ def _mount_attr_ok(name: str, value: str) -> bool:
     return name == ATTR_MTIME
 
 
-def start_device(eng: Engine, k: PageKey) -> int:
+def start_device(eng: Engine, k: PageKey, size: int | None = None) -> int:
+    """The first device of page ``k``'s data (``size`` None: not known yet), a failing
+    device skipped (LocalTier.place)."""
     li = k.layer_index
     if li is not None:
         # Consecutive layers of one prefix land on consecutive devices.
-        return (
-            zlib.crc32(k.session_dir.encode() + b"/" + (k.prefix or "").encode()) + li
-        ) % eng.tier.n
-    return eng.tier.next_start()
+        return eng.tier.place(
+            (zlib.crc32(k.session_dir.encode() + b"/" + (k.prefix or "").encode()) + li)
+            % eng.tier.n,
+            size,
+        )
+    return eng.tier.next_start(size)
 
 
 # -- leaf hashing -------------------------------------------------------------------------
@@ -214,26 +218,36 @@ def put(
                 pass  # evicted meanwhile: write the data after all
     need = eng.tier.disk_bytes(size)
     eng._reserve(need)
-    w = eng.tier.writer(start_device(eng, k), direct=True)
-    try:
-        # This thread writes (one vectored write per device file, see write_whole) while
-        # the hash pool hashes the leaves: the write is the long pole, and starting it here
-        # saves a hop to a pool. Small pages were hashed already.
-        hashing = [] if leaves is not None else _hash_beside_write(eng, mv)
+    start = start_device(eng, k, size)
+    moved = False
+    while True:
+        w = eng.tier.writer(start, direct=True)
         try:
-            w.write_whole(mv)
-        finally:
-            # Hashing reads the caller's buffer: it is over before put returns or raises
-            # (a Ctrl-C meanwhile included).
-            wait_all(hashing)
-        done = [f.result() for f in hashing]
-        if leaves is None:
-            leaves = b"".join(done)
-        extents, disk = w.finish(size)
-    except BaseException:
-        w.abort()
-        eng._unreserve(need)
-        raise
+            # This thread writes (one vectored write per device file, see write_whole)
+            # while the hash pool hashes the leaves: the write is the long pole, and
+            # starting it here saves a hop to a pool. Small pages were hashed already.
+            hashing = [] if leaves is not None else _hash_beside_write(eng, mv)
+            try:
+                w.write_whole(mv)
+            finally:
+                # Hashing reads the caller's buffer: it is over before put returns or
+                # raises (a Ctrl-C meanwhile included).
+                wait_all(hashing)
+            done = [f.result() for f in hashing]
+            if leaves is None:
+                leaves = b"".join(done)
+            extents, disk = w.finish(size)
+            break
+        except BaseException as e:
+            w.abort()
+            # A disk that failed under this write is failing now: the page goes to devices
+            # that are not, where it can (once; a second failure is the caller's).
+            again = eng.tier.place(start, size) if isinstance(e, OSError) else start
+            if again != start and not moved:
+                start, moved = again, True
+                continue
+            eng._unreserve(need)
+            raise
     assert leaves is not None
     return commit(
         eng, k, tree_hash(size, leaves), size, leaves, w, need, a, pin, replace, extents, disk
