@@ -212,8 +212,11 @@ def configuration_markdown() -> str:
         'another session of that name), the rest summed as `session="_other"`. '
         "`kvfs_restore_latency_seconds` is a summary: its quantiles are of the last 1024 "
         "restores, its `_sum` and `_count` of every restore since the store opened (a "
-        "`rate()` of each gives the mean over any window). Counters start again at 0 "
-        "when the daemon restarts. "
+        "`rate()` of each gives the mean over any window). Per data device, "
+        "`kvfs_device_errors_total` counts its disk's errors (EIO...) and "
+        "`kvfs_device_failing` is 1 while it is left out of placement after one "
+        '(architecture.md, "A device that fails"): alert on either. Counters start again '
+        "at 0 when the daemon restarts. "
         "The daemon logs to `log_target` at `log_level`; every spill, restore, eviction "
         "and error requested over the control channel is one structured line "
         "(`event=spill target=s1 bytes=123 seconds=0.25`; errors "
