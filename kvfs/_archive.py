@@ -684,11 +684,6 @@ class ArchivingPolicy(TieringPolicy):
 
         try:
             self.call(archive)
-        except CorruptPage as e:
-            if len(blobs) > 1:
-                return [self.evict_blob(b, reason) for b in blobs]
-            log.warning("cannot evict %s: %s", blobs[0].hash.hex()[:16], e)
-            return [0]
         except ArchiveUnavailable as e:
             if isinstance(e, ArchiveAccessDenied):
                 self._unreachable = f"the archive refused access ({e})"
@@ -698,6 +693,16 @@ class ArchivingPolicy(TieringPolicy):
                 raise
             log.warning("cannot evict %d blob(s) to the archive: %s", len(blobs), e)
             return [0] * len(blobs)
+        except OSError as e:
+            # A bad local copy, or one on a failing disk (read in an upload worker: the
+            # device is learnt from the file named), keeps only itself local.
+            if not (isinstance(e, CorruptPage) or is_disk_error(e)):
+                raise
+            self.engine.tier.note_error_of(e)
+            if len(blobs) > 1:
+                return [self.evict_blob(b, reason) for b in blobs]
+            log.warning("cannot evict %s: %s", blobs[0].hash.hex()[:16], e)
+            return [0]
         # One transaction for the batch; a blob that a put shared into another session since
         # the manifests were written, or that was pinned meanwhile, stays local (drop_local_many).
         rows = {r.hash: r for r in self.aindex.drop_local_many(hashes, self.spiller.named)}

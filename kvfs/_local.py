@@ -486,9 +486,20 @@ class LocalTier:
                 os.close(fd)
 
     def unlink(self, extents: tuple[Extent, ...]) -> None:
+        """Remove a blob's files. One that a failing disk cannot remove is counted against
+        its device and left: an orphan, which fsck lists and ``--repair`` (or the open
+        after a crash) removes once the disk is back. (A delete whose index commit was done
+        failed with the disk's EIO, and a retry found no page.)"""
         for dev, file in {(e[0], e[1]) for e in extents}:
-            with contextlib.suppress(FileNotFoundError):
+            try:
                 os.unlink(self.abspath(dev, file))
+            except FileNotFoundError:
+                pass
+            except OSError as e:
+                if not is_disk_error(e):
+                    raise
+                self.note_error(dev, e)
+                log.info("data file left on a failing disk, an orphan: %s", e)
 
     # -- recovery ---------------------------------------------------------------------
     def all_files(self, skip: set[int] | frozenset[int] = frozenset()) -> Iterator[tuple[int, str]]:

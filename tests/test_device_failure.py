@@ -321,3 +321,36 @@ async def test_the_mount_reads_a_page_on_a_failing_disk_from_the_archive(
                 assert got == pages[k]
         finally:
             await ops.aclose()
+
+
+def test_deletes_and_evictions_go_on_while_a_disk_fails(
+    tmp_path: Path, loop_disk: LoopDisk
+) -> None:
+    # A delete of a page on the failing disk was done in the index, then raised the disk's
+    # EIO at the unlink (a retry found no page); an eviction to the archive of a session
+    # with one page there evicted none of the others.
+    cfg = archived_on_two_devices(tmp_path, loop_disk)
+    doomed = {f"a/p{i}": os.urandom(100_000 + i) for i in range(4)}
+    cold = {f"c/p{i}": os.urandom(100_000 + i) for i in range(4)}
+    with kvfs.open_store_sync(cfg) as s:
+        put_all(s, doomed | cold)
+        cold_on = {k: s.stat(k).extents[0].device for k in cold}
+        assert set(cold_on.values()) == {0, 1}
+        os.sync()
+        loop_disk.shut_down()
+        for k in doomed:
+            s.delete(k)
+        assert s.list(session="a") == []
+        assert s.evict(session="c") > 0
+        tiers = {k: s.stat(k).tier for k in cold}
+        assert tiers == {k: "local" if dev == 1 else "archive" for k, dev in cold_on.items()}
+        assert {k: s.get(k) for k in cold if cold_on[k] == 0} == {
+            k: v for k, v in cold.items() if cold_on[k] == 0
+        }
+        assert s.statistics().devices[1].errors >= 1
+    loop_disk.comeback()
+    with kvfs.open_store_sync(cfg) as s:  # what could not be removed is an orphan
+        assert {k: s.get(k) for k in cold} == cold
+        found = s.fsck(repair=True)
+        assert found["orphans"] and all(p.startswith(str(loop_disk.path)) for p in found["orphans"])
+        assert not s.fsck()["orphans"]
