@@ -61,6 +61,8 @@ __all__ = ["Engine", "PageWriter"]
 #: how long close() waits for calls in flight before it closes under them (then the index
 #: is not marked clean, and the next open recounts as after a crash)
 CLOSE_WAIT_SECONDS = 120.0
+#: how long close() then waits for an upload job still reading deleted content's files
+LEASE_WAIT_SECONDS = 30.0
 ATIME_FLUSH_SECONDS = 5.0
 
 log = logging.getLogger("kvfs.engine")
@@ -601,8 +603,10 @@ class Engine:
                 # access times are hints: a full disk must not stop a close
                 log.warning("access times not saved at close: %s", e)
             self.policy.close()
+            self._wait_deferred(LEASE_WAIT_SECONDS if settled else 0.0)
             with self._cap_lock:
                 deferred, self._deferred = self._deferred, {}
+            kept = 0
             for blobs in deferred.values():
                 for b in blobs:
                     # (a lease still held past the wait: its reader may still read the
@@ -611,10 +615,18 @@ class Engine:
                         self.tier.unlink(b.extents)
                         with self._cap_lock:
                             self._account(b, -1)
+                    elif b.extents:
+                        kept += 1
+            if kept:
+                log.warning(
+                    "closing: the files of %d deleted or evicted content(s) are still read; "
+                    "the next open removes them (it recounts, as after a crash)",
+                    kept,
+                )
             self.io_pool.shutdown(wait=True)
             self.hash_pool.shutdown(wait=True)
             try:
-                if settled:
+                if settled and not kept:
                     self.index.set_meta("accounting", [self.used, self.dev_used])
                     self.index.set_meta("clean", True)
             except CapacityExceeded as e:
@@ -627,6 +639,20 @@ class Engine:
             self.dirs.close()
         finally:
             self._lock.release()
+
+    def _wait_deferred(self, seconds: float) -> None:
+        """Wait up to ``seconds`` for the leases on deleted or evicted content whose files
+        wait for them (:meth:`_drop_files`) to end. Calls in flight are over by now; such a
+        lease is an upload worker's job still reading the files, abandoned when another
+        batch of its spill or eviction failed, and it ends with the job. Before, the close
+        left those files behind and marked the index clean: orphans no open swept."""
+        deadline = time.monotonic() + seconds
+        while True:
+            with self._cap_lock:
+                held = any(self._leases[h] for h in self._deferred)
+            if not held or time.monotonic() >= deadline:
+                return
+            time.sleep(0.01)
 
     def _abort_writers(self) -> None:
         """Discard the streaming writes never committed or aborted (no call of theirs runs
