@@ -26,6 +26,7 @@ from kvfs import CorruptPage, PageInfo, PageKey
 from kvfs._aligned import BouncePool, address_of, as_bytes_view
 from kvfs._checksum import LEAF
 from kvfs._keys import as_key
+from kvfs._local import is_disk_error
 from kvfs._mountinfo import kvfs_mount_of
 from kvfs._writes import check_attrs
 
@@ -251,13 +252,18 @@ class FastPath:
         """
         eng = self._need_engine()
         sources: list[PageSource] = []
+        around: list[OSError] = []  # the disk error a second read goes around
 
         def make(check: Callable[[int], None]) -> PageSource:
-            src = source_from_engine(eng, key, check=check)
+            src = source_from_engine(
+                eng, key, check=check, disk_error=around[0] if around else None
+            )
             sources.append(src)
             return src
 
-        def start(again: bool = False) -> Future[int]:
+        def start(again: bool = False, disk_error: OSError | None = None) -> Future[int]:
+            if disk_error is not None:
+                around.append(disk_error)
             return self._start(make, into, backend, verify, allow_unaligned, again=again)
 
         out: Future[int] = Future()
@@ -289,14 +295,21 @@ class FastPath:
         """``done``'s outcome into ``out``; when the local copy failed its checksum and the
         archive holds the page, that copy (the data the failed read was given, even if the
         key names other data by now) is replaced from the archive, as ``get`` does, and the
-        read runs once more."""
+        read runs once more. When its disk failed (EIO...), the read runs once more from
+        the archive's copy held in memory, as ``get``'s does (the local copy stays)."""
         err = done.exception()
+        blob = sources[-1].blob if sources else None
+        if isinstance(err, OSError) and is_disk_error(err) and blob is not None and blob.archived:
+            try:
+                start(again=True, disk_error=err).add_done_callback(lambda f: _settle(out, f))
+            except BaseException as e:  # never leave ``out`` unresolved
+                out.set_exception(e)
+            return
         if not isinstance(err, CorruptPage):
             _settle(out, done)
             return
         try:
             eng.corrupt_read(str(err))  # counted and logged, as a get's
-            blob = sources[-1].blob if sources else None
             if blob is None:
                 raise err
             if eng.index.blob(blob.hash) is not None:

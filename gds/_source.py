@@ -180,15 +180,21 @@ def decode_extents(
 
 
 def source_from_engine(
-    engine: Any, key: PageKey | str, *, check: Callable[[int], None] | None = None
+    engine: Any,
+    key: PageKey | str,
+    *,
+    check: Callable[[int], None] | None = None,
+    disk_error: OSError | None = None,
 ) -> PageSource:
     """Lease a page of ``engine`` (a :class:`kvfs.Engine`) and describe its backing files.
 
     A page held only in the archive tier is restored to the local tier first (as
     ``Engine.get`` does), after ``check(size)`` (the destination's checks: what it raises
-    is raised before anything is downloaded). Raises PageNotFound, StoreClosed,
-    ArchiveUnavailable. The lease is held until the returned source is released; on an
-    error nothing is held.
+    is raised before anything is downloaded). With ``disk_error`` (a read of its local
+    copy failed so: its disk fails), the archive's verified copy held in memory instead
+    (``Engine.read_around``, which raises ``disk_error`` when there is none). Raises
+    PageNotFound, StoreClosed, ArchiveUnavailable. The lease is held until the returned
+    source is released; on an error nothing is held.
     """
     cm = engine.lease(key)
     page, blob = cm.__enter__()
@@ -197,7 +203,9 @@ def source_from_engine(
     try:
         if check is not None:
             check(blob.size)
-        if restored:
+        if disk_error is not None and not restored:
+            held = engine.read_around(blob, page, disk_error)
+        elif restored:
             got = engine._restore(blob, page)
             if isinstance(got, bytes):  # no local room: the archive's verified memory copy
                 held = got

@@ -243,9 +243,10 @@ def test_a_page_on_a_failing_disk_is_read_from_the_archive(
         put_all(s, pages)
         s.spill("a")
         s.restore("a")  # held locally and in the archive
-        s.put("b/only-here", b"y" * 100_000)
-        on_disk = {k: s.stat(k).extents[0].device for k in [*pages, "b/only-here"]}
+        put_all(s, {f"b/p{i}": os.urandom(100_000) for i in range(4)})
+        on_disk = {k: s.stat(k).extents[0].device for k in pages}
         assert set(on_disk.values()) == {0, 1}
+        only_here = next(f"b/p{i}" for i in range(4) if s.stat(f"b/p{i}").extents[0].device)
         os.sync()
         loop_disk.shut_down()
         for k, v in pages.items():
@@ -253,10 +254,9 @@ def test_a_page_on_a_failing_disk_is_read_from_the_archive(
             buf = bytearray(len(v))
             assert s.get(k, into=buf) == len(v) and buf == v
             assert s.read_range(k, 5_000, 10_000) == v[5_000:15_000]
-        if on_disk["b/only-here"] == 1:  # nothing else holds it: the disk's error
-            with pytest.raises(OSError) as e:
-                s.get("b/only-here")
-            assert e.value.errno == errno.EIO and not isinstance(e.value, kvfs.KvfsError)
+        with pytest.raises(OSError) as e:  # nothing else holds it: the disk's error
+            s.get(only_here)
+        assert e.value.errno == errno.EIO and not isinstance(e.value, kvfs.KvfsError)
         assert s.statistics().devices[1].errors >= 1
     loop_disk.comeback()
     with kvfs.open_store_sync(cfg) as s:  # the local copies were kept: the disk is back
@@ -354,3 +354,31 @@ def test_deletes_and_evictions_go_on_while_a_disk_fails(
         found = s.fsck(repair=True)
         assert found["orphans"] and all(p.startswith(str(loop_disk.path)) for p in found["orphans"])
         assert not s.fsck()["orphans"]
+
+
+def test_the_fast_path_reads_a_page_on_a_failing_disk_from_the_archive(
+    tmp_path: Path, loop_disk: LoopDisk
+) -> None:
+    # The GDS fast path (host backend here) read the backing files, got EIO from the
+    # failing disk and failed, where get served the archive's copy.
+    import gds
+    from kvfs._aligned import aligned_buffer
+
+    cfg = archived_on_two_devices(tmp_path, loop_disk)
+    pages = {f"a/p{i}": os.urandom(300_000 + i) for i in range(4)}
+    with kvfs.open_store_sync(cfg) as s, gds.FastPath(s) as fp:
+        put_all(s, pages)
+        s.spill("a")
+        s.restore("a")
+        put_all(s, {f"b/p{i}": os.urandom(100_000) for i in range(4)})
+        assert {s.stat(k).extents[0].device for k in pages} == {0, 1}
+        only_here = next(f"b/p{i}" for i in range(4) if s.stat(f"b/p{i}").extents[0].device)
+        os.sync()
+        loop_disk.shut_down()
+        for k, v in pages.items():
+            dest = aligned_buffer(len(v))
+            assert fp.read(k, dest).result(timeout=60) == len(v)
+            assert bytes(dest[: len(v)]) == v
+        with pytest.raises(OSError) as e:  # no other copy: the disk's error
+            fp.read(only_here, aligned_buffer(100_000)).result(timeout=60)
+        assert e.value.errno == errno.EIO
