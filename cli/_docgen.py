@@ -222,7 +222,11 @@ def configuration_markdown() -> str:
         "(`event=spill target=s1 bytes=123 seconds=0.25`; errors "
         "`event=error method=... error=... message=...`: a caller's mistake at WARNING, a "
         "failure of the daemon at ERROR, a lookup or get that found nothing (a cache miss) at DEBUG), "
-        "with the fields also as journald fields (`KVFS_EVENT`) when logging to journald.",
+        "with the fields also as journald fields (`KVFS_EVENT`) when logging to journald. "
+        "Background work is one line per pass: evictions made for room "
+        "(`event=evict reason=capacity contents=3 bytes=208896 archived=True seconds=0.01`), a "
+        "spill per session; a line per content (each one evicted, restored, or deleted from "
+        "the archive) is DEBUG, so that a busy daemon's log is not one line per page.",
         "",
     ]
     return "\n".join(out)

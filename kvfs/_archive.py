@@ -1007,6 +1007,7 @@ class ArchivingPolicy(TieringPolicy):
             self.count("blobs_restored")
             log_event(
                 "restore",
+                level=logging.DEBUG,  # (per content; a request's line says the session's)
                 content=x.h.hex()[:16],
                 bytes=x.size,
                 seconds=self.restore_latencies[-1],

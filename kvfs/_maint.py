@@ -12,6 +12,7 @@ from __future__ import annotations
 import builtins
 import collections
 import dataclasses
+import logging
 import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -111,6 +112,7 @@ def delete_blob_pages(eng: Engine, blob: BlobRow, reason: str) -> int:
     n = sum(b.disk_bytes for b in dropped)
     log_event(
         "evict",
+        level=logging.DEBUG,  # (a pass's summary is the INFO line: make_room)
         content=blob.hash.hex()[:16],
         reason=reason,
         pages=len(gone),
@@ -131,7 +133,15 @@ def delete_evicted_pages(eng: Engine, pages: builtins.list[PageRow], reason: str
             eng._evictions[reason] += len(bytes_of)
     for h, n in by_content.items():  # one line per content, as a capacity eviction logs
         b = bytes_of.get(h, 0)  # 0: another session's page still holds it
-        log_event("evict", content=h.hex()[:16], reason=reason, pages=n, bytes=b, archived=False)
+        log_event(
+            "evict",
+            level=logging.DEBUG,
+            content=h.hex()[:16],
+            reason=reason,
+            pages=n,
+            bytes=b,
+            archived=False,
+        )
     return sum(bytes_of.values())
 
 

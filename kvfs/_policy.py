@@ -9,6 +9,7 @@ archive tier, evicting a blob deletes the pages that share it. Access times come
 
 from __future__ import annotations
 
+import logging
 import sqlite3
 import threading
 import time
@@ -106,6 +107,8 @@ class TieringPolicy:
                 # every unpinned page, then got ENOSPC)
                 return 0
         freed = 0
+        evicted = 0
+        t0 = time.monotonic()
         skipped: set[bytes] = set()
         while freed < need:
             if first is None:
@@ -127,8 +130,20 @@ class TieringPolicy:
             # each pass frees something or skips a blob from then on: the loop ends
             skipped.update(b.hash for b, n in zip(batch, got, strict=True) if n == 0)
             freed += sum(got)
+            evicted += sum(1 for n in got if n)
             if self.room_blocked() is not None:
                 break  # the next batches would fail the same way, each waiting as long
+        if evicted:
+            # One line for the pass: under steady pressure every put evicts, and a line per
+            # content was a line per page written (per content: DEBUG)
+            log_event(
+                "evict",
+                reason=reason,
+                contents=evicted,
+                bytes=freed,
+                archived=not self.lossy_eviction,
+                seconds=time.monotonic() - t0,
+            )
         return freed
 
     def room_blocked(self) -> str | None:
@@ -209,7 +224,12 @@ class TieringPolicy:
         with eng._cap_lock:
             eng._evictions[reason] += 1
         log_event(
-            "evict", content=row.hash.hex()[:16], reason=reason, bytes=row.disk_bytes, archived=True
+            "evict",
+            level=logging.DEBUG,  # (a pass's summary is the INFO line: make_room)
+            content=row.hash.hex()[:16],
+            reason=reason,
+            bytes=row.disk_bytes,
+            archived=True,
         )
         return row.disk_bytes
 

@@ -406,7 +406,9 @@ class Spiller:
 
         async def delete(h: bytes) -> None:
             await self.store.delete(blob_key(h))
-            log_event("archive-delete", content=h.hex()[:16], reason="last-reference")
+            log_event(
+                "archive-delete", level=logging.DEBUG, content=h.hex()[:16], reason="last-reference"
+            )
 
         gone = await self.collector.collect(cands, referenced, unheld, delete)
         await _thread(self.aindex.done, "forget", [h.hex() for h in gone])

@@ -1270,3 +1270,45 @@ def test_fsck_repair_between_a_spills_drop_and_its_unlink_finds_no_orphan(
         assert all(f["orphans"] == [] and f["repaired"] == [] for f in found), found
         assert not any(store.fsck().values())
         assert {k: store.get(k) for k in pages} == pages
+
+
+def test_the_log_says_one_line_per_eviction_pass_not_one_per_page(
+    make_config: Callable[..., kvfs.StoreConfig],
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # Every content evicted for room, and every content restored, was an INFO line of its
+    # own: a put-heavy daemon under pressure wrote a log line per page it pushed out, and a
+    # session read back through the mount one per page (journald throttles, and drops the
+    # lines that matter). Per-content lines are DEBUG now; a pass says what it did at INFO.
+    import logging
+
+    page = 64 * KiB
+    cfg = make_config(
+        ndev=1,
+        capacity=16 * (page + 4 * KiB) + 8 * KiB,
+        archive_url=f"file://{tmp_path / 'archive'}",
+        extra={"archive": {"interval": 0}},  # (evict_ahead: each pass frees a few pages)
+    )
+    with caplog.at_level(logging.INFO, logger="kvfs.events"), kvfs.open_store_sync(cfg) as s:
+        for i in range(64):
+            s.put(f"a/p{i:02d}", os.urandom(page))
+        evicted = s.statistics().evictions["capacity"]
+        evicts = [
+            r.getMessage() for r in caplog.records if r.getMessage().startswith("event=evict ")
+        ]
+        assert 1 <= len(evicts) <= evicted // 2, (evicted, evicts[:3])  # one line per pass
+        assert sum(int(_field(m, "contents")) for m in evicts) == evicted
+        put_all = {f"b/p{i}": os.urandom(page) for i in range(8)}
+        for k, v in put_all.items():
+            s.put(k, v)
+        s.evict(session="b")
+        caplog.clear()
+        assert s.restore("b") == 8 * page
+        assert {k: s.get(k) for k in put_all} == put_all
+        lines = [r.getMessage() for r in caplog.records]
+        assert not [m for m in lines if "content=" in m], lines[:3]
+
+
+def _field(line: str, name: str) -> str:
+    return next(f.split("=", 1)[1] for f in line.split() if f.startswith(name + "="))
