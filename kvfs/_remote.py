@@ -457,6 +457,11 @@ class RemoteStore(_Api, BatchCalls):
         data: bytes = await self._call("get", *args, views=dest is not None, **kw)
         return data if dest is None else _copy_into(data, dest, path)
 
+    async def read_page(self, key: KeyLike) -> bytes | memoryview:
+        """As ``Store.read_page``: a large page is a view into the daemon's answer, not a
+        copy of it; raises as :meth:`get` does."""
+        return await self._call("get", _k(key), views=True)  # type: ignore[no-any-return]
+
     async def spill(  # type: ignore[override]
         self, session: str, *, progress: Callable[[int, int], None] | None = None
     ) -> Any:

@@ -83,9 +83,17 @@ class Store(BatchCalls):
         """
         return await self._run(self._engine.get, key, into)
 
+    async def read_page(self, key: KeyLike) -> bytes | memoryview:
+        """A whole page in a buffer of its own, not a copy of it (see
+        :meth:`Engine.read_page`): a large page is held once, where ``get`` returns a
+        ``bytes`` copied from its read buffer. The result is a ``bytes`` or a
+        ``memoryview`` (which one depends on where the page was read from: use it as a
+        buffer, not as ``bytes``). Raises as :meth:`get` does."""
+        return await self._read_page(key)
+
     async def _read_page(self, key: KeyLike, room: int | None = None) -> bytes | memoryview:
-        """:meth:`Engine.read_page`, under this store's limit on threads (the daemon's
-        answer to a remote get)."""
+        """:meth:`read_page`, refusing a page larger than ``room`` bytes before it is read
+        or restored (the daemon's answer to a remote get into a buffer of that size)."""
         return await self._run(self._engine.read_page, key, room=room)
 
     async def read_range(self, key: KeyLike, offset: int, size: int) -> bytes:
@@ -266,8 +274,8 @@ class SyncStore:
         return self._engine.get(key, into)
 
     def read_page(self, key: KeyLike) -> bytes | memoryview:
-        """A whole page in a buffer of its own, not a copy (see :meth:`Engine.read_page`);
-        raises as :meth:`get` does."""
+        """As :meth:`Store.read_page`: a whole page in a buffer of its own, not a copy (see
+        :meth:`Engine.read_page`); raises as :meth:`get` does."""
         return self._engine.read_page(key)
 
     def read_range(self, key: KeyLike, offset: int, size: int) -> bytes:
