@@ -978,27 +978,14 @@ def cmd_fsck(args: argparse.Namespace) -> int:
         engine = getattr(store, "engine", None)
         # opened without the archive it could not reach: a repair would be refused
         offline = engine is not None and engine.archive_error is not None
-        if engine is not None:  # in-process: a progress bar per checked content
-            bar = _progress(args, "fsck", 1, unit=" contents")
+        # a progress bar per checked content (through a daemon: from its progress frames)
+        with _progress(args, "fsck", 1, unit=" contents") as bar:
 
             def progress(done: int, total: int) -> None:
                 bar.total = max(total, 1)
                 bar.update(done - bar.done)
 
-            with bar:
-                found = engine.fsck(
-                    repair=args.repair, archive=args.check_archive, progress=progress
-                )
-        else:  # the daemon's: progress frames over the control channel
-            with _progress(args, "fsck", 1, unit=" contents") as bar:
-
-                def remote_progress(done: int, total: int) -> None:
-                    bar.total = max(total, 1)
-                    bar.update(done - bar.done)
-
-                found = store.fsck_progress(
-                    repair=args.repair, archive=args.check_archive, progress=remote_progress
-                )
+            found = store.fsck(repair=args.repair, archive=args.check_archive, progress=progress)
     problems = sum(len(found.get(k, ())) for k in FSCK_PROBLEMS)
     lines = [
         f"{k}: {len(v)}"

@@ -179,8 +179,20 @@ class _Api:
     def evict(self, key: KeyLike | None = None, *, session: str | None = None) -> Any:
         return self._call("evict", None if key is None else _k(key), session=session)
 
-    def fsck(self, *, repair: bool = False, archive: bool = False) -> Any:
-        return self._call("fsck", repair=repair, archive=archive)
+    def fsck(
+        self,
+        *,
+        repair: bool = False,
+        archive: bool = False,
+        progress: Callable[[int, int], None] | None = None,
+    ) -> Any:
+        """As the in-process ``fsck``; ``progress`` gets (contents checked, contents to
+        check) as the daemon reports them (a few times a second)."""
+        if progress is None:  # (progress=True only when asked: an older daemon's call)
+            return self._call("fsck", repair=repair, archive=archive)
+        return self._call(
+            "fsck", repair=repair, archive=archive, progress=True, on_progress=progress
+        )
 
     def statistics(self) -> Any:
         return self._call("statistics")
@@ -297,10 +309,10 @@ class SyncRemoteStore(_Api):
         archive: bool = False,
         progress: Callable[[int, int], None],
     ) -> dict[str, builtins.list[str]]:
-        """fsck with ``progress(done, total)`` called as the daemon checks (a few times a
-        second). Returns the findings, as ``fsck``."""
-        result: dict[str, builtins.list[str]] = self._call(
-            "fsck", repair=repair, archive=archive, progress=True, on_progress=progress
+        """``fsck(repair=..., archive=..., progress=...)``, by its older name (kept for
+        callers of it)."""
+        result: dict[str, builtins.list[str]] = self.fsck(
+            repair=repair, archive=archive, progress=progress
         )
         return result
 

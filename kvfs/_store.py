@@ -163,9 +163,15 @@ class Store(BatchCalls):
         )
 
     async def fsck(
-        self, *, repair: bool = False, archive: bool = False
+        self,
+        *,
+        repair: bool = False,
+        archive: bool = False,
+        progress: Callable[[int, int], None] | None = None,
     ) -> dict[str, builtins.list[str]]:
-        return await self._run(self._engine.fsck, repair=repair, archive=archive)
+        """Check (with ``repair``: mend) the store; findings by kind (see Engine.fsck).
+        ``progress(contents checked, contents to check)`` is called from a thread."""
+        return await self._run(self._engine.fsck, repair=repair, archive=archive, progress=progress)
 
     async def begin_write(self, key: KeyLike) -> PageWriter:
         return await self._run(self._engine.begin_write, key)
@@ -329,8 +335,14 @@ class SyncStore:
     ) -> int:
         return self._engine.evict(key, session=session, progress=progress)
 
-    def fsck(self, *, repair: bool = False, archive: bool = False) -> dict[str, builtins.list[str]]:
-        return self._engine.fsck(repair=repair, archive=archive)
+    def fsck(
+        self,
+        *,
+        repair: bool = False,
+        archive: bool = False,
+        progress: Callable[[int, int], None] | None = None,
+    ) -> dict[str, builtins.list[str]]:
+        return self._engine.fsck(repair=repair, archive=archive, progress=progress)
 
     def begin_write(self, key: KeyLike) -> PageWriter:
         return self._engine.begin_write(key)

@@ -58,3 +58,37 @@ async def test_read_page_on_every_front_door(make_config: MakeConfig, tmp_path: 
         assert isinstance(got, memoryview) and got == large
         with pytest.raises(kvfs.PageNotFound):
             sync.read_page("a/missing")
+
+
+async def test_fsck_reports_progress_on_every_front_door(
+    make_config: MakeConfig, tmp_path: Path
+) -> None:
+    """``fsck(progress=)`` was a TypeError on every door: only SyncRemoteStore reported an
+    fsck's progress, under another name (``fsck_progress``), and the CLI called the engine
+    itself to draw the in-process bar."""
+    sock = tmp_path / "c.sock"
+    cfg = make_config()
+    seen: dict[str, list[tuple[int, int]]] = {d: [] for d in ("Store", "Remote", "SyncRemote")}
+
+    def to(door: str) -> Callable[[int, int], None]:
+        return lambda done, total: seen[door].append((done, total))
+
+    async with served(cfg, sock) as store:
+        for i in range(5):
+            await store.put(f"sessions/a/p/layer-{i:03d}", os.urandom(3000 + i))
+        assert not any((await store.fsck(progress=to("Store"))).values())
+        async with kvfs.open_remote_store(sock) as r:
+            assert not any((await r.fsck(progress=to("Remote"))).values())
+
+        def sync_remote() -> None:  # (in a thread: the daemon answers on this trio loop)
+            with kvfs.open_remote_store_sync(sock) as s:
+                found = s.fsck(progress=to("SyncRemote"))
+                assert not any(found.values())
+                # the older name still works
+                assert s.fsck_progress(progress=lambda d, t: None) == found
+
+        await trio.to_thread.run_sync(sync_remote)
+    with kvfs.open_store_sync(cfg) as sync:
+        seen["SyncStore"] = []
+        assert not any(sync.fsck(progress=to("SyncStore")).values())
+    assert {door: calls[-1] for door, calls in seen.items()} == dict.fromkeys(seen, (5, 5))
