@@ -17,6 +17,7 @@ first call after a restart reaches the new daemon. Arguments are checked as in-p
 from __future__ import annotations
 
 import builtins
+import functools
 import os
 import select
 import socket
@@ -359,7 +360,13 @@ class SyncRemoteStore(_Api):
         return self._call("get", _k(key), views=True)  # type: ignore[no-any-return]
 
     def put_many(
-        self, items: Iterable[tuple[KeyLike, object]], *, concurrency: int = 4, **kw: Any
+        self,
+        items: Iterable[tuple[KeyLike, object]],
+        *,
+        attrs: dict[str, str] | None = None,
+        pin: bool = False,
+        replace: bool = False,
+        concurrency: int = 4,
     ) -> builtins.list[PageInfo]:
         """As ``SyncStore.put_many``: ``concurrency`` calls at a time, each on its own
         connection; the first error is raised after the calls in flight finish."""
@@ -367,7 +374,8 @@ class SyncRemoteStore(_Api):
         with ThreadPoolExecutor(
             max(1, min(concurrency, len(its) or 1)), thread_name_prefix="kvfs-put-many"
         ) as ex:
-            return builtins.list(ex.map(lambda kd: self.put(kd[0], kd[1], **kw), its))
+            put = functools.partial(self.put, attrs=attrs, pin=pin, replace=replace)
+            return builtins.list(ex.map(lambda kd: put(*kd), its))
 
     def get_many(
         self, keys: Iterable[KeyLike], into: Iterable[object] | None = None, *, concurrency: int = 4

@@ -273,8 +273,16 @@ class SyncStore:
     def config(self) -> StoreConfig:
         return self._engine.config
 
-    def put(self, key: KeyLike, data: object, **kw: Any) -> PageInfo:
-        return self._engine.put(key, data, **kw)
+    def put(
+        self,
+        key: KeyLike,
+        data: object,
+        *,
+        attrs: dict[str, str] | None = None,
+        pin: bool = False,
+        replace: bool = False,
+    ) -> PageInfo:
+        return self._engine.put(key, data, attrs=attrs, pin=pin, replace=replace)
 
     def get(self, key: KeyLike, into: object | None = None) -> bytes | int:
         return self._engine.get(key, into)
@@ -293,8 +301,14 @@ class SyncStore:
     def exists(self, key: KeyLike) -> bool:
         return self._engine.exists(key)
 
-    def list(self, **kw: Any) -> builtins.list[PageInfo]:
-        return self._engine.list(**kw)
+    def list(
+        self,
+        *,
+        session: str | None = None,
+        prefix: str | None = None,
+        path_prefix: str | None = None,
+    ) -> builtins.list[PageInfo]:
+        return self._engine.list(session=session, prefix=prefix, path_prefix=path_prefix)
 
     def sessions(self) -> builtins.list[SessionInfo]:
         return self._engine.sessions()
@@ -348,7 +362,13 @@ class SyncStore:
         return self._engine.begin_write(key)
 
     def put_many(
-        self, items: Iterable[tuple[KeyLike, object]], *, concurrency: int = 4, **kw: Any
+        self,
+        items: Iterable[tuple[KeyLike, object]],
+        *,
+        attrs: dict[str, str] | None = None,
+        pin: bool = False,
+        replace: bool = False,
+        concurrency: int = 4,
     ) -> builtins.list[PageInfo]:
         """Put several pages from ``concurrency`` threads; results in input order. Every
         item is checked first (a bad key or buffer, or a key twice, stores nothing, and the
@@ -361,7 +381,8 @@ class SyncStore:
         with ThreadPoolExecutor(
             max(1, min(concurrency, len(items) or 1)), thread_name_prefix="kvfs-put-many"
         ) as ex:
-            return list(ex.map(lambda kd: self._engine.put(kd[0], kd[1], **kw), items))
+            put = functools.partial(self._engine.put, attrs=attrs, pin=pin, replace=replace)
+            return list(ex.map(lambda kd: put(*kd), items))
 
     def get_many(
         self, keys: Iterable[KeyLike], into: Iterable[object] | None = None, *, concurrency: int = 4

@@ -4,6 +4,7 @@ against one runs against another; the differences are the few listed here, on pu
 
 from __future__ import annotations
 
+import inspect
 import os
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -17,6 +18,80 @@ from kvfs._control import control_service
 
 MakeConfig = Callable[..., kvfs.StoreConfig]
 MiB = 1 << 20
+
+DOORS: dict[str, type] = {
+    "Store": kvfs.Store,
+    "SyncStore": kvfs.SyncStore,
+    "RemoteStore": kvfs.RemoteStore,
+    "SyncRemoteStore": kvfs.SyncRemoteStore,
+}
+IN_PROCESS, CLIENTS = {"Store", "SyncStore"}, {"RemoteStore", "SyncRemoteStore"}
+ASYNC, SYNC = {"Store", "RemoteStore"}, {"SyncStore", "SyncRemoteStore"}
+
+#: The public names that only some doors have, on purpose (docs/api.md says so too). Any
+#: other name one door has and another lacks fails the test: add it to every door, or
+#: here with the reason.
+ONLY_ON: dict[str, tuple[set[str], str]] = {
+    "engine": (IN_PROCESS, "the synchronous core itself: a client has none in its process"),
+    "config": (IN_PROCESS, "the StoreConfig opened; a client knows its socket (see identity)"),
+    "aclose": (ASYNC, "closing, by trio's name, on the async doors"),
+    "close": (SYNC, "closing, on the blocking doors"),
+    "ping": (CLIENTS, "whether the daemon answers: in-process there is no daemon"),
+    "identity": (CLIENTS, "which store the daemon serves (its lock file, data dirs, pid)"),
+    "fsck_progress": ({"SyncRemoteStore"}, "fsck(progress=)'s older name, kept for callers"),
+}
+
+#: Methods whose parameters differ on purpose, by door.
+OWN_PARAMETERS: dict[tuple[str, str], str] = {
+    # the blocking client bounds its ping on a connection of its own; on trio a cancel
+    # scope (trio.move_on_after) bounds any call
+    ("ping", "SyncRemoteStore"): "timeout",
+}
+# Not differences of the surface, so not listed: the clients' begin_write raises
+# NotImplementedError (a page is streamed into the daemon's store by put), and their
+# get(into=buf) copies the answer into buf (host buffers only).
+
+
+def public_names(cls: type) -> set[str]:
+    return {n for n in dir(cls) if not n.startswith("_")}
+
+
+def parameters(cls: type, name: str) -> object:
+    """What a caller writes: each parameter's name, kind and default (not its annotation:
+    the clients annotate their results ``Any``), or "property"."""
+    if isinstance(inspect.getattr_static(cls, name), property):
+        return "property"
+    sig = inspect.signature(getattr(cls, name))
+    return [(p.name, p.kind.name, p.default) for p in list(sig.parameters.values())[1:]]
+
+
+def test_every_front_door_has_the_same_methods_with_the_same_parameters() -> None:
+    """A method added to one door and forgotten in another (read_page on the sync doors
+    only), a keyword on one only (fsck's progress= on SyncRemoteStore, as fsck_progress),
+    keywords hidden behind ``**kw`` (SyncStore.put and list, the sync put_many) or a
+    blocking method on an async door fails here."""
+    names = set().union(*(public_names(c) for c in DOORS.values()))
+    wrong = []
+    for name in sorted(names):
+        have = {d for d, c in DOORS.items() if name in public_names(c)}
+        expected = ONLY_ON.get(name, (set(DOORS), ""))[0]
+        if have != expected:
+            wrong.append(f"{name}: on {sorted(have)}, expected on {sorted(expected)}")
+            continue
+        seen = {
+            d: parameters(DOORS[d], name) for d in sorted(have) if (name, d) not in OWN_PARAMETERS
+        }
+        if len({repr(p) for p in seen.values()}) > 1:
+            wrong.append(f"{name}: " + "; ".join(f"{d}{p}" for d, p in seen.items()))
+        for d in have:
+            # Store's methods are coroutines, the blocking doors' plain calls. (RemoteStore's
+            # shared with SyncRemoteStore return their awaitable _call: its own are checked.)
+            fn = getattr(DOORS[d], name)
+            own = d != "RemoteStore" or name in vars(kvfs.RemoteStore)
+            if callable(fn) and own and inspect.iscoroutinefunction(fn) != (d in ASYNC):
+                wrong.append(f"{d}.{name}: {'not ' * (d in ASYNC)}a coroutine function")
+    assert not wrong, "\n".join(wrong)
+    assert len(names) > 30  # (a listing that found nothing compares nothing)
 
 
 @asynccontextmanager
