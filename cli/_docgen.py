@@ -186,8 +186,10 @@ def configuration_markdown() -> str:
         "Other processes (engine workers) use the daemon's store through it with the "
         "object API's interface: `async with kvfs.open_remote_store(socket) as store:` "
         "(like `kvfs.Store`) or `with kvfs.open_remote_store_sync(socket) as store:` (like "
-        "`kvfs.SyncStore`). `begin_write` is not offered (use `put`); `get(key, into=buf)` "
-        "copies into host buffers. If the daemon dies during a call the call raises "
+        "`kvfs.SyncStore`): the same calls (docs/api.md lists them, and the few that only "
+        "some of the four doors have). `begin_write` is not offered (use `put`); "
+        "`get(key, into=buf)` copies into host buffers, and `read_page(key)` returns a large "
+        "page as a view into the daemon's answer (no copy). If the daemon dies during a call the call raises "
         "`DaemonUnavailable` and its effect is unknown (`exists` tells for a `put`). "
         "A call cancelled in the client (a trio cancel scope, Ctrl-C) returns at once and "
         "closes its connection, unlike `kvfs.Store`'s, which waits for its thread: the "
@@ -198,7 +200,7 @@ def configuration_markdown() -> str:
         "After a daemon restart the first call reaches the new daemon (pooled connections to "
         "the old one are dropped before use). The same arguments and the same errors as "
         "in-process: `put_many`/`get_many` raise the store's error (`PageExists`, "
-        "`PageNotFound`), not an `ExceptionGroup`, and `spill`/`restore`/`evict` take "
+        "`PageNotFound`), not an `ExceptionGroup`, and `spill`/`restore`/`evict`/`fsck` take "
         "`progress=`. `open_remote_store_sync(socket, timeout=S)` bounds the first ping "
         "and every call's socket waits.",
         "",

@@ -214,7 +214,8 @@ class _Api:
         raise NotImplementedError("begin_write is not offered over the control channel; use put")
 
     def identity(self) -> Any:
-        """The daemon's ``{"data_dirs": [resolved paths], "pid": N}``."""
+        """Which store the daemon serves: ``{"lock": its lock file, "data_dirs": [resolved
+        paths], "pid": N}``."""
         return self._call("identity")
 
 
