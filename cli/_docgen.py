@@ -225,10 +225,13 @@ def configuration_markdown() -> str:
         "`event=error method=... error=... message=...`: a caller's mistake at WARNING, a "
         "failure of the daemon at ERROR, a lookup or get that found nothing (a cache miss) at DEBUG), "
         "with the fields also as journald fields (`KVFS_EVENT`) when logging to journald. "
-        "Background work is one line per pass: evictions made for room "
-        "(`event=evict reason=capacity contents=3 bytes=208896 archived=True seconds=0.01`), a "
-        "spill per session; a line per content (each one evicted, restored, or deleted from "
-        "the archive) is DEBUG, so that a busy daemon's log is not one line per page.",
+        "The store's own work is one line per pass or call: evictions made for room "
+        "(`event=evict reason=capacity contents=3 bytes=208896 archived=True seconds=0.01`), "
+        "an evict asked for in or out of the daemon (`event=evict target=s1 reason=manual "
+        "...`), a background spill per session, a read that waited for the archive "
+        "(`event=restore target=... reason=read`); a line per content (each one evicted, "
+        "restored, or deleted from the archive) is DEBUG, so that a busy daemon's log is not "
+        "one line per page.",
         "",
     ]
     return "\n".join(out)

@@ -334,9 +334,20 @@ def _error_class(name: str) -> type[BaseException]:
     return builtin.get(name, _errors.KvfsError)
 
 
-def raise_remote(name: str, message: str) -> None:
-    """Raise the error the daemon reported, as the same class where kvfs knows it."""
-    raise _error_class(name)(message)
+def error_reply(e: BaseException) -> list[Any]:
+    """The answer to a call that failed with ``e``: ``[1, class name, message, errno]``
+    (the errno of an OSError, e.g. a failing disk's EIO; None for others; a client older
+    than it reads the first three)."""
+    return [1, type(e).__name__, str(e), e.errno if isinstance(e, OSError) else None]
+
+
+def raise_remote(name: str, message: str, err: int | None = None) -> None:
+    """Raise the error the daemon reported, as the same class where kvfs knows it, with
+    its errno (a disk's EIO came back as an OSError whose errno was None)."""
+    exc = _error_class(name)(message)
+    if err is not None and isinstance(exc, OSError) and not isinstance(exc, _errors.KvfsError):
+        exc.errno = err
+    raise exc
 
 
 # -- server ------------------------------------------------------------------------------
@@ -550,7 +561,7 @@ async def _dispatch(
             result = await getattr(store, method)(*args, **kwargs)
     except Exception as e:  # noqa: BLE001 - every failure goes back to the client
         _log_failure(store, method, args, kwargs, e)
-        return [1, type(e).__name__, str(e)]
+        return error_reply(e)
     _log_done(method, args, kwargs, result, t0)
     return [0, result]
 
@@ -605,8 +616,9 @@ _LOOKUPS = frozenset({"stat", "session_info", "exists", "get", "read_range"})
 
 
 def _log_done(method: str, args: list[Any], kwargs: dict[str, Any], result: Any, t0: float) -> None:
-    """The event line a finished spill, restore or evict leaves in the daemon's log."""
-    if method in ("spill", "restore", "evict"):
+    """The event line a finished spill or restore leaves in the daemon's log (an evict's is
+    the engine's own: every evict logs one, asked over the channel or not)."""
+    if method in ("spill", "restore"):
         log_event(
             method, target=_target(args, kwargs), bytes=result, seconds=time.perf_counter() - t0
         )
@@ -809,7 +821,7 @@ async def _with_progress(
             reply: list[Any] = [0, result]
         except Exception as e:  # noqa: BLE001 - the failure goes back to the client
             _log_failure(store, method, args, kwargs, e)
-            reply = [1, type(e).__name__, str(e)]
+            reply = error_reply(e)
         finally:
             done.set()
     await send_frame(stream, reply)
@@ -821,7 +833,7 @@ def call_sync(
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
     *,
-    on_error: Callable[[str, str], None] = raise_remote,
+    on_error: Callable[[str, str, int | None], None] = raise_remote,
     on_progress: Callable[[int, int], None] | None = None,
     views: bool = False,
 ) -> Any:
@@ -844,5 +856,6 @@ def call_sync(
         reply = read_frame_sync(s, views=views)
     if reply[0] == 0:
         return reply[1]
-    on_error(reply[1], reply[2])  # raises, unless the caller raises it later itself
+    # raises, unless the caller raises it later itself
+    on_error(reply[1], reply[2], reply[3] if len(reply) > 3 else None)
     return None

@@ -1207,8 +1207,18 @@ class Engine:
         held = self.policy.memory_copy(blob.hash)
         if held is not None:
             return held
+        t0 = time.monotonic()
         try:
             b = self.policy.restore_blob(blob)
+            # a read that waited for the archive: a line each (a session's restore is one
+            # line for all its pages; the per-content lines are DEBUG)
+            log_event(
+                "restore",
+                target=page.path,
+                reason="read",
+                bytes=blob.size,
+                seconds=time.monotonic() - t0,
+            )
         except CapacityExceeded as e:
             return self.policy.copy_in_memory(blob, e)
         except OSError as e:  # (a disk's error writing the copy: served from memory)

@@ -14,6 +14,7 @@ import collections
 import dataclasses
 import logging
 import os
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -173,10 +174,12 @@ def evict(
         if eng.index.session(d) is None:
             raise SessionNotFound(f"no session {session_name(d)!r}")
         pages = eng.index.pages(session=d)
+        name = d
     elif target is not None:
-        p = eng.index.page(as_key(target).path)
+        name = as_key(target).path
+        p = eng.index.page(name)
         if p is None:
-            raise PageNotFound(f"no page {as_key(target).path!r}")
+            raise PageNotFound(f"no page {name!r}")
         pages = [p]
     else:
         raise ValueError("evict needs a page or a session")
@@ -201,7 +204,18 @@ def evict(
         ]
         if not blobs and not mine:
             return 0
-        return eng.policy.evict_pages(mine, blobs, reason, progress)
+        t0 = time.monotonic()
+        freed = eng.policy.evict_pages(mine, blobs, reason, progress)
+    # one line for the call (per content: DEBUG), as a room-making pass logs
+    log_event(
+        "evict",
+        target=name,
+        reason=reason,
+        bytes=freed,
+        archived=not eng.policy.lossy_eviction,
+        seconds=time.monotonic() - t0,
+    )
+    return freed
 
 
 # -- statistics ---------------------------------------------------------------------------

@@ -252,7 +252,9 @@ class SyncRemoteStore(_Api):
             elif _dropped(s.fileno()):  # its daemon went away while it sat in the pool
                 s.close()
                 s = None
-        answer: builtins.list[tuple[str, str]] = []  # the daemon's error, if it answered one
+        answer: builtins.list[
+            tuple[str, str, int | None]
+        ] = []  # the daemon's error, if it answered one
         try:
             result = call_sync(
                 s,
@@ -260,7 +262,7 @@ class SyncRemoteStore(_Api):
                 args,
                 kw,
                 on_progress=on_progress,
-                on_error=lambda name, message: answer.append((name, message)),
+                on_error=lambda name, message, err: answer.append((name, message, err)),
                 views=views,
             )
         except BaseException:
@@ -467,7 +469,7 @@ class RemoteStore(_Api, BatchCalls):
             self._idle.append(stream)
         if reply[0] == 0:
             return reply[1]
-        raise_remote(reply[1], reply[2])
+        raise_remote(reply[1], reply[2], reply[3] if len(reply) > 3 else None)
 
     async def ping(self) -> bool:
         return bool(await self._call("ping"))

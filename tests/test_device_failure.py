@@ -382,3 +382,40 @@ def test_the_fast_path_reads_a_page_on_a_failing_disk_from_the_archive(
         with pytest.raises(OSError) as e:  # no other copy: the disk's error
             fp.read(only_here, aligned_buffer(100_000)).result(timeout=60)
         assert e.value.errno == errno.EIO
+
+
+async def test_a_disk_error_through_the_daemon_keeps_its_errno(
+    tmp_path: Path, loop_disk: LoopDisk
+) -> None:
+    # A client of the daemon got a bare OSError for the failing disk's EIO: its errno was
+    # None (an engine telling a failing disk from other errors could not)
+    import trio
+
+    from kvfs._control import control_service
+    from kvfs._remote import open_remote_store, open_remote_store_sync
+
+    sock = tmp_path / "c.sock"
+    async with (
+        kvfs.open_store(two_devices(tmp_path, loop_disk)) as store,
+        trio.open_nursery() as n,
+    ):
+        await n.start(control_service, store, sock)
+        for i in range(4):
+            await store.put(f"a/p{i}", os.urandom(100_000))
+        devices = {f"a/p{i}": (await store.stat(f"a/p{i}")).extents[0].device for i in range(4)}
+        cut = next(k for k, dev in devices.items() if dev)
+        os.sync()
+        loop_disk.shut_down()
+        async with open_remote_store(sock) as r:
+            with pytest.raises(OSError) as e:
+                await r.get(cut)
+            assert e.value.errno == errno.EIO and "Input/output error" in str(e.value)
+
+        def sync_get() -> None:
+            with open_remote_store_sync(sock) as r:
+                r.get(cut)
+
+        with pytest.raises(OSError) as e:
+            await trio.to_thread.run_sync(sync_get)
+        assert e.value.errno == errno.EIO
+        n.cancel_scope.cancel()
