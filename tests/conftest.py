@@ -69,6 +69,17 @@ def proxy(s3_server) -> Iterator[object]:  # noqa: ANN001
     p.close()
 
 
+# -- a disk that fails under a running store (tests/_loop_disk.py) --------------------------
+@pytest.fixture
+def loop_disk(tmp_path: Path) -> Iterator[object]:
+    """A ``LoopDisk`` (tests/_loop_disk.py): ext4 on a loop device mounted at ``.path``;
+    ``.shut_down()`` makes every I/O there fail with EIO, ``.comeback()`` mounts it again."""
+    from _loop_disk import made_loop_disk
+
+    with made_loop_disk(tmp_path) as disk:
+        yield disk
+
+
 # -- engine suites: a directory on a kvfs mount (or a plain one, the control) -------------
 @pytest.fixture(params=["mount", "directory"])
 def kvfs_dir(

@@ -7,77 +7,16 @@ each failure leaves is in docs/architecture.md, "A device that fails"."""
 from __future__ import annotations
 
 import errno
-import fcntl
 import logging
 import os
-import shutil
-import subprocess
-from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import pyfuse3
 import pytest
+from _loop_disk import LoopDisk
 
 import kvfs
 from kvfs._fuse import KvfsOperations
-
-#: _IOR('X', 125, __u32): shut the file system down; flag 2 (NOLOGFLUSH) drops what its
-#: journal has not committed, as a power cut would.
-EXT4_IOC_SHUTDOWN = 0x8004587D
-NOLOGFLUSH = 2
-
-
-@dataclass
-class LoopDisk:
-    """An ext4 file system on a loop device, mounted at ``path``."""
-
-    image: Path
-    path: Path
-    loop: str = ""
-
-    def mount(self) -> None:
-        subprocess.run(["mount", self.loop, str(self.path)], check=True)
-
-    def shut_down(self) -> None:
-        """Every I/O under ``path`` fails with EIO from now on, until ``comeback``."""
-        fd = os.open(self.path, os.O_RDONLY)
-        try:
-            fcntl.ioctl(fd, EXT4_IOC_SHUTDOWN, NOLOGFLUSH.to_bytes(4, "little"))
-        finally:
-            os.close(fd)
-
-    def comeback(self) -> None:
-        """Unmount and mount again: what the journal holds is what the disk has."""
-        subprocess.run(["umount", str(self.path)], check=True)
-        self.mount()
-
-
-@pytest.fixture
-def loop_disk(tmp_path: Path) -> Iterator[LoopDisk]:
-    if os.geteuid() != 0:
-        pytest.skip("a loop device needs root (CI runs as root)")
-    for tool in ("losetup", "mkfs.ext4", "mount", "umount"):
-        if shutil.which(tool) is None:
-            pytest.skip(f"{tool} is not installed")
-    disk = LoopDisk(tmp_path / "disk.img", tmp_path / "disk")
-    disk.path.mkdir()
-    with open(disk.image, "wb") as f:
-        f.truncate(64 << 20)
-    subprocess.run(["mkfs.ext4", "-q", "-F", str(disk.image)], check=True)
-    made = subprocess.run(
-        ["losetup", "-f", "--show", str(disk.image)], capture_output=True, text=True
-    )
-    if made.returncode != 0:
-        pytest.skip(f"no loop device here: {made.stderr.strip()}")
-    disk.loop = made.stdout.strip()
-    try:
-        disk.mount()
-        yield disk
-    finally:
-        if subprocess.run(["umount", str(disk.path)], check=False).returncode != 0:
-            subprocess.run(["umount", "-l", str(disk.path)], check=False)
-        subprocess.run(["losetup", "-d", disk.loop], check=False)
 
 
 def two_devices(tmp_path: Path, disk: LoopDisk) -> kvfs.StoreConfig:
