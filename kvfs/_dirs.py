@@ -9,10 +9,14 @@ retention, or a store opened offline.
 
 from __future__ import annotations
 
+import contextlib
 import sqlite3
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+
+from ._index import unavailable
 
 __all__ = ["DIRS_FILE", "DirRow", "DirTable"]
 
@@ -38,6 +42,7 @@ class DirTable:
         self._lock = threading.Lock()
         #: serialises the commits (each an fsync), in threads
         self._write = threading.Lock()
+        self.path = path
         self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
         try:
             self._db.execute("PRAGMA journal_mode=WAL")
@@ -71,8 +76,21 @@ class DirTable:
                 if p != path and p.startswith(pre) and "/" not in p[len(pre) :]
             ]
 
-    def put(self, row: DirRow) -> None:
+    @contextlib.contextmanager
+    def _writing(self) -> Iterator[None]:
+        """One commit, under the write lock; a disk that fails it raises IndexUnavailable
+        (this table is beside the index, on its disk), with nothing changed."""
         with self._write:
+            try:
+                yield
+            except sqlite3.DatabaseError as e:
+                bad = unavailable(self.path, e)
+                if bad is None:
+                    raise
+                raise bad from e
+
+    def put(self, row: DirRow) -> None:
+        with self._writing():
             self._db.execute(
                 "INSERT OR REPLACE INTO dirs VALUES (?,?,?,?,?)",
                 (row.path, row.mode, row.uid, row.gid, row.mtime_ns),
@@ -90,24 +108,27 @@ class DirTable:
         """Remove the rows of ``paths``, in one commit."""
         if not paths:
             return
-        with self._write:
+        with self._writing():
             self._db.execute("BEGIN")
             try:
                 self._db.executemany("DELETE FROM dirs WHERE path=?", [(p,) for p in paths])
                 self._db.execute("COMMIT")
             except BaseException:
-                self._db.execute("ROLLBACK")
+                if self._db.in_transaction:  # (a failed COMMIT may have rolled back)
+                    with contextlib.suppress(sqlite3.Error):
+                        self._db.execute("ROLLBACK")
                 raise
             with self._lock:
                 for p in paths:
                     self._rows.pop(p, None)
 
     def remove(self, path: str) -> None:
-        with self._write:
+        with self._writing():
             self._db.execute("DELETE FROM dirs WHERE path=?", (path,))
             with self._lock:
                 self._rows.pop(path, None)
 
     def close(self) -> None:
-        with self._write, self._lock:
+        """Close the table's connection; never raises for its disk (a failing one)."""
+        with self._write, self._lock, contextlib.suppress(sqlite3.Error):
             self._db.close()

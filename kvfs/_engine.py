@@ -41,6 +41,7 @@ from ._errors import (
     CapacityExceeded,
     CorruptPage,
     DiskFull,
+    IndexUnavailable,
     KvfsError,
     PageNotFound,
     SessionNotFound,
@@ -446,9 +447,10 @@ class Engine:
             lost = _maint.lost_data_files(self, named)
             self.recovered_orphans = self.tier.sweep(named | lost)
             log.warning(
-                "the store was not closed cleanly (a crash, a kill, or a close under calls "
-                "still running): its accounting is recounted, and %d leftover data file(s) "
-                "of writes never committed were removed",
+                "the store was not closed cleanly (a crash, a kill, a close under calls "
+                "still running, or a disk that failed under the index): its accounting is "
+                "recounted, and %d leftover data file(s) of writes never committed were "
+                "removed",
                 len(self.recovered_orphans),
             )
             if lost:
@@ -575,6 +577,11 @@ class Engine:
                     self._calls_done.notify_all()
 
     def close(self) -> None:
+        """Close the store (idempotent): wait for calls in flight, save the accounting,
+        mark the index clean, close the index and release the lock. The connections, the
+        files, the thread pools and the lock are let go whatever fails on the way; a disk
+        that fails under the index (IndexUnavailable) is not raised, but logged with what
+        could not be done (the next open recounts and sweeps, as after a crash)."""
         with self._calls_done:
             if self._closed:
                 return
@@ -602,7 +609,12 @@ class Engine:
             except CapacityExceeded as e:
                 # access times are hints: a full disk must not stop a close
                 log.warning("access times not saved at close: %s", e)
-            self.policy.close()
+            except IndexUnavailable as e:
+                log.error("access times not saved at close: %s", e)
+            try:
+                self.policy.close()
+            except IndexUnavailable as e:  # (the archive's queue is in the index)
+                log.error("the archive's queued work not done at close: %s", e)
             self._wait_deferred(LEASE_WAIT_SECONDS if settled else 0.0)
             with self._cap_lock:
                 deferred, self._deferred = self._deferred, {}
@@ -626,7 +638,7 @@ class Engine:
             self.io_pool.shutdown(wait=True)
             self.hash_pool.shutdown(wait=True)
             try:
-                if settled and not kept:
+                if settled and not kept and self.index.failed is None:
                     self.index.set_meta("accounting", [self.used, self.dev_used])
                     self.index.set_meta("clean", True)
             except CapacityExceeded as e:
@@ -635,9 +647,24 @@ class Engine:
                     "after a crash): %s",
                     e,
                 )
+            except IndexUnavailable:
+                pass  # (index.failed says it, below)
+            if self.index.failed is not None:
+                # (a put whose commit the disk failed left its files for that open to sweep)
+                log.error(
+                    "closed without saving the accounting or marking the index clean (the "
+                    "next open recounts and sweeps, as after a crash): the index %s failed "
+                    "under the store, %s",
+                    self.index.path,
+                    self.index.failed,
+                )
+        finally:
+            # Whatever failed above: the connections, the files and the lock are let go (an
+            # index disk that failed was kept busy, and could not be unmounted)
+            for pool in (self._atime_pool, self.io_pool, self.hash_pool):
+                pool.shutdown(wait=False)
             self.index.close()
             self.dirs.close()
-        finally:
             self._lock.release()
 
     def _wait_deferred(self, seconds: float) -> None:

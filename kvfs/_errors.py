@@ -18,6 +18,7 @@ __all__ = [
     "CapacityExceeded",
     "DiskFull",
     "CorruptPage",
+    "IndexUnavailable",
     "InvalidKey",
     "KvfsError",
     "PageExists",
@@ -74,6 +75,19 @@ class CapacityExceeded(KvfsError, OSError):
 
 class DiskFull(CapacityExceeded):
     """The disk under a data directory is full (ENOSPC, EDQUOT), whatever the cap allows."""
+
+
+class IndexUnavailable(KvfsError, OSError):
+    """The disk holding the index (``StoreConfig.index_dir``) answered an I/O error: the
+    call needed the index and could not read or write it. Nothing was changed by the call
+    (its transaction rolled back; a put's new data files removed, or, when the disk failed
+    the commit itself, left for the next open to sweep). The message names the index file;
+    the cause is in ``__cause__``. Not a corrupt index: that one does not open at all."""
+
+    errno = errno.EIO
+    #: raised by the commit itself: SQLite rolled it back, but a disk that took the WAL's
+    #: write and then failed its flush may have kept it (docs/architecture.md)
+    at_commit: bool = False
 
 
 class StoreLocked(KvfsError, BlockingIOError):

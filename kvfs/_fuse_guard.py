@@ -2,9 +2,11 @@
 
 pyfuse3 ends the whole mount when a handler raises anything but ``FUSEError``, so each
 handler is wrapped: a :class:`~kvfs.KvfsError` becomes its ``errno``, an :class:`OSError`
-keeps its own, anything else is logged at ERROR and answered with EIO. When the store's own
-directories are gone (removed under the running daemon) nearly every request fails so: that
-is said once, in one line naming them, not in a traceback per request.
+keeps its own, anything else is logged at ERROR and answered with EIO. A disk's I/O error
+(a data device's, or IndexUnavailable: the index's) is a WARNING, one line per
+DEVICE_ERROR_LOG_SECONDS with a count of the rest. When the store's own directories are
+gone (removed under the running daemon) nearly every request fails so: that is said once,
+in one line naming them, not in a traceback per request.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from typing import Any, ParamSpec, TypeVar
 
 import pyfuse3
 
-from ._errors import KvfsError
+from ._errors import IndexUnavailable, KvfsError
 from ._fuse_nodes import Node
 from ._fuse_ns import child_path
 from ._keys import MAX_NAME_BYTES, MAX_PATH_BYTES
@@ -47,7 +49,10 @@ def guard(fn: Callable[P, Coroutine[Any, Any, T]]) -> Callable[P, Coroutine[Any,
         except pyfuse3.FUSEError:
             raise
         except KvfsError as e:
-            log.debug("%s%r: %s", fn.__name__, args[1:3], e)
+            if isinstance(e, IndexUnavailable):  # (as a data disk's, below: said, not each)
+                _device_error(args[0], fn.__name__, e)
+            else:
+                log.debug("%s%r: %s", fn.__name__, args[1:3], e)
             raise fuse_error(e.errno or errno.EIO) from None
         except OSError as e:
             if e.errno is None:
@@ -81,9 +86,13 @@ def _device_error(ops: object, handler: str, e: OSError) -> None:
     more = int(last[1])
     last[:] = [now, 0]
     log.warning(
-        "%s: %s (a disk failing? kvfs fsck lists what cannot be read)%s",
+        "%s: %s%s%s",
         handler,
         e,
+        # (the index's error names its file and asks; a data file's is only the errno's)
+        ""
+        if isinstance(e, IndexUnavailable)
+        else " (a disk failing? kvfs fsck lists what cannot be read)",
         f"; {more} more such errors since the last of these lines" if more else "",
     )
 

@@ -27,7 +27,9 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import errno
 import logging
+import os
 import sqlite3
 import threading
 import time
@@ -40,11 +42,12 @@ from typing import Any
 
 import msgpack
 
-from ._errors import CapacityExceeded, CorruptPage, PageExists
+from ._aligned import aligned_buffer, open_direct
+from ._errors import CapacityExceeded, CorruptPage, IndexUnavailable, PageExists
 
 log = logging.getLogger("kvfs.index")
 
-__all__ = ["BlobRow", "Index", "PageCommit", "PageRow", "SessionRow"]
+__all__ = ["BlobRow", "Index", "PageCommit", "PageRow", "SessionRow", "disk_failure", "unavailable"]
 
 SCHEMA_VERSION = 1
 
@@ -100,6 +103,95 @@ def _disk_full(e: BaseException) -> bool:
         getattr(e, "sqlite_errorcode", None) == getattr(sqlite3, "SQLITE_FULL", 13)
         or "disk is full" in str(e)
     )
+
+
+# SQLite's primary result codes (the low byte of an error's ``sqlite_errorcode``, which the
+# sqlite3 module gives from Python 3.11; on 3.10 the message is all there is)
+_IOERR, _CORRUPT, _CANTOPEN, _NOTADB = 10, 11, 14, 26
+_CODE_WORDS = (
+    ("disk I/O error", _IOERR),
+    ("malformed", _CORRUPT),
+    ("unable to open", _CANTOPEN),
+    ("not a database", _NOTADB),
+)
+#: what a disk that fails answers (kvfs._local.DISK_ERRORS, less EROFS: the probe reads)
+_DISK_ERRORS = frozenset({errno.EIO, errno.ENXIO, errno.ENODEV})
+
+
+def _sqlite_code(e: sqlite3.Error) -> int | None:
+    code = getattr(e, "sqlite_errorcode", None)
+    if isinstance(code, int):
+        return code & 0xFF
+    return next((c for words, c in _CODE_WORDS if words in str(e)), None)
+
+
+def _probe(path: Path) -> OSError | None:
+    """The error the disk gives for the first block of the database ``path`` and of its
+    WAL, read past the page cache (O_DIRECT where the filesystem has it: a cached block
+    reads fine from a disk that no longer answers); None when both read."""
+    for p in (path, Path(f"{path}-wal")):
+        try:
+            fd, _direct = open_direct(p, os.O_RDONLY)
+        except FileNotFoundError:
+            continue
+        except OSError as e:
+            return e
+        try:
+            os.preadv(fd, [aligned_buffer(4096)], 0)
+        except OSError as e:
+            return e
+        finally:
+            os.close(fd)
+    return None
+
+
+def disk_failure(path: Path, e: BaseException) -> str | None:
+    """What the disk said (its error's text), when ``e``, an error of SQLite's on the
+    database file ``path``, is its disk's; None for any other. SQLite says "disk I/O error"
+    for a write the disk failed, but "database disk image is malformed" (as for a corrupt
+    file) for a read it failed, and "unable to open" for a file it could not open: those
+    are told apart from a damaged file by reading the file's first block from the disk."""
+    if not isinstance(e, sqlite3.DatabaseError) or isinstance(
+        e, (sqlite3.ProgrammingError, sqlite3.IntegrityError)
+    ):
+        return None
+    code = _sqlite_code(e)
+    if code not in (_IOERR, _CORRUPT, _CANTOPEN, _NOTADB):
+        return None
+    probed = _probe(path)
+    if probed is not None and probed.errno in _DISK_ERRORS:
+        return str(probed.strerror)
+    if code != _IOERR:
+        return None  # the file reads: SQLite's word for it stands
+    # SQLite's I/O error growing its shared memory on a disk with next to nothing free is
+    # a full disk, not a failing one (it keeps the errno to itself: see the engine's
+    # _open_error, which tells a full disk so at open)
+    with contextlib.suppress(OSError):
+        st = os.statvfs(path.parent)
+        if st.f_bavail * st.f_frsize < (1 << 20):
+            return None
+    return str(e)
+
+
+def unavailable(
+    path: Path, e: BaseException, *, at_commit: bool = False
+) -> IndexUnavailable | None:
+    """IndexUnavailable for ``e`` when :func:`disk_failure` finds it is the disk's; None
+    for any other error (``e`` is then raised as it is). ``at_commit``: ``e`` was raised
+    by the COMMIT itself."""
+    said = disk_failure(path, e)
+    return None if said is None else _unavailable(path, said, at_commit)
+
+
+def _unavailable(path: Path, said: str, at_commit: bool) -> IndexUnavailable:
+    err = IndexUnavailable(
+        f"the index {path} cannot be used: its disk answered an I/O error ({said}; is it "
+        f"failing?). {'Its commit was rolled back: n' if at_commit else 'N'}othing was "
+        "changed by this call; the pages stored before are kept, and are served again once "
+        "the disk is back and the store reopened"
+    )
+    err.at_commit = at_commit
+    return err
 
 
 def _pack(obj: object) -> bytes:
@@ -312,6 +404,9 @@ class Index:
         #: a reader). Added inside the transaction, so never absent from both.
         self._dropping: set[tuple[int, str]] = set()
         self._dropping_lock = threading.Lock()
+        #: what the disk said when an IndexUnavailable was last raised: it failed under this store,
+        #: whose close then leaves the index unclean (the next open recounts and sweeps)
+        self.failed: str | None = None
         self._db = sqlite3.connect(
             str(path), check_same_thread=False, isolation_level=None, timeout=30
         )
@@ -346,20 +441,50 @@ class Index:
                 )
 
     def close(self) -> None:
+        """Checkpoint the WAL into the database and close every connection. Never raises
+        for the disk (full, failing): the connections are closed all the same, and what
+        was not done is logged (the WAL stays beside the database, and the next open
+        checkpoints it)."""
         with self._lock, self._readers_lock:
             self._closed = True
             for r in list(self._readers):  # a reader's snapshot would stop the checkpoint
-                r.db.close()
+                with contextlib.suppress(sqlite3.Error):
+                    r.db.close()
             self._readers.clear()
             try:
                 self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
-            except sqlite3.OperationalError as e:
-                if not _disk_full(e):
-                    raise
-                # the WAL stays beside the database and is checkpointed at the next open
-                log.warning("index %s: no checkpoint at close, its disk is full", self.path)
+            except sqlite3.Error as e:
+                if _disk_full(e):
+                    log.warning("index %s: no checkpoint at close, its disk is full", self.path)
+                else:
+                    said = disk_failure(self.path, e)
+                    log.error(
+                        "index %s: no checkpoint at close (%s); the next open checkpoints it",
+                        self.path,
+                        e if said is None else f"its disk answered an I/O error: {said}",
+                    )
             finally:
-                self._db.close()
+                with contextlib.suppress(sqlite3.Error):
+                    self._db.close()
+
+    def _unavailable(self, e: BaseException, *, at_commit: bool = False) -> BaseException:
+        """What to raise for ``e``: :func:`unavailable`'s IndexUnavailable (noted in
+        ``failed``), or ``e`` itself."""
+        said = disk_failure(self.path, e)
+        if said is None:
+            return e
+        self.failed = f"its disk answered an I/O error ({said})"
+        bad = _unavailable(self.path, said, at_commit)
+        bad.__cause__ = e
+        return bad
+
+    @contextmanager
+    def _disk(self) -> Iterator[None]:
+        """SQLite's errors that the index's disk caused raised as IndexUnavailable."""
+        try:
+            yield
+        except sqlite3.DatabaseError as e:
+            raise self._unavailable(e) from e
 
     def _reader(self) -> sqlite3.Connection:
         r: _Reader | None = getattr(self._local, "reader", None)
@@ -374,7 +499,11 @@ class Index:
                     isolation_level=None,
                     timeout=30,
                 )
-                db.execute("PRAGMA query_only=1")
+                try:
+                    db.execute("PRAGMA query_only=1")
+                except BaseException:
+                    db.close()
+                    raise
                 r = _Reader(db)
                 self._readers.add(r)
             self._local.reader = r
@@ -387,22 +516,34 @@ class Index:
         if self._lock._is_owned():  # type: ignore[attr-defined]
             yield self._db
             return
-        r = self._reader()
-        r.execute("BEGIN")
-        try:
-            yield r
-        finally:
+        with self._disk():
+            r = self._reader()
+            r.execute("BEGIN")
+            try:
+                yield r
+            except BaseException:
+                # (the body's error is the one to raise: an end that fails too, on a disk
+                # that failed the body, would hide it)
+                with contextlib.suppress(sqlite3.Error):
+                    r.execute("COMMIT")
+                raise
             r.execute("COMMIT")
 
     @contextmanager
     def transaction(self) -> Iterator[sqlite3.Connection]:
         """BEGIN IMMEDIATE ... COMMIT under the lock; ROLLBACK on any exception (a failed
         COMMIT included). A disk too full for the WAL to grow raises CapacityExceeded, with
-        nothing changed."""
+        nothing changed; a disk that answers an I/O error, IndexUnavailable (see
+        :func:`unavailable`)."""
         with self._lock:
-            self._db.execute("BEGIN IMMEDIATE")
+            committing = False
+            try:
+                self._db.execute("BEGIN IMMEDIATE")
+            except sqlite3.DatabaseError as e:
+                raise self._unavailable(e) from e
             try:
                 yield self._db
+                committing = True
                 self._db.execute("COMMIT")
             except BaseException as e:
                 if self._db.in_transaction:  # SQLite may have rolled back already
@@ -413,12 +554,16 @@ class Index:
                         f"the index {self.path} cannot grow: its disk is full; nothing was "
                         "changed (free space on that disk, or lower the capacity)"
                     ) from e
+                bad = self._unavailable(e, at_commit=committing)
+                if bad is not e:
+                    raise bad from e
                 raise
 
     def _q(self, sql: str, args: Iterable[object] = ()) -> list[tuple]:
-        if self._lock._is_owned():  # type: ignore[attr-defined]
-            return self._db.execute(sql, tuple(args)).fetchall()
-        return self._reader().execute(sql, tuple(args)).fetchall()
+        with self._disk():
+            if self._lock._is_owned():  # type: ignore[attr-defined]
+                return self._db.execute(sql, tuple(args)).fetchall()
+            return self._reader().execute(sql, tuple(args)).fetchall()
 
     # -- meta ---------------------------------------------------------------------------
     def get_meta(self, k: str, default: object = None) -> object:
@@ -799,6 +944,10 @@ class Index:
             self._lead_group_commits()
         req.done.wait()
         if req.error is not None:
+            # (an error of its own statements, in its savepoint, is SQLite's as it came)
+            bad = self._unavailable(req.error)
+            if bad is not req.error:
+                raise bad from req.error
             raise req.error
         assert req.result is not None
         return req.result

@@ -62,10 +62,16 @@ class DirLock:
         _HELD.add(self)
 
     def release(self) -> None:
+        """Release the lock, erasing the owner's name. Never raises: a disk that fails
+        the erase (EIO) keeps a stale name in the file, not the lock (the file is closed)."""
         if self._fd is not None:
             fd, self._fd = self._fd, None
-            os.ftruncate(fd, 0)
-            os.close(fd)
+            try:
+                os.ftruncate(fd, 0)
+            except OSError:
+                pass  # (closing the file releases the lock all the same)
+            finally:
+                os.close(fd)
 
 
 _HELD: weakref.WeakSet[DirLock] = weakref.WeakSet()

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 
 from ._aligned import aligned_buffer, as_bytes_view
 from ._checksum import LEAF, leaf_hash, tree_hash
-from ._errors import CapacityExceeded, InvalidKey, PageExists, PageNotFound
+from ._errors import CapacityExceeded, IndexUnavailable, InvalidKey, PageExists, PageNotFound
 from ._index import BlobRow, PageCommit, PageRow
 from ._keys import PageKey
 from ._local import BlobWriter, wait_all
@@ -328,8 +328,13 @@ def commit(
         if not isinstance(e, KeyError):
             raise _BlobGone() from e
         raise PageExists(f"page {k.path!r} exists; pages are write-once") from None
-    except BaseException:
-        if w is not None:
+    except BaseException as e:
+        # A commit that the index's disk failed is rolled back, but the disk may have taken
+        # the WAL's write before it failed the flush: then the page is there when the disk
+        # comes back. Its files stay for that (the next open, never a clean one after such
+        # a failure, sweeps them when the page is not there); any other failure, or one
+        # before the commit, changed nothing in the index, and they go.
+        if w is not None and not (isinstance(e, IndexUnavailable) and e.at_commit):
             w.abort()
         eng._unreserve(reserved)
         raise
