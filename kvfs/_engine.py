@@ -27,7 +27,7 @@ import time
 import uuid
 import weakref
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
@@ -51,7 +51,7 @@ from ._errors import (
 from ._events import log_event
 from ._index import BlobRow, Index, PageRow, meta_value
 from ._keys import PageKey, as_key, session_dir, session_name
-from ._local import DEVICE_MARKER, LocalTier, device_store, is_disk_error
+from ._local import DEVICE_MARKER, LocalTier, device_store, is_disk_error, unnamed_files
 from ._lock import DirLock
 from ._policy import AccessClock, TieringPolicy
 from ._types import PageInfo, SessionInfo, StoreStatistics
@@ -443,9 +443,15 @@ class Engine:
         self.mounted: dict[str, object] | None = None
         clean = self.index.get_meta("clean", True) is not False
         if not clean:
-            named = self.index.all_extent_files()
-            lost = _maint.lost_data_files(self, named)
-            self.recovered_orphans = self.tier.sweep(named | lost)
+            # (the accounting is recounted as the rows are read for the sweep: once)
+            orphans: Iterable[tuple[int, str]] = unnamed_files(
+                self.tier.all_files, self._recount_files
+            )
+            lost: set[tuple[int, str]] = set()
+            if lost_pages := self.index.pages_without_blob():  # (a damaged index only)
+                orphans = builtins.list(orphans)
+                lost = _maint.lost_data_files(self.tier, lost_pages, orphans)
+            self.recovered_orphans = self.tier.sweep(f for f in orphans if f not in lost)
             log.warning(
                 "the store was not closed cleanly (a crash, a kill, a close under calls "
                 "still running, or a disk that failed under the index): its accounting is "
@@ -463,16 +469,14 @@ class Engine:
                     len(lost),
                 )
         # The accounting saved by the last clean close; recomputed from every blob row after
-        # a crash (or from an older store): a clean restart reads no per-page state at all.
+        # a crash (above) or from an older store: a clean restart reads no per-page state.
         saved = self.index.get_meta("accounting") if clean else None
         self.index.set_meta("clean", False)
         if isinstance(saved, (list, tuple)) and len(saved) == 2 and len(saved[1]) == self.tier.n:
             self.used, self.dev_used = int(saved[0]), [int(x) for x in saved[1]]
-        else:
-            self.used = 0
-            self.dev_used = [0] * self.tier.n
-            for b in self.index.local_blobs():
-                self._account(b, +1)
+        elif clean:
+            for _ in self._recount_files():  # (the count only: there is no sweep)
+                pass
         self.reserved = 0
         #: callers of _reserve waiting for room: id -> (since, bytes they already hold)
         self._reserve_waiters: dict[int, tuple[float, int]] = {}
@@ -544,6 +548,15 @@ class Engine:
         except Exception as e:  # a full disk: eviction and the periodic pass try again
             log.warning("pins whose lifetime ended are not released yet: %s", e)
         keep_reserve(cfg.index_path.parent)
+
+    def _recount_files(self) -> Iterator[tuple[int, str]]:
+        """Count the bytes on disk again from every local blob row (single-threaded: at
+        open), yielding the (device, file)s those rows name on the way."""
+        self.used, self.dev_used = 0, [0] * self.tier.n
+        for b in self.index.local_blobs():
+            self._account(b, +1)
+            assert b.extents is not None
+            yield from dict.fromkeys((e[0], e[1]) for e in b.extents)
 
     def _account(self, b: BlobRow, sign: int) -> None:
         """Track bytes on disk per device for a blob's local files (caller holds _cap_lock

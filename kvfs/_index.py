@@ -96,6 +96,9 @@ CREATE INDEX IF NOT EXISTS pin_expiry_until ON pin_expiry(until);
 
 Extent = tuple[int, str, int, int]  # (device index, file relative to device root, offset, length)
 
+#: blob rows a pass over all of them reads at once (see Index._scan_blobs)
+SCAN_ROWS = 512
+
 
 def _disk_full(e: BaseException) -> bool:
     """SQLITE_FULL: the database or its WAL could not grow."""
@@ -740,17 +743,39 @@ class Index:
         with self._dropping_lock:
             return set(self._dropping)
 
-    def all_extent_files(self) -> set[tuple[int, str]]:
-        out: set[tuple[int, str]] = set()
-        for (ext,) in self._q("SELECT extents FROM blobs WHERE extents IS NOT NULL"):
-            for e in _unpack(ext):  # type: ignore[union-attr]
-                out.add((e[0], e[1]))
-        return out
+    def _scan_blobs(self, cols: str, where: str) -> Iterator[tuple]:
+        """``SELECT cols FROM blobs WHERE where``, by checksum, :data:`SCAN_ROWS` rows a
+        read: what a pass over every blob row of the store (recovery, fsck) holds at once
+        is one chunk, not every row (a store of millions of pages has millions of rows).
+        Each chunk is a read of its own, so a caller that works between them (fsck reads
+        every page) keeps no read transaction open meanwhile, which would keep the WAL
+        from being checkpointed. Each row is read at most once; one committed during the
+        pass is read if its checksum is beyond the chunks read so far."""
+        after: object = -(1 << 63)  # (SQLite orders every number before any text or blob)
+        while True:
+            rows = self._q(
+                f"SELECT {cols} FROM blobs WHERE hash > ? AND ({where})"
+                f" ORDER BY hash LIMIT {SCAN_ROWS}",
+                (after,),
+            )
+            yield from rows
+            if len(rows) < SCAN_ROWS:
+                return
+            after = rows[-1][0]
 
-    def local_blobs(self) -> list[BlobRow]:
-        return [
-            _blob(r) for r in self._q(f"SELECT {_BLOB_COLS} FROM blobs WHERE extents IS NOT NULL")
-        ]
+    def local_extent_files(self) -> Iterator[tuple[int, str]]:
+        """The (device, file) of each extent of every local blob (a file once per blob),
+        read as :meth:`_scan_blobs` reads."""
+        for _, ext in self._scan_blobs("hash, extents", "extents IS NOT NULL"):
+            yield from dict.fromkeys((e[0], e[1]) for e in _unpack(ext))
+
+    def local_blobs(self) -> Iterator[BlobRow]:
+        """Every blob held locally, by checksum, read as :meth:`_scan_blobs` reads."""
+        return map(_blob, self._scan_blobs(_BLOB_COLS, "extents IS NOT NULL"))
+
+    def local_blob_count(self) -> int:
+        """How many blobs are held locally."""
+        return int(self._q("SELECT COUNT(*) FROM blobs WHERE extents IS NOT NULL")[0][0])
 
     def eviction_candidates(self, limit: int) -> list[BlobRow]:
         """Local blobs, least recently used first, that no pinned page or session holds;
@@ -812,8 +837,9 @@ class Index:
         )
         return sorted(((_page(r[:-1]), r[-1]) for r in rows), key=lambda x: x[0].path)
 
-    def blobs_not_local(self) -> list[BlobRow]:
-        return [_blob(r) for r in self._q(f"SELECT {_BLOB_COLS} FROM blobs WHERE extents IS NULL")]
+    def blobs_not_local(self) -> Iterator[BlobRow]:
+        """Every blob held by the archive alone, read as :meth:`_scan_blobs` reads."""
+        return map(_blob, self._scan_blobs(_BLOB_COLS, "extents IS NULL"))
 
     # -- repairs (fsck --repair) -----------------------------------------------------------
     def add_lost_blob(

@@ -21,13 +21,15 @@ import contextlib
 import ctypes
 import errno
 import functools
+import itertools
 import logging
 import os
+import sqlite3
 import threading
 import time
 import uuid
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,6 +60,7 @@ __all__ = [
     "device_store",
     "placement",
     "run_beside",
+    "unnamed_files",
     "wait_all",
 ]
 
@@ -517,22 +520,104 @@ class LocalTier:
                         if f.is_file(follow_symlinks=False):
                             yield dev, f"blobs/{sub.name}/{f.name}"
 
-    def sweep(self, known: set[tuple[int, str]]) -> list[str]:
-        """Remove every data file the index does not reference. Returns what was removed;
-        one that cannot be removed is logged and left (the open goes on)."""
+    def sweep(self, orphans: Iterable[tuple[int, str]]) -> list[str]:
+        """Remove ``orphans``, data files the index does not name (see :func:`unnamed_files`).
+        Returns what was removed; one that cannot be removed is logged and left (the open
+        goes on)."""
         removed = []
-        for dev, rel in list(self.all_files()):
-            if (dev, rel) not in known:
-                path = self.abspath(dev, rel)
-                try:
-                    os.unlink(path)
-                except FileNotFoundError:
-                    continue
-                except OSError as e:
-                    log.warning("could not remove the orphaned data file %s: %s", path, e)
-                    continue
-                removed.append(path)
+        for dev, rel in orphans:
+            path = self.abspath(dev, rel)
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                continue
+            except OSError as e:
+                log.warning("could not remove the orphaned data file %s: %s", path, e)
+                continue
+            removed.append(path)
         return removed
+
+
+#: (device, file) names sent to the scratch database of unnamed_files at once
+_NAMES_AT_ONCE = 1024
+
+
+class _NoRoom(Exception):
+    """The scratch database of :func:`unnamed_files` could not be written."""
+
+
+def unnamed_files(
+    listed: Callable[[], Iterable[tuple[int, str]]],
+    named: Callable[[], Iterable[tuple[int, str]]],
+) -> Iterator[tuple[int, str]]:
+    """The (device, file)s of ``listed()`` that ``named()`` does not name, in the order
+    listed. ``listed()`` is read to its end before ``named()`` is called, and both before
+    this returns (fsck relies on that order: a file written meanwhile is either not listed
+    or named by then; the recovery at open recounts its accounting in ``named()``).
+
+    Neither is held in Python objects: a store of millions of pages has millions of files,
+    and sets of their names took hundreds of bytes a page. They go to a private temporary
+    SQLite database (in SQLite's temporary directory, which holds about 150 bytes a file;
+    unlinked as soon as it is made, so nothing is left behind by a crash), whose page
+    cache bounds the memory it takes. Should it not be written there (no room), both are
+    read again into a database in memory, which takes those 150 bytes a file."""
+    try:
+        db = _names_db("", listed, named)
+    except _NoRoom as e:
+        log.warning(
+            "the names of the data files could not be written to SQLite's temporary "
+            "directory (%s): they are held in memory instead",
+            e.__cause__,
+        )
+        db = _names_db(":memory:", listed, named)
+    return _unnamed_rows(db)
+
+
+def _names_db(
+    where: str,
+    listed: Callable[[], Iterable[tuple[int, str]]],
+    named: Callable[[], Iterable[tuple[int, str]]],
+) -> sqlite3.Connection:
+    """A scratch database at ``where`` with tables ``listed`` and ``named`` filled (see
+    :func:`unnamed_files`). Raises _NoRoom when it cannot be written; what the callables
+    raise is theirs."""
+    # (any thread: the iterator of unnamed_files closes it, in whichever thread drops it)
+    db = sqlite3.connect(where, isolation_level=None, check_same_thread=False)
+    try:
+        try:
+            db.execute("CREATE TABLE listed (dev INTEGER, rel TEXT)")
+            db.execute("CREATE TABLE named (dev INTEGER, rel TEXT)")
+            db.execute("BEGIN")
+        except sqlite3.OperationalError as e:
+            raise _NoRoom() from e
+        for table, rows in (("listed", listed), ("named", named)):
+            it = iter(rows())
+            # (the chunk is read before SQLite is called: an error of the index that
+            # ``named`` reads is not taken for one of this database's)
+            while chunk := list(itertools.islice(it, _NAMES_AT_ONCE)):
+                try:
+                    db.executemany(f"INSERT INTO {table} VALUES (?, ?)", chunk)
+                except sqlite3.OperationalError as e:
+                    raise _NoRoom() from e
+        try:
+            # indexed once filled: a sort of the names, twice as fast as a B-tree kept
+            # in order while they arrive in random order (they are random hex)
+            db.execute("CREATE INDEX named_files ON named (dev, rel)")
+            db.execute("COMMIT")
+        except sqlite3.OperationalError as e:
+            raise _NoRoom() from e
+    except BaseException:
+        db.close()
+        raise
+    return db
+
+
+def _unnamed_rows(db: sqlite3.Connection) -> Iterator[tuple[int, str]]:
+    with contextlib.closing(db):
+        yield from db.execute(
+            "SELECT dev, rel FROM listed l WHERE NOT EXISTS"
+            " (SELECT 1 FROM named n WHERE n.dev = l.dev AND n.rel = l.rel) ORDER BY l.rowid"
+        )
 
 
 def run_beside(pool: ThreadPoolExecutor, calls: list[Callable[[], object]]) -> None:

@@ -15,7 +15,7 @@ import dataclasses
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 from ._aligned import aligned_buffer
@@ -30,7 +30,7 @@ from ._errors import (
 from ._events import log_event
 from ._index import BlobRow, PageRow
 from ._keys import SESSIONS_DIR, PageKey, as_key, session_name
-from ._local import CorruptedFile, LocalTier, placement, read_marker
+from ._local import CorruptedFile, LocalTier, placement, read_marker, unnamed_files
 from ._types import DeviceStatistics, StoreStatistics
 from ._writes import leaves_now
 
@@ -375,31 +375,38 @@ def fsck(
     # not lost its files: they are unreadable, never missing or corrupt, so a repair does
     # not delete pages whose data comes back with the device.
     down = _devices_down(eng)
-    listed = builtins.list(tier.all_files(skip=down))
-    owned = tier.writing_files()
-    owned |= eng.index.all_extent_files()
-    owned |= eng.index.dropping_files()
-    with eng._cap_lock:  # deleted while a reader holds them: they go when it is done
-        owned.update(
-            (e[0], e[1]) for bs in eng._deferred.values() for b in bs for e in b.extents or ()
-        )
+
+    def owners() -> Iterator[tuple[int, str]]:  # (called once the listing is done)
+        yield from tier.writing_files()
+        yield from eng.index.local_extent_files()
+        yield from eng.index.dropping_files()
+        with eng._cap_lock:  # deleted while a reader holds them: they go when it is done
+            deferred = [
+                (e[0], e[1]) for bs in eng._deferred.values() for b in bs for e in b.extents or ()
+            ]
+        yield from deferred
+
     # (and still there: a writer whose put found its data stored already removed its files
     # and was gone from the writers by the time they were read, after the listing)
     orphans = [
         (dev, rel)
-        for dev, rel in listed
-        if (dev, rel) not in owned and os.path.lexists(tier.abspath(dev, rel))
+        for dev, rel in unnamed_files(lambda: tier.all_files(skip=down), owners)
+        if os.path.lexists(tier.abspath(dev, rel))
     ]
-    blobs = eng.index.local_blobs()
+    # The rows are read as they are checked, not all at once (a store of millions of
+    # pages): counted first for the progress, which rows committed meanwhile may outgrow
+    total = eng.index.local_blob_count()
+    checked = 0
     bad: builtins.list[BlobRow] = []
     cut_off: builtins.list[BlobRow] = []  # unreadable now: their pages are kept
     #: blob rows whose size or digests are wrong while their local copy verifies, with
     #: the size and digests it verified with
     fixable: dict[bytes, tuple[BlobRow, int, bytes]] = {}
-    for i, b in enumerate(blobs):
+    for b in eng.index.local_blobs():
         assert b.extents is not None
-        if callable(progress):
-            progress(i, len(blobs))  # (contents checked, contents to check)
+        if callable(progress):  # (contents checked, contents to check)
+            progress(checked, max(total, checked + 1))
+        checked += 1
         missing: builtins.list[str] = []
         unreadable: builtins.list[str] = []
         # (each file once: a striped page has several extents in one file)
@@ -438,7 +445,7 @@ def fsck(
             elif not row_ok:
                 fixable[b.hash] = (b, held, leaves)
     if callable(progress):
-        progress(len(blobs), len(blobs))
+        progress(checked, checked)
     # A copy deleted (or replaced by a new put of the same bytes) while it was checked
     # looks missing or corrupt: only a copy the index still holds is damaged.
     bad = [b for b in bad if _same_copy(eng, b)]
@@ -488,7 +495,7 @@ def fsck(
     if eng.archive_error is not None:  # the archive configured could not be opened
         out["archive_error"] = [eng.archive_error]
     elif archive:  # then the archive's copies: a download of each
-        base = len(blobs)
+        base = checked
 
         def archive_progress(done: int, total: int) -> None:
             if callable(progress):
@@ -693,18 +700,19 @@ def _read_leaves(tier: LocalTier, extents: tuple, size: int) -> bytes | None:
     return leaves_now(buf) if size else leaf_hash(b"")
 
 
-def lost_data_files(eng: Engine, known: set[tuple[int, str]]) -> set[tuple[int, str]]:
-    """The files no row names that hold, verified, the data of pages whose blob row is gone
-    (a damaged index): what the sweep of an unclean open keeps for fsck --repair, which
-    makes those rows again from them. The other leftovers it removes, as ever: kept too,
-    every crash while a pinned page held nowhere else is kept added uncounted files."""
-    lost = eng.index.pages_without_blob()  # (none, on all but a damaged index)
-    if not lost:
-        return set()
-    orphans = [f for f in eng.tier.all_files() if f not in known]
+def lost_data_files(
+    tier: LocalTier,
+    lost: dict[bytes, builtins.list[PageRow]],
+    orphans: builtins.list[tuple[int, str]],
+) -> set[tuple[int, str]]:
+    """Of ``orphans`` (the files no row names), those that hold, verified, the data of the
+    ``lost`` pages, whose blob row is gone (a damaged index): what the sweep of an unclean
+    open keeps for fsck --repair, which makes those rows again from them. The other
+    leftovers it removes, as ever: kept too, every crash while a pinned page held nowhere
+    else is kept added uncounted files."""
     if not orphans:
         return set()
-    found = _find_lost_data(eng.tier, lost, orphans)
+    found = _find_lost_data(tier, lost, orphans)
     return {(e[0], e[1]) for extents, *_ in found.values() for e in extents}
 
 

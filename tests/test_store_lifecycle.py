@@ -96,6 +96,39 @@ def test_unclean_restart_sweeps_orphans(make_config: Callable[..., kvfs.StoreCon
         assert store.get("a/b") == b"kept"
 
 
+def test_the_sweep_finds_the_same_orphans_without_room_for_its_temporary_database() -> None:
+    """The names of the data files and of the files the index names go to a temporary
+    SQLite database, not to Python sets (an open after a crash held about 1 KB a page).
+    Where that cannot be written (here: a file size limit, as a full disk), they are read
+    again into one in memory, and the answer is the same; the files are listed before
+    what names them is asked for (fsck relies on it)."""
+    code = textwrap.dedent("""
+        import logging, resource, signal
+        from kvfs._local import unnamed_files
+        logging.basicConfig(format="%(message)s")
+        files = [(i % 2, f"blobs/{i % 256:02x}/f{i:08x}") for i in range(40_000)]
+        done = []
+        def listed():
+            yield from files
+            done.append(True)
+        def named():
+            assert done, "named before the listing ended"
+            return (f for i, f in enumerate(files) if i % 1000)
+        first = list(unnamed_files(listed, named))
+        print("WRITING", flush=True)
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # (EFBIG instead)
+        hard = resource.getrlimit(resource.RLIMIT_FSIZE)[1]
+        resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10, hard))
+        done.clear()
+        again = list(unnamed_files(listed, named))
+        assert first == again == files[::1000], (first[:3], again[:3])
+        print("SAME", len(again))
+        """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.split() == ["WRITING", "SAME", "40"], out.stderr
+    assert out.stderr.count("could not be written to SQLite's temporary") == 1, out.stderr
+
+
 # -- leases ------------------------------------------------------------------------------
 def test_leased_files_survive_delete_and_evict(
     make_config: Callable[..., kvfs.StoreConfig],
