@@ -17,11 +17,12 @@ import logging
 import os
 import socket
 import sys
+from collections.abc import Callable
 
 import trio
 
 from ._store import Store
-from ._types import SessionInfo, StoreStatistics
+from ._types import DeviceStatistics, SessionInfo, StoreStatistics
 
 __all__ = ["metrics_service", "render_metrics", "setup_logging"]
 
@@ -81,38 +82,25 @@ def render_metrics(
     w("kvfs_sessions", g, "Sessions in the index.", st.sessions)
     w("kvfs_local_contents", g, "Distinct contents held locally.", st.local_blobs)
     w("kvfs_logical_bytes", g, "Sum of page sizes (before deduplication).", st.logical_bytes)
-    for d in st.devices:
-        w(
-            "kvfs_device_used_bytes",
-            g,
-            "Bytes used per data device.",
-            d.used_bytes,
-            {"device": d.index, "path": d.path},
-        )
-    for d in st.devices:
-        w(
-            "kvfs_device_free_bytes",
-            g,
-            "Free bytes per data device.",
-            d.free_bytes,
-            {"device": d.index, "path": d.path},
-        )
-    for d in st.devices:
-        w(
+    per_device: list[tuple[str, str, str, Callable[[DeviceStatistics], int]]] = [
+        ("kvfs_device_used_bytes", g, "Bytes used per data device.", lambda d: d.used_bytes),
+        ("kvfs_device_free_bytes", g, "Free bytes per data device.", lambda d: d.free_bytes),
+        (
             "kvfs_device_errors_total",
             c,
             "Disk errors (EIO, ENXIO, ENODEV, EROFS) per data device since the store opened.",
-            d.errors,
-            {"device": d.index, "path": d.path},
-        )
-    for d in st.devices:
-        w(
+            lambda d: d.errors,
+        ),
+        (
             "kvfs_device_failing",
             g,
             "1 while a data device is left out of new placements after a recent disk error.",
-            int(d.failing),
-            {"device": d.index, "path": d.path},
-        )
+            lambda d: int(d.failing),
+        ),
+    ]
+    for name, kind, help_, value in per_device:
+        for d in st.devices:
+            w(name, kind, help_, value(d), {"device": d.index, "path": d.path})
     w("kvfs_puts_total", c, "Pages stored.", st.puts)
     w("kvfs_dedup_puts_total", c, "Puts whose content was already held.", st.dedup_puts)
     w("kvfs_gets_total", c, "Page reads.", st.gets)
