@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import itertools
 import logging
 import os
 import threading
@@ -49,7 +50,7 @@ from ._errors import (
     PageNotFound,
 )
 from ._events import log_event
-from ._index import BlobRow, PageRow
+from ._index import SCAN_ROWS, BlobRow, PageRow
 from ._local import fsync_dir, is_disk_error
 from ._manifest import MANIFESTS, ArchiveIndex, blob_key
 from ._policy import TieringPolicy
@@ -841,10 +842,20 @@ class ArchivingPolicy(TieringPolicy):
         archived (``kvfs fsck --check-archive``: a download of each). Returns the objects missing and
         corrupt, the pages they hold, and, with ``repair``, what was re-uploaded: an object
         whose content this store still holds in a verified local copy is written again.
-        The others are reported, not deleted: another host may hold the data still."""
+        The others are reported, not deleted: another host may hold the data still.
+
+        The blob rows are read as :meth:`Index._scan_blobs` reads them, a chunk at a time
+        (in a worker thread), and a check starts only when one of the ``concurrency``
+        running has ended: the pass holds a chunk of rows and those downloads (at most
+        ``TRANSFER_BYTES`` of pages, kvfs/_uploader.py) at once, not a row and a task for
+        every archived blob of the store. A blob archived during the pass is checked if
+        its checksum is beyond the rows read so far; one deleted before its row is read is
+        not. ``progress(done, total)``: ``total`` is the count of archived blobs when the
+        pass began (or ``done``, once more were checked). Raises ArchiveUnavailable."""
         from objectstore import ObjectNotFound
 
-        blobs = self.engine.index.archived_blobs()
+        index = self.engine.index
+        total = index.archived_blob_count()
         out: dict[str, list[str]] = {
             "archive_missing": [],
             "archive_corrupt": [],
@@ -854,36 +865,44 @@ class ArchivingPolicy(TieringPolicy):
         bad: list[BlobRow] = []
         done = 0
 
-        async def check(b: BlobRow, limit: trio.CapacityLimiter, budget: ByteLimiter) -> None:
+        async def check(b: BlobRow, slots: trio.Semaphore, budget: ByteLimiter) -> None:
             nonlocal done
             key = blob_key(b.hash)
-            async with limit, budget.hold(b.size):
-                try:
-                    obj = await self.store.get(key)
-                except ObjectNotFound:
-                    out["archive_missing"].append(key)
-                    bad.append(b)
-                else:
-                    assert isinstance(obj, bytes)
+            try:
+                async with budget.hold(b.size):
                     try:
-                        await trio.to_thread.run_sync(
-                            decode_verified, obj, b.hash, b.size, f"archive object {key}"
-                        )
-                    except CorruptPage:
-                        out["archive_corrupt"].append(key)
+                        obj = await self.store.get(key)
+                    except ObjectNotFound:
+                        out["archive_missing"].append(key)
                         bad.append(b)
+                    else:
+                        assert isinstance(obj, bytes)
+                        try:
+                            await trio.to_thread.run_sync(
+                                decode_verified, obj, b.hash, b.size, f"archive object {key}"
+                            )
+                        except CorruptPage:
+                            out["archive_corrupt"].append(key)
+                            bad.append(b)
+            finally:
+                slots.release()
             done += 1
             if progress is not None:
-                progress(done, len(blobs))
+                progress(done, max(done, total))
 
         async def check_all() -> None:
-            limit, budget = trio.CapacityLimiter(self.cfg.concurrency), ByteLimiter()
+            rows = index.archived_blobs()
+            slots, budget = trio.Semaphore(self.cfg.concurrency), ByteLimiter()
             async with one_error_nursery() as n:  # (ArchiveUnavailable, not a group)
-                for b in blobs:
-                    n.start_soon(check, b, limit, budget)
+                while chunk := await trio.to_thread.run_sync(
+                    lambda: list(itertools.islice(rows, SCAN_ROWS))
+                ):
+                    for b in chunk:
+                        await slots.acquire()
+                        n.start_soon(check, b, slots, budget)
 
         if progress is not None:
-            progress(0, len(blobs))
+            progress(0, total)
         self.call(check_all)
         for b in bad:
             key = blob_key(b.hash)

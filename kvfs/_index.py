@@ -697,9 +697,14 @@ class Index:
         """Whether any blob is held by the archive alone (no local copy)."""
         return bool(self._q("SELECT 1 FROM blobs WHERE archived=1 AND extents IS NULL LIMIT 1"))
 
-    def archived_blobs(self) -> list[BlobRow]:
-        """Every blob marked as held by the archive."""
-        return [_blob(r) for r in self._q(f"SELECT {_BLOB_COLS} FROM blobs WHERE archived=1")]
+    def archived_blobs(self) -> Iterator[BlobRow]:
+        """Every blob marked as held by the archive, by checksum, read as
+        :meth:`_scan_blobs` reads."""
+        return map(_blob, self._scan_blobs(_BLOB_COLS, "archived=1"))
+
+    def archived_blob_count(self) -> int:
+        """How many blobs are marked as held by the archive."""
+        return int(self._q("SELECT COUNT(*) FROM blobs WHERE archived=1")[0][0])
 
     def archived_sample(self, n: int) -> list[bytes]:
         """Up to ``n`` blobs marked as held by the archive, the most recently created first."""

@@ -16,6 +16,7 @@ import os
 import sqlite3
 import tracemalloc
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import TypeVar
 
 import kvfs
@@ -150,3 +151,32 @@ def test_an_open_after_a_crash_and_fsck_do_not_hold_every_blob_at_once(
         peaks.append((at_open, at_fsck))
     (open_n, fsck_n), (open_4n, fsck_4n) = peaks
     assert open_4n < open_n * SLACK and fsck_4n < fsck_n * SLACK, peaks
+
+
+def test_a_check_of_the_archive_does_not_hold_every_archived_blob_at_once(
+    make_config: Callable[..., kvfs.StoreConfig], tmp_path: Path
+) -> None:
+    # (fsck --check-archive read every archived blob row at once and started a task for
+    # each before the first download: about 4 KB a page, 164 MB peak RSS at 40,000 pages)
+    cfg = make_config(
+        ndev=1,
+        durable=False,
+        direct_io=False,
+        archive_url=f"file://{tmp_path / 'archive'}",
+        extra={"archive": {"interval": 0, "upload_processes": 0}},
+    )
+    n = 2 * SCAN_ROWS
+    peaks = []
+    with kvfs.open_store_sync(cfg) as store:
+        for total in (n, 4 * n):
+            for first in range(store.statistics().pages, total, n):
+                store.put_many(
+                    (f"s{first // n}/p{i}", i.to_bytes(8, "little") * 8)
+                    for i in range(first, first + n)
+                )
+                store.spill(f"s{first // n}")
+            assert sum(1 for _ in store.engine.index.archived_blobs()) == total
+            peak, found = _python_peak(lambda: store.fsck(archive=True))
+            assert not any(found.values()), found
+            peaks.append(peak)
+    assert peaks[1] < peaks[0] * SLACK, peaks
