@@ -1482,7 +1482,7 @@ class ArchivingPolicy(TieringPolicy):
                 "spill_queue": self.spiller.queue_length(),
                 # objects queued to be deleted from the archive (after deletes, replaced
                 # pages; done by the background pass once gc_grace has passed)
-                "pending_deletes": len(self.aindex.pending("forget")),
+                "pending_deletes": self.aindex.pending_count("forget"),
                 "bytes_spilled": c.get("bytes_spilled", 0),
                 "bytes_restored": c.get("bytes_restored", 0),
                 "sessions_spilled": c.get("sessions_spilled", 0),
@@ -1510,7 +1510,9 @@ class ArchivingPolicy(TieringPolicy):
 
     def close(self) -> None:
         """Finish queued archive cleanup (bounded), stop the prefetch pool, close the store."""
-        if self.aindex.pending("manifest") or self.aindex.pending("forget", self.cfg.gc_grace):
+        if self.aindex.has_pending("manifest") or self.aindex.has_pending(
+            "forget", self.cfg.gc_grace
+        ):
             self._flush_now()
         self._io.shutdown(wait=True)
         self._cpu.shutdown(wait=True)

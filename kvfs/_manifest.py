@@ -308,6 +308,22 @@ class ArchiveIndex:
             )
         ]
 
+    def pending_count(self, kind: str) -> int:
+        """How many keys :meth:`pending` would list (the queue may hold an entry for every
+        page of the store: counted, not listed)."""
+        return int(
+            self.index._q("SELECT COUNT(*) FROM archive_pending WHERE kind=?", (kind,))[0][0]
+        )
+
+    def has_pending(self, kind: str, older_than: float = 0.0) -> bool:
+        """Whether :meth:`pending` would list any key (without listing them)."""
+        cutoff = time.time() - older_than
+        return bool(
+            self.index._q(
+                "SELECT 1 FROM archive_pending WHERE kind=? AND since<=? LIMIT 1", (kind, cutoff)
+            )
+        )
+
     def done(self, kind: str, keys: list[str], asked_before: float = float("inf")) -> None:
         """Settle queued work; with ``asked_before``, only requests older than it (a
         manifest built from the index at that time does not reflect a removal made after)."""

@@ -96,7 +96,7 @@ class Spiller:
         )
 
     def queue_length(self) -> int:
-        return len(self._active) + len(self.aindex.pending("manifest"))
+        return len(self._active) + self.aindex.pending_count("manifest")
 
     # -- spill ----------------------------------------------------------------------------
     async def spill_session(

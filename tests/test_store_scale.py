@@ -180,3 +180,32 @@ def test_a_check_of_the_archive_does_not_hold_every_archived_blob_at_once(
             assert not any(found.values()), found
             peaks.append(peak)
     assert peaks[1] < peaks[0] * SLACK, peaks
+
+
+def test_the_statistics_of_an_archive_count_its_queue_of_deletes_without_listing_it(
+    make_config: Callable[..., kvfs.StoreConfig], tmp_path: Path
+) -> None:
+    # (statistics(), which `kvfs stats` and every scrape of the metrics read, listed every
+    # queued deletion of an archive object to count them: an entry for each page deleted
+    # while gc_grace keeps its object, or while the archive is down)
+    cfg = make_config(
+        ndev=1,
+        durable=False,
+        direct_io=False,
+        archive_url=f"file://{tmp_path / 'archive'}",
+        extra={"archive": {"interval": 0, "upload_processes": 0, "gc_grace": 3600}},
+    )
+    n = SCAN_ROWS // 2
+    peaks = []
+    with kvfs.open_store_sync(cfg) as store:
+        deleted = 0
+        for total in (n, 4 * n):
+            for s in range(deleted // n, total // n):
+                store.put_many((f"s{s}/p{i}", os.urandom(64)) for i in range(n))
+                store.spill(f"s{s}")
+                store.delete_session(f"s{s}")
+            deleted = total
+            peak, stats = _python_peak(store.statistics)
+            assert stats.extra["archive"]["pending_deletes"] == total
+            peaks.append(peak)
+    assert peaks[1] < peaks[0] * SLACK, peaks
