@@ -1,0 +1,109 @@
+"""What ``kvfs fsck --check-archive`` costs in memory, at several numbers of archived pages.
+
+For each ``--pages`` N: a child process fills a store (two data directories,
+``StoreConfig(durable=False, direct_io=False)``, a ``file://`` archive in the same temporary
+directory, upload threads rather than worker processes) with N pages of 64 bytes, all of
+distinct content, in sessions of ``--session`` pages (400), and spills each session (its
+local copies dropped: every page is held by the archive alone). Then, in a fresh process,
+an offline ``fsck --check-archive`` (``Engine.fsck(archive=True)``, what the command runs:
+the local check, then a download and verification of every archived object). Printed: the
+peak resident memory of that process (``VmHWM``) above its resident memory just before the
+call (``/proc/self/clear_refs`` resets the peak there), and the time the call took (a
+single run: informational).
+
+    .venv/bin/python scripts/check_archive_memory.py --pages 10000 40000
+
+The growth between two sizes, divided by the pages added, is what each archived page
+costs. Needs about 8 KiB of disk per page while it fills, then a few hundred bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from _memory import proc_status, reset_peak
+
+MiB = 1 << 20
+
+
+def _config(tmp: str) -> object:
+    import kvfs
+
+    return kvfs.StoreConfig(
+        data_dirs=(Path(tmp, "d0"), Path(tmp, "d1")),
+        durable=False,
+        direct_io=False,
+        archive_url=f"file://{tmp}/archive",
+        extra={"archive": {"interval": 0, "upload_processes": 0}},
+    )
+
+
+def _fill(tmp: str, n: int, per_session: int) -> None:
+    """The child that fills the store and spills every session of it."""
+    import kvfs
+
+    with kvfs.open_store_sync(_config(tmp)) as store:
+        for first in range(0, n, per_session):
+            session = f"sessions/s{first // per_session:05d}"
+            store.put_many(
+                (f"{session}/p/layer-{i - first:04d}", i.to_bytes(8, "little") * 8)
+                for i in range(first, min(n, first + per_session))
+            )
+            store.spill(session)
+
+
+def _measure(tmp: str) -> None:
+    """The child that checks the archive, and prints its memory, time and findings."""
+    import kvfs
+
+    eng = kvfs.Engine(_config(tmp))
+    before = reset_peak("self")
+    t = time.perf_counter()
+    found = eng.fsck(archive=True)
+    took = time.perf_counter() - t
+    peak = proc_status("self", "VmHWM")
+    eng.close()
+    problems = sum(len(v) for v in found.values())
+    print(f"{before} {peak} {took} {problems}")
+
+
+def main() -> int:
+    if len(sys.argv) > 1 and sys.argv[1] == "--child-fill":
+        _fill(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
+        return 0
+    if len(sys.argv) > 1 and sys.argv[1] == "--child":
+        _measure(sys.argv[2])
+        return 0
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--pages", type=int, nargs="+", default=[10000, 40000])
+    ap.add_argument("--session", type=int, default=400, help="pages a session (400)")
+    args = ap.parse_args()
+    print("pages    fsck --check-archive: peak above RSS, time")
+    rows = []
+    for n in args.pages:
+        with tempfile.TemporaryDirectory(prefix="kvfs-chkarch-") as tmp:
+            fill = [sys.executable, __file__, "--child-fill", tmp, str(n), str(args.session)]
+            subprocess.run(fill, check=True)
+            out = subprocess.run(
+                [sys.executable, __file__, "--child", tmp], capture_output=True, text=True
+            )
+            if out.returncode:
+                raise SystemExit(f"the check failed:\n{out.stderr}")
+            before, peak, took, problems = out.stdout.split()
+            if problems != "0":
+                raise SystemExit(f"fsck --check-archive found {problems} problems")
+            rows.append((n, int(peak) - int(before)))
+            print(f"{n:>7,}  {rows[-1][1] / MiB:10.1f} MiB {float(took):7.2f} s", flush=True)
+    if len(rows) > 1:
+        (n0, p0), (n1, p1) = rows[0], rows[-1]
+        print(f"per page added: {(p1 - p0) / (n1 - n0):.0f} bytes")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
