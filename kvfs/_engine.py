@@ -49,7 +49,7 @@ from ._errors import (
     StoreLocked,
 )
 from ._events import log_event
-from ._index import BlobRow, Index, PageRow, meta_value
+from ._index import BlobRow, Index, PageRow, disk_failure, meta_value
 from ._keys import PageKey, as_key, session_dir, session_name
 from ._local import DEVICE_MARKER, LocalTier, device_store, is_disk_error, unnamed_files
 from ._lock import DirLock
@@ -108,13 +108,19 @@ def keep_reserve(index_dir: Path) -> None:
 
 def is_new_store(cfg: StoreConfig) -> bool:
     """No store at ``cfg`` yet: no index, or an empty one (SQLite writes its header with the
-    first commit, so an empty file is only ever what a failed create left)."""
+    first commit, so an empty file is only ever what a failed create left). Raises
+    IndexUnavailable when the index's disk answers an I/O error (see :func:`_open_error`)."""
     try:
         if cfg.index_path.stat().st_size > 0:
             return False
         return os.stat(f"{cfg.index_path}-wal").st_size == 0
     except FileNotFoundError:
         return True
+    except OSError as e:  # (the CLI asks before it opens: a bare EIO was all it printed)
+        bad = _index_disk_failed(e, cfg)
+        if bad is None:
+            raise
+        raise bad from e
 
 
 def _abs(p: Path) -> Path:
@@ -180,12 +186,50 @@ _SQLITE_IOERR = 10
 _SQLITE_FULL = 13
 
 
-def _open_error(e: Exception, cfg: StoreConfig, *, new: bool) -> Exception:
-    """The error an open that failed with ``e`` raises: DiskFull, saying so, when ``e`` is a
-    disk too full for it (ENOSPC/EDQUOT, SQLite's SQLITE_FULL, or an I/O error of SQLite's
-    where the index's disk has next to nothing free: growing its shared-memory file fails
-    so, and SQLite keeps the errno to itself); ``e`` itself otherwise. Look before what the
-    open made is removed (that frees the space)."""
+def _index_disk_failed(
+    e: BaseException, cfg: StoreConfig, *, file: Path | None = None
+) -> IndexUnavailable | None:
+    """IndexUnavailable for an open that failed with ``e`` because the disk of the index's
+    directory answered an I/O error: a disk's OSError (DISK_ERRORS) on the directory or a
+    file in it (the lock file, the index, the reserve; ``file``: the one meant when the
+    error names none), or SQLite's error on the index that :func:`disk_failure` finds the
+    disk's. None for any other error."""
+    index_dir = _abs(cfg.index_path.parent)
+    if isinstance(e, sqlite3.DatabaseError):
+        said, where = disk_failure(cfg.index_path, e), _abs(cfg.index_path)
+    elif is_disk_error(e):
+        named = getattr(e, "filename", None) or file
+        if named is None:
+            return None
+        said, where = getattr(e, "strerror", None) or str(e), _abs(Path(named))
+        if index_dir not in (where, where.parent):
+            return None  # (a data directory's: the tier says which and what it means)
+    else:
+        return None
+    if said is None:
+        return None
+    on = "itself" if where == index_dir else where.name
+    return IndexUnavailable(
+        f"cannot open the store in {cfg.data_dirs[0]}: the index's directory {index_dir} "
+        f"answered an I/O error ({said}, on {on}; is its disk failing?). Nothing was created "
+        "or changed; once the disk is back, the store opens as it was"
+    )
+
+
+def _open_error(
+    e: Exception, cfg: StoreConfig, *, new: bool, file: Path | None = None
+) -> Exception:
+    """The error an open that failed with ``e`` raises: IndexUnavailable, saying so, when
+    ``e`` is the index directory's disk failing (:func:`_index_disk_failed`; ``file``: the
+    file ``e`` is about when it names none), where a bare EIO from the lock file was all a
+    caller saw; DiskFull, saying so, when ``e`` is a disk too full for it (ENOSPC/EDQUOT,
+    SQLite's SQLITE_FULL, or an I/O error of SQLite's where the index's disk has next to
+    nothing free: growing its shared-memory file fails so, and SQLite keeps the errno to
+    itself); ``e`` itself otherwise. Look before what the open made is removed (that frees
+    the space)."""
+    failing = _index_disk_failed(e, cfg, file=file)
+    if failing is not None:
+        return failing
     full = isinstance(e, CapacityExceeded) or (
         isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)
     )
@@ -231,6 +275,8 @@ def _open_index(cfg: StoreConfig) -> Index:
     except sqlite3.DatabaseError as e:
         if isinstance(e, sqlite3.OperationalError):  # locked, full...: not the file's fault
             raise
+        if disk_failure(cfg.index_path, e) is not None:
+            raise  # (SQLite's "malformed" for a read its disk failed: _open_error says so)
         raise KvfsError(
             f"the index {cfg.index_path} is unreadable ({e}); the store does not open on an "
             "index it cannot trust. Keep the file for inspection; to start over, move it (with "
@@ -346,7 +392,7 @@ class Engine:
             raise
         except OSError as e:  # (no lock file: its directories, if it made them, go)
             _remove_dirs(made)
-            raise _open_error(e, config, new=True) from e
+            raise _open_error(e, config, new=True, file=config.lock_path) from e
         new = False
         try:
             new = is_new_store(config)

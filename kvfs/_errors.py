@@ -82,7 +82,9 @@ class IndexUnavailable(KvfsError, OSError):
     call needed the index and could not read or write it. Nothing was changed by the call
     (its transaction rolled back; a put's new data files removed, or, when the disk failed
     the commit itself, left for the next open to sweep). The message names the index file;
-    the cause is in ``__cause__``. Not a corrupt index: that one does not open at all."""
+    the cause is in ``__cause__``. Not a corrupt index: that one does not open at all.
+    An open raises it, naming the index's directory, when that disk fails it (creating and
+    changing nothing)."""
 
     errno = errno.EIO
     #: raised by the commit itself: SQLite rolled it back, but a disk that took the WAL's

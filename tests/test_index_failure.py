@@ -8,6 +8,8 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -166,3 +168,54 @@ async def test_the_control_channel_answers_each_call_with_the_error(
                     await call()
                 said_index_fails(e.value, cfg)
         n.cancel_scope.cancel()
+
+
+def tree(*dirs: Path) -> dict[Path, tuple[int, int]]:
+    """Every path under ``dirs`` with its size and mtime: what an open changed."""
+    return {p: (p.stat().st_size, p.stat().st_mtime_ns) for d in dirs for p in d.rglob("*")}
+
+
+def test_an_open_while_the_index_disk_fails_says_so(tmp_path: Path, loop_disk: LoopDisk) -> None:
+    # The open (and `kvfs ls`) stopped at the lock file with a bare "[Errno 5] Input/output
+    # error: '.../kvfs.lock'", as if kvfs had a bug
+    cfg = index_on(tmp_path, loop_disk)
+    with kvfs.open_store_sync(cfg) as s:
+        s.put("a/p0", b"x" * 100_000)
+    os.sync()
+    before = tree(cfg.index_path.parent, cfg.data_dirs[0])
+    loop_disk.shut_down()
+    opening = kvfs.open_store_sync(cfg)
+    with pytest.raises(kvfs.IndexUnavailable) as e:
+        opening.__enter__()
+    assert e.value.errno == errno.EIO
+    text = str(e.value)
+    assert str(cfg.index_path.parent) in text and "is its disk failing?" in text, text
+    assert "Nothing was created or changed" in text, text
+    loop_disk.comeback()
+    assert tree(cfg.index_path.parent, cfg.data_dirs[0]) == before
+    with kvfs.open_store_sync(cfg) as s:
+        assert s.get("a/p0") == b"x" * 100_000
+
+
+def test_kvfs_ls_while_the_index_disk_fails_says_so_in_one_line(
+    tmp_path: Path, loop_disk: LoopDisk
+) -> None:
+    # `kvfs ls` printed "kvfs ls: [Errno 5] Input/output error: '.../kvfs.lock'"
+    cfg = index_on(tmp_path, loop_disk)
+    with kvfs.open_store_sync(cfg) as s:
+        s.put("a/p0", b"x" * 100_000)
+    os.sync()
+    loop_disk.shut_down()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVFS_")}
+    env["KVFS_INDEX_DIR"] = str(cfg.index_path.parent)
+    r = subprocess.run(
+        [sys.executable, "-m", "cli", "ls", "--offline", "--data", str(cfg.data_dirs[0])],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=120,
+    )
+    assert r.stdout == "" and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert r.stderr.startswith("kvfs ls: cannot open the store"), r.stderr
+    assert str(cfg.index_path.parent) in r.stderr and "is its disk failing?" in r.stderr
