@@ -41,8 +41,9 @@ import msgpack
 import trio
 
 from . import _errors
-from ._events import log_event
+from ._events import disk_error_due, log_event
 from ._keys import PageKey
+from ._local import is_disk_error
 from ._store import Store
 from ._types import DeviceStatistics, Extent, PageInfo, SessionInfo, StoreStatistics
 
@@ -592,7 +593,24 @@ def _log_failure(
 ) -> None:
     """The event line of a failed call. A caller's mistake (no such page, bad key, spill or
     restore where no archive tier is configured) or a full cache (the capacity) is a
-    warning; anything else an error."""
+    warning; a failing disk's error (IndexUnavailable, a data disk's I/O error) a warning,
+    one line per DEVICE_ERROR_LOG_SECONDS with the count of those since (``more``), as
+    the mount says it; anything else an error."""
+    if isinstance(e, _errors.IndexUnavailable) or is_disk_error(e):
+        # (every call fails so while the disk is down: an engine's hundreds of gets a
+        # second were as many ERROR lines)
+        more = disk_error_due(store)
+        if more is not None:
+            log_event(
+                "error",
+                level=logging.WARNING,
+                method=method,
+                target=_target(args, kwargs),
+                error=type(e).__name__,
+                message=str(e),
+                **({"more": more} if more else {}),
+            )
+        return
     expected = isinstance(
         e, (FileNotFoundError, FileExistsError, ValueError, _errors.CapacityExceeded)
     ) or (isinstance(e, _errors.ArchiveUnavailable) and not store.engine.config.archive_url)

@@ -5,15 +5,27 @@
 (INFO; errors at ERROR unless a lower level is given), and attaches the fields to the record
 (``kvfs_event``, ``kvfs_fields``) for handlers such as journald's. Cheap and import-light:
 the engine and the archive tier call it from worker threads.
+
+:func:`disk_error_due` is the one limiter for a failing disk's errors, which every request
+meets while it lasts: the mount (:mod:`kvfs._fuse_guard`) and the control channel each log
+one line per DEVICE_ERROR_LOG_SECONDS, counting the rest.
 """
 
 from __future__ import annotations
 
 import logging
+import math
+import threading
+import time
+import weakref
+from collections.abc import Callable
 
-__all__ = ["log_event"]
+__all__ = ["DEVICE_ERROR_LOG_SECONDS", "Throttle", "disk_error_due", "log_event"]
 
 events = logging.getLogger("kvfs.events")
+
+#: a failing disk fails every request: one line per this many seconds, with a count
+DEVICE_ERROR_LOG_SECONDS = 10.0
 
 
 def log_event(event: str, *, level: int | None = None, **fields: object) -> None:
@@ -31,3 +43,42 @@ def log_event(event: str, *, level: int | None = None, **fields: object) -> None
 def _value(v: object) -> str:
     s = f"{v:.3f}" if isinstance(v, float) else str(v)
     return f'"{s}"' if (" " in s or not s) else s
+
+
+class Throttle:
+    """One log line per ``seconds``, the lines between counted: for an error that comes
+    back with every request (a failing disk's), where a line each flooded the log."""
+
+    def __init__(self, seconds: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.seconds = seconds
+        self._clock = clock
+        self._last = -math.inf
+        self._held = 0
+        self._lock = threading.Lock()
+
+    def due(self) -> int | None:
+        """None: hold this line back (it is counted). Otherwise log it: the number of lines
+        held back since the last one logged (0: none)."""
+        with self._lock:
+            now = self._clock()
+            if now - self._last < self.seconds:
+                self._held += 1
+                return None
+            held, self._last, self._held = self._held, now, 0
+            return held
+
+
+#: per owner (a mount's Operations, a control channel's store): its disk errors' throttle
+_disk_errors: weakref.WeakKeyDictionary[object, Throttle] = weakref.WeakKeyDictionary()
+_disk_errors_lock = threading.Lock()
+
+
+def disk_error_due(owner: object) -> int | None:
+    """:meth:`Throttle.due` for a failing disk's error answered by ``owner`` (the mount
+    and the control channel each say it in their own log, one line per
+    DEVICE_ERROR_LOG_SECONDS)."""
+    with _disk_errors_lock:
+        throttle = _disk_errors.get(owner)
+        if throttle is None:
+            throttle = _disk_errors[owner] = Throttle(DEVICE_ERROR_LOG_SECONDS)
+    return throttle.due()

@@ -4,9 +4,10 @@ pyfuse3 ends the whole mount when a handler raises anything but ``FUSEError``, s
 handler is wrapped: a :class:`~kvfs.KvfsError` becomes its ``errno``, an :class:`OSError`
 keeps its own, anything else is logged at ERROR and answered with EIO. A disk's I/O error
 (a data device's, or IndexUnavailable: the index's) is a WARNING, one line per
-DEVICE_ERROR_LOG_SECONDS with a count of the rest. When the store's own directories are
-gone (removed under the running daemon) nearly every request fails so: that is said once,
-in one line naming them, not in a traceback per request.
+DEVICE_ERROR_LOG_SECONDS (:mod:`kvfs._events`, as the control channel's) with a count of
+the rest. When the store's own directories are gone (removed under the running daemon)
+nearly every request fails so: that is said once, in one line naming them, not in a
+traceback per request.
 """
 
 from __future__ import annotations
@@ -14,15 +15,13 @@ from __future__ import annotations
 import errno
 import functools
 import logging
-import math
-import time
-import weakref
 from collections.abc import Callable, Coroutine
 from typing import Any, ParamSpec, TypeVar
 
 import pyfuse3
 
 from ._errors import IndexUnavailable, KvfsError
+from ._events import disk_error_due
 from ._fuse_nodes import Node
 from ._fuse_ns import child_path
 from ._keys import MAX_NAME_BYTES, MAX_PATH_BYTES
@@ -68,23 +67,13 @@ def guard(fn: Callable[P, Coroutine[Any, Any, T]]) -> Callable[P, Coroutine[Any,
     return wrapper
 
 
-#: a failing disk fails every request: one warning per this many seconds, with a count
-DEVICE_ERROR_LOG_SECONDS = 10.0
-#: per mount (its Operations object): when the last line was logged, errors since
-_device_errors: weakref.WeakKeyDictionary[object, list[float]] = weakref.WeakKeyDictionary()
-
-
 def _device_error(ops: object, handler: str, e: OSError) -> None:
     """Log a disk's I/O error that a request was answered with: the caller sees only EIO,
     and a failing device said nothing in the daemon's log (docs/architecture.md, "A
-    device that fails")."""
-    now = time.monotonic()
-    last = _device_errors.setdefault(ops, [-math.inf, 0])
-    if now - last[0] < DEVICE_ERROR_LOG_SECONDS:
-        last[1] += 1
+    device that fails"). One line per DEVICE_ERROR_LOG_SECONDS per mount."""
+    more = disk_error_due(ops)
+    if more is None:
         return
-    more = int(last[1])
-    last[:] = [now, 0]
     log.warning(
         "%s: %s%s%s",
         handler,

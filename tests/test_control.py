@@ -1294,3 +1294,20 @@ def test_a_record_with_a_field_this_side_does_not_know_still_decodes() -> None:
     body = msgpack.packb(["PageInfo", fields], use_bin_type=True)
     msg = msgpack.packb([0, msgpack.ExtType(_RECORD_EXT, body)], use_bin_type=True)
     assert decode(msg) == [0, kvfs.PageInfo(**{k: v for k, v in fields.items() if k != "colour"})]
+
+
+def test_a_throttle_logs_one_line_per_interval_and_counts_the_rest() -> None:
+    # (a failing disk's errors, on the mount and the control channel: one line per
+    # DEVICE_ERROR_LOG_SECONDS, the next one saying how many were held back)
+    from kvfs._events import Throttle
+
+    now = [100.0]
+    t = Throttle(10.0, clock=lambda: now[0])
+    assert t.due() == 0
+    assert [t.due() for _ in range(4)] == [None] * 4
+    now[0] += 9.9
+    assert t.due() is None
+    now[0] += 0.1
+    assert t.due() == 5
+    now[0] += 10.0
+    assert t.due() == 0

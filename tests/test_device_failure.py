@@ -324,10 +324,11 @@ def test_the_fast_path_reads_a_page_on_a_failing_disk_from_the_archive(
 
 
 async def test_a_disk_error_through_the_daemon_keeps_its_errno(
-    tmp_path: Path, loop_disk: LoopDisk
+    tmp_path: Path, loop_disk: LoopDisk, caplog: pytest.LogCaptureFixture
 ) -> None:
     # A client of the daemon got a bare OSError for the failing disk's EIO: its errno was
-    # None (an engine telling a failing disk from other errors could not)
+    # None (an engine telling a failing disk from other errors could not). And each such
+    # call was an ERROR event line in the daemon's log: one WARNING now, the rest counted
     import trio
 
     from kvfs._control import control_service
@@ -345,6 +346,8 @@ async def test_a_disk_error_through_the_daemon_keeps_its_errno(
         cut = next(k for k, dev in devices.items() if dev)
         os.sync()
         loop_disk.shut_down()
+        caplog.clear()
+        caplog.set_level(logging.DEBUG, logger="kvfs.events")
         async with open_remote_store(sock) as r:
             with pytest.raises(OSError) as e:
                 await r.get(cut)
@@ -354,7 +357,11 @@ async def test_a_disk_error_through_the_daemon_keeps_its_errno(
             with open_remote_store_sync(sock) as r:
                 r.get(cut)
 
-        with pytest.raises(OSError) as e:
-            await trio.to_thread.run_sync(sync_get)
-        assert e.value.errno == errno.EIO
+        for _ in range(3):
+            with pytest.raises(OSError) as e:
+                await trio.to_thread.run_sync(sync_get)
+            assert e.value.errno == errno.EIO
         n.cancel_scope.cancel()
+    said = [r for r in caplog.records if getattr(r, "kvfs_event", None) == "error"]
+    assert len(said) == 1 and said[0].levelno == logging.WARNING, [r.getMessage() for r in said]
+    assert "Input/output error" in said[0].getMessage()

@@ -151,10 +151,11 @@ async def test_the_mount_answers_eio_and_says_so_once(
 
 
 async def test_the_control_channel_answers_each_call_with_the_error(
-    tmp_path: Path, loop_disk: LoopDisk
+    tmp_path: Path, loop_disk: LoopDisk, caplog: pytest.LogCaptureFixture
 ) -> None:
     # (what `kvfs stats` and an engine's client get from the daemon while the index fails:
-    # the error, call after call, and the daemon still there to answer)
+    # the error, call after call, and the daemon still there to answer). Each call was an
+    # ERROR event line in the daemon's log: an engine's hundreds of gets a second flooded it
     cfg = index_on(tmp_path, loop_disk)
     sock = tmp_path / "c.sock"
     async with kvfs.open_store(cfg) as store, trio.open_nursery() as n:
@@ -163,11 +164,17 @@ async def test_the_control_channel_answers_each_call_with_the_error(
             await r.put("a/p0", b"x" * 100_000)
             os.sync()
             loop_disk.shut_down()
-            for call in (r.statistics, lambda: r.get("a/p0"), r.statistics):
-                with pytest.raises(kvfs.IndexUnavailable) as e:
-                    await call()
-                said_index_fails(e.value, cfg)
+            caplog.clear()
+            with caplog.at_level(logging.DEBUG, logger="kvfs.events"):
+                for call in (r.statistics, lambda: r.get("a/p0"), r.statistics, r.list):
+                    with pytest.raises(kvfs.IndexUnavailable) as e:
+                        await call()
+                    said_index_fails(e.value, cfg)
         n.cancel_scope.cancel()
+    said = [r for r in caplog.records if getattr(r, "kvfs_event", None) == "error"]
+    assert len(said) == 1 and said[0].levelno == logging.WARNING, [r.getMessage() for r in said]
+    assert "error=IndexUnavailable" in said[0].getMessage()
+    assert str(cfg.index_path) in said[0].getMessage()
 
 
 def tree(*dirs: Path) -> dict[Path, tuple[int, int]]:
