@@ -34,6 +34,9 @@ EXIT_MEANING = {
     "archive": "archive unavailable, access to it denied, or not configured",
     "refused": "refused: it would lose data (evict) or cut off a mount in use (umount); "
     "--force does it anyway",
+    "disk": "a disk answered an I/O error (is it failing?): the index's, or a data "
+    "directory's; the message names the directory or file (see architecture.md, on a "
+    "device that fails and on the index's disk failing)",
 }
 
 

@@ -17,6 +17,7 @@ from typing import Any
 
 import kvfs
 from kvfs._control import DaemonUnavailable
+from kvfs._local import is_disk_error
 
 __all__ = [
     "EXIT",
@@ -32,7 +33,8 @@ __all__ = [
 ]
 
 #: Exit codes: 0 ok, 1 error, 2 bad usage, 3 not found, 4 no space, 5 corrupt data,
-#: 6 store busy/locked, 7 daemon not running, 8 archive unavailable or denied, 9 refused (needs --force).
+#: 6 store busy/locked, 7 daemon not running, 8 archive unavailable or denied, 9 refused (needs --force),
+#: 10 a disk failing (an I/O error from the index's disk or a data directory's).
 EXIT = {
     "ok": 0,
     "error": 1,
@@ -44,6 +46,7 @@ EXIT = {
     "no_daemon": 7,
     "archive": 8,
     "refused": 9,
+    "disk": 10,
 }
 
 
@@ -64,6 +67,11 @@ def seconds(text: str) -> float:
 
 
 def exit_code_for(e: BaseException) -> int:
+    """The exit code of a command that failed with ``e``. A failing disk (``disk``) is
+    IndexUnavailable, or a disk's own error (kvfs._local.DISK_ERRORS: EIO...) raised as it
+    is or as the cause of a KvfsError that says it (a data directory's ``.kvfs-device``
+    that cannot be read at open); a corrupt page, an archive's error and a full disk keep
+    their codes."""
     table: list[tuple[type[BaseException], str]] = [
         (Refused, "refused"),
         (NoDaemon, "no_daemon"),
@@ -75,12 +83,15 @@ def exit_code_for(e: BaseException) -> int:
         (kvfs.CorruptPage, "corrupt"),
         (kvfs.StoreLocked, "locked"),
         (kvfs.ArchiveUnavailable, "archive"),
+        (kvfs.IndexUnavailable, "disk"),
         (FileNotFoundError, "not_found"),
         (ValueError, "usage"),
     ]
     for typ, name in table:
         if isinstance(e, typ):
             return EXIT[name]
+    if is_disk_error(e) or (isinstance(e, kvfs.KvfsError) and is_disk_error(e.__cause__)):
+        return EXIT["disk"]
     return EXIT["error"]
 
 

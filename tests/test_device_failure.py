@@ -9,6 +9,8 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pyfuse3
@@ -121,6 +123,20 @@ def test_an_open_while_a_device_fails_says_so(tmp_path: Path, loop_disk: LoopDis
     loop_disk.shut_down()
     with pytest.raises(kvfs.KvfsError, match=r"cannot be read \(Input/output error; is its disk"):
         kvfs.open_store_sync(cfg).__enter__()
+    # kvfs ls says it in one line, and exits with a failing disk's code (it was 1, as for
+    # any error)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVFS_")}
+    data = ",".join(str(d) for d in cfg.data_dirs)
+    r = subprocess.run(
+        [sys.executable, "-m", "cli", "ls", "--offline", "--data", data],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=120,
+    )
+    assert r.returncode == 10 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "is its disk failing?" in r.stderr
     loop_disk.comeback()
     with kvfs.open_store_sync(cfg) as s:  # nothing changed by the failed open
         assert s.get("a/p") == b"x" * 100_000

@@ -207,7 +207,8 @@ def test_an_open_while_the_index_disk_fails_says_so(tmp_path: Path, loop_disk: L
 def test_kvfs_ls_while_the_index_disk_fails_says_so_in_one_line(
     tmp_path: Path, loop_disk: LoopDisk
 ) -> None:
-    # `kvfs ls` printed "kvfs ls: [Errno 5] Input/output error: '.../kvfs.lock'"
+    # `kvfs ls` printed "kvfs ls: [Errno 5] Input/output error: '.../kvfs.lock'", and
+    # exited 1, as for any error: a failing disk has its own code (docs/cli.md)
     cfg = index_on(tmp_path, loop_disk)
     with kvfs.open_store_sync(cfg) as s:
         s.put("a/p0", b"x" * 100_000)
@@ -223,6 +224,7 @@ def test_kvfs_ls_while_the_index_disk_fails_says_so_in_one_line(
         cwd=tmp_path,
         timeout=120,
     )
-    assert r.stdout == "" and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert r.returncode == 10 and r.stdout == "", (r.returncode, r.stderr)
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert r.stderr.startswith("kvfs ls: cannot open the store"), r.stderr
     assert str(cfg.index_path.parent) in r.stderr and "is its disk failing?" in r.stderr
