@@ -381,3 +381,31 @@ async def test_a_disk_error_through_the_daemon_keeps_its_errno(
     said = [r for r in caplog.records if getattr(r, "kvfs_event", None) == "error"]
     assert len(said) == 1 and said[0].levelno == logging.WARNING, [r.getMessage() for r in said]
     assert "Input/output error" in said[0].getMessage()
+
+
+def test_a_device_back_under_the_running_store_is_used_again(
+    tmp_path: Path, loop_disk: LoopDisk, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The failing spell ends FAILING_SECONDS after the last error (0 here, not to wait a
+    # minute): the disk mounted again under the running store serves its pages and takes
+    # new ones, with no reopen.
+    import kvfs._local
+
+    cfg = two_devices(tmp_path, loop_disk)
+    pages = {f"a/p{i}": os.urandom(100_000) for i in range(4)}
+    with kvfs.open_store_sync(cfg) as s:
+        put_all(s, pages)
+        os.sync()
+        loop_disk.shut_down()
+        put_all(s, {f"b/p{i}": os.urandom(100_000) for i in range(4)})
+        assert s.statistics().devices[1].failing
+        loop_disk.comeback()
+        assert {k: s.get(k) for k in pages} == pages
+        monkeypatch.setattr(kvfs._local, "FAILING_SECONDS", 0.0)
+        later = {f"c/p{i}": os.urandom(100_000) for i in range(4)}
+        put_all(s, later)
+        assert {s.stat(k).extents[0].device for k in later} == {0, 1}
+        assert not s.statistics().devices[1].failing
+        assert {k: s.get(k) for k in later} == later
+        found = s.fsck()
+        assert not any(found[k] for k in ("missing", "corrupt", "unreadable", "damaged_pages"))
