@@ -308,6 +308,19 @@ class ArchiveIndex:
             )
         ]
 
+    def pending_chunk(self, kind: str, cutoff: float, after: str, limit: int) -> list[str]:
+        """Up to ``limit`` of the keys queued (last asked for) at ``time.time()`` ``cutoff``
+        or before, in key order, those after ``after``: a queue read a chunk at a time, each
+        a short read by the primary key's index (it may hold an entry for every page)."""
+        return [
+            r[0]
+            for r in self.index._q(
+                "SELECT k FROM archive_pending WHERE kind=? AND k>? AND since<=?"
+                " ORDER BY k LIMIT ?",
+                (kind, after, cutoff, limit),
+            )
+        ]
+
     def pending_count(self, kind: str) -> int:
         """How many keys :meth:`pending` would list (the queue may hold an entry for every
         page of the store: counted, not listed)."""

@@ -9,8 +9,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable, Callable, Iterable
+from typing import TYPE_CHECKING, Any, TypeVar
+from urllib.parse import unquote
 
 import trio
 
@@ -24,6 +25,7 @@ from ._keys import session_name
 from ._maint import after_delete
 from ._manifest import (
     MANIFESTS,
+    NAME_IN_KEY_MAX,
     blob_key,
     build_manifest,
     is_session_manifest,
@@ -48,6 +50,14 @@ log = logging.getLogger("kvfs.archive")
 #: a session whose watermark spill failed (not for the archive: a damaged local page) is
 #: not tried again for this long
 SPILL_RETRY_SECONDS = 300.0
+#: queued deletions of archive objects collected at a time, each chunk a collection of its
+#: own (an intent naming them, then a read of every manifest): the queue may hold one for
+#: every page deleted while gc_grace or an archive outage held it
+COLLECT_ROWS = 2048
+
+#: a manifest deleted since it was listed (Spiller._get_manifest)
+_GONE = object()
+T = TypeVar("T")
 
 
 async def _thread(fn, *args):  # type: ignore[no-untyped-def]
@@ -381,15 +391,37 @@ class Spiller:
         for d in pending:
             await self.write_manifest(d)
             log_event("spill", target=d, reason="pending-manifest")
-        forget = await _thread(self.aindex.pending, "forget", self.policy.cfg.gc_grace)
-        cands = []
-        for hx in forget:
-            h = bytes.fromhex(hx)
-            if self.engine.is_leased(h):
-                continue  # a reader holds it (an open file): stays queued for a later pass
-            cands.append(h)
-        if not cands:
-            return
+        # The queue may hold an entry for every page deleted while gc_grace or an archive
+        # outage held it: collected COLLECT_ROWS at a time, each chunk a collection of its
+        # own (its intent written before it reads the manifests: kvfs/_collect.py).
+        cutoff = time.time() - self.policy.cfg.gc_grace
+        began = time.monotonic()
+        after = ""
+        while True:
+            keys = await _thread(self.aindex.pending_chunk, "forget", cutoff, after, COLLECT_ROWS)
+            if not keys:
+                return
+            if time.monotonic() - began > self.collector.window / 2:
+                # One pass deletes for as long as one collection may, as when the whole
+                # queue was one: the other background steps wait for it.
+                log.warning(
+                    "archive collection stopped after %.0f s; %d objects stay queued",
+                    time.monotonic() - began,
+                    await _thread(self.aindex.pending_count, "forget"),
+                )
+                return
+            after = keys[-1]
+            # (leased: a reader holds it, an open file: stays queued for a later pass)
+            cands = [h for h in map(bytes.fromhex, keys) if not self.engine.is_leased(h)]
+            if not cands:
+                continue
+            gone = await self._collect(cands)
+            if len(gone) < len(cands):
+                return  # stopped (its window, an unreadable manifest): the rest stays queued
+
+    async def _collect(self, cands: list[bytes]) -> list[bytes]:
+        """One collection of ``cands`` (queued to be forgotten, not leased): deletes the
+        objects no manifest names and settles them in the queue. Returns those settled."""
 
         async def referenced() -> set[bytes] | None:
             return await self._named(frozenset(cands))
@@ -412,6 +444,7 @@ class Spiller:
 
         gone = await self.collector.collect(cands, referenced, unheld, delete)
         await _thread(self.aindex.done, "forget", [h.hex() for h in gone])
+        return gone
 
     async def _named(self, want: frozenset[bytes]) -> set[bytes] | None:
         """Which of ``want`` any manifest in the archive names; None when one is unreadable
@@ -421,100 +454,131 @@ class Spiller:
         A manifest whose version tag (S3: the ETag its listing returns) is the one this host
         read before is not read again: a collection costs a LIST per 1,000 manifests plus
         a GET per manifest changed since the last one, not a GET per manifest. Stores
-        without tags (``file://``, a local directory) are read whole every time."""
+        without tags (``file://``, a local directory) are read whole every time. Each
+        manifest read is folded into the answer as it arrives, ``concurrency`` at a time:
+        beyond the tags' cache, memory is that of the manifests being read, not of all."""
         listing = await self.store.list_versions(MANIFESTS)
         cache = self._named_cache
-        stale = [k for k, v in listing if not v or k not in cache or cache[k][0] != v]
-        read = await self._read_manifests(stale)
         named: set[bytes] = set()
         kept: dict[str, tuple[str, frozenset[bytes]]] = {}
-        for key, version in listing:
-            if key in read:
-                m = read[key]
-                if m is None:
-                    _unreadable(key, "archive object deletion", "nothing deleted this pass")
-                    return None
-                hashes = frozenset(bytes(p["hash"]) for p in m["pages"])
-            elif key in cache and version and cache[key][0] == version:
+        unreadable = False
+
+        async def fold(key: str, version: str) -> None:
+            nonlocal unreadable
+            if version and key in cache and cache[key][0] == version:
                 hashes = cache[key][1]
             else:
-                continue  # deleted since the listing
+                m = await self._get_manifest(key)
+                if m is _GONE:
+                    return  # deleted since the listing
+                if m is None:
+                    if not unreadable:
+                        unreadable = True
+                        _unreadable(key, "archive object deletion", "nothing deleted this pass")
+                        reading.cancel()  # (the answer is None: the others need not be read)
+                    return
+                assert isinstance(m, dict)
+                hashes = frozenset(bytes(p["hash"]) for p in m["pages"])
             if version:
                 kept[key] = (version, hashes)
-            named |= want & hashes
+            named.update(want & hashes)
+
+        with trio.CancelScope() as reading:
+            await self._each(listing, lambda kv: fold(*kv))
+        if unreadable:
+            return None
         self._named_cache = kept
         return named
 
-    async def _read_manifests(self, keys: list[str]) -> dict[str, dict[str, Any] | None]:
-        """These manifests, parsed (None: unreadable), read ``concurrency`` at a time; those
-        deleted since they were listed are left out."""
-        out: dict[str, dict[str, Any] | None] = {}
-        limit = trio.CapacityLimiter(max(1, self.policy.cfg.concurrency))
+    async def _get_manifest(self, key: str) -> dict[str, Any] | None | object:
+        """The manifest under ``key``, parsed; None when unreadable, :data:`_GONE` when it
+        was deleted since it was listed. Raises ArchiveUnavailable."""
+        try:
+            raw = await self.store.get(key)
+        except FileNotFoundError:
+            return _GONE
+        try:
+            return parse_manifest(raw)  # type: ignore[arg-type]
+        except ValueError:
+            return None
 
-        async def one(key: str) -> None:
-            async with limit:
-                try:
-                    raw = await self.store.get(key)
-                except FileNotFoundError:
-                    return
-            try:
-                out[key] = parse_manifest(raw)  # type: ignore[arg-type]
-            except ValueError:
-                out[key] = None
+    async def _each(self, items: Iterable[T], fn: Callable[[T], Awaitable[None]]) -> None:
+        """``await fn(item)`` for each of ``items``, ``concurrency`` at a time: that many
+        tasks take the items in turn, so the items not begun hold no task (a task waiting
+        for each, as before, was in proportion to the archive). Raises the first error."""
 
-        async with one_error_nursery() as nursery:  # (ArchiveUnavailable, not a group)
-            for key in keys:
-                nursery.start_soon(one, key)
-        return out
+        async def worker() -> None:
+            for item in it:  # (shared: next() does not checkpoint, so no item is taken twice)
+                await fn(item)
+
+        it = iter(items)
+        async with one_error_nursery() as n:
+            for _ in range(max(1, self.policy.cfg.concurrency)):
+                n.start_soon(worker)
 
     # -- other hosts' sessions ------------------------------------------------------------
     async def archived_sessions(self) -> list[dict[str, object]]:
         """Every session with a manifest in the archive (from any host sharing it); a session
-        several hosts hold is listed once, with the union of their pages."""
-        by_session: dict[str, list[dict[str, Any]]] = {}
+        several hosts hold is listed once, with the union of their pages.
+
+        Read ``concurrency`` sessions at a time, each session's manifests (found together
+        by their keys) merged into its entry before the next session's are read: memory is
+        an entry and a key per session, not every page of the archive."""
+        keys = await self.store.list_all(MANIFESTS)
+        groups: dict[str, list[int]] = {}  # a session's part of its keys -> their places
+        for i, key in enumerate(keys):
+            groups.setdefault(_key_group(key), []).append(i)
+        # session -> (the place of its first manifest read, its entry; None: no pages)
+        entries: dict[str, tuple[int, dict[str, object] | None]] = {}
         # a session one of whose manifests cannot be read is left out, not listed from the
         # others: its restore raises CorruptPage "unreadable" (it may name pages they lack)
         unreadable: set[str] = set()
-        keys = await self.store.list_all(MANIFESTS)
-        read = await self._read_manifests(keys)
-        for key in keys:
-            if key not in read:
-                continue  # deleted since the listing
-            m = read[key]
-            if m is None:  # not listed; said, so a lost session is not a mystery
-                _unreadable(key, "archived session manifest", "not listed")
-                unreadable.add(session_of_manifest_key(key))
-                continue
-            # The manifest names its session; a long name's key holds only part of it.
-            d = m.get("session") if isinstance(m.get("session"), str) else None
-            by_session.setdefault(d or session_of_manifest_key(key), []).append(m)
-        out = []
-        for d, ms in by_session.items():
-            if d in unreadable:
-                continue
-            m = merge_manifests(ms)
-            if not m["pages"]:
-                continue  # deleted on the hosts whose manifests count (tombstones)
-            # (a pin whose end has passed is none: its host may have died before it could
-            # write the manifest unpinned)
-            pinned = pinned_now(m, time.time())
-            out.append(
-                {
-                    "session": m["name"],
-                    "dir": m["session"],
-                    "pages": len(m["pages"]),
-                    "bytes": sum(p["size"] for p in m["pages"]),
-                    "attrs": m["attrs"],
-                    "pinned": pinned,
-                    "pin_until": m.get("pin_until") if pinned else None,
-                    "created": m["created"],
-                    "atime": m["atime"],
-                    "spilled_at": m["spilled_at"],
-                    "store_id": m["store_id"],
-                    "hosts": len(ms),
-                }
-            )
-        return out
+        # manifests naming a session other than their keys' (none kvfs writes): merged
+        # with that session's at the end
+        strays: list[tuple[int, str, dict[str, Any]]] = []
+
+        async def read(places: list[int]) -> list[tuple[int, str, dict[str, Any]]]:
+            """The group's manifests that read, each with its place and its session."""
+            out = []
+            for i in places:
+                m = await self._get_manifest(keys[i])
+                if m is _GONE:
+                    continue  # deleted since the listing
+                if m is None:  # not listed; said, so a lost session is not a mystery
+                    _unreadable(keys[i], "archived session manifest", "not listed")
+                    unreadable.add(session_of_manifest_key(keys[i]))
+                    continue
+                assert isinstance(m, dict)
+                # The manifest names its session; a long name's key holds only part of it.
+                d = m.get("session") if isinstance(m.get("session"), str) else None
+                out.append((i, d or session_of_manifest_key(keys[i]), m))
+            return out
+
+        def enter(d: str, ms: list[tuple[int, str, dict[str, Any]]]) -> None:
+            ms.sort(key=lambda x: x[0])  # (in the listing's order, as merge_manifests had them)
+            entries[d] = (ms[0][0], _session_entry([m for _, _, m in ms]))
+
+        async def one(group: str) -> None:
+            by_session: dict[str, list[tuple[int, str, dict[str, Any]]]] = {}
+            for i, d, m in await read(groups[group]):
+                if session_key_part(d) == group:
+                    by_session.setdefault(d, []).append((i, d, m))
+                else:
+                    strays.append((i, d, m))
+            for d, ms in by_session.items():
+                enter(d, ms)
+
+        await self._each(list(groups), one)
+        for d in sorted({d for _, d, _ in strays}):
+            # its own group was read without these: again, with them
+            group = session_key_part(d)
+            ms = [x for x in await read(groups.get(group, [])) if x[1] == d]
+            enter(d, ms + [x for x in strays if x[1] == d])
+        return [
+            e
+            for d, (_, e) in sorted(entries.items(), key=lambda x: x[1][0])
+            if e is not None and d not in unreadable
+        ]
 
     async def import_session(self, d: str) -> int:
         """Add the pages of the session's manifest this index lacks (archive-only: they list
@@ -759,6 +823,41 @@ class Spiller:
             self.policy.count("sessions_expired")
             log_event("expire", target=s.dir, pages=pages, idle_seconds=round(now - s.atime))
         return n
+
+
+def _key_group(key: str) -> str:
+    """The part of a manifest's key that all manifests of its session share: the session's
+    :func:`session_key_part` (that of the whole name, for a long one's key from before names
+    were cut)."""
+    part = key[len(MANIFESTS) :].split("@", 1)[0]
+    if "+" in part or len(part) <= NAME_IN_KEY_MAX:  # (a cut name's part holds its "+")
+        return part
+    return session_key_part(unquote(part))
+
+
+def _session_entry(ms: list[dict[str, Any]]) -> dict[str, object] | None:
+    """A session's entry in :meth:`Spiller.archived_sessions` from its manifests; None when
+    their union holds no pages (deleted on the hosts whose manifests count: tombstones)."""
+    m = merge_manifests(ms)
+    if not m["pages"]:
+        return None
+    # (a pin whose end has passed is none: its host may have died before it could write
+    # the manifest unpinned)
+    pinned = pinned_now(m, time.time())
+    return {
+        "session": m["name"],
+        "dir": m["session"],
+        "pages": len(m["pages"]),
+        "bytes": sum(p["size"] for p in m["pages"]),
+        "attrs": m["attrs"],
+        "pinned": pinned,
+        "pin_until": m.get("pin_until") if pinned else None,
+        "created": m["created"],
+        "atime": m["atime"],
+        "spilled_at": m["spilled_at"],
+        "store_id": m["store_id"],
+        "hosts": len(ms),
+    }
 
 
 def _unreadable(key: str, what: str, outcome: str) -> None:
