@@ -1,0 +1,139 @@
+"""What listing the archive's sessions and collecting deleted pages' objects cost in memory,
+at several numbers of archived pages.
+
+For each ``--pages`` N: a child process fills a store (two data directories,
+``StoreConfig(durable=False, direct_io=False)``, a ``file://`` archive in the same temporary
+directory, upload threads rather than worker processes) with N pages of 64 bytes, all of
+distinct content, in sessions of ``--session`` pages (400), spills each session (every page
+is held by the archive alone), then deletes every other session with ``gc_grace`` of an
+hour: half the pages' objects wait in the queue of deletions, as after deletes made while
+``gc_grace`` or an archive outage held them. Then, in a fresh process with ``gc_grace`` 0:
+
+- ``kvfs ls --archived`` (``Engine.archived_sessions()``): reads every manifest;
+- one pass of the background task's archive step (``Spiller.flush_pending``): reads every
+  manifest and deletes the queued objects none names.
+
+Printed for each: the peak resident memory of that process (``VmHWM``) above its resident
+memory just before the call (``/proc/self/clear_refs`` resets the peak there), and the time
+the call took (a single run: informational).
+
+    .venv/bin/python scripts/archive_flush_memory.py --pages 10000 40000
+
+The growth between two sizes, divided by the pages added, is what each archived page
+costs. Needs about 8 KiB of disk per page while it fills, then a few hundred bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from _memory import proc_status, reset_peak
+
+MiB = 1 << 20
+
+
+def _config(tmp: str, gc_grace: float) -> object:
+    import kvfs
+
+    return kvfs.StoreConfig(
+        data_dirs=(Path(tmp, "d0"), Path(tmp, "d1")),
+        durable=False,
+        direct_io=False,
+        archive_url=f"file://{tmp}/archive",
+        extra={"archive": {"interval": 0, "upload_processes": 0, "gc_grace": gc_grace}},
+    )
+
+
+def _fill(tmp: str, n: int, per_session: int) -> None:
+    """The child that fills the store, spills every session and deletes every other one."""
+    import kvfs
+
+    with kvfs.open_store_sync(_config(tmp, 3600.0)) as store:
+        sessions = []
+        for first in range(0, n, per_session):
+            session = f"sessions/s{first // per_session:05d}"
+            store.put_many(
+                (f"{session}/p/layer-{i - first:04d}", i.to_bytes(8, "little") * 8)
+                for i in range(first, min(n, first + per_session))
+            )
+            store.spill(session)
+            sessions.append(session)
+        for session in sessions[::2]:
+            store.delete_session(session)
+
+
+def _measure(tmp: str) -> None:
+    """The child that lists the archived sessions and collects the deleted pages' objects,
+    and prints the memory and time of each."""
+    import kvfs
+
+    eng = kvfs.Engine(_config(tmp, 0.0))
+    pol = eng._archive()
+    queued = pol.aindex.pending_count("forget")
+    out = []
+    for call in (eng.archived_sessions, lambda: pol.call(pol.spiller.flush_pending)):
+        before = reset_peak("self")
+        t = time.perf_counter()
+        got = call()
+        took = time.perf_counter() - t
+        out += [before, proc_status("self", "VmHWM"), took]
+        if isinstance(got, list):
+            listed = sum(int(s["pages"]) for s in got)
+    left = pol.aindex.pending_count("forget")
+    objects = sum(1 for _ in Path(tmp, "archive", "blobs").rglob("*") if _.is_file())
+    eng.close()
+    print(*out, queued, left, listed, objects)
+
+
+def main() -> int:
+    if len(sys.argv) > 1 and sys.argv[1] == "--child-fill":
+        _fill(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
+        return 0
+    if len(sys.argv) > 1 and sys.argv[1] == "--child":
+        _measure(sys.argv[2])
+        return 0
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--pages", type=int, nargs="+", default=[10000, 40000])
+    ap.add_argument("--session", type=int, default=400, help="pages a session (400)")
+    args = ap.parse_args()
+    print("pages    ls --archived: peak above RSS, time   flush_pending: peak above RSS, time")
+    rows = []
+    for n in args.pages:
+        with tempfile.TemporaryDirectory(prefix="kvfs-flush-") as tmp:
+            fill = [sys.executable, __file__, "--child-fill", tmp, str(n), str(args.session)]
+            subprocess.run(fill, check=True)
+            out = subprocess.run(
+                [sys.executable, __file__, "--child", tmp], capture_output=True, text=True
+            )
+            if out.returncode:
+                raise SystemExit(f"the measurement failed:\n{out.stderr}")
+            f = out.stdout.split()
+            b0, p0, t0, b1, p1, t1 = (float(x) for x in f[:6])
+            queued, left, listed, objects = (int(x) for x in f[6:])
+            if left or objects != listed or queued + listed != n:
+                raise SystemExit(
+                    f"{queued} deletions queued, {left} left; {listed} pages listed, "
+                    f"{objects} objects in the archive, of {n} pages"
+                )
+            rows.append((n, p0 - b0, p1 - b1))
+            print(
+                f"{n:>7,}  {rows[-1][1] / MiB:10.1f} MiB {t0:7.2f} s"
+                f"          {rows[-1][2] / MiB:10.1f} MiB {t1:7.2f} s",
+                flush=True,
+            )
+    if len(rows) > 1:
+        (n0, ls0, fl0), (n1, ls1, fl1) = rows[0], rows[-1]
+        print(
+            f"per page added: ls --archived {(ls1 - ls0) / (n1 - n0):.0f} bytes,"
+            f" flush_pending {(fl1 - fl0) / (n1 - n0):.0f} bytes"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
