@@ -52,8 +52,10 @@ log = logging.getLogger("kvfs.archive")
 SPILL_RETRY_SECONDS = 300.0
 #: queued deletions of archive objects collected at a time, each chunk a collection of its
 #: own (an intent naming them, then a read of every manifest): the queue may hold one for
-#: every page deleted while gc_grace or an archive outage held it
-COLLECT_ROWS = 2048
+#: every page deleted while gc_grace or an archive outage held it. Large, because each chunk
+#: reads every manifest again (file://; on S3 the changed ones and a listing): ~100 bytes
+#: an entry, so a chunk holds a few MB, and a queue needs many only at millions
+COLLECT_ROWS = 50_000
 
 #: a manifest deleted since it was listed (Spiller._get_manifest)
 _GONE = object()

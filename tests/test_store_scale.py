@@ -19,9 +19,10 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TypeVar
 
+import pytest
+
 import kvfs
 from kvfs._index import SCAN_ROWS, _pack
-from kvfs._spill import COLLECT_ROWS
 
 # Slack for what the larger store may cost beyond the smaller one's (a deeper B-tree is
 # the same instructions; this is far below the 4x of a scan)
@@ -264,14 +265,17 @@ def test_listing_archived_sessions_and_collecting_do_not_hold_every_manifest_at_
 
 
 def test_a_collection_reads_its_queue_of_deletes_in_chunks(
-    make_config: Callable[..., kvfs.StoreConfig], tmp_path: Path
+    make_config: Callable[..., kvfs.StoreConfig], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # (a collection took every queued deletion at once, and named them all in one intent:
     # the queue holds an entry for every page deleted while gc_grace or an archive outage
     # held its object. Here deletions whose objects are already gone, as a crash between
     # the delete and the queue's update leaves them)
+    import kvfs._spill
+
+    n = 2048  # (chunks of it here, not of 50,000: the same code at a size a test can fill)
+    monkeypatch.setattr(kvfs._spill, "COLLECT_ROWS", n)
     cfg = _archive_config(make_config, tmp_path)
-    n = COLLECT_ROWS
     peaks = []
     with kvfs.open_store_sync(cfg) as store:
         store.put("kept/p", b"k" * 64)
