@@ -289,6 +289,8 @@ class FileOps:
                     # As for a first version: a page missing a write is never published
                     h.again_failed = getattr(e, "errno", None) or errno.EIO
                     raise
+        if h.committed and h.failed:  # (its commit failed: _finish)
+            raise fuse_error(h.failed)
         if not h.writable or h.committed or node.pending is None:
             raise fuse_error(errno.EPERM if node.kind is Kind.PAGE else errno.EBADF)
         h.wrote = True
@@ -436,6 +438,11 @@ class FileOps:
             await self._finish(h, h.node.path, hold=True)
         elif h.writable and not h.committed and pending is not None:
             pending.closed_empty = True
+        elif h.writable and h.failed:
+            # Its commit failed in another descriptor's flush (a child's close of the one
+            # it inherited), whose error went to that close: the writer's close must say so
+            # too, or it believes a page written that was never published.
+            raise fuse_error(h.failed)
         elif h.again is not None:
             await self._commit_again(h)
 
@@ -446,7 +453,7 @@ class FileOps:
         # reports earlier write-back errors (a writer checking fsync, not close, would
         # believe its data safe).
         h = self._handle(fh)
-        if h.writable and not h.committed:
+        if h.writable and (not h.committed or h.failed):
             await self._drain(h)
             if h.failed:
                 raise fuse_error(h.failed)
@@ -511,8 +518,11 @@ class FileOps:
         try:
             w.writer.key = key
             row, lease, held = await self._thread(self._commit, w, dst, hold)
-        except BaseException:
+        except BaseException as e:
             self.table.unbind(node)
+            # Nothing was published: every later write, fsync and close through this
+            # handle says so (this flush may be a child's close, not the writer's).
+            h.failed = getattr(e, "errno", None) or errno.EIO
             raise
         finally:
             for n in names:

@@ -159,7 +159,9 @@ class Handle:
     behind: Any = None  # a WriteBehind once a file being written gets writes
     writable: bool = False
     wrote: bool = False
-    failed: int = 0  # errno of a failed write: the file is discarded at close
+    #: errno of a failed write or commit: the file is discarded at close, and every later
+    #: write, fsync and close through this handle raises it (it was never published)
+    failed: int = 0
     #: the process that created the file being written (:func:`process_of`), and the signal
     #: that killed it before it closed the file (:func:`killed_by`): then it is discarded
     opener: tuple[int, int] | None = None
