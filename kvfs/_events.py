@@ -7,8 +7,9 @@
 the engine and the archive tier call it from worker threads.
 
 :func:`disk_error_due` is the one limiter for a failing disk's errors, which every request
-meets while it lasts: the mount (:mod:`kvfs._fuse_guard`) and the control channel each log
-one line per DEVICE_ERROR_LOG_SECONDS, counting the rest.
+meets while it lasts: the mount (:mod:`kvfs._fuse_guard`), the control channel and the
+archive's background passes (:mod:`kvfs._spill`) each log one line per
+DEVICE_ERROR_LOG_SECONDS, counting the rest.
 """
 
 from __future__ import annotations

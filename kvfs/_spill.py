@@ -18,10 +18,11 @@ import trio
 from objectstore._abc import one_error_nursery
 
 from ._collect import Collector
-from ._errors import ArchiveUnavailable, CorruptPage, SessionNotFound
-from ._events import log_event
+from ._errors import ArchiveUnavailable, CorruptPage, IndexUnavailable, SessionNotFound
+from ._events import disk_error_due, log_event
 from ._hosts import Hosts
 from ._keys import session_name
+from ._local import is_disk_error
 from ._maint import after_delete
 from ._manifest import (
     MANIFESTS,
@@ -700,9 +701,16 @@ class Spiller:
 
     def _failed(self, what: str, e: Exception, retry: str) -> None:
         """A background task's failure: counted, logged as a warning (with the traceback
-        when it is not one of the archive's expected failures), retried later."""
+        when it is not one of the archive's expected failures), retried later. A failing
+        disk's error (IndexUnavailable, a data disk's I/O error), which every pass meets
+        while it lasts, is one warning per DEVICE_ERROR_LOG_SECONDS with the count of those
+        since (``more``), and no traceback."""
         self.policy.count("errors")
-        expected = isinstance(e, (ArchiveUnavailable, CorruptPage))
+        disk = isinstance(e, IndexUnavailable) or is_disk_error(e)
+        # (each pass, every spill_interval, was an ERROR with a traceback while it failed)
+        more = disk_error_due(self) if disk else 0
+        if more is None:
+            return
         log_event(
             "error",
             level=logging.WARNING,
@@ -710,8 +718,9 @@ class Spiller:
             error=type(e).__name__,
             message=str(e),
             retry=retry,
+            **({"more": more} if more else {}),
         )
-        if not expected:
+        if not (disk or isinstance(e, (ArchiveUnavailable, CorruptPage))):
             log.error("unexpected error in the %s", what, exc_info=e)
 
     async def _forget_retired(self, hashes: list[bytes]) -> None:

@@ -150,6 +150,38 @@ async def test_the_mount_answers_eio_and_says_so_once(
     assert str(cfg.index_path) in said[0].getMessage() and not said[0].exc_info
 
 
+async def test_the_archive_worker_says_the_index_disk_fails_once_a_while(
+    tmp_path: Path, loop_disk: LoopDisk, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The archive's background pass (manifests and deletes, every spill_interval) logged
+    # each failure the disk caused as an "unexpected error" at ERROR with a traceback, and
+    # an ERROR event line: a mount's log took two tracebacks a second while the disk failed
+    import dataclasses
+
+    cfg = dataclasses.replace(
+        index_on(tmp_path, loop_disk),
+        archive_url=f"file://{tmp_path / 'archive'}",
+        extra={"archive": {"interval": 0.05}},
+    )
+    async with kvfs.open_store(cfg) as store:
+        for i in range(3):
+            await store.put(f"a/p{i}", os.urandom(100_000))
+        await store.spill("a")
+        counters = store.engine.policy.counters  # type: ignore[attr-defined]
+        os.sync()
+        with caplog.at_level(logging.INFO):
+            caplog.clear()
+            loop_disk.shut_down()
+            failed = counters["errors"]
+            with trio.fail_after(60):
+                while counters["errors"] < failed + 5:  # five passes failed
+                    await trio.sleep(0.05)
+            said = [r for r in caplog.records if r.name in ("kvfs.archive", "kvfs.events")]
+    assert [r.getMessage() for r in said if r.levelno >= logging.ERROR] == []
+    lines = [r.getMessage() for r in said if "archive manifests and deletes" in r.getMessage()]
+    assert len(lines) == 1 and "IndexUnavailable" in lines[0], lines
+
+
 async def test_the_control_channel_answers_each_call_with_the_error(
     tmp_path: Path, loop_disk: LoopDisk, caplog: pytest.LogCaptureFixture
 ) -> None:
