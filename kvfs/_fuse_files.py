@@ -262,6 +262,10 @@ class FileOps:
     @guard
     async def write(self, fh: int, off: int, buf: bytes) -> int:
         h = self._handle(fh)
+        async with h.write_lock:
+            return await self._write(h, off, buf)
+
+    async def _write(self, h: Handle, off: int, buf: bytes) -> int:
         node = h.node
         while (
             h.writable and h.committed and node.kind is Kind.PENDING and node.path in self.settling
@@ -493,8 +497,10 @@ class FileOps:
         w = node.pending
         assert w is not None
         key = validate_page(dst)
-        await self._drain(h)
-        h.committed = True
+        async with h.write_lock:
+            # (no write of this handle is between its check and its queue meanwhile)
+            await self._drain(h)
+            h.committed = True
         if self.pending.get(node.path) is node:
             del self.pending[node.path]
         if w.unlinked or h.failed or h.killed:

@@ -172,6 +172,11 @@ class Handle:
     #: inherited, which a fork and exec sends) both committed the one writer, and the
     #: second failed ("writer is closed") or returned before the page was there
     close_lock: trio.Lock = field(default_factory=trio.Lock)
+    #: held by a write, and by a commit while it drains the writes queued and marks the
+    #: handle committed: a write that waited for room in its queue (write-behind) while a
+    #: child's close drained and committed the file went on into the committed writer, lost
+    #: (the writer's close returned 0, its page missing that write or holding zeros there)
+    write_lock: trio.Lock = field(default_factory=trio.Lock)
     #: writes after this handle's page was committed (a dup'd fd closed first): the next
     #: version of the page, committed over it by the next flush or the release
     again: Pending | None = None

@@ -653,6 +653,50 @@ async def test_flushes_at_once_commit_a_file_once_and_writes_go_on(ops: KvfsOper
         ops.nursery = None
 
 
+async def test_a_write_waiting_for_room_is_in_the_page_a_child_close_commits(
+    ops: KvfsOperations,
+) -> None:
+    """A write that waited for room in its file's queue while a child's close of the
+    descriptor it inherited drained that queue and committed the file went on into the
+    committed writer: lost, with the writer's own close answered 0 (the page ended short,
+    or with zeros where that write was, once later writes made the next version). Seen
+    under a real mount with an engine's thread forking beside its writer, about one 1 MiB
+    file in thirty."""
+    import threading
+
+    import trio
+
+    from kvfs._fuse_behind import WriteBehind
+
+    first, second = os.urandom(MiB), os.urandom(MiB)
+    async with trio.open_nursery() as nursery:
+        ops.nursery = nursery
+        for i in range(20):  # (trio picks which of the two wakes first: so, twenty rounds)
+            fi, _ = await ops.create(ROOT, f"f{i}".encode(), 0o644, os.O_WRONLY, CTX)
+            h = ops.handles[fi.fh]
+            assert h.node.pending is not None
+            gate, write = threading.Event(), h.node.pending.writer.write
+
+            def held(off: int, buf: bytes, gate: threading.Event = gate, write=write) -> None:
+                assert gate.wait(10)
+                write(off, buf)
+
+            # one write at a time in its queue, the first held in the data file's write
+            h.behind = WriteBehind(held, 1, ops.write_behind_budget)
+            await ops.write(fi.fh, 0, first)
+            with trio.fail_after(20):  # (a guard: a waiter never woken)
+                async with trio.open_nursery() as both:
+                    both.start_soon(ops.write, fi.fh, MiB, second)  # waits for room
+                    await trio.testing.wait_all_tasks_blocked()
+                    both.start_soon(ops.flush, fi.fh)  # the child's close
+                    await trio.testing.wait_all_tasks_blocked()
+                    gate.set()
+            await ops.flush(fi.fh)  # the writer's close
+            await ops.release(fi.fh)
+            assert ops.engine.get(f"f{i}") == first + second
+        ops.nursery = None
+
+
 async def test_write_behind_wakes_every_task_waiting_on_one_file() -> None:
     """Two closes of one file being written (the writer's, and a child's close of the
     descriptor it inherited: subprocess's fork closes them all) drain its queue at once,
