@@ -171,6 +171,7 @@ class FileOps:
             writer_tgid=process_group(ctx.pid),
         )
         self.pending[path] = node
+        node.writers += 1
         fh = self._fh(Handle(node, writable=True, opener=process_of(ctx.pid)))
         node.nlookup += 1
         return pyfuse3.FileInfo(fh=fh, direct_io=self.direct_io), self._attrs(node)
@@ -488,6 +489,8 @@ class FileOps:
             lease, h.lease, h.held = h.lease, None, None
             await self._thread(lease.__exit__, None, None, None)
         h.node.opens -= 1
+        if h.writable:
+            h.node.writers -= 1
         self.table.maybe_drop(h.node)
 
     async def _finish(self, h: Handle, dst: str, *, hold: bool = False) -> None:

@@ -83,6 +83,8 @@ class Node:
     #: handles writing a next version of this committed page (see ``Handle.again``): the
     #: writes land in this inode's page cache before they are committed, so opens go past it
     rewriting: int = 0
+    #: handles open for writing (the file's writer, from create): the name stays this node's
+    writers: int = 0
     #: this inode's page cache may hold bytes its page does not (a next version was written
     #: through it): the next open drops it (no keep_cache)
     stale_cache: bool = False
@@ -219,6 +221,13 @@ class NodeTable:
         """The node for ``path`` as it is now: the known one if it still means the same
         content, else a new inode (the old one stays until the kernel forgets it)."""
         n = self.at(path)
+        if n is not None and n.writers > 0:
+            # Its writer goes on writing next versions under this name. A listing (readdir)
+            # or a lookup read from the index just before one was committed showed the
+            # previous version: a new inode for it took the name, and the writer's later
+            # writes and its close's commit went nowhere ("replaced meanwhile"), its close
+            # answered 0 and the page left a prefix of what it wrote.
+            return n
         if (
             n is not None
             and n.kind is kind

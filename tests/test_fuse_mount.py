@@ -18,14 +18,14 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO
 
 import numpy as np
 import pytest
 import trio
-from _kvfs_mount import ServedMount, index_is_clean
+from _kvfs_mount import ServedMount, daemon_mount, index_is_clean
 
 import kvfs
 from gds._source import decode_extents
@@ -1885,3 +1885,51 @@ def test_a_signal_before_the_mount_is_ready_stops_the_daemon_cleanly(tmp_path: P
         assert not mounted(d.mp)
     finally:
         d.cleanup()
+
+
+def test_a_listing_while_a_file_is_rewritten_leaves_its_writer_the_name(
+    tmp_path: Path, make_config: Callable[..., kvfs.StoreConfig]
+) -> None:
+    # A child's close (a thread forking beside the writer) committed the file so far, and
+    # the writer's later writes built next versions. A readdir whose listing was read just
+    # before one was committed gave the name a new inode for the previous version: the
+    # writer's further writes and its close's commit then went nowhere, its close returned
+    # 0, and the page kept a prefix of what it wrote (4 files in 15 on the dev VM).
+    stop = threading.Event()
+
+    def forking() -> None:
+        while not stop.is_set():
+            pid = os.fork()
+            if pid == 0:
+                os._exit(0)
+            os.waitpid(pid, 0)
+            time.sleep(0.01)
+
+    def listing(d: Path) -> None:
+        while not stop.is_set():
+            os.listdir(d)
+            time.sleep(0.02)
+
+    with daemon_mount(make_config(ndev=2), tmp_path / "mnt") as mp:
+        (mp / "lm").mkdir()
+        busy = [
+            threading.Thread(target=forking),
+            threading.Thread(target=listing, args=(mp / "lm",)),
+        ]
+        for t in busy:
+            t.start()
+        try:
+            wrote = {}
+            for i in range(15):
+                data = wrote[f"f{i}"] = os.urandom(1 << 20)
+                with open(mp / f"lm/f{i}.tmp", "wb", buffering=0) as f:
+                    for off in range(0, len(data), 64 << 10):
+                        f.write(data[off : off + (64 << 10)])
+                        time.sleep(0.02)  # (an engine writing layer by layer)
+                os.replace(mp / f"lm/f{i}.tmp", mp / f"lm/f{i}")
+        finally:
+            stop.set()
+            for t in busy:
+                t.join()
+        short = [k for k, v in wrote.items() if (mp / "lm" / k).read_bytes() != v]
+        assert short == []
