@@ -26,44 +26,21 @@ costs. Needs about 8 KiB of disk per page while it fills, then a few hundred byt
 from __future__ import annotations
 
 import argparse
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-from _memory import proc_status, reset_peak
+from _memory import archive_config, child_output, fill_spilled, measured, per_page
 
 MiB = 1 << 20
-
-
-def _config(tmp: str, gc_grace: float) -> object:
-    import kvfs
-
-    return kvfs.StoreConfig(
-        data_dirs=(Path(tmp, "d0"), Path(tmp, "d1")),
-        durable=False,
-        direct_io=False,
-        archive_url=f"file://{tmp}/archive",
-        extra={"archive": {"interval": 0, "upload_processes": 0, "gc_grace": gc_grace}},
-    )
 
 
 def _fill(tmp: str, n: int, per_session: int) -> None:
     """The child that fills the store, spills every session and deletes every other one."""
     import kvfs
 
-    with kvfs.open_store_sync(_config(tmp, 3600.0)) as store:
-        sessions = []
-        for first in range(0, n, per_session):
-            session = f"sessions/s{first // per_session:05d}"
-            store.put_many(
-                (f"{session}/p/layer-{i - first:04d}", i.to_bytes(8, "little") * 8)
-                for i in range(first, min(n, first + per_session))
-            )
-            store.spill(session)
-            sessions.append(session)
-        for session in sessions[::2]:
+    with kvfs.open_store_sync(archive_config(tmp, gc_grace=3600.0)) as store:
+        for session in fill_spilled(store, n, per_session)[::2]:
             store.delete_session(session)
 
 
@@ -72,16 +49,14 @@ def _measure(tmp: str) -> None:
     and prints the memory and time of each."""
     import kvfs
 
-    eng = kvfs.Engine(_config(tmp, 0.0))
+    eng = kvfs.Engine(archive_config(tmp, gc_grace=0.0))
     pol = eng._archive()
     queued = pol.aindex.pending_count("forget")
-    out = []
+    out: list[object] = []
+    listed = 0
     for call in (eng.archived_sessions, lambda: pol.call(pol.spiller.flush_pending)):
-        before = reset_peak("self")
-        t = time.perf_counter()
-        got = call()
-        took = time.perf_counter() - t
-        out += [before, proc_status("self", "VmHWM"), took]
+        got, before, peak, took = measured(call)
+        out += [before, peak, took]
         if isinstance(got, list):
             listed = sum(int(s["pages"]) for s in got)
     left = pol.aindex.pending_count("forget")
@@ -105,14 +80,8 @@ def main() -> int:
     rows = []
     for n in args.pages:
         with tempfile.TemporaryDirectory(prefix="kvfs-flush-") as tmp:
-            fill = [sys.executable, __file__, "--child-fill", tmp, str(n), str(args.session)]
-            subprocess.run(fill, check=True)
-            out = subprocess.run(
-                [sys.executable, __file__, "--child", tmp], capture_output=True, text=True
-            )
-            if out.returncode:
-                raise SystemExit(f"the measurement failed:\n{out.stderr}")
-            f = out.stdout.split()
+            child_output(__file__, "--child-fill", tmp, str(n), str(args.session))
+            f = child_output(__file__, "--child", tmp)
             b0, p0, t0, b1, p1, t1 = (float(x) for x in f[:6])
             queued, left, listed, objects = (int(x) for x in f[6:])
             if left or objects != listed or queued + listed != n:
@@ -127,11 +96,7 @@ def main() -> int:
                 flush=True,
             )
     if len(rows) > 1:
-        (n0, ls0, fl0), (n1, ls1, fl1) = rows[0], rows[-1]
-        print(
-            f"per page added: ls --archived {(ls1 - ls0) / (n1 - n0):.0f} bytes,"
-            f" flush_pending {(fl1 - fl0) / (n1 - n0):.0f} bytes"
-        )
+        print(per_page(rows, ["ls --archived", "flush_pending"]))
     return 0
 
 

@@ -20,53 +20,28 @@ costs. Needs about 8 KiB of disk per page while it fills, then a few hundred byt
 from __future__ import annotations
 
 import argparse
-import subprocess
 import sys
 import tempfile
-import time
-from pathlib import Path
 
-from _memory import proc_status, reset_peak
+from _memory import archive_config, child_output, fill_spilled, measured, per_page
 
 MiB = 1 << 20
-
-
-def _config(tmp: str) -> object:
-    import kvfs
-
-    return kvfs.StoreConfig(
-        data_dirs=(Path(tmp, "d0"), Path(tmp, "d1")),
-        durable=False,
-        direct_io=False,
-        archive_url=f"file://{tmp}/archive",
-        extra={"archive": {"interval": 0, "upload_processes": 0}},
-    )
 
 
 def _fill(tmp: str, n: int, per_session: int) -> None:
     """The child that fills the store and spills every session of it."""
     import kvfs
 
-    with kvfs.open_store_sync(_config(tmp)) as store:
-        for first in range(0, n, per_session):
-            session = f"sessions/s{first // per_session:05d}"
-            store.put_many(
-                (f"{session}/p/layer-{i - first:04d}", i.to_bytes(8, "little") * 8)
-                for i in range(first, min(n, first + per_session))
-            )
-            store.spill(session)
+    with kvfs.open_store_sync(archive_config(tmp)) as store:
+        fill_spilled(store, n, per_session)
 
 
 def _measure(tmp: str) -> None:
     """The child that checks the archive, and prints its memory, time and findings."""
     import kvfs
 
-    eng = kvfs.Engine(_config(tmp))
-    before = reset_peak("self")
-    t = time.perf_counter()
-    found = eng.fsck(archive=True)
-    took = time.perf_counter() - t
-    peak = proc_status("self", "VmHWM")
+    eng = kvfs.Engine(archive_config(tmp))
+    found, before, peak, took = measured(lambda: eng.fsck(archive=True))
     eng.close()
     problems = sum(len(v) for v in found.values())
     print(f"{before} {peak} {took} {problems}")
@@ -87,21 +62,14 @@ def main() -> int:
     rows = []
     for n in args.pages:
         with tempfile.TemporaryDirectory(prefix="kvfs-chkarch-") as tmp:
-            fill = [sys.executable, __file__, "--child-fill", tmp, str(n), str(args.session)]
-            subprocess.run(fill, check=True)
-            out = subprocess.run(
-                [sys.executable, __file__, "--child", tmp], capture_output=True, text=True
-            )
-            if out.returncode:
-                raise SystemExit(f"the check failed:\n{out.stderr}")
-            before, peak, took, problems = out.stdout.split()
+            child_output(__file__, "--child-fill", tmp, str(n), str(args.session))
+            before, peak, took, problems = child_output(__file__, "--child", tmp)
             if problems != "0":
                 raise SystemExit(f"fsck --check-archive found {problems} problems")
             rows.append((n, int(peak) - int(before)))
             print(f"{n:>7,}  {rows[-1][1] / MiB:10.1f} MiB {float(took):7.2f} s", flush=True)
     if len(rows) > 1:
-        (n0, p0), (n1, p1) = rows[0], rows[-1]
-        print(f"per page added: {(p1 - p0) / (n1 - n0):.0f} bytes")
+        print(per_page(rows, ["fsck --check-archive"]))
     return 0
 
 

@@ -27,7 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _memory import proc_status, reset_peak
+from _memory import child_output, measured, per_page
 
 MiB = 1 << 20
 BATCH = 2000
@@ -60,35 +60,15 @@ def _measure(tmp: str, what: str) -> None:
     import kvfs
 
     cfg = _config(tmp)
-    before = reset_peak("self")
-    t = time.perf_counter()
     if what == "open":
-        eng = kvfs.Engine(cfg)
-        took = time.perf_counter() - t
-        peak = proc_status("self", "VmHWM")
-        removed = len(eng.recovered_orphans)
-        eng.close()
-        print(f"{before} {peak} {took} {removed}")
+        eng, before, peak, took = measured(lambda: kvfs.Engine(cfg))
+        print(f"{before} {peak} {took} {len(eng.recovered_orphans)}")
     else:
         eng = kvfs.Engine(cfg)
-        reset_peak("self")
-        before = proc_status("self", "VmRSS")
-        t = time.perf_counter()
-        found = eng.fsck()
-        took = time.perf_counter() - t
-        peak = proc_status("self", "VmHWM")
-        eng.close()
+        found, before, peak, took = measured(eng.fsck)
         problems = sum(len(v) for k, v in found.items() if k != "repaired")
         print(f"{before} {peak} {took} {problems}")
-
-
-def _child(*args: str) -> list[str]:
-    out = subprocess.run(
-        [sys.executable, __file__, *args], capture_output=True, text=True, check=False
-    )
-    if out.returncode:
-        raise SystemExit(f"{args[0]} failed:\n{out.stderr}")
-    return out.stdout.split()
+    eng.close()
 
 
 def main() -> int:
@@ -117,8 +97,8 @@ def main() -> int:
             fill.wait()
             for i in range(5):  # leftovers of writes never committed, for the sweep
                 Path(tmp, "d1", "blobs", "ab", f"leftover-{i}").write_bytes(b"\0" * 8192)
-            b0, p0, t0, removed = _child("--child", tmp, "open")
-            b1, p1, t1, problems = _child("--child", tmp, "fsck")
+            b0, p0, t0, removed = child_output(__file__, "--child", tmp, "open")
+            b1, p1, t1, problems = child_output(__file__, "--child", tmp, "fsck")
             if removed != "5" or problems != "0":
                 raise SystemExit(f"the open removed {removed} files, fsck found {problems}")
             rows.append((n, int(p0) - int(b0), int(p1) - int(b1)))
@@ -128,11 +108,7 @@ def main() -> int:
                 flush=True,
             )
     if len(rows) > 1:
-        (n0, o0, f0), (n1, o1, f1) = rows[0], rows[-1]
-        print(
-            f"per page added: open {(o1 - o0) / (n1 - n0):.0f} bytes,"
-            f" fsck {(f1 - f0) / (n1 - n0):.0f} bytes"
-        )
+        print(per_page(rows, ["open", "fsck"]))
     return 0
 
 

@@ -155,18 +155,24 @@ def test_an_open_after_a_crash_and_fsck_do_not_hold_every_blob_at_once(
     assert open_4n < open_n * SLACK and fsck_4n < fsck_n * SLACK, peaks
 
 
+def _archive_config(
+    make_config: Callable[..., kvfs.StoreConfig], tmp_path: Path, **archive: object
+) -> kvfs.StoreConfig:
+    return make_config(  # type: ignore[no-any-return]
+        ndev=1,
+        durable=False,
+        direct_io=False,
+        archive_url=f"file://{tmp_path / 'archive'}",
+        extra={"archive": {"interval": 0, "upload_processes": 0, **archive}},
+    )
+
+
 def test_a_check_of_the_archive_does_not_hold_every_archived_blob_at_once(
     make_config: Callable[..., kvfs.StoreConfig], tmp_path: Path
 ) -> None:
     # (fsck --check-archive read every archived blob row at once and started a task for
     # each before the first download: about 4 KB a page, 164 MB peak RSS at 40,000 pages)
-    cfg = make_config(
-        ndev=1,
-        durable=False,
-        direct_io=False,
-        archive_url=f"file://{tmp_path / 'archive'}",
-        extra={"archive": {"interval": 0, "upload_processes": 0}},
-    )
+    cfg = _archive_config(make_config, tmp_path)
     n = 2 * SCAN_ROWS
     peaks = []
     with kvfs.open_store_sync(cfg) as store:
@@ -190,13 +196,7 @@ def test_the_statistics_of_an_archive_count_its_queue_of_deletes_without_listing
     # (statistics(), which `kvfs stats` and every scrape of the metrics read, listed every
     # queued deletion of an archive object to count them: an entry for each page deleted
     # while gc_grace keeps its object, or while the archive is down)
-    cfg = make_config(
-        ndev=1,
-        durable=False,
-        direct_io=False,
-        archive_url=f"file://{tmp_path / 'archive'}",
-        extra={"archive": {"interval": 0, "upload_processes": 0, "gc_grace": 3600}},
-    )
+    cfg = _archive_config(make_config, tmp_path, gc_grace=3600)
     n = SCAN_ROWS // 2
     peaks = []
     with kvfs.open_store_sync(cfg) as store:
@@ -211,18 +211,6 @@ def test_the_statistics_of_an_archive_count_its_queue_of_deletes_without_listing
             assert stats.extra["archive"]["pending_deletes"] == total
             peaks.append(peak)
     assert peaks[1] < peaks[0] * SLACK, peaks
-
-
-def _archive_config(
-    make_config: Callable[..., kvfs.StoreConfig], tmp_path: Path, **archive: object
-) -> kvfs.StoreConfig:
-    return make_config(  # type: ignore[no-any-return]
-        ndev=1,
-        durable=False,
-        direct_io=False,
-        archive_url=f"file://{tmp_path / 'archive'}",
-        extra={"archive": {"interval": 0, "upload_processes": 0, **archive}},
-    )
 
 
 def test_listing_archived_sessions_and_collecting_do_not_hold_every_manifest_at_once(
