@@ -43,7 +43,7 @@ import trio
 from . import _errors
 from ._events import disk_error_due, log_event
 from ._keys import PageKey
-from ._local import is_disk_error
+from ._local import disk_failed
 from ._store import Store
 from ._types import DeviceStatistics, Extent, PageInfo, SessionInfo, StoreStatistics
 
@@ -596,7 +596,7 @@ def _log_failure(
     warning; a failing disk's error (IndexUnavailable, a data disk's I/O error) a warning,
     one line per DEVICE_ERROR_LOG_SECONDS with the count of those since (``more``), as
     the mount says it; anything else an error."""
-    if isinstance(e, _errors.IndexUnavailable) or is_disk_error(e):
+    if disk_failed(e):
         # (every call fails so while the disk is down: an engine's hundreds of gets a
         # second were as many ERROR lines)
         more = disk_error_due(store)

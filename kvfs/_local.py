@@ -46,7 +46,7 @@ from ._aligned import (
     open_direct,
     round_up,
 )
-from ._errors import DiskFull, KvfsError
+from ._errors import DiskFull, IndexUnavailable, KvfsError
 from ._index import Extent
 
 log = logging.getLogger("kvfs.local")
@@ -81,6 +81,12 @@ def is_disk_error(e: BaseException | None) -> bool:
     """Whether ``e`` is a disk's own error (DISK_ERRORS), not kvfs's (a CorruptPage is EIO
     too), nor a full disk."""
     return isinstance(e, OSError) and not isinstance(e, KvfsError) and e.errno in DISK_ERRORS
+
+
+def disk_failed(e: BaseException | None) -> bool:
+    """Whether ``e`` says a disk fails: a data disk's own error (:func:`is_disk_error`) or
+    the index's (IndexUnavailable). What the logs throttle and the CLI's exit code 10 mean."""
+    return isinstance(e, IndexUnavailable) or is_disk_error(e)
 
 
 @dataclass(frozen=True, slots=True)
@@ -248,7 +254,7 @@ class LocalTier:
             try:
                 st = os.statvfs(r)
             except OSError as e:
-                if e.errno not in DISK_ERRORS:
+                if not is_disk_error(e):
                     raise
                 self.note_error(dev, e)
                 out.append(0)

@@ -18,11 +18,11 @@ import trio
 from objectstore._abc import one_error_nursery
 
 from ._collect import Collector
-from ._errors import ArchiveUnavailable, CorruptPage, IndexUnavailable, SessionNotFound
+from ._errors import ArchiveUnavailable, CorruptPage, SessionNotFound
 from ._events import disk_error_due, log_event
 from ._hosts import Hosts
 from ._keys import session_name
-from ._local import is_disk_error
+from ._local import disk_failed
 from ._maint import after_delete
 from ._manifest import (
     MANIFESTS,
@@ -706,7 +706,7 @@ class Spiller:
         while it lasts, is one warning per DEVICE_ERROR_LOG_SECONDS with the count of those
         since (``more``), and no traceback."""
         self.policy.count("errors")
-        disk = isinstance(e, IndexUnavailable) or is_disk_error(e)
+        disk = disk_failed(e)
         # (each pass, every spill_interval, was an ERROR with a traceback while it failed)
         more = disk_error_due(self) if disk else 0
         if more is None:
