@@ -1488,6 +1488,8 @@ class ArchivingPolicy(TieringPolicy):
                 "sessions_spilled": c.get("sessions_spilled", 0),
                 "sessions_expired": c.get("sessions_expired", 0),
                 "hosts_retired": c.get("hosts_retired", 0),
+                # incomplete uploads of killed puts aborted (Spiller.sweep_uploads)
+                "uploads_aborted": c.get("uploads_aborted", 0),
                 "memory_reads": c.get("memory_reads", 0),
                 "memory_copies_bytes": self._memory_bytes,
                 "retention_s": self.cfg.retention,

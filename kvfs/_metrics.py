@@ -150,6 +150,7 @@ def render_metrics(
             ("sessions_spilled", "Sessions spilled."),
             ("sessions_expired", "Sessions deleted by the retention setting."),
             ("hosts_retired", "Hosts sharing the archive retired after their silence."),
+            ("uploads_aborted", "Incomplete uploads of killed puts aborted in the archive."),
             ("errors", "Archive errors."),
         ):
             w(f"kvfs_archive_{key}_total", c, help, a.get(key, 0))  # type: ignore[arg-type]

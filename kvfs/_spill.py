@@ -18,7 +18,7 @@ import trio
 from objectstore._abc import one_error_nursery
 
 from ._collect import Collector
-from ._errors import ArchiveUnavailable, CorruptPage, SessionNotFound
+from ._errors import ArchiveAccessDenied, ArchiveUnavailable, CorruptPage, SessionNotFound
 from ._events import disk_error_due, log_event
 from ._hosts import Hosts
 from ._keys import session_name
@@ -57,6 +57,11 @@ SPILL_RETRY_SECONDS = 300.0
 #: reads every manifest again (file://; on S3 the changed ones and a listing): ~100 bytes
 #: an entry, so a chunk holds a few MB, and a queue needs many only at millions
 COLLECT_ROWS = 50_000
+#: an incomplete upload (S3 multipart, a file:// temporary file) older than this is a killed
+#: put's, not one in flight on this host or another sharing the archive: aborted
+UPLOAD_STALE_SECONDS = 24 * 3600.0
+#: the background task looks for those this often (and once when it starts)
+UPLOAD_SWEEP_SECONDS = 3600.0
 
 #: a manifest deleted since it was listed (Spiller._get_manifest)
 _GONE = object()
@@ -89,6 +94,8 @@ class Spiller:
         self._named_cache: dict[str, tuple[str, frozenset[bytes]]] = {}
         #: session -> time.monotonic() before which a watermark pass does not try it again
         self._spill_failed: dict[str, float] = {}
+        #: the archive refused the sweep of incomplete uploads (said once; not tried again)
+        self._sweep_denied = False
         #: local bytes a pressure spill left to each session (see relieve_pressure)
         self._no_gain: dict[str, int] = {}
         #: time.monotonic() before which the next retention pass does not run
@@ -757,12 +764,41 @@ class Spiller:
     async def heartbeats(self) -> None:
         """Forever, beside :meth:`run` (a long spill pass must not silence this host): this
         host's heartbeat, and the retirement of hosts silent for good (kvfs/_hosts.py)."""
+        next_sweep = 0.0
         while True:
             try:
                 await self.hosts.tick()
             except Exception as e:  # noqa: BLE001 - one heartbeat lost, never the daemon
                 self._failed("archive heartbeat", e, "next heartbeat")
+            if time.monotonic() >= next_sweep:
+                next_sweep = time.monotonic() + UPLOAD_SWEEP_SECONDS
+                await self.sweep_uploads()
             await trio.sleep(self.hosts.interval)
+
+    async def sweep_uploads(self) -> int:
+        """Abort what puts cut short left in the archive more than UPLOAD_STALE_SECONDS ago
+        (kvfs/objectstore: a killed upload worker's incomplete multipart uploads, billed by
+        S3 and listed nowhere else). Returns how many went; never raises. Credentials that
+        may not do it get one warning, and the bucket's lifecycle rule is then the way."""
+        if self._sweep_denied:
+            return 0
+        try:
+            gone = await self.store.abort_stale_uploads(UPLOAD_STALE_SECONDS)
+        except ArchiveAccessDenied as e:
+            self._sweep_denied = True
+            log.warning(
+                "%s; incomplete uploads of killed puts are left to the bucket's lifecycle "
+                "rule (AbortIncompleteMultipartUpload: docs/archive.md)",
+                e,
+            )
+            return 0
+        except Exception as e:  # noqa: BLE001 - one sweep lost, never the daemon
+            self._failed("sweep of incomplete uploads", e, "next sweep")
+            return 0
+        if gone:
+            self.policy.count("uploads_aborted", gone)
+            log_event("uploads-aborted", count=gone, older_than_s=UPLOAD_STALE_SECONDS)
+        return gone
 
     async def relieve_pressure(self) -> int:
         """One watermark pass. Returns the number of sessions spilled."""

@@ -71,18 +71,38 @@ class FileStore(ObjectStore):
                 )
             # (its temporary directory is made by the first put: an open that is refused
             # later, a kvfs store finding this is not its archive, leaves nothing here)
-            tmp = self.root / TMP
-            if sweep and tmp.is_dir():
-                stale = time.time() - TMP_STALE_SECONDS
-                for f in tmp.iterdir():  # leftovers of puts a crash interrupted
-                    # ... and not those of another host's put in flight (a file:// archive
-                    # on a shared file system): theirs are younger
-                    with contextlib.suppress(FileNotFoundError):
-                        if f.lstat().st_mtime < stale:
-                            f.unlink()
+            if sweep:
+                self._sweep(TMP_STALE_SECONDS)
 
         await self._call(prepare, "open")
         return self
+
+    def _sweep(self, older_than: float) -> int:
+        """Remove the temporary files of puts a crash interrupted, and not those of another
+        host's put in flight (a file:// archive on a shared file system): theirs are
+        younger. Ages are by the file system's clock (a file's mtime against a file made
+        now), not this host's."""
+        tmp = self.root / TMP
+        if not tmp.is_dir():
+            return 0
+        probe = tmp / f"now-{uuid.uuid4().hex}"
+        try:
+            probe.touch()
+            now = probe.lstat().st_mtime
+        except OSError:
+            now = time.time()  # (a read-only archive: nothing could be removed anyway)
+        finally:
+            probe.unlink(missing_ok=True)
+        gone = 0
+        for f in tmp.iterdir():
+            with contextlib.suppress(FileNotFoundError):
+                if f.lstat().st_mtime < now - older_than:
+                    f.unlink()
+                    gone += 1
+        return gone
+
+    async def abort_stale_uploads(self, older_than: float) -> int:
+        return await self._call(lambda: self._sweep(older_than), "sweep temporary files")
 
     def _check_root(self) -> None:
         """Called on a miss: a missing object in a missing archive directory (unmounted,

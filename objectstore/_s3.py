@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+import email.utils
 import functools
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 from urllib.parse import unquote, urlsplit
@@ -107,6 +109,14 @@ def _need(reply: dict[str, Any], call: str, *fields: str) -> dict[str, Any]:
             f"the reply to {call} has no {', '.join(missing)}: cut off, or not from an S3 server"
         )
     return reply
+
+
+def _server_time(reply: dict[str, Any]) -> float:
+    """The server's clock at ``reply`` (its ``Date`` header), else this host's."""
+    date = reply.get("ResponseMetadata", {}).get("HTTPHeaders", {}).get("date")
+    with contextlib.suppress(TypeError, ValueError):
+        return email.utils.parsedate_to_datetime(date).timestamp()
+    return time.time()
 
 
 def is_temporary(e: BaseException) -> bool:
@@ -515,6 +525,49 @@ class S3Store(ObjectStore):
                     self._client.abort_multipart_upload, Bucket=self.bucket, Key=k, UploadId=uid
                 )
             raise
+
+    async def abort_stale_uploads(self, older_than: float) -> int:
+        # Ages by the server's clock: its ``Date`` on the listing against each upload's
+        # ``Initiated`` (this host's clock may be off; hosts sharing the bucket compare
+        # nothing else either).
+        kw: dict[str, Any] = {"Bucket": self.bucket, "Prefix": self.prefix}
+        gone = 0
+        while True:
+            try:
+                r = await self._call(
+                    "list incomplete multipart uploads",
+                    self._client.list_multipart_uploads,
+                    reads=True,
+                    **kw,
+                )
+            except bce.ClientError as e:
+                raise self._permanent(
+                    e, "list incomplete multipart uploads", "s3:ListBucketMultipartUploads"
+                ) from e
+            now = _server_time(r)
+            for up in r.get("Uploads", ()):
+                if now - up["Initiated"].timestamp() <= older_than:
+                    continue
+                key = up["Key"][len(self.prefix) :]
+                try:
+                    await self._call(
+                        f"abort multipart upload of {key}",
+                        self._client.abort_multipart_upload,
+                        Bucket=self.bucket,
+                        Key=up["Key"],
+                        UploadId=up["UploadId"],
+                    )
+                except bce.ClientError as e:
+                    if _code(e) == "NoSuchUpload" or _status(e) == 404:
+                        continue  # completed or aborted meanwhile, by its host or another
+                    raise self._permanent(
+                        e, f"abort multipart upload of {key}", "s3:AbortMultipartUpload", key
+                    ) from e
+                gone += 1
+            if not r.get("IsTruncated"):
+                return gone
+            kw["KeyMarker"] = r["NextKeyMarker"]
+            kw["UploadIdMarker"] = r["NextUploadIdMarker"]
 
     async def exists(self, key: str) -> bool:
         return await self.modified(key) is not None

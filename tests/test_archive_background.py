@@ -453,3 +453,69 @@ def test_a_restore_whose_session_came_back_meanwhile_is_no_error(
         s.evict(session="s")
         with pytest.raises(kvfs.CapacityExceeded, match="0 of its .* bytes are local"):
             s.restore("s")
+
+
+def test_incomplete_uploads_of_a_killed_put_are_aborted_by_the_background_task(
+    make_config: Config, s3_server: object
+) -> None:
+    """A daemon (or an upload worker) killed between the parts of a large page's upload
+    left an incomplete multipart upload in the bucket: no listing, collection or retention
+    saw it, and S3 bills its parts until aborted. The background task aborts those of its
+    prefix once stale (moto dates every upload 2010); another prefix's stay."""
+    bucket = s3_server.new_bucket()  # type: ignore[attr-defined]
+    client = s3_server.client()  # type: ignore[attr-defined]
+    for key in ("kv/blobs/killed", "elsewhere/blobs/theirs"):
+        uid = client.create_multipart_upload(Bucket=bucket, Key=key)["UploadId"]
+        client.upload_part(Bucket=bucket, Key=key, UploadId=uid, PartNumber=1, Body=b"x" * 99)
+    url = f"s3://{bucket}/kv?endpoint={s3_server.endpoint}&addressing=path"  # type: ignore[attr-defined]
+
+    def incomplete() -> list[str]:
+        return [u["Key"] for u in client.list_multipart_uploads(Bucket=bucket).get("Uploads", ())]
+
+    async def main() -> None:
+        async with kvfs.open_store(archived_cfg(make_config, url, upload_processes=0)) as s:
+            with trio.fail_after(30):
+                while not (await s.statistics()).extra["archive"]["uploads_aborted"]:
+                    await trio.sleep(0.05)
+            assert (await s.statistics()).extra["archive"]["uploads_aborted"] == 1
+            assert incomplete() == ["elsewhere/blobs/theirs"]
+
+    trio.run(main)
+
+
+def test_credentials_that_may_not_abort_uploads_cost_one_warning(
+    make_config: Config, s3_server: object, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A key allowed to put, get and list but not to list incomplete uploads (a tight IAM
+    policy) gets one warning pointing at the bucket's lifecycle rule; the store works on."""
+    from _s3 import iam_credentials
+
+    bucket = s3_server.new_bucket()  # type: ignore[attr-defined]
+    url = f"s3://{bucket}/kv?endpoint={s3_server.endpoint}&addressing=path"  # type: ignore[attr-defined]
+    policy = [
+        {"Effect": "Allow", "Action": "s3:*", "Resource": "*"},
+        {
+            "Effect": "Deny",
+            "Action": ["s3:ListBucketMultipartUploads", "s3:ListMultipartUploads"],
+            "Resource": "*",
+        },
+    ]
+
+    async def main() -> None:
+        cfg = archived_cfg(make_config, url, upload_processes=0)
+        async with kvfs.open_store(cfg) as s:
+            spiller = s.engine.policy.spiller
+            with trio.fail_after(30):
+                while not spiller._sweep_denied:
+                    await trio.sleep(0.05)
+            assert await spiller.sweep_uploads() == 0  # not tried again
+            await s.put(PageKey.semantic("a", "p", 0), b"kv")
+            assert await s.spill("a") > 0
+            assert await s.get(PageKey.semantic("a", "p", 0)) == b"kv"
+            assert (await s.statistics()).extra["archive"]["errors"] == 0
+
+    with iam_credentials(s3_server, policy), caplog.at_level("WARNING", "kvfs"):  # type: ignore[arg-type]
+        trio.run(main)
+    lines = [r.getMessage() for r in caplog.records if "lifecycle rule" in r.getMessage()]
+    assert len(lines) == 1, lines
+    assert "s3:ListBucketMultipartUploads" in lines[0]

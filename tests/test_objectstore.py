@@ -610,3 +610,50 @@ async def test_filestore_refusal_is_access_denied(tmp_path: Path) -> None:
         else:
             folder.chmod(0o700)
     assert await s.get("blobs/ab/x") == b"data"
+
+
+async def test_s3_incomplete_uploads_of_killed_puts_are_aborted_once_stale(s3_server) -> None:  # noqa: ANN001
+    """A put killed between its parts leaves an incomplete multipart upload: listed nowhere,
+    billed by S3 until aborted. Only those under the store's prefix, and only once older
+    than asked by the server's clock (moto dates every upload 2010-11-10)."""
+    bucket = s3_server.new_bucket()
+    s = await open_objectstore(f"s3://{bucket}/pre/fix?endpoint={s3_server.endpoint}")
+    client = s3_server.client()
+
+    def start(key: str) -> str:
+        uid = client.create_multipart_upload(Bucket=bucket, Key=key)["UploadId"]
+        client.upload_part(Bucket=bucket, Key=key, UploadId=uid, PartNumber=1, Body=b"x" * 100)
+        return uid
+
+    def incomplete() -> list[str]:
+        return sorted(
+            u["Key"] for u in client.list_multipart_uploads(Bucket=bucket).get("Uploads", ())
+        )
+
+    start("pre/fix/blobs/killed")
+    start("pre/fix/manifests/killed")
+    start("other/blobs/theirs")  # another store's prefix in the same bucket
+    async with s:
+        age = time.time() - 1289422113  # 2010-11-10T20:48:33Z
+        assert await s.abort_stale_uploads(age + 365 * 86400) == 0  # not that old
+        assert len(incomplete()) == 3
+        assert await s.abort_stale_uploads(3600) == 2
+        assert incomplete() == ["other/blobs/theirs"]
+        assert await s.abort_stale_uploads(3600) == 0
+        await s.put("k", b"v")  # the store works on
+        assert await s.get("k") == b"v"
+
+
+async def test_filestore_sweeps_only_stale_temporary_files(tmp_path: Path) -> None:
+    root = tmp_path / "arch"
+    s = await FileStore.open(root)
+    await s.put("k", b"v")
+    tmp = root / ".objectstore-tmp"
+    old, young = tmp / "deadbeef", tmp / "feedface"
+    old.write_bytes(b"half")
+    young.write_bytes(b"half")  # another process's put in flight
+    os.utime(old, (time.time() - 7300, time.time() - 7300))
+    assert await s.abort_stale_uploads(7200) == 1
+    assert not old.exists() and young.exists()
+    assert [p.name for p in tmp.iterdir()] == ["feedface"]  # (nor is its clock probe left)
+    assert await s.list_all() == ["k"]
