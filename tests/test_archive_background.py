@@ -4,19 +4,27 @@ always named by its session's manifest; pins hold against the watermark pass; on
 that cannot spill, or a session deleted under the pass, costs neither the other sessions
 nor the daemon; a restore counts as an access; retiring a host leaves nothing uncollected.
 
-Found by a review of the tier (tenth session); each test fails on the code before it."""
+Found by a review of the tier (tenth session); each test fails on the code before it.
+Then the sweep of incomplete uploads killed puts leave (twenty-sixth session), and a store
+run under exactly the least-privilege IAM policy docs/archive.md gives."""
 
 from __future__ import annotations
 
+import json
+import logging
 import os
+import re
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
+import boto3
 import pytest
 import trio
 from _archive_dir import named, objects
 from _corrupt import flip_stored_byte
+from botocore.exceptions import ClientError
 
 import kvfs
 from kvfs import ArchiveUnavailable, PageKey
@@ -519,3 +527,73 @@ def test_credentials_that_may_not_abort_uploads_cost_one_warning(
     lines = [r.getMessage() for r in caplog.records if "lifecycle rule" in r.getMessage()]
     assert len(lines) == 1, lines
     assert "s3:ListBucketMultipartUploads" in lines[0]
+
+
+def _documented_policy(bucket: str, prefix: str) -> list[dict[str, Any]]:
+    """The least-privilege policy docs/archive.md gives, for ``s3://bucket/prefix``."""
+    text = (Path(__file__).parent.parent / "docs" / "archive.md").read_text()
+    (block,) = re.findall(r"^```json\n(.*?)^```", text, flags=re.M | re.S)
+    doc = json.loads(block.replace("BUCKET", bucket).replace("PREFIX", prefix))
+    for statement in doc["Statement"]:  # moto's names for what AWS checks as these actions
+        statement["Action"] += [a for d in statement["Action"] for a in _MOTO_NAMES.get(d, ())]
+    return doc["Statement"]  # type: ignore[no-any-return]
+
+
+#: moto authorizes a bucket's HEAD as s3:HeadBucket, where AWS checks s3:ListBucket
+_MOTO_NAMES = {"s3:ListBucket": ["s3:HeadBucket"]}
+
+
+def test_a_store_works_under_the_documented_least_privilege_policy(
+    make_config: Config, s3_server: object, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Every call a store makes (the open's check, spills of small and multipart objects,
+    restores, deletes and their collection, heartbeats, the sweep of killed uploads) is
+    allowed by the policy docs/archive.md gives, and nothing outside its prefix is."""
+    from _s3 import iam_credentials
+
+    bucket = s3_server.new_bucket()  # type: ignore[attr-defined]
+    client = s3_server.client()  # type: ignore[attr-defined]
+    uid = client.create_multipart_upload(Bucket=bucket, Key="kv/blobs/killed")["UploadId"]
+    client.upload_part(Bucket=bucket, Key="kv/blobs/killed", UploadId=uid, PartNumber=1, Body=b"x")
+    url = f"s3://{bucket}/kv?endpoint={s3_server.endpoint}&addressing=path"  # type: ignore[attr-defined]
+    big = os.urandom(6 << 20)  # above the 5 MiB threshold below: a multipart upload
+    small = kv_page(1)
+
+    async def main() -> None:
+        cfg = archived_cfg(
+            make_config,
+            url,
+            interval=0.05,  # (the background pass collects the deleted session's objects)
+            upload_processes=0,
+            store_options={"multipart_threshold": 5 << 20, "part_size": 5 << 20},
+        ).replace(capacity=64 << 20)
+        async with kvfs.open_store(cfg) as s:
+            await s.put(PageKey.semantic("a", "p", 0), big)
+            await s.put(PageKey.semantic("a", "p", 1), small)
+            assert await s.spill("a") > 0
+            assert await s.get(PageKey.semantic("a", "p", 0)) == big  # restored
+            assert await s.restore("a") >= 0
+            await s.delete_session("a")
+            with trio.fail_after(30):
+                while True:
+                    st = (await s.statistics()).extra["archive"]
+                    if st["uploads_aborted"] == 1 and not st["pending_deletes"]:
+                        break
+                    await trio.sleep(0.05)
+            assert st["errors"] == 0, st
+
+    policy = _documented_policy(bucket, "kv")
+    with iam_credentials(s3_server, policy), caplog.at_level("WARNING", "kvfs"):  # type: ignore[arg-type]
+        trio.run(main)
+        # and it is least privilege: the same identity is refused outside its prefix (a
+        # session of its own: boto3's default one keeps the keys it first found)
+        own = boto3.session.Session().client(
+            "s3",
+            endpoint_url=s3_server.endpoint,  # type: ignore[attr-defined]
+            region_name="us-east-1",
+        )
+        with pytest.raises(ClientError, match="AccessDenied"):
+            own.put_object(Bucket=bucket, Key="other/x", Body=b"x")
+        own.put_object(Bucket=bucket, Key="kv/x", Body=b"x")  # (and it is this identity)
+    assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert s3_server.keys(bucket, "kv/blobs/") == []  # type: ignore[attr-defined]
