@@ -587,7 +587,7 @@ class ArchivingPolicy(TieringPolicy):
                 0 if b is None or b.archived else await self.upload_blob(h, mark=mark, fresh=fresh)
             )
         obj, codec = got
-        wrote = await self.store.put(key, obj, if_absent=True)
+        wrote = await self.store.put(key, obj, if_absent=True, cold=True)
         if mark:
             await trio.to_thread.run_sync(self.aindex.mark_archived, [h])
         with self._lock:

@@ -262,7 +262,7 @@ class Spiller:
                 b = await _thread(self.engine.index.blob, h)
                 if b is not None and b.local and not await self.store.exists(blob_key(h)):
                     obj = await trio.to_thread.run_sync(self._encode_local, h)
-                    await self.store.put(blob_key(h), obj, if_absent=True)
+                    await self.store.put(blob_key(h), obj, if_absent=True, cold=True)
 
         async with one_error_nursery() as n:
             for h in hashes:

@@ -276,7 +276,7 @@ def upload_batch(
                 return
             if not job.probe or job.expected:  # the conditional put says whether it was there
                 obj, used = await trio.to_thread.run_sync(_read_encode, job, level, codec, url)
-                stored = await store.put(key, obj, if_absent=True)
+                stored = await store.put(key, obj, if_absent=True, cold=True)
                 out.append(Uploaded(job.h, stored, len(obj) if stored else 0, used))
                 return
             # Compress while the HEAD is in flight; when the object exists the work is dropped.
@@ -291,7 +291,7 @@ def upload_batch(
                     out.append(Uploaded(job.h, False, 0, None))
                     return
             obj, used = got[0]
-            stored = await store.put(key, obj, if_absent=True)
+            stored = await store.put(key, obj, if_absent=True, cold=True)
             out.append(Uploaded(job.h, stored, len(obj) if stored else 0, used))
 
     async def run() -> None:

@@ -117,9 +117,14 @@ class ObjectStore(abc.ABC):
         Raises ObjectNotFound, ArchiveUnavailable, ValueError (``into`` too small)."""
 
     @abc.abstractmethod
-    async def put(self, key: str, data: bytes | memoryview, *, if_absent: bool = False) -> bool:
+    async def put(
+        self, key: str, data: bytes | memoryview, *, if_absent: bool = False, cold: bool = False
+    ) -> bool:
         """Store ``data`` under ``key`` atomically; True if written. With ``if_absent`` an
-        existing object is left alone and False is returned. Raises ArchiveUnavailable.
+        existing object is left alone and False is returned. ``cold``: an object written
+        once and seldom read (a page's), which the store may keep in a cheaper class (S3's
+        ``storage_class`` option); small objects rewritten often (manifests, heartbeats)
+        are not. Raises ArchiveUnavailable.
         A crash or cancellation leaves the old object or the new one, never a mix (a file
         store may leave a temporary file that the next put of the key does not see)."""
 

@@ -174,7 +174,9 @@ class FileStore(ObjectStore):
 
         return await self._call(read, f"get {key}")
 
-    async def put(self, key: str, data: bytes | memoryview, *, if_absent: bool = False) -> bool:
+    async def put(
+        self, key: str, data: bytes | memoryview, *, if_absent: bool = False, cold: bool = False
+    ) -> bool:
         path = self._path(key, writing=True)
 
         def publish(tmp: Path) -> bool:

@@ -9,8 +9,9 @@ URL forms::
 Query parameters and keyword options are the same names (keywords win): ``endpoint`` (or
 ``endpoint_url``), ``region``, ``addressing`` (auto/path/virtual), ``profile``,
 ``deadline`` (seconds the retry helper keeps trying), ``open_deadline``,
-``multipart_threshold``, ``part_size``; for ``file://``, ``create`` and ``durable``
-(true/false). An unknown option is an error. Credentials never go in the URL, nor in the
+``multipart_threshold``, ``part_size``, ``sse`` (AES256, aws:kms, aws:kms:dsse) with
+``sse_kms_key_id``, ``storage_class`` (of page objects); for ``file://``, ``create`` and
+``durable`` (true/false). An unknown option is an error. Credentials never go in the URL, nor in the
 endpoint's.
 """
 
@@ -113,6 +114,9 @@ async def open_objectstore(url: str, *, verify: bool = True, **opts: Any) -> Obj
         "multipart_threshold",
         "part_size",
         "max_connections",
+        "sse",
+        "sse_kms_key_id",
+        "storage_class",
     }
     unknown = set(merged) - known
     if unknown:

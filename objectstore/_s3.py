@@ -119,6 +119,42 @@ def _server_time(reply: dict[str, Any]) -> float:
     return time.time()
 
 
+#: S3's server-side encryption modes (SSE-C, keys the client holds, is not offered: every
+#: read would need the key)
+SSE_MODES = ("AES256", "aws:kms", "aws:kms:dsse")
+#: storage classes whose objects a GET returns at once (MinIO and Ceph name their own
+#: classes: any other name is passed through, but for these)
+UNREADABLE_CLASSES = ("GLACIER", "DEEP_ARCHIVE")
+
+
+def _encryption(sse: str | None, kms_key: str | None) -> dict[str, str]:
+    """The PutObject arguments for ``sse`` (and its KMS key). Raises ValueError."""
+    if sse is None:
+        if kms_key is not None:
+            raise ValueError("option sse_kms_key_id needs sse=aws:kms (or aws:kms:dsse)")
+        return {}
+    if sse not in SSE_MODES:
+        raise ValueError(f"option sse must be one of {', '.join(SSE_MODES)}, not {sse!r}")
+    if kms_key is not None and not sse.startswith("aws:kms"):
+        raise ValueError(f"option sse_kms_key_id needs sse=aws:kms (or aws:kms:dsse), not {sse}")
+    return {"ServerSideEncryption": sse, **({"SSEKMSKeyId": kms_key} if kms_key else {})}
+
+
+def _readable_class(name: str) -> str:
+    """``name`` upper-cased, refused where a GET of such an object fails until it is
+    restored by hand (kvfs reads its objects directly). Raises ValueError."""
+    cls = name.strip().upper()
+    if not cls:
+        raise ValueError("option storage_class is empty")
+    if cls in UNREADABLE_CLASSES:
+        raise ValueError(
+            f"storage_class {cls}: such objects must be restored by hand before a GET "
+            "returns them, and kvfs reads its objects directly; use GLACIER_IR, "
+            "STANDARD_IA, ONEZONE_IA or INTELLIGENT_TIERING"
+        )
+    return cls
+
+
 def is_temporary(e: BaseException) -> bool:
     """Connection trouble, timeouts, 5xx and throttling are temporary; the rest permanent."""
     if isinstance(
@@ -177,6 +213,8 @@ class S3Store(ObjectStore):
         backoff: Backoff,
         multipart_threshold: int,
         part_size: int,
+        encryption: dict[str, str] | None = None,
+        cold_class: str | None = None,
     ) -> None:
         self._client = client
         self.bucket = bucket
@@ -186,6 +224,10 @@ class S3Store(ObjectStore):
         self.backoff = backoff
         self.multipart_threshold = multipart_threshold
         self.part_size = part_size
+        #: PutObject / CreateMultipartUpload arguments asking for server-side encryption
+        self.encryption = dict(encryption or {})
+        #: the storage class of objects put ``cold`` (None: the bucket's default)
+        self.cold_class = cold_class
 
     @classmethod
     async def open(
@@ -204,6 +246,9 @@ class S3Store(ObjectStore):
         multipart_threshold: int = 64 * MiB,
         part_size: int = 16 * MiB,
         max_connections: int = 32,
+        sse: str | None = None,
+        sse_kms_key_id: str | None = None,
+        storage_class: str | None = None,
         verify: bool = True,
     ) -> S3Store:
         """Connect and (unless not ``verify``) check that the bucket exists and is accessible.
@@ -217,6 +262,9 @@ class S3Store(ObjectStore):
             raise ValueError("part_size must be >= 5 MiB and multipart_threshold >= part_size")
         if endpoint_url is not None:
             check_endpoint(endpoint_url)
+        encryption = _encryption(sse, sse_kms_key_id)
+        if storage_class is not None:
+            storage_class = _readable_class(storage_class)
 
         def make(read_timeout: float) -> Any:
             cfg = botocore.config.Config(
@@ -242,6 +290,8 @@ class S3Store(ObjectStore):
             backoff=backoff or Backoff(deadline=60.0),
             multipart_threshold=multipart_threshold,
             part_size=part_size,
+            encryption=encryption,
+            cold_class=storage_class,
         )
         if not verify:
             return self
@@ -303,6 +353,8 @@ class S3Store(ObjectStore):
             backoff=self.backoff,
             multipart_threshold=self.multipart_threshold,
             part_size=self.part_size,
+            encryption=self.encryption,
+            cold_class=self.cold_class,
         )
 
     async def _with_reason(self, e: bce.ClientError, client: Any = None) -> bce.ClientError:
@@ -450,12 +502,19 @@ class S3Store(ObjectStore):
         dest[: len(data)] = data
         return len(data)
 
-    async def put(self, key: str, data: bytes | memoryview, *, if_absent: bool = False) -> bool:
+    async def put(
+        self, key: str, data: bytes | memoryview, *, if_absent: bool = False, cold: bool = False
+    ) -> bool:
         k = self._key(key)
         cond: dict[str, Any] = {"IfNoneMatch": "*"} if if_absent else {}
+        # (how the object is kept: encryption, and for a page's object its storage class)
+        how: dict[str, Any] = {
+            **self.encryption,
+            **({"StorageClass": self.cold_class} if cold and self.cold_class else {}),
+        }
         try:
             if len(data) > self.multipart_threshold:
-                return await self._put_multipart(key, k, memoryview(data).cast("B"), cond)
+                return await self._put_multipart(key, k, memoryview(data).cast("B"), cond, how)
             await self._call(
                 f"put {key}",
                 self._checked(self._client.put_object, "PutObject", "ETag"),
@@ -463,6 +522,7 @@ class S3Store(ObjectStore):
                 Key=k,
                 Body=bytes(data),
                 **cond,
+                **how,
             )
             return True
         except bce.ClientError as e:
@@ -470,7 +530,9 @@ class S3Store(ObjectStore):
                 return False
             raise self._permanent(e, f"put {key}", "s3:PutObject", key) from e
 
-    async def _put_multipart(self, key: str, k: str, mv: memoryview, cond: dict) -> bool:
+    async def _put_multipart(
+        self, key: str, k: str, mv: memoryview, cond: dict, how: dict[str, Any]
+    ) -> bool:
         if cond and await self.exists(key):
             return False
         up = await self._call(
@@ -480,6 +542,7 @@ class S3Store(ObjectStore):
             ),
             Bucket=self.bucket,
             Key=k,
+            **how,
         )
         uid = up["UploadId"]
         parts: dict[int, str] = {}

@@ -1312,3 +1312,31 @@ def test_the_log_says_one_line_per_eviction_pass_not_one_per_page(
 
 def _field(line: str, name: str) -> str:
     return next(f.split("=", 1)[1] for f in line.split() if f.startswith(name + "="))
+
+
+def test_page_objects_take_the_storage_class_and_every_object_the_encryption(
+    make_config,
+    s3_server,  # noqa: ANN001
+) -> None:
+    """``storage_class`` is for the objects of pages (written once, read seldom), not the
+    manifests and heartbeats rewritten every pass (S3's infrequent-access classes bill
+    each write at least 30 days); ``sse`` is for all of them. Upload workers included."""
+    bucket = s3_server.new_bucket()
+    url = (
+        f"s3://{bucket}/kv?endpoint={s3_server.endpoint}&addressing=path"
+        "&sse=AES256&storage_class=STANDARD_IA"
+    )
+    cfg = archived_cfg(make_config, url)  # (the default upload workers)
+    with kvfs.open_store_sync(cfg) as s:
+        data = fill(s, "agent", 4)
+        assert s.spill("agent") > 0
+        assert s.get(next(iter(data))) == next(iter(data.values()))  # restored
+    client = s3_server.client()
+    keys = s3_server.keys(bucket)
+    assert any(k.startswith("kv/blobs/") for k in keys)
+    assert any(k.startswith("kv/manifests/") for k in keys)
+    for key in keys:
+        head = client.head_object(Bucket=bucket, Key=key)
+        assert head.get("ServerSideEncryption") == "AES256", key
+        cls = "STANDARD_IA" if key.startswith("kv/blobs/") else "STANDARD"
+        assert head.get("StorageClass", "STANDARD") == cls, key

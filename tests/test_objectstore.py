@@ -212,6 +212,11 @@ async def test_options_are_parsed_and_checked(tmp_path: Path) -> None:
         (f"file://{tmp_path}/a?durable=maybe", "durable must be true or false"),
         (f"file://{tmp_path}/a?endpoint=http://x", "unknown file:// option"),
         ("s3://b?part_size=big", "part_size must be a number"),
+        ("s3://b?sse=aes", "sse must be one of AES256, aws:kms, aws:kms:dsse"),
+        ("s3://b?sse_kms_key_id=k", "sse_kms_key_id needs sse=aws:kms"),
+        ("s3://b?sse=AES256&sse_kms_key_id=k", "sse_kms_key_id needs sse=aws:kms"),
+        ("s3://b?storage_class=deep_archive", "DEEP_ARCHIVE: such objects must be restored"),
+        ("s3://b?storage_class=GLACIER", "GLACIER: such objects must be restored"),
     ]:
         with pytest.raises(ValueError, match=match):
             await open_objectstore(url)
@@ -657,3 +662,41 @@ async def test_filestore_sweeps_only_stale_temporary_files(tmp_path: Path) -> No
     assert not old.exists() and young.exists()
     assert [p.name for p in tmp.iterdir()] == ["feedface"]  # (nor is its clock probe left)
     assert await s.list_all() == ["k"]
+
+
+async def test_s3_encryption_and_the_storage_class_of_cold_objects(s3_server) -> None:  # noqa: ANN001
+    """Buckets whose policy demands server-side encryption refused every put without it;
+    ``sse`` asks for it on every object, and ``storage_class`` keeps the objects put
+    ``cold`` (pages') in a cheaper class, single or multipart, and only those."""
+    kms = boto3_client(s3_server, "kms").create_key()["KeyMetadata"]["KeyId"]
+    for query, want in [
+        ("sse=AES256&storage_class=standard_ia", {"ServerSideEncryption": "AES256"}),
+        (
+            f"sse=aws:kms&sse_kms_key_id={kms}&storage_class=GLACIER_IR",
+            {"ServerSideEncryption": "aws:kms", "SSEKMSKeyId": kms},
+        ),
+    ]:
+        bucket = s3_server.new_bucket()
+        cls = "STANDARD_IA" if "standard_ia" in query else "GLACIER_IR"
+        async with await open_objectstore(
+            f"s3://{bucket}/p?endpoint={s3_server.endpoint}&{query}",
+            multipart_threshold=5 * MiB,
+            part_size=5 * MiB,
+        ) as s:
+            big = os.urandom(6 * MiB)
+            assert await s.put("blobs/small", b"page", cold=True)
+            assert await s.put("blobs/big", big, cold=True, if_absent=True)
+            assert await s.put("manifests/m", b"manifest")
+            assert await s.get("blobs/big") == big and await s.get("blobs/small") == b"page"
+        client = s3_server.client()
+        for key, cold in [("p/blobs/small", True), ("p/blobs/big", True), ("p/manifests/m", False)]:
+            head = client.head_object(Bucket=bucket, Key=key)
+            for field, value in want.items():
+                assert head.get(field, "").endswith(value), (key, field, head.get(field))
+            assert head.get("StorageClass", "STANDARD") == (cls if cold else "STANDARD"), key
+
+
+def boto3_client(server, service: str):  # noqa: ANN001, ANN201
+    import boto3
+
+    return boto3.client(service, endpoint_url=server.endpoint, region_name="us-east-1")
