@@ -1340,3 +1340,32 @@ def test_page_objects_take_the_storage_class_and_every_object_the_encryption(
         assert head.get("ServerSideEncryption") == "AES256", key
         cls = "STANDARD_IA" if key.startswith("kv/blobs/") else "STANDARD"
         assert head.get("StorageClass", "STANDARD") == cls, key
+
+
+def test_a_versioned_bucket_works_and_keeps_what_kvfs_deletes_as_old_versions(
+    make_config,
+    s3_server,  # noqa: ANN001
+) -> None:
+    """On a bucket with versioning on (a common default for backups), a delete leaves a
+    delete marker over the old version: content deleted and then put and spilled again
+    must be stored again (a conditional put sees no object), and read back. What such a
+    bucket keeps is the old versions, which docs/archive.md says how to expire."""
+    bucket = s3_server.new_bucket()
+    client = s3_server.client()
+    client.put_bucket_versioning(Bucket=bucket, VersioningConfiguration={"Status": "Enabled"})
+    url = f"s3://{bucket}/kv?endpoint={s3_server.endpoint}&addressing=path"
+    cfg = archived_cfg(make_config, url, upload_processes=0)
+    with kvfs.open_store_sync(cfg) as s:
+        data = fill(s, "a", 3)
+        assert s.spill("a") > 0
+        s.delete_session("a")  # (with SyncStore its objects go before it returns)
+    assert [k for k in s3_server.keys(bucket) if k.startswith("kv/blobs/")] == []
+    versions = client.list_object_versions(Bucket=bucket, Prefix="kv/blobs/")
+    assert len(versions.get("Versions", ())) == 3  # kept, under delete markers
+    with kvfs.open_store_sync(cfg) as s:
+        for k, v in data.items():
+            s.put(k, v)
+        assert s.spill("a") > 0
+        assert s.list(session="a")[0].tier == "archive"
+        assert {k: s.get(k) for k in data} == data
+    assert len([k for k in s3_server.keys(bucket) if k.startswith("kv/blobs/")]) == 3
