@@ -136,6 +136,9 @@ class Hosts:
         self._beaten = False
         #: time.monotonic() of this host's last heartbeat written (None: none yet)
         self.beaten_at: float | None = None
+        #: seconds this host's clock was ahead of the archive's at least, at that heartbeat
+        #: (<= 0: not ahead; see beat)
+        self.clock_ahead = 0.0
 
     @property
     def key(self) -> str:
@@ -170,10 +173,17 @@ class Hosts:
             "tombstones": listed,
             "tombstone_count": len(tombstones),  # (those not listed are only counted)
         }
+        before = time.time()
         await self.store.put(self.key, msgpack.packb(body))
         self._beaten = True
         self.beaten_at = time.monotonic()
-        return await self.store.modified(self.key)
+        written = await self.store.modified(self.key)
+        if written is not None:
+            # The put landed after ``before`` by this clock, and before ``written + 1`` by
+            # the archive's (S3 keeps whole seconds, cut down): the difference is how far
+            # this clock is ahead at least. Never more, so equal clocks give <= 0.
+            self.clock_ahead = before - (written + 1.0)
+        return written
 
     async def confirm(self) -> None:
         """Beat at once if this host's heartbeat is gone (another host retired it)."""

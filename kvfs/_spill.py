@@ -19,7 +19,7 @@ from objectstore._abc import one_error_nursery
 
 from ._collect import Collector
 from ._errors import ArchiveAccessDenied, ArchiveUnavailable, CorruptPage, SessionNotFound
-from ._events import disk_error_due, log_event
+from ._events import Throttle, disk_error_due, log_event
 from ._hosts import Hosts
 from ._keys import session_name
 from ._local import disk_failed
@@ -62,6 +62,9 @@ COLLECT_ROWS = 50_000
 UPLOAD_STALE_SECONDS = 24 * 3600.0
 #: the background task looks for those this often (and once when it starts)
 UPLOAD_SWEEP_SECONDS = 3600.0
+#: a retention pass waits while this host's clock is ahead of the archive's by more than
+#: this (or a tenth of the retention, if less): it would delete sessions early by as much
+CLOCK_AHEAD_SECONDS = 300.0
 
 #: a manifest deleted since it was listed (Spiller._get_manifest)
 _GONE = object()
@@ -96,6 +99,8 @@ class Spiller:
         self._spill_failed: dict[str, float] = {}
         #: the archive refused the sweep of incomplete uploads (said once; not tried again)
         self._sweep_denied = False
+        #: a retention pass held back by this host's clock: one warning an hour
+        self._clock_warning = Throttle(3600.0)
         #: local bytes a pressure spill left to each session (see relieve_pressure)
         self._no_gain: dict[str, int] = {}
         #: time.monotonic() before which the next retention pass does not run
@@ -856,6 +861,24 @@ class Spiller:
         if retention <= 0 or time.monotonic() < self._next_expiry:
             return 0
         self._next_expiry = time.monotonic() + min(60.0, retention / 10)
+        # Ages are by this host's clock (its sessions' last accesses are): one that jumped
+        # ahead (a wrong clock at boot, a VM restored, NTP stepping) made every session look
+        # old, and this pass deleted them from every tier. So it runs only while this clock
+        # agrees with the archive's, by a heartbeat from the last two intervals (written
+        # now if none is: ArchiveUnavailable skips the pass, as an outage does).
+        if self.hosts.beaten_at is None or self.hosts.overdue():
+            await self.hosts.beat()
+        ahead, allowed = self.hosts.clock_ahead, min(CLOCK_AHEAD_SECONDS, retention / 10)
+        if ahead > allowed:
+            if self._clock_warning.due() is not None:
+                log_event(
+                    "retention-paused",
+                    level=logging.WARNING,
+                    why="this host's clock is ahead of the archive's",
+                    ahead_s=round(ahead),
+                    allowed_s=round(allowed, 1),
+                )
+            return 0
         await _thread(eng.flush_atimes)
         now = time.time()
         cutoff = now - retention

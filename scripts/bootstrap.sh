@@ -10,6 +10,8 @@ need_apt=()
 command -v fusermount3 >/dev/null 2>&1 || need_apt+=(fuse3)
 pkg-config --exists fuse3 2>/dev/null || need_apt+=(libfuse3-dev pkg-config)
 command -v rsync >/dev/null 2>&1 || need_apt+=(rsync)
+# (tests run a store with its clock off: tests/test_archive_background.py)
+command -v faketime >/dev/null 2>&1 || need_apt+=(faketime)
 if [ ${#need_apt[@]} -gt 0 ]; then
     echo "bootstrap: installing system packages: ${need_apt[*]}"
     SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO=sudo

@@ -14,6 +14,8 @@ import json
 import logging
 import os
 import re
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -597,3 +599,39 @@ def test_a_store_works_under_the_documented_least_privilege_policy(
         own.put_object(Bucket=bucket, Key="kv/x", Body=b"x")  # (and it is this identity)
     assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert s3_server.keys(bucket, "kv/blobs/") == []  # type: ignore[attr-defined]
+
+
+def _clock_store(*args: str, clock: str | None = None) -> str:
+    """tests/_clock_store.py in a child process, under ``faketime`` when ``clock`` is
+    given (``+3d``: this host's clock three days ahead, the archive's, moto's in this
+    process, right). Its output."""
+    cmd = [sys.executable, str(Path(__file__).parent / "_clock_store.py"), *args]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)}
+    if clock is not None:
+        # (trio and the index's timeouts keep the real monotonic clock, as a stepped
+        # wall clock leaves it)
+        cmd = ["faketime", "-f", clock, *cmd]
+        env["FAKETIME_DONT_FAKE_MONOTONIC"] = "1"
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+def test_retention_waits_while_this_hosts_clock_is_ahead_of_the_archives(
+    tmp_path: Path, s3_server: object
+) -> None:
+    """A host whose clock jumped three days ahead (a wrong clock at boot, a VM restored
+    from a snapshot) took every session for three days older: with a retention of one day,
+    its first pass deleted all of them from every tier, the archive's copies included. It
+    now waits, saying so, while its clock is ahead of the archive's; with the clocks
+    agreeing, it deletes only the session truly older than the retention."""
+    bucket = s3_server.new_bucket()  # type: ignore[attr-defined]
+    url = f"s3://{bucket}/kv?endpoint={s3_server.endpoint}&addressing=path"  # type: ignore[attr-defined]
+    dirs = f"{tmp_path / 'd0'},{tmp_path / 'd1'}"
+    _clock_store("put", dirs, url, "two-days-old", clock="-2d")
+    _clock_store("put", dirs, url, "fresh")
+    ahead = json.loads(_clock_store("retention", dirs, url, "86400", clock="+3d"))
+    assert ahead["expired"] == 0 and ahead["sessions"] == ["fresh", "two-days-old"], ahead
+    assert ahead["paused"]["ahead_s"] >= 3 * 86400 - 5, ahead
+    agreeing = json.loads(_clock_store("retention", dirs, url, "86400"))
+    assert agreeing == {"expired": 1, "paused": None, "sessions": ["fresh"]}, agreeing
