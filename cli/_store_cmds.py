@@ -569,6 +569,8 @@ def render_stats(st: kvfs.StoreStatistics, *, own_counters: bool = False) -> str
             kept += f", hosts retired {a['hosts_retired']}"
         if a.get("pending_deletes"):
             kept += f", objects to delete {a['pending_deletes']}"
+        if a.get("uploads_aborted"):
+            kept += f", killed uploads aborted {a['uploads_aborted']}"
         out.append(
             f"archive {a.get('url')}: spill queue {a.get('spill_queue', 0)}, sessions "
             f"spilled {a.get('sessions_spilled', 0)}, {kept}, background errors "

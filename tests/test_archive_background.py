@@ -29,6 +29,7 @@ from _corrupt import flip_stored_byte
 from botocore.exceptions import ClientError
 
 import kvfs
+from cli._store_cmds import render_stats
 from kvfs import ArchiveUnavailable, PageKey
 from tests.test_archive import archived_cfg, kv_page
 
@@ -487,8 +488,10 @@ def test_incomplete_uploads_of_a_killed_put_are_aborted_by_the_background_task(
             with trio.fail_after(30):
                 while not (await s.statistics()).extra["archive"]["uploads_aborted"]:
                     await trio.sleep(0.05)
-            assert (await s.statistics()).extra["archive"]["uploads_aborted"] == 1
+            st = await s.statistics()
+            assert st.extra["archive"]["uploads_aborted"] == 1
             assert incomplete() == ["elsewhere/blobs/theirs"]
+            assert "killed uploads aborted 1" in render_stats(st)  # (kvfs stats)
 
     trio.run(main)
 
