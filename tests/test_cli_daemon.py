@@ -823,3 +823,25 @@ def test_a_mount_that_fails_writes_nothing_into_the_running_daemons_log(tmp_path
     finally:
         subprocess.run(["fusermount3", "-u", "-z", str(mp)], capture_output=True)
     assert "ERROR" not in log.read_text() and "Traceback" not in log.read_text()
+
+
+def test_the_detached_daemons_log_can_be_rotated_by_copy_and_truncate(tmp_path: Path) -> None:
+    """A daemon kept for days logs for days: logrotate's ``copytruncate`` (copy the log,
+    then truncate it in place) must leave it writing at the new start of the file, not at
+    its old offset past a hole of NUL bytes as large as the old log (the log is opened
+    O_APPEND), as docs/mount.md says."""
+    data, mp = tmp_path / "data", tmp_path / "mnt"
+    mp.mkdir()
+    log = data / "kvfs-daemon.log"
+    assert _kvfs("mount", "--data", str(data), str(mp)).returncode == 0
+    try:
+        rotated = tmp_path / "kvfs-daemon.log.1"
+        shutil.copyfile(log, rotated)
+        os.truncate(log, 0)
+        assert "mounted" in rotated.read_text()
+        assert _kvfs("umount", str(mp)).returncode == 0
+    finally:
+        subprocess.run(["fusermount3", "-u", "-z", str(mp)], capture_output=True)
+    after = log.read_bytes()
+    assert after and b"\0" not in after, after[:200]
+    assert b"unmounted" in after, after
