@@ -51,7 +51,14 @@ from ._errors import (
 from ._events import log_event
 from ._index import BlobRow, Index, PageRow, disk_failure, meta_value
 from ._keys import PageKey, as_key, session_dir, session_name
-from ._local import DEVICE_MARKER, LocalTier, device_store, is_disk_error, unnamed_files
+from ._local import (
+    DEVICE_MARKER,
+    LocalTier,
+    device_store,
+    fsync_dir,
+    is_disk_error,
+    unnamed_files,
+)
 from ._lock import DirLock
 from ._policy import AccessClock, TieringPolicy
 from ._types import PageInfo, SessionInfo, StoreStatistics
@@ -447,7 +454,12 @@ class Engine:
             d.mkdir(parents=True, exist_ok=True)
         if store_id is None:
             store_id = uuid.uuid4().hex
-            self.index.set_meta("store_id", store_id)
+            # A store's identity, which the device markers name (always durable): lost at a
+            # power cut while they stayed (durable=False), the next open made another, and
+            # every open after refused the directories as another store's. So it is on disk,
+            # the index file's name too, before prepare writes the markers.
+            self.index.set_meta("store_id", store_id, durable=True)
+            fsync_dir(cfg.index_path.parent)
         self.store_id: str = str(store_id)
         self.io_pool = ThreadPoolExecutor(cfg.io_threads, thread_name_prefix="kvfs-io")
         self.hash_threads = max(2, os.cpu_count() or 2)

@@ -426,6 +426,7 @@ class Index:
         # FULL: a commit is on disk when put() returns. NORMAL keeps consistency, not the
         # last commits, across power loss; only for page-cache benchmarks.
         self._db.execute(f"PRAGMA synchronous={'FULL' if durable else 'NORMAL'}")
+        self._durable = durable
         self._db.execute("PRAGMA foreign_keys=OFF")
         self._local = threading.local()  # this thread's read connection
         self._readers: weakref.WeakSet[_Reader] = weakref.WeakSet()
@@ -573,9 +574,19 @@ class Index:
         r = self._q("SELECT v FROM meta WHERE k=?", (k,))
         return _unpack(r[0][0]) if r else default
 
-    def set_meta(self, k: str, v: object) -> None:
-        with self.transaction() as db:
-            db.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)", (k, _pack(v)))
+    def set_meta(self, k: str, v: object, *, durable: bool = False) -> None:
+        """Set ``k``. ``durable``: committed to disk when this returns even in an index
+        whose commits are not (``durable=False``); a new index file's name needs its
+        directory synced too (the caller's: kvfs._local.fsync_dir)."""
+        with self._lock:
+            if durable and not self._durable:
+                self._db.execute("PRAGMA synchronous=FULL")
+            try:
+                with self.transaction() as db:
+                    db.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)", (k, _pack(v)))
+            finally:
+                if durable and not self._durable:
+                    self._db.execute("PRAGMA synchronous=NORMAL")
 
     # -- reads --------------------------------------------------------------------------
     def page(self, path: str) -> PageRow | None:

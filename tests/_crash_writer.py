@@ -8,6 +8,7 @@ can recompute what any page must contain, acknowledged or not.
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -39,7 +40,9 @@ def page_data(rnd: int, i: int) -> bytes:
 def main() -> None:
     rnd = int(sys.argv[1])
     dirs = tuple(Path(d) for d in sys.argv[2:])
-    cfg = kvfs.StoreConfig(data_dirs=dirs, stripe_unit=STRIPE, io_threads=4)
+    # (CRASH_DURABLE=0: a durable=False store, tests/test_power_cut.py)
+    durable = os.environ.get("CRASH_DURABLE", "1") == "1"
+    cfg = kvfs.StoreConfig(data_dirs=dirs, stripe_unit=STRIPE, io_threads=4, durable=durable)
     with kvfs.open_store_sync(cfg) as store:
         print("ready", flush=True)
         i = 0

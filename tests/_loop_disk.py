@@ -52,9 +52,10 @@ class LoopDisk:
 
 
 @contextmanager
-def made_loop_disk(tmp_path: Path) -> Iterator[LoopDisk]:
-    """A LoopDisk of 64 MiB under ``tmp_path``, mounted; unmounted and detached after.
-    Skips the test where there is no root, no tool or no loop device."""
+def made_loop_disk(tmp_path: Path, size: int = 64 << 20) -> Iterator[LoopDisk]:
+    """A LoopDisk of ``size`` bytes (a sparse image) under ``tmp_path``, mounted;
+    unmounted and detached after. Skips the test where there is no root, no tool or no
+    loop device."""
     if os.geteuid() != 0:
         pytest.skip("a loop device needs root (CI runs as root)")
     for tool in ("losetup", "mkfs.ext4", "mount", "umount"):
@@ -63,7 +64,7 @@ def made_loop_disk(tmp_path: Path) -> Iterator[LoopDisk]:
     disk = LoopDisk(tmp_path / "disk.img", tmp_path / "disk")
     disk.path.mkdir()
     with open(disk.image, "wb") as f:
-        f.truncate(64 << 20)
+        f.truncate(size)
     subprocess.run(["mkfs.ext4", "-q", "-F", str(disk.image)], check=True)
     made = subprocess.run(
         ["losetup", "-f", "--show", str(disk.image)], capture_output=True, text=True
