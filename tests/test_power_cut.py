@@ -25,7 +25,7 @@ from _loop_disk import made_loop_disk
 from test_store_crash import WRITER, _verify
 
 import kvfs
-from tests._crash_writer import STRIPE
+from tests._crash_writer import STRIPE, page_data
 
 ROUNDS = 8
 
@@ -147,3 +147,68 @@ def test_a_power_cut_under_a_mount_loses_no_closed_file(tmp_path: Path) -> None:
                         store.delete(path)
                         acked.discard(path)
         assert cut_with_acks >= ROUNDS // 4, "the power was mostly cut before a first close"
+
+
+#: Spills sessions until killed: ``python -c SPILLER ROUND ARCHIVE_URL DIR...``. Session
+#: ``r<ROUND>s<j>`` holds pages ``crash/r<ROUND>s<j>/p<i>`` = page_data(ROUND, 10 j + i);
+#: prints the session's name once its spill, which drops the local copies, returned.
+SPILLER = """
+import os, sys
+from pathlib import Path
+sys.path.insert(0, os.environ["TESTS"])
+from _crash_writer import STRIPE, page_data
+import kvfs
+rnd, url, dirs = int(sys.argv[1]), sys.argv[2], [Path(d) for d in sys.argv[3:]]
+cfg = kvfs.StoreConfig(data_dirs=tuple(dirs), stripe_unit=STRIPE, archive_url=url,
+                       extra={"archive": {"interval": 0, "upload_processes": 0}})
+with kvfs.open_store_sync(cfg) as s:
+    print("ready", flush=True)
+    j = 0
+    while True:
+        session = f"r{rnd}s{j}"
+        for i in range(4):
+            s.put(f"crash/{session}/p{i}", page_data(rnd, 10 * j + i))
+        s.spill(f"crash/{session}")
+        print(session, flush=True)
+        j += 1
+"""
+
+
+@pytest.mark.slow
+def test_a_power_cut_keeps_every_spilled_session_restorable(tmp_path: Path) -> None:
+    """A spill drops the local copies only once the objects and the manifest are in the
+    archive: at a power cut (a ``file://`` archive on the same disk), every session whose
+    spill returned comes back whole, and only from the archive."""
+    with made_loop_disk(tmp_path, 512 << 20) as disk:
+        dirs = [disk.path / "nvme0", disk.path / "nvme1"]
+        url = f"file://{disk.path / 'archive'}"
+        cfg = kvfs.StoreConfig(data_dirs=tuple(dirs), stripe_unit=STRIPE, archive_url=url)
+        rng = random.Random(int.from_bytes(os.urandom(4), "little"))
+        spilled: list[tuple[int, str]] = []
+        for rnd in range(ROUNDS // 2):
+            p = subprocess.Popen(
+                [sys.executable, "-c", SPILLER, str(rnd), url, *map(str, dirs)],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                env={**os.environ, "TESTS": str(Path(__file__).parent)},
+            )
+            assert p.stdout is not None
+            first = p.stdout.readline()
+            assert first == b"ready\n", (first, p.stderr.read())  # type: ignore[union-attr]
+            time.sleep(rng.uniform(0.1, 0.8))
+            disk.shut_down()
+            p.send_signal(signal.SIGKILL)
+            out, _ = p.communicate(timeout=60)
+            spilled += [(rnd, ln) for ln in out.decode().split("\n")[:-1] if ln]
+            disk.comeback()
+            with kvfs.open_store_sync(cfg) as store:
+                report = store.fsck(archive=True)
+                assert not any(report[k] for k in ("orphans", "missing", "corrupt")), report
+                for r, session in spilled:
+                    j = int(session.split("s")[1])
+                    keys = [f"crash/{session}/p{i}" for i in range(4)]
+                    assert [store.stat(k).tier for k in keys] == ["archive"] * 4, session
+                    for i, key in enumerate(keys):
+                        assert store.get(key) == page_data(r, 10 * j + i), key
+                    store.evict(session=f"crash/{session}")  # (archive-only again)
+        assert len(spilled) >= ROUNDS // 4, "the power was mostly cut before a first spill"
