@@ -235,6 +235,7 @@ def main(
     if log_fd is not None:
         services = [partial(_output_to_log, log_fd), *services]
     path = state_path(mountpoint)
+    raise_open_files_limit()
 
     async def serve() -> None:
         nonlocal ready_fd
@@ -286,6 +287,38 @@ def _describe(e: BaseException) -> str:
     from ._errors import KvfsError
 
     return str(e) if isinstance(e, (MountError, OSError, KvfsError)) else f"{type(e).__name__}: {e}"
+
+
+def raise_open_files_limit() -> tuple[int, int] | None:
+    """Raise this process's soft limit on open files (RLIMIT_NOFILE) to its hard limit,
+    and log it; returns (the soft limit before, after), or None when it was left as it was
+    (already there, or the kernel refused).
+
+    The daemon holds a data file open per device for every file being written through
+    the mount (and SQLite's per worker thread). Under the soft limit most services and
+    shells start with (1024; systemd's default hard limit is 524288, its documentation
+    asks programs that need more to raise the soft limit themselves), an engine with a
+    few hundred files open for writing ran the daemon out of descriptors: writes failed
+    with EMFILE and nothing could be committed until some closed. Only the daemon does
+    this; an engine that opens the store in its own process keeps its own limits."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = hard
+    if hard == resource.RLIM_INFINITY:  # (setrlimit refuses more than fs.nr_open)
+        try:
+            target = int(Path("/proc/sys/fs/nr_open").read_text())
+        except (OSError, ValueError):
+            return None
+    if soft == resource.RLIM_INFINITY or soft >= target:
+        return None
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    except (OSError, ValueError) as e:
+        log.warning("could not raise the open files limit from %d to %d: %s", soft, target, e)
+        return None
+    log.info("open files limit (RLIMIT_NOFILE) raised from %d to %d", soft, target)
+    return soft, target
 
 
 def sd_notify(msg: bytes) -> bool:

@@ -10,11 +10,13 @@ of such clients use :class:`DaemonMount`.
 from __future__ import annotations
 
 import os
+import resource
 import signal
 import subprocess
 import sys
 import threading
 from collections.abc import Sequence
+from functools import partial
 from pathlib import Path
 
 import trio
@@ -28,9 +30,17 @@ __all__ = ["DaemonMount", "ServedMount", "daemon_mount", "index_is_clean"]
 
 class DaemonMount:
     """``kvfs mount --foreground`` in a subprocess, returned once mounted; stopped with
-    SIGTERM (a clean unmount). The daemon's output goes to ``log``."""
+    SIGTERM (a clean unmount). The daemon's output goes to ``log``; ``nofile``: the
+    (soft, hard) RLIMIT_NOFILE it starts with."""
 
-    def __init__(self, data_dirs: Sequence[Path], mountpoint: Path, log: Path, *extra: str) -> None:
+    def __init__(
+        self,
+        data_dirs: Sequence[Path],
+        mountpoint: Path,
+        log: Path,
+        *extra: str,
+        nofile: tuple[int, int] | None = None,
+    ) -> None:
         self.mountpoint, self.log = mountpoint, log
         r, w = os.pipe()
         env = {k: v for k, v in os.environ.items() if not k.startswith("KVFS_")}
@@ -38,7 +48,12 @@ class DaemonMount:
         argv += ["--data", ",".join(map(str, data_dirs)), *extra, str(mountpoint)]
         with open(log, "ab") as out:
             self.proc = subprocess.Popen(
-                argv, stdout=out, stderr=out, pass_fds=(w,), env={**env, READY_FD_ENV: str(w)}
+                argv,
+                stdout=out,
+                stderr=out,
+                pass_fds=(w,),
+                env={**env, READY_FD_ENV: str(w)},
+                preexec_fn=None if nofile is None else partial(_set_nofile, nofile),
             )
         os.close(w)
         with os.fdopen(r, "rb") as f:
@@ -58,6 +73,10 @@ class DaemonMount:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _set_nofile(limits: tuple[int, int]) -> None:
+    resource.setrlimit(resource.RLIMIT_NOFILE, limits)
 
 
 def index_is_clean(data: Path) -> bool:
