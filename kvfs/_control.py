@@ -29,11 +29,12 @@ import errno
 import functools
 import logging
 import os
+import resource
 import socket
 import stat
 import struct
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +42,7 @@ import msgpack
 import trio
 
 from . import _errors
-from ._events import disk_error_due, log_event
+from ._events import disk_error_due, files_error_due, log_event
 from ._keys import PageKey
 from ._local import disk_failed
 from ._store import Store
@@ -595,11 +596,25 @@ def _log_failure(
     restore where no archive tier is configured) or a full cache (the capacity) is a
     warning; a failing disk's error (IndexUnavailable, a data disk's I/O error) a warning,
     one line per DEVICE_ERROR_LOG_SECONDS with the count of those since (``more``), as
-    the mount says it; anything else an error."""
+    the mount says it, and so is a daemon out of file descriptors (EMFILE, ENFILE);
+    anything else an error."""
     if disk_failed(e):
         # (every call fails so while the disk is down: an engine's hundreds of gets a
         # second were as many ERROR lines)
         more = disk_error_due(store)
+        if more is not None:
+            log_event(
+                "error",
+                level=logging.WARNING,
+                method=method,
+                target=_target(args, kwargs),
+                error=type(e).__name__,
+                message=str(e),
+                **({"more": more} if more else {}),
+            )
+        return
+    if _errors.out_of_files(e):  # (as a disk's: every call that opens a file fails so meanwhile)
+        more = files_error_due(store)
         if more is not None:
             log_event(
                 "error",
@@ -690,7 +705,7 @@ async def control_service(
 
     try:
         async with trio.open_nursery() as nursery:
-            await nursery.start(trio.serve_listeners, handler, [listener])
+            await nursery.start(_accept, store, listener, handler)
             log.info("control channel on %s", sock_path)
             task_status.started(sock_path)
             await trio.sleep_forever()
@@ -706,6 +721,48 @@ async def control_service(
             # (a directory gone read-only: raised, it made a clean stop exit 1, a failure
             # to systemd; the next daemon replaces the leftover, which nothing answers on)
             log.warning("control: could not remove %s: %s", sock_path, e.strerror)
+
+
+#: accept's errors for a daemon out of descriptors or memory: wait, and try again
+_ACCEPT_LATER = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS})
+#: how long accept waits after one of those (as trio.serve_listeners)
+ACCEPT_RETRY_SECONDS = 0.1
+
+
+async def _accept(
+    store: Store,
+    listener: trio.SocketListener,
+    handler: Callable[[trio.SocketStream], Awaitable[None]],
+    *,
+    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Accept connections on ``listener``, each served by ``handler`` in a task, until
+    cancelled. trio.serve_listeners' loop, but an accept that fails for want of descriptors
+    (EMFILE, ENFILE) or memory is said as the mount says it, a WARNING per
+    DEVICE_ERROR_LOG_SECONDS with a count of the rest: trio's logged an ERROR with a
+    traceback every 0.1 s while a client waited. The client waits in the backlog, and is
+    accepted once a descriptor is free (or gives up: DaemonUnavailable)."""
+    async with listener, trio.open_nursery() as handlers:
+        task_status.started()
+        while True:
+            try:
+                stream = await listener.accept()
+            except OSError as e:
+                if e.errno not in _ACCEPT_LATER:
+                    raise
+                more = files_error_due(store)
+                if more is not None:
+                    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+                    log.warning(
+                        "control: cannot accept a connection: %s (the daemon's open files "
+                        "limit is %s); it waits%s",
+                        e.strerror,
+                        "unlimited" if soft == resource.RLIM_INFINITY else soft,
+                        f"; {more} more such errors since the last of these lines" if more else "",
+                    )
+                await trio.sleep(ACCEPT_RETRY_SECONDS)
+                continue
+            handlers.start_soon(handler, stream)
 
 
 # -- blocking client pieces (shared with kvfs._remote) ------------------------------------

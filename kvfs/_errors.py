@@ -27,7 +27,17 @@ __all__ = [
     "StoreClosed",
     "StoreLocked",
     "leaf_errors",
+    "out_of_files",
 ]
+
+#: the process (EMFILE: its RLIMIT_NOFILE) or the system (ENFILE) has no file descriptor left
+OUT_OF_FILES = frozenset({errno.EMFILE, errno.ENFILE})
+
+
+def out_of_files(e: BaseException | None) -> bool:
+    """Whether ``e`` says no file could be opened for want of descriptors (OUT_OF_FILES):
+    a passing state, gone once files close, that every request meets while it lasts."""
+    return isinstance(e, OSError) and e.errno in OUT_OF_FILES
 
 
 class KvfsError(Exception):

@@ -9,7 +9,8 @@ the engine and the archive tier call it from worker threads.
 :func:`disk_error_due` is the one limiter for a failing disk's errors, which every request
 meets while it lasts: the mount (:mod:`kvfs._fuse_guard`), the control channel and the
 archive's background passes (:mod:`kvfs._spill`) each log one line per
-DEVICE_ERROR_LOG_SECONDS, counting the rest.
+DEVICE_ERROR_LOG_SECONDS, counting the rest. :func:`files_error_due` is the same for a
+daemon out of file descriptors (EMFILE, ENFILE).
 """
 
 from __future__ import annotations
@@ -21,7 +22,13 @@ import time
 import weakref
 from collections.abc import Callable
 
-__all__ = ["DEVICE_ERROR_LOG_SECONDS", "Throttle", "disk_error_due", "log_event"]
+__all__ = [
+    "DEVICE_ERROR_LOG_SECONDS",
+    "Throttle",
+    "disk_error_due",
+    "files_error_due",
+    "log_event",
+]
 
 events = logging.getLogger("kvfs.events")
 
@@ -69,17 +76,30 @@ class Throttle:
             return held
 
 
-#: per owner (a mount's Operations, a control channel's store): its disk errors' throttle
-_disk_errors: weakref.WeakKeyDictionary[object, Throttle] = weakref.WeakKeyDictionary()
-_disk_errors_lock = threading.Lock()
+#: per owner (a mount's Operations, a control channel's store), per kind of error
+#: ("disk", "files"): its throttle
+_throttles: weakref.WeakKeyDictionary[object, dict[str, Throttle]] = weakref.WeakKeyDictionary()
+_throttles_lock = threading.Lock()
+
+
+def _due(owner: object, kind: str) -> int | None:
+    with _throttles_lock:
+        mine = _throttles.setdefault(owner, {})
+        throttle = mine.get(kind)
+        if throttle is None:
+            throttle = mine[kind] = Throttle(DEVICE_ERROR_LOG_SECONDS)
+    return throttle.due()
 
 
 def disk_error_due(owner: object) -> int | None:
     """:meth:`Throttle.due` for a failing disk's error answered by ``owner`` (the mount
     and the control channel each say it in their own log, one line per
     DEVICE_ERROR_LOG_SECONDS)."""
-    with _disk_errors_lock:
-        throttle = _disk_errors.get(owner)
-        if throttle is None:
-            throttle = _disk_errors[owner] = Throttle(DEVICE_ERROR_LOG_SECONDS)
-    return throttle.due()
+    return _due(owner, "disk")
+
+
+def files_error_due(owner: object) -> int | None:
+    """:meth:`Throttle.due` for an error ``owner`` answered because the process ran out of
+    file descriptors (EMFILE, ENFILE: every request that opens a file meets it while it
+    lasts), counted apart from a disk's."""
+    return _due(owner, "files")

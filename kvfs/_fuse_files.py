@@ -29,11 +29,11 @@ import trio
 
 from ._dirs import DirTable
 from ._engine import Engine
-from ._errors import KvfsError
+from ._errors import KvfsError, out_of_files
 from ._events import log_event
 from ._fuse_ahead import AheadBudget, ReadAhead
 from ._fuse_behind import BehindBudget, WriteBehind
-from ._fuse_guard import child_of, fuse_error, guard
+from ._fuse_guard import child_of, files_error, fuse_error, guard
 from ._fuse_nodes import (
     Handle,
     Kind,
@@ -416,6 +416,8 @@ class FileOps:
                 h.failed = h.failed or getattr(e, "errno", None) or errno.EIO
                 if not isinstance(e, OSError):  # KvfsErrors are OSErrors or ValueErrors
                     log.error("a queued write failed", exc_info=e)
+                elif out_of_files(e):  # (answered as a FUSEError: the guard does not see it)
+                    files_error(self, "write", e)
 
     @guard
     async def flush(self, fh: int) -> None:

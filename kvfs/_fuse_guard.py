@@ -7,7 +7,8 @@ keeps its own, anything else is logged at ERROR and answered with EIO. A disk's 
 DEVICE_ERROR_LOG_SECONDS (:mod:`kvfs._events`, as the control channel's) with a count of
 the rest. When the store's own directories are gone (removed under the running daemon)
 nearly every request fails so: that is said once, in one line naming them, not in a
-traceback per request.
+traceback per request. A daemon out of file descriptors (EMFILE, ENFILE) answers that errno,
+and says so as a disk's error is said: a WARNING per DEVICE_ERROR_LOG_SECONDS.
 """
 
 from __future__ import annotations
@@ -15,19 +16,20 @@ from __future__ import annotations
 import errno
 import functools
 import logging
+import resource
 from collections.abc import Callable, Coroutine
 from typing import Any, ParamSpec, TypeVar
 
 import pyfuse3
 
-from ._errors import IndexUnavailable, KvfsError
-from ._events import disk_error_due
+from ._errors import IndexUnavailable, KvfsError, out_of_files
+from ._events import disk_error_due, files_error_due
 from ._fuse_nodes import Node
 from ._fuse_ns import child_path
 from ._keys import MAX_NAME_BYTES, MAX_PATH_BYTES
 from ._local import DISK_ERRORS
 
-__all__ = ["child_of", "decode_name", "fuse_error", "guard"]
+__all__ = ["child_of", "decode_name", "files_error", "fuse_error", "guard"]
 
 log = logging.getLogger("kvfs.fuse")
 T = TypeVar("T")
@@ -58,6 +60,8 @@ def guard(fn: Callable[P, Coroutine[Any, Any, T]]) -> Callable[P, Coroutine[Any,
                 log.error("%s%r failed", fn.__name__, args[1:3], exc_info=True)
             elif e.errno in DISK_ERRORS:  # (a disk's: kvfs's own errors were caught above)
                 _device_error(args[0], fn.__name__, e)
+            elif out_of_files(e):
+                files_error(args[0], fn.__name__, e)
             raise fuse_error(e.errno or errno.EIO) from None
         except Exception:
             if not _store_gone(args[0]):
@@ -82,6 +86,24 @@ def _device_error(ops: object, handler: str, e: OSError) -> None:
         ""
         if isinstance(e, IndexUnavailable)
         else " (a disk failing? kvfs fsck lists what cannot be read)",
+        f"; {more} more such errors since the last of these lines" if more else "",
+    )
+
+
+def files_error(ops: object, handler: str, e: OSError) -> None:
+    """Log a request answered EMFILE or ENFILE: the daemon (or the system) has no file
+    descriptor left, and the caller sees the errno of a file it did not open itself. One
+    line per DEVICE_ERROR_LOG_SECONDS per mount, as a disk's error."""
+    more = files_error_due(ops)
+    if more is None:
+        return
+    soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    log.warning(
+        "%s: %s (the daemon's open files limit is %s; each file open for writing holds a "
+        "descriptor per data directory until it is closed)%s",
+        handler,
+        e,
+        "unlimited" if soft == resource.RLIM_INFINITY else soft,
         f"; {more} more such errors since the last of these lines" if more else "",
     )
 

@@ -43,7 +43,13 @@ from typing import Any
 import msgpack
 
 from ._aligned import aligned_buffer, open_direct
-from ._errors import CapacityExceeded, CorruptPage, IndexUnavailable, PageExists
+from ._errors import (
+    CapacityExceeded,
+    CorruptPage,
+    IndexUnavailable,
+    PageExists,
+    out_of_files,
+)
 
 log = logging.getLogger("kvfs.index")
 
@@ -184,6 +190,30 @@ def unavailable(
     by the COMMIT itself."""
     said = disk_failure(path, e)
     return None if said is None else _unavailable(path, said, at_commit)
+
+
+def _out_of_files(path: Path, e: BaseException) -> OSError | None:
+    """OSError EMFILE (or ENFILE) for SQLite's "unable to open" (or I/O error) when the
+    process has no file descriptor left to open the database ``path`` with; None for any
+    other error. SQLite keeps the errno to itself: a thread's first read opens a connection
+    of its own (three files), and at the limit its bare sqlite3.OperationalError escaped
+    the store's calls and ended as an unexpected error, a traceback per request, on the
+    mount. The index is not failing: nothing is marked, and the same call works once
+    files close."""
+    if not isinstance(e, sqlite3.OperationalError) or _sqlite_code(e) not in (_CANTOPEN, _IOERR):
+        return None
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as probe:
+        if not out_of_files(probe):
+            return None
+        return OSError(
+            probe.errno,
+            f"the index {path} cannot be read: {probe.strerror} (too many files open in "
+            "the process, its RLIMIT_NOFILE, or in the system); nothing was changed",
+        )
+    os.close(fd)
+    return None
 
 
 def _unavailable(path: Path, said: str, at_commit: bool) -> IndexUnavailable:
@@ -476,7 +506,7 @@ class Index:
         ``failed``), or ``e`` itself."""
         said = disk_failure(self.path, e)
         if said is None:
-            return e
+            return _out_of_files(self.path, e) or e
         self.failed = f"its disk answered an I/O error ({said})"
         bad = _unavailable(self.path, said, at_commit)
         bad.__cause__ = e
