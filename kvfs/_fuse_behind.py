@@ -94,7 +94,8 @@ class WriteBehind:
         self.error: BaseException | None = None
 
     async def submit(self, off: int, buf: bytes) -> None:
-        """Queue a write. Raises the error of an earlier write, if one failed."""
+        """Queue a write. Raises the error of an earlier write, if one failed, and
+        RuntimeError when no thread can be started to write it (nothing is queued)."""
         if self.error is not None:
             raise self.error
         await self._wait_until(self._depth - 1)
@@ -109,7 +110,18 @@ class WriteBehind:
                 self._cond.notify()
                 return
             self._running = True
-        trio.lowlevel.start_thread_soon(self._run, _ignore)
+        try:
+            trio.lowlevel.start_thread_soon(self._run, _ignore)
+        except BaseException:
+            # No thread to write it (the process may start no more: a cgroup's pids.max,
+            # RLIMIT_NPROC, memory): take the write back, as if never queued. Left queued,
+            # drain waited for it forever: the writer's close hung, and the daemon's stop.
+            with self._cond:
+                self._queue.pop()
+                self._pending -= 1
+                self._running = False
+            self._budget.give(len(buf))
+            raise
 
     async def drain(self) -> None:
         """Wait until every queued write is in the file. Raises the first failure."""

@@ -1,0 +1,72 @@
+"""A daemon that cannot start a thread (a cgroup's pids.max reached: RLIMIT_NPROC does not
+bind root). Needs the cgroup v1 pids controller, writable (root)."""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+
+import pytest
+from _kvfs_mount import DaemonMount
+
+PIDS = Path("/sys/fs/cgroup/pids")
+
+
+def test_a_write_no_thread_can_take_fails_and_its_close_returns(tmp_path: Path) -> None:
+    if not os.access(PIDS / "cgroup.procs", os.W_OK):
+        pytest.skip("needs the cgroup v1 pids controller at /sys/fs/cgroup/pids, writable")
+    cg = PIDS / f"kvfs-test-{os.getpid()}"
+    cg.mkdir()
+    mp = tmp_path / "mnt"
+    mp.mkdir()
+    dm = DaemonMount([tmp_path / f"nvme{i}" for i in range(2)], mp, tmp_path / "daemon.log")
+    pid = dm.proc.pid
+    t: threading.Thread | None = None
+    try:
+        (mp / "before").write_bytes(b"b" * 100_000)
+        # no thread more than it has now: each file's write-behind thread must start
+        (cg / "pids.max").write_text(f"{len(os.listdir(f'/proc/{pid}/task'))}\n")
+        (cg / "cgroup.procs").write_text(f"{pid}\n")
+        files = [open(mp / f"f{i}", "wb", buffering=0) for i in range(20)]  # noqa: SIM115
+        failed = set()
+        for r in range(3):
+            for i, f in enumerate(files):
+                try:
+                    f.write(bytes([i, r]) * 35_000)
+                except OSError:
+                    failed.add(i)
+        assert failed  # (no thread could be started for some)
+        closed: dict[int, object] = {}
+
+        def close_all() -> None:
+            for i, f in enumerate(files):
+                try:
+                    f.close()
+                    closed[i] = 0
+                except OSError as e:
+                    closed[i] = e.errno
+
+        # Before, a write whose thread could not start stayed queued: its close hung
+        t = threading.Thread(target=close_all, daemon=True)
+        t.start()
+        t.join(20)
+        assert not t.is_alive(), f"closes hung; returned: {closed}"
+        (PIDS / "cgroup.procs").write_text(f"{pid}\n")
+        for i in failed:
+            assert closed[i] != 0
+            assert not (mp / f"f{i}").exists()  # never published
+        for i, status in closed.items():
+            if status == 0:
+                want = b"".join(bytes([i, r]) * 35_000 for r in range(3))
+                assert (mp / f"f{i}").read_bytes() == want
+        (mp / "after").write_bytes(b"a" * 100_000)
+        assert (mp / "after").read_bytes() == b"a" * 100_000
+        assert (mp / "before").read_bytes() == b"b" * 100_000
+    finally:
+        if (cg / "cgroup.procs").read_text().split():
+            (PIDS / "cgroup.procs").write_text(f"{pid}\n")
+        if t is not None and t.is_alive():
+            dm.proc.kill()  # (a hung close would hang the daemon's stop too)
+        dm.stop()
+        cg.rmdir()
