@@ -103,3 +103,9 @@ def files_error_due(owner: object) -> int | None:
     file descriptors (EMFILE, ENFILE: every request that opens a file meets it while it
     lasts), counted apart from a disk's."""
     return _due(owner, "files")
+
+
+def threads_error_due(owner: object) -> int | None:
+    """:meth:`Throttle.due` for an error ``owner`` answered because no thread could be
+    started (a cgroup's pids.max, RLIMIT_NPROC), counted apart from the others."""
+    return _due(owner, "threads")

@@ -634,7 +634,7 @@ class KvfsOperations(FileOps, pyfuse3.Operations):
             try:
                 if h.writable and not h.committed and h.node.pending is not None:
                     await self._drain(h)
-                    await self._thread(h.node.pending.writer.abort)
+                    await self._abort(h.node.pending.writer)
                     log_event(
                         "discard",
                         level=logging.WARNING,

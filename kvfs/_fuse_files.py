@@ -33,7 +33,7 @@ from ._errors import KvfsError, out_of_files
 from ._events import log_event
 from ._fuse_ahead import AheadBudget, ReadAhead
 from ._fuse_behind import BehindBudget, WriteBehind
-from ._fuse_guard import child_of, files_error, fuse_error, guard
+from ._fuse_guard import child_of, files_error, fuse_error, guard, no_thread
 from ._fuse_nodes import (
     Handle,
     Kind,
@@ -46,7 +46,7 @@ from ._fuse_nodes import (
 )
 from ._fuse_ns import attr_int, own_attrs, page_mode, session_json, session_of, validate_page
 from ._index import PageRow
-from ._writes import ATTR_GID, ATTR_MODE, ATTR_UID
+from ._writes import ATTR_GID, ATTR_MODE, ATTR_UID, PageWriter
 
 __all__ = ["FileOps"]
 
@@ -86,6 +86,18 @@ class FileOps:
 
     async def _thread(self, fn: Callable[..., T], *args: Any) -> T:
         return await trio.to_thread.run_sync(functools.partial(fn, *args), limiter=self.limiter)
+
+    async def _abort(self, writer: PageWriter) -> None:
+        """Discard what ``writer`` holds (its files, its reserved room) in a thread, or in
+        the loop when no thread can be started (a cgroup's pids.max reached): the failed
+        writes' room stayed reserved, and their files on disk, until the daemon stopped.
+        A writer whose commit ran is done: this does nothing then."""
+        try:
+            await self._thread(writer.abort)
+        except RuntimeError as e:
+            if not no_thread(e):
+                raise
+            writer.abort()
 
     def _read_held(self, h: Handle, off: int, size: int) -> Any:
         # On the worker thread, one hop per fetch, leaves verified. A cached file's bytes
@@ -347,7 +359,7 @@ class FileOps:
             h.node.rewriting -= 1
             killed = killed_by(h.opener)
             if h.again_failed or killed:
-                await self._thread(again.writer.abort)
+                await self._abort(again.writer)
                 if killed:
                     log_event(
                         "discard",
@@ -364,12 +376,12 @@ class FileOps:
     async def _commit_version(self, h: Handle, again: Pending) -> None:
         node = h.node
         if self.table.by_path.get(node.path) != node.ino:  # unlinked or replaced meanwhile:
-            await self._thread(again.writer.abort)  # its bytes have no name to go to
+            await self._abort(again.writer)  # its bytes have no name to go to
             return
         try:
             node.page, lease, held = await self._thread(self._commit, again, node.path, True)
         except BaseException:
-            await self._thread(again.writer.abort)
+            await self._abort(again.writer)
             raise
         if node.page is None:  # deleted or evicted the instant it appeared
             self.table.unbind(node)
@@ -509,7 +521,7 @@ class FileOps:
         if self.pending.get(node.path) is node:
             del self.pending[node.path]
         if w.unlinked or h.failed or h.killed:
-            await self._thread(w.writer.abort)
+            await self._abort(w.writer)
             self.table.unbind(node)
             if h.killed and not w.unlinked:
                 log_event(
@@ -531,6 +543,9 @@ class FileOps:
             row, lease, held = await self._thread(self._commit, w, dst, hold)
         except BaseException as e:
             self.table.unbind(node)
+            # (a commit that never ran, no thread could be started for it, left the writer
+            # holding its room and its files; one that ran is done, and this does nothing)
+            await self._abort(w.writer)
             # Nothing was published: every later write, fsync and close through this
             # handle says so (this flush may be a child's close, not the writer's).
             h.failed = getattr(e, "errno", None) or errno.EIO

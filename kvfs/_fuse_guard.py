@@ -23,7 +23,7 @@ from typing import Any, ParamSpec, TypeVar
 import pyfuse3
 
 from ._errors import IndexUnavailable, KvfsError, out_of_files
-from ._events import disk_error_due, files_error_due
+from ._events import disk_error_due, files_error_due, threads_error_due
 from ._fuse_nodes import Node
 from ._fuse_ns import child_path
 from ._keys import MAX_NAME_BYTES, MAX_PATH_BYTES
@@ -63,8 +63,10 @@ def guard(fn: Callable[P, Coroutine[Any, Any, T]]) -> Callable[P, Coroutine[Any,
             elif out_of_files(e):
                 files_error(args[0], fn.__name__, e)
             raise fuse_error(e.errno or errno.EIO) from None
-        except Exception:
-            if not _store_gone(args[0]):
+        except Exception as e:
+            if no_thread(e):
+                _threads_error(args[0], fn.__name__)
+            elif not _store_gone(args[0]):
                 log.error("unexpected error in %s%r", fn.__name__, args[1:3], exc_info=True)
             raise fuse_error(errno.EIO) from None
 
@@ -106,6 +108,26 @@ def files_error(ops: object, handler: str, e: OSError) -> None:
         "unlimited" if soft == resource.RLIM_INFINITY else soft,
         f"; {more} more such errors since the last of these lines" if more else "",
     )
+
+
+def no_thread(e: BaseException) -> bool:
+    """Whether ``e`` is Python's failure to start a thread (the process at its cgroup's
+    pids.max, or at RLIMIT_NPROC)."""
+    return isinstance(e, RuntimeError) and "can't start new thread" in str(e)
+
+
+def _threads_error(ops: object, handler: str) -> None:
+    """Log a request answered EIO because no thread could be started for it: until then a
+    traceback per request (every write of every file meets it while it lasts). One line
+    per DEVICE_ERROR_LOG_SECONDS per mount, as a disk's error."""
+    more = threads_error_due(ops)
+    if more is not None:
+        log.warning(
+            "%s: no thread could be started (the daemon is at its cgroup's pids.max or its "
+            "RLIMIT_NPROC): answered EIO%s",
+            handler,
+            f"; {more} more such errors since the last of these lines" if more else "",
+        )
 
 
 def _store_gone(ops: object) -> bool:

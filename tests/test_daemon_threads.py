@@ -3,7 +3,10 @@ bind root). Needs the cgroup v1 pids controller, writable (root)."""
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -63,6 +66,18 @@ def test_a_write_no_thread_can_take_fails_and_its_close_returns(tmp_path: Path) 
         (mp / "after").write_bytes(b"a" * 100_000)
         assert (mp / "after").read_bytes() == b"a" * 100_000
         assert (mp / "before").read_bytes() == b"b" * 100_000
+        # nor does a file whose commit could not start keep its room reserved (until the
+        # daemon stopped, its files too)
+        st = subprocess.run(
+            [sys.executable, "-m", "cli", "stats", "--json", str(mp)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert json.loads(st.stdout)["reserved_bytes"] == 0, st.stdout
+        # and said once, not as a traceback per request
+        log = (tmp_path / "daemon.log").read_text()
+        assert "Traceback" not in log and "no thread could be started" in log, log[-3000:]
     finally:
         if (cg / "cgroup.procs").read_text().split():
             (PIDS / "cgroup.procs").write_text(f"{pid}\n")
