@@ -565,6 +565,12 @@ def render_stats(st: kvfs.StoreStatistics, *, own_counters: bool = False) -> str
             if retention
             else "retention: keep"
         )
+        paused = a.get("retention_paused_ahead_s")
+        if isinstance(paused, (int, float)):
+            kept += (
+                f", retention PAUSED: this host's clock is {fmt_span(float(paused))} ahead "
+                "of the archive's"
+            )
         if a.get("hosts_retired"):
             kept += f", hosts retired {a['hosts_retired']}"
         if a.get("pending_deletes"):

@@ -1493,6 +1493,9 @@ class ArchivingPolicy(TieringPolicy):
                 "memory_reads": c.get("memory_reads", 0),
                 "memory_copies_bytes": self._memory_bytes,
                 "retention_s": self.cfg.retention,
+                # the last retention pass waited: this host's clock was this many seconds
+                # ahead of the archive's (None: it did not)
+                "retention_paused_ahead_s": self.spiller.retention_paused,
                 "blobs_restored": c.get("blobs_restored", 0),
                 "dedup_skipped": c.get("dedup_skipped", 0),
                 "restore_coalesced": c.get("restore_coalesced", 0),

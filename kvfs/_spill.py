@@ -101,6 +101,9 @@ class Spiller:
         self._sweep_denied = False
         #: a retention pass held back by this host's clock: one warning an hour
         self._clock_warning = Throttle(3600.0)
+        #: seconds this host's clock was ahead of the archive's when the last retention
+        #: pass waited for that (None: it did not)
+        self.retention_paused: float | None = None
         #: local bytes a pressure spill left to each session (see relieve_pressure)
         self._no_gain: dict[str, int] = {}
         #: time.monotonic() before which the next retention pass does not run
@@ -869,6 +872,7 @@ class Spiller:
         if self.hosts.beaten_at is None or self.hosts.overdue():
             await self.hosts.beat()
         ahead, allowed = self.hosts.clock_ahead, min(CLOCK_AHEAD_SECONDS, retention / 10)
+        self.retention_paused = ahead if ahead > allowed else None
         if ahead > allowed:
             if self._clock_warning.due() is not None:
                 log_event(

@@ -3,7 +3,7 @@ test wants this host's clock off: ``put DIRS URL SESSION`` stores one page of SE
 last access is then this process's now); ``retention DIRS URL SECONDS`` opens the store
 with its background task and that retention, and prints, as JSON, what its first retention
 pass did (``expired``: sessions deleted; ``paused``: the fields of a ``retention-paused``
-event, or null) and the sessions left."""
+event, or null), the sessions left and what ``kvfs stats`` says."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from pathlib import Path
 import trio
 
 import kvfs
+from cli._store_cmds import render_stats
 
 
 def config(dirs: str, url: str, **archive: object) -> kvfs.StoreConfig:
@@ -45,10 +46,12 @@ async def retention(dirs: str, url: str, seconds: float) -> dict[str, object]:
                 if expired or events.paused:
                     break
                 await trio.sleep(0.05)
+        st = await s.statistics()
         return {
             "expired": expired,
             "paused": events.paused,
             "sessions": sorted(i.session for i in await s.sessions()),
+            "stats": render_stats(st),
         }
 
 

@@ -636,5 +636,7 @@ def test_retention_waits_while_this_hosts_clock_is_ahead_of_the_archives(
     ahead = json.loads(_clock_store("retention", dirs, url, "86400", clock="+3d"))
     assert ahead["expired"] == 0 and ahead["sessions"] == ["fresh", "two-days-old"], ahead
     assert ahead["paused"]["ahead_s"] >= 3 * 86400 - 5, ahead
+    assert "retention PAUSED: this host's clock is 3d ahead" in ahead["stats"], ahead["stats"]
     agreeing = json.loads(_clock_store("retention", dirs, url, "86400"))
+    assert "PAUSED" not in agreeing.pop("stats")
     assert agreeing == {"expired": 1, "paused": None, "sessions": ["fresh"]}, agreeing
