@@ -25,6 +25,7 @@ from ._keys import session_name
 from ._local import disk_failed
 from ._maint import after_delete
 from ._manifest import (
+    BLOBS,
     MANIFESTS,
     NAME_IN_KEY_MAX,
     blob_key,
@@ -791,7 +792,11 @@ class Spiller:
         if self._sweep_denied:
             return 0
         try:
-            gone = await self.store.abort_stale_uploads(UPLOAD_STALE_SECONDS)
+            # (only kvfs's own objects large enough to be sent in parts: a store at a
+            # bucket's root must not abort other programs' uploads)
+            gone = 0
+            for prefix in (BLOBS, MANIFESTS):
+                gone += await self.store.abort_stale_uploads(UPLOAD_STALE_SECONDS, prefix)
         except ArchiveAccessDenied as e:
             self._sweep_denied = True
             log.warning(

@@ -150,10 +150,11 @@ class ObjectStore(abc.ABC):
     async def aclose(self) -> None:  # noqa: B027 - optional hook, default does nothing
         """Release connections. Idempotent."""
 
-    async def abort_stale_uploads(self, older_than: float) -> int:
+    async def abort_stale_uploads(self, older_than: float, prefix: str = "") -> int:
         """Remove what puts cut short left in the store (a process killed mid-put, an abort
-        that could not reach the endpoint): S3's incomplete multipart uploads, which no
-        listing shows and S3 bills until aborted; a ``file://`` store's temporary files.
+        that could not reach the endpoint): S3's incomplete multipart uploads of keys
+        starting with ``prefix``, which no listing shows and S3 bills until aborted; a
+        ``file://`` store's temporary files (of any key: their names do not say which).
         Only those started more than ``older_than`` seconds ago, by the store's own clock:
         a younger one may be another host's put in flight. Returns how many went. Raises
         ArchiveUnavailable (ArchiveAccessDenied where the credentials may not list or abort

@@ -101,7 +101,7 @@ class FileStore(ObjectStore):
                     gone += 1
         return gone
 
-    async def abort_stale_uploads(self, older_than: float) -> int:
+    async def abort_stale_uploads(self, older_than: float, prefix: str = "") -> int:
         return await self._call(lambda: self._sweep(older_than), "sweep temporary files")
 
     def _check_root(self) -> None:

@@ -589,11 +589,11 @@ class S3Store(ObjectStore):
                 )
             raise
 
-    async def abort_stale_uploads(self, older_than: float) -> int:
+    async def abort_stale_uploads(self, older_than: float, prefix: str = "") -> int:
         # Ages by the server's clock: its ``Date`` on the listing against each upload's
         # ``Initiated`` (this host's clock may be off; hosts sharing the bucket compare
         # nothing else either).
-        kw: dict[str, Any] = {"Bucket": self.bucket, "Prefix": self.prefix}
+        kw: dict[str, Any] = {"Bucket": self.bucket, "Prefix": self.prefix + prefix}
         gone = 0
         while True:
             try:
