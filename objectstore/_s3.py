@@ -215,6 +215,7 @@ class S3Store(ObjectStore):
         part_size: int,
         encryption: dict[str, str] | None = None,
         cold_class: str | None = None,
+        in_flight: builtins.set[str] | None = None,
     ) -> None:
         self._client = client
         self.bucket = bucket
@@ -228,6 +229,9 @@ class S3Store(ObjectStore):
         self.encryption = dict(encryption or {})
         #: the storage class of objects put ``cold`` (None: the bucket's default)
         self.cold_class = cold_class
+        #: upload ids of this process's multipart puts in flight (shared with the stores
+        #: at_prefix makes): never a stale upload to abort, whatever the server's clock says
+        self._in_flight = in_flight if in_flight is not None else builtins.set()
 
     @classmethod
     async def open(
@@ -355,6 +359,7 @@ class S3Store(ObjectStore):
             part_size=self.part_size,
             encryption=self.encryption,
             cold_class=self.cold_class,
+            in_flight=self._in_flight,
         )
 
     async def _with_reason(self, e: bce.ClientError, client: Any = None) -> bce.ClientError:
@@ -545,6 +550,7 @@ class S3Store(ObjectStore):
             **how,
         )
         uid = up["UploadId"]
+        self._in_flight.add(uid)
         parts: dict[int, str] = {}
 
         async def one(n: int, off: int) -> None:
@@ -582,12 +588,15 @@ class S3Store(ObjectStore):
             )
             return True
         except BaseException:
-            # The original error matters; bucket lifecycle rules clean up what this misses.
+            # The original error matters; what this misses, a sweep aborts a day later
+            # (abort_stale_uploads), or the bucket's lifecycle rule.
             with trio.CancelScope(shield=True), contextlib.suppress(Exception):
                 await self._thread(
                     self._client.abort_multipart_upload, Bucket=self.bucket, Key=k, UploadId=uid
                 )
             raise
+        finally:
+            self._in_flight.discard(uid)
 
     async def abort_stale_uploads(self, older_than: float, prefix: str = "") -> int:
         # Ages by the server's clock: its ``Date`` on the listing against each upload's
@@ -610,6 +619,8 @@ class S3Store(ObjectStore):
             now = _server_time(r)
             for up in r.get("Uploads", ()):
                 if now - up["Initiated"].timestamp() <= older_than:
+                    continue
+                if up["UploadId"] in self._in_flight:  # (its server's clock is wrong)
                     continue
                 key = up["Key"][len(self.prefix) :]
                 try:

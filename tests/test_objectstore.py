@@ -700,3 +700,30 @@ def boto3_client(server, service: str):  # noqa: ANN001, ANN201
     import boto3
 
     return boto3.client(service, endpoint_url=server.endpoint, region_name="us-east-1")
+
+
+async def test_a_sweep_never_aborts_this_processs_upload_in_flight(s3_server, proxy) -> None:  # noqa: ANN001
+    """A server whose clock dates an upload long ago (moto says 2010 of every one) made a
+    sweep at a daemon's start abort that daemon's own multipart upload in flight: each of
+    its parts then failed until the put's deadline (found by a test whose spill ran beside
+    the sweep)."""
+    bucket = s3_server.new_bucket()
+    proxy.delay = 0.002  # (the upload is slow enough to be seen in flight)
+    s = await open_objectstore(
+        f"s3://{bucket}/p?endpoint={proxy.endpoint}&addressing=path",
+        multipart_threshold=5 * MiB,
+        part_size=5 * MiB,
+    )
+    client = s3_server.client()
+    big = os.urandom(11 * MiB)
+    async with s, trio.open_nursery() as n:
+        n.start_soon(s.put, "blobs/big", big)
+        with trio.fail_after(30):
+            while not client.list_multipart_uploads(Bucket=bucket).get("Uploads"):
+                await trio.sleep(0.01)
+        assert await s.abort_stale_uploads(3600, "blobs/") == 0
+    assert await s3_get(s3_server, bucket, "p/blobs/big") == big
+
+
+async def s3_get(server, bucket: str, key: str) -> bytes:  # noqa: ANN001
+    return server.client().get_object(Bucket=bucket, Key=key)["Body"].read()  # type: ignore[no-any-return]
