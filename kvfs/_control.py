@@ -28,6 +28,7 @@ import dataclasses
 import errno
 import functools
 import logging
+import math
 import os
 import resource
 import socket
@@ -223,15 +224,27 @@ class MalformedFrame(ValueError):
     """A whole frame whose body is no message of this protocol (the stream stays usable)."""
 
 
-def decode(body: bytes | bytearray | memoryview, *, views: bool = False) -> Any:
+def decode(
+    body: bytes | bytearray | memoryview, *, views: bool = False, request: bool = False
+) -> Any:
     """A message from its body. With ``views``, a bin over INLINE_BYTES near the top (a
     put's data, a get's answer) comes as a memoryview into ``body``: msgpack copies every
-    bin into a new bytes, and the receiver held the page twice. Raises MalformedFrame."""
+    bin into a new bytes, and the receiver held the page twice. With ``request`` (the
+    daemon's side), a body over INLINE_BYTES holds at most MAX_REQUEST_ITEMS msgpack items,
+    and records stay msgpack ExtTypes (no request carries one). Raises MalformedFrame."""
+    # A request is a few items and perhaps a page. Unpacked whatever it held, a frame of
+    # empty arrays took 64 bytes of the daemon's memory for each byte of it (a 32 MiB one
+    # 2 GiB, and minutes of walking it), and a record's own msgpack inside could hold as
+    # many: any client could have the daemon killed for want of memory.
+    ext = msgpack.ExtType if request else _ext
     try:
-        spans = _page_spans(memoryview(body)) if views and len(body) > INLINE_BYTES else []
+        if views and len(body) > INLINE_BYTES:
+            spans = _page_spans(memoryview(body), MAX_REQUEST_ITEMS if request else None)
+        else:
+            spans = []
         if not spans:
-            return msgpack.unpackb(body, ext_hook=_ext, raw=False, strict_map_key=False)
-        return _unpack_around(memoryview(body), spans)
+            return msgpack.unpackb(body, ext_hook=ext, raw=False, strict_map_key=False)
+        return _unpack_around(memoryview(body), spans, ext)
     except Exception as e:  # noqa: BLE001 - msgpack's own errors, an unknown record...
         raise MalformedFrame(f"{type(e).__name__}: {e}") from None
 
@@ -266,22 +279,35 @@ def _item(b: memoryview, at: int) -> tuple[int, int, int]:
     return at + 1 + width + gap, 0 if per else n, n * per
 
 
-def _end(b: memoryview, at: int) -> int:
-    """Where the msgpack item at ``at`` ends."""
+def _spend(budget: list[int] | None, items: int) -> None:
+    """Take ``items`` from ``budget`` (a one-item list); raises ValueError past it."""
+    if budget is not None:
+        budget[0] -= items
+        if budget[0] < 0:
+            raise ValueError(f"a request of more than {MAX_REQUEST_ITEMS} msgpack items")
+
+
+def _end(b: memoryview, at: int, budget: list[int] | None = None) -> int:
+    """Where the msgpack item at ``at`` ends; the items in it taken from ``budget``."""
     start, size, items = _item(b, at)
+    _spend(budget, items)  # (before the walk: an array's count alone can be 4 billion)
     at = start + size
     for _ in range(items):
-        at = _end(b, at)
+        at = _end(b, at, budget)
     if at > len(b):
         raise IndexError("truncated")
     return at
 
 
-def _page_spans(b: memoryview) -> list[tuple[tuple[int, ...], int, int, int]]:
+def _page_spans(
+    b: memoryview, max_items: int | None = None
+) -> list[tuple[tuple[int, ...], int, int, int]]:
     """Each bin over INLINE_BYTES in the top two levels of arrays: (its index path, where
     its header starts, where its bytes start and end). Nothing when ``b`` is no whole
-    msgpack item (msgpack then says what is wrong)."""
+    msgpack item (msgpack then says what is wrong). With ``max_items``, raises ValueError
+    for a message of more items, or nested too deep to walk (which msgpack would unpack)."""
     spans: list[tuple[tuple[int, ...], int, int, int]] = []
+    budget = None if max_items is None else [max_items]
 
     def walk(at: int, path: tuple[int, ...]) -> int:
         start, size, items = _item(b, at)
@@ -289,28 +315,38 @@ def _page_spans(b: memoryview) -> list[tuple[tuple[int, ...], int, int, int]]:
             spans.append((path, at, start, start + size))
             return start + size
         if len(path) < 2 and (0x90 <= b[at] <= 0x9F or b[at] in (0xDC, 0xDD)):
+            _spend(budget, items)
             for i in range(items):
                 start = walk(start, (*path, i))
             return start
-        return _end(b, at)
+        return _end(b, at, budget)
 
     try:
         walk(0, ())
-    except (IndexError, KeyError, RecursionError):
+    except (IndexError, KeyError):
+        return []
+    except RecursionError:
+        if budget is not None:  # (the items past it were not counted)
+            raise ValueError("a request nested too deep") from None
         return []
     return spans
 
 
-def _unpack_around(b: memoryview, spans: list[tuple[tuple[int, ...], int, int, int]]) -> Any:
+def _unpack_around(
+    b: memoryview,
+    spans: list[tuple[tuple[int, ...], int, int, int]],
+    ext: Callable[[int, bytes], Any] = _ext,
+) -> Any:
     """The message in ``b`` with each span's bin a view into ``b``: the rest is unpacked
-    with a nil in each one's place (a copy of the small parts only), then the views put in."""
+    (extension types by ``ext``) with a nil in each one's place (a copy of the small parts
+    only), then the views put in."""
     parts: list[bytes | memoryview] = []
     at = 0
     for _path, head, _start, end in spans:
         parts += [b[at:head], b"\xc0"]
         at = end
     parts.append(b[at:])
-    msg = msgpack.unpackb(b"".join(parts), ext_hook=_ext, raw=False, strict_map_key=False)
+    msg = msgpack.unpackb(b"".join(parts), ext_hook=ext, raw=False, strict_map_key=False)
     for path, _head, start, end in spans:
         if not path:
             return b[start:end]
@@ -366,6 +402,9 @@ STALL_SECONDS = 60.0
 #: size near a message's top is a page, sent and received without a copy of it.
 INLINE_BYTES = 1 << 20
 _ZEROS = memoryview(bytes(INLINE_BYTES))
+#: The most msgpack items a request over INLINE_BYTES may hold (its page is one): as many
+#: as a frame of INLINE_BYTES can, so a large frame costs the daemon no more to unpack.
+MAX_REQUEST_ITEMS = INLINE_BYTES
 
 
 #: The first byte of every request's body: msgpack's array of three ([method, args, kwargs]).
@@ -378,7 +417,7 @@ async def recv_frame(
     """One decoded message. Returns ``None`` at a clean EOF between messages; raises
     EOFError when the peer closes or stalls mid-message, FrameTooLarge for a header
     announcing more than MAX_FRAME (its body is not read), MalformedFrame for a whole frame
-    that is no message. With ``request`` (the daemon's side), ForeignFrame as soon as the
+    that is no message (msgpack's nil included). With ``request`` (the daemon's side), ForeignFrame as soon as the
     body of a frame over INLINE_BYTES starts with anything but a request's first byte, and
     a put's data comes as a view into the frame's buffer (see :func:`decode`), as does a
     get's answer with ``views``."""
@@ -398,10 +437,16 @@ async def recv_frame(
     lead = _REQUEST_LEAD if request and n > INLINE_BYTES else None
     body = await _recv_body(stream, n, lead)
     if n > INLINE_BYTES:
-        return await trio.to_thread.run_sync(
-            functools.partial(decode, body, views=request or views)
+        msg = await trio.to_thread.run_sync(
+            functools.partial(decode, body, views=request or views, request=request)
         )
-    return decode(body)
+    else:
+        msg = decode(body, request=request)
+    if msg is None:
+        # (msgpack's nil is no message either way, and returned it read as an EOF: the
+        # daemon closed the connection without an answer, as if the client had left)
+        raise MalformedFrame("a nil message")
+    return msg
 
 
 async def _recv_body(stream: trio.SocketStream, n: int, lead: int | None = None) -> bytearray:
@@ -433,9 +478,16 @@ async def _recv_body(stream: trio.SocketStream, n: int, lead: int | None = None)
 async def _recv_into(
     stream: trio.SocketStream, buf: bytearray, *, eof_ok: bool
 ) -> bytearray | None:
+    """``buf`` filled from the stream (a frame's header); None at a clean EOF before its
+    first byte with ``eof_ok``. Raises EOFError when the peer closes after that byte, or
+    sends nothing more for STALL_SECONDS: a peer that sent part of a header and stopped
+    was kept for ever (one between messages may idle: clients pool connections)."""
     view, got = memoryview(buf), 0
     while got < len(buf):
-        k = await stream.socket.recv_into(view[got:])
+        with trio.move_on_after(STALL_SECONDS if got else math.inf) as waited:
+            k = await stream.socket.recv_into(view[got:])
+        if waited.cancelled_caught:
+            raise EOFError(f"the peer sent nothing for {STALL_SECONDS:g} s mid-message")
         if not k:
             if got == 0 and eof_ok:
                 return None
@@ -573,7 +625,13 @@ async def _read_page(store: Store, path: str, *, room: int | None = None) -> Any
     from it: ``store.get``'s bytes were a copy of its read buffer (and the packed answer,
     before, a third). With ``room`` (a client's buffer of that many bytes), a page that
     cannot fit is refused before it is read, so a page only the archive holds is not
-    restored for nothing."""
+    restored for nothing. Raises TypeError, ValueError for a ``room`` that is no count of
+    bytes (a client's own: the object API never sends one)."""
+    if room is not None and type(room) is not int:
+        # (a str failed deep in the read: "'>' not supported between 'int' and 'str'")
+        raise TypeError(f"a get's room is a number of bytes, not {room!r}")
+    if room is not None and room < 0:
+        raise ValueError(f"a get's room is a number of bytes >= 0, not {room}")
     got = await store._read_page(path, room)
     return bytes(got) if len(got) <= INLINE_BYTES else got
 
@@ -592,9 +650,9 @@ def _identity(store: Store) -> dict[str, Any]:
 def _log_failure(
     store: Store, method: str, args: list[Any], kwargs: dict[str, Any], e: Exception
 ) -> None:
-    """The event line of a failed call. A caller's mistake (no such page, bad key, spill or
-    restore where no archive tier is configured) or a full cache (the capacity) is a
-    warning; a failing disk's error (IndexUnavailable, a data disk's I/O error) a warning,
+    """The event line of a failed call. A caller's mistake (no such page, bad key, an
+    argument of the wrong type or number, spill or restore where no archive tier is
+    configured) or a full cache (the capacity) is a warning; a failing disk's error (IndexUnavailable, a data disk's I/O error) a warning,
     one line per DEVICE_ERROR_LOG_SECONDS with the count of those since (``more``), as
     the mount says it, and so is a daemon out of file descriptors (EMFILE, ENFILE);
     anything else an error."""
@@ -609,7 +667,7 @@ def _log_failure(
                 method=method,
                 target=_target(args, kwargs),
                 error=type(e).__name__,
-                message=str(e),
+                message=_short(str(e)),
                 **({"more": more} if more else {}),
             )
         return
@@ -622,12 +680,14 @@ def _log_failure(
                 method=method,
                 target=_target(args, kwargs),
                 error=type(e).__name__,
-                message=str(e),
+                message=_short(str(e)),
                 **({"more": more} if more else {}),
             )
         return
+    # (TypeError: what a call's arguments get, from Python or the store's checks, as
+    # ValueError their values: a client's mistake was an ERROR in the daemon's log)
     expected = isinstance(
-        e, (FileNotFoundError, FileExistsError, ValueError, _errors.CapacityExceeded)
+        e, (FileNotFoundError, FileExistsError, ValueError, TypeError, _errors.CapacityExceeded)
     ) or (isinstance(e, _errors.ArchiveUnavailable) and not store.engine.config.archive_url)
     # A lookup that finds nothing is an answer, not a failure: `kvfs pin NAME` asks
     # whether NAME is a page before it asks for the session, every time, and an engine's
@@ -640,7 +700,7 @@ def _log_failure(
         method=method,
         target=_target(args, kwargs),
         error=type(e).__name__,
-        message=str(e),
+        message=_short(str(e)),
     )
 
 
@@ -658,9 +718,25 @@ def _log_done(method: str, args: list[Any], kwargs: dict[str, Any], result: Any,
 
 
 def _target(args: list[Any], kwargs: dict[str, Any]) -> str:
-    if args and args[0] is not None:
-        return str(args[0])
-    return str(kwargs.get("session") or kwargs.get("key") or "-")
+    x = args[0] if args and args[0] is not None else kwargs.get("session") or kwargs.get("key")
+    if x is None:
+        return "-"
+    if not isinstance(x, (str, int, float)):
+        return f"<{type(x).__name__}>"  # (a client's odd argument: its repr can be any size)
+    return _short(str(x))
+
+
+#: the most characters of a client's argument or of an error message an event line holds
+LOG_TEXT_MAX = 300
+
+
+def _short(text: str) -> str:
+    """``text`` cut to LOG_TEXT_MAX characters for the log: a request's key, and the
+    message quoting it, went into the event line whole (a key of 1 GiB, a line of 1 GiB,
+    per request)."""
+    if len(text) <= LOG_TEXT_MAX:
+        return text
+    return f"{text[:LOG_TEXT_MAX]}... ({len(text)} characters)"
 
 
 async def control_service(
@@ -889,9 +965,11 @@ async def _with_progress(
     async with trio.open_nursery() as n:
         n.start_soon(reporter)
         try:
-            fn = getattr(store.engine, method)
+            # The store's method, as a call without progress gets: the engine's took its
+            # own keywords too (evict's reason: any text a client sent became a reason in
+            # the statistics and the metrics, one more counter for each)
             t0 = time.perf_counter()
-            result = await trio.to_thread.run_sync(lambda: fn(*args, progress=progress, **kwargs))
+            result = await getattr(store, method)(*args, progress=progress, **kwargs)
             _log_done(method, args, kwargs, result, t0)
             reply: list[Any] = [0, result]
         except Exception as e:  # noqa: BLE001 - the failure goes back to the client
