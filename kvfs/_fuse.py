@@ -487,9 +487,15 @@ class KvfsOperations(FileOps, pyfuse3.Operations):
             self.table.move(node, dst)
 
     async def _rename_dir(self, src: str, dst: str, target: Node | None) -> None:
-        if src == SESSIONS_DIR:  # always there (as for rmdir): a rename would leave it
+        if SESSIONS_DIR in (src, dst):
+            # always there (as for rmdir): a rename would leave it, or replace it (an empty
+            # directory took its place, its mode and owner with it)
             raise fuse_error(errno.EBUSY)
+        # Every directory of the tree lands where mkdir could make it: under sessions/,
+        # none below a prefix (`mv e sessions/s` with e/a/c made sessions/s/a/c).
         validate_dir(dst)
+        for p in self.dirs.tree(src):
+            validate_dir(dst + p[len(src) :])
         ls = await self._thread(list_dir, self.engine, self.dirs, src)
         if (
             ls.pages

@@ -1621,6 +1621,31 @@ def test_directory_renames_an_engine_or_mv_may_try(mnt: Path) -> None:
     assert rc == -1 and ctypes.get_errno() == errno.EINVAL
 
 
+def test_a_tree_of_empty_directories_moves_into_sessions_only_as_it_could_be_made(
+    mnt: Path,
+) -> None:
+    """A tree of empty directories renamed into sessions/ landed below a prefix (`mv e
+    sessions/s` with e/a/c made sessions/s/a/c, where mkdir is EINVAL: layers are files);
+    and an empty directory renamed onto an empty sessions/ replaced it, its mode with it,
+    where rmdir sessions is EBUSY."""
+    (mnt / "e" / "a" / "c").mkdir(parents=True)
+    with pytest.raises(OSError) as ei:
+        os.rename(mnt / "e", mnt / "sessions" / "s")
+    assert ei.value.errno == errno.EINVAL
+    assert sorted(os.listdir(mnt)) == ["e", "sessions"] and os.listdir(mnt / "sessions") == []
+    assert os.listdir(mnt / "e" / "a") == ["c"]
+    os.rename(mnt / "e" / "a", mnt / "sessions" / "s")  # a session holding a prefix: fine
+    assert os.listdir(mnt / "sessions" / "s") == ["c"]
+    os.rmdir(mnt / "sessions" / "s" / "c")
+    os.rmdir(mnt / "sessions" / "s")
+    (mnt / "f").mkdir(mode=0o700)
+    with pytest.raises(OSError) as ei:
+        os.rename(mnt / "f", mnt / "sessions")
+    assert ei.value.errno == errno.EBUSY
+    assert sorted(os.listdir(mnt)) == ["e", "f", "sessions"]
+    assert os.stat(mnt / "sessions").st_mode & 0o7777 == 0o755
+
+
 def test_a_socket_that_cannot_be_removed_at_exit_does_not_fail_a_clean_stop(
     make_mount: object,
 ) -> None:
