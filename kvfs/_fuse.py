@@ -338,25 +338,6 @@ class KvfsOperations(FileOps, pyfuse3.Operations):
                 break
             node.nlookup += 1
 
-    async def _settle_closed_empty(self, d: str) -> None:
-        """Wait (briefly) for the files of directory ``d`` closed without a write to be
-        committed: ``touch f; ls`` must list f, but the kernel sends the release that
-        commits it after close returned, and it may come after this readdir. A shell's
-        dup2 (a descriptor closed, writes to follow) is not committed: the wait ends."""
-        deadline = trio.current_time() + 0.1
-        while trio.current_time() < deadline:
-            waiting = [
-                p
-                for p, n in self.pending.items()
-                if n.pending is not None and n.pending.closed_empty and parent_of(p) == d
-            ]
-            if not waiting:
-                break
-            await trio.sleep(0.002)
-        for settled in [e for p, e in self.settling.items() if parent_of(p) == d]:
-            with trio.move_on_after(1.0):
-                await settled.wait()
-
     @guard
     async def releasedir(self, fh: int) -> None:
         h = self.handles.pop(fh, None)

@@ -44,7 +44,15 @@ from ._fuse_nodes import (
     process_group,
     process_of,
 )
-from ._fuse_ns import attr_int, own_attrs, page_mode, session_json, session_of, validate_page
+from ._fuse_ns import (
+    attr_int,
+    own_attrs,
+    page_mode,
+    parent_of,
+    session_json,
+    session_of,
+    validate_page,
+)
 from ._index import PageRow
 from ._writes import ATTR_GID, ATTR_MODE, ATTR_UID, PageWriter
 
@@ -158,8 +166,34 @@ class FileOps:
         return self._attrs(node)
 
     async def _render_meta(self, node: Node) -> bytes:
+        # (`touch` of a layer, then its session's metadata: counted without it, mostly)
+        await self._settle_closed_empty(session_of(node.path), below=True)
         data = await self._thread(session_json, self.engine, session_of(node.path))
         return node.render_meta(data)
+
+    async def _settle_closed_empty(self, d: str, *, below: bool = False) -> None:
+        """Wait (briefly) for the files of directory ``d`` (``below``: at any depth) closed
+        without a write to be committed: ``touch f; ls`` must list f, but the kernel sends
+        the release that commits it after close returned, and it may come after this
+        readdir. A shell's dup2 (a descriptor closed, writes to follow) is not committed:
+        the wait ends."""
+
+        def inside(p: str) -> bool:
+            return p.startswith(d + "/") if below else parent_of(p) == d
+
+        deadline = trio.current_time() + 0.1
+        while trio.current_time() < deadline:
+            waiting = [
+                p
+                for p, n in self.pending.items()
+                if n.pending is not None and n.pending.closed_empty and inside(p)
+            ]
+            if not waiting:
+                break
+            await trio.sleep(0.002)
+        for settled in [e for p, e in self.settling.items() if inside(p)]:
+            with trio.move_on_after(1.0):
+                await settled.wait()
 
     @guard
     async def create(

@@ -489,6 +489,16 @@ def test_a_file_closed_without_writes_is_listed_once_close_returns(mnt: Path) ->
         assert f"touch{i}" in os.listdir(mnt / "t"), i
 
 
+def test_a_file_closed_without_writes_counts_in_its_sessions_metadata(mnt: Path) -> None:
+    """`touch` of a layer, then `.kvfs.json` counted the session's pages without it (most
+    of the time): it was rendered before the release that commits an empty file came."""
+    (mnt / "sessions" / "s" / "p").mkdir(parents=True)
+    for i in range(20):
+        open(mnt / "sessions" / "s" / "p" / f"layer-{i:03d}", "wb").close()
+        doc = json.loads((mnt / "sessions" / "s" / ".kvfs.json").read_bytes())
+        assert doc["pages"] == i + 1, doc
+
+
 def test_a_session_directory_moves_and_copies_with_ordinary_tools(
     mnt: Path, tmp_path: Path
 ) -> None:
