@@ -257,10 +257,7 @@ class KvfsOperations(FileOps, pyfuse3.Operations):
                         if x.node is node and x.writable:
                             x.failed = x.failed or e.errno or errno.EIO
                     raise
-            w.mode = attr.st_mode if fields.update_mode else w.mode
-            w.uid = attr.st_uid if fields.update_uid else w.uid
-            w.gid = attr.st_gid if fields.update_gid else w.gid
-            w.mtime_ns = mtime if mtime is not None else w.mtime_ns
+            _set_pending(w, attr, fields, mtime)
         elif node.kind is Kind.PAGE:
             assert node.page is not None
             if fields.update_size and attr.st_size != node.page.size:
@@ -279,6 +276,15 @@ class KvfsOperations(FileOps, pyfuse3.Operations):
                 row = await self._thread(self.engine.index.page, node.path)
                 if row is not None and row.hash == node.page.hash:
                     node.page = row
+                # The next version a writer builds (Handle.again) is this file too: it was
+                # committed at close with the mode and owner of when it began and the time
+                # of its last write, undoing a chmod or utime made meanwhile. (Under its
+                # lock: a version being begun now reads node.page, already changed, or is
+                # changed here once it is made.)
+                for x in [x for x in self.handles.values() if x.node is node and x.writable]:
+                    async with x.again_lock:
+                        if x.again is not None:
+                            _set_pending(x.again, attr, fields, mtime)
         elif node.kind is Kind.DIR:
             a = self._attrs(node)
             if node.path in ("", SESSIONS_DIR) and (
@@ -633,6 +639,14 @@ class KvfsOperations(FileOps, pyfuse3.Operations):
             except Exception:
                 log.error("closing a handle at shutdown failed", exc_info=True)
         self.pending.clear()
+
+
+def _set_pending(w: Pending, attr: Any, fields: Any, mtime: int | None) -> None:
+    """A setattr's mode, owner and mtime on a file being written, committed with it."""
+    w.mode = attr.st_mode if fields.update_mode else w.mode
+    w.uid = attr.st_uid if fields.update_uid else w.uid
+    w.gid = attr.st_gid if fields.update_gid else w.gid
+    w.mtime_ns = mtime if mtime is not None else w.mtime_ns
 
 
 def _by_its_writer(pending: Pending, ctx: Any) -> bool:

@@ -9,6 +9,7 @@ of such clients use :class:`DaemonMount`.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import resource
 import signal
@@ -18,6 +19,7 @@ import threading
 from collections.abc import Sequence
 from functools import partial
 from pathlib import Path
+from typing import NamedTuple
 
 import trio
 
@@ -25,7 +27,14 @@ import kvfs
 from kvfs._daemon import READY_FD_ENV
 from kvfs._mount import MountOptions, serve_mount
 
-__all__ = ["DaemonMount", "ServedMount", "daemon_mount", "index_is_clean"]
+__all__ = [
+    "DaemonMount",
+    "FreshStat",
+    "ServedMount",
+    "daemon_mount",
+    "fresh_stat",
+    "index_is_clean",
+]
 
 
 class DaemonMount:
@@ -136,3 +145,51 @@ class ServedMount:
         self.thread.join(60)
         if self.error is not None:
             raise self.error
+
+
+class _StatxTimestamp(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_int64), ("tv_nsec", ctypes.c_uint32), ("_r", ctypes.c_int32)]
+
+
+class _Statx(ctypes.Structure):
+    _fields_ = [
+        ("mask", ctypes.c_uint32),
+        ("blksize", ctypes.c_uint32),
+        ("attributes", ctypes.c_uint64),
+        ("nlink", ctypes.c_uint32),
+        ("uid", ctypes.c_uint32),
+        ("gid", ctypes.c_uint32),
+        ("mode", ctypes.c_uint16),
+        ("_spare0", ctypes.c_uint16),
+        ("ino", ctypes.c_uint64),
+        ("size", ctypes.c_uint64),
+        ("blocks", ctypes.c_uint64),
+        ("attributes_mask", ctypes.c_uint64),
+        ("atime", _StatxTimestamp),
+        ("btime", _StatxTimestamp),
+        ("ctime", _StatxTimestamp),
+        ("mtime", _StatxTimestamp),
+        ("_rest", ctypes.c_uint8 * 128),  # (the struct is 256 bytes)
+    ]
+
+
+class FreshStat(NamedTuple):
+    st_mode: int
+    st_size: int
+    st_mtime_ns: int
+
+
+def fresh_stat(path: str | os.PathLike[str]) -> FreshStat:
+    """``os.stat`` as the daemon answers it now, not as the kernel cached it (FUSE keeps a
+    file's attributes for ``attr_timeout``, a second): ``statx`` with
+    ``AT_STATX_FORCE_SYNC``. Raises OSError as ``os.stat`` does."""
+    at_fdcwd, at_statx_force_sync, statx_basic_stats = -100, 0x2000, 0x7FF
+    buf = _Statx()
+    libc = ctypes.CDLL(None, use_errno=True)
+    rc = libc.statx(
+        at_fdcwd, os.fsencode(path), at_statx_force_sync, statx_basic_stats, ctypes.byref(buf)
+    )
+    if rc != 0:
+        e = ctypes.get_errno()
+        raise OSError(e, os.strerror(e), str(path))
+    return FreshStat(buf.mode, buf.size, buf.mtime.tv_sec * 10**9 + buf.mtime.tv_nsec)

@@ -25,7 +25,7 @@ from typing import IO
 import numpy as np
 import pytest
 import trio
-from _kvfs_mount import ServedMount, daemon_mount, index_is_clean
+from _kvfs_mount import ServedMount, daemon_mount, fresh_stat, index_is_clean
 
 import kvfs
 from gds._source import decode_extents
@@ -1377,6 +1377,26 @@ def test_a_writer_reads_back_what_it_wrote_once_its_page_was_committed(mnt: Path
         finally:
             os.close(fd)
         assert p.read_bytes() == want, how
+
+
+def test_chmod_and_utime_of_a_page_its_writer_rewrites_are_kept(mnt: Path) -> None:
+    """chmod and utime of a page while its writer built the next version (it wrote after a
+    rename of the open file committed it) were undone when its close committed that
+    version: the page had the mode of when that version's first write came, and the mtime
+    of its last write. (Within a second the kernel's cached attributes hid it: fresh_stat.)"""
+    when = 1_600_000_000_123_456_789
+    fd = os.open(mnt / "f", os.O_CREAT | os.O_WRONLY, 0o644)
+    try:
+        os.write(fd, b"a")
+        os.rename(mnt / "f", mnt / "g")  # committed; this fd writes the next version
+        os.write(fd, b"b")
+        os.chmod(mnt / "g", 0o600)
+        os.utime(mnt / "g", ns=(when, when))
+    finally:
+        os.close(fd)
+    assert (mnt / "g").read_bytes() == b"ab"
+    s = fresh_stat(mnt / "g")
+    assert (s.st_mode & 0o7777, s.st_mtime_ns) == (0o600, when)
 
 
 def test_a_directory_holding_a_file_being_written_does_not_rename_empty(mnt: Path) -> None:
