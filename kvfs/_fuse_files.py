@@ -412,6 +412,9 @@ class FileOps:
         if self.table.by_path.get(node.path) != node.ino:  # unlinked or replaced meanwhile:
             await self._abort(again.writer)  # its bytes have no name to go to
             return
+        # Under the name the file has now: begun under an older one, renamed since, the
+        # version was committed there, bringing that name back over the new one's page
+        again.writer.key = validate_page(node.path)
         try:
             node.page, lease, held = await self._thread(self._commit, again, node.path, True)
         except BaseException:

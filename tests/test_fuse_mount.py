@@ -1399,6 +1399,22 @@ def test_chmod_and_utime_of_a_page_its_writer_rewrites_are_kept(mnt: Path) -> No
     assert (s.st_mode & 0o7777, s.st_mtime_ns) == (0o600, when)
 
 
+def test_a_page_renamed_while_its_writer_builds_the_next_version_gets_it(mnt: Path) -> None:
+    """A page renamed while its writer built the next version (it wrote on after a rename
+    of the open file committed it): that writer's close committed the version under the
+    old name, which came back, and the new name kept the previous version."""
+    fd = os.open(mnt / "a", os.O_CREAT | os.O_WRONLY, 0o644)
+    try:
+        os.write(fd, b"1")
+        os.rename(mnt / "a", mnt / "b")  # committed; this fd writes the next version
+        os.write(fd, b"2")
+        os.rename(mnt / "b", mnt / "c")
+    finally:
+        os.close(fd)
+    assert sorted(os.listdir(mnt)) == ["c", "sessions"]
+    assert (mnt / "c").read_bytes() == b"12"
+
+
 def test_a_directory_holding_a_file_being_written_does_not_rename_empty(mnt: Path) -> None:
     """A directory rename ignored files still being written in it: the file was later
     published under the old name, which came back; and an empty directory replaced one
