@@ -580,12 +580,14 @@ class FileOps:
             row, lease, held = await self._thread(self._commit, w, dst, hold)
         except BaseException as e:
             self.table.unbind(node)
-            # (a commit that never ran, no thread could be started for it, left the writer
-            # holding its room and its files; one that ran is done, and this does nothing)
-            await self._abort(w.writer)
             # Nothing was published: every later write, fsync and close through this
             # handle says so (this flush may be a child's close, not the writer's).
             h.failed = getattr(e, "errno", None) or errno.EIO
+            # (a commit that never ran, no thread could be started for it, left the writer
+            # holding its room and its files; one that ran is done, and this does nothing;
+            # shielded: a cancelled commit's writer is let go of all the same)
+            with trio.CancelScope(shield=True):
+                await self._abort(w.writer)
             raise
         finally:
             for n in names:
