@@ -417,8 +417,9 @@ async def recv_frame(
     """One decoded message. Returns ``None`` at a clean EOF between messages; raises
     EOFError when the peer closes or stalls mid-message, FrameTooLarge for a header
     announcing more than MAX_FRAME (its body is not read), MalformedFrame for a whole frame
-    that is no message (msgpack's nil included). With ``request`` (the daemon's side), ForeignFrame as soon as the
-    body of a frame over INLINE_BYTES starts with anything but a request's first byte, and
+    that is no message (msgpack's nil included). With ``request`` (the daemon's side),
+    ForeignFrame as soon as the body of a frame over INLINE_BYTES starts with anything but
+    a request's first byte, and
     a put's data comes as a view into the frame's buffer (see :func:`decode`), as does a
     get's answer with ``views``."""
     hdr = await _recv_into(stream, bytearray(4), eof_ok=True)
@@ -652,27 +653,18 @@ def _log_failure(
 ) -> None:
     """The event line of a failed call. A caller's mistake (no such page, bad key, an
     argument of the wrong type or number, spill or restore where no archive tier is
-    configured) or a full cache (the capacity) is a warning; a failing disk's error (IndexUnavailable, a data disk's I/O error) a warning,
-    one line per DEVICE_ERROR_LOG_SECONDS with the count of those since (``more``), as
-    the mount says it, and so is a daemon out of file descriptors (EMFILE, ENFILE);
-    anything else an error."""
-    if disk_failed(e):
-        # (every call fails so while the disk is down: an engine's hundreds of gets a
-        # second were as many ERROR lines)
-        more = disk_error_due(store)
-        if more is not None:
-            log_event(
-                "error",
-                level=logging.WARNING,
-                method=method,
-                target=_target(args, kwargs),
-                error=type(e).__name__,
-                message=_short(str(e)),
-                **({"more": more} if more else {}),
-            )
-        return
-    if _errors.out_of_files(e):  # (as a disk's: every call that opens a file fails so meanwhile)
-        more = files_error_due(store)
+    configured) or a full cache (the capacity) is a warning; a failing disk's error
+    (IndexUnavailable, a data disk's I/O error) a warning, one line per
+    DEVICE_ERROR_LOG_SECONDS with the count of those since (``more``), as the mount says
+    it, and so is a daemon out of file descriptors (EMFILE, ENFILE); anything else an
+    error."""
+    # (every call fails so while the disk is down, or no descriptor is left: an engine's
+    # hundreds of gets a second were as many ERROR lines)
+    due = disk_error_due if disk_failed(e) else None
+    if due is None and _errors.out_of_files(e):
+        due = files_error_due
+    if due is not None:
+        more = due(store)
         if more is not None:
             log_event(
                 "error",

@@ -28,6 +28,45 @@ import kvfs
 from tests._crash_writer import STRIPE, page_data
 
 ROUNDS = 8
+TESTS = Path(__file__).parent
+
+
+def _started(argv: list[str], **env: str) -> subprocess.Popen[bytes]:
+    """A child (with ``env`` added to this one's) once it has said ``ready``."""
+    p = subprocess.Popen(
+        argv,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env={**os.environ, "TESTS": str(TESTS), **env},
+    )
+    assert p.stdout is not None
+    first = p.stdout.readline()
+    if first != b"ready\n":
+        p.kill()
+        raise AssertionError(f"the child did not start: {first!r} {p.stderr.read()!r}")  # type: ignore[union-attr]
+    return p
+
+
+def _acks(p: subprocess.Popen[bytes]) -> list[str]:
+    """What a child killed with SIGKILL acknowledged: its whole lines (one cut by the kill
+    has no newline: what it says was done, but not said whole)."""
+    p.send_signal(signal.SIGKILL)
+    out, _ = p.communicate(timeout=60)
+    return [ln for ln in out.decode().split("\n")[:-1] if ln]
+
+
+def _check(store: kvfs.SyncStore, acked: set[str]) -> None:
+    """After the power came back: fsck finds nothing, every acknowledged page is whole,
+    and so is every page shown; then most of them go (room for the next rounds)."""
+    report = store.fsck()
+    assert not any(report[k] for k in ("orphans", "missing", "corrupt")), report
+    for p in store.list(path_prefix="crash/"):
+        if p.path.endswith(".tmp"):
+            store.delete(p.path)  # (closed, not renamed yet: a page too)
+    for path in sorted(_verify(store, acked)):
+        if hash(path) % 3:
+            store.delete(path)
+            acked.discard(path)
 
 
 @pytest.mark.slow
@@ -40,39 +79,21 @@ def test_a_power_cut_loses_no_acknowledged_page(tmp_path: Path, durable: bool) -
     with made_loop_disk(tmp_path, 512 << 20) as disk:
         dirs = [disk.path / "nvme0", disk.path / "nvme1"]
         cfg = kvfs.StoreConfig(data_dirs=tuple(dirs), stripe_unit=STRIPE, durable=durable)
-        env = {**os.environ, "CRASH_DURABLE": "1" if durable else "0"}
         rng = random.Random(int.from_bytes(os.urandom(4), "little"))
         acked: set[str] = set()
         cut_with_acks = 0
         for rnd in range(ROUNDS):
-            p = subprocess.Popen(
-                [sys.executable, str(WRITER), str(rnd), *map(str, dirs)],
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                env=env,
-            )
-            assert p.stdout is not None
-            first = p.stdout.readline()
-            if first != b"ready\n":
-                p.kill()
-                raise AssertionError(f"writer did not start: {first!r} {p.stderr.read()!r}")  # type: ignore[union-attr]
+            argv = [sys.executable, str(WRITER), str(rnd), *map(str, dirs)]
+            p = _started(argv, CRASH_DURABLE="1" if durable else "0")
             time.sleep(rng.uniform(0.05, 0.4))
             disk.shut_down()  # the power goes: the writer's next I/O fails
-            p.send_signal(signal.SIGKILL)
-            out, _ = p.communicate(timeout=60)
-            got = [ln for ln in out.decode().split("\n")[:-1] if ln]
+            got = _acks(p)
             cut_with_acks += bool(got)
             if durable:
                 acked |= set(got)
             disk.comeback()  # power back: the journal replayed, as at boot
             with kvfs.open_store_sync(cfg) as store:
-                report = store.fsck()
-                assert not any(report[k] for k in ("orphans", "missing", "corrupt")), report
-                visible = _verify(store, acked)
-                for path in sorted(visible):  # room for the next rounds; keep some
-                    if hash(path) % 3:
-                        store.delete(path)
-                        acked.discard(path)
+                _check(store, acked)
         assert cut_with_acks >= ROUNDS // 2, "the power was mostly cut before a first put"
 
 
@@ -114,38 +135,19 @@ def test_a_power_cut_under_a_mount_loses_no_closed_file(tmp_path: Path) -> None:
             mp = tmp_path / f"mnt{rnd}"
             mount = daemon_mount(cfg, mp)
             try:
-                w = subprocess.Popen(
-                    [sys.executable, "-c", MOUNT_WRITER, str(mp), str(rnd)],
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.PIPE,
-                    env={**os.environ, "TESTS": str(Path(__file__).parent)},
-                )
-                assert w.stdout is not None
-                first = w.stdout.readline()
-                assert first == b"ready\n", (first, w.stderr.read())  # type: ignore[union-attr]
+                w = _started([sys.executable, "-c", MOUNT_WRITER, str(mp), str(rnd)])
                 time.sleep(rng.uniform(0.1, 0.6))
                 disk.shut_down()
                 mount.proc.send_signal(signal.SIGKILL)  # (and its writer after it)
                 mount.proc.wait(timeout=60)
-                w.send_signal(signal.SIGKILL)
-                out, _ = w.communicate(timeout=60)
+                got = _acks(w)
             finally:
                 mount.stop()
-            got = [ln for ln in out.decode().split("\n")[:-1] if ln]
             cut_with_acks += bool(got)
             acked |= set(got)
             disk.comeback()
             with kvfs.open_store_sync(cfg) as store:
-                report = store.fsck()
-                assert not any(report[k] for k in ("orphans", "missing", "corrupt")), report
-                for p in store.list(path_prefix="crash/"):
-                    if p.path.endswith(".tmp"):
-                        store.delete(p.path)  # (closed, not renamed yet: a page too)
-                visible = _verify(store, acked)
-                for path in sorted(visible):
-                    if hash(path) % 3:
-                        store.delete(path)
-                        acked.discard(path)
+                _check(store, acked)
         assert cut_with_acks >= ROUNDS // 4, "the power was mostly cut before a first close"
 
 
@@ -186,20 +188,10 @@ def test_a_power_cut_keeps_every_spilled_session_restorable(tmp_path: Path) -> N
         rng = random.Random(int.from_bytes(os.urandom(4), "little"))
         spilled: list[tuple[int, str]] = []
         for rnd in range(ROUNDS // 2):
-            p = subprocess.Popen(
-                [sys.executable, "-c", SPILLER, str(rnd), url, *map(str, dirs)],
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                env={**os.environ, "TESTS": str(Path(__file__).parent)},
-            )
-            assert p.stdout is not None
-            first = p.stdout.readline()
-            assert first == b"ready\n", (first, p.stderr.read())  # type: ignore[union-attr]
+            p = _started([sys.executable, "-c", SPILLER, str(rnd), url, *map(str, dirs)])
             time.sleep(rng.uniform(0.1, 0.8))
             disk.shut_down()
-            p.send_signal(signal.SIGKILL)
-            out, _ = p.communicate(timeout=60)
-            spilled += [(rnd, ln) for ln in out.decode().split("\n")[:-1] if ln]
+            spilled += [(rnd, session) for session in _acks(p)]
             disk.comeback()
             with kvfs.open_store_sync(cfg) as store:
                 report = store.fsck(archive=True)
