@@ -134,7 +134,9 @@ _KWARGS = ["room", "progress", "attrs", "pin", "replace", "ttl", "session", "pre
 _KWARGS += ["path_prefix", "repair", "archive", "reason", "verify_data", "into", "key"]
 _PRIVATE = ["_call", "_read_page", "_run", "__class__", "__init__", "engine", "config"]
 _PRIVATE += ["close", "aclose", "begin_write", "read_page", "put_many", "get_many", ""]
-_methods = st.sampled_from(sorted(METHODS) + _PRIVATE) | st.integers() | _junk
+#: (every int msgpack can carry: past them the request could not be packed at all, which
+#: failed the test in CI's examples, not the daemon)
+_methods = st.sampled_from(sorted(METHODS) + _PRIVATE) | st.integers(-(2**63), 2**64 - 1) | _junk
 _requests = st.builds(
     lambda m, a, k: _packed([m, a, k]),
     _methods,
