@@ -911,21 +911,24 @@ class BlobWriter:
         ``sync_dirs=False`` leaves the fsync of the directories holding the new files to
         the caller (they are in ``self.new_dirs`` afterwards), which can then sync a
         directory once for many blobs before their index commit."""
-        if not self._fds:
-            # A zero-length blob still gets its header file so the index has an extent.
-            dev0 = self.tier.locate(self.start, 0)[0]
-            self._mapped(dev0, self._fd, dev0)
+        unit = self.tier.unit
+        want: dict[int, int] = {}
+        for c in range(-(-size // unit)):
+            dev, foff = self.tier.locate(self.start, c * unit)
+            want[dev] = max(want.get(dev, 0), foff + round_up(min(unit, size - c * unit)))
+        # Every device holding a chunk gets its file, and a zero-length blob its first
+        # device's header file, so the index has an extent: a buffered writer's writes may
+        # have skipped a device (a file written past a hole: a pwrite past its end), whose
+        # chunks are then zeros. (Without its file the commit failed, ENOENT.)
+        for dev in want or [self.tier.locate(self.start, 0)[0]]:
+            if dev not in self._fds:
+                self._mapped(dev, self._fd, dev)
         for dev in list(self._fds):
             hdr = self._take_header(dev)  # no aligned write started at the data: alone
             if hdr is not None:
                 self._mapped(dev, _pwrite_full, self._fds[dev][0], hdr, 0)
         # Buffered writers (the mount, filesystems without O_DIRECT) leave the last chunk
         # unpadded: pad it, so every file is exactly what disk_bytes() accounts for.
-        unit = self.tier.unit
-        want: dict[int, int] = {}
-        for c in range(-(-size // unit)):
-            dev, foff = self.tier.locate(self.start, c * unit)
-            want[dev] = max(want.get(dev, 0), foff + round_up(min(unit, size - c * unit)))
         for dev, (fd, _direct) in self._fds.items():
             if os.fstat(fd).st_size < want.get(dev, HEADER):
                 self._mapped(dev, os.ftruncate, fd, want.get(dev, HEADER))
@@ -956,6 +959,11 @@ class BlobWriter:
             fds, self._fds = self._fds, {}
         for fd, _ in fds.values():
             os.close(fd)
+
+    def has_file(self, dev: int) -> bool:
+        """Whether this writer made its file on device ``dev`` yet (a write reached it)."""
+        with self._lock:
+            return dev in self._fds
 
     def files(self) -> list[str]:
         return [self.tier.abspath(dev, self.rel) for dev in self._fds]

@@ -503,11 +503,13 @@ class PageWriter:
         while pos < end:
             dev, foff = self.engine.tier.locate(self._w.start, pos)
             take = min(end - pos, self.engine.tier.unit - pos % self.engine.tier.unit)
-            fd = os.open(self.engine.tier.abspath(dev, self._w.rel), os.O_RDONLY)
-            try:
-                chunk = os.pread(fd, take, foff)
-            finally:
-                os.close(fd)
+            chunk = b""  # a hole on a device no write reached yet: zeros, as past a file's end
+            if self._w.has_file(dev):
+                fd = os.open(self.engine.tier.abspath(dev, self._w.rel), os.O_RDONLY)
+                try:
+                    chunk = os.pread(fd, take, foff)
+                finally:
+                    os.close(fd)
             out += chunk.ljust(take, b"\0")
             pos += take
         return bytes(out)

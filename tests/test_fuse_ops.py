@@ -141,6 +141,23 @@ async def test_flush_before_write_does_not_commit(ops: KvfsOperations) -> None:
     await ops.release(fi.fh)
 
 
+async def test_a_sparse_file_whose_writes_skip_a_device_is_published(
+    ops: KvfsOperations,
+) -> None:
+    """A file written only past its first stripe units (a pwrite past the end, a hole
+    before it) had no data file on the devices of the chunks it skipped: its writer read
+    the hole back as ENOENT, and its close failed with ENOENT (the commit hashed a file
+    that did not exist), so the page was never published."""
+    unit = ops.engine.tier.unit  # three devices: chunk 2 alone skips two of them
+    fi, attr = await ops.create(ROOT, b"sparse", 0o644, os.O_RDWR, CTX)
+    assert await ops.write(fi.fh, 2 * unit + 5, b"x") == 1
+    want = bytes(2 * unit + 5) + b"x"
+    assert bytes(await ops.read(fi.fh, 0, len(want))) == want  # the writer reads the hole
+    await ops.flush(fi.fh)
+    await ops.release(fi.fh)
+    assert ops.engine.get("sparse") == want
+
+
 async def test_rename_of_open_file_commits_under_new_name(ops: KvfsOperations) -> None:
     await write_file(ops, ROOT, "final", b"old")
     fi, _ = await ops.create(ROOT, b"final.tmp", 0o644, os.O_WRONLY, CTX)
