@@ -260,8 +260,15 @@ class KvfsOperations(FileOps, pyfuse3.Operations):
             _set_pending(w, attr, fields, mtime)
         elif node.kind is Kind.PAGE:
             assert node.page is not None
-            if fields.update_size and attr.st_size != node.page.size:
-                raise fuse_error(errno.EPERM)  # committed pages are immutable
+            h = self.handles.get(fh) if fh is not None else None
+            if fields.update_size and h is not None and h.node is node and h.writable:
+                # its writer's ftruncate, once a dup's close or a rename committed the page
+                await self._truncate_again(h, attr.st_size)
+            elif fields.update_size and attr.st_size != self._attrs(node).st_size:
+                # Committed pages are immutable. (Compared with the size the file shows: a
+                # page whose writer built a longer next version answered a truncate to the
+                # committed size 0, and kept the longer one; one to its own size, EPERM.)
+                raise fuse_error(errno.EPERM)
             new: dict[str, str] = {}
             if fields.update_mode:
                 new[ATTR_MODE] = f"{attr.st_mode & 0o7777:o}"
@@ -303,6 +310,33 @@ class KvfsOperations(FileOps, pyfuse3.Operations):
         elif fields.update_size or fields.update_mode or fields.update_uid or fields.update_gid:
             raise fuse_error(errno.EPERM)
         return await self._entry(node)
+
+    async def _truncate_again(self, h: Handle, size: int) -> None:
+        """Truncate the next version of a page that ``h``'s writer builds (it writes on
+        after a dup's close or a rename committed the page), as a file being written
+        truncates; made for it when there is none yet (a truncate to the page's own size
+        makes none). Its next close commits it. Raises FUSEError: the errno of a failed
+        write or truncate of that version (which is then discarded, as for a write)."""
+        node = h.node
+        assert node.page is not None
+        if self.table.by_path.get(node.path) != node.ino:
+            return  # unlinked or replaced since: a version no name will ever show
+        async with h.write_lock, h.again_lock:
+            if h.again_failed:
+                raise fuse_error(h.again_failed)
+            try:
+                if h.again is None:
+                    if size == node.page.size:
+                        return
+                    h.again = await self._thread(self._next_version, node)
+                    node.rewriting += 1
+                    node.stale_cache = True
+                await self._thread(h.again.writer.truncate, size)
+                h.again.mtime_ns = time.time_ns()
+            except BaseException as e:
+                # as a failed write: this version is discarded at close, which says why
+                h.again_failed = getattr(e, "errno", None) or errno.EIO
+                raise
 
     # -- directories ------------------------------------------------------------------
     @guard

@@ -149,14 +149,14 @@ class FileOps:
     def _attrs(self, node: Node) -> pyfuse3.EntryAttributes:
         a = self.table.attrs(node, self.dirs.get(node.path))
         if node.rewriting > 0:
-            # Its writer builds the next version, which only grows: say that version's
-            # size, as for a file being written. The kernel takes a stat's size as the
-            # file's, and its writer's next O_APPEND write went to the committed end, over
-            # the bytes written since.
-            a.st_size = max(
-                [a.st_size]
-                + [h.again.writer.size for h in self.handles.values() if h.node is node and h.again]
-            )
+            # Its writer builds the next version: say that version's size, as for a file
+            # being written. The kernel takes a stat's size as the file's, and its writer's
+            # next O_APPEND write went to the committed end, over the bytes written since.
+            # (Not the larger of the two: a version its writer truncated is shorter.)
+            sizes = [
+                h.again.writer.size for h in self.handles.values() if h.node is node and h.again
+            ]
+            a.st_size = max(sizes, default=a.st_size)
             a.st_blocks = -(-a.st_size // 512)
         return a
 

@@ -1362,6 +1362,28 @@ def test_an_appending_writer_goes_on_at_the_end_once_its_page_was_committed(mnt:
         assert p.read_bytes() == b"A" * 100 + b"B" * 100 + b"C" * 100, how
 
 
+def test_a_writer_truncates_its_next_version_once_its_page_was_committed(mnt: Path) -> None:
+    """A writer's ftruncate once a dup's close or a rename committed its page, as it wrote
+    on: a truncate to the committed size answered 0 and did nothing (the close published
+    the longer version), one to the size it had written, EPERM. It truncates the version
+    it builds, as a file being written truncates; a truncate by name stays EPERM."""
+    for how in ("dup", "rename"):
+        p, fd = committed_by_its_writer(mnt, f"t-{how}", how, os.O_WRONLY)
+        try:
+            os.write(fd, b"B" * 100)
+            os.ftruncate(fd, 200)  # its own size: nothing to do
+            os.ftruncate(fd, 100)  # the committed size
+            assert os.fstat(fd).st_size == 100, how
+            os.ftruncate(fd, 50)
+            os.write(fd, b"C" * 10)  # at offset 200: zeros before it
+            with pytest.raises(PermissionError):
+                os.truncate(p, 10)  # by name, not through its descriptor: a committed page
+            assert p.read_bytes() == b"A" * 100, how  # the committed version meanwhile
+        finally:
+            os.close(fd)
+        assert p.read_bytes() == b"A" * 50 + bytes(150) + b"C" * 10, how
+
+
 def test_a_writer_reads_back_what_it_wrote_once_its_page_was_committed(mnt: Path) -> None:
     """An O_RDWR writer whose page a dup's close or a rename committed, writing on: reads
     through its descriptor answered the committed version, without the writes it had made
