@@ -1,12 +1,13 @@
 """A Hypothesis state machine drives a real kvfs mount (a ``kvfs mount`` daemon) with plain
 ``os`` calls and checks it against a dict model of what docs/mount.md promises.
 
-Steps: mkdir, rmdir, create a file and keep it open for writing across other steps (write,
-later close), a tmp + rename publisher, rename and replace of files (onto pages, onto files
-being written, the open file itself), renames of directories, unlink, chmod, utime, and a
-remount (the daemon stopped cleanly and started on the same data directories). After every
-step every directory lists what the model holds, and every name stats (type, size, mode,
-mtime where set) and reads as the model says. Every call the model expects to fail must
+Steps: mkdir, rmdir, create a file (O_APPEND or not) and keep it open for writing across
+other steps (write, pwrite over it or past its end, ftruncate, close a dup of it, later
+close), a tmp + rename publisher, rename and replace of files (onto pages, onto files being
+written, the open file itself), renames of directories, unlink, link, symlink and mknod,
+chmod, utime, and a remount (the daemon stopped cleanly and started on the same data
+directories). After every step every directory lists what the model holds, and every name
+stats (type, size, mode, mtime where set) and reads as the model says. Every call the model expects to fail must
 fail with the documented errno.
 
 What the model encodes (docs/mount.md, "Semantics" and "Errors"):
@@ -14,13 +15,16 @@ What the model encodes (docs/mount.md, "Semantics" and "Errors"):
 * a file being written is not listed and cannot be opened (ENOENT for reading, EBUSY for
   writing, its writer included), but stats by name with the size written so far; its
   writer's close publishes it, and so does its writer's rename (under the new name);
-  writes after that build the next version, published by the close, over the name the
-  file has then (none, when it was unlinked or replaced meanwhile);
+  a dup's close publishes it once written to; writes (and ftruncates) after that build the
+  next version, published by the close (or a dup's), over the name the file has then (none,
+  when it was unlinked or replaced meanwhile); a write past the end leaves zeros between;
 * a committed page is immutable: opening it for writing is EPERM; chmod and utime are kept;
 * rename of a file replaces its target atomically; renaming a directory that holds pages
   or files being written is EXDEV, an empty tree moves whole; ``sessions`` is EBUSY;
 * under ``sessions/`` directories only at ``<s>`` and ``<s>/<prefix>``, files only at
   ``<s>/<prefix>/<layer>``: EINVAL otherwise;
+* hard links, symlinks and mknod are EPERM (once the kernel found the source and the name
+  free);
 * directories made by mkdir stay (empty ones too) until rmdir, across remounts;
 * ``sessions/<s>/.kvfs.json`` stats by name, is not listed, and counts the session's pages.
 
@@ -149,8 +153,14 @@ class Writer:
     data: bytearray
     mode: int
     mtime: int | None
-    #: its name holds a page it committed (a rename of the open file); writes since then
-    #: (``dirty``) build the next version, which its close publishes
+    #: opened O_APPEND: every write goes to the end
+    append: bool = False
+    #: the descriptor's offset, where its next plain write goes
+    pos: int = 0
+    #: a write of a byte or more came (a dup's close of a file never written commits none)
+    wrote: bool = False
+    #: its name holds a page it committed (a dup's close, a rename of the open file); writes
+    #: since then (``dirty``) build the next version, which its close publishes
     committed: bool = False
     dirty: bool = False
 
@@ -287,7 +297,7 @@ class FuseMachine(RuleBasedStateMachine):
             self._changed(path)
 
     # -- files being written --------------------------------------------------------------
-    def _create(self, path: str, mode: int, excl: bool) -> Writer | None:
+    def _create(self, path: str, mode: int, excl: bool, append: bool = False) -> Writer | None:
         k = self.kind(path)
         want = self._parent_errno(path)
         if want is None:
@@ -302,19 +312,21 @@ class FuseMachine(RuleBasedStateMachine):
             elif self._bad_file(path):
                 want = errno.EINVAL
         flags = os.O_CREAT | os.O_WRONLY | os.O_TRUNC | (os.O_EXCL if excl else 0)
-        fd = self.call(want, os.open, self.p(path), flags, mode)
+        fd = self.call(want, os.open, self.p(path), flags | (os.O_APPEND if append else 0), mode)
         if fd is None:
             return None
         self.trace.append(f"  -> fd {fd}")
-        w = Writer(fd, path, bytearray(), mode & ~UMASK, None)
+        w = Writer(fd, path, bytearray(), mode & ~UMASK, None, append)
         self._changed(path)
         self.writers.append(w)
         return w
 
     @precondition(lambda self: len(self.writers) < 3)
-    @rule(path=files, mode=st.sampled_from([0o644, 0o600]), excl=st.booleans())
-    def create(self, path: str, mode: int, excl: bool) -> None:
-        self._create(path, mode, excl)
+    @rule(
+        path=files, mode=st.sampled_from([0o644, 0o600]), excl=st.booleans(), append=st.booleans()
+    )
+    def create(self, path: str, mode: int, excl: bool, append: bool) -> None:
+        self._create(path, mode, excl, append)
 
     @precondition(lambda self: len(self.writers) < 3)
     @rule(data=st.data(), name=st.sampled_from(["x", "layer-000"]), c=chunks)
@@ -325,21 +337,80 @@ class FuseMachine(RuleBasedStateMachine):
         if w is not None:
             self._write(w, CHUNKS[c])
 
-    def _write(self, w: Writer, data: bytes) -> None:
-        self.trace.append(f"write({w.fd}, {len(data)}) to {w.path}")
-        assert os.write(w.fd, data) == len(data)
-        w.data += data
-        if data:
-            w.mtime = None
-            if w.committed:
-                w.dirty = True
-                if w.path is not None:
-                    self.pages[w.path].mtime = None
+    def _write(self, w: Writer, data: bytes, at: int | None = None) -> None:
+        """A write at the descriptor's offset (its end, O_APPEND), or a pwrite ``at``."""
+        self.trace.append(f"write({w.fd}, {len(data)}, at={at}) to {w.path}")
+        if at is None:
+            assert os.write(w.fd, data) == len(data)
+        else:
+            assert os.pwrite(w.fd, data, at) == len(data)
+        # (Linux's pwrite on an O_APPEND descriptor appends too: pwrite(2), BUGS)
+        off = len(w.data) if w.append else w.pos if at is None else at
+        if at is None:
+            w.pos = off + len(data)
+        if not data:
+            return  # (no write reaches the mount: nothing changes)
+        w.data[len(w.data) : off] = bytes(max(0, off - len(w.data)))  # a hole: zeros
+        w.data[off : off + len(data)] = data
+        w.wrote = True
+        self._written(w)
+
+    def _written(self, w: Writer) -> None:
+        """``w``'s file changed (a write, a truncate): its mtime is now."""
+        w.mtime = None
+        if w.committed:
+            w.dirty = True
+            if w.path is not None:
+                self.pages[w.path].mtime = None
 
     @precondition(lambda self: self.writers)
     @rule(i=st.integers(0, 2), c=chunks)
     def write(self, i: int, c: int) -> None:
         self._write(self.writers[i % len(self.writers)], CHUNKS[c])
+
+    @precondition(lambda self: self.writers)
+    @rule(i=st.integers(0, 2), c=chunks, where=st.sampled_from(["start", "middle", "past"]))
+    def pwrite(self, i: int, c: int, where: str) -> None:
+        """A write at an offset: over what was written, or past the end (a hole; 20,000 past
+        it skips a stripe unit, and its data directory)."""
+        w = self.writers[i % len(self.writers)]
+        at = {"start": 0, "middle": len(w.data) // 2, "past": len(w.data) + 20_000}[where]
+        self._write(w, CHUNKS[c], at)
+
+    @precondition(lambda self: self.writers)
+    @rule(i=st.integers(0, 2), size=st.sampled_from(["zero", "half", "same", "longer"]))
+    def ftruncate(self, i: int, size: str) -> None:
+        """The writer truncates its file (shrinks it, grows it with zeros): a file being
+        written, or the next version of the page it committed."""
+        w = self.writers[i % len(self.writers)]
+        n = {"zero": 0, "half": len(w.data) // 2, "same": len(w.data)}.get(size, len(w.data) + 3000)
+        self.call(None, os.ftruncate, w.fd, n)
+        w.data[n:] = b""
+        w.data += bytes(n - len(w.data))
+        self._written(w)
+
+    @precondition(lambda self: self.writers)
+    @rule(i=st.integers(0, 2))
+    def close_a_dup(self, i: int) -> None:
+        """A duplicate of the writer's descriptor is closed (numpy's tofile, a child that
+        had it): that close commits what was written, and the writer writes on."""
+        w = self.writers[i % len(self.writers)]
+        if not w.wrote and not w.committed:
+            # (a close before any write, a shell's dup2, commits nothing: the release does,
+            # and each listing of its directory waits 0.1 s for that release meanwhile)
+            return
+        self.trace.append(f"close(dup({w.fd})) of {w.path}")
+        os.close(os.dup(w.fd))
+        if w.path is None:
+            return  # unlinked or replaced: nothing to commit
+        if not w.committed and w.wrote:
+            self.pages[w.path] = Page(bytes(w.data), w.mode, w.mtime)
+            w.committed = True
+            event("close a dup: committed")
+        elif w.committed and w.dirty:  # the next version
+            self.pages[w.path].data = bytes(w.data)
+            w.dirty = False
+            event("close a dup: next version")
 
     def _close(self, w: Writer) -> None:
         event(f"close: {'unnamed' if w.path is None else 'committed' if w.committed else 'new'}")
@@ -350,7 +421,7 @@ class FuseMachine(RuleBasedStateMachine):
             return  # unlinked or replaced: its bytes went with the name
         if not w.committed:
             self.pages[w.path] = Page(bytes(w.data), w.mode, w.mtime)
-            if not w.data:
+            if not w.wrote:
                 self._await_release(w.path)
         elif w.dirty:  # the next version, with the page's own mode and times
             self.pages[w.path].data = bytes(w.data)
@@ -495,6 +566,25 @@ class FuseMachine(RuleBasedStateMachine):
         if want is None:
             self._drop_name(path)
             self._changed(path)
+
+    @precondition(lambda self: self._existing())
+    @rule(data=st.data(), dst=names, how=st.sampled_from(["link", "symlink", "mknod"]))
+    def link(self, data: st.DataObject, dst: str, how: str) -> None:
+        """Hard links, symlinks and device nodes (a regular file's mknod too) are EPERM,
+        once the kernel's own checks pass (the link's source found, its name free)."""
+        src = data.draw(st.sampled_from(self._existing()))
+        want = None
+        if how == "link":
+            want = self._parent_errno(src) or (None if self.kind(src) else errno.ENOENT)
+        want = want or self._parent_errno(dst)
+        if want is None and self.kind(dst) is not None:
+            want = errno.EEXIST
+        if how == "link":
+            self.call(want or errno.EPERM, os.link, self.p(src), self.p(dst))
+        elif how == "symlink":
+            self.call(want or errno.EPERM, os.symlink, src, self.p(dst))
+        else:
+            self.call(want or errno.EPERM, os.mknod, self.p(dst), 0o644 | stat.S_IFREG)
 
     def _pages_of(self, session: str) -> list[str]:
         return [x for x in self.pages if x.startswith(session + "/")]
