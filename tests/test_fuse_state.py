@@ -311,7 +311,8 @@ class FuseMachine(RuleBasedStateMachine):
                 want = errno.EBUSY  # being written (by this very process: still)
             elif self._bad_file(path):
                 want = errno.EINVAL
-        flags = os.O_CREAT | os.O_WRONLY | os.O_TRUNC | (os.O_EXCL if excl else 0)
+        # (O_RDWR: its writer reads back through its descriptor, read_back)
+        flags = os.O_CREAT | os.O_RDWR | os.O_TRUNC | (os.O_EXCL if excl else 0)
         fd = self.call(want, os.open, self.p(path), flags | (os.O_APPEND if append else 0), mode)
         if fd is None:
             return None
@@ -411,6 +412,19 @@ class FuseMachine(RuleBasedStateMachine):
             self.pages[w.path].data = bytes(w.data)
             w.dirty = False
             event("close a dup: next version")
+
+    @precondition(lambda self: self.writers)
+    @rule(i=st.integers(0, 2))
+    def read_back(self, i: int) -> None:
+        """The writer reads its file through its descriptor: what it wrote, the next version
+        it builds included. (Not once its committed page's name went: it reads the version
+        it holds, its later writes went nowhere, docs/mount.md.)"""
+        w = self.writers[i % len(self.writers)]
+        if w.committed and w.path is None:
+            return
+        self.trace.append(f"pread({w.fd}) of {w.path}")
+        got = os.pread(w.fd, len(w.data) + 100, 0)
+        assert got == bytes(w.data), f"{w.path}: read back {len(got)} bytes, after {self.trace}"
 
     def _close(self, w: Writer) -> None:
         event(f"close: {'unnamed' if w.path is None else 'committed' if w.committed else 'new'}")
