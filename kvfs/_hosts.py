@@ -137,8 +137,8 @@ class Hosts:
         #: time.monotonic() of this host's last heartbeat written (None: none yet)
         self.beaten_at: float | None = None
         #: seconds this host's clock was ahead of the archive's at least, at that heartbeat
-        #: (<= 0: not ahead; see beat)
-        self.clock_ahead = 0.0
+        #: (<= 0: not ahead; None: not known yet; see beat)
+        self.clock_ahead: float | None = None
 
     @property
     def key(self) -> str:
@@ -175,14 +175,16 @@ class Hosts:
         }
         before = time.time()
         await self.store.put(self.key, msgpack.packb(body))
-        self._beaten = True
-        self.beaten_at = time.monotonic()
         written = await self.store.modified(self.key)
         if written is not None:
             # The put landed after ``before`` by this clock, and before ``written + 1`` by
             # the archive's (S3 keeps whole seconds, cut down): the difference is how far
             # this clock is ahead at least. Never more, so equal clocks give <= 0.
             self.clock_ahead = before - (written + 1.0)
+        # (only now: a retention pass that saw this beat before its clock was compared
+        # took the clocks for agreeing, and deleted by the wrong one)
+        self._beaten = True
+        self.beaten_at = time.monotonic()
         return written
 
     async def confirm(self) -> None:

@@ -874,9 +874,11 @@ class Spiller:
         # old, and this pass deleted them from every tier. So it runs only while this clock
         # agrees with the archive's, by a heartbeat from the last two intervals (written
         # now if none is: ArchiveUnavailable skips the pass, as an outage does).
-        if self.hosts.beaten_at is None or self.hosts.overdue():
+        if self.hosts.clock_ahead is None or self.hosts.beaten_at is None or self.hosts.overdue():
             await self.hosts.beat()
         ahead, allowed = self.hosts.clock_ahead, min(CLOCK_AHEAD_SECONDS, retention / 10)
+        if ahead is None:  # (the heartbeat it just wrote is not there: the next pass)
+            return 0
         self.retention_paused = ahead if ahead > allowed else None
         if ahead > allowed:
             if self._clock_warning.due() is not None:
