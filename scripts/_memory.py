@@ -4,6 +4,7 @@ process's answer, a store spilled to a ``file://`` archive, and the cost per pag
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import subprocess
@@ -49,6 +50,25 @@ def child_output(script: str, *args: str) -> list[str]:
     if out.returncode:
         raise SystemExit(f"{args[0]} failed:\n{out.stderr}")
     return out.stdout.split()
+
+
+def as_child(children: dict[str, Callable[..., object]]) -> bool:
+    """Whether this run is one of the script's own children (``sys.argv[1]`` one of
+    ``children``' flags): then that child has run, given the rest of the arguments."""
+    if len(sys.argv) > 1 and sys.argv[1] in children:
+        children[sys.argv[1]](*sys.argv[2:])
+        return True
+    return False
+
+
+def page_counts(doc: str, pages: list[int], session: bool = True) -> argparse.Namespace:
+    """The parent's arguments: ``--pages`` (default ``pages``) and, with ``session``,
+    ``--session`` (pages a session, 400)."""
+    ap = argparse.ArgumentParser(description=doc.split("\n")[0])
+    ap.add_argument("--pages", type=int, nargs="+", default=pages)
+    if session:
+        ap.add_argument("--session", type=int, default=400, help="pages a session (400)")
+    return ap.parse_args()
 
 
 def archive_config(tmp: str, **archive: object) -> object:

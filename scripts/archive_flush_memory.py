@@ -25,12 +25,19 @@ costs. Needs about 8 KiB of disk per page while it fills, then a few hundred byt
 
 from __future__ import annotations
 
-import argparse
 import sys
 import tempfile
 from pathlib import Path
 
-from _memory import archive_config, child_output, fill_spilled, measured, per_page
+from _memory import (
+    archive_config,
+    as_child,
+    child_output,
+    fill_spilled,
+    measured,
+    page_counts,
+    per_page,
+)
 
 MiB = 1 << 20
 
@@ -66,16 +73,14 @@ def _measure(tmp: str) -> None:
 
 
 def main() -> int:
-    if len(sys.argv) > 1 and sys.argv[1] == "--child-fill":
-        _fill(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
+    if as_child(
+        {
+            "--child-fill": lambda tmp, n, session: _fill(tmp, int(n), int(session)),
+            "--child": _measure,
+        }
+    ):
         return 0
-    if len(sys.argv) > 1 and sys.argv[1] == "--child":
-        _measure(sys.argv[2])
-        return 0
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--pages", type=int, nargs="+", default=[10000, 40000])
-    ap.add_argument("--session", type=int, default=400, help="pages a session (400)")
-    args = ap.parse_args()
+    args = page_counts(__doc__, [10000, 40000])
     print("pages    ls --archived: peak above RSS, time   flush_pending: peak above RSS, time")
     rows = []
     for n in args.pages:

@@ -19,7 +19,6 @@ about 8 KiB of disk per page (a 4 KiB header and a 4 KiB block for each page's f
 
 from __future__ import annotations
 
-import argparse
 import signal
 import subprocess
 import sys
@@ -27,7 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _memory import child_output, measured, per_page
+from _memory import as_child, child_output, measured, page_counts, per_page
 
 MiB = 1 << 20
 BATCH = 2000
@@ -72,15 +71,9 @@ def _measure(tmp: str, what: str) -> None:
 
 
 def main() -> int:
-    if len(sys.argv) > 1 and sys.argv[1] == "--child-fill":
-        _fill(sys.argv[2], int(sys.argv[3]))
+    if as_child({"--child-fill": lambda tmp, n: _fill(tmp, int(n)), "--child": _measure}):
         return 0
-    if len(sys.argv) > 1 and sys.argv[1] == "--child":
-        _measure(sys.argv[2], sys.argv[3])
-        return 0
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--pages", type=int, nargs="+", default=[20000, 80000])
-    args = ap.parse_args()
+    args = page_counts(__doc__, [20000, 80000], session=False)
     print("pages    open: peak above RSS, time    fsck: peak above RSS, time")
     rows = []
     for n in args.pages:
