@@ -23,6 +23,7 @@ Deliberately not checked (a command the docs did not mean is worse than one not 
 from __future__ import annotations
 
 import argparse
+import ast
 import contextlib
 import importlib
 import importlib.util
@@ -239,11 +240,37 @@ class _Parser(Exception):
         self.parser = parser
 
 
+def _parses(path: Path) -> bool:
+    """Whether a script parses arguments: it calls ``parse_args`` itself, or calls a
+    function of a module beside it (``from _memory import page_counts``) that does."""
+    tree = ast.parse(path.read_text())
+    called = {
+        n.func.id if isinstance(n.func, ast.Name) else getattr(n.func, "attr", "")
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Call)
+    }
+    if "parse_args" in called:
+        return True
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            sibling = path.parent / f"{node.module}.py"
+            if not sibling.is_file():
+                continue
+            parsing = {
+                f.name
+                for f in ast.walk(ast.parse(sibling.read_text()))
+                if isinstance(f, ast.FunctionDef) and "parse_args" in ast.unparse(f)
+            }
+            if any(a.name in parsing and (a.asname or a.name) in called for a in node.names):
+                return True
+    return False
+
+
 def script_parser(path: Path) -> argparse.ArgumentParser | None:
     """The parser a script's ``main()`` builds, taken from it when it asks it to parse (so
     nothing of the script runs); None for a script that parses no arguments (it is not
     imported: its main would run)."""
-    if "parse_args" not in path.read_text():
+    if not _parses(path):
         return None
     spec = importlib.util.spec_from_file_location(f"_doc_script_{path.stem}", path)
     assert spec is not None and spec.loader is not None

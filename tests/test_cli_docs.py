@@ -88,6 +88,8 @@ def test_every_command_the_docs_show_parses_with_the_current_cli() -> None:
         ("python -m kvfs.bench.store", True, "has no main"),
         (".venv/bin/python scripts/fuse_ceiling.py --mib 4 --nope 1", True, "no option --nope"),
         ("scripts/mount_metadata_latency.py --mib 4", True, "takes no arguments"),
+        # (a script whose parser is built by scripts/_memory.py's page_counts)
+        ("scripts/recovery_memory.py --pages 1 --nope", True, "no option --nope"),
         ("scripts/no_such.py", False, "does not exist"),
         ("scripts/fuse_ceiling.py --writeback [--clients 4 | --mibs 16]", True, "--mibs"),
     ],
