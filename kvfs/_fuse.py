@@ -20,11 +20,11 @@ from typing import Any
 import pyfuse3
 import trio
 
+from ._budget import ByteBudget
 from ._dirs import DirRow
 from ._errors import KvfsError, PageNotFound
 from ._events import log_event
 from ._fuse_ahead import AheadBudget
-from ._fuse_behind import BehindBudget
 from ._fuse_files import FileOps
 from ._fuse_guard import child_of, decode_name, fuse_error, guard
 from ._fuse_nodes import Handle, Kind, Node, NodeTable, Pending, owner, process_group
@@ -138,7 +138,7 @@ class KvfsOperations(FileOps, pyfuse3.Operations):
         #: writes accepted ahead of the disk per file being written (0: off); needs a nursery
         self.write_behind = write_behind
         #: bytes accepted ahead of the disk over all files being written, at most
-        self.write_behind_budget = BehindBudget(write_behind_budget)
+        self.write_behind_budget = ByteBudget(write_behind_budget)
         #: requests prefetched past a sequential reader (0: off); needs :attr:`nursery`
         self.read_ahead = read_ahead
         #: bytes prefetched and not yet read, over all open files, at most

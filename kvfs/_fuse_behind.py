@@ -16,7 +16,7 @@ The first failure is kept and raised by the next ``submit``, and by ``drain`` (w
 commit calls), so a file that lost a write is never published: the error comes back from a
 later ``write`` or from ``close``. Writes queued after a failure are dropped.
 
-A mount-wide :class:`BehindBudget` bounds the bytes queued over all files: a writer that
+A mount-wide :class:`~kvfs._budget.ByteBudget` bounds the bytes queued over all files: a writer that
 spreads its writes over many files at once (a layer per file) waits for room as one that
 fills one file's queue does, instead of the daemon holding ``depth`` writes for every file.
 """
@@ -30,55 +30,21 @@ from collections.abc import Callable
 
 import trio
 
-__all__ = ["BehindBudget", "WriteBehind"]
+from ._budget import ByteBudget
+
+__all__ = ["WriteBehind"]
 
 #: How long an idle writer thread waits for the next write before it exits.
 LINGER = 0.05
 
 
-class BehindBudget:
-    """Bytes accepted by write-behind and not yet in their data files, over every file of a
-    mount. :meth:`take` waits (in trio) for room; writer threads :meth:`give` it back."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.held = 0
-        self._lock = threading.Lock()
-        self._wake: trio.Event | None = None
-        self._token: trio.lowlevel.TrioToken | None = None
-
-    async def take(self, n: int) -> None:
-        """Hold ``n`` more bytes once they fit (a write larger than the limit alone, once
-        nothing else is held)."""
-        while True:
-            with self._lock:
-                if self.held == 0 or self.held + n <= self.limit:
-                    self.held += n
-                    return
-                if self._wake is None:
-                    self._wake = trio.Event()
-                    self._token = trio.lowlevel.current_trio_token()
-                ev = self._wake
-            await ev.wait()  # every waiter wakes at the next give, and looks again
-
-    def give(self, n: int) -> None:
-        """Give ``n`` bytes back (from any thread)."""
-        with self._lock:
-            self.held -= n
-            ev, self._wake = self._wake, None
-            token = self._token
-        if ev is not None and token is not None:
-            with contextlib.suppress(trio.RunFinishedError):
-                token.run_sync_soon(ev.set)
-
-
 class WriteBehind:
     def __init__(
-        self, write: Callable[[int, bytes], object], depth: int, budget: BehindBudget | None = None
+        self, write: Callable[[int, bytes], object], depth: int, budget: ByteBudget | None = None
     ) -> None:
         self._write = write
         self._depth = max(1, depth)
-        self._budget = budget or BehindBudget(1 << 62)
+        self._budget = budget or ByteBudget(1 << 62)
         self._token = trio.lowlevel.current_trio_token()
         self._cond = threading.Condition()
         self._queue: collections.deque[tuple[int, bytes]] = collections.deque()

@@ -27,12 +27,13 @@ from typing import Any, TypeVar
 import pyfuse3
 import trio
 
+from ._budget import ByteBudget
 from ._dirs import DirTable
 from ._engine import Engine
 from ._errors import KvfsError, out_of_files
 from ._events import log_event
 from ._fuse_ahead import AheadBudget, ReadAhead
-from ._fuse_behind import BehindBudget, WriteBehind
+from ._fuse_behind import WriteBehind
 from ._fuse_guard import child_of, files_error, fuse_error, guard, no_thread
 from ._fuse_nodes import (
     Handle,
@@ -79,7 +80,7 @@ class FileOps:
     read_ahead: int
     read_ahead_budget: AheadBudget
     write_behind: int
-    write_behind_budget: BehindBudget
+    write_behind_budget: ByteBudget
     nursery: trio.Nursery | None
 
     async def _resolve(self, parent: Node, name: str) -> Node:

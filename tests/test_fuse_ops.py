@@ -598,7 +598,8 @@ async def test_write_behind_budget_bounds_writes_spread_over_files() -> None:
 
     import trio
 
-    from kvfs._fuse_behind import BehindBudget, WriteBehind
+    from kvfs._budget import ByteBudget
+    from kvfs._fuse_behind import WriteBehind
 
     gate = threading.Event()
     written: list[int] = []
@@ -607,7 +608,7 @@ async def test_write_behind_budget_bounds_writes_spread_over_files() -> None:
         assert gate.wait(10)
         written.append(len(buf))
 
-    budget = BehindBudget(3 * MiB)
+    budget = ByteBudget(3 * MiB)
     files = [WriteBehind(write, 8, budget) for _ in range(5)]
     submitted = 0
 
