@@ -24,9 +24,11 @@ instant between ``bind`` and ``chmod`` grants nothing. Clients check the daemon 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import errno
 import functools
+import inspect
 import logging
 import math
 import os
@@ -43,8 +45,9 @@ import msgpack
 import trio
 
 from . import _errors
+from ._budget import ByteBudget
 from ._events import disk_error_due, files_error_due, log_event
-from ._keys import PageKey
+from ._keys import PageKey, as_key
 from ._local import disk_failed
 from ._store import Store
 from ._types import DeviceStatistics, Extent, PageInfo, SessionInfo, StoreStatistics
@@ -407,6 +410,49 @@ _ZEROS = memoryview(bytes(INLINE_BYTES))
 MAX_REQUEST_ITEMS = INLINE_BYTES
 
 
+def default_page_budget() -> int:
+    """The bytes of pages the daemon holds for the control channel at once, over every
+    connection: a put's page as it is received and stored, a get's as it is read and sent.
+    A quarter of the host's memory, 1 GiB at least: a guard against running out of it, not a
+    limit on throughput (clients getting 512 MiB pages at once, or stuck not reading them,
+    each held one in the daemon, with no limit on their number)."""
+    try:
+        memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        memory = 0
+    return max(1 << 30, memory // 4)
+
+
+class _Held:
+    """The bytes one connection holds of the daemon's page budget: its request's page, then
+    its answer's, given back once it is answered (and when the connection ends). Entered,
+    it is the connection's, for :func:`recv_frame` and the get calls to take from."""
+
+    def __init__(self, budget: ByteBudget) -> None:
+        self.budget = budget
+        self.n = 0
+
+    async def take(self, n: int) -> None:
+        await self.budget.take(n)
+        self.n += n
+
+    def release(self) -> None:
+        if self.n:
+            self.budget.give(self.n)
+            self.n = 0
+
+    async def __aenter__(self) -> _Held:
+        _HELD.set(self)  # (the connection's task's own context)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.release()
+
+
+#: the serving connection's share of the page budget (each connection is a task of its own)
+_HELD: contextvars.ContextVar[_Held | None] = contextvars.ContextVar("_HELD", default=None)
+
+
 #: The first byte of every request's body: msgpack's array of three ([method, args, kwargs]).
 _REQUEST_LEAD = 0x93
 
@@ -436,6 +482,8 @@ async def recv_frame(
     # that does not is refused at its first byte. (Small ones are read whole and answered,
     # the stream still in step.)
     lead = _REQUEST_LEAD if request and n > INLINE_BYTES else None
+    if request and n > INLINE_BYTES and (held := _HELD.get()) is not None:
+        await held.take(n)  # (before its buffer grows: the client waits, sending)
     body = await _recv_body(stream, n, lead)
     if n > INLINE_BYTES:
         msg = await trio.to_thread.run_sync(
@@ -532,7 +580,7 @@ def _carries_page(obj: Any) -> bool:
     return False
 
 
-async def _serve_one(store: Store, stream: trio.SocketStream) -> None:
+async def _serve_one(store: Store, stream: trio.SocketStream, budget: ByteBudget) -> None:
     uid = _peer_uid(stream.socket)
     if uid not in (os.getuid(), 0):
         log.warning("control: refused a connection from uid %d", uid)
@@ -541,8 +589,9 @@ async def _serve_one(store: Store, stream: trio.SocketStream) -> None:
             stream, [1, "PermissionError", f"uid {uid} may not use this kvfs daemon"]
         )
         return
-    async with stream:
+    async with stream, _Held(budget) as held:
         while True:
+            held.release()  # (what the last request held: it is answered)
             try:
                 request = await recv_frame(stream, request=True)
             except MalformedFrame as e:  # a whole frame: the next one can still be read
@@ -611,7 +660,11 @@ async def _dispatch(
         elif method == "identity":
             result = _identity(store)
         elif method == "get":
+            await _hold_answer(store, method, args, kwargs)
             result = await _read_page(store, *args, **kwargs)
+        elif method == "read_range":
+            await _hold_answer(store, method, args, kwargs)
+            result = await store.read_range(*args, **kwargs)
         else:
             result = await getattr(store, method)(*args, **kwargs)
     except Exception as e:  # noqa: BLE001 - every failure goes back to the client
@@ -635,6 +688,28 @@ async def _read_page(store: Store, path: str, *, room: int | None = None) -> Any
         raise ValueError(f"a get's room is a number of bytes >= 0, not {room}")
     got = await store._read_page(path, room)
     return bytes(got) if len(got) <= INLINE_BYTES else got
+
+
+async def _hold_answer(store: Store, method: str, args: list[Any], kwargs: dict[str, Any]) -> None:
+    """Take a get's or read_range's page from the connection's share of the budget before
+    it is read (sized by the page's row, read on the loop as the mount's lookups are). A
+    call that will fail on its own arguments, or a page not there, takes nothing."""
+    held = _HELD.get()
+    if held is None:
+        return
+    call = functools.partial(_read_page, store) if method == "get" else store.read_range
+    try:
+        a = inspect.signature(call).bind(*args, **kwargs).arguments
+        row = store.engine.index.page(as_key(a["path"] if method == "get" else a["key"]).path)
+    except Exception:  # noqa: BLE001 - the call itself says what is wrong
+        return
+    n = 0 if row is None else row.size
+    if method == "read_range":
+        off, size = a["offset"], a["size"]
+        ok = type(off) is int and type(size) is int and off >= 0 and size >= 0
+        n = max(0, min(size, n - off)) if ok else 0
+    if n > INLINE_BYTES:
+        await held.take(n)
 
 
 def _identity(store: Store) -> dict[str, Any]:
@@ -735,9 +810,12 @@ async def control_service(
     store: Store,
     path: str | os.PathLike[str] | None = None,
     *,
+    page_budget: int | None = None,
     task_status: trio.TaskStatus[Path] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve ``store`` on its control socket until cancelled; reports the socket's path.
+    ``page_budget``: the bytes of pages held for its connections at once
+    (:func:`default_page_budget`).
 
     The path is ``path``, else derived from the store's config (``extra['daemon']
     ['control_socket']`` or beside the lock file: :func:`kvfs._settings.control_socket_path`).
@@ -762,10 +840,11 @@ async def control_service(
         sock.close()
         raise
     listener = trio.SocketListener(sock)
+    budget = ByteBudget(default_page_budget() if page_budget is None else page_budget)
 
     async def handler(stream: trio.SocketStream) -> None:
         try:
-            await _serve_one(store, stream)
+            await _serve_one(store, stream, budget)
         except (trio.BrokenResourceError, trio.ClosedResourceError, EOFError, ConnectionError):
             pass  # the client went away
         except Exception:  # noqa: BLE001 - one bad client must not stop the daemon

@@ -10,11 +10,13 @@ lines and its descriptors can be seen); the clients are raw Unix sockets."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import select
 import socket
 import struct
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -50,13 +52,17 @@ def _packed(obj: Any) -> bytes:
 
 
 async def _serving(
-    make_config: MakeConfig, tmp_path: Path, side: Callable[[Path], Any], **config: Any
+    make_config: MakeConfig,
+    tmp_path: Path,
+    side: Callable[[Path], Any],
+    page_budget: int | None = None,
+    **config: Any,
 ) -> Any:
     """``side(socket path)`` in a thread, against a daemon's control service over a store
     holding SEED; then the store is checked as fsck sees it."""
     sock = tmp_path / "c.sock"
     async with kvfs.open_store(make_config(**config)) as store, trio.open_nursery() as n:
-        await n.start(control_service, store, sock)
+        await n.start(functools.partial(control_service, store, sock, page_budget=page_budget))
         for key, data in SEED.items():
             await store.put(key, data)
         await store.set_session_attrs("s", {"model": "m"})
@@ -437,4 +443,66 @@ async def test_clients_gone_stuck_or_half_open_cost_the_daemon_nothing_after(
         assert _state(sock) == before
 
     await _serving(make_config, tmp_path, side)
+    _no_errors(caplog)
+
+
+async def test_the_pages_held_for_all_connections_at_once_are_bounded(
+    make_config: MakeConfig, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Each client's large get was read into the daemon's memory as it came, and each put's
+    page received whole, with no bound over the connections: N engine workers getting
+    512 MiB pages at once, or N stuck not reading them, held N of them. The daemon now
+    holds at most its page budget (here two pages): the third get and a put wait for room,
+    small calls are served meanwhile, and every one completes once the first answers are
+    read."""
+    caplog.set_level(logging.DEBUG, logger="kvfs")
+
+    def side(sock: Path) -> None:
+        before = _state(sock)
+        clients = [_connect(sock) for _ in range(5)]
+        for c in clients:
+            c.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            c.sendall(encode(["get", ["big/1"], {}]))
+
+        def answered() -> list[socket.socket]:
+            ready = select.select(clients, [], [], 0)[0]
+            return [c for c in clients if c in ready]
+
+        for _ in range(600):  # (polled: the daemon reads the first two as it can)
+            if len(answered()) >= 2:
+                break
+            time.sleep(0.05)
+        put = _connect(sock)
+        replies: dict[int, Any] = {}
+
+        def read(i: int, c: socket.socket) -> None:
+            replies[i] = read_frame_sync(c)
+
+        putter = threading.Thread(
+            target=lambda: (
+                put.sendall(encode(["put", ["new/big", SEED["big/1"]], {}])),
+                read(-1, put),
+            )
+        )
+        putter.start()
+        time.sleep(0.5)  # (room for what an unbounded daemon would do: it did it at once)
+        assert len(answered()) == 2, "the daemon read more gets than its budget holds"
+        with open_remote_store_sync(sock, timeout=30) as r:  # small calls are served
+            assert r.get("k/1") == SEED["k/1"]
+            assert not r.exists("new/big")  # the put waits too
+        readers = [threading.Thread(target=read, args=(i, c)) for i, c in enumerate(clients)]
+        for t in readers:
+            t.start()
+        for t in [*readers, putter]:
+            t.join(60)
+        assert all(replies[i] == [0, SEED["big/1"]] for i in range(5)), "a get went wrong"
+        assert replies[-1][0] == 0, replies[-1]
+        for c in [*clients, put]:
+            c.close()
+        with open_remote_store_sync(sock, timeout=30) as r:
+            assert r.get("new/big") == SEED["big/1"]
+            r.delete("new/big")
+        assert _state(sock) == before
+
+    await _serving(make_config, tmp_path, side, page_budget=2 * BIG)
     _no_errors(caplog)
