@@ -25,6 +25,7 @@ from ._dirs import DirRow
 from ._errors import KvfsError, PageNotFound
 from ._events import log_event
 from ._fuse_ahead import AheadBudget
+from ._fuse_behind import WriterThreads
 from ._fuse_files import FileOps
 from ._fuse_guard import child_of, decode_name, fuse_error, guard
 from ._fuse_nodes import Handle, Kind, Node, NodeTable, Pending, owner, process_group
@@ -139,6 +140,10 @@ class KvfsOperations(FileOps, pyfuse3.Operations):
         self.write_behind = write_behind
         #: bytes accepted ahead of the disk over all files being written, at most
         self.write_behind_budget = ByteBudget(write_behind_budget)
+        #: the threads writing queued writes, over all files being written (one a file,
+        #: hundreds of files at once took hundreds of threads, and failed writes where a
+        #: cgroup caps a container's processes)
+        self.writer_threads = WriterThreads(threads)
         #: requests prefetched past a sequential reader (0: off); needs :attr:`nursery`
         self.read_ahead = read_ahead
         #: bytes prefetched and not yet read, over all open files, at most

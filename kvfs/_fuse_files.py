@@ -33,7 +33,7 @@ from ._engine import Engine
 from ._errors import KvfsError, out_of_files
 from ._events import log_event
 from ._fuse_ahead import AheadBudget, ReadAhead
-from ._fuse_behind import WriteBehind
+from ._fuse_behind import WriteBehind, WriterThreads
 from ._fuse_guard import child_of, files_error, fuse_error, guard, no_thread
 from ._fuse_nodes import (
     Handle,
@@ -81,6 +81,7 @@ class FileOps:
     read_ahead_budget: AheadBudget
     write_behind: int
     write_behind_budget: ByteBudget
+    writer_threads: WriterThreads
     nursery: trio.Nursery | None
 
     async def _resolve(self, parent: Node, name: str) -> Node:
@@ -352,7 +353,10 @@ class FileOps:
             if self.nursery is not None and self.write_behind > 0:
                 if h.behind is None:
                     h.behind = WriteBehind(
-                        node.pending.writer.write, self.write_behind, self.write_behind_budget
+                        node.pending.writer.write,
+                        self.write_behind,
+                        self.write_behind_budget,
+                        self.writer_threads,
                     )
                 pending = node.pending
                 await h.behind.submit(off, buf)

@@ -3,6 +3,7 @@ bind root). Needs the cgroup v1 pids controller, writable (root)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -83,5 +84,45 @@ def test_a_write_no_thread_can_take_fails_and_its_close_returns(tmp_path: Path) 
             (PIDS / "cgroup.procs").write_text(f"{pid}\n")
         if t is not None and t.is_alive():
             dm.proc.kill()  # (a hung close would hang the daemon's stop too)
+        dm.stop()
+        cg.rmdir()
+
+
+def test_hundreds_of_files_written_at_once_need_few_threads(tmp_path: Path) -> None:
+    """Write-behind started a thread for every file being written: 400 files written at
+    once took hundreds, and in a cgroup that caps the daemon's processes (a container's
+    pid limit) the writes that found none failed. Now the mount's threads (16) write every
+    file's queue between them: with room for 80 more threads, all 400 files are written."""
+    if not os.access(PIDS / "cgroup.procs", os.W_OK):
+        pytest.skip("needs the cgroup v1 pids controller at /sys/fs/cgroup/pids, writable")
+    cg = PIDS / f"kvfs-test-{os.getpid()}"
+    cg.mkdir()
+    mp = tmp_path / "mnt"
+    mp.mkdir()
+    dm = DaemonMount([tmp_path / f"nvme{i}" for i in range(2)], mp, tmp_path / "daemon.log")
+    pid = dm.proc.pid
+    files = []
+    try:
+        (mp / "before").write_bytes(b"b" * 100_000)
+        (cg / "pids.max").write_text(f"{len(os.listdir(f'/proc/{pid}/task')) + 80}\n")
+        (cg / "cgroup.procs").write_text(f"{pid}\n")
+        files = [open(mp / f"f{i}", "wb", buffering=0) for i in range(400)]  # noqa: SIM115
+        for r in range(3):
+            for i, f in enumerate(files):
+                f.write(bytes([i % 256, r]) * 35_000)
+        for f in files:
+            f.close()
+        for i in range(400):
+            want = b"".join(bytes([i % 256, r]) * 35_000 for r in range(3))
+            assert (mp / f"f{i}").read_bytes() == want
+        log = (tmp_path / "daemon.log").read_text()
+        assert "no thread could be started" not in log and "Traceback" not in log, log[-3000:]
+    finally:
+        for f in files:
+            if not f.closed:
+                with contextlib.suppress(OSError):
+                    f.close()
+        if (cg / "cgroup.procs").read_text().split():
+            (PIDS / "cgroup.procs").write_text(f"{pid}\n")
         dm.stop()
         cg.rmdir()

@@ -628,6 +628,57 @@ async def test_write_behind_budget_bounds_writes_spread_over_files() -> None:
     assert submitted == 5 and written == [MiB] * 5 and budget.held == 0
 
 
+async def test_write_behind_runs_at_most_its_threads_over_all_files() -> None:
+    """Write-behind started a thread for every file being written (hundreds of files at
+    once, hundreds of threads; where a cgroup caps a container's processes, the writes
+    that found none failed). Now at most the mount's thread count write at once, every
+    file's writes still land in order, a busy file gives way to those waiting, and the
+    threads exit once the queues are empty."""
+    import threading
+    import time
+
+    import trio
+
+    from kvfs._fuse_behind import WriteBehind, WriterThreads
+
+    lock = threading.Lock()
+    busy, most = 0, 0
+    files: list[bytearray] = [bytearray(20) for _ in range(12)]
+
+    def writer(i: int) -> Callable[[int, bytes], None]:
+        def write(off: int, buf: bytes) -> None:
+            nonlocal busy, most
+            with lock:
+                busy += 1
+                most = max(most, busy)
+            time.sleep(0.001)  # (a write takes a while: others queue meanwhile)
+            files[i][off : off + len(buf)] = buf
+            with lock:
+                busy -= 1
+
+        return write
+
+    threads = WriterThreads(3)
+    behind = [WriteBehind(writer(i), 4, None, threads) for i in range(12)]
+
+    async def one(i: int) -> None:
+        for n in range(40):  # each write overwrites the last: the file ends as the last
+            await behind[i].submit(n % 4, bytes([n]) * 16)
+        await behind[i].drain()
+
+    async with trio.open_nursery() as nursery:
+        for i in range(12):
+            nursery.start_soon(one, i)
+    assert most <= 3 and threads.running <= 3
+    for f in files:
+        assert f == bytes([36, 37, 38]) + bytes([39]) * 16 + bytes(1)
+    for _ in range(200):  # (polled: each thread lingers a moment for more writes)
+        if threads.running == 0:
+            break
+        await trio.sleep(0.01)
+    assert threads.running == 0
+
+
 async def test_flushes_at_once_commit_a_file_once_and_writes_go_on(ops: KvfsOperations) -> None:
     """A process that starts another while it writes a file: the child's close of the
     descriptor it inherited flushes beside the writer's own, and the writer goes on writing
