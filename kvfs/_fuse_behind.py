@@ -3,9 +3,9 @@
 A writer's ``write`` calls reach the daemon one at a time (each waits for its reply), so
 answering only after the bytes are in the data file would serialize every write on the disk
 and a thread hop. Instead each write is accepted at once and queued for a thread, which
-writes the file's queue in order (one thread at a time a file): overlapping writes land in the order they came, so the file
-ends up as written. At most ``depth`` writes wait per file (a further ``submit`` waits for
-room: memory stays bounded).
+writes the file's queue in order (one thread at a time a file): overlapping writes land in
+the order they came, so the file ends up as written. At most ``depth`` writes wait per file
+(a further ``submit`` waits for room: memory stays bounded).
 
 The FUSE loop is the mount's bottleneck, so a queued write costs it no trio task and no
 thread round trip: the thread takes the queue under a lock and calls back into trio only
