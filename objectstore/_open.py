@@ -10,7 +10,8 @@ Query parameters and keyword options are the same names (keywords win): ``endpoi
 ``endpoint_url``), ``region``, ``addressing`` (auto/path/virtual), ``profile``,
 ``deadline`` (seconds the retry helper keeps trying), ``open_deadline``,
 ``multipart_threshold``, ``part_size``, ``sse`` (AES256, aws:kms, aws:kms:dsse) with
-``sse_kms_key_id``, ``storage_class`` (of page objects); for ``file://``, ``create`` and
+``sse_kms_key_id``, ``storage_class`` (of page objects), ``checksums`` (``when_required``
+for a server that refuses boto3's default checksums); for ``file://``, ``create`` and
 ``durable`` (true/false). An unknown option is an error. Credentials never go in the URL, nor in the
 endpoint's.
 """
@@ -117,6 +118,7 @@ async def open_objectstore(url: str, *, verify: bool = True, **opts: Any) -> Obj
         "sse",
         "sse_kms_key_id",
         "storage_class",
+        "checksums",
     }
     unknown = set(merged) - known
     if unknown:

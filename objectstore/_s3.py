@@ -88,6 +88,37 @@ def _code(e: BaseException) -> str:
     return ""
 
 
+def _checksum_config(checksums: str | None) -> dict[str, str]:
+    """botocore Config arguments for the ``checksums`` option: both directions, requests'
+    checksums and the responses' validation (a GET asks for the object's checksum with a
+    header of its own). A botocore before 1.36 knows neither, and sends neither."""
+    if (
+        checksums is None
+        or "request_checksum_calculation" not in botocore.config.Config.OPTION_DEFAULTS
+    ):
+        return {}
+    return {"request_checksum_calculation": checksums, "response_checksum_validation": checksums}
+
+
+def _refuses_checksums(e: BaseException, client: Any) -> bool:
+    """Whether ``e`` is a server refusing the additional checksums a client sent (400 or
+    501 naming a checksum, a trailer, aws-chunked or the payload's SHA-256): Backblaze B2
+    says "Unsupported header 'x-amz-checksum-crc32'", older Ceph RGW
+    XAmzContentSHA256Mismatch. Not where the client already sends them only when required."""
+    if _status(e) not in (400, 501):
+        return False
+    if getattr(client.meta.config, "request_checksum_calculation", None) == "when_required":
+        return False
+    text = f"{_code(e)} {_message(e)}".lower()
+    return any(w in text for w in ("checksum", "trailer", "chunked", "sha256"))
+
+
+def _message(e: BaseException) -> str:
+    if isinstance(e, bce.ClientError):
+        return str(e.response.get("Error", {}).get("Message", ""))
+    return ""
+
+
 def _status(e: BaseException) -> int:
     if isinstance(e, bce.ClientError):
         return int(e.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
@@ -253,15 +284,24 @@ class S3Store(ObjectStore):
         sse: str | None = None,
         sse_kms_key_id: str | None = None,
         storage_class: str | None = None,
+        checksums: str | None = None,
         verify: bool = True,
     ) -> S3Store:
         """Connect and (unless not ``verify``) check that the bucket exists and is accessible.
 
-        ``addressing`` is ``path``, ``virtual`` or ``auto``. Raises ArchiveUnavailable naming
-        the cause: unreachable endpoint, missing bucket, denied access, no credentials.
+        ``addressing`` is ``path``, ``virtual`` or ``auto``. ``checksums`` is
+        ``when_required`` for a server that refuses the additional checksums boto3 sends
+        by default since 1.36 (``when_supported``; None: boto3's own setting, from
+        ``AWS_REQUEST_CHECKSUM_CALCULATION`` or ``~/.aws/config``). Raises
+        ArchiveUnavailable naming the cause: unreachable endpoint, missing bucket, denied
+        access, no credentials.
         """
         if addressing not in ("auto", "path", "virtual"):
             raise ValueError(f"addressing must be auto, path or virtual, not {addressing!r}")
+        if checksums not in (None, "when_supported", "when_required"):
+            raise ValueError(
+                f"checksums must be when_supported or when_required, not {checksums!r}"
+            )
         if part_size < 5 * MiB or multipart_threshold < part_size:
             raise ValueError("part_size must be >= 5 MiB and multipart_threshold >= part_size")
         if endpoint_url is not None:
@@ -278,6 +318,7 @@ class S3Store(ObjectStore):
                 connect_timeout=min(connect_timeout, read_timeout),
                 read_timeout=read_timeout,
                 max_pool_connections=max_connections,
+                **_checksum_config(checksums),
             )
             session = boto3.session.Session(profile_name=profile, region_name=region)
             return session.client("s3", endpoint_url=endpoint_url, config=cfg)
@@ -416,7 +457,13 @@ class S3Store(ObjectStore):
                 f"on {on}{hint}; check the credentials and the bucket and IAM policies"
             )
         else:
-            why = f"{code or status}: {e.response.get('Error', {}).get('Message', '')}".strip()
+            why = f"{code or status}: {_message(e)}".strip()
+            if _refuses_checksums(e, self._client):
+                why += (
+                    " (this server refuses the additional checksums boto3 sends by default "
+                    "since 1.36, as older S3-compatible servers do: add checksums=when_required "
+                    "to the archive URL, or set AWS_REQUEST_CHECKSUM_CALCULATION=when_required)"
+                )
         return ArchiveUnavailable(f"{what} on {self.url}: {why}")
 
     @staticmethod

@@ -8,6 +8,8 @@ every request the code under test makes is HTTP over a socket.
 from __future__ import annotations
 
 import contextlib
+import http.client
+import http.server
 import json
 import os
 import random
@@ -22,7 +24,14 @@ from dataclasses import dataclass
 import boto3
 from moto.server import ThreadedMotoServer
 
-__all__ = ["S3Server", "SilentServer", "TcpProxy", "iam_credentials", "running_moto"]
+__all__ = [
+    "ChecksumRefusingServer",
+    "S3Server",
+    "SilentServer",
+    "TcpProxy",
+    "iam_credentials",
+    "running_moto",
+]
 
 #: Fake credentials moto accepts; set in the environment so the standard chain finds them.
 FAKE_ENV = {
@@ -291,3 +300,79 @@ class TcpProxy:
 
     def close(self) -> None:
         self.down()
+
+
+#: the request headers of the integrity checksums boto3 sends by default since 1.36
+_CHECKSUM_HEADERS = ("x-amz-checksum-", "x-amz-sdk-checksum-", "x-amz-trailer")
+
+
+class ChecksumRefusingServer:
+    """An S3-compatible server that predates S3's additional checksums (Backblaze B2, older
+    Ceph RGW and MinIO releases, several clouds' S3 gateways): moto behind an HTTP proxy
+    that refuses every request carrying one of their headers as B2 does (400
+    InvalidArgument, "Unsupported header ... received for this API call."), and forwards
+    the others. ``refused`` holds the request lines it refused, ``forwarded`` counts the
+    others."""
+
+    def __init__(self, target: str) -> None:
+        host, port = target.removeprefix("http://").split(":")
+        outer = self
+        self.refused: list[str] = []
+        self.forwarded = 0
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *_: object) -> None:
+                pass
+
+            def _any(self) -> None:
+                bad = [h for h in self.headers if h.lower().startswith(_CHECKSUM_HEADERS)]
+                if bad:
+                    outer.refused.append(self.requestline)
+                    body = (
+                        '<?xml version="1.0" encoding="UTF-8"?><Error><Code>InvalidArgument'
+                        f"</Code><Message>Unsupported header '{bad[0].lower()}' received for "
+                        "this API call.</Message></Error>"
+                    ).encode()
+                    self.send_response(400)
+                    self.send_header("Content-Type", "application/xml")
+                    self.send_header("Content-Length", str(len(body)))
+                    self.send_header("Connection", "close")
+                    self.end_headers()
+                    self.wfile.write(body)
+                    self.close_connection = True
+                    return
+                n = int(self.headers.get("Content-Length") or 0)
+                data = self.rfile.read(n) if n else None
+                up = http.client.HTTPConnection(host, int(port), timeout=60)
+                try:
+                    up.request(self.command, self.path, body=data, headers=dict(self.headers))
+                    r = up.getresponse()
+                    payload = r.read()
+                finally:
+                    up.close()
+                outer.forwarded += 1
+                self.send_response(r.status)
+                for k, v in r.getheaders():
+                    if k.lower() not in ("transfer-encoding", "connection", "content-length"):
+                        self.send_header(k, v)
+                length = r.getheader("Content-Length") if self.command == "HEAD" else None
+                self.send_header("Content-Length", length or str(len(payload)))
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(payload)
+
+            do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _any
+
+        self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server.daemon_threads = True
+        threading.Thread(target=self._server.serve_forever, daemon=True).start()
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self._server.server_address[1]}"
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()

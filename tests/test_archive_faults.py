@@ -479,3 +479,46 @@ def test_a_wrong_secret_key_is_named_at_open_and_in_a_spill_not_taken_for_a_perm
     for message in (str(spill.value), str(at_open.value)):
         assert "the secret access key is wrong (SignatureDoesNotMatch" in message, message
         assert "AWS_SECRET_ACCESS_KEY" in message and "access denied" not in message, message
+
+
+def test_a_server_refusing_boto3s_default_checksums_is_named_and_the_option_fixes_it(
+    s3_server: Any, make_config: Any
+) -> None:
+    """boto3 1.36 and later send S3's additional checksums (x-amz-checksum-crc32 ...) with
+    every upload, which Backblaze B2, older Ceph RGW and MinIO releases and several clouds'
+    S3 gateways refuse: every spill failed with the server's 400 and nothing in kvfs could
+    stop the headers. The error now names the fix, and ``checksums=when_required`` on the
+    archive URL spills and restores there, single-part and multipart, through the upload
+    workers too, verified as always by kvfs's own checksums."""
+    from _s3 import ChecksumRefusingServer
+
+    server = ChecksumRefusingServer(s3_server.endpoint)
+    try:
+        bucket = s3_server.new_bucket()
+        url = (
+            f"s3://{bucket}/p?endpoint={server.endpoint}&addressing=path&deadline=30"
+            f"&multipart_threshold={5 << 20}&part_size={5 << 20}"
+        )
+        small, large = os.urandom(300 * KiB), os.urandom(12 << 20)  # (large: 3 parts)
+        keys = [PageKey.semantic("agent", "p", i) for i in range(2)]
+        extra = {"archive": {"interval": 0}}
+        with kvfs.open_store_sync(make_config(ndev=2, archive_url=url, extra=extra)) as s:
+            s.put(keys[0], small)
+            s.put(keys[1], large)
+            with pytest.raises(kvfs.ArchiveUnavailable) as e:
+                s.spill("agent")
+            assert "checksums=when_required" in str(e.value), e.value
+            assert "x-amz-checksum" in str(e.value)  # the server's own words
+            assert server.refused
+            assert s.get(keys[0]) == small and s.get(keys[1]) == large  # nothing lost
+        refused = len(server.refused)
+        cfg = make_config(ndev=2, archive_url=url + "&checksums=when_required", extra=extra)
+        with kvfs.open_store_sync(cfg) as s:
+            assert s.spill("agent") > 0
+            s.evict(session="agent")
+            assert {p.tier for p in s.list(session="agent")} == {"archive"}
+            assert s.restore("agent") > 0
+            assert s.get(keys[0]) == small and s.get(keys[1]) == large
+        assert len(server.refused) == refused  # not one checksum header sent
+    finally:
+        server.close()

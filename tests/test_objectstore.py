@@ -217,6 +217,7 @@ async def test_options_are_parsed_and_checked(tmp_path: Path) -> None:
         ("s3://b?sse=AES256&sse_kms_key_id=k", "sse_kms_key_id needs sse=aws:kms"),
         ("s3://b?storage_class=deep_archive", "DEEP_ARCHIVE: such objects must be restored"),
         ("s3://b?storage_class=GLACIER", "GLACIER: such objects must be restored"),
+        ("s3://b?checksums=off", "checksums must be when_supported or when_required"),
     ]:
         with pytest.raises(ValueError, match=match):
             await open_objectstore(url)
