@@ -14,6 +14,7 @@ import builtins
 import contextlib
 import email.utils
 import functools
+import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
@@ -38,6 +39,8 @@ from ._abc import (
 from ._retry import Backoff, retry
 
 __all__ = ["S3Store"]
+
+log = logging.getLogger("kvfs.archive")
 
 T = TypeVar("T")
 MiB = 1 << 20
@@ -86,6 +89,10 @@ def _code(e: BaseException) -> str:
     if isinstance(e, bce.ClientError):
         return str(e.response.get("Error", {}).get("Code", ""))
     return ""
+
+
+#: what :attr:`S3Store._lacks` holds for a server that refuses If-None-Match on a put
+_CONDITIONAL = "conditional writes"
 
 
 def _checksum_config(checksums: str | None) -> dict[str, str]:
@@ -187,7 +194,8 @@ def _readable_class(name: str) -> str:
 
 
 def is_temporary(e: BaseException) -> bool:
-    """Connection trouble, timeouts, 5xx and throttling are temporary; the rest permanent."""
+    """Connection trouble, timeouts, 5xx (but 501, not implemented) and throttling are
+    temporary; the rest permanent."""
     if isinstance(
         e,
         (
@@ -207,6 +215,8 @@ def is_temporary(e: BaseException) -> bool:
     ):
         return not isinstance(e, ArchiveUnavailable)
     if isinstance(e, bce.ClientError):
+        if _status(e) == 501 or _code(e) == "NotImplemented":  # (no retry will have it)
+            return False
         return _code(e) in _TEMP_CODES or _status(e) >= 500 or _status(e) == 429
     return False
 
@@ -247,6 +257,7 @@ class S3Store(ObjectStore):
         encryption: dict[str, str] | None = None,
         cold_class: str | None = None,
         in_flight: builtins.set[str] | None = None,
+        lacks: builtins.set[str] | None = None,
     ) -> None:
         self._client = client
         self.bucket = bucket
@@ -263,6 +274,8 @@ class S3Store(ObjectStore):
         #: upload ids of this process's multipart puts in flight (shared with the stores
         #: at_prefix makes): never a stale upload to abort, whatever the server's clock says
         self._in_flight = in_flight if in_flight is not None else builtins.set()
+        #: what this server turned out not to do ("conditional writes"; shared likewise)
+        self._lacks = lacks if lacks is not None else builtins.set()
 
     @classmethod
     async def open(
@@ -401,6 +414,7 @@ class S3Store(ObjectStore):
             encryption=self.encryption,
             cold_class=self.cold_class,
             in_flight=self._in_flight,
+            lacks=self._lacks,
         )
 
     async def _with_reason(self, e: bce.ClientError, client: Any = None) -> bce.ClientError:
@@ -559,6 +573,12 @@ class S3Store(ObjectStore):
     ) -> bool:
         k = self._key(key)
         cond: dict[str, Any] = {"IfNoneMatch": "*"} if if_absent else {}
+        if if_absent and _CONDITIONAL in self._lacks:
+            # (a HEAD first, as for a multipart put: the objects put if absent are named by
+            # their content, so a race between hosts stores the same bytes twice at worst)
+            if await self.exists(key):
+                return False
+            cond = {}
         # (how the object is kept: encryption, and for a page's object its storage class)
         how: dict[str, Any] = {
             **self.encryption,
@@ -580,6 +600,18 @@ class S3Store(ObjectStore):
         except bce.ClientError as e:
             if if_absent and (_code(e) == "PreconditionFailed" or _status(e) == 412):
                 return False
+            if cond and (_status(e) == 501 or _code(e) == "NotImplemented"):
+                # A server without S3's conditional writes (AWS before August 2024, some
+                # gateways) refuses If-None-Match: every spill failed. Put as it can take.
+                if _CONDITIONAL not in self._lacks:
+                    self._lacks.add(_CONDITIONAL)
+                    log.warning(
+                        "%s does not take conditional puts (If-None-Match: %s): objects "
+                        "named by their content are checked for first instead",
+                        self.url,
+                        _code(e) or _status(e),
+                    )
+                return await self.put(key, data, if_absent=True, cold=cold)
             raise self._permanent(e, f"put {key}", "s3:PutObject", key) from e
 
     async def _put_multipart(

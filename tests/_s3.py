@@ -25,7 +25,7 @@ import boto3
 from moto.server import ThreadedMotoServer
 
 __all__ = [
-    "ChecksumRefusingServer",
+    "OlderS3Server",
     "S3Server",
     "SilentServer",
     "TcpProxy",
@@ -306,16 +306,37 @@ class TcpProxy:
 _CHECKSUM_HEADERS = ("x-amz-checksum-", "x-amz-sdk-checksum-", "x-amz-trailer")
 
 
-class ChecksumRefusingServer:
-    """An S3-compatible server that predates S3's additional checksums (Backblaze B2, older
-    Ceph RGW and MinIO releases, several clouds' S3 gateways): moto behind an HTTP proxy
-    that refuses every request carrying one of their headers as B2 does (400
-    InvalidArgument, "Unsupported header ... received for this API call."), and forwards
-    the others. ``refused`` holds the request lines it refused, ``forwarded`` counts the
-    others."""
+def _refuse_checksums(headers: list[str]) -> tuple[int, str, str] | None:
+    """Backblaze B2's answer to a request with S3's additional checksums."""
+    bad = [h for h in headers if h.startswith(_CHECKSUM_HEADERS)]
+    if bad:
+        return 400, "InvalidArgument", f"Unsupported header '{bad[0]}' received for this API call."
+    return None
 
-    def __init__(self, target: str) -> None:
+
+def _refuse_conditional(headers: list[str]) -> tuple[int, str, str] | None:
+    """AWS's answer to a conditional put before August 2024 (some gateways' still)."""
+    if "if-none-match" in headers:
+        return (
+            501,
+            "NotImplemented",
+            "A header you provided implies functionality that is not implemented",
+        )
+    return None
+
+
+class OlderS3Server:
+    """An S3-compatible server that lacks something boto3 or kvfs may use: moto behind an
+    HTTP proxy that refuses every request carrying ``refuses``' headers with the answer
+    real servers give, and forwards the others. ``checksums``: S3's additional checksums,
+    refused as Backblaze B2 does (older Ceph RGW and MinIO releases and several clouds'
+    gateways refuse them too); ``conditional``: a put with ``If-None-Match``, as AWS did
+    before August 2024. ``refused`` holds the request lines it refused, ``forwarded``
+    counts the others."""
+
+    def __init__(self, target: str, refuses: str) -> None:
         host, port = target.removeprefix("http://").split(":")
+        refuse = {"checksums": _refuse_checksums, "conditional": _refuse_conditional}[refuses]
         outer = self
         self.refused: list[str] = []
         self.forwarded = 0
@@ -327,15 +348,15 @@ class ChecksumRefusingServer:
                 pass
 
             def _any(self) -> None:
-                bad = [h for h in self.headers if h.lower().startswith(_CHECKSUM_HEADERS)]
-                if bad:
+                answer = refuse([h.lower() for h in self.headers])
+                if answer is not None:
                     outer.refused.append(self.requestline)
+                    status, code, message = answer
                     body = (
-                        '<?xml version="1.0" encoding="UTF-8"?><Error><Code>InvalidArgument'
-                        f"</Code><Message>Unsupported header '{bad[0].lower()}' received for "
-                        "this API call.</Message></Error>"
+                        '<?xml version="1.0" encoding="UTF-8"?><Error><Code>'
+                        f"{code}</Code><Message>{message}</Message></Error>"
                     ).encode()
-                    self.send_response(400)
+                    self.send_response(status)
                     self.send_header("Content-Type", "application/xml")
                     self.send_header("Content-Length", str(len(body)))
                     self.send_header("Connection", "close")

@@ -490,9 +490,9 @@ def test_a_server_refusing_boto3s_default_checksums_is_named_and_the_option_fixe
     stop the headers. The error now names the fix, and ``checksums=when_required`` on the
     archive URL spills and restores there, single-part and multipart, through the upload
     workers too, verified as always by kvfs's own checksums."""
-    from _s3 import ChecksumRefusingServer
+    from _s3 import OlderS3Server
 
-    server = ChecksumRefusingServer(s3_server.endpoint)
+    server = OlderS3Server(s3_server.endpoint, refuses="checksums")
     try:
         bucket = s3_server.new_bucket()
         url = (
@@ -520,5 +520,51 @@ def test_a_server_refusing_boto3s_default_checksums_is_named_and_the_option_fixe
             assert s.restore("agent") > 0
             assert s.get(keys[0]) == small and s.get(keys[1]) == large
         assert len(server.refused) == refused  # not one checksum header sent
+    finally:
+        server.close()
+
+
+def test_a_server_without_conditional_puts_still_takes_spills(
+    s3_server: Any, make_config: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """kvfs uploads content-named objects with If-None-Match: *, which AWS refused with 501
+    NotImplemented before August 2024, as some S3 gateways still do: every spill failed.
+    Now the store learns it once (one WARNING), checks for the object first instead, and
+    spills and restores there, single-part and multipart; content already there is still
+    not uploaded again."""
+    import logging
+
+    from _s3 import OlderS3Server
+
+    caplog.set_level(logging.WARNING, logger="kvfs")
+    server = OlderS3Server(s3_server.endpoint, refuses="conditional")
+    try:
+        bucket = s3_server.new_bucket()
+        url = (
+            f"s3://{bucket}/p?endpoint={server.endpoint}&addressing=path&deadline=30"
+            f"&multipart_threshold={5 << 20}&part_size={5 << 20}"
+        )
+        small, large = os.urandom(300 * KiB), os.urandom(12 << 20)
+        extra = {"archive": {"interval": 0, "upload_processes": 0}}
+        with kvfs.open_store_sync(make_config(ndev=2, archive_url=url, extra=extra)) as s:
+            s.put(PageKey.semantic("a", "p", 0), small)
+            s.put(PageKey.semantic("a", "p", 1), large)
+            assert s.spill("a") > 0
+            assert server.refused  # (it was asked)
+            s.evict(session="a")
+            assert s.restore("a") > 0
+            assert s.get(PageKey.semantic("a", "p", 0)) == small
+            assert s.get(PageKey.semantic("a", "p", 1)) == large
+        blobs = s3_server.keys(bucket, "p/blobs/")
+        # another host, the same content: found there, not uploaded again
+        cfg = make_config(ndev=2, name="other", archive_url=url, extra=extra)
+        with kvfs.open_store_sync(cfg) as s:
+            s.put(PageKey.semantic("b", "p", 0), small)
+            s.spill("b")
+            s.evict(session="b")
+            assert s3_server.keys(bucket, "p/blobs/") == blobs
+            assert s.get(PageKey.semantic("b", "p", 0)) == small
+        warned = [r for r in caplog.records if "conditional puts" in r.getMessage()]
+        assert len(warned) == 2, warned  # (once a store)
     finally:
         server.close()
