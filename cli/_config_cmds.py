@@ -1,17 +1,21 @@
 """``kvfs config``: the effective configuration (defaults < file < environment < flags).
 
-Secrets are masked; each value says where it came from.
+Secrets are masked; each value says where it came from. ``--check`` tries it instead
+(cli/_check.py): the directories written to, FUSE, the daemon, the archive's round trip.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
+from pathlib import Path
 
+import kvfs
 from kvfs._settings import OPTIONS, as_toml, masked
 
 from ._target import add_store_flags, settings_from_args
-from ._util import print_json
+from ._util import print_json, print_table
 
 __all__ = ["register"]
 
@@ -21,6 +25,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         "config",
         help="show the configuration the files, environment and flags give (secrets masked); "
         "a running daemon's own settings and mount flags show in kvfs stats",
+    )
+    p.add_argument(
+        "--check",
+        action="store_true",
+        help="try it instead of showing it: write to each data directory as the store does "
+        "(O_DIRECT), look for FUSE and fusermount3, and store, read back and delete one "
+        "object in the archive; exit 1 if anything would fail",
     )
     add_store_flags(p, modes=False)
     p.set_defaults(func=cmd_config)
@@ -36,6 +47,8 @@ def cmd_config(args: argparse.Namespace) -> int:
         index = socket = "(none: the configuration is not valid)"
     else:
         problem, index, socket = None, str(cfg.index_path), str(s.socket_path())
+        if args.check:
+            return _check(cfg, s.socket_path(), args.json)
     if args.json:
         print_json(
             {
@@ -58,3 +71,16 @@ def cmd_config(args: argparse.Namespace) -> int:
         print(f"kvfs config: {problem}", file=sys.stderr)
         return 2
     return 0
+
+
+def _check(cfg: kvfs.StoreConfig, socket: Path, as_json: bool) -> int:
+    from ._check import run_checks
+
+    found = run_checks(cfg, socket)
+    if as_json:
+        print_json([dataclasses.asdict(c) for c in found])
+    else:
+        print_table(
+            ["CHECK", "STATUS", "DETAIL"], [[c.check, c.status.upper(), c.detail] for c in found]
+        )
+    return 1 if any(c.status == "fail" for c in found) else 0

@@ -11,6 +11,7 @@ import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -1175,3 +1176,65 @@ def test_offline_fsck_finds_local_damage_while_the_archive_is_unreachable_and_re
     assert rc == 0, out
     assert run("get", "sessions/a/p/layer-000", "back", *up)[0] == 0
     assert (tmp_path / "back").read_bytes() == (tmp_path / "f").read_bytes()
+
+
+def test_config_check_tries_the_directories_and_the_archive(
+    run: Run, tmp_path: Path, s3_server: Any
+) -> None:
+    """`kvfs config --check` writes to each data directory as the store does, and stores,
+    reads back and deletes one object in the archive: what would fail says why (exit 1),
+    before a daemon is started on it. A read-only data directory, two on one file system,
+    a server refusing boto3's default checksums (with the option that fixes it) and one
+    without conditional puts are each named; a good configuration exits 0, leaving nothing
+    behind."""
+    from _s3 import OlderS3Server
+
+    def checks(*argv: str) -> tuple[int, dict[str, list[dict[str, str]]]]:
+        rc, out, _ = run("config", "--check", "--json", *argv)
+        by: dict[str, list[dict[str, str]]] = {}
+        for c in json.loads(out):
+            by.setdefault(c["check"].split(":")[0], []).append(c)
+        return rc, by
+
+    bucket = s3_server.new_bucket()
+    good = f"s3://{bucket}/p?endpoint={s3_server.endpoint}"
+    (tmp_path / "d0").mkdir()
+    rc, by = checks("--data", f"{tmp_path}/d0,{tmp_path}/d1", "--archive", good)
+    assert rc == 0, by
+    assert [c["status"] for c in by["data dir 0"]] == ["ok"]
+    assert "writable with O_DIRECT" in by["data dir 0"][0]["detail"]
+    assert "not there yet" in by["data dir 1"][0]["detail"]
+    assert not (tmp_path / "d1").exists()  # (a check makes nothing)
+    assert by["data dir 1"][1]["status"] == "warn"  # the same file system as d0
+    assert by["archive round trip"][0]["status"] == "ok"
+    assert s3_server.keys(bucket) == [] and os.listdir(tmp_path / "d0") == []
+
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    subprocess.run(["mount", "--bind", str(ro), str(ro)], check=True)
+    try:
+        subprocess.run(["mount", "-o", "remount,ro,bind", str(ro)], check=True)
+        rc, by = checks("--data", str(ro), "--archive", "")
+        assert rc == 1 and by["data dir 0"][0]["status"] == "fail"
+        assert "Read-only file system" in by["data dir 0"][0]["detail"]
+    finally:
+        subprocess.run(["umount", str(ro)], check=True)
+
+    for refuses, status, words in [
+        ("checksums", "fail", "checksums=when_required"),
+        ("conditional", "warn", "refuses If-None-Match"),
+    ]:
+        server = OlderS3Server(s3_server.endpoint, refuses=refuses)
+        try:
+            url = f"s3://{bucket}/p?endpoint={server.endpoint}&deadline=5"
+            rc, by = checks("--data", f"{tmp_path}/d0", "--archive", url)
+            found = [c for c in sum(by.values(), []) if words in c["detail"]]
+            assert found and found[0]["status"] == status, by
+            assert rc == (1 if status == "fail" else 0)
+            rc, by = checks(
+                "--data", f"{tmp_path}/d0", "--archive", url + "&checksums=when_required"
+            )
+            assert by["archive round trip"][0]["status"] == "ok", by
+        finally:
+            server.close()
+    assert s3_server.keys(bucket) == []
