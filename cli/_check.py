@@ -88,44 +88,40 @@ def _why(e: OSError, direct: bool) -> str:
     return f"{e.strerror or e}"
 
 
+def _directory(what: str, d: Path, direct: bool) -> tuple[Check, os.statvfs_result | None, int]:
+    """The check of one directory the store writes to, its file system's statvfs and
+    device (None, 0 when it cannot be read)."""
+    here = _existing(d.absolute())
+    try:
+        st = os.statvfs(here)
+        dev = os.stat(here).st_dev
+    except OSError as e:
+        return Check(what, "fail", f"cannot be read: {e.strerror}"), None, 0
+    where = f"{fs_type(here) or '?'}, {fmt_bytes(st.f_bavail * st.f_frsize)} free"
+    if here != d.absolute():
+        if os.access(here, os.W_OK | os.X_OK):
+            return Check(what, "ok", f"not there yet; it will be made in {here} ({where})"), st, dev
+        return Check(what, "fail", f"not there, and {here} is not writable"), st, dev
+    try:
+        _probe_write(d, direct)
+    except OSError as e:
+        return Check(what, "fail", _why(e, direct)), st, dev
+    return Check(what, "ok", f"writable{' with O_DIRECT' * direct} ({where})"), st, dev
+
+
 def _directories(cfg: kvfs.StoreConfig) -> list[Check]:
     out: list[Check] = []
     seen: dict[int, int] = {}  # st_dev -> the first data directory on it
     total = 0
     for i, d in enumerate(Path(p) for p in cfg.data_dirs):
-        what = f"data dir {i}: {d}"
-        here = _existing(d.absolute())
-        try:
-            st = os.statvfs(here)
-            dev = os.stat(here).st_dev
-        except OSError as e:
-            out.append(Check(what, "fail", f"cannot be read: {e.strerror}"))
+        check, st, dev = _directory(f"data dir {i}: {d}", d, cfg.direct_io)
+        out.append(check)
+        if st is None:
             continue
-        free = st.f_bavail * st.f_frsize
-        where = f"{fs_type(here) or '?'}, {fmt_bytes(free)} free"
-        if here != d.absolute():
-            ok = os.access(here, os.W_OK | os.X_OK)
-            out.append(
-                Check(
-                    what,
-                    "ok" if ok else "fail",
-                    f"not there yet; it will be made in {here} ({where})"
-                    if ok
-                    else f"not there, and {here} is not writable",
-                )
-            )
-        else:
-            try:
-                _probe_write(d, cfg.direct_io)
-                out.append(
-                    Check(what, "ok", f"writable{' with O_DIRECT' * cfg.direct_io} ({where})")
-                )
-            except OSError as e:
-                out.append(Check(what, "fail", _why(e, cfg.direct_io)))
         if dev in seen:
             out.append(
                 Check(
-                    what,
+                    check.check,
                     "warn",
                     f"on the same file system as data dir {seen[dev]}: pages striped over both "
                     "share one device's bandwidth (one directory per NVMe device)",
@@ -135,12 +131,8 @@ def _directories(cfg: kvfs.StoreConfig) -> list[Check]:
             seen[dev] = i
             total += st.f_blocks * st.f_frsize
     index = cfg.index_path.parent
-    if index not in {Path(p) for p in cfg.data_dirs} and index.exists():
-        try:
-            _probe_write(index, False)
-            out.append(Check(f"index dir: {index}", "ok", "writable"))
-        except OSError as e:
-            out.append(Check(f"index dir: {index}", "fail", _why(e, False)))
+    if index not in {Path(p) for p in cfg.data_dirs}:
+        out.append(_directory(f"index dir: {index}", index, False)[0])
     if cfg.capacity and total and cfg.capacity > total:
         out.append(
             Check(
