@@ -788,7 +788,8 @@ class Spiller:
         """Abort what puts cut short left in the archive more than UPLOAD_STALE_SECONDS ago
         (kvfs/objectstore: a killed upload worker's incomplete multipart uploads, billed by
         S3 and listed nowhere else). Returns how many went; never raises. Credentials that
-        may not do it get one warning, and the bucket's lifecycle rule is then the way."""
+        may not do it get one warning, and the bucket's lifecycle rule is then the way (as
+        for a server that cannot: the store says so once, and finds nothing after)."""
         if self._sweep_denied:
             return 0
         try:

@@ -93,6 +93,12 @@ def _code(e: BaseException) -> str:
 
 #: what :attr:`S3Store._lacks` holds for a server that refuses If-None-Match on a put
 _CONDITIONAL = "conditional writes"
+#: ... and for one that answers ListMultipartUploads 501 (some S3 gateways)
+_UPLOAD_LISTING = "listing incomplete uploads"
+
+
+def _not_implemented(e: BaseException) -> bool:
+    return _status(e) == 501 or _code(e) == "NotImplemented"
 
 
 def _checksum_config(checksums: str | None) -> dict[str, str]:
@@ -600,7 +606,7 @@ class S3Store(ObjectStore):
         except bce.ClientError as e:
             if if_absent and (_code(e) == "PreconditionFailed" or _status(e) == 412):
                 return False
-            if cond and (_status(e) == 501 or _code(e) == "NotImplemented"):
+            if cond and _not_implemented(e):
                 # A server without S3's conditional writes (AWS before August 2024, some
                 # gateways) refuses If-None-Match: every spill failed. Put as it can take.
                 if _CONDITIONAL not in self._lacks:
@@ -683,6 +689,8 @@ class S3Store(ObjectStore):
         # nothing else either).
         kw: dict[str, Any] = {"Bucket": self.bucket, "Prefix": self.prefix + prefix}
         gone = 0
+        if _UPLOAD_LISTING in self._lacks:
+            return 0
         while True:
             try:
                 r = await self._call(
@@ -692,6 +700,18 @@ class S3Store(ObjectStore):
                     **kw,
                 )
             except bce.ClientError as e:
+                if _not_implemented(e):
+                    # (some gateways: every sweep, at each start and hourly, was an error)
+                    if _UPLOAD_LISTING not in self._lacks:
+                        self._lacks.add(_UPLOAD_LISTING)
+                        log.warning(
+                            "%s does not list incomplete multipart uploads (%s): those of "
+                            "killed puts are left to the bucket's lifecycle rule "
+                            "(AbortIncompleteMultipartUpload: docs/archive.md), if it has one",
+                            self.url,
+                            _code(e) or _status(e),
+                        )
+                    return 0
                 raise self._permanent(
                     e, "list incomplete multipart uploads", "s3:ListBucketMultipartUploads"
                 ) from e

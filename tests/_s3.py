@@ -20,6 +20,7 @@ import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from urllib.parse import parse_qs, urlsplit
 
 import boto3
 from moto.server import ThreadedMotoServer
@@ -302,11 +303,14 @@ class TcpProxy:
         self.down()
 
 
+#: (status, S3 error code, message) of an answer that refuses a request
+Answer = tuple[int, str, str]
+
 #: the request headers of the integrity checksums boto3 sends by default since 1.36
 _CHECKSUM_HEADERS = ("x-amz-checksum-", "x-amz-sdk-checksum-", "x-amz-trailer")
 
 
-def _refuse_checksums(headers: list[str]) -> tuple[int, str, str] | None:
+def _refuse_checksums(method: str, path: str, headers: list[str]) -> Answer | None:
     """Backblaze B2's answer to a request with S3's additional checksums."""
     bad = [h for h in headers if h.startswith(_CHECKSUM_HEADERS)]
     if bad:
@@ -314,7 +318,7 @@ def _refuse_checksums(headers: list[str]) -> tuple[int, str, str] | None:
     return None
 
 
-def _refuse_conditional(headers: list[str]) -> tuple[int, str, str] | None:
+def _refuse_conditional(method: str, path: str, headers: list[str]) -> Answer | None:
     """AWS's answer to a conditional put before August 2024 (some gateways' still)."""
     if "if-none-match" in headers:
         return (
@@ -325,18 +329,32 @@ def _refuse_conditional(headers: list[str]) -> tuple[int, str, str] | None:
     return None
 
 
+def _refuse_upload_listing(method: str, path: str, headers: list[str]) -> Answer | None:
+    """Some S3 gateways' answer to ListMultipartUploads (``GET /bucket?uploads``)."""
+    if method == "GET" and "uploads" in parse_qs(urlsplit(path).query, keep_blank_values=True):
+        return 501, "NotImplemented", "ListMultipartUploads is not implemented"
+    return None
+
+
+_REFUSALS = {
+    "checksums": _refuse_checksums,
+    "conditional": _refuse_conditional,
+    "upload listing": _refuse_upload_listing,
+}
+
+
 class OlderS3Server:
     """An S3-compatible server that lacks something boto3 or kvfs may use: moto behind an
-    HTTP proxy that refuses every request carrying ``refuses``' headers with the answer
+    HTTP proxy that refuses every request of the kind ``refuses`` names with the answer
     real servers give, and forwards the others. ``checksums``: S3's additional checksums,
     refused as Backblaze B2 does (older Ceph RGW and MinIO releases and several clouds'
     gateways refuse them too); ``conditional``: a put with ``If-None-Match``, as AWS did
-    before August 2024. ``refused`` holds the request lines it refused, ``forwarded``
-    counts the others."""
+    before August 2024; ``upload listing``: ListMultipartUploads, as some gateways do.
+    ``refused`` holds the request lines it refused, ``forwarded`` counts the others."""
 
     def __init__(self, target: str, refuses: str) -> None:
         host, port = target.removeprefix("http://").split(":")
-        refuse = {"checksums": _refuse_checksums, "conditional": _refuse_conditional}[refuses]
+        refuse = _REFUSALS[refuses]
         outer = self
         self.refused: list[str] = []
         self.forwarded = 0
@@ -348,7 +366,7 @@ class OlderS3Server:
                 pass
 
             def _any(self) -> None:
-                answer = refuse([h.lower() for h in self.headers])
+                answer = refuse(self.command, self.path, [h.lower() for h in self.headers])
                 if answer is not None:
                     outer.refused.append(self.requestline)
                     status, code, message = answer

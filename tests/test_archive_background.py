@@ -535,6 +535,44 @@ def test_credentials_that_may_not_abort_uploads_cost_one_warning(
     assert "s3:ListBucketMultipartUploads" in lines[0]
 
 
+def test_a_server_that_cannot_list_incomplete_uploads_costs_one_warning(
+    make_config: Config, s3_server: object, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Some S3 gateways answer ListMultipartUploads 501 NotImplemented: the sweep of
+    incomplete uploads failed at every start and every hour after, each time an error
+    counted and logged. Now the store says so once, asks no more, and works on."""
+    from _s3 import OlderS3Server
+
+    server = OlderS3Server(s3_server.endpoint, refuses="upload listing")  # type: ignore[attr-defined]
+    bucket = s3_server.new_bucket()  # type: ignore[attr-defined]
+    url = f"s3://{bucket}/kv?endpoint={server.endpoint}&addressing=path"
+
+    async def main() -> None:
+        async with kvfs.open_store(archived_cfg(make_config, url, upload_processes=0)) as s:
+            spiller = s.engine.policy.spiller
+            with trio.fail_after(30):  # (the background task's sweep, at its start)
+                while not server.refused or not (
+                    (await s.statistics()).extra["archive"]["errors"]
+                    or any("lifecycle rule" in r.getMessage() for r in caplog.records)
+                ):
+                    await trio.sleep(0.05)
+            assert await spiller.sweep_uploads() == 0
+            assert len(server.refused) == 1  # not asked again
+            await s.put(PageKey.semantic("a", "p", 0), b"kv")
+            assert await s.spill("a") > 0
+            assert await s.get(PageKey.semantic("a", "p", 0)) == b"kv"
+            assert (await s.statistics()).extra["archive"]["errors"] == 0
+
+    try:
+        with caplog.at_level("WARNING", "kvfs"):
+            trio.run(main)
+    finally:
+        server.close()
+    lines = [r.getMessage() for r in caplog.records if "lifecycle rule" in r.getMessage()]
+    assert len(lines) == 1, lines
+    assert "NotImplemented" in lines[0]
+
+
 def _documented_policy(bucket: str, prefix: str) -> list[dict[str, Any]]:
     """The least-privilege policy docs/archive.md gives, for ``s3://bucket/prefix``."""
     text = (Path(__file__).parent.parent / "docs" / "archive.md").read_text()
