@@ -70,6 +70,24 @@ _DENIED = {
     "AccountProblem",
 }
 
+#: error codes S3 answers with a 4xx, which no retry changes: botocore turns a 200 whose
+#: body is an error (a CompleteMultipartUpload that fails once MinIO or Ceph RGW has sent
+#: its 200 and then spaces to keep the connection; AWS may too) into a 500 of that code
+_CLIENT_CODES = {
+    "InvalidPart",
+    "InvalidPartOrder",
+    "EntityTooSmall",
+    "EntityTooLarge",
+    "NoSuchUpload",
+    "NoSuchKey",
+    "NoSuchBucket",
+    "InvalidArgument",
+    "InvalidRequest",
+    "MalformedXML",
+    "PreconditionFailed",
+    "InvalidStorageClass",
+}
+
 #: Refusals of the credentials themselves, whatever the request: the cause, and the two
 #: places such a key is usually set (the environment, or the shared credentials file).
 _WRONG_KEY = {
@@ -200,8 +218,8 @@ def _readable_class(name: str) -> str:
 
 
 def is_temporary(e: BaseException) -> bool:
-    """Connection trouble, timeouts, 5xx (but 501, not implemented) and throttling are
-    temporary; the rest permanent."""
+    """Connection trouble, timeouts, 5xx (but 501, not implemented, and an error S3 gives
+    with a 4xx, as in a 200's body) and throttling are temporary; the rest permanent."""
     if isinstance(
         e,
         (
@@ -221,8 +239,8 @@ def is_temporary(e: BaseException) -> bool:
     ):
         return not isinstance(e, ArchiveUnavailable)
     if isinstance(e, bce.ClientError):
-        if _status(e) == 501 or _code(e) == "NotImplemented":  # (no retry will have it)
-            return False
+        if _not_implemented(e) or _code(e) in _CLIENT_CODES or _code(e) in _DENIED:
+            return False  # (no retry will have it, whatever the status)
         return _code(e) in _TEMP_CODES or _status(e) >= 500 or _status(e) == 429
     return False
 

@@ -336,10 +336,26 @@ def _refuse_upload_listing(method: str, path: str, headers: list[str]) -> Answer
     return None
 
 
+def _refuse_completion(method: str, path: str, headers: list[str]) -> Answer | None:
+    """A CompleteMultipartUpload (``POST ...?uploadId=``) that fails after the server has
+    answered 200 (MinIO and Ceph RGW send the status at once, then spaces to keep the
+    connection while they assemble the parts; AWS may too): the error is in the body."""
+    if method == "POST" and "uploadId" in parse_qs(urlsplit(path).query):
+        return (
+            200,
+            "InvalidPart",
+            "One or more of the specified parts could not be found. The part may not have "
+            "been uploaded, or the specified entity tag may not have matched the part's "
+            "entity tag.",
+        )
+    return None
+
+
 _REFUSALS = {
     "checksums": _refuse_checksums,
     "conditional": _refuse_conditional,
     "upload listing": _refuse_upload_listing,
+    "completion": _refuse_completion,
 }
 
 
@@ -349,8 +365,10 @@ class OlderS3Server:
     real servers give, and forwards the others. ``checksums``: S3's additional checksums,
     refused as Backblaze B2 does (older Ceph RGW and MinIO releases and several clouds'
     gateways refuse them too); ``conditional``: a put with ``If-None-Match``, as AWS did
-    before August 2024; ``upload listing``: ListMultipartUploads, as some gateways do.
-    ``refused`` holds the request lines it refused, ``forwarded`` counts the others."""
+    before August 2024; ``upload listing``: ListMultipartUploads, as some gateways do;
+    ``completion``: every CompleteMultipartUpload, with the error in a 200's body, as
+    MinIO and Ceph RGW answer one that fails. ``refused`` holds the request lines it
+    refused, ``forwarded`` counts the others."""
 
     def __init__(self, target: str, refuses: str) -> None:
         host, port = target.removeprefix("http://").split(":")

@@ -568,3 +568,35 @@ def test_a_server_without_conditional_puts_still_takes_spills(
         assert len(warned) == 2, warned  # (once a store)
     finally:
         server.close()
+
+
+def test_a_multipart_completion_refused_in_a_200_fails_at_once(
+    s3_server: Any, make_config: Any
+) -> None:
+    """MinIO and Ceph RGW answer a CompleteMultipartUpload 200 at once and, when it then
+    fails, put the error in the body (AWS may too); botocore makes that a 500, which kvfs
+    retried until its deadline whatever the error, here one that no retry changes
+    (InvalidPart). Now such an error is as permanent as it would be in a 4xx: the spill
+    fails at once naming it, the upload is aborted, and nothing is lost."""
+    from _s3 import OlderS3Server
+
+    server = OlderS3Server(s3_server.endpoint, refuses="completion")
+    try:
+        bucket = s3_server.new_bucket()
+        url = (
+            f"s3://{bucket}/p?endpoint={server.endpoint}&addressing=path&deadline=10"
+            f"&multipart_threshold={5 << 20}&part_size={5 << 20}"
+        )
+        large = os.urandom(12 << 20)
+        extra = {"archive": {"interval": 0, "upload_processes": 0}}
+        with kvfs.open_store_sync(make_config(ndev=2, archive_url=url, extra=extra)) as s:
+            s.put(PageKey.semantic("a", "p", 0), large)
+            with pytest.raises(kvfs.ArchiveUnavailable) as e:
+                s.spill("a")
+            assert "InvalidPart" in str(e.value) and "still failing" not in str(e.value)
+            assert len(server.refused) == 1, server.refused  # asked once, not retried
+            assert s.get(PageKey.semantic("a", "p", 0)) == large  # nothing lost
+        client = s3_server.client()
+        assert not client.list_multipart_uploads(Bucket=bucket).get("Uploads")  # aborted
+    finally:
+        server.close()
