@@ -496,7 +496,14 @@ class S3Store(ObjectStore):
             )
         else:
             why = f"{code or status}: {_message(e)}".strip()
-            if _refuses_checksums(e, self._client):
+            text = f"{code} {_message(e)}".lower()
+            if self.encryption and (status == 501 or "encrypt" in text or "kms" in text):
+                why += (
+                    " (the archive URL asks for server-side encryption, sse="
+                    f"{self.encryption['ServerSideEncryption']}, which this server does not "
+                    "do: remove the option, or set the server's encryption up (MinIO: a KMS))"
+                )
+            elif _refuses_checksums(e, self._client):
                 why += (
                     " (this server refuses the additional checksums boto3 sends by default "
                     "since 1.36, as older S3-compatible servers do: add checksums=when_required "
@@ -595,14 +602,41 @@ class S3Store(ObjectStore):
     async def put(
         self, key: str, data: bytes | memoryview, *, if_absent: bool = False, cold: bool = False
     ) -> bool:
+        conditional = if_absent and _CONDITIONAL not in self._lacks
+        try:
+            return await self._put(key, data, if_absent, cold, conditional=conditional)
+        except bce.ClientError as e:
+            if not (conditional and _not_implemented(e)):
+                raise self._permanent(e, f"put {key}", "s3:PutObject", key) from e
+            refusal = _code(e) or _status(e)
+        # A server without S3's conditional writes (AWS before August 2024, some gateways)
+        # refuses If-None-Match: every spill failed. Put as it can take. A 501 that this put
+        # meets too was not the condition's (MinIO's to sse= without a KMS).
+        try:
+            written = await self._put(key, data, if_absent, cold, conditional=False)
+        except bce.ClientError as e:
+            raise self._permanent(e, f"put {key}", "s3:PutObject", key) from e
+        if _CONDITIONAL not in self._lacks:
+            self._lacks.add(_CONDITIONAL)
+            log.warning(
+                "%s does not take conditional puts (If-None-Match: %s): objects named by "
+                "their content are checked for first instead",
+                self.url,
+                refusal,
+            )
+        return written
+
+    async def _put(
+        self, key: str, data: bytes | memoryview, if_absent: bool, cold: bool, *, conditional: bool
+    ) -> bool:
+        """:meth:`put`, with If-None-Match where ``conditional``, else a HEAD first where
+        ``if_absent``. Raises ClientError (but for a failed precondition: False)."""
         k = self._key(key)
-        cond: dict[str, Any] = {"IfNoneMatch": "*"} if if_absent else {}
-        if if_absent and _CONDITIONAL in self._lacks:
-            # (a HEAD first, as for a multipart put: the objects put if absent are named by
-            # their content, so a race between hosts stores the same bytes twice at worst)
-            if await self.exists(key):
-                return False
-            cond = {}
+        # (as for a multipart put: the objects put if absent are named by their content,
+        # so a race between hosts stores the same bytes twice at worst)
+        if if_absent and not conditional and await self.exists(key):
+            return False
+        cond: dict[str, Any] = {"IfNoneMatch": "*"} if conditional else {}
         # (how the object is kept: encryption, and for a page's object its storage class)
         how: dict[str, Any] = {
             **self.encryption,
@@ -624,19 +658,7 @@ class S3Store(ObjectStore):
         except bce.ClientError as e:
             if if_absent and (_code(e) == "PreconditionFailed" or _status(e) == 412):
                 return False
-            if cond and _not_implemented(e):
-                # A server without S3's conditional writes (AWS before August 2024, some
-                # gateways) refuses If-None-Match: every spill failed. Put as it can take.
-                if _CONDITIONAL not in self._lacks:
-                    self._lacks.add(_CONDITIONAL)
-                    log.warning(
-                        "%s does not take conditional puts (If-None-Match: %s): objects "
-                        "named by their content are checked for first instead",
-                        self.url,
-                        _code(e) or _status(e),
-                    )
-                return await self.put(key, data, if_absent=True, cold=cold)
-            raise self._permanent(e, f"put {key}", "s3:PutObject", key) from e
+            raise
 
     async def _put_multipart(
         self, key: str, k: str, mv: memoryview, cond: dict, how: dict[str, Any]

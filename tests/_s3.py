@@ -336,6 +336,13 @@ def _refuse_upload_listing(method: str, path: str, headers: list[str]) -> Answer
     return None
 
 
+def _refuse_encryption(method: str, path: str, headers: list[str]) -> Answer | None:
+    """MinIO's answer to a request for server-side encryption when it has no KMS."""
+    if "x-amz-server-side-encryption" in headers:
+        return 501, "NotImplemented", "Server side encryption specified but KMS is not configured"
+    return None
+
+
 def _refuse_completion(method: str, path: str, headers: list[str]) -> Answer | None:
     """A CompleteMultipartUpload (``POST ...?uploadId=``) that fails after the server has
     answered 200 (MinIO and Ceph RGW send the status at once, then spaces to keep the
@@ -356,6 +363,7 @@ _REFUSALS = {
     "conditional": _refuse_conditional,
     "upload listing": _refuse_upload_listing,
     "completion": _refuse_completion,
+    "encryption": _refuse_encryption,
 }
 
 
@@ -367,7 +375,8 @@ class OlderS3Server:
     gateways refuse them too); ``conditional``: a put with ``If-None-Match``, as AWS did
     before August 2024; ``upload listing``: ListMultipartUploads, as some gateways do;
     ``completion``: every CompleteMultipartUpload, with the error in a 200's body, as
-    MinIO and Ceph RGW answer one that fails. ``refused`` holds the request lines it
+    MinIO and Ceph RGW answer one that fails; ``encryption``: a request for server-side
+    encryption, as MinIO without a KMS does. ``refused`` holds the request lines it
     refused, ``forwarded`` counts the others."""
 
     def __init__(self, target: str, refuses: str) -> None:

@@ -600,3 +600,38 @@ def test_a_multipart_completion_refused_in_a_200_fails_at_once(
         assert not client.list_multipart_uploads(Bucket=bucket).get("Uploads")  # aborted
     finally:
         server.close()
+
+
+def test_a_server_without_encryption_is_named_not_taken_for_one_without_conditional_puts(
+    s3_server: Any, make_config: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """MinIO without a KMS answers a put asking for server-side encryption (``sse=``) 501
+    NotImplemented, the answer AWS gave a conditional put before August 2024: the store
+    warned that the server "does not take conditional puts", believed it from then on, and
+    the spill failed with the server's words alone. Now a 501 that the put without
+    If-None-Match meets too is not the condition's, and the error names the option."""
+    import logging
+
+    from _s3 import OlderS3Server
+
+    caplog.set_level(logging.WARNING, logger="kvfs")
+    server = OlderS3Server(s3_server.endpoint, refuses="encryption")
+    try:
+        bucket = s3_server.new_bucket()
+        url = (
+            f"s3://{bucket}/p?endpoint={server.endpoint}&addressing=path&deadline=30"
+            f"&multipart_threshold={5 << 20}&part_size={5 << 20}&sse=AES256"
+        )
+        small, large = os.urandom(300 * KiB), os.urandom(12 << 20)
+        extra = {"archive": {"interval": 0, "upload_processes": 0}}
+        with kvfs.open_store_sync(make_config(ndev=2, archive_url=url, extra=extra)) as s:
+            for i, data in enumerate((small, large)):
+                s.put(PageKey.semantic(f"s{i}", "p", 0), data)
+                with pytest.raises(kvfs.ArchiveUnavailable) as e:
+                    s.spill(f"s{i}")
+                assert "KMS is not configured" in str(e.value)  # the server's words
+                assert "sse=" in str(e.value), e.value  # and the option that asked
+                assert s.get(PageKey.semantic(f"s{i}", "p", 0)) == data  # nothing lost
+        assert not [r for r in caplog.records if "conditional puts" in r.getMessage()]
+    finally:
+        server.close()
