@@ -838,7 +838,15 @@ class S3Store(ObjectStore):
                 yield obj
             if not r.get("IsTruncated"):
                 return
-            token = r["NextContinuationToken"]
+            last, token = token, r.get("NextContinuationToken")
+            if not token or token == last:
+                # (a server without ListObjectsV2 answers as ListObjects does: a KeyError
+                # escaped, and one that repeats its token would be listed for ever)
+                raise ArchiveUnavailable(
+                    f"list {prefix or '(all)'} on {self.url}: the server says the listing "
+                    "goes on but gives no new continuation token: it does not do "
+                    "ListObjectsV2, which kvfs needs"
+                )
 
     async def aclose(self) -> None:
         client, self._client = self._client, None

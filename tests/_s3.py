@@ -17,10 +17,10 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from urllib.parse import parse_qs, urlsplit
+from urllib.parse import parse_qs, urlencode, urlsplit
 
 import boto3
 from moto.server import ThreadedMotoServer
@@ -358,12 +358,27 @@ def _refuse_completion(method: str, path: str, headers: list[str]) -> Answer | N
     return None
 
 
-_REFUSALS = {
+def _listing_v1(method: str, path: str, headers: list[str]) -> str | None:
+    """A server that does not do ListObjectsV2 (Ceph RGW before Luminous, some gateways):
+    it ignores ``list-type=2`` and its continuation token and answers as ListObjects does,
+    with no continuation token. Returns the path forwarded instead."""
+    u = urlsplit(path)
+    q = parse_qs(u.query, keep_blank_values=True)
+    if method != "GET" or q.get("list-type") != ["2"]:
+        return None
+    kept = [
+        (k, v) for k, vs in q.items() for v in vs if k not in ("list-type", "continuation-token")
+    ]
+    return u.path + ("?" + urlencode(kept) if kept else "")
+
+
+_REFUSALS: dict[str, Callable[[str, str, list[str]], Answer | str | None]] = {
     "checksums": _refuse_checksums,
     "conditional": _refuse_conditional,
     "upload listing": _refuse_upload_listing,
     "completion": _refuse_completion,
     "encryption": _refuse_encryption,
+    "listing v1": _listing_v1,
 }
 
 
@@ -376,8 +391,9 @@ class OlderS3Server:
     before August 2024; ``upload listing``: ListMultipartUploads, as some gateways do;
     ``completion``: every CompleteMultipartUpload, with the error in a 200's body, as
     MinIO and Ceph RGW answer one that fails; ``encryption``: a request for server-side
-    encryption, as MinIO without a KMS does. ``refused`` holds the request lines it
-    refused, ``forwarded`` counts the others."""
+    encryption, as MinIO without a KMS does; ``listing v1``: a ListObjectsV2 answered as
+    ListObjects (V1), as servers without V2 do. ``refused`` holds the request lines it
+    refused (or rewrote), ``forwarded`` counts the others."""
 
     def __init__(self, target: str, refuses: str) -> None:
         host, port = target.removeprefix("http://").split(":")
@@ -394,6 +410,10 @@ class OlderS3Server:
 
             def _any(self) -> None:
                 answer = refuse(self.command, self.path, [h.lower() for h in self.headers])
+                path = self.path
+                if isinstance(answer, str):  # (a request forwarded as another)
+                    outer.refused.append(self.requestline)
+                    path, answer = answer, None
                 if answer is not None:
                     outer.refused.append(self.requestline)
                     status, code, message = answer
@@ -413,7 +433,7 @@ class OlderS3Server:
                 data = self.rfile.read(n) if n else None
                 up = http.client.HTTPConnection(host, int(port), timeout=60)
                 try:
-                    up.request(self.command, self.path, body=data, headers=dict(self.headers))
+                    up.request(self.command, path, body=data, headers=dict(self.headers))
                     r = up.getresponse()
                     payload = r.read()
                 finally:

@@ -3,6 +3,7 @@ errors a bad endpoint, a missing bucket and denied access give."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import subprocess
 import sys
@@ -728,3 +729,32 @@ async def test_a_sweep_never_aborts_this_processs_upload_in_flight(s3_server, pr
 
 async def s3_get(server, bucket: str, key: str) -> bytes:  # noqa: ANN001
     return server.client().get_object(Bucket=bucket, Key=key)["Body"].read()  # type: ignore[no-any-return]
+
+
+async def test_a_server_without_listobjectsv2_is_an_error_not_a_partial_listing(
+    s3_server,  # noqa: ANN001
+) -> None:
+    """A server that ignores ListObjectsV2's list-type=2 (Ceph RGW before Luminous, some
+    gateways) answers a long listing in ListObjects' shape, truncated, without a
+    continuation token: a bare KeyError escaped kvfs's listing. It is now
+    ArchiveUnavailable naming the cause, and never a listing cut short, which a collection
+    would take for the whole."""
+    from _s3 import OlderS3Server
+
+    bucket = s3_server.new_bucket()
+    client = s3_server.client()
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:  # (one more than a listing's page)
+        list(
+            pool.map(
+                lambda i: client.put_object(Bucket=bucket, Key=f"p/{i:04d}", Body=b"x"), range(1001)
+            )
+        )
+    server = OlderS3Server(s3_server.endpoint, refuses="listing v1")
+    try:
+        s = await open_objectstore(f"s3://{bucket}/p?endpoint={server.endpoint}&deadline=5")
+        async with s:
+            with pytest.raises(ArchiveUnavailable, match="ListObjectsV2"):
+                [k async for k in s.list("")]
+            assert server.refused  # (rewritten: the listings went to the server as V1)
+    finally:
+        server.close()
