@@ -14,6 +14,7 @@ import builtins
 import contextlib
 import email.utils
 import functools
+import hashlib
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -117,6 +118,13 @@ _UPLOAD_LISTING = "listing incomplete uploads"
 
 def _not_implemented(e: BaseException) -> bool:
     return _status(e) == 501 or _code(e) == "NotImplemented"
+
+
+def _multipart_etag(parts: dict[int, str]) -> str:
+    """The ETag S3 (and MinIO, Ceph RGW) gives the object these parts' ETags complete: the
+    MD5 of their MD5s, then the count."""
+    md5s = b"".join(bytes.fromhex(parts[n].strip('"')) for n in sorted(parts))
+    return f"{hashlib.md5(md5s, usedforsecurity=False).hexdigest()}-{len(parts)}"
 
 
 def _checksum_config(checksums: str | None) -> dict[str, str]:
@@ -700,17 +708,25 @@ class S3Store(ObjectStore):
             async with one_error_nursery() as nursery:
                 for i, off in enumerate(range(0, len(mv), self.part_size)):
                     nursery.start_soon(limited, i + 1, off)
-            await self._call(
-                f"complete multipart {key}",
-                self._client.complete_multipart_upload,
-                Bucket=self.bucket,
-                Key=k,
-                UploadId=uid,
-                MultipartUpload={
-                    "Parts": [{"PartNumber": n, "ETag": parts[n]} for n in sorted(parts)]
-                },
-                **cond,
-            )
+            try:
+                await self._call(
+                    f"complete multipart {key}",
+                    self._client.complete_multipart_upload,
+                    Bucket=self.bucket,
+                    Key=k,
+                    UploadId=uid,
+                    MultipartUpload={
+                        "Parts": [{"PartNumber": n, "ETag": parts[n]} for n in sorted(parts)]
+                    },
+                    **cond,
+                )
+            except bce.ClientError as e:
+                # A completion whose answer was lost (a reset connection) is tried again,
+                # which AWS answers as the first; MinIO and Ceph RGW, whose upload is gone
+                # once completed, say NoSuchUpload: the spill failed, the object stored.
+                # Ours if its ETag is the one these parts make (S3's multipart ETag).
+                if _code(e) != "NoSuchUpload" or await self._etag(key) != _multipart_etag(parts):
+                    raise
             return True
         except BaseException:
             # The original error matters; what this misses, a sweep aborts a day later
@@ -784,6 +800,22 @@ class S3Store(ObjectStore):
 
     async def exists(self, key: str) -> bool:
         return await self.modified(key) is not None
+
+    async def _etag(self, key: str) -> str | None:
+        """The object's ETag (unquoted), None when there is none. Raises ClientError."""
+        try:
+            r = await self._call(
+                f"head {key}",
+                self._client.head_object,
+                Bucket=self.bucket,
+                Key=self._key(key),
+                reads=True,
+            )
+        except bce.ClientError as e:
+            if _status(e) == 404 or _code(e) in ("404", "NoSuchKey", "NotFound"):
+                return None
+            raise
+        return str(r.get("ETag", "")).strip('"') or None
 
     async def modified(self, key: str) -> float | None:
         try:

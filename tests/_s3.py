@@ -372,6 +372,18 @@ def _listing_v1(method: str, path: str, headers: list[str]) -> str | None:
     return u.path + ("?" + urlencode(kept) if kept else "")
 
 
+#: what a kind answers for a request forwarded and then left unanswered (its connection
+#: closed: the answer lost on the way back)
+LOSE_REPLY = "lose the reply"
+
+
+def _lose_completion_reply(method: str, path: str, headers: list[str]) -> str | None:
+    """A CompleteMultipartUpload carried out, its answer lost (a connection reset)."""
+    if method == "POST" and "uploadId" in parse_qs(urlsplit(path).query):
+        return LOSE_REPLY
+    return None
+
+
 _REFUSALS: dict[str, Callable[[str, str, list[str]], Answer | str | None]] = {
     "checksums": _refuse_checksums,
     "conditional": _refuse_conditional,
@@ -379,6 +391,7 @@ _REFUSALS: dict[str, Callable[[str, str, list[str]], Answer | str | None]] = {
     "completion": _refuse_completion,
     "encryption": _refuse_encryption,
     "listing v1": _listing_v1,
+    "completion reply lost": _lose_completion_reply,
 }
 
 
@@ -392,8 +405,11 @@ class OlderS3Server:
     ``completion``: every CompleteMultipartUpload, with the error in a 200's body, as
     MinIO and Ceph RGW answer one that fails; ``encryption``: a request for server-side
     encryption, as MinIO without a KMS does; ``listing v1``: a ListObjectsV2 answered as
-    ListObjects (V1), as servers without V2 do. ``refused`` holds the request lines it
-    refused (or rewrote), ``forwarded`` counts the others."""
+    ListObjects (V1), as servers without V2 do; ``completion reply lost``: the first
+    CompleteMultipartUpload is carried out and its connection closed before the answer,
+    as a reset would, and a retry of it answered NoSuchUpload, as MinIO and Ceph RGW do
+    (AWS and moto answer it as the first). ``refused`` holds the request lines it refused (or rewrote, or
+    answered not), ``forwarded`` counts the others."""
 
     def __init__(self, target: str, refuses: str) -> None:
         host, port = target.removeprefix("http://").split(":")
@@ -401,6 +417,7 @@ class OlderS3Server:
         outer = self
         self.refused: list[str] = []
         self.forwarded = 0
+        self.lost: set[str] = set()  # the uploads whose completion's answer was lost
 
         class Handler(http.server.BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
@@ -410,8 +427,17 @@ class OlderS3Server:
 
             def _any(self) -> None:
                 answer = refuse(self.command, self.path, [h.lower() for h in self.headers])
-                path = self.path
-                if isinstance(answer, str):  # (a request forwarded as another)
+                path, lose = self.path, False
+                if answer == LOSE_REPLY:
+                    upload = parse_qs(urlsplit(path).query).get("uploadId", [""])[0]
+                    lose = not outer.refused  # (the first time only)
+                    answer = None
+                    if lose:
+                        outer.refused.append(self.requestline)
+                        outer.lost.add(upload)
+                    elif upload in outer.lost:  # (done: gone, as MinIO and Ceph RGW say)
+                        answer = (404, "NoSuchUpload", "The specified upload does not exist.")
+                elif isinstance(answer, str):  # (a request forwarded as another)
                     outer.refused.append(self.requestline)
                     path, answer = answer, None
                 if answer is not None:
@@ -439,6 +465,9 @@ class OlderS3Server:
                 finally:
                     up.close()
                 outer.forwarded += 1
+                if lose:
+                    self.close_connection = True
+                    return
                 self.send_response(r.status)
                 for k, v in r.getheaders():
                     if k.lower() not in ("transfer-encoding", "connection", "content-length"):

@@ -635,3 +635,33 @@ def test_a_server_without_encryption_is_named_not_taken_for_one_without_conditio
         assert not [r for r in caplog.records if "conditional puts" in r.getMessage()]
     finally:
         server.close()
+
+
+def test_a_multipart_completion_whose_answer_was_lost_is_not_a_failed_spill(
+    s3_server: Any, make_config: Any
+) -> None:
+    """A CompleteMultipartUpload the server carried out, its answer lost on the way back
+    (a reset connection), is tried again: AWS answers it as the first, but MinIO, Ceph RGW
+    (and moto) say NoSuchUpload, the upload being done: the spill failed although the
+    object was stored. The store now takes the object for its own when its ETag is the one
+    its parts make, and the spill goes on."""
+    from _s3 import OlderS3Server
+
+    server = OlderS3Server(s3_server.endpoint, refuses="completion reply lost")
+    try:
+        bucket = s3_server.new_bucket()
+        url = (
+            f"s3://{bucket}/p?endpoint={server.endpoint}&deadline=30"
+            f"&multipart_threshold={5 << 20}&part_size={5 << 20}"
+        )
+        large = os.urandom(12 << 20)
+        extra = {"archive": {"interval": 0, "upload_processes": 0}}
+        with kvfs.open_store_sync(make_config(ndev=2, archive_url=url, extra=extra)) as s:
+            s.put(PageKey.semantic("agent", "p", 0), large)
+            assert s.spill("agent") > 0
+            assert len(server.lost) == 1 and len(server.refused) == 2  # (lost; retried)
+            s.evict(session="agent")
+            assert s.restore("agent") > 0
+            assert s.get(PageKey.semantic("agent", "p", 0)) == large
+    finally:
+        server.close()
