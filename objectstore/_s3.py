@@ -127,6 +127,20 @@ def _multipart_etag(parts: dict[int, str]) -> str:
     return f"{hashlib.md5(md5s, usedforsecurity=False).hexdigest()}-{len(parts)}"
 
 
+def _skew_hint(e: BaseException, cause: bool = True) -> str:
+    """What to add to the error of a call the server refused because it found this host's
+    clock too far from its own (S3 allows 15 minutes), ``e`` itself or (``cause``) the last
+    error of calls retried until their deadline: RequestTimeTooSkewed alone says nothing of
+    a clock to a reader."""
+    refusal = e.__cause__ if cause else e
+    if refusal is None or _code(refusal) != "RequestTimeTooSkewed":
+        return ""
+    return (
+        " (this host's clock is more than 15 minutes from the server's, which S3 refuses: "
+        "set it right, with NTP)"
+    )
+
+
 def _checksum_config(checksums: str | None) -> dict[str, str]:
     """botocore Config arguments for the ``checksums`` option: both directions, requests'
     checksums and the responses' validation (a GET asks for the object's checksum with a
@@ -416,7 +430,7 @@ class S3Store(ObjectStore):
             )
         except ArchiveUnavailable as e:
             raise ArchiveUnavailable(
-                f"cannot reach the S3 endpoint for {where}: {e.__cause__}"
+                f"cannot reach the S3 endpoint for {where}: {e.__cause__}{_skew_hint(e)}"
             ) from e.__cause__
         except bce.NoCredentialsError as e:
             raise ArchiveUnavailable(
@@ -467,7 +481,8 @@ class S3Store(ObjectStore):
                 listing, abandon_on_cancel=True, limiter=archive_threads()
             )
         except bce.ClientError as f:
-            return f if _code(f) in _WRONG_KEY else e
+            # (a wrong key, or a clock too far off: either refuses every request alike)
+            return f if _code(f) in _WRONG_KEY or _code(f) == "RequestTimeTooSkewed" else e
         except Exception:  # (no better reason to give: the HEAD's answer stands)
             return e
         return e
@@ -481,6 +496,8 @@ class S3Store(ObjectStore):
         credentials themselves (a wrong secret key, an unknown access key id) names that
         instead, and where it is set."""
         code, status = _code(e), _status(e)
+        if code == "RequestTimeTooSkewed":  # (a refusal, but of the clock: no permission helps)
+            return ArchiveUnavailable(f"{what} on {self.url}: {code}{_skew_hint(e, cause=False)}")
         if code in ("NoSuchBucket",) or (status == 404 and "bucket" in what.lower()):
             why = f"bucket {self.bucket!r} does not exist"
         elif code in _WRONG_KEY:
@@ -548,6 +565,10 @@ class S3Store(ObjectStore):
                 backoff=self.backoff,
                 what=f"{what} on {self.url}",
             )
+        except ArchiveUnavailable as e:
+            if not _skew_hint(e):
+                raise
+            raise ArchiveUnavailable(f"{e}{_skew_hint(e)}") from e.__cause__
         except bce.NoCredentialsError as e:
             raise ArchiveUnavailable(f"{what}: no credentials in the standard chain") from e
         except bce.BotoCoreError as e:

@@ -372,6 +372,15 @@ def _listing_v1(method: str, path: str, headers: list[str]) -> str | None:
     return u.path + ("?" + urlencode(kept) if kept else "")
 
 
+def _refuse_skewed(method: str, path: str, headers: list[str]) -> Answer | None:
+    """S3's answer to every request of a host whose clock is more than 15 minutes off."""
+    return (
+        403,
+        "RequestTimeTooSkewed",
+        "The difference between the request time and the current time is too large.",
+    )
+
+
 #: what a kind answers for a request forwarded and then left unanswered (its connection
 #: closed: the answer lost on the way back)
 LOSE_REPLY = "lose the reply"
@@ -392,6 +401,7 @@ _REFUSALS: dict[str, Callable[[str, str, list[str]], Answer | str | None]] = {
     "encryption": _refuse_encryption,
     "listing v1": _listing_v1,
     "completion reply lost": _lose_completion_reply,
+    "clock skew": _refuse_skewed,
 }
 
 
@@ -408,7 +418,8 @@ class OlderS3Server:
     ListObjects (V1), as servers without V2 do; ``completion reply lost``: the first
     CompleteMultipartUpload is carried out and its connection closed before the answer,
     as a reset would, and a retry of it answered NoSuchUpload, as MinIO and Ceph RGW do
-    (AWS and moto answer it as the first). ``refused`` holds the request lines it refused (or rewrote, or
+    (AWS and moto answer it as the first); ``clock skew``: every request, as S3 answers
+    a host whose clock is more than 15 minutes off. ``refused`` holds the request lines it refused (or rewrote, or
     answered not), ``forwarded`` counts the others."""
 
     def __init__(self, target: str, refuses: str) -> None:

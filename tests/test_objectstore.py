@@ -758,3 +758,27 @@ async def test_a_server_without_listobjectsv2_is_an_error_not_a_partial_listing(
             assert server.refused  # (rewritten: the listings went to the server as V1)
     finally:
         server.close()
+
+
+async def test_a_host_whose_clock_is_off_is_told_so(s3_server) -> None:  # noqa: ANN001
+    """S3 refuses every request of a host whose clock is more than 15 minutes from its own
+    (403 RequestTimeTooSkewed, retried as it may be set right meanwhile): the error, at
+    open and on any call, named only the code, which says nothing of a clock to a reader."""
+    from _s3 import OlderS3Server
+
+    bucket = s3_server.new_bucket()
+    server = OlderS3Server(s3_server.endpoint, refuses="clock skew")
+    try:
+        url = f"s3://{bucket}?endpoint={server.endpoint}&open_deadline=0.5&deadline=0.5"
+        with pytest.raises(ArchiveUnavailable, match="clock is more than 15 minutes"):
+            await open_objectstore(url)
+        s = await open_objectstore(url, verify=False)
+        async with s:
+            with pytest.raises(ArchiveUnavailable, match="clock is more than 15 minutes"):
+                await s.put("k", b"x")
+            for call in (s.exists, s.get):  # (a HEAD's 403 has no code of its own)
+                with pytest.raises(ArchiveUnavailable, match="clock is more than 15 minutes") as e:
+                    await call("k")
+                assert not isinstance(e.value, ArchiveAccessDenied)
+    finally:
+        server.close()
