@@ -127,6 +127,17 @@ def _multipart_etag(parts: dict[int, str]) -> str:
     return f"{hashlib.md5(md5s, usedforsecurity=False).hexdigest()}-{len(parts)}"
 
 
+def _tls_hint(e: BaseException) -> str:
+    """What to add to a failed TLS verification: an on-premises server's certificate is
+    mostly signed by a private CA, which the system's store does not hold."""
+    if not (isinstance(e, bce.SSLError) and "CERTIFICATE_VERIFY_FAILED" in str(e)):
+        return ""
+    return (
+        " (a server whose certificate a CA of your own signed: set AWS_CA_BUNDLE to that "
+        "CA's certificate, a PEM file, in the daemon's environment)"
+    )
+
+
 def _skew_hint(e: BaseException, cause: bool = True) -> str:
     """What to add to the error of a call the server refused because it found this host's
     clock too far from its own (S3 allows 15 minutes), ``e`` itself or (``cause``) the last
@@ -440,7 +451,7 @@ class S3Store(ObjectStore):
         except bce.ClientError as e:
             raise self._permanent(e, "checking the bucket", "s3:ListBucket") from e
         except bce.BotoCoreError as e:
-            raise ArchiveUnavailable(f"cannot use {where}: {e}") from e
+            raise ArchiveUnavailable(f"cannot use {where}: {e}{_tls_hint(e)}") from e
         finally:
             if checker is not client:
                 await trio.to_thread.run_sync(checker.close, limiter=archive_threads())
@@ -572,7 +583,7 @@ class S3Store(ObjectStore):
         except bce.NoCredentialsError as e:
             raise ArchiveUnavailable(f"{what}: no credentials in the standard chain") from e
         except bce.BotoCoreError as e:
-            raise ArchiveUnavailable(f"{what} on {self.url}: {e}") from e
+            raise ArchiveUnavailable(f"{what} on {self.url}: {e}{_tls_hint(e)}") from e
 
     @staticmethod
     def _checked(fn: Callable[..., dict[str, Any]], call: str, *fields: str) -> Callable[..., Any]:

@@ -14,12 +14,14 @@ import json
 import os
 import random
 import socket
+import ssl
 import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from urllib.parse import parse_qs, urlencode, urlsplit
 
 import boto3
@@ -393,7 +395,12 @@ def _lose_completion_reply(method: str, path: str, headers: list[str]) -> str | 
     return None
 
 
+def _refuse_nothing(method: str, path: str, headers: list[str]) -> None:
+    return None
+
+
 _REFUSALS: dict[str, Callable[[str, str, list[str]], Answer | str | None]] = {
+    "nothing": _refuse_nothing,
     "checksums": _refuse_checksums,
     "conditional": _refuse_conditional,
     "upload listing": _refuse_upload_listing,
@@ -422,7 +429,7 @@ class OlderS3Server:
     a host whose clock is more than 15 minutes off. ``refused`` holds the request lines it refused (or rewrote, or
     answered not), ``forwarded`` counts the others."""
 
-    def __init__(self, target: str, refuses: str) -> None:
+    def __init__(self, target: str, refuses: str, tls: Path | None = None) -> None:
         host, port = target.removeprefix("http://").split(":")
         refuse = _REFUSALS[refuses]
         outer = self
@@ -493,12 +500,58 @@ class OlderS3Server:
 
         self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self._server.daemon_threads = True
+        self.scheme = "http"
+        if tls is not None:  # (HTTPS, its certificate signed by a CA of its own: tls/ca.pem)
+            ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            ctx.load_cert_chain(*_self_signed(tls))
+            self._server.socket = ctx.wrap_socket(self._server.socket, server_side=True)
+            self.scheme = "https"
         threading.Thread(target=self._server.serve_forever, daemon=True).start()
 
     @property
     def endpoint(self) -> str:
-        return f"http://127.0.0.1:{self._server.server_address[1]}"
+        return f"{self.scheme}://127.0.0.1:{self._server.server_address[1]}"
 
     def close(self) -> None:
         self._server.shutdown()
         self._server.server_close()
+
+
+def _self_signed(d: Path) -> tuple[str, str]:
+    """A certificate for 127.0.0.1 that is its own CA, and its key, written in ``d`` as
+    ca.pem and key.pem (a private CA's server, as on-premises MinIO and Ceph often are)."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "kvfs test CA")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(days=1))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(
+            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+            critical=False,
+        )
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(key, hashes.SHA256())
+    )
+    (d / "ca.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    (d / "key.pem").write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+    return str(d / "ca.pem"), str(d / "key.pem")
