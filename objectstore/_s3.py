@@ -834,24 +834,18 @@ class S3Store(ObjectStore):
         return await self.modified(key) is not None
 
     async def _etag(self, key: str) -> str | None:
-        """The object's ETag (unquoted), None when there is none. Raises ClientError."""
-        try:
-            r = await self._call(
-                f"head {key}",
-                self._client.head_object,
-                Bucket=self.bucket,
-                Key=self._key(key),
-                reads=True,
-            )
-        except bce.ClientError as e:
-            if _status(e) == 404 or _code(e) in ("404", "NoSuchKey", "NotFound"):
-                return None
-            raise
-        return str(r.get("ETag", "")).strip('"') or None
+        """The object's ETag (unquoted), None when it is missing or has none."""
+        r = await self._head(key)
+        return None if r is None else str(r.get("ETag", "")).strip('"') or None
 
     async def modified(self, key: str) -> float | None:
+        r = await self._head(key)
+        return None if r is None else float(r["LastModified"].timestamp())
+
+    async def _head(self, key: str) -> dict[str, Any] | None:
+        """The object's HEAD, None when it is missing. Raises ArchiveUnavailable."""
         try:
-            r = await self._call(
+            r: dict[str, Any] = await self._call(
                 f"head {key}",
                 self._checked(self._client.head_object, "HeadObject", "LastModified"),
                 Bucket=self.bucket,
@@ -863,7 +857,7 @@ class S3Store(ObjectStore):
                 return None
             why = await self._with_reason(e)
             raise self._permanent(why, f"head {key}", "s3:GetObject", key) from why
-        return float(r["LastModified"].timestamp())
+        return r
 
     async def delete(self, key: str) -> None:
         try:
