@@ -516,6 +516,12 @@ class OlderS3Server:
         self._server.shutdown()
         self._server.server_close()
 
+    def __enter__(self) -> OlderS3Server:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
 
 def _self_signed(d: Path) -> tuple[str, str]:
     """A certificate for 127.0.0.1 that is its own CA, and its key, written in ``d`` as

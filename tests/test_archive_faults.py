@@ -53,6 +53,17 @@ def proxied_config(
     )
 
 
+def multipart_archive(s3_server: Any, server: Any) -> tuple[str, str]:
+    """A new bucket, and an archive URL for it through ``server`` (tests/_s3.py's
+    OlderS3Server) that uploads objects over 5 MiB in parts of 5 MiB."""
+    bucket = s3_server.new_bucket()
+    url = (
+        f"s3://{bucket}/p?endpoint={server.endpoint}&addressing=path&deadline=30"
+        f"&multipart_threshold={5 << 20}&part_size={5 << 20}"
+    )
+    return bucket, url
+
+
 def patient(cfg: kvfs.StoreConfig) -> kvfs.StoreConfig:
     """``cfg`` with a 30 s deadline and the default read timeout: for the steps of a
     fault test that speak to the real server, which a loaded CI machine has taken more than
@@ -492,13 +503,8 @@ def test_a_server_refusing_boto3s_default_checksums_is_named_and_the_option_fixe
     workers too, verified as always by kvfs's own checksums."""
     from _s3 import OlderS3Server
 
-    server = OlderS3Server(s3_server.endpoint, refuses="checksums")
-    try:
-        bucket = s3_server.new_bucket()
-        url = (
-            f"s3://{bucket}/p?endpoint={server.endpoint}&addressing=path&deadline=30"
-            f"&multipart_threshold={5 << 20}&part_size={5 << 20}"
-        )
+    with OlderS3Server(s3_server.endpoint, refuses="checksums") as server:
+        bucket, url = multipart_archive(s3_server, server)
         small, large = os.urandom(300 * KiB), os.urandom(12 << 20)  # (large: 3 parts)
         keys = [PageKey.semantic("agent", "p", i) for i in range(2)]
         extra = {"archive": {"interval": 0}}
@@ -520,8 +526,6 @@ def test_a_server_refusing_boto3s_default_checksums_is_named_and_the_option_fixe
             assert s.restore("agent") > 0
             assert s.get(keys[0]) == small and s.get(keys[1]) == large
         assert len(server.refused) == refused  # not one checksum header sent
-    finally:
-        server.close()
 
 
 def test_a_server_without_conditional_puts_still_takes_spills(
@@ -537,13 +541,8 @@ def test_a_server_without_conditional_puts_still_takes_spills(
     from _s3 import OlderS3Server
 
     caplog.set_level(logging.WARNING, logger="kvfs")
-    server = OlderS3Server(s3_server.endpoint, refuses="conditional")
-    try:
-        bucket = s3_server.new_bucket()
-        url = (
-            f"s3://{bucket}/p?endpoint={server.endpoint}&addressing=path&deadline=30"
-            f"&multipart_threshold={5 << 20}&part_size={5 << 20}"
-        )
+    with OlderS3Server(s3_server.endpoint, refuses="conditional") as server:
+        bucket, url = multipart_archive(s3_server, server)
         small, large = os.urandom(300 * KiB), os.urandom(12 << 20)
         extra = {"archive": {"interval": 0, "upload_processes": 0}}
         with kvfs.open_store_sync(make_config(ndev=2, archive_url=url, extra=extra)) as s:
@@ -566,8 +565,6 @@ def test_a_server_without_conditional_puts_still_takes_spills(
             assert s.get(PageKey.semantic("b", "p", 0)) == small
         warned = [r for r in caplog.records if "conditional puts" in r.getMessage()]
         assert len(warned) == 2, warned  # (once a store)
-    finally:
-        server.close()
 
 
 def test_a_multipart_completion_refused_in_a_200_fails_at_once(
@@ -580,13 +577,8 @@ def test_a_multipart_completion_refused_in_a_200_fails_at_once(
     fails at once naming it, the upload is aborted, and nothing is lost."""
     from _s3 import OlderS3Server
 
-    server = OlderS3Server(s3_server.endpoint, refuses="completion")
-    try:
-        bucket = s3_server.new_bucket()
-        url = (
-            f"s3://{bucket}/p?endpoint={server.endpoint}&addressing=path&deadline=10"
-            f"&multipart_threshold={5 << 20}&part_size={5 << 20}"
-        )
+    with OlderS3Server(s3_server.endpoint, refuses="completion") as server:
+        bucket, url = multipart_archive(s3_server, server)
         large = os.urandom(12 << 20)
         extra = {"archive": {"interval": 0, "upload_processes": 0}}
         with kvfs.open_store_sync(make_config(ndev=2, archive_url=url, extra=extra)) as s:
@@ -598,8 +590,6 @@ def test_a_multipart_completion_refused_in_a_200_fails_at_once(
             assert s.get(PageKey.semantic("a", "p", 0)) == large  # nothing lost
         client = s3_server.client()
         assert not client.list_multipart_uploads(Bucket=bucket).get("Uploads")  # aborted
-    finally:
-        server.close()
 
 
 def test_a_server_without_encryption_is_named_not_taken_for_one_without_conditional_puts(
@@ -615,13 +605,9 @@ def test_a_server_without_encryption_is_named_not_taken_for_one_without_conditio
     from _s3 import OlderS3Server
 
     caplog.set_level(logging.WARNING, logger="kvfs")
-    server = OlderS3Server(s3_server.endpoint, refuses="encryption")
-    try:
-        bucket = s3_server.new_bucket()
-        url = (
-            f"s3://{bucket}/p?endpoint={server.endpoint}&addressing=path&deadline=30"
-            f"&multipart_threshold={5 << 20}&part_size={5 << 20}&sse=AES256"
-        )
+    with OlderS3Server(s3_server.endpoint, refuses="encryption") as server:
+        bucket, url = multipart_archive(s3_server, server)
+        url += "&sse=AES256"
         small, large = os.urandom(300 * KiB), os.urandom(12 << 20)
         extra = {"archive": {"interval": 0, "upload_processes": 0}}
         with kvfs.open_store_sync(make_config(ndev=2, archive_url=url, extra=extra)) as s:
@@ -633,8 +619,6 @@ def test_a_server_without_encryption_is_named_not_taken_for_one_without_conditio
                 assert "sse=" in str(e.value), e.value  # and the option that asked
                 assert s.get(PageKey.semantic(f"s{i}", "p", 0)) == data  # nothing lost
         assert not [r for r in caplog.records if "conditional puts" in r.getMessage()]
-    finally:
-        server.close()
 
 
 def test_a_multipart_completion_whose_answer_was_lost_is_not_a_failed_spill(
@@ -647,13 +631,8 @@ def test_a_multipart_completion_whose_answer_was_lost_is_not_a_failed_spill(
     its parts make, and the spill goes on."""
     from _s3 import OlderS3Server
 
-    server = OlderS3Server(s3_server.endpoint, refuses="completion reply lost")
-    try:
-        bucket = s3_server.new_bucket()
-        url = (
-            f"s3://{bucket}/p?endpoint={server.endpoint}&deadline=30"
-            f"&multipart_threshold={5 << 20}&part_size={5 << 20}"
-        )
+    with OlderS3Server(s3_server.endpoint, refuses="completion reply lost") as server:
+        bucket, url = multipart_archive(s3_server, server)
         large = os.urandom(12 << 20)
         extra = {"archive": {"interval": 0, "upload_processes": 0}}
         with kvfs.open_store_sync(make_config(ndev=2, archive_url=url, extra=extra)) as s:
@@ -663,5 +642,3 @@ def test_a_multipart_completion_whose_answer_was_lost_is_not_a_failed_spill(
             s.evict(session="agent")
             assert s.restore("agent") > 0
             assert s.get(PageKey.semantic("agent", "p", 0)) == large
-    finally:
-        server.close()
