@@ -1,15 +1,40 @@
 """A count of bytes shared by many trio tasks, each waiting for room before it holds more:
 what bounds the memory of the mount's write-behind over every file being written, and of
-the pages in flight over the control channel over every connection."""
+the pages in flight over the control channel over every connection. And :func:`waiting`,
+which a thread of a bounded pool wraps around a wait for what other threads must do."""
 
 from __future__ import annotations
 
 import contextlib
 import threading
+from collections.abc import Callable, Iterator
 
 import trio
 
-__all__ = ["ByteBudget"]
+__all__ = ["ByteBudget", "on_wait", "waiting"]
+
+_local = threading.local()
+
+
+def on_wait(hook: Callable[[bool], None] | None) -> None:
+    """Have this thread's :func:`waiting` call ``hook(True)`` as a wait begins and
+    ``hook(False)`` as it ends (None: nothing). A pool of threads sets it on its own, so
+    that a thread waiting for what another of its files must do first does not count."""
+    _local.hook = hook
+
+
+@contextlib.contextmanager
+def waiting() -> Iterator[None]:
+    """Around a wait that other threads end (room that writes in flight give back): tells
+    this thread's pool, if it has asked (:func:`on_wait`)."""
+    hook = getattr(_local, "hook", None)
+    if hook is not None:
+        hook(True)
+    try:
+        yield
+    finally:
+        if hook is not None:
+            hook(False)
 
 
 class ByteBudget:

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from . import _maint, _reads, _writes
+from ._budget import waiting
 from ._config import DISK_CAPACITY, StoreConfig
 from ._dirs import DIRS_FILE, DirTable
 from ._errors import (
@@ -791,13 +792,19 @@ class Engine:
         if deadline is None:
             deadline = time.monotonic() + RESERVE_WAIT_SECONDS
         me = next(self._waiter_ids)
-        try:
-            self._reserve_waiting(n, own, deadline, me)
-        finally:
-            with self._cap_lock:
-                self._reserve_waiters.pop(me, None)
+        with contextlib.ExitStack() as stack:
+            try:
+                self._reserve_waiting(n, own, deadline, me, stack)
+            finally:
+                with self._cap_lock:
+                    self._reserve_waiters.pop(me, None)
 
-    def _reserve_waiting(self, n: int, own: int, deadline: float, me: int) -> None:
+    def _reserve_waiting(
+        self, n: int, own: int, deadline: float, me: int, stack: contextlib.ExitStack
+    ) -> None:
+        """:meth:`_reserve`'s loop; its first wait enters ``waiting()`` on ``stack`` (the
+        mount's writer threads do not count a thread that waits for room others give)."""
+        announced = False
         while True:
             with self._cap_lock:
                 if self.used + self.reserved + n <= self.capacity:
@@ -834,6 +841,9 @@ class Engine:
                         "written; without an archive nothing is deleted for room that cannot "
                         "be made)"
                     )
+                if not announced:
+                    stack.enter_context(waiting())
+                    announced = True
                 self._cap_changed.wait(0.05)
 
     def _unreserve(self, n: int) -> None:

@@ -26,7 +26,8 @@ The mount's :class:`WriterThreads` bounds how many such threads run at once over
 hundreds, and in a container whose cgroup caps its processes (Kubernetes' pid limit) the
 writes that found no thread failed. A file whose writes are queued while all are busy waits
 in line; a thread takes the next file in line once its own has nothing queued, or has had
-``depth`` writes while others wait.
+``depth`` writes while others wait. A thread whose write waits for room that other files'
+writes hold (near the cap) does not count while it waits (:func:`kvfs._budget.waiting`).
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from collections.abc import Callable
 
 import trio
 
-from ._budget import ByteBudget
+from ._budget import ByteBudget, on_wait
 
 __all__ = ["WriteBehind", "WriterThreads"]
 
@@ -52,7 +53,7 @@ class WriterThreads:
 
     def __init__(self, limit: int) -> None:
         self.limit = max(1, limit)
-        #: threads started and not yet exited
+        #: threads started and not yet exited, but those waiting for room (:meth:`_wait`)
         self.running = 0
         #: files with writes queued, waiting for a thread
         self._line: collections.deque[WriteBehind] = collections.deque()
@@ -78,16 +79,43 @@ class WriterThreads:
 
     def _serve(self, wb: WriteBehind | None) -> None:
         """A thread: write ``wb``'s queue, then the queues of the files in line."""
-        while wb is not None:
-            gave_way = wb._write_queue(self._waiting)
-            with self._lock:
-                if gave_way:  # (its writes still queued: back in line, behind the others)
-                    self._line.append(wb)
-                if self._line:
-                    wb = self._line.popleft()
-                else:
+        on_wait(self._wait)
+        try:
+            while wb is not None:
+                gave_way = wb._write_queue(self._waiting)
+                with self._lock:
+                    if gave_way:  # (its writes still queued: back in line, behind the others)
+                        self._line.append(wb)
+                    if self._line and self.running <= self.limit:
+                        wb = self._line.popleft()
+                    else:  # (the others, limit of them at least, take the line)
+                        self.running -= 1
+                        wb = None
+        finally:
+            on_wait(None)  # (trio's thread cache runs other work on this thread)
+
+    def _wait(self, begins: bool) -> None:
+        """A thread's write waits for room that other files' writes give back once they
+        are committed (the engine's reserve): it does not count while it waits, and a file
+        in line gets a thread of its own. With every thread waiting so, the files whose
+        commit would end their wait stayed in line until the wait timed out (10 s) and the
+        writes failed with ENOSPC."""
+        start = None
+        with self._lock:
+            if not begins:
+                self.running += 1  # (over the limit for a while, perhaps: see _serve)
+                return
+            self.running -= 1
+            if self._line and self.running < self.limit:
+                start = self._line.popleft()
+                self.running += 1
+        if start is not None:
+            try:
+                trio.lowlevel.start_thread_soon(functools.partial(self._serve, start), _ignore)
+            except BaseException:  # (no thread: it waits in line for one, as before)
+                with self._lock:
                     self.running -= 1
-                    wb = None
+                    self._line.appendleft(start)
 
 
 class WriteBehind:

@@ -679,6 +679,39 @@ async def test_write_behind_runs_at_most_its_threads_over_all_files() -> None:
     assert threads.running == 0
 
 
+async def test_a_writer_thread_waiting_for_room_does_not_hold_up_the_file_that_gives_it(
+    make_config: Callable[..., kvfs.StoreConfig],
+) -> None:
+    """Near the cap, a write waits (up to 10 s) for the room other files' writes hold to be
+    committed or given back. With the writer threads bounded, every thread could be so
+    waiting while the file whose commit would give the room waited in line for a thread:
+    nothing moved until the wait timed out, and the waiting write failed (ENOSPC). A
+    thread waiting for room no longer counts against the bound, so that file gets one."""
+    import trio
+
+    from kvfs._fuse_behind import WriteBehind, WriterThreads
+
+    unit = 64 * KiB
+    cfg = make_config(ndev=1, stripe_unit=unit, capacity=6 * unit)
+    async with kvfs.open_store(cfg) as store:
+        eng = store.engine
+        threads = WriterThreads(1)  # (one: as every one of the mount's 16 waiting)
+        wa, wb = eng.begin_write("s/a"), eng.begin_write("s/b")
+        a = WriteBehind(wa.write, 8, None, threads)
+        b = WriteBehind(wb.write, 8, None, threads)
+        await b.submit(0, b"b" * (2 * unit))
+        await b.drain()
+        while threads.running:  # (polled: b's thread lingers a moment for more writes)
+            await trio.sleep(0.01)
+        await a.submit(0, b"a" * (4 * unit))  # more than is left: waits for b's room
+        await b.submit(2 * unit, b"b" * 10)  # b's last write, in line behind a's thread
+        await b.drain()  # (before, only once a's wait had failed)
+        await trio.to_thread.run_sync(wb.commit)
+        await a.drain()  # (before: CapacityExceeded, the wait timed out)
+        await trio.to_thread.run_sync(wa.commit)
+        assert eng.get("s/a") == b"a" * (4 * unit)
+
+
 async def test_flushes_at_once_commit_a_file_once_and_writes_go_on(ops: KvfsOperations) -> None:
     """A process that starts another while it writes a file: the child's close of the
     descriptor it inherited flushes beside the writer's own, and the writer goes on writing
