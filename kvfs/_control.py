@@ -482,9 +482,7 @@ async def recv_frame(
     # that does not is refused at its first byte. (Small ones are read whole and answered,
     # the stream still in step.)
     lead = _REQUEST_LEAD if request and n > INLINE_BYTES else None
-    if request and n > INLINE_BYTES and (held := _HELD.get()) is not None:
-        await held.take(n)  # (before its buffer grows: the client waits, sending)
-    body = await _recv_body(stream, n, lead)
+    body = await _recv_body(stream, n, lead, _HELD.get() if lead is not None else None)
     if n > INLINE_BYTES:
         msg = await trio.to_thread.run_sync(
             functools.partial(decode, body, views=request or views, request=request)
@@ -498,10 +496,14 @@ async def recv_frame(
     return msg
 
 
-async def _recv_body(stream: trio.SocketStream, n: int, lead: int | None = None) -> bytearray:
+async def _recv_body(
+    stream: trio.SocketStream, n: int, lead: int | None = None, held: _Held | None = None
+) -> bytearray:
     """``n`` bytes, the buffer grown as they arrive: a header announcing 2 GiB and nothing
     after it held (and zero-filled, on the loop) 2 GiB until the peer left. Raises
-    ForeignFrame when ``lead`` is given and the first byte is another."""
+    ForeignFrame when ``lead`` is given and the first byte is another. With ``held``, the
+    ``n`` bytes are taken from the page budget once the first byte is checked, before the
+    buffer grows past its first MiB (the client waits meanwhile, sending)."""
     buf, got = bytearray(min(n, INLINE_BYTES)), 0
     while got < n:
         if got == len(buf):
@@ -520,6 +522,10 @@ async def _recv_body(stream: trio.SocketStream, n: int, lead: int | None = None)
                 f"a control frame of {n} bytes whose body starts with {bytes(buf[:8])!r} "
                 "is no kvfs request (a client of another protocol?)"
             )
+        if got == 0 and held is not None:
+            # (after the check: curl on the socket, announcing a length of 1.2 GB, waited
+            # for that much of the budget before it was refused)
+            await held.take(n)
         got += k
     return buf
 
@@ -603,6 +609,7 @@ async def _serve_one(store: Store, stream: trio.SocketStream, budget: ByteBudget
                 # dropped without a word, the client told the daemon had died, and the log
                 # got a traceback.)
                 log.warning("control: closed a connection: %s", e)
+                held.release()  # (its close waits up to 5 s for the peer: not with budget)
                 await _answer_and_close(stream, [1, "ValueError", str(e)])
                 return
             if request is None:
@@ -697,6 +704,10 @@ async def _hold_answer(store: Store, method: str, args: list[Any], kwargs: dict[
     held = _HELD.get()
     if held is None:
         return
+    # The request is decoded: what its frame took goes back before the answer takes. (A get
+    # whose frame was over 1 MiB waited, holding it, for room it kept from itself: for
+    # ever, and the budget with it.)
+    held.release()
     call = functools.partial(_read_page, store) if method == "get" else store.read_range
     try:
         a = inspect.signature(call).bind(*args, **kwargs).arguments

@@ -506,3 +506,39 @@ async def test_the_pages_held_for_all_connections_at_once_are_bounded(
 
     await _serving(make_config, tmp_path, side, page_budget=2 * BIG)
     _no_errors(caplog)
+
+
+async def test_a_large_request_frame_never_keeps_the_page_budget_from_itself(
+    make_config: MakeConfig, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A get whose request frame was over 1 MiB (a large bin for its room) took the budget
+    for the frame, then waited for room for its answer that it held itself: for ever, and
+    every large call after it with it. And a client of another protocol (curl on the
+    socket: its first bytes read as a 1.2 GB length) waited for that much of the budget
+    before it was refused; with the budget held by stuck clients, for ever."""
+    caplog.set_level(logging.DEBUG, logger="kvfs")
+
+    def side(sock: Path) -> None:
+        before = _state(sock)
+        with _connect(sock) as s:
+            reply = _exchange(s, encode(["get", ["big/1"], {"room": b"x" * (BIG + 1000)}]))
+            assert reply[:2] == [1, "TypeError"], reply
+            assert _exchange(s, encode(["get", ["big/1"], {}])) == [0, SEED["big/1"]]
+        stuck = [_connect(sock) for _ in range(2)]  # the whole budget, held
+        for c in stuck:
+            c.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            c.sendall(encode(["get", ["big/1"], {}]))
+        for _ in range(600):  # (polled: the daemon reads them as it can)
+            if len(select.select(stuck, [], [], 0)[0]) == 2:
+                break
+            time.sleep(0.05)
+        with _connect(sock) as s:
+            s.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+            reply = read_frame_sync(s)
+            assert reply[:2] == [1, "ValueError"] and "no kvfs request" in reply[2], reply
+        for c in stuck:
+            c.close()
+        assert _state(sock) == before
+
+    await _serving(make_config, tmp_path, side, page_budget=2 * BIG)
+    _no_errors(caplog)
