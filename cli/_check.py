@@ -2,9 +2,10 @@
 
 Each data directory and the index's directory is written to and synced as the store will
 (O_DIRECT where ``direct_io`` is on), the FUSE device and ``fusermount3`` are looked for,
-and the archive is opened and given one object to store, read back and delete, under
-``kvfs-check/`` of its prefix (which no collection touches): a server that refuses what
-boto3 or kvfs sends says so here, with its fix, not at the first spill. Nothing else is
+and the archive is opened and given one object to store (as a page's object is, in its
+``storage_class``), read back and delete, under ``kvfs-check/`` of its prefix (which no
+collection touches): a server that refuses what boto3 or kvfs sends says so here, with
+its fix, not at the first spill. A multipart upload is not tried (it would send 5 MiB). Nothing else is
 written: a directory that does not exist yet is only said to be creatable, and the store's
 index is not opened (a running daemon holds it).
 """
@@ -202,17 +203,19 @@ def _archive(cfg: kvfs.StoreConfig) -> list[Check]:
         out = [Check(f"archive: {url}", "ok", "reachable")]
         key, data = f"{PROBE}/{uuid.uuid4().hex}", os.urandom(4096)
         try:
-            await store.put(key, data, if_absent=True)
+            # (cold: as a page's object is put, in its storage_class where one is set)
+            await store.put(key, data, if_absent=True, cold=True)
             got = await store.get(key)
+            await store.delete(key)
             if got != data:
                 out.append(Check("archive round trip", "fail", "an object read back differs"))
             else:
                 out.append(Check("archive round trip", "ok", "put, get and delete of one object"))
         except (kvfs.KvfsError, OSError) as e:
             out.append(Check("archive round trip", "fail", str(e)))
-        finally:
             with contextlib.suppress(Exception):
-                await store.delete(key)
+                await store.delete(key)  # (what a failed get left, if it can go)
+        finally:
             await store.aclose()
         if isinstance(store, S3Store) and _CONDITIONAL in store._lacks:
             out.append(

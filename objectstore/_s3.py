@@ -120,10 +120,13 @@ def _not_implemented(e: BaseException) -> bool:
     return _status(e) == 501 or _code(e) == "NotImplemented"
 
 
-def _multipart_etag(parts: dict[int, str]) -> str:
+def _multipart_etag(parts: dict[int, str]) -> str | None:
     """The ETag S3 (and MinIO, Ceph RGW) gives the object these parts' ETags complete: the
-    MD5 of their MD5s, then the count."""
-    md5s = b"".join(bytes.fromhex(parts[n].strip('"')) for n in sorted(parts))
+    MD5 of their MD5s, then the count. None where a part's ETag is no MD5 (SSE-KMS)."""
+    try:
+        md5s = b"".join(bytes.fromhex(parts[n].strip('"')) for n in sorted(parts))
+    except ValueError:
+        return None
     return f"{hashlib.md5(md5s, usedforsecurity=False).hexdigest()}-{len(parts)}"
 
 
@@ -757,7 +760,8 @@ class S3Store(ObjectStore):
                 # which AWS answers as the first; MinIO and Ceph RGW, whose upload is gone
                 # once completed, say NoSuchUpload: the spill failed, the object stored.
                 # Ours if its ETag is the one these parts make (S3's multipart ETag).
-                if _code(e) != "NoSuchUpload" or await self._etag(key) != _multipart_etag(parts):
+                ours = _multipart_etag(parts)
+                if _code(e) != "NoSuchUpload" or ours is None or await self._etag(key) != ours:
                     raise
             return True
         except BaseException:

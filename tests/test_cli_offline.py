@@ -1187,7 +1187,7 @@ def test_config_check_tries_the_directories_and_the_archive(
     a server refusing boto3's default checksums (with the option that fixes it) and one
     without conditional puts are each named; a good configuration exits 0, leaving nothing
     behind."""
-    from _s3 import OlderS3Server
+    from _s3 import OlderS3Server, iam_credentials
 
     def checks(*argv: str) -> tuple[int, dict[str, list[dict[str, str]]]]:
         rc, out, _ = run("config", "--check", "--json", *argv)
@@ -1224,8 +1224,7 @@ def test_config_check_tries_the_directories_and_the_archive(
         ("checksums", "fail", "checksums=when_required"),
         ("conditional", "warn", "refuses If-None-Match"),
     ]:
-        server = OlderS3Server(s3_server.endpoint, refuses=refuses)
-        try:
+        with OlderS3Server(s3_server.endpoint, refuses=refuses) as server:
             url = f"s3://{bucket}/p?endpoint={server.endpoint}&deadline=5"
             rc, by = checks("--data", f"{tmp_path}/d0", "--archive", url)
             found = [c for c in sum(by.values(), []) if words in c["detail"]]
@@ -1235,6 +1234,16 @@ def test_config_check_tries_the_directories_and_the_archive(
                 "--data", f"{tmp_path}/d0", "--archive", url + "&checksums=when_required"
             )
             assert by["archive round trip"][0]["status"] == "ok", by
-        finally:
-            server.close()
     assert s3_server.keys(bucket) == []
+
+    # credentials that may store but not delete: every collection would fail
+    arn = f"arn:aws:s3:::{bucket}"
+    may = [
+        # (s3:HeadBucket: moto's name for a bucket's HEAD, where AWS checks s3:ListBucket)
+        {"Effect": "Allow", "Action": ["s3:ListBucket", "s3:HeadBucket"], "Resource": arn},
+        {"Effect": "Allow", "Action": ["s3:GetObject", "s3:PutObject"], "Resource": arn + "/*"},
+    ]
+    with iam_credentials(s3_server, may):
+        rc, by = checks("--data", f"{tmp_path}/d0", "--archive", good)
+    assert rc == 1 and by["archive round trip"][0]["status"] == "fail", by
+    assert "s3:DeleteObject" in by["archive round trip"][0]["detail"]
