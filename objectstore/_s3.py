@@ -654,12 +654,13 @@ class S3Store(ObjectStore):
             refusal = _code(e) or _status(e)
         # A server without S3's conditional writes (AWS before August 2024, some gateways)
         # refuses If-None-Match: every spill failed. Put as it can take. A 501 that this put
-        # meets too was not the condition's (MinIO's to sse= without a KMS).
+        # meets too was not the condition's (MinIO's to sse= without a KMS), and nor is one
+        # whose object was there already (the plain put was not tried): not recorded then.
         try:
             written = await self._put(key, data, if_absent, cold, conditional=False)
         except bce.ClientError as e:
             raise self._permanent(e, f"put {key}", "s3:PutObject", key) from e
-        if _CONDITIONAL not in self._lacks:
+        if written and _CONDITIONAL not in self._lacks:
             self._lacks.add(_CONDITIONAL)
             log.warning(
                 "%s does not take conditional puts (If-None-Match: %s): objects named by "
