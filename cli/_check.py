@@ -5,9 +5,9 @@ Each data directory and the index's directory is written to and synced as the st
 and the archive is opened and given one object to store (as a page's object is, in its
 ``storage_class``), read back and delete, under ``kvfs-check/`` of its prefix (which no
 collection touches): a server that refuses what boto3 or kvfs sends says so here, with
-its fix, not at the first spill. A multipart upload is not tried (it would send 5 MiB). Nothing else is
-written: a directory that does not exist yet is only said to be creatable, and the store's
-index is not opened (a running daemon holds it).
+its fix, not at the first spill. A multipart upload is not tried (it would send 5 MiB).
+Nothing else is written: a directory that does not exist yet is only said to be creatable,
+and the store's index is not opened (a running daemon holds it).
 """
 
 from __future__ import annotations
@@ -44,6 +44,8 @@ class Check:
 
 
 def run_checks(cfg: kvfs.StoreConfig, socket: Path) -> list[Check]:
+    """Every check of ``cfg``, in order: directories, FUSE, the daemon on ``socket``, the
+    archive."""
     out = _directories(cfg)
     out += _fuse()
     out.append(_daemon(socket))
