@@ -28,7 +28,6 @@ import contextvars
 import dataclasses
 import errno
 import functools
-import inspect
 import logging
 import math
 import os
@@ -667,10 +666,9 @@ async def _dispatch(
         elif method == "identity":
             result = _identity(store)
         elif method == "get":
-            await _hold_answer(store, method, args, kwargs)
             result = await _read_page(store, *args, **kwargs)
         elif method == "read_range":
-            await _hold_answer(store, method, args, kwargs)
+            await _hold_answer(store, args, kwargs)
             result = await store.read_range(*args, **kwargs)
         else:
             result = await getattr(store, method)(*args, **kwargs)
@@ -693,14 +691,26 @@ async def _read_page(store: Store, path: str, *, room: int | None = None) -> Any
         raise TypeError(f"a get's room is a number of bytes, not {room!r}")
     if room is not None and room < 0:
         raise ValueError(f"a get's room is a number of bytes >= 0, not {room}")
-    got = await store._read_page(path, room)
+    held = _HELD.get()
+    if held is None:
+        got = await store._read_page(path, room)
+    else:
+        # A page over 1 MiB comes back as its size, unread: it takes from the budget, then
+        # is read. (Taken before the read by a lookup of its own, on the loop, a small get
+        # through the channel cost a tenth more; this way it costs nothing.)
+        held.release()  # (the request's frame, decoded: see _hold_answer)
+        got = await store._read_page(path, room, INLINE_BYTES)
+        if isinstance(got, int):
+            await held.take(got)
+            got = await store._read_page(path, room)
+    assert not isinstance(got, int)
     return bytes(got) if len(got) <= INLINE_BYTES else got
 
 
-async def _hold_answer(store: Store, method: str, args: list[Any], kwargs: dict[str, Any]) -> None:
-    """Take a get's or read_range's page from the connection's share of the budget before
-    it is read (sized by the page's row, read on the loop as the mount's lookups are). A
-    call that will fail on its own arguments, or a page not there, takes nothing."""
+async def _hold_answer(store: Store, args: list[Any], kwargs: dict[str, Any]) -> None:
+    """Take a read_range's bytes from the connection's share of the budget before they are
+    read (sized by the page's row, read on the loop as the mount's lookups are). A call
+    that will fail on its own arguments, or a page not there, takes nothing."""
     held = _HELD.get()
     if held is None:
         return
@@ -708,17 +718,16 @@ async def _hold_answer(store: Store, method: str, args: list[Any], kwargs: dict[
     # whose frame was over 1 MiB waited, holding it, for room it kept from itself: for
     # ever, and the budget with it.)
     held.release()
-    call = functools.partial(_read_page, store) if method == "get" else store.read_range
+    names = ("key", "offset", "size")  # (as read_range names them)
+    a = dict(zip(names, args, strict=False)) | {k: v for k, v in kwargs.items() if k in names}
+    off, size = a.get("offset"), a.get("size")
+    if not (type(off) is int and type(size) is int and off >= 0 and size > INLINE_BYTES):
+        return  # (a small range, or one the call refuses: no lookup for it)
     try:
-        a = inspect.signature(call).bind(*args, **kwargs).arguments
-        row = store.engine.index.page(as_key(a["path"] if method == "get" else a["key"]).path)
+        row = store.engine.index.page(as_key(a["key"]).path)
     except Exception:  # noqa: BLE001 - the call itself says what is wrong
         return
-    n = 0 if row is None else row.size
-    if method == "read_range":
-        off, size = a["offset"], a["size"]
-        ok = type(off) is int and type(size) is int and off >= 0 and size >= 0
-        n = max(0, min(size, n - off)) if ok else 0
+    n = 0 if row is None else max(0, min(size, row.size - off))
     if n > INLINE_BYTES:
         await held.take(n)
 

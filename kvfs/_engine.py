@@ -947,16 +947,18 @@ class Engine:
             assert not isinstance(got, memoryview)  # (only with own=True)
             return got
 
-    def read_page(self, key: PageKey | str, *, room: int | None = None) -> bytes | memoryview:
+    def read_page(
+        self, key: PageKey | str, *, room: int | None = None, most: int | None = None
+    ) -> bytes | memoryview | int:
         """Read a whole page into a page-aligned buffer of its own and return that, not a
         copy of it (a page larger than the few KiB ``get`` copies is held once: the
         daemon's answer to a remote get is sent from it). With ``room`` (the bytes a
         caller's buffer holds), a larger page raises ValueError before it is read, or
-        restored from the archive. Raises PageNotFound, CorruptPage as ``get`` does."""
+        restored from the archive. With ``most``, a page larger than that is not read: its
+        size is returned (the daemon takes room for it, then reads). Raises PageNotFound,
+        CorruptPage as ``get`` does."""
         with self._using():
-            got = _reads.get(self, as_key(key), None, room=room, own=True)
-            assert not isinstance(got, int)
-            return got
+            return _reads.get(self, as_key(key), None, room=room, own=True, most=most)
 
     def read_range(self, key: PageKey | str, offset: int, size: int) -> bytes:
         """Read ``size`` bytes at ``offset`` (short at the end), verifying the leaves touched."""

@@ -78,16 +78,25 @@ def read_piece_size(concurrent: int) -> int:
 
 
 def get(
-    eng: Engine, k: PageKey, into: object | None, *, room: int | None = None, own: bool = False
+    eng: Engine,
+    k: PageKey,
+    into: object | None,
+    *,
+    room: int | None = None,
+    own: bool = False,
+    most: int | None = None,
 ) -> bytes | int | memoryview:
     """:meth:`Engine.get` once the store is known open and the key parsed; with ``own``,
-    :meth:`Engine.read_page`."""
+    :meth:`Engine.read_page`. With ``most``, a page larger than that is neither read nor
+    restored: its size is returned."""
     with eng.lease(k) as (page, blob):
         # The destination is checked before anything is restored: a page only the archive
         # held was downloaded (and took local room) for a buffer then refused.
         dest = None if into is None else _destination(into, blob.size, k)
         if room is not None and blob.size > room:
             raise too_small(room, k.path, blob.size)
+        if most is not None and blob.size > most:
+            return blob.size
         restored = not blob.local
         if restored:
             got = eng._restore(blob, page)

@@ -89,12 +89,17 @@ class Store(BatchCalls):
         ``bytes`` copied from its read buffer. The result is a ``bytes`` or a
         ``memoryview`` (which one depends on where the page was read from: use it as a
         buffer, not as ``bytes``). Raises as :meth:`get` does."""
-        return await self._read_page(key)
+        got = await self._read_page(key)
+        assert not isinstance(got, int)  # (a size only with ``most``)
+        return got
 
-    async def _read_page(self, key: KeyLike, room: int | None = None) -> bytes | memoryview:
+    async def _read_page(
+        self, key: KeyLike, room: int | None = None, most: int | None = None
+    ) -> bytes | memoryview | int:
         """:meth:`read_page`, refusing a page larger than ``room`` bytes before it is read
-        or restored (the daemon's answer to a remote get into a buffer of that size)."""
-        return await self._run(self._engine.read_page, key, room=room)
+        or restored (the daemon's answer to a remote get into a buffer of that size); with
+        ``most``, returning the size of a page larger than that instead of reading it."""
+        return await self._run(self._engine.read_page, key, room=room, most=most)
 
     async def read_range(self, key: KeyLike, offset: int, size: int) -> bytes:
         return await self._run(self._engine.read_range, key, offset, size)
@@ -290,7 +295,9 @@ class SyncStore:
     def read_page(self, key: KeyLike) -> bytes | memoryview:
         """As :meth:`Store.read_page`: a whole page in a buffer of its own, not a copy (see
         :meth:`Engine.read_page`); raises as :meth:`get` does."""
-        return self._engine.read_page(key)
+        got = self._engine.read_page(key)
+        assert not isinstance(got, int)  # (a size only with ``most``)
+        return got
 
     def read_range(self, key: KeyLike, offset: int, size: int) -> bytes:
         return self._engine.read_range(key, offset, size)
