@@ -441,7 +441,7 @@ class OlderS3Server:
             protocol_version = "HTTP/1.1"
 
             def log_message(self, *_: object) -> None:
-                pass
+                """Nothing: http.server would write a line per request to stderr."""
 
             def _any(self) -> None:
                 answer = refuse(self.command, self.path, [h.lower() for h in self.headers])
