@@ -1862,7 +1862,7 @@ def test_a_detached_mount_killed_while_its_daemon_starts_leaves_no_mount(tmp_pat
 # which holds the daemon while it starts (argv[3] "start") or stops (argv[3] "stop"): it
 # makes the file argv[4] then and waits for the file argv[5].
 _HELD_DAEMON = """
-import logging, sys, trio
+import faulthandler, logging, signal, sys, trio
 from pathlib import Path
 from kvfs import StoreConfig
 from kvfs._daemon import main
@@ -1887,6 +1887,7 @@ async def service(store, *, task_status):
             await hold()
 
 logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+faulthandler.register(signal.SIGUSR1, all_threads=True)  # (_HeldDaemon.wait, on a timeout)
 config = StoreConfig(data_dirs=(Path(data),))
 sys.exit(main(config, mp, MountOptions(), foreground=True, services=[service]))
 """
@@ -1911,6 +1912,17 @@ class _HeldDaemon:
             assert self.proc.poll() is None, self.log.read_text()
             assert time.monotonic() < deadline, self.log.read_text()
             time.sleep(0.01)
+
+    def wait(self, timeout: float = 60) -> int:
+        """The daemon's exit status; past ``timeout``, fails with its log and where each of
+        its threads was (faulthandler, on SIGUSR1)."""
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.send_signal(signal.SIGUSR1)
+            time.sleep(1)
+            log = self.log.read_text()
+            raise AssertionError(f"the daemon did not exit in {timeout} s:\n{log}") from None
 
     def signal(self, sig: int) -> None:
         """Send ``sig`` and return once the daemon took it (none waits to be delivered), or
@@ -1949,7 +1961,7 @@ def test_signals_while_the_daemon_closes_are_absorbed(tmp_path: Path) -> None:
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGTERM):
             d.signal(sig)
         d.release.touch()
-        assert d.proc.wait(timeout=60) == 0, d.log.read_text()
+        assert d.wait() == 0, d.log.read_text()
         text = d.log.read_text()
         assert text.count("SIGTERM: unmounting") == 1, text
         assert text.count("already stopping") == 1, text
@@ -1971,7 +1983,7 @@ def test_a_signal_before_the_mount_is_ready_stops_the_daemon_cleanly(tmp_path: P
         d.wait_held()
         d.signal(signal.SIGTERM)
         d.release.touch()
-        assert d.proc.wait(timeout=60) == 128 + signal.SIGTERM, d.log.read_text()
+        assert d.wait() == 128 + signal.SIGTERM, d.log.read_text()
         text = d.log.read_text()
         assert "kvfs mount: SIGTERM before the mount was ready: not mounted" in text, text
         assert "RuntimeError" not in text and "Traceback" not in text, text
