@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from collections import deque
 from collections.abc import Callable, Iterator
 
 import trio
@@ -37,37 +38,84 @@ def waiting() -> Iterator[None]:
             hook(False)
 
 
+class _Waiter:
+    """A take waiting in line: granted (its bytes held for it) by a give, then woken."""
+
+    __slots__ = ("event", "granted", "n", "token")
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.event = trio.Event()
+        self.token = trio.lowlevel.current_trio_token()
+        self.granted = False
+
+
 class ByteBudget:
-    """Bytes held, at most ``limit`` of them. :meth:`take` waits (in trio) for room;
-    :meth:`give` returns them, from trio or from any thread."""
+    """Bytes held, at most ``limit`` of them. :meth:`take` waits (in trio) for room, in
+    line: the first to wait is the first served, and a take that would fit waits too while
+    others are in line. (Each take that fitted went ahead before: a get of a 512 MiB page
+    through the control channel waited for as long as smaller gets kept the budget more
+    than half full, which a busy daemon's could be for ever.) :meth:`give` returns bytes,
+    from trio or from any thread, and grants the takes in line that now fit."""
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self.held = 0
         self._lock = threading.Lock()
-        self._wake: trio.Event | None = None
-        self._token: trio.lowlevel.TrioToken | None = None
+        self._line: deque[_Waiter] = deque()
+
+    @property
+    def in_line(self) -> int:
+        """How many takes are in line."""
+        return len(self._line)
+
+    def _fits(self, n: int) -> bool:
+        # (more than the limit alone, once nothing else is held)
+        return self.held == 0 or self.held + n <= self.limit
+
+    def _grant(self) -> list[_Waiter]:
+        """Under the lock: hold the bytes of the takes at the head of the line that fit
+        now, in order; returns them, to be woken (outside the lock)."""
+        granted = []
+        while self._line and self._fits(self._line[0].n):
+            w = self._line.popleft()
+            self.held += w.n
+            w.granted = True
+            granted.append(w)
+        return granted
+
+    @staticmethod
+    def _wake(granted: list[_Waiter]) -> None:
+        for w in granted:
+            # RunFinishedError: its loop is gone, and nobody waits any more
+            with contextlib.suppress(trio.RunFinishedError):
+                w.token.run_sync_soon(w.event.set)
 
     async def take(self, n: int) -> None:
-        """Hold ``n`` more bytes once they fit (more than the limit alone, once nothing
-        else is held)."""
-        while True:
+        """Hold ``n`` more bytes once they fit and every take in line before it went
+        (more than the limit alone, once nothing else is held). Cancelled while it waits,
+        it holds nothing."""
+        with self._lock:
+            if not self._line and self._fits(n):
+                self.held += n
+                return
+            w = _Waiter(n)
+            self._line.append(w)
+        try:
+            await w.event.wait()
+        except BaseException:
             with self._lock:
-                if self.held == 0 or self.held + n <= self.limit:
-                    self.held += n
-                    return
-                if self._wake is None:
-                    self._wake = trio.Event()
-                    self._token = trio.lowlevel.current_trio_token()
-                ev = self._wake
-            await ev.wait()  # every waiter wakes at the next give, and looks again
+                if w.granted:  # (granted as it was cancelled: given back)
+                    self.held -= n
+                else:  # (out of line: the takes behind it may fit now)
+                    self._line.remove(w)
+                granted = self._grant()
+            self._wake(granted)
+            raise
 
     def give(self, n: int) -> None:
         """Give ``n`` bytes back (from any thread)."""
         with self._lock:
             self.held -= n
-            ev, self._wake = self._wake, None
-            token = self._token
-        if ev is not None and token is not None:
-            with contextlib.suppress(trio.RunFinishedError):
-                token.run_sync_soon(ev.set)
+            granted = self._grant()
+        self._wake(granted)
