@@ -809,7 +809,8 @@ class S3Store(ObjectStore):
                     e, "list incomplete multipart uploads", "s3:ListBucketMultipartUploads"
                 ) from e
             now = _server_time(r)
-            for up in r.get("Uploads", ()):
+            uploads = r.get("Uploads", ())
+            for up in uploads:
                 if now - up["Initiated"].timestamp() <= older_than:
                     continue
                 if up["UploadId"] in self._in_flight:  # (its server's clock is wrong)
@@ -832,8 +833,27 @@ class S3Store(ObjectStore):
                 gone += 1
             if not r.get("IsTruncated"):
                 return gone
-            kw["KeyMarker"] = r["NextKeyMarker"]
-            kw["UploadIdMarker"] = r["NextUploadIdMarker"]
+            # The next page starts after the markers the server names; one that names none
+            # (a KeyError ended the sweep) after the last upload listed. A server whose
+            # markers do not move on would be asked for the same page for ever.
+            last = uploads[-1] if uploads else {}
+            after = (
+                r.get("NextKeyMarker") or last.get("Key"),
+                r.get("NextUploadIdMarker") or last.get("UploadId"),
+            )
+            if not after[0] or after == (kw.get("KeyMarker"), kw.get("UploadIdMarker")):
+                log.warning(
+                    "%s listed incomplete multipart uploads truncated, with nowhere to go on "
+                    "from (after %s): the rest are left to the next sweep",
+                    self.url,
+                    after[0] or "nothing",
+                )
+                return gone
+            kw["KeyMarker"] = after[0]
+            if after[1]:
+                kw["UploadIdMarker"] = after[1]
+            else:  # (the key's other uploads, if any, are left to the next sweep)
+                kw.pop("UploadIdMarker", None)
 
     async def exists(self, key: str) -> bool:
         return await self.modified(key) is not None

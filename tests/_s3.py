@@ -8,6 +8,7 @@ every request the code under test makes is HTTP over a socket.
 from __future__ import annotations
 
 import contextlib
+import functools
 import http.client
 import http.server
 import json
@@ -399,6 +400,60 @@ def _refuse_nothing(method: str, path: str, headers: list[str]) -> None:
     return None
 
 
+_S3_XML = "http://s3.amazonaws.com/doc/2006-03-01/"
+#: uploads per page of a ListMultipartUploads answered in pages (AWS's are 1,000)
+UPLOADS_PAGE = 2
+
+
+def _page_uploads(
+    method: str, path: str, payload: bytes, *, markers: bool, stuck: bool = False
+) -> bytes | None:
+    """ListMultipartUploads answered in pages of UPLOADS_PAGE, as S3 does past 1,000
+    uploads (moto lists every one at once and ignores the markers): the uploads after the
+    request's ``key-marker`` (and ``upload-id-marker``; with ``stuck``, the first page
+    whatever they say), truncated, with the next page's markers unless ``markers`` is
+    false. None for other requests: their answer stands."""
+    q = parse_qs(urlsplit(path).query, keep_blank_values=True)
+    if method != "GET" or "uploads" not in q:
+        return None
+    import xml.etree.ElementTree as ET
+
+    ET.register_namespace("", _S3_XML)
+    root = ET.fromstring(payload)
+    ns = {"s3": _S3_XML}
+
+    def order(e: ET.Element) -> tuple[str, str]:
+        return e.findtext("s3:Key", "", ns), e.findtext("s3:UploadId", "", ns)
+
+    uploads = sorted(root.findall("s3:Upload", ns), key=order)
+    for e in uploads:
+        root.remove(e)
+    key, uid = q.get("key-marker", [""])[0], q.get("upload-id-marker", [""])[0]
+    # (a key marker alone: the uploads of later keys; with an id: of that key too)
+    if key and not stuck:
+        uploads = [e for e in uploads if order(e) > (key, uid) and (uid or order(e)[0] > key)]
+    page, rest = uploads[:UPLOADS_PAGE], uploads[UPLOADS_PAGE:]
+    root.extend(page)
+    truncated = root.find("s3:IsTruncated", ns)
+    if truncated is None:
+        truncated = ET.SubElement(root, f"{{{_S3_XML}}}IsTruncated")
+    truncated.text = "true" if rest else "false"
+    if rest and markers:
+        last_key, last_uid = order(page[-1])
+        ET.SubElement(root, f"{{{_S3_XML}}}NextKeyMarker").text = last_key
+        ET.SubElement(root, f"{{{_S3_XML}}}NextUploadIdMarker").text = last_uid
+    return ET.tostring(root, xml_declaration=True, encoding="UTF-8")
+
+
+#: kinds that forward every request and rewrite some answers: (method, path, answer body)
+#: -> the body sent instead, or None to send it as it is
+_REWRITES: dict[str, Callable[[str, str, bytes], bytes | None]] = {
+    "upload listing in pages": functools.partial(_page_uploads, markers=True),
+    "upload listing in pages, no markers": functools.partial(_page_uploads, markers=False),
+    "upload listing in pages, stuck": functools.partial(_page_uploads, markers=True, stuck=True),
+}
+
+
 _REFUSALS: dict[str, Callable[[str, str, list[str]], Answer | str | None]] = {
     "nothing": _refuse_nothing,
     "checksums": _refuse_checksums,
@@ -426,12 +481,16 @@ class OlderS3Server:
     CompleteMultipartUpload is carried out and its connection closed before the answer,
     as a reset would, and a retry of it answered NoSuchUpload, as MinIO and Ceph RGW do
     (AWS and moto answer it as the first); ``clock skew``: every request, as S3 answers
-    a host whose clock is more than 15 minutes off. ``refused`` holds the request lines it refused (or rewrote, or
-    answered not), ``forwarded`` counts the others."""
+    a host whose clock is more than 15 minutes off; ``upload listing in pages``:
+    ListMultipartUploads answered UPLOADS_PAGE uploads at a time, as S3 does past 1,000
+    (``..., no markers``: without the next page's markers; ``..., stuck``: the first page
+    whatever the markers asked). ``refused`` holds the request
+    lines it refused (or rewrote, or answered not), ``forwarded`` counts the others."""
 
     def __init__(self, target: str, refuses: str, tls: Path | None = None) -> None:
         host, port = target.removeprefix("http://").split(":")
-        refuse = _REFUSALS[refuses]
+        refuse = _REFUSALS.get(refuses, _refuse_nothing)
+        rewrite = _REWRITES[refuses] if refuses not in _REFUSALS else None
         outer = self
         self.refused: list[str] = []
         self.forwarded = 0
@@ -486,6 +545,11 @@ class OlderS3Server:
                 if lose:
                     self.close_connection = True
                     return
+                if rewrite is not None and r.status == 200:
+                    new = rewrite(self.command, path, payload)
+                    if new is not None:
+                        outer.refused.append(self.requestline)
+                        payload = new
                 self.send_response(r.status)
                 for k, v in r.getheaders():
                     if k.lower() not in ("transfer-encoding", "connection", "content-length"):

@@ -651,6 +651,58 @@ async def test_s3_incomplete_uploads_of_killed_puts_are_aborted_once_stale(s3_se
         assert await s.get("k") == b"v"
 
 
+@pytest.mark.parametrize("markers", [True, False], ids=["markers", "no markers"])
+async def test_a_sweep_goes_through_every_page_of_the_upload_listing(
+    s3_server,  # noqa: ANN001
+    markers: bool,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """S3 lists 1,000 incomplete uploads at a time. A sweep now goes on from the markers
+    the server names, and from its last upload listed where it names none (a KeyError
+    ended the sweep there). The proxy answers two uploads a page, as such a bucket is
+    answered past 1,000; moto itself never pages."""
+    from _s3 import UPLOADS_PAGE, OlderS3Server
+
+    kind = "upload listing in pages" + ("" if markers else ", no markers")
+    bucket = s3_server.new_bucket()
+    client = s3_server.client()
+    keys = [f"p/blobs/k{i}" for i in range(3)] + ["p/manifests/m"] * 2  # (two of one key)
+    for key in [*keys, "other/blobs/theirs"]:
+        uid = client.create_multipart_upload(Bucket=bucket, Key=key)["UploadId"]
+        client.upload_part(Bucket=bucket, Key=key, UploadId=uid, PartNumber=1, Body=b"x")
+    with OlderS3Server(s3_server.endpoint, refuses=kind) as server:
+        url = f"s3://{bucket}/p?endpoint={server.endpoint}&addressing=path"
+        async with await open_objectstore(url) as s:
+            assert await s.abort_stale_uploads(3600) == len(keys)
+        pages = [r for r in server.refused if "uploads" in r]
+        assert len(pages) == -(-len(keys) // UPLOADS_PAGE)  # (every page, each once)
+    left = client.list_multipart_uploads(Bucket=bucket).get("Uploads", ())
+    assert [u["Key"] for u in left] == ["other/blobs/theirs"]
+    assert "nowhere to go on" not in caplog.text
+
+
+async def test_a_listing_whose_markers_do_not_move_on_ends_the_sweep(
+    s3_server,  # noqa: ANN001
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A server that answers every page truncated with the same markers (it ignores them
+    in the request) ends the sweep with a warning, once it asked for the same page twice,
+    instead of asking for ever."""
+    from _s3 import OlderS3Server
+
+    bucket = s3_server.new_bucket()
+    client = s3_server.client()
+    for i in range(3):
+        client.create_multipart_upload(Bucket=bucket, Key=f"p/blobs/k{i}")
+    with OlderS3Server(s3_server.endpoint, refuses="upload listing in pages, stuck") as server:
+        url = f"s3://{bucket}/p?endpoint={server.endpoint}&addressing=path"
+        async with await open_objectstore(url) as s:
+            with trio.fail_after(30):  # (none old enough: the same uploads at every look)
+                assert await s.abort_stale_uploads(1000 * 365 * 86400) == 0
+        assert len([r for r in server.refused if "uploads" in r]) == 2
+    assert "nowhere to go on from (after p/blobs/k1)" in caplog.text
+
+
 async def test_filestore_sweeps_only_stale_temporary_files(tmp_path: Path) -> None:
     root = tmp_path / "arch"
     s = await FileStore.open(root)
