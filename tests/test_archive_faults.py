@@ -504,7 +504,7 @@ def test_a_server_refusing_boto3s_default_checksums_is_named_and_the_option_fixe
     from _s3 import OlderS3Server
 
     with OlderS3Server(s3_server.endpoint, refuses="checksums") as server:
-        bucket, url = multipart_archive(s3_server, server)
+        _, url = multipart_archive(s3_server, server)
         small, large = os.urandom(300 * KiB), os.urandom(12 << 20)  # (large: 3 parts)
         keys = [PageKey.semantic("agent", "p", i) for i in range(2)]
         extra = {"archive": {"interval": 0}}
@@ -608,7 +608,7 @@ def test_a_server_without_encryption_is_named_not_taken_for_one_without_conditio
 
     caplog.set_level(logging.WARNING, logger="kvfs")
     with OlderS3Server(s3_server.endpoint, refuses="encryption") as server:
-        bucket, url = multipart_archive(s3_server, server)
+        _, url = multipart_archive(s3_server, server)
         url += "&sse=AES256"
         small, large = os.urandom(300 * KiB), os.urandom(12 << 20)
         extra = {"archive": {"interval": 0, "upload_processes": 0}}
@@ -634,7 +634,7 @@ def test_a_multipart_completion_whose_answer_was_lost_is_not_a_failed_spill(
     from _s3 import OlderS3Server
 
     with OlderS3Server(s3_server.endpoint, refuses="completion reply lost") as server:
-        bucket, url = multipart_archive(s3_server, server)
+        _, url = multipart_archive(s3_server, server)
         large = os.urandom(12 << 20)
         extra = {"archive": {"interval": 0, "upload_processes": 0}}
         with kvfs.open_store_sync(make_config(ndev=2, archive_url=url, extra=extra)) as s:
