@@ -254,14 +254,17 @@ def _readable_class(name: str) -> str:
 
 
 def is_temporary(e: BaseException) -> bool:
-    """Connection trouble, timeouts, 5xx (but 501, not implemented, and an error S3 gives
-    with a 4xx, as in a 200's body) and throttling are temporary; the rest permanent."""
+    """Connection trouble (with the endpoint, or an HTTP proxy on the way), timeouts, 5xx
+    (but 501, not implemented, and an error S3 gives with a 4xx, as in a 200's body) and
+    throttling are temporary; the rest permanent."""
     if isinstance(
         e,
         (
             bce.EndpointConnectionError,
             bce.ConnectionClosedError,
             bce.ConnectTimeoutError,
+            # an HTTP proxy (HTTP_PROXY, HTTPS_PROXY) down or restarting, as the endpoint
+            bce.ProxyConnectionError,
             bce.ReadTimeoutError,
             bce.HTTPClientError,
             # a response body cut off mid-stream (connection reset, short read, stall)

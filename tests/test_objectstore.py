@@ -15,7 +15,7 @@ import pytest
 import trio
 
 from kvfs import ArchiveAccessDenied, ArchiveUnavailable
-from objectstore import FileStore, ObjectNotFound, ObjectStore, S3Store, open_objectstore
+from objectstore import Backoff, FileStore, ObjectNotFound, ObjectStore, S3Store, open_objectstore
 
 MiB = 1 << 20
 
@@ -276,6 +276,40 @@ async def test_a_body_cut_off_mid_stream_is_retried(s3_server, proxy) -> None:  
         proxy.cut_responses(after=100_000, times=1_000_000)
         with pytest.raises(ArchiveUnavailable, match="still failing"):
             await s.get("big")
+
+
+async def test_an_http_proxy_down_is_retried_as_the_endpoint_down_is(
+    s3_server,  # noqa: ANN001
+    proxy,  # noqa: ANN001
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Through an HTTP proxy (``HTTP_PROXY``, ``HTTPS_PROXY``: boto3 takes them from the
+    environment), a proxy restarting refused every call at once with botocore's
+    ProxyConnectionError, which nothing retried: a spill or a restore failed on the first
+    refused connection, where an endpoint down is retried until the deadline."""
+    for var in ("NO_PROXY", "no_proxy"):
+        monkeypatch.delenv(var, raising=False)
+    for var in ("HTTP_PROXY", "http_proxy"):
+        monkeypatch.setenv(var, f"http://kvfsuser:proxysecret@127.0.0.1:{proxy.port}")
+    bucket = s3_server.new_bucket()
+    async with await open_objectstore(f"s3://{bucket}?endpoint={s3_server.endpoint}") as s:
+        await s.put("k", b"through the proxy")
+        assert proxy.sent  # (the calls go through it)
+        proxy.down()
+
+        async def back_soon() -> None:
+            await trio.sleep(0.5)
+            proxy.up()
+
+        async with trio.open_nursery() as n:
+            n.start_soon(back_soon)
+            assert await s.get("k") == b"through the proxy"
+            await s.put("k", b"again")
+        proxy.down()
+        s.backoff = Backoff(deadline=0.5)
+        with pytest.raises(ArchiveUnavailable, match="still failing") as ei:
+            await s.get("k")
+        assert "proxysecret" not in str(ei.value)  # (botocore masks the proxy's password)
 
 
 async def test_a_read_from_an_endpoint_that_never_answers_ends_when_cancelled(
