@@ -270,6 +270,9 @@ def is_temporary(e: BaseException) -> bool:
             # a response body cut off mid-stream (connection reset, short read, stall)
             bce.ResponseStreamingError,
             bce.IncompleteReadError,
+            # ... or damaged on the way: its bytes do not match the checksum the server
+            # stored with the object (read again, it comes whole)
+            bce.FlexibleChecksumError,
             urllib3.exceptions.ProtocolError,
             urllib3.exceptions.ReadTimeoutError,
             ConnectionError,

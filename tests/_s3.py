@@ -205,7 +205,8 @@ class TcpProxy:
     ``up()`` serves again on the same port, ``delay`` sleeps per forwarded chunk;
     ``sent`` counts the bytes forwarded from clients to the target; ``cut_responses(n,
     times)`` closes the next ``times`` connections whose response passes ``n`` bytes right
-    there (a body dropped mid-stream)."""
+    there (a body dropped mid-stream); ``corrupt_responses(n, times)`` flips every bit of
+    byte ``n`` of the next ``times`` connections' responses (damaged on the way)."""
 
     def __init__(self, target: tuple[str, int], delay: float = 0.0) -> None:
         self.target = target
@@ -215,6 +216,7 @@ class TcpProxy:
         self._listener: socket.socket | None = None
         self.sent = 0
         self._cut = (0, 0)  # (after this many response bytes, this many more times)
+        self._flip = (0, 0)  # (the response byte at this offset, this many more times)
         self.port = _port_outside_ephemeral_range()
         self.up()
 
@@ -233,6 +235,10 @@ class TcpProxy:
     def cut_responses(self, after: int, times: int = 1) -> None:
         with self._lock:
             self._cut = (after, times)
+
+    def corrupt_responses(self, at: int, times: int = 1) -> None:
+        with self._lock:
+            self._flip = (at, times)
 
     def down(self) -> None:
         with self._lock:
@@ -277,6 +283,14 @@ class TcpProxy:
                 if self.delay:
                     time.sleep(self.delay)
                 if not upstream:
+                    with self._lock:
+                        at, left = self._flip
+                        flip = left > 0 and forwarded <= at < forwarded + len(data)
+                        if flip:
+                            self._flip = (at, left - 1)
+                    if flip:
+                        i = at - forwarded
+                        data = data[:i] + bytes([data[i] ^ 0xFF]) + data[i + 1 :]
                     with self._lock:
                         after, times = self._cut
                         cut = times > 0 and forwarded + len(data) > after

@@ -278,6 +278,26 @@ async def test_a_body_cut_off_mid_stream_is_retried(s3_server, proxy) -> None:  
             await s.get("big")
 
 
+async def test_a_body_damaged_on_the_way_is_read_again(s3_server, proxy) -> None:  # noqa: ANN001
+    """boto3 checks a GET's body against the checksum the server stored with the object
+    (S3 keeps the CRC32 boto3 sends with each put): a byte damaged on the way (a faulty
+    NIC, proxy or middlebox) raised FlexibleChecksumError, which was taken for permanent:
+    the read failed at once, where reading the object again returns it whole."""
+    bucket = s3_server.new_bucket()
+    data = os.urandom(MiB)
+    async with (
+        await open_objectstore(f"s3://{bucket}?endpoint={s3_server.endpoint}") as direct,
+        await open_objectstore(f"s3://{bucket}?endpoint={proxy.endpoint}", deadline=3) as s,
+    ):
+        await direct.put("big", data)
+        proxy.corrupt_responses(at=500_000, times=2)
+        assert await s.get("big") == data
+        proxy.corrupt_responses(at=500_000, times=1_000_000)
+        with pytest.raises(ArchiveUnavailable, match="still failing.*checksum"):
+            await s.get("big")
+    proxy.corrupt_responses(at=0, times=0)
+
+
 async def test_an_http_proxy_down_is_retried_as_the_endpoint_down_is(
     s3_server,  # noqa: ANN001
     proxy,  # noqa: ANN001
