@@ -250,6 +250,8 @@ class FileStore(ObjectStore):
             except (FileNotFoundError, NotADirectoryError):
                 self._check_root()
                 return
+            except IsADirectoryError:  # (the start of other keys, ``d`` of ``d/x``: no object)
+                return
             except OSError as e:
                 if e.errno != errno.ENAMETOOLONG:
                     raise

@@ -91,6 +91,18 @@ async def test_delete(store: ObjectStore) -> None:
     await store.delete("a/b")  # absent: no error
 
 
+async def test_a_key_that_only_begins_others_holds_no_object(store: ObjectStore) -> None:
+    """``d`` while ``d/x`` is stored is a missing key, as on S3: a file store, where it is
+    a directory, raised ArchiveUnavailable ("Is a directory") for its delete."""
+    await store.put("d/x", b"1")
+    assert not await store.exists("d")
+    with pytest.raises(ObjectNotFound):
+        await store.get("d")
+    await store.delete("d")  # absent: no error
+    assert await store.get("d/x") == b"1"
+    assert await store.list_all() == ["d/x"]
+
+
 async def test_puts_racing_deletes_of_the_last_object_in_a_directory(store: ObjectStore) -> None:
     """A file store's delete removes the directory it leaves empty; a put into it at that
     moment found it gone (ENOENT, not retried) and failed with ArchiveUnavailable: a
