@@ -45,6 +45,9 @@ log = logging.getLogger("kvfs.archive")
 
 T = TypeVar("T")
 MiB = 1 << 20
+#: seconds the abort of a failed multipart put is tried again while the server answers
+#: with a temporary error (a cancelled put's caller waits for it)
+ABORT_DEADLINE = 10.0
 _TEMP_CODES = {
     "InternalError",
     "ServiceUnavailable",
@@ -775,12 +778,31 @@ class S3Store(ObjectStore):
             # The original error matters; what this misses, a sweep aborts a day later
             # (abort_stale_uploads), or the bucket's lifecycle rule.
             with trio.CancelScope(shield=True), contextlib.suppress(Exception):
-                await self._thread(
-                    self._client.abort_multipart_upload, Bucket=self.bucket, Key=k, UploadId=uid
-                )
+                await self._abort(key, k, uid)
             raise
         finally:
             self._in_flight.discard(uid)
+
+    async def _abort(self, key: str, k: str, uid: str) -> None:
+        """Abort the multipart upload ``uid`` of a put that failed, tried again for up to
+        ABORT_DEADLINE while the server answers with a temporary error (503 SlowDown, 5xx):
+        it is there, and the parts would be billed until a sweep. Not while it cannot be
+        reached (the put's own error may be that): the put's caller would wait for nothing.
+        Raises what the last attempt raised."""
+
+        async def abort() -> None:
+            await self._thread(
+                self._client.abort_multipart_upload, Bucket=self.bucket, Key=k, UploadId=uid
+            )
+
+        await retry(
+            abort,
+            is_temporary=lambda e: isinstance(e, bce.ClientError) and is_temporary(e),
+            backoff=Backoff(
+                self.backoff.base, self.backoff.cap, min(self.backoff.deadline, ABORT_DEADLINE)
+            ),
+            what=f"abort multipart upload of {key} on {self.url}",
+        )
 
     async def abort_stale_uploads(self, older_than: float, prefix: str = "") -> int:
         # Ages by the server's clock: its ``Date`` on the listing against each upload's

@@ -375,6 +375,25 @@ def _refuse_completion(method: str, path: str, headers: list[str]) -> Answer | N
     return None
 
 
+class _SlowAborts:
+    """Every CompleteMultipartUpload refused as ``completion`` does, and the first
+    AbortMultipartUpload (``DELETE ...?uploadId=``) of each upload answered 503 SlowDown,
+    as S3 answers any request while it sheds load. One per server: it remembers the
+    uploads."""
+
+    def __init__(self) -> None:
+        self.slowed: set[str] = set()
+
+    def __call__(self, method: str, path: str, headers: list[str]) -> Answer | None:
+        upload = parse_qs(urlsplit(path).query).get("uploadId", [""])[0]
+        if method != "DELETE" or not upload:
+            return _refuse_completion(method, path, headers)
+        if upload in self.slowed:
+            return None
+        self.slowed.add(upload)
+        return 503, "SlowDown", "Please reduce your request rate."
+
+
 def _listing_v1(method: str, path: str, headers: list[str]) -> str | None:
     """A server that does not do ListObjectsV2 (Ceph RGW before Luminous, some gateways):
     it ignores ``list-type=2`` and its continuation token and answers as ListObjects does,
@@ -468,6 +487,12 @@ _REWRITES: dict[str, Callable[[str, str, bytes], bytes | None]] = {
 }
 
 
+#: kinds that remember what they were asked: a fresh refusal per server
+_STATEFUL: dict[str, Callable[[], Callable[[str, str, list[str]], Answer | None]]] = {
+    "completion, first abort slowed down": _SlowAborts,
+}
+
+
 _REFUSALS: dict[str, Callable[[str, str, list[str]], Answer | str | None]] = {
     "nothing": _refuse_nothing,
     "checksums": _refuse_checksums,
@@ -489,7 +514,8 @@ class OlderS3Server:
     gateways refuse them too); ``conditional``: a put with ``If-None-Match``, as AWS did
     before August 2024; ``upload listing``: ListMultipartUploads, as some gateways do;
     ``completion``: every CompleteMultipartUpload, with the error in a 200's body, as
-    MinIO and Ceph RGW answer one that fails; ``encryption``: a request for server-side
+    MinIO and Ceph RGW answer one that fails (``completion, first abort slowed down``:
+    and the first abort of each upload answered 503 SlowDown); ``encryption``: a request for server-side
     encryption, as MinIO without a KMS does; ``listing v1``: a ListObjectsV2 answered as
     ListObjects (V1), as servers without V2 do; ``completion reply lost``: the first
     CompleteMultipartUpload is carried out and its connection closed before the answer,
@@ -503,8 +529,14 @@ class OlderS3Server:
 
     def __init__(self, target: str, refuses: str, tls: Path | None = None) -> None:
         host, port = target.removeprefix("http://").split(":")
-        refuse = _REFUSALS.get(refuses, _refuse_nothing)
-        rewrite = _REWRITES[refuses] if refuses not in _REFUSALS else None
+        refuse: Callable[[str, str, list[str]], Answer | str | None]
+        refuse = (
+            _STATEFUL[refuses]()
+            if refuses in _STATEFUL
+            else _REFUSALS.get(refuses, _refuse_nothing)
+        )
+        known = refuses in _REFUSALS or refuses in _STATEFUL
+        rewrite = _REWRITES[refuses] if not known else None
         outer = self
         self.refused: list[str] = []
         self.forwarded = 0

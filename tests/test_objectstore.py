@@ -717,6 +717,23 @@ async def test_s3_incomplete_uploads_of_killed_puts_are_aborted_once_stale(s3_se
         assert await s.get("k") == b"v"
 
 
+async def test_a_failed_multipart_put_is_aborted_through_a_busy_server(s3_server) -> None:  # noqa: ANN001
+    """A multipart put that fails aborts its upload once, and an abort that S3 answered
+    503 SlowDown (as it answers any request while it sheds load) left the parts in the
+    bucket, billed, for a day, until a sweep (or for good, where the credentials may not
+    list them). An abort the server answers with a temporary error is now tried again."""
+    from _s3 import OlderS3Server
+
+    bucket = s3_server.new_bucket()
+    with OlderS3Server(s3_server.endpoint, refuses="completion, first abort slowed down") as srv:
+        url = f"s3://{bucket}?endpoint={srv.endpoint}&addressing=path"
+        async with await open_objectstore(url, multipart_threshold=5 * MiB, part_size=5 * MiB) as s:
+            with pytest.raises(ArchiveUnavailable, match="InvalidPart"):
+                await s.put("blobs/big", os.urandom(11 * MiB))
+        assert [r for r in srv.refused if r.startswith("DELETE")]  # (an abort was slowed)
+    assert not s3_server.client().list_multipart_uploads(Bucket=bucket).get("Uploads")
+
+
 @pytest.mark.parametrize("markers", [True, False], ids=["markers", "no markers"])
 async def test_a_sweep_goes_through_every_page_of_the_upload_listing(
     s3_server,  # noqa: ANN001
