@@ -12,7 +12,7 @@ Contract (documented once, here; ``tests/test_objectstore.py`` checks every impl
   With ``into`` the bytes land in the caller's buffer and the count is returned.
 * :meth:`delete` of a missing key is not an error (S3 semantics).
 * :meth:`list` yields every key starting with ``prefix``, in lexicographic order.
-* Temporary failures (connection refused, timeouts, 5xx, throttling) are retried inside
+* Temporary failures (connection refused, timeouts, 5xx, 408, throttling) are retried inside
   the store by the one helper in :mod:`objectstore._retry` until its deadline; what reaches
   the caller is :class:`~kvfs.ArchiveUnavailable` (cause in ``__cause__``) for a store that
   cannot be reached, does not exist or refuses access, and :class:`ObjectNotFound`.

@@ -258,8 +258,8 @@ def _readable_class(name: str) -> str:
 
 def is_temporary(e: BaseException) -> bool:
     """Connection trouble (with the endpoint, or an HTTP proxy on the way), timeouts, 5xx
-    (but 501, not implemented, and an error S3 gives with a 4xx, as in a 200's body) and
-    throttling are temporary; the rest permanent."""
+    (but 501, not implemented, and an error S3 gives with a 4xx, as in a 200's body), 408
+    (a request timed out) and throttling are temporary; the rest permanent."""
     if isinstance(
         e,
         (
@@ -286,7 +286,8 @@ def is_temporary(e: BaseException) -> bool:
     if isinstance(e, bce.ClientError):
         if _not_implemented(e) or _code(e) in _CLIENT_CODES or _code(e) in _DENIED:
             return False  # (no retry will have it, whatever the status)
-        return _code(e) in _TEMP_CODES or _status(e) >= 500 or _status(e) == 429
+        # (408: a reverse proxy's, to a request whose body came too slowly; 429: throttling)
+        return _code(e) in _TEMP_CODES or _status(e) >= 500 or _status(e) in (408, 429)
     return False
 
 

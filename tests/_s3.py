@@ -394,6 +394,21 @@ class _SlowAborts:
         return 503, "SlowDown", "Please reduce your request rate."
 
 
+class _FirstPutTimedOut:
+    """The first PUT answered 408 Request Timeout, as a reverse proxy in front of MinIO
+    or Ceph RGW (nginx, HAProxy, a cloud load balancer) answers a request whose body came
+    too slowly; the others forwarded. One per server: it remembers the first."""
+
+    def __init__(self) -> None:
+        self.answered = False
+
+    def __call__(self, method: str, path: str, headers: list[str]) -> Answer | None:
+        if method != "PUT" or self.answered:
+            return None
+        self.answered = True
+        return 408, "", "Request Time-out"
+
+
 def _listing_v1(method: str, path: str, headers: list[str]) -> str | None:
     """A server that does not do ListObjectsV2 (Ceph RGW before Luminous, some gateways):
     it ignores ``list-type=2`` and its continuation token and answers as ListObjects does,
@@ -490,6 +505,7 @@ _REWRITES: dict[str, Callable[[str, str, bytes], bytes | None]] = {
 #: kinds that remember what they were asked: a fresh refusal per server
 _STATEFUL: dict[str, Callable[[], Callable[[str, str, list[str]], Answer | None]]] = {
     "completion, first abort slowed down": _SlowAborts,
+    "first put timed out by a proxy": _FirstPutTimedOut,
 }
 
 
@@ -515,7 +531,8 @@ class OlderS3Server:
     before August 2024; ``upload listing``: ListMultipartUploads, as some gateways do;
     ``completion``: every CompleteMultipartUpload, with the error in a 200's body, as
     MinIO and Ceph RGW answer one that fails (``completion, first abort slowed down``:
-    and the first abort of each upload answered 503 SlowDown); ``encryption``: a request for server-side
+    and the first abort of each upload answered 503 SlowDown); ``first put timed out by a
+    proxy``: the first PUT answered 408, as a reverse proxy does; ``encryption``: a request for server-side
     encryption, as MinIO without a KMS does; ``listing v1``: a ListObjectsV2 answered as
     ListObjects (V1), as servers without V2 do; ``completion reply lost``: the first
     CompleteMultipartUpload is carried out and its connection closed before the answer,
@@ -570,8 +587,12 @@ class OlderS3Server:
                         '<?xml version="1.0" encoding="UTF-8"?><Error><Code>'
                         f"{code}</Code><Message>{message}</Message></Error>"
                     ).encode()
+                    kind = "application/xml"
+                    if not code:  # (not the server's answer: a proxy's page)
+                        body = f"<html><body><h1>{status} {message}</h1></body></html>".encode()
+                        kind = "text/html"
                     self.send_response(status)
-                    self.send_header("Content-Type", "application/xml")
+                    self.send_header("Content-Type", kind)
                     self.send_header("Content-Length", str(len(body)))
                     self.send_header("Connection", "close")
                     self.end_headers()

@@ -947,3 +947,18 @@ async def test_a_server_with_a_private_cas_certificate_is_named_with_the_fix(
             assert await s.get("k") == b"over TLS"
     finally:
         server.close()
+
+
+async def test_a_request_a_proxy_timed_out_is_retried(s3_server) -> None:  # noqa: ANN001
+    """A reverse proxy in front of MinIO or Ceph RGW (nginx, HAProxy, a load balancer)
+    answers 408 Request Timeout to a request whose body came too slowly, a moment's
+    trouble that the request sent again gets past: the put failed at once with it."""
+    from _s3 import OlderS3Server
+
+    bucket = s3_server.new_bucket()
+    with OlderS3Server(s3_server.endpoint, refuses="first put timed out by a proxy") as srv:
+        url = f"s3://{bucket}?endpoint={srv.endpoint}&addressing=path&deadline=10"
+        async with await open_objectstore(url) as s:
+            await s.put("k", b"x")
+            assert await s.get("k") == b"x"
+        assert len(srv.refused) == 1  # (the first put was answered 408)
