@@ -153,8 +153,22 @@ def _failed(args: argparse.Namespace, e: BaseException) -> int:
         return 141
     if args.debug:
         traceback.print_exception(e)
-    print(f"kvfs {args.command}: {real[0]}", file=sys.stderr)
+    print(f"kvfs {args.command}: {_said(real[0])}", file=sys.stderr)
     return exit_code_for(real[0])
+
+
+def _said(e: BaseException) -> str:
+    """The error's words: a file the command could not open as ``FILE: why`` (as cp and cat
+    say it), not Python's ``[Errno 2] No such file or directory: 'FILE'``."""
+    if (
+        type(e).__module__ == "builtins"  # (kvfs's own errors word themselves)
+        and isinstance(e, OSError)
+        and e.strerror
+        and e.filename is not None
+    ):
+        also = f" -> {os.fsdecode(e.filename2)}" if e.filename2 is not None else ""
+        return f"{os.fsdecode(e.filename)}{also}: {e.strerror}"
+    return str(e)
 
 
 if __name__ == "__main__":

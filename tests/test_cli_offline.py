@@ -623,6 +623,20 @@ def test_bad_arguments_and_one_line_errors(tmp_path: Path) -> None:
     assert r.stderr.strip().splitlines()[-1].startswith("kvfs ls: ")
 
 
+def test_a_file_it_cannot_open_is_named_as_cp_names_it(run: Run, tmp_path: Path) -> None:
+    """`kvfs put nofile ...` said "kvfs put: [Errno 2] No such file or directory: 'nofile'",
+    Python's words; the file comes first now, and the reason (exit 3 and 1 as before)."""
+    d = one_page(run, tmp_path, b"x" * 100)
+    rc, _, err = run("put", "nofile", "sessions/a/p/layer-001", *d)
+    assert (rc, err) == (3, "kvfs put: nofile: No such file or directory\n")
+    rc, _, err = run("put", str(tmp_path), "sessions/a/p/layer-001", *d)
+    assert (rc, err) == (1, f"kvfs put: {tmp_path}: Is a directory\n")
+    rc, _, err = run("get", "sessions/a/p/layer-000", "no/dir/out", *d)
+    assert (rc, err) == (3, "kvfs get: no/dir/out: No such file or directory\n")
+    rc, _, err = run("size", "--hf-config", "config.json")
+    assert (rc, err) == (3, "kvfs size: config.json: No such file or directory\n")
+
+
 def test_a_commands_warning_is_one_line_naming_the_command(run: Run, tmp_path: Path) -> None:
     """A warning logged while a command ran came out as the daemon's log records it
     ("2026-11-27 23:43:21,252 WARNING kvfs.engine: ..."), unlike the command's own lines;
