@@ -31,7 +31,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="try it instead of showing it: write to each data directory as the store does "
         "(O_DIRECT), look for FUSE and fusermount3, and store, read back and delete one "
-        "object in the archive; exit 1 if anything would fail",
+        "object in the archive; exit 1 if anything would fail (2, with nothing tried: the "
+        "configuration is not valid)",
     )
     add_store_flags(p, modes=False)
     p.set_defaults(func=cmd_config)
@@ -42,6 +43,10 @@ def cmd_config(args: argparse.Namespace) -> int:
     try:
         cfg = s.store_config()  # validates the combination
     except ValueError as e:
+        if args.check:
+            # Nothing to try: one line and exit 2, as for a bad file or variable (it was the
+            # configuration's dump, which --json's readers took for the checks' list).
+            raise
         # Shown all the same (masked): it is what the user has to fix. Then exit 2.
         problem: ValueError | None = e
         index = socket = "(none: the configuration is not valid)"

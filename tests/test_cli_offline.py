@@ -524,6 +524,21 @@ def test_config_shows_sources_and_masks(
     assert rc == 2 and "none.toml does not exist" in err  # a configuration error
 
 
+def test_config_check_of_a_configuration_that_is_not_valid_tries_nothing(
+    run: Run, tmp_path: Path
+) -> None:
+    """`kvfs config --check --json --archive bogus://x` printed the configuration's dump (a
+    JSON object, not the checks' list a script reads) before its error: `--check` of a
+    configuration that is not valid says why in one line, exit 2, as for a bad file."""
+    for url in ("bogus://x", "s3://K:hidden@b/p"):
+        for fmt in ([], ["--json"]):
+            rc, out, err = run("config", "--check", *fmt, "--data", "dd", "--archive", url)
+            assert (rc, out) == (2, ""), (url, fmt, out)
+            assert err.startswith("kvfs config: ") and err.count("\n") == 1, err
+            assert "hidden" not in err
+    assert not (tmp_path / "dd").exists()
+
+
 def test_size_presets_and_hf_config(run: Run, tmp_path: Path) -> None:
     rc, out, _ = run("size", "--model", "Qwen2.5-1.5B", "--dtype", "fp16", "--json")
     assert rc == 0 and json.loads(out)["bytes_per_token"] == 28672
