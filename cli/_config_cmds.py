@@ -51,7 +51,7 @@ def cmd_config(args: argparse.Namespace) -> int:
         problem: ValueError | None = e
         index = socket = "(none: the configuration is not valid)"
     else:
-        problem, index, socket = None, str(cfg.index_path), str(s.socket_path())
+        problem, index, socket = None, str(cfg.index_path.absolute()), str(s.socket_path())
         if args.check:
             return _check(cfg, s.socket_path(), args.json)
     if args.json:

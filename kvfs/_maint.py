@@ -288,7 +288,8 @@ def _settings(eng: Engine) -> dict[str, object]:
             "direct_io": cfg.direct_io,
             "durable": cfg.durable,
             "io_threads": cfg.io_threads,
-            "index": str(cfg.index_path),
+            # (as given, a relative one was read from wherever the command ran)
+            "index": str(cfg.index_path.absolute()),
         }
     }
     if eng.mounted is not None:

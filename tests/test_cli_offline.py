@@ -524,6 +524,21 @@ def test_config_shows_sources_and_masks(
     assert rc == 2 and "none.toml does not exist" in err  # a configuration error
 
 
+def test_the_index_is_shown_by_its_absolute_path(run: Run, tmp_path: Path) -> None:
+    """With a relative data directory (the embedded default, ./kvfs-data), `kvfs stats` and
+    `kvfs config` showed "index kvfs-data/kvfs-index.sqlite3": from another directory (a
+    daemon's stats, asked from elsewhere) that named no file, or another store's."""
+    (tmp_path / "f").write_bytes(b"i" * 100)
+    assert run("put", "f", "sessions/a/p/layer-000", "--archive", "")[0] == 0
+    index = str(tmp_path / "kvfs-data" / "kvfs-index.sqlite3")
+    rc, out, _ = run("stats", "--json", "--archive", "")
+    assert rc == 0 and json.loads(out)["extra"]["settings"]["index"] == index
+    assert f"index {index}\n" in run("stats", "--archive", "")[1]
+    rc, out, _ = run("config", "--json")
+    assert rc == 0 and json.loads(out)["index"] == index
+    assert f"# index: {index}\n" in run("config")[1]
+
+
 def test_config_check_of_a_configuration_that_is_not_valid_tries_nothing(
     run: Run, tmp_path: Path
 ) -> None:
