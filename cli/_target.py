@@ -20,7 +20,7 @@ from typing import Any
 
 import kvfs
 from kvfs._control import DaemonUnavailable
-from kvfs._engine import devices_known, is_new_store
+from kvfs._engine import devices_known, is_new_store, too_few_devices
 from kvfs._keys import SESSIONS_DIR
 from kvfs._local import DEVICE_MARKER
 from kvfs._mountinfo import kvfs_mount_of, kvfs_mounts
@@ -442,7 +442,8 @@ def _check_devices(config: kvfs.StoreConfig, *, new: bool, create: bool) -> None
     device list (``--data d0,d0-typo``) made d0-typo a device of the store for good, and
     every later open without it failed. A store gets a new device when its daemon starts
     with one (``kvfs mount``) or through the object API. Raises FileNotFoundError (no store
-    there) and ValueError (a directory that is not one of the store's devices)."""
+    there) and ValueError (a directory that is not one of the store's devices, or fewer
+    directories than it has)."""
     if new:
         marked = [d for d in config.data_dirs[1:] if (d / DEVICE_MARKER).exists()]
         if marked:  # the first directory holds the index
@@ -457,6 +458,8 @@ def _check_devices(config: kvfs.StoreConfig, *, new: bool, create: bool) -> None
             )
         return
     known = devices_known(config)
+    if known > len(config.data_dirs):  # (the store's open refused it: exit 1, not 2)
+        raise ValueError(too_few_devices(config, known))
     extra = [str(d) for d in config.data_dirs[known:]] if known else []
     if extra:
         raise ValueError(

@@ -342,6 +342,15 @@ def devices_known(cfg: StoreConfig) -> int:
     return _device_count(lambda k: meta_value(rows.get(k)))
 
 
+def too_few_devices(cfg: StoreConfig, known: int) -> str:
+    """What is wrong with ``cfg`` naming fewer data directories than the store's ``known``."""
+    return (
+        f"the store in {cfg.data_dirs[0]} has {known} data directories, but only "
+        f"{len(cfg.data_dirs)} configured: the pages striped over the others would be "
+        "missing; configure all of them, in their original order"
+    )
+
+
 def headroom(free: int) -> int:
     """What the default capacity (0: the devices' free space at open) leaves free on a device
     for the index and its WAL (which must grow even to delete pages) and for other writers:
@@ -439,11 +448,7 @@ class Engine:
         store_id = self.index.get_meta("store_id")
         known = 0 if store_id is None else _devices_known(self.index)
         if len(cfg.data_dirs) < known:
-            raise KvfsError(
-                f"this store has {known} data directories, but only {len(cfg.data_dirs)} "
-                "configured: the pages striped over the others would be missing; "
-                "configure all of them, in their original order"
-            )
+            raise KvfsError(too_few_devices(cfg, known))
         for i, d in enumerate(cfg.data_dirs):
             if i < known and not (d / DEVICE_MARKER).exists():
                 raise KvfsError(

@@ -665,6 +665,24 @@ def test_mount_arguments_it_cannot_use_exit_2(tmp_path: Path, run: Run) -> None:
     assert str(mp) not in {m for m, _ in kvfs_mounts_table()}
 
 
+def test_fewer_data_directories_than_the_store_has_exit_2(tmp_path: Path, run: Run) -> None:
+    """`kvfs mount --data d0` (and `kvfs ls --data d0`) of a store striped over d0 and d1
+    exited 1 once the store's open refused it; a data directory list it cannot use is a
+    usage error (exit 2), told before a daemon starts."""
+    import kvfs
+
+    d0, d1, mp = tmp_path / "d0", tmp_path / "d1", tmp_path / "mnt"
+    mp.mkdir()
+    with kvfs.open_store_sync(kvfs.StoreConfig(data_dirs=(d0, d1))) as s:
+        s.put("sessions/a/p/layer-000", b"x" * 100)
+    for argv in (["mount", "--data", str(d0), str(mp)], ["ls", "--data", str(d0)]):
+        rc, _, err = run(*argv)
+        assert rc == 2 and "has 2 data directories, but only 1 configured" in err, (argv, err)
+    assert str(mp) not in {m for m, _ in kvfs_mounts_table()}
+    rc, out, _ = run("ls", "--data", f"{d0},{d1}")
+    assert rc == 0 and "a " in out
+
+
 def test_writes_still_open_when_the_mount_stops_are_logged(tmp_path: Path) -> None:
     """A file still being written when the daemon stops is discarded (it was never closed),
     and the log now says which (it said nothing)."""
