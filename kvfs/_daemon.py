@@ -204,6 +204,7 @@ def main(
     # What can be told before anything is created (the store, the detached daemon's log),
     # and touching no FUSE mount (a stopped daemon's hangs a stat, see _mountinfo).
     mountpoint = realpath(mountpoint)  # (a symlink: libfuse failed on it, ENOTCONN)
+    made: list[Path] = []  # (what a mount that fails takes away again, if still empty)
     try:
         check_mountpoint(Path(mountpoint))
         for d in config.data_dirs:
@@ -220,6 +221,8 @@ def main(
         if log_file is not None and not Path(log_file).absolute().parent.is_dir():
             raise BadMountArgument(f"--log {log_file}: {Path(log_file).parent} is not a directory")
         if log_file is not None and not foreground:
+            if not os.path.lexists(log_file):
+                made.append(Path(log_file))
             try:
                 open(log_file, "ab").close()  # noqa: SIM115 - (made now, as the daemon would)
             except OSError as e:
@@ -232,8 +235,14 @@ def main(
             raise ValueError("detaching needs the foreground command line (child_argv)")
         if log_file is None:
             log_file = _default_log(config)
+            made += [x for x in (log_file.parent, log_file) if not os.path.lexists(x)]
             log_file.parent.mkdir(parents=True, exist_ok=True)  # (a store made by this mount)
-        return _detach(child_argv, log_file)
+        rc = _detach(child_argv, log_file)
+        if rc != 0:
+            # A daemon that failed before it held the store (an archive it could not open)
+            # left a new data directory holding only an empty log.
+            _remove_if_empty(made)
+        return rc
     # fusermount3 (auto_unmount) outlives the mount call: it must not hold the pipe open.
     ready_fd, log_fd = _inherited_fd(READY_FD_ENV), _inherited_fd(LOG_FD_ENV)
     if log_fd is not None:
@@ -409,6 +418,17 @@ def _write_state(path: Path, mountpoint: str | os.PathLike[str], config: StoreCo
     os.replace(tmp, path)
 
 
+def _remove_if_empty(made: Sequence[Path]) -> None:
+    """Remove what ``made`` lists (a log file, its directory), deepest first, each only while
+    it is empty: what a daemon wrote into them stays."""
+    for x in reversed(made):
+        with contextlib.suppress(OSError):
+            if x.is_dir():
+                x.rmdir()  # (refused when not empty)
+            elif x.stat().st_size == 0:
+                x.unlink()
+
+
 def _default_log(config: StoreConfig) -> Path:
     return Path(config.index_dir or config.data_dirs[0]) / "kvfs-daemon.log"
 
@@ -468,11 +488,12 @@ def _detach(argv: Sequence[str], log_file: str | os.PathLike[str]) -> int:
         if not msg:
             print(f"kvfs mount: the daemon exited ({rc})", file=sys.stderr)
     else:
-        print(
-            f"kvfs mount: {msg.removeprefix('error: ') or f'the daemon exited ({rc})'} "
-            f"(log: {log_file})",
-            file=sys.stderr,
-        )
+        said = msg.removeprefix("error: ") or f"the daemon exited ({rc})"
+        # (an empty log, which main then removes if it made it, says nothing more)
+        with contextlib.suppress(OSError):
+            if os.path.getsize(log_file):
+                said += f" (log: {log_file})"
+        print(f"kvfs mount: {said}", file=sys.stderr)
     return rc if 0 < rc < 128 else 1  # (killed by a signal: no status of its own)
 
 

@@ -683,6 +683,27 @@ def test_fewer_data_directories_than_the_store_has_exit_2(tmp_path: Path, run: R
     assert rc == 0 and "a " in out
 
 
+def test_a_mount_that_fails_leaves_no_new_empty_data_directory(tmp_path: Path, run: Run) -> None:
+    """`kvfs mount --data NEW` whose daemon could not open its archive (exit 8) left NEW
+    behind, holding only an empty kvfs-daemon.log (and an empty --log file it made): what
+    the command made for the daemon goes again when the daemon wrote nothing into it. A
+    directory that was there stays, as does a log that was."""
+    mp = tmp_path / "mnt"
+    mp.mkdir()
+    (tmp_path / "file").write_bytes(b"")
+    bad = ["--archive", f"file://{tmp_path}/file/arch"]  # (below a file: no archive)
+    new, log = tmp_path / "new", tmp_path / "my.log"
+    for extra in ([], ["--log", str(log)]):
+        rc, _, err = run("mount", "--data", str(new), *bad, *extra, str(mp))
+        assert rc == 8 and "Not a directory" in err, err
+        assert not new.exists() and not log.exists(), list(tmp_path.iterdir())
+    (tmp_path / "old").mkdir()
+    log.write_text("kept\n")
+    rc, _, _ = run("mount", "--data", str(tmp_path / "old"), *bad, "--log", str(log), str(mp))
+    assert rc == 8 and (tmp_path / "old").is_dir() and log.read_text() == "kept\n"
+    assert str(mp) not in {m for m, _ in kvfs_mounts_table()}
+
+
 def test_writes_still_open_when_the_mount_stops_are_logged(tmp_path: Path) -> None:
     """A file still being written when the daemon stops is discarded (it was never closed),
     and the log now says which (it said nothing)."""
