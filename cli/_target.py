@@ -452,9 +452,18 @@ def _check_devices(config: kvfs.StoreConfig, *, new: bool, create: bool) -> None
                 "of one: give them in their original order (the first holds the index)"
             )
         if not create:
+            # (absolute: a relative default, kvfs-data, named no directory to a user who ran
+            # the command elsewhere than the mount's own, and the mounts running say where)
+            mounts = sorted(kvfs_mounts())
+            on = (
+                f"; the kvfs mounts are {', '.join(mounts)}: run it from one of them, or "
+                "give a path on one"
+                if mounts
+                else ""
+            )
             raise FileNotFoundError(
-                f"no kvfs store in {config.data_dirs[0]} "
-                "(set --data, $KVFS_DATA_DIRS or the configuration file)"
+                f"no kvfs store in {config.data_dirs[0].absolute()} "
+                f"(set --data, $KVFS_DATA_DIRS or the configuration file{on})"
             )
         return
     known = devices_known(config)

@@ -416,6 +416,19 @@ def test_a_path_on_a_mount_and_data_or_config_naming_another_store_is_a_usage_er
     assert rc == 0 and json.loads(out)["pages"] == 1, err
 
 
+def test_no_store_here_names_the_directory_in_full_and_the_mounts_running(
+    daemon: Daemon, run: Run, tmp_path: Path
+) -> None:
+    """`kvfs ls` run off the mount, with the embedded defaults, said "no kvfs store in
+    kvfs-data": a relative path that named nothing to its user, and not a word of the
+    mount running. (The run fixture works in an empty directory: no store there.)"""
+    rc, out, err = run("ls")
+    assert rc == 3 and not out and err.count("\n") == 1, err
+    assert f"no kvfs store in {tmp_path / 'kvfs-data'} " in err, err
+    assert f"the kvfs mounts are {daemon.mp}" in err, err
+    assert not (tmp_path / "kvfs-data").exists()
+
+
 def test_paths_on_two_mounts_in_one_command_are_a_usage_error(
     daemon: Daemon, run: Run, tmp_path: Path
 ) -> None:
