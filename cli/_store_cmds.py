@@ -994,6 +994,9 @@ def cmd_fsck(args: argparse.Namespace) -> int:
                 bar.update(done - bar.done)
 
             found = store.fsck(repair=args.repair, archive=args.check_archive, progress=progress)
+    if not args.repair:  # ("repaired: 0" read as a repair tried; docs/cli.md: --repair's)
+        for k in ("repaired", "archive_repaired", "unrecoverable"):
+            found.pop(k, None)
     problems = sum(len(found.get(k, ())) for k in FSCK_PROBLEMS)
     lines = [
         f"{k}: {len(v)}"

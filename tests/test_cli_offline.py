@@ -403,8 +403,10 @@ def test_fsck_finds_and_repairs(run: Run, tmp_path: Path) -> None:
     found = json.loads(out)
     assert rc == 5 and len(found["corrupt"]) == 1
     assert found["damaged_pages"] == ["sessions/a/p/layer-000"]  # named as the user knows it
+    assert "repaired" not in found  # (a repair's: docs/cli.md; "repaired: 0" read as tried)
     rc, out, _ = run("fsck", *d)
     assert "sessions/a/p/layer-000" in out and "deletes the damaged pages" in out
+    assert "repaired" not in out, out
     rc, out, _ = run("fsck", "--repair", *d)
     assert rc == 0 and "repaired" in out
     assert "deleted sessions/a/p/layer-000: its data was damaged and held nowhere else" in out
