@@ -236,7 +236,7 @@ def _main(args: argparse.Namespace) -> int:
         f"{res['read_seconds']:.2f} s\n"
     )
     print_table(
-        ["session", "model", "pages", "bytes", "local", "pinned"],
+        ["SESSION", "MODEL", "PAGES", "SIZE", "LOCAL", "PINNED"],  # (as kvfs ls names them)
         [
             (
                 s.session,
@@ -244,7 +244,7 @@ def _main(args: argparse.Namespace) -> int:
                 s.pages,
                 fmt_bytes(s.bytes),
                 fmt_bytes(s.local_bytes),
-                "yes" if s.pinned else "no",
+                "yes" if s.pinned else "",
             )
             for s in sessions
         ],
@@ -252,7 +252,7 @@ def _main(args: argparse.Namespace) -> int:
     saved = st.logical_bytes - st.local_bytes
     print()
     print_table(
-        ["statistic", "value"],
+        ["STATISTIC", "VALUE"],
         [
             ("pages", st.pages),
             ("distinct pages stored", st.local_blobs),

@@ -196,5 +196,5 @@ def cmd_size(args: argparse.Namespace) -> int:
                     + " before it is displaced",
                 ]
             )
-    print_table(["figure", "value"], rows, align="ll")
+    print_table(["FIGURE", "VALUE"], rows, align="ll")
     return 0

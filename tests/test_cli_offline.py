@@ -592,6 +592,7 @@ def test_size_presets_and_hf_config(run: Run, tmp_path: Path) -> None:
     assert json.loads(out)["bytes_per_token"] == 2 * 4 * 2 * 64 * 1
     rc, out, _ = run("size", "--model", "Qwen2.5-1.5B", "--local", "1GiB", "--rate", "100")
     assert rc == 0 and "stays local" in out
+    assert out.split("\n")[0].split() == ["FIGURE", "VALUE"]  # (as every table's headers)
     assert run("size", "--model", "gpt-9")[0] == 2
     assert run("size", "--model", "Qwen2.5-1.5B", "--dtype", "fp7")[0] == 2
 

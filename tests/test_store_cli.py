@@ -27,6 +27,12 @@ def test_demo(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["demo", "--objects", "--data", str(tmp_path / "demo")]) == 0
     text = capsys.readouterr().out
     assert "saved by dedup" in text and "demo-3" in text
+    # its tables read as kvfs ls's: headers in capitals, PINNED empty where not pinned
+    lines = text.splitlines()
+    table = lines[lines.index(next(x for x in lines if x.startswith("SESSION"))) :]
+    assert table[0].split() == ["SESSION", "MODEL", "PAGES", "SIZE", "LOCAL", "PINNED"]
+    rows = [x.split() for x in table[2:6]]
+    assert rows[0][-1] == "yes" and all(len(r) == len(rows[0]) - 1 for r in rows[1:]), table
 
 
 def test_bench_store_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
