@@ -883,21 +883,22 @@ def cmd_evict(args: argparse.Namespace) -> int:
         results,
         [
             f"evicted {r['kind']} {printable(r['target'])}: {fmt_bytes(r['freed_bytes'])} freed"
-            + (
-                f" ({r['pinned_kept']} pinned page(s) kept: kvfs unpin first)"
-                if r["pinned_kept"]
-                else ""
-            )
-            + (
-                f" ({r['local_kept'] - r['pinned_kept']} page(s) kept: their data is shared "
-                "with a pinned page, or in use)"
-                if r["local_kept"] > r["pinned_kept"]
-                else ""
-            )
+            + _evict_kept(r["pinned_kept"], r["local_kept"] - r["pinned_kept"])
             for r in results
         ],
     )
     return 0
+
+
+def _evict_kept(pinned: int, shared: int) -> str:
+    """What an eviction left local and why, in one parenthesis (two, back to back, read
+    as a stutter)."""
+    why = []
+    if pinned:
+        why.append(f"{pinned} pinned page(s) kept: kvfs unpin first")
+    if shared > 0:
+        why.append(f"{shared} page(s) kept: their data is shared with a pinned page, or in use")
+    return f" ({'; '.join(why)})" if why else ""
 
 
 def _still_local(store: Any, path: str) -> bool:

@@ -1039,6 +1039,23 @@ def test_evict_rm_and_stats_report_what_they_did(run: Run, tmp_path: Path) -> No
     assert rc == 2 and "--count needs --watch" in err
 
 
+def test_evict_says_what_it_kept_in_one_parenthesis(run: Run, tmp_path: Path) -> None:
+    """A session holding a pinned page and a page whose data a pinned page elsewhere
+    shares: evict said so in two parentheses back to back; one says both now."""
+    d = data(tmp_path, archive=True)
+    (tmp_path / "f").write_bytes(os.urandom(50_000))
+    (tmp_path / "g").write_bytes(os.urandom(50_000))
+    assert run("put", "f", "sessions/a/p/layer-000", *d)[0] == 0
+    assert run("put", "g", "sessions/a/p/layer-001", "--pin", *d)[0] == 0
+    assert run("put", "f", "sessions/b/p/layer-000", "--pin", *d)[0] == 0  # the same data
+    rc, out, _ = run("evict", "a", *d)
+    assert rc == 0 and out.count(" (") == 1, out
+    assert out.endswith(
+        " freed (1 pinned page(s) kept: kvfs unpin first; 1 page(s) kept: their data is "
+        "shared with a pinned page, or in use)\n"
+    ), out
+
+
 def test_stats_watch_does_not_hold_the_store(run: Run, tmp_path: Path) -> None:
     """`kvfs stats --watch` on the data directory held its lock for as long as it ran: a
     daemon (`kvfs mount`) could not start meanwhile. It opens the store for each refresh."""
