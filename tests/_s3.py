@@ -525,24 +525,32 @@ _REFUSALS: dict[str, Callable[[str, str, list[str]], Answer | str | None]] = {
 class OlderS3Server:
     """An S3-compatible server that lacks something boto3 or kvfs may use: moto behind an
     HTTP proxy that refuses every request of the kind ``refuses`` names with the answer
-    real servers give, and forwards the others. ``checksums``: S3's additional checksums,
-    refused as Backblaze B2 does (older Ceph RGW and MinIO releases and several clouds'
-    gateways refuse them too); ``conditional``: a put with ``If-None-Match``, as AWS did
-    before August 2024; ``upload listing``: ListMultipartUploads, as some gateways do;
-    ``completion``: every CompleteMultipartUpload, with the error in a 200's body, as
-    MinIO and Ceph RGW answer one that fails (``completion, first abort slowed down``:
-    and the first abort of each upload answered 503 SlowDown); ``first put timed out by a
-    proxy``: the first PUT answered 408, as a reverse proxy does; ``encryption``: a request for server-side
-    encryption, as MinIO without a KMS does; ``listing v1``: a ListObjectsV2 answered as
-    ListObjects (V1), as servers without V2 do; ``completion reply lost``: the first
-    CompleteMultipartUpload is carried out and its connection closed before the answer,
-    as a reset would, and a retry of it answered NoSuchUpload, as MinIO and Ceph RGW do
-    (AWS and moto answer it as the first); ``clock skew``: every request, as S3 answers
-    a host whose clock is more than 15 minutes off; ``upload listing in pages``:
-    ListMultipartUploads answered UPLOADS_PAGE uploads at a time, as S3 does past 1,000
-    (``..., no markers``: without the next page's markers; ``..., stuck``: the first page
-    whatever the markers asked). ``refused`` holds the request
-    lines it refused (or rewrote, or answered not), ``forwarded`` counts the others."""
+    real servers give, and forwards the others. The kinds:
+
+    * ``checksums``: S3's additional checksums, refused as Backblaze B2 does (older Ceph
+      RGW and MinIO releases and several clouds' gateways refuse them too);
+    * ``conditional``: a put with ``If-None-Match``, as AWS did before August 2024;
+    * ``upload listing``: ListMultipartUploads, as some gateways do;
+    * ``upload listing in pages``: ListMultipartUploads answered UPLOADS_PAGE uploads at a
+      time, as S3 does past 1,000 (``..., no markers``: without the next page's markers;
+      ``..., stuck``: the first page whatever the markers asked);
+    * ``completion``: every CompleteMultipartUpload, with the error in a 200's body, as
+      MinIO and Ceph RGW answer one that fails (``completion, first abort slowed down``:
+      and the first abort of each upload answered 503 SlowDown);
+    * ``completion reply lost``: the first CompleteMultipartUpload is carried out and its
+      connection closed before the answer, as a reset would, and a retry of it answered
+      NoSuchUpload, as MinIO and Ceph RGW do (AWS and moto answer it as the first);
+    * ``first put timed out by a proxy``: the first PUT answered 408, as a reverse proxy
+      does;
+    * ``encryption``: a request for server-side encryption, as MinIO without a KMS does;
+    * ``listing v1``: a ListObjectsV2 answered as ListObjects (V1), as servers without V2
+      do;
+    * ``clock skew``: every request, as S3 answers a host whose clock is more than 15
+      minutes off;
+    * ``nothing``: none (a server of its own, HTTPS with ``tls``).
+
+    ``refused`` holds the request lines it refused (or rewrote, or answered not),
+    ``forwarded`` counts the others."""
 
     def __init__(self, target: str, refuses: str, tls: Path | None = None) -> None:
         host, port = target.removeprefix("http://").split(":")
