@@ -27,7 +27,7 @@ from kvfs._aligned import BouncePool, address_of, as_bytes_view
 from kvfs._checksum import LEAF
 from kvfs._keys import as_key
 from kvfs._local import is_disk_error
-from kvfs._mountinfo import kvfs_mount_of
+from kvfs._mountinfo import kvfs_mount_of_fd
 from kvfs._writes import check_attrs
 
 from ._gpu import (
@@ -366,21 +366,21 @@ class FastPath:
             os.close(handle)
             raise
         self._track(out)
-        first.add_done_callback(lambda f: self._through_or_pass(path, handle, f, out, start))
+        first.add_done_callback(lambda f: self._through_or_pass(handle, f, out, start))
         return out
 
     @staticmethod
     def _through_or_pass(
-        path: str | os.PathLike[str],
         handle: int,
         done: Future[int],
         out: Future[int],
         start: Callable[..., Future[int]],
     ) -> None:
-        """``done``'s outcome into ``out``; a CorruptPage of a file on a kvfs mount is
-        answered by a read through the mount instead (a file elsewhere, with attributes
-        of its own making, has nothing that verifies it). ``handle`` is closed before
-        ``out`` resolves, as a read's own files are."""
+        """``done``'s outcome into ``out``; a CorruptPage of a file opened on a kvfs
+        mount (``handle``'s mount, not what its name leads to by now) is answered by a read
+        through the mount instead (a file elsewhere, with attributes of its own making, has
+        nothing that verifies it). ``handle`` is closed before ``out`` resolves, as a
+        read's own files are."""
         err = done.exception()
         is_open = [True]
 
@@ -398,7 +398,7 @@ class FastPath:
                 _settle(out, f)
 
         try:
-            if not isinstance(err, CorruptPage) or kvfs_mount_of(path) is None:
+            if not isinstance(err, CorruptPage) or kvfs_mount_of_fd(handle) is None:
                 settle(done)
                 return
 

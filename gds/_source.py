@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvfs import CorruptPage, KvfsError, PageKey
-from kvfs._mountinfo import kvfs_mount_of
+from kvfs._mountinfo import kvfs_mount_of_fd
 
 __all__ = [
     "NotAKvfsPage",
@@ -278,9 +278,10 @@ def source_from_mount(
             found = _mount_attrs(fd, name)
         data: bytes | None = None
         if found is None or (found[0] > 0 and not found[3]):
-            if kvfs_mount_of(name) is None:
+            if kvfs_mount_of_fd(fd) is None:
                 # only a mount verifies what it serves: a plain file's bytes would be
-                # handed over as the page, checked against nothing
+                # handed over as the page, checked against nothing (the open file's mount:
+                # its name may lead onto a mount by now, a symlink moved)
                 raise CorruptPage(
                     f"{name!r}: its kvfs attributes name no data files that hold its page, "
                     "and it is on no kvfs mount, which could serve the page verified"

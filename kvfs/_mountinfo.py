@@ -16,6 +16,7 @@ __all__ = [
     "KVFS_FS",
     "fs_type",
     "kvfs_mount_of",
+    "kvfs_mount_of_fd",
     "kvfs_mounts",
     "mount_of",
     "mounted_at",
@@ -139,3 +140,23 @@ def kvfs_mount_of(path: str | os.PathLike[str]) -> str | None:
     """The kvfs mount ``path`` is on (it need not exist), or None."""
     mp, fstype = mount_of(path)
     return mp if fstype == KVFS_FS else None
+
+
+def kvfs_mount_of_fd(fd: int) -> str | None:
+    """The kvfs mount the open file ``fd`` was opened on, or None (also when ``/proc`` does
+    not say). Asked of the open file, not of a name: a name looked up again may lead
+    elsewhere by now (a symlink moved, a mount made over a directory)."""
+    try:
+        with open(f"/proc/self/fdinfo/{fd}", "rb") as f:
+            mnt = next((line.split()[1] for line in f if line.startswith(b"mnt_id:")), None)
+        if mnt is None:
+            return None
+        with open("/proc/self/mountinfo", "rb") as f:
+            for line in f:
+                fields = line.split()
+                if fields[0] == mnt and b"-" in fields[6:]:
+                    kind = os.fsdecode(fields[fields.index(b"-", 6) + 1])
+                    return _unescape(fields[4]) if kind == KVFS_FS else None
+    except (OSError, IndexError):
+        pass
+    return None

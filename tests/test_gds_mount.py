@@ -302,3 +302,38 @@ def test_a_read_by_path_done_again_reads_the_page_it_opened(
         assert fut.result(timeout=60) == data.nbytes
         assert np.array_equal(dest, data)
     held.shutdown()
+
+
+def test_a_plain_file_opened_by_a_name_now_on_a_mount_is_never_read_through(
+    make_config: Callable[..., kvfs.StoreConfig], tmp_path: Path
+) -> None:
+    """Whether a failed read could be done again through its open file was decided by the
+    name, looked up again after the read: a symlink that named a plain file (its attributes
+    made up) when opened, and a page on a kvfs mount by the time the read failed its
+    checksum, had the plain file's bytes read through, checked against nothing, and
+    returned as the page. It is the open file's mount that counts."""
+    from test_gds import HoldAfter
+
+    mp = tmp_path / "mnt"
+    mp.mkdir()
+    held = HoldAfter(0)  # the read's pieces wait until the link is moved
+    with ServedMount(make_config(ndev=1), mp), gds.FastPath(io_pool=held) as fp:
+        page = mp / "sessions/s/p/layer-000"
+        write(page, rand(8 * KiB))
+        plain = tmp_path / "plain"
+        plain.write_bytes(b"not the page: nothing checks these bytes".ljust(8 * KiB, b"."))
+        os.setxattr(plain, "user.kvfs.extents", json.dumps([[str(plain), 0, 8 * KiB]]).encode())
+        os.setxattr(plain, "user.kvfs.size", b"8192")
+        os.setxattr(plain, "user.kvfs.checksum", os.getxattr(page, "user.kvfs.checksum"))
+        link = tmp_path / "link"
+        link.symlink_to(plain)
+        dest = aligned(8 * KiB)
+        try:
+            fut = fp.read_path(link, dest)
+            link.unlink()
+            link.symlink_to(page)
+        finally:
+            held.release()
+        with pytest.raises(kvfs.CorruptPage, match="do not match its checksum"):
+            fut.result(timeout=60)
+    held.shutdown()
