@@ -9,12 +9,13 @@ Order of events for a page:
 
 1. the source is already held (lease or open mount file) when the read starts;
 2. every piece is queued on the I/O pool in page order (striped pages: devices alternate);
+   a data file is opened for its first piece and closed after its last;
 3. when the last byte of a leaf is in, that leaf is queued on the hash pool, so hashing
    overlaps the reads still in flight; a leaf whose digest differs from the stored one
    fails the read;
 4. when every piece and leaf task has finished (failed ones included), the root checksum is
-   checked, the target finishes, files are closed, the source is released, and only then
-   is the future resolved. After the future resolves nothing writes into the destination.
+   checked, the target finishes, files still open (a failed read's) are closed, the source
+   is released, and only then is the future resolved. After the future resolves nothing writes into the destination.
 """
 
 from __future__ import annotations
@@ -80,11 +81,17 @@ class PageRead:
         self._digests: list[bytes] = [b""] * len(self._remaining)
         self._handles: dict[int, Any] = {}
         self._open_locks = [threading.Lock() for _ in src.files]
+        # pieces not yet done, by file: a file is closed after its last one, not when the
+        # read resolves (its leaves may wait for the hash pool long after: a batch would
+        # hold a descriptor per page and device until hashing catches up)
+        self._pieces_left = [0] * len(src.files)
 
     # -- driving ----------------------------------------------------------------------
     def start(self) -> Future[int]:
         try:
             pieces = plan_pieces(self.src, self.max_piece)
+            for p in pieces:
+                self._pieces_left[p.file] += 1
             if self.src.size == 0:
                 self._schedule_leaves([0])
             with self._lock:
@@ -127,11 +134,28 @@ class PageRead:
                 self._handles[fi] = h
             return h
 
+    def _close_after(self, fi: int) -> None:
+        """One piece of file ``fi`` is done: close the file after its last."""
+        with self._lock:
+            self._pieces_left[fi] -= 1
+            last = self._pieces_left[fi] == 0
+        if last:
+            with self._open_locks[fi]:
+                h = self._handles.pop(fi, None)
+            if h is not None:
+                self.target.close(h)
+
     def _piece(self, p: Piece) -> None:
         try:
             if self._error is not None:
                 return  # an earlier failure: skip the I/O, the read fails anyway
-            self.target.read(self._handle(p.file), p, self.src.name)
+            try:
+                self.target.read(self._handle(p.file), p, self.src.name)
+            except BaseException as e:
+                self._fail(e)  # (before a failed close's: the first error is reported)
+                raise
+            finally:
+                self._close_after(p.file)
             ready = []
             lo, hi = p.page_off, p.page_off + p.n
             with self._lock:

@@ -6,6 +6,7 @@ Everything here runs without a GPU; ``test_gds_gpu.py`` holds the kvikio tests.
 from __future__ import annotations
 
 import os
+import resource
 import subprocess
 import sys
 import threading
@@ -237,6 +238,33 @@ def test_lease_released_after_read(store: kvfs.SyncStore, fp: gds.FastPath) -> N
     fp.read(key(0), aligned(64 * KiB)).result()
     assert not store.engine._leases
     assert store.evict(key(0)) > 0
+
+
+def test_a_batch_keeps_no_data_file_open_while_its_hashing_waits(store: kvfs.SyncStore) -> None:
+    """Each read kept its data files open until its last leaf was hashed: a batch read
+    faster than it was hashed (read_many of many layers) held a descriptor per page and
+    device, and ran out of them (EMFILE) under a limit a few pages above what was open.
+    A file is closed once its last piece is read."""
+    n, size = 40, 3 * 64 * KiB + 1  # every page on all three devices
+    datas = [rand(size, seed=i) for i in range(n)]
+    for i, d in enumerate(datas):
+        store.put(key(i), d)
+    io, hashing = ThreadPoolExecutor(1), HoldAfter(0)  # the hashing waits for every read
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 30, hard))
+    try:
+        with gds.FastPath(store, io_pool=io, hash_pool=hashing) as fp:
+            dests = [aligned(size) for _ in range(n)]
+            futs = fp.read_many([key(i) for i in range(n)], dests)
+            io.submit(lambda: None).result()  # (one thread: every piece is read by now)
+            hashing.release()
+            assert [f.result(timeout=60) for f in futs] == [size] * n
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        io.shutdown()
+        hashing.shutdown()
+    for d, got in zip(datas, dests, strict=True):
+        assert np.array_equal(d, got)
 
 
 # -- the layer-wise loader -------------------------------------------------------------
