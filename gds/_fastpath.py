@@ -18,7 +18,7 @@ import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
-from typing import Any
+from typing import Any, TypeVar
 
 import trio
 
@@ -49,6 +49,7 @@ __all__ = ["BACKENDS", "FastPath"]
 
 BACKENDS = ("auto", "host", "kvikio", "staged")
 KeyLike = PageKey | str
+T = TypeVar("T")
 
 
 class FastPath:
@@ -188,11 +189,7 @@ class FastPath:
         backend: str | None,
         verify: bool | None,
         allow_unaligned: bool | None,
-        *,
-        again: bool = False,
     ) -> Future[int]:
-        if self._closed and not again:  # a heal's second read finishes a read begun before
-            raise RuntimeError("this FastPath is closed")
         b = self.backend_for(into, backend)
         unaligned = self.allow_unaligned if allow_unaligned is None else allow_unaligned
         src = make_source(lambda size: self._check(b, into, size, unaligned))
@@ -261,24 +258,33 @@ class FastPath:
             sources.append(src)
             return src
 
-        def start(again: bool = False, disk_error: OSError | None = None) -> Future[int]:
+        def start(disk_error: OSError | None = None) -> Future[int]:
             if disk_error is not None:
                 around.append(disk_error)
-            return self._start(make, into, backend, verify, allow_unaligned, again=again)
+            return self._start(make, into, backend, verify, allow_unaligned)
 
-        out: Future[int] = Future()
-        out.set_running_or_notify_cancel()  # as the read's own: one in flight is not called back
-        first = start()
-        self._track(out)
+        out: Future[int] = self._begin()
+        try:
+            first = start()
+        except BaseException as e:
+            out.set_exception(e)  # (no longer in flight)
+            raise
         first.add_done_callback(lambda f: self._heal_or_pass(eng, sources, f, out, start))
         return out
 
-    def _track(self, f: Future[Any]) -> Future[Any]:
-        """``f`` is in flight until it resolves: :meth:`close` waits for it."""
+    def _begin(self) -> Future[Any]:
+        """The future of a call under way, in flight from now on: :meth:`close` waits for
+        it until it resolves, so the caller resolves it whatever happens. Raises
+        RuntimeError when closed (checked with the same lock as close's, so a call either
+        sees it closed or is waited for)."""
+        out: Future[Any] = Future()
+        out.set_running_or_notify_cancel()  # as a read's own: one in flight is not called back
         with self._inflight_lock:
-            self._inflight.add(f)
-        f.add_done_callback(self._forget)
-        return f
+            if self._closed:
+                raise RuntimeError("this FastPath is closed")
+            self._inflight.add(out)
+        out.add_done_callback(self._forget)
+        return out
 
     def _forget(self, f: Future[Any]) -> None:
         with self._inflight_lock:
@@ -301,7 +307,7 @@ class FastPath:
         blob = sources[-1].blob if sources else None
         if isinstance(err, OSError) and is_disk_error(err) and blob is not None and blob.archived:
             try:
-                start(again=True, disk_error=err).add_done_callback(lambda f: _settle(out, f))
+                start(disk_error=err).add_done_callback(lambda f: _settle(out, f))
             except BaseException as e:  # never leave ``out`` unresolved
                 out.set_exception(e)
             return
@@ -316,7 +322,7 @@ class FastPath:
                 eng.heal(blob, err)  # raises err when there is no other copy
             # else the data read is gone (its key replaced or deleted since): the key's
             # current data, or PageNotFound, is the answer
-            start(again=True).add_done_callback(lambda f: _settle(out, f))
+            start().add_done_callback(lambda f: _settle(out, f))
         except BaseException as e:  # never leave ``out`` unresolved
             out.set_exception(e)
 
@@ -342,30 +348,29 @@ class FastPath:
         attributes that do not parse, now; the future raises CorruptPage (the fast read's
         error, whatever the read through the mount then failed with).
         """
-        if self._closed:  # (before the open: a closed FastPath says so, path or not)
-            raise RuntimeError("this FastPath is closed")
-        # opened once, for the read and for its second try: a second open of the name
-        # would read whatever the name holds by then, or find it gone
-        handle = os.open(path, os.O_RDONLY)
+        out: Future[int] = self._begin()  # (before the open: a closed FastPath says so)
 
-        def start(again: bool = False, through: bool = False) -> Future[int]:
+        def start(through: bool = False) -> Future[int]:
             return self._start(
                 lambda check: source_from_mount(path, through=through, handle=handle, check=check),
                 into,
                 backend,
                 verify,
                 allow_unaligned,
-                again=again,
             )
 
-        out: Future[int] = Future()
-        out.set_running_or_notify_cancel()
         try:
-            first = start()
-        except BaseException:
-            os.close(handle)
+            # opened once, for the read and for its second try: a second open of the name
+            # would read whatever the name holds by then, or find it gone
+            handle = os.open(path, os.O_RDONLY)
+            try:
+                first = start()
+            except BaseException:
+                os.close(handle)
+                raise
+        except BaseException as e:
+            out.set_exception(e)  # (no longer in flight)
             raise
-        self._track(out)
         first.add_done_callback(lambda f: self._through_or_pass(handle, f, out, start))
         return out
 
@@ -406,7 +411,7 @@ class FastPath:
                 # (the first error says which bytes)
                 settle(f, err if f.exception() is not None else None)
 
-            start(again=True, through=True).add_done_callback(second)
+            start(through=True).add_done_callback(second)
         except BaseException as e:  # never leave ``out`` unresolved
             if not out.done():
                 settle(done, err if isinstance(err, CorruptPage) else e)
@@ -469,19 +474,24 @@ class FastPath:
         PageExists, CapacityExceeded as ``Store.put`` does.
         """
         eng = self._need_engine()
-        if self._closed:
-            raise RuntimeError("this FastPath is closed")
-        # The arguments are checked at the call, as a read's are; the future raises what
-        # the store answers
-        k, attrs = as_key(key), check_attrs(attrs)
-        device = is_device_buffer(data)
-        host_data = None if device else as_bytes_view(data, kinds="or GPU memory")
+        out: Future[PageInfo] = self._begin()
+        try:
+            # The arguments are checked at the call, as a read's are; the future raises
+            # what the store answers
+            k, attrs = as_key(key), check_attrs(attrs)
+            device = is_device_buffer(data)
+            host_data = None if device else as_bytes_view(data, kinds="or GPU memory")
 
-        def run() -> PageInfo:
-            host = _stage_to_host(data) if device else host_data
-            return eng.put(k, host, attrs=attrs, pin=pin, replace=replace)
+            def run() -> PageInfo:
+                host = _stage_to_host(data) if device else host_data
+                return eng.put(k, host, attrs=attrs, pin=pin, replace=replace)
 
-        return self._track(self._writer.submit(run))
+            # (close waits for ``out``, so the pool is not stopped under this submit)
+            self._writer.submit(run).add_done_callback(lambda f: _settle(out, f))
+        except BaseException as e:
+            out.set_exception(e)  # (no longer in flight)
+            raise
+        return out
 
     # -- trio -------------------------------------------------------------------------
     async def aread(self, key: KeyLike, into: object, **kw: Any) -> int:
@@ -499,11 +509,11 @@ class FastPath:
     # -- lifecycle --------------------------------------------------------------------
     def close(self) -> None:
         """Wait for reads and writes in flight, then stop the pools it owns. Idempotent."""
-        if self._closed:
-            return
-        self._closed = True
         with self._inflight_lock:
-            pending = list(self._inflight)
+            if self._closed:
+                return
+            self._closed = True
+            pending = list(self._inflight)  # every call under way: see _begin
         wait_futures(pending)  # a read that heals reads again, on these pools
         for p in (self._writer, self._io, self._hash):
             if p in self._own:
@@ -516,7 +526,7 @@ class FastPath:
         self.close()
 
 
-def _settle(out: Future[int], done: Future[int]) -> None:
+def _settle(out: Future[T], done: Future[T]) -> None:
     """Copy a finished future's result or exception into ``out``."""
     err = done.exception()
     if err is not None:

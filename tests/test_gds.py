@@ -477,6 +477,61 @@ def test_close_waits_for_a_read_by_path(
         held.shutdown()
 
 
+class SubmitWaits(Executor):
+    """A real pool whose ``submit`` waits until :meth:`go`: holds a call that submits work
+    (a read queueing its pieces) at that point. ``entered`` is set once one waits there."""
+
+    def __init__(self) -> None:
+        self.entered, self.gate = threading.Event(), threading.Event()
+        self.pool = ThreadPoolExecutor(2)
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kw: Any) -> Future[Any]:
+        self.entered.set()
+        self.gate.wait()
+        return self.pool.submit(fn, *args, **kw)
+
+    def go(self) -> None:
+        self.gate.set()
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        self.go()
+        self.pool.shutdown(wait=wait)
+
+
+@pytest.mark.parametrize("by", ["key", "path"])
+def test_close_waits_for_a_read_whose_call_is_under_way(
+    make_config: Callable[..., kvfs.StoreConfig], tmp_path: Any, by: str
+) -> None:
+    """close() waited only for the reads whose call had returned: one still queueing its
+    pieces when close() was called was missed, close() stopped the hash pool under it, and
+    the read failed with a bare RuntimeError (cannot schedule new futures after shutdown)."""
+    with kvfs.open_store_sync(make_config(ndev=1, stripe_unit=MiB, name="close")) as store:
+        data = rand(2 * MiB + 9)
+        p = fake_mount_file(tmp_path, store.put(key(0), data))
+        pool = SubmitWaits()
+        fp = gds.FastPath(store, io_pool=pool)
+        dest = aligned(data.nbytes)
+        futs: list[Future[int]] = []
+        call = (lambda: fp.read(key(0), dest)) if by == "key" else (lambda: fp.read_path(p, dest))
+        reading = threading.Thread(target=lambda: futs.append(call()))
+        reading.start()
+        try:
+            assert pool.entered.wait(60)  # the read's call is queueing its first piece
+            closing = threading.Thread(target=fp.close)
+            closing.start()
+            closing.join(0.5)  # (gives a close that does not wait the time to finish)
+        finally:
+            pool.go()
+        reading.join(60)
+        assert futs[0].result(timeout=60) == data.nbytes
+        assert np.array_equal(dest, data)
+        closing.join(60)
+        assert not closing.is_alive()
+        with pytest.raises(RuntimeError, match="closed"):
+            fp.read(key(0), dest)
+        pool.shutdown()
+
+
 def test_closing_the_store_waits_for_a_fast_path_read(
     make_config: Callable[..., kvfs.StoreConfig],
 ) -> None:
