@@ -866,6 +866,7 @@ class BlobWriter:
         assert not self.direct, "a direct writer takes whole blobs, never a truncate"
         unit, n = self.tier.unit, self.tier.n
         last = (size - 1) // unit  # the chunk holding the last byte kept (-1: none)
+        first = self.tier.locate(self.start, 0)[0]  # (a zero-length blob's one file)
         with self._lock:
             fds = dict(self._fds)
         for dev, (fd, _direct) in fds.items():
@@ -873,6 +874,22 @@ class BlobWriter:
             c = last - (last - (dev - self.start)) % n  # this file's last chunk up to it
             if c >= 0:
                 end = self.tier.locate(self.start, c * unit)[1] + min(unit, size - c * unit)
+            elif dev != first:
+                # A file holding no chunk any more goes: the blob's extents would not name
+                # it, so its header was counted nowhere (over the cap) and outlived the
+                # page's delete. A later write past it makes it again.
+                with self._lock:
+                    del self._fds[dev]
+                    self._headers.pop(dev, None)
+                    self._unkicked.pop(dev, None)
+                os.close(fd)
+                try:
+                    os.unlink(self.tier.abspath(dev, self.rel))
+                except FileNotFoundError:
+                    pass
+                except OSError as e:
+                    self._raise_full(dev, e)
+                continue
             self._mapped(dev, os.ftruncate, fd, end)
         with self._lock:
             self.size = min(self.size, size)
