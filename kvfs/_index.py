@@ -1151,9 +1151,24 @@ class Index:
             return _blob(r)
         return None
 
-    def delete_pages(self, paths: Iterable[str]) -> tuple[list[PageRow], list[BlobRow]]:
-        """Delete pages; return the rows deleted and the blobs whose last reference went."""
+    def delete_pages(
+        self, paths: Iterable[str], *, keep_pinned: bool = False
+    ) -> tuple[list[PageRow], list[BlobRow]]:
+        """Delete pages; return the rows deleted and the blobs whose last reference went.
+        With ``keep_pinned`` (an eviction), a page pinned by now, or whose session is, is
+        kept: a pin that lands after the pages were chosen keeps its page."""
         with self.transaction() as db:
+            if keep_pinned:
+                paths = [
+                    path
+                    for path in paths
+                    if db.execute(
+                        "SELECT 1 FROM pages p LEFT JOIN sessions s ON s.dir=p.session"
+                        " WHERE p.path=? AND (p.pinned=1 OR s.pinned=1)",
+                        (path,),
+                    ).fetchone()
+                    is None
+                ]
             return self._delete_pages(db, paths)
 
     def delete_blob_pages(

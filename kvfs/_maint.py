@@ -124,7 +124,8 @@ def delete_blob_pages(eng: Engine, blob: BlobRow, reason: str) -> int:
 
 
 def delete_evicted_pages(eng: Engine, pages: builtins.list[PageRow], reason: str) -> int:
-    gone, freed = eng.index.delete_pages(p.path for p in pages)
+    # (pins read again in the deleting transaction: one made since these were read keeps)
+    gone, freed = eng.index.delete_pages((p.path for p in pages), keep_pinned=True)
     after_delete(eng, gone, freed)
     bytes_of = {b.hash: b.disk_bytes for b in freed if b.extents is not None}
     by_content = collections.Counter(p.hash for p in gone)

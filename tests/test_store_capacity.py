@@ -576,3 +576,39 @@ def test_a_streaming_write_cut_short_leaves_no_file_outside_the_cap(
         assert store.get("engine/again.bin") == data[:size] + bytes(130 * KiB - size) + data[:1000]
         assert files_bytes(cfg)[0] == store.statistics().used_bytes
         assert store.fsck()["orphans"] == []
+
+
+@pytest.mark.parametrize("pin", ["page", "session"])
+def test_a_page_pinned_while_its_session_is_evicted_is_kept(
+    make_config: Callable[..., kvfs.StoreConfig], pin: str
+) -> None:
+    """``evict(session=...)`` without an archive deletes the session's unpinned pages; it
+    read which were pinned before it deleted them, and a pin that landed in between (an
+    agent pinning the page it is about to reuse) was deleted, acknowledged pin and all."""
+    cfg = make_config(ndev=1, stripe_unit=64 * KiB, capacity=1 * MiB)
+    with kvfs.open_store_sync(cfg) as store:
+        kept, other = os.urandom(100 * KiB), os.urandom(100 * KiB)
+        store.put("sessions/a/p/layer-000", kept)
+        store.put("sessions/a/p/layer-001", other)
+        eng = store.engine
+        leased = eng.is_leased  # asked of the two contents, then of each page
+        fired: list[bool] = []
+
+        def pin_meanwhile(h: bytes) -> bool:
+            fired.append(True)
+            if len(fired) == 3:  # (the pages' turn: the pins were read by then)
+                if pin == "page":
+                    store.pin("sessions/a/p/layer-000")
+                else:
+                    store.pin_session("a")
+            return leased(h)
+
+        eng.is_leased = pin_meanwhile  # type: ignore[method-assign]
+        store.evict(session="a")
+        assert fired
+        assert store.get("sessions/a/p/layer-000") == kept
+        if pin == "session":
+            assert store.get("sessions/a/p/layer-001") == other
+        st = store.statistics()
+        assert st.used_bytes == files_bytes(cfg)[0] and st.reserved_bytes == 0
+        assert not any(store.fsck().values())
