@@ -1005,12 +1005,16 @@ class ArchivingPolicy(TieringPolicy):
             raise
         out: list[BlobRow | BaseException] = []
         for x, row in zip(staged, rows, strict=True):
-            with eng._cap_lock:
+            if row is None:  # deleted, or made local by a put, meanwhile
+                # (its files go before their room is given back: else another write took
+                # that room while they were still on disk, past the cap)
+                x.writer.abort()
+            with eng._cap_changed:
                 eng.reserved -= x.need
                 if row is not None:
                     eng._account(row, +1)
-            if row is None:  # deleted, or made local by a put, meanwhile
-                x.writer.abort()
+                eng._cap_changed.notify_all()
+            if row is None:
                 cur = eng.index.blob(x.h)
                 out.append(
                     cur

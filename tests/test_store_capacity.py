@@ -612,3 +612,49 @@ def test_a_page_pinned_while_its_session_is_evicted_is_kept(
         st = store.statistics()
         assert st.used_bytes == files_bytes(cfg)[0] and st.reserved_bytes == 0
         assert not any(store.fsck().values())
+
+
+def test_a_restore_made_redundant_meanwhile_removes_its_files_before_its_room_goes(
+    make_config: Callable[..., kvfs.StoreConfig],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A restore whose data a put of the same bytes made local while it was written drops
+    its copy; it gave that copy's room back first, then removed the files: in between,
+    the files on disk were more than the store counted used and reserved, and another
+    write could take that room past the cap."""
+    from kvfs._local import BlobWriter
+
+    cfg = make_config(
+        ndev=1,
+        capacity=1 * MiB,
+        archive_url=f"file://{tmp_path / 'archive'}",
+        extra={"archive": {"interval": 0}},
+    )
+    with kvfs.open_store_sync(cfg) as store:
+        data = os.urandom(100 * KiB)
+        store.put("sessions/a/p/layer-000", data)
+        store.spill("a")
+        assert store.statistics().used_bytes == files_bytes(cfg)[0] == 0
+        policy = store.engine.policy
+        adopt = policy.aindex.adopt_local_many  # type: ignore[attr-defined]
+
+        def put_first(items: list[tuple[bytes, tuple, int]]) -> list[object]:
+            store.put("sessions/b/p/layer-000", data)  # (the same bytes: local again)
+            return adopt(items)  # type: ignore[no-any-return]
+
+        policy.aindex.adopt_local_many = put_first  # type: ignore[attr-defined]
+        at_abort: list[tuple[int, int]] = []
+        abort = BlobWriter.abort
+
+        def watched(w: BlobWriter) -> None:
+            st = store.statistics()
+            at_abort.append((files_bytes(cfg)[0], st.used_bytes + st.reserved_bytes))
+            abort(w)
+
+        monkeypatch.setattr(BlobWriter, "abort", watched)
+        assert store.get("sessions/a/p/layer-000") == data
+        assert at_abort and all(on_disk <= counted for on_disk, counted in at_abort)
+        st = store.statistics()
+        assert files_bytes(cfg)[0] == st.used_bytes and st.reserved_bytes == 0
+        assert not any(store.fsck().values())
