@@ -1272,14 +1272,27 @@ class Index:
             self._changed(db, {p.session, dst_session}, [freed] if freed else [])
         return p, freed
 
-    def drop_local(self, h: bytes, extents: object = None) -> BlobRow | None:
+    def drop_local(
+        self, h: bytes, extents: object = None, *, keep_pinned: bool = False
+    ) -> BlobRow | None:
         """Forget a blob's local copy (the archive holds it); only if it is still the copy in
-        ``extents``, when given (a copy restored since is kept). Returns the row as it was."""
+        ``extents``, when given (a copy restored since is kept). With ``keep_pinned`` (an
+        eviction), None instead when a page holding it, or its session, is pinned by now.
+        Returns the row as it was."""
         with self.transaction() as db:
             r = db.execute(f"SELECT {_BLOB_COLS} FROM blobs WHERE hash=?", (h,)).fetchone()
             if r is None or r[4] is None:
                 return None
             if extents is not None and _blob(r).extents != extents:
+                return None
+            if (
+                keep_pinned
+                and db.execute(
+                    "SELECT 1 FROM pages p LEFT JOIN sessions s ON s.dir=p.session"
+                    " WHERE p.hash=? AND (p.pinned=1 OR s.pinned=1) LIMIT 1",
+                    (h,),
+                ).fetchone()
+            ):
                 return None
             self.dropping(_blob(r))
             db.execute("UPDATE blobs SET extents=NULL, disk_bytes=0 WHERE hash=?", (h,))

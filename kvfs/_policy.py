@@ -190,7 +190,11 @@ class TieringPolicy:
         session sharing their data keeps it (then its bytes are not freed). Data the archive
         holds (a store opened without the archive it has) only loses its local copy."""
         held = {h for h in {p.hash for p in pages} if self._archived(h)}
-        freed = sum(self.drop_local(b.hash, reason, b.extents) for b in blobs if b.hash in held)
+        freed = sum(
+            self.drop_local(b.hash, reason, b.extents, keep_pinned=True)
+            for b in blobs
+            if b.hash in held
+        )
         rest = [p for p in pages if p.hash not in held]
         return freed + (self.engine.delete_evicted_pages(rest, reason) if rest else 0)
 
@@ -202,17 +206,20 @@ class TieringPolicy:
         --offline`` with no archive URL), when only the local copy goes.
         """
         if blob.archived:
-            return self.drop_local(blob.hash, reason, blob.extents)
+            return self.drop_local(blob.hash, reason, blob.extents, keep_pinned=True)
         return self.engine.delete_blob_pages(blob, reason)
 
     def _archived(self, h: bytes) -> bool:
         b = self.engine.index.blob(h)
         return b is not None and b.archived
 
-    def drop_local(self, h: bytes, reason: str, extents: object = None) -> int:
+    def drop_local(
+        self, h: bytes, reason: str, extents: object = None, *, keep_pinned: bool = False
+    ) -> int:
         """Drop the local copy of an archived blob (only the copy in ``extents``, when
-        given). Returns bytes freed."""
-        row = self.engine.index.drop_local(h, extents)
+        given; with ``keep_pinned``, an eviction's, not once a pin holds it: a pin that
+        landed after it was chosen keeps it). Returns bytes freed."""
+        row = self.engine.index.drop_local(h, extents, keep_pinned=keep_pinned)
         if row is None:
             return 0
         return self.forget_local(row, reason)

@@ -658,3 +658,41 @@ def test_a_restore_made_redundant_meanwhile_removes_its_files_before_its_room_go
         st = store.statistics()
         assert files_bytes(cfg)[0] == st.used_bytes and st.reserved_bytes == 0
         assert not any(store.fsck().values())
+
+
+@pytest.mark.parametrize("how", ["evict", "room"])
+def test_a_page_pinned_meanwhile_keeps_its_copy_in_a_store_opened_without_its_archive(
+    make_config: Callable[..., kvfs.StoreConfig], tmp_path: Path, how: str
+) -> None:
+    """Opened without its archive (an offline command), a store evicts archived data by
+    dropping its local copy. A page pinned after that data was chosen lost its copy all the
+    same, its pin acknowledged, and could not be read until the archive was there again."""
+    url = f"file://{tmp_path / 'archive'}"
+    cfg = make_config(ndev=1, capacity=1 * MiB, archive_url=url, extra={"archive": {"interval": 0}})
+    data = os.urandom(100 * KiB)
+    with kvfs.open_store_sync(cfg) as store:
+        store.put("sessions/a/p/layer-000", data)
+        store.spill("a")
+        assert store.get("sessions/a/p/layer-000") == data  # (local again, and archived)
+    offline = make_config(ndev=1, capacity=1 * MiB)
+    with kvfs.open_store_sync(offline) as store:
+        eng = store.engine
+        leased = eng.is_leased  # asked of each victim after it was chosen
+        asked: list[bool] = []
+
+        def pin_meanwhile(h: bytes) -> bool:
+            asked.append(True)
+            if len(asked) == (2 if how == "evict" else 1):  # (evict: its page's turn)
+                store.pin("sessions/a/p/layer-000")
+            return leased(h)
+
+        eng.is_leased = pin_meanwhile  # type: ignore[method-assign]
+        if how == "evict":
+            assert store.evict(session="a") == 0
+        else:
+            with pytest.raises(kvfs.CapacityExceeded):
+                store.put("sessions/b/p/layer-000", os.urandom(960 * KiB))
+        assert store.stat("sessions/a/p/layer-000").tier == "local+archive"
+        assert store.get("sessions/a/p/layer-000") == data
+        st = store.statistics()
+        assert st.used_bytes == files_bytes(offline)[0] and st.reserved_bytes == 0
