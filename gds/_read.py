@@ -15,7 +15,8 @@ Order of events for a page:
    fails the read;
 4. when every piece and leaf task has finished (failed ones included), the root checksum is
    checked, the target finishes, files still open (a failed read's) are closed, the source
-   is released, and only then is the future resolved. After the future resolves nothing writes into the destination.
+   is released, and only then is the future resolved. After the future resolves nothing
+   writes into the destination.
 """
 
 from __future__ import annotations
