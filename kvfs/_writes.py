@@ -420,6 +420,11 @@ class PageWriter:
         mv = as_bytes_view(data)
         end = offset + len(mv)
         with self._lock:
+            if self._done:
+                # (again: aborted or committed while this write waited for the lock, behind
+                # another write waiting for room; it reserved room nothing gave back, and
+                # wrote files after the abort removed them)
+                raise ValueError("writer is closed")
             whole = self.engine.tier.disk_bytes(max(end, self._size))
             need = whole - self._reserved
             if whole > self.engine.capacity:  # (evicting for it would buy nothing)
@@ -523,9 +528,10 @@ class PageWriter:
             return self._commit(attrs, replace, pin)
 
     def _commit(self, attrs: dict[str, str] | None, replace: bool, pin: bool) -> PageInfo:
-        if self._done:
-            raise ValueError("writer is closed")
-        self._done = True
+        with self._lock:  # (as abort's: a write waiting for the lock then sees it closed)
+            if self._done:
+                raise ValueError("writer is closed")
+            self._done = True
         eng = self.engine
         size = self._size
         try:

@@ -696,3 +696,58 @@ def test_a_page_pinned_meanwhile_keeps_its_copy_in_a_store_opened_without_its_ar
         assert store.get("sessions/a/p/layer-000") == data
         st = store.statistics()
         assert st.used_bytes == files_bytes(offline)[0] and st.reserved_bytes == 0
+
+
+class _HeldAfterCheck:
+    """A writer's lock whose acquisition by the thread named ``late`` waits for ``go``: that
+    thread has passed the write's closed check and reaches the lock only after an abort."""
+
+    def __init__(self, real: threading.Lock) -> None:
+        self.real = real
+        self.waiting, self.go = threading.Event(), threading.Event()
+
+    def __enter__(self) -> bool:
+        if threading.current_thread().name == "late":
+            self.waiting.set()
+            self.go.wait(30)
+        return self.real.__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        self.real.__exit__(*exc)
+
+
+def test_a_write_that_reaches_the_lock_after_an_abort_takes_no_room(
+    make_config: Callable[..., kvfs.StoreConfig],
+) -> None:
+    """A streaming write checked that its writer was open, then waited for the writer's lock
+    (behind another write of it waiting for room), and the writer was aborted meanwhile: the
+    write went on, reserved room that nothing gave back (used + reserved stayed above what
+    the disk holds until the store closed) and wrote data files after the abort removed
+    them. It is refused now, once it holds the lock."""
+    with kvfs.open_store_sync(make_config(ndev=2)) as s:
+        eng = s.engine
+        w = eng.begin_write("stream/late")
+        w.write(0, b"a" * 10_000)
+        gate = _HeldAfterCheck(w._lock)  # type: ignore[arg-type]
+        w._lock = gate  # type: ignore[assignment]
+        failed: list[BaseException] = []
+
+        def late() -> None:
+            try:
+                w.write(10_000, b"b" * 300_000)
+            except BaseException as e:  # noqa: BLE001 - what the write said, checked below
+                failed.append(e)
+
+        t = threading.Thread(target=late, name="late")
+        t.start()
+        assert gate.waiting.wait(30)
+        w.abort()
+        gate.go.set()
+        t.join(30)
+        assert not t.is_alive()
+        assert len(failed) == 1 and isinstance(failed[0], ValueError), failed
+        assert "closed" in str(failed[0])
+        assert eng.reserved == 0 and s.statistics().used_bytes == 0
+        data = [p for d in s.config.data_dirs for p in (Path(d) / "blobs").rglob("*")]
+        assert not [p for p in data if p.is_file()], data  # (the abort removed them)
+        assert not s.fsck()["orphans"]
