@@ -839,9 +839,12 @@ class Engine:
                     held for w, (at, held) in self._reserve_waiters.items() if (at, w) < (since, me)
                 )
                 if self.reserved - own - older <= 0 or time.monotonic() > deadline:
+                    # (others': this write's own room, counted in reserved, held nothing up)
+                    mine = f" (and {own} by this write so far)" if own else ""
                     raise CapacityExceeded(
                         f"no room for {n} bytes: {self.used} of {self.capacity} bytes used, "
-                        f"{self.reserved} reserved by writes in flight, and not enough left "
+                        f"{self.reserved - own} reserved by other writes in flight{mine}, "
+                        "and not enough left "
                         "that may be evicted to make it (the rest is pinned, leased or being "
                         "written; without an archive nothing is deleted for room that cannot "
                         "be made)"

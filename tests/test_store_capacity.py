@@ -751,3 +751,24 @@ def test_a_write_that_reaches_the_lock_after_an_abort_takes_no_room(
         data = [p for d in s.config.data_dirs for p in (Path(d) / "blobs").rglob("*")]
         assert not [p for p in data if p.is_file()], data  # (the abort removed them)
         assert not s.fsck()["orphans"]
+
+
+def test_a_streaming_write_out_of_room_counts_its_own_room_apart(
+    make_config: Callable[..., kvfs.StoreConfig],
+) -> None:
+    """A streaming write that ran out of room said "N reserved by writes in flight", N
+    counting its own room: with no other write in flight it read as room others held."""
+    cfg = make_config(ndev=2, stripe_unit=64 * KiB, capacity=1 * MiB)
+    with kvfs.open_store_sync(cfg) as store:
+        store.put("pinned/p", os.urandom(600 * KiB), pin=True)
+        w = store.engine.begin_write("stream/w")
+        w.write(0, os.urandom(200 * KiB))
+        own = store.engine.reserved
+        assert own > 0
+        with pytest.raises(kvfs.CapacityExceeded) as ei:
+            w.write(200 * KiB, os.urandom(300 * KiB))
+        assert f"0 reserved by other writes in flight (and {own} by this write so far)" in str(
+            ei.value
+        ), ei.value
+        w.abort()
+        assert store.engine.reserved == 0
