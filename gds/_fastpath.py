@@ -503,6 +503,15 @@ class FastPath:
         fut = await trio.to_thread.run_sync(lambda: self.read_path(path, into, **kw))
         return await wait(fut)
 
+    async def aload_layers(
+        self, keys: Sequence[KeyLike], intos: Sequence[Any], *, ahead: int | None = None, **kw: Any
+    ) -> LayerLoader[Any]:
+        """:meth:`load_layers` for trio: made in a worker thread, since the first reads start
+        as it is made (each looks its page up, and restores one only the archive holds)."""
+        return await trio.to_thread.run_sync(
+            lambda: self.load_layers(keys, intos, ahead=ahead, **kw)
+        )
+
     async def awrite(self, key: KeyLike, data: object, **kw: Any) -> PageInfo:
         return await wait(self.write(key, data, **kw))
 

@@ -53,7 +53,9 @@ class LayerLoader(Generic[T]):
 
     Reads for the next ``ahead`` layers are in flight while the caller computes on the one
     just yielded; ``ahead=None`` starts them all at once. Iterate with ``for`` (threads) or
-    ``async for`` (trio). A failed layer raises from the iteration at its turn: a read
+    ``async for`` (trio: the reads after the first ones start from a worker thread; make
+    the loader in one too, ``await FastPath.aload_layers(...)``, as the first ones start
+    when it is made). A failed layer raises from the iteration at its turn: a read
     that failed (CorruptPage...) or one that could not start (PageNotFound: ``submit``
     raised); iterating on goes on with the next layer. Use as a context manager: leaving
     it waits for every read already started, so no destination is written after the
@@ -110,6 +112,14 @@ class LayerLoader(Generic[T]):
         self._top_up()
         return i, self._futures[i]
 
+    def _take_or_none(self) -> tuple[int, Future[int]] | None:
+        # (a StopIteration out of a worker thread would reach the coroutine as a
+        # RuntimeError: PEP 479)
+        try:
+            return self._take()
+        except StopIteration:
+            return None
+
     def __iter__(self) -> LayerLoader[T]:
         return self
 
@@ -125,10 +135,13 @@ class LayerLoader(Generic[T]):
         return self
 
     async def __anext__(self) -> tuple[int, T]:
-        try:
-            i, fut = self._take()
-        except StopIteration:
-            raise StopAsyncIteration from None
+        # The next reads start in a worker thread: starting one looks its page up in the
+        # index, and restores a page only the archive holds, a download; on the trio
+        # thread, every other task of the loop waited for that.
+        taken = await trio.to_thread.run_sync(self._take_or_none)
+        if taken is None:
+            raise StopAsyncIteration
+        i, fut = taken
         await wait(fut)
         return i, self._dests[i]
 

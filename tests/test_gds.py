@@ -372,6 +372,37 @@ async def test_layer_loader_async(make_config: Callable[..., kvfs.StoreConfig]) 
             assert np.array_equal(dests[0], datas[3])
 
 
+async def test_an_async_layer_loader_starts_its_reads_off_the_trio_thread(
+    make_config: Callable[..., kvfs.StoreConfig],
+) -> None:
+    """Starting a layer's read looks its page up, and restores a page only the archive
+    holds: ``async for`` started each next read on the trio thread, and every other task of
+    the loop waited for it (a whole download, for such a page). They start from worker
+    threads now, the first ones too when the loader is made by ``aload_layers``."""
+    loop_thread = threading.get_ident()
+    async with kvfs.open_store(make_config(ndev=2, stripe_unit=64 * KiB)) as s:
+        datas = [rand(200 * KiB, seed=i) for i in range(4)]
+        for i, d in enumerate(datas):
+            await s.put(key(i), d)
+        with gds.FastPath(s) as fp:
+            started: list[tuple[int, bool]] = []
+            real = fp.read
+
+            def read(k: Any, into: object, **kw: Any) -> Future[int]:  # (the real read)
+                started.append(
+                    (int(str(k).rsplit("-", 1)[1]), threading.get_ident() == loop_thread)
+                )
+                return real(k, into, **kw)
+
+            fp.read = read  # type: ignore[method-assign]
+            dests = [aligned(200 * KiB) for _ in datas]
+            keys = [key(i) for i in range(4)]
+            async with await fp.aload_layers(keys, dests, ahead=1) as layers:
+                async for i, buf in layers:
+                    assert np.array_equal(buf, datas[i])
+            assert sorted(started) == [(i, False) for i in range(4)], started
+
+
 async def test_cancelled_wait_returns_only_after_the_io(store: kvfs.SyncStore) -> None:
     store.put(key(0), rand(MiB))
     gate = threading.Event()
