@@ -121,7 +121,8 @@ def configuration_markdown() -> str:
         "in `./kvfs-archive` through `file://`);",
         "2. one TOML file: `--config FILE`, else `$KVFS_CONFIG`, else none;",
         "3. environment variables `KVFS_<OPTION>` (lists comma-separated, sizes as "
-        "`64MiB`/`2GB`/bytes, durations as seconds or `30m`/`12h`/`7d`, booleans "
+        "`64MiB`/`2GB`/bytes, a whole number of bytes (`1.5GiB`, not `0.5`) below 8 EiB, "
+        "durations as seconds or `30m`/`12h`/`7d`, booleans "
         "`true`/`false`, `1`/`0`, `yes`/`no` or `on`/`off`, in any case; a TOML file may "
         "give them as booleans or as these strings);",
         "4. command-line flags (`--data`, `--archive`, `--socket`, and on `kvfs mount` "

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
+import decimal
 import operator
 import os
 from collections.abc import Iterable
@@ -49,21 +49,35 @@ _UNITS = {
 
 
 def parse_size(text: str | int) -> int:
-    """``"64MiB"`` -> 67108864. Accepts ints, decimal (kB, MB) and binary (KiB, MiB) units."""
+    """``"64MiB"`` -> 67108864. Accepts ints, decimal (kB, MB) and binary (KiB, MiB) units,
+    and fractions of a unit that come to whole bytes (``"1.5GiB"``). Raises ValueError for
+    anything else, a negative size, one that is no whole number of bytes (``"0.5"``,
+    ``"0.1KiB"``) and one over :data:`MAX_SIZE`."""
     if isinstance(text, int):
-        if text < 0:  # (not DISK_CAPACITY's -1 either: "disk" says that)
+        if not 0 <= text <= MAX_SIZE:  # (not DISK_CAPACITY's -1 either: "disk" says that)
             raise ValueError(f"not a size: {text!r} (examples: 4096, 64MiB, 2GB)")
         return text
     s = text.strip().lower().replace(" ", "").replace("_", "")
     num = s.rstrip("abcdefghijklmnopqrstuvwxyz")
     unit = s[len(num) :]
+    # Decimal, not float: "0.5" was truncated to 0 bytes (for a capacity, "the cap kept with
+    # the store") and "1048576.7" to 1048576, and a float rounds large sizes besides
     try:
-        value = float(num) * _UNITS[unit] if unit in _UNITS and num else math.nan
-    except ValueError:
-        value = math.nan
-    if not (math.isfinite(value) and value >= 0):
+        value = decimal.Decimal(num) * _UNITS[unit] if unit in _UNITS and num else None
+    except decimal.InvalidOperation:
+        value = None
+    if value is None or not value.is_finite() or value < 0:
         raise ValueError(f"not a size: {text!r} (examples: 4096, 64MiB, 2GB)")
+    if value != value.to_integral_value():
+        raise ValueError(f"not a whole number of bytes: {text!r} ({value.normalize():f} bytes)")
+    if value > MAX_SIZE:
+        raise ValueError(f"not a size: {text!r} (at most {MAX_SIZE} bytes)")
     return int(value)
+
+
+#: the largest size a setting may give: the index keeps sizes as SQLite integers (a larger
+#: capacity was taken, then failed the open with "OverflowError: Integer value out of range")
+MAX_SIZE = 2**63 - 1
 
 
 _SECONDS = {"": 1, "s": 1, "m": 60, "min": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
@@ -197,4 +211,7 @@ def _size(name: str, value: object) -> int:
         raise TypeError(
             f"StoreConfig.{name} must be an int of bytes or a size such as '64MiB', not {value!r}"
         )
-    return operator.index(value)  # numpy's integers too
+    n = operator.index(value)  # numpy's integers too
+    if n > MAX_SIZE:
+        raise ValueError(f"StoreConfig.{name}: {n} is over the largest size, {MAX_SIZE} bytes")
+    return n

@@ -336,3 +336,44 @@ def test_store_config_takes_size_strings_and_names_the_field_of_a_wrong_type(
     assert "StoreConfig.archive_url" in refused(TypeError, archive_url=None)
     assert "StoreConfig.extra" in refused(TypeError, extra=None)
     assert "multiple of 4096" in refused(ValueError, stripe_unit="5000")
+
+
+@pytest.mark.parametrize(
+    ("given", "says"),
+    [
+        # a capacity of "0.5" bytes was 0, "the cap kept with the store", without a word
+        ("0.5", r"not a whole number of bytes: '0.5' \(0.5 bytes\)"),
+        ("1048576.7", "not a whole number of bytes"),
+        ("0.1KiB", r"\(102.4 bytes\)"),
+        # more than SQLite's integers hold: taken, then the open failed with an OverflowError
+        ("9000000PiB", "at most 9223372036854775807 bytes"),
+        ("1/2MiB", "not a size"),
+    ],
+)
+def test_a_size_is_a_whole_number_of_bytes_the_index_can_hold(
+    tmp_path: Path, given: str, says: str
+) -> None:
+    import kvfs
+
+    with pytest.raises(ValueError, match=rf"\$KVFS_CAPACITY: bad value .*{says}"):
+        load_settings(env={"KVFS_CAPACITY": given})
+    f = tmp_path / "c.toml"
+    f.write_text(f'[archive]\nmemory_copies = "{given}"\n')
+    with pytest.raises(ValueError, match=f"for archive.memory_copies: .*{says}"):
+        load_settings(f, env={})
+    with pytest.raises(ValueError, match=f"StoreConfig.capacity: .*{says}"):
+        kvfs.StoreConfig(capacity=given)
+    # fractions of a unit that come to whole bytes, and a TOML float that is whole, stay
+    assert kvfs.parse_size("1.5MiB") == 3 << 19 and kvfs.parse_size("1.1GB") == 1_100_000_000
+    f.write_text("[store]\ncapacity = 2e9\n")
+    assert load_settings(f, env={})["capacity"] == 2_000_000_000
+
+
+def test_a_capacity_beyond_the_index_is_refused_in_the_object_api(tmp_path: Path) -> None:
+    """``StoreConfig(capacity=10**22)`` was taken, and the open failed with "OverflowError:
+    Integer value out of range"."""
+    import kvfs
+
+    with pytest.raises(ValueError, match="StoreConfig.capacity: .* over the largest size"):
+        kvfs.StoreConfig(data_dirs=[tmp_path / "d"], capacity=10**22)
+    assert kvfs.StoreConfig(capacity=2**63 - 1).capacity == 2**63 - 1
