@@ -130,7 +130,9 @@ def configuration_markdown() -> str:
         "",
         "`kvfs config` prints the effective settings with the source of each value "
         "(secrets masked: credentials in URLs and secret-named values). An unknown "
-        "section or option, a value of the wrong kind, or a configuration file that is "
+        "section or option, a value of the wrong kind or out of range (a negative count "
+        "or number of seconds, `io_threads` or `archive_concurrency` below 1), or a "
+        "configuration file that is "
         "not there, is an error (exit 2) naming the file or variable. A `KVFS_*` "
         "variable that is no setting is ignored with a warning naming the one it is "
         "close to (`$KVFS_CAPACTY is no kvfs setting: ignored ($KVFS_CAPACITY?)`).",

@@ -16,6 +16,7 @@ import contextlib
 import difflib
 import errno
 import hashlib
+import math
 import os
 import re
 import stat
@@ -69,6 +70,13 @@ class Option:
         return f"{self.section}.{self.name}"
 
 
+# Counts and seconds below these are nonsense that was taken: archive_concurrency = 0 failed
+# the open with "max_workers must be greater than 0", a negative metrics_sessions left the
+# smallest sessions out of their own series, a negative number of seconds was a typo taken
+# for 0 (idle_seconds, gc_grace, spill_interval) or told without the variable (retention)
+_AT_LEAST_0 = (0, math.inf)
+_AT_LEAST_1 = (1, math.inf)
+
 #: Every option, in the order docs/configuration.md lists them.
 OPTIONS: tuple[Option, ...] = (
     Option(
@@ -95,7 +103,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("store", "index_dir", "str", "", "where the SQLite index lives (empty: first data dir)"),
     Option("store", "direct_io", "bool", True, "read and write with O_DIRECT where possible"),
     Option("store", "durable", "bool", True, "fsync data and index before a put returns"),
-    Option("store", "io_threads", "int", 8, "worker threads for disk I/O and hashing"),
+    Option("store", "io_threads", "int", 8, "worker threads for disk I/O and hashing", _AT_LEAST_1),
     Option(
         "archive",
         "archive_url",
@@ -112,6 +120,7 @@ OPTIONS: tuple[Option, ...] = (
         "float",
         300.0,
         "a session untouched this long is cold: the background spiller may spill it",
+        _AT_LEAST_0,
     ),
     Option(
         "archive",
@@ -135,6 +144,7 @@ OPTIONS: tuple[Option, ...] = (
         "float",
         1.0,
         "seconds between background spill passes (0: no background spiller)",
+        _AT_LEAST_0,
     ),
     Option(
         "archive",
@@ -159,6 +169,7 @@ OPTIONS: tuple[Option, ...] = (
         8,
         "objects uploaded or downloaded at once per spill or restore (with at most 512 MiB "
         "of their pages in memory per process: a larger page goes alone)",
+        _AT_LEAST_1,
     ),
     Option(
         "archive",
@@ -166,6 +177,7 @@ OPTIONS: tuple[Option, ...] = (
         "int",
         2,
         "worker processes that spill and restore outside the daemon (0: its own threads)",
+        _AT_LEAST_0,
     ),
     Option(
         "archive",
@@ -173,6 +185,7 @@ OPTIONS: tuple[Option, ...] = (
         "float",
         0.0,
         "seconds a deleted page's archive object waits before removal (hosts sharing a bucket)",
+        _AT_LEAST_0,
     ),
     Option(
         "archive",
@@ -189,6 +202,7 @@ OPTIONS: tuple[Option, ...] = (
         300.0,
         "seconds that bound one deletion pass over archive objects: it stops deleting after "
         "half of it, and other hosts wait at most this long for one a crash left unfinished",
+        _AT_LEAST_0,
     ),
     Option(
         "archive",
@@ -207,6 +221,7 @@ OPTIONS: tuple[Option, ...] = (
         "a session untouched this long is deleted from every tier, this host's and the "
         "archive's (seconds, or 30m, 12h, 7d); pinned sessions and sessions holding a pinned "
         "page are kept; 0: keep every session until it is deleted",
+        _AT_LEAST_0,
     ),
     Option(
         "daemon",
@@ -232,6 +247,7 @@ OPTIONS: tuple[Option, ...] = (
         20,
         "per-session metrics for at most this many sessions (largest first; the rest "
         'summed as session="_other")',
+        _AT_LEAST_0,
     ),
     Option("daemon", "log_level", "str", "info", "debug, info, warning or error"),
     Option("daemon", "log_target", "str", "stderr", "stderr or journald"),
@@ -325,9 +341,8 @@ def _convert(opt: Option, raw: object, where: str) -> object:
     if opt.limits is not None and isinstance(value, (int, float)):
         lo, hi = opt.limits
         if not lo <= value <= hi:
-            raise ValueError(
-                f"{where}: bad value {raw!r} for {opt.key}: from {lo:g} to {hi:g} is needed"
-            )
+            need = f"at least {lo:g}" if hi == math.inf else f"from {lo:g} to {hi:g}"
+            raise ValueError(f"{where}: bad value {raw!r} for {opt.key}: {need} is needed")
     if opt.name == "capacity" and 0 < value < MIN_CAPACITY:  # type: ignore[operator]
         raise ValueError(
             f"{where}: bad value {raw!r} for {opt.key}: 0 (the one kept with the store), "
@@ -355,15 +370,26 @@ def _convert_kind(opt: Option, raw: object, where: str) -> object:
         if opt.kind == "duration":
             if isinstance(raw, bool):
                 raise ValueError("a duration is needed")
-            return parse_duration(raw)  # type: ignore[arg-type]
+            seconds = parse_duration(raw)  # type: ignore[arg-type]
+            if math.isnan(seconds):  # (TOML's nan: a comparison with it is always false)
+                raise ValueError("a duration is needed")
+            return seconds
         if opt.kind == "int":
-            if isinstance(raw, bool):
+            # (int() truncated a TOML float: io_threads = 2.5 was 2, metrics_port = 80.9 was 80)
+            if isinstance(raw, bool) or (isinstance(raw, float) and not raw.is_integer()):
                 raise ValueError("an integer is needed")
-            return int(raw)  # type: ignore[call-overload]
+            try:
+                return int(raw)  # type: ignore[call-overload]
+            except ValueError:  # (not "invalid literal for int() with base 10")
+                raise ValueError("an integer is needed") from None
         if opt.kind == "float":
-            if isinstance(raw, bool):
+            try:
+                number = math.nan if isinstance(raw, bool) else float(raw)  # type: ignore[arg-type]
+            except ValueError:  # (not "could not convert string to float")
+                number = math.nan
+            if math.isnan(number):  # "nan" made the background spiller's sleep raise
                 raise ValueError("a number is needed")
-            return float(raw)  # type: ignore[arg-type]
+            return number
         if opt.kind == "bool":
             if isinstance(raw, bool):
                 return raw

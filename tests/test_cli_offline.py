@@ -745,6 +745,19 @@ def test_a_bad_target_among_several_changes_nothing(run: Run, tmp_path: Path) ->
         ("KVFS_CAPACITY", "0.5", "not a whole number of bytes"),
         ("KVFS_ZSTD_LEVEL", "99", "from 1 to 19"),
         ("KVFS_HIGH_WATERMARK", "1.5", "from 0 to 1"),
+        # taken, then failed the open ("max_workers must be greater than 0"), or the check
+        # of the whole configuration without naming where the value came from
+        ("KVFS_ARCHIVE_CONCURRENCY", "0", "at least 1 is needed"),
+        ("KVFS_IO_THREADS", "0", "at least 1 is needed"),
+        ("KVFS_UPLOAD_PROCESSES", "-1", "at least 0 is needed"),
+        ("KVFS_RETENTION", "-1d", "at least 0 is needed"),
+        # taken: a negative number of seconds as 0, the smallest session left out of its
+        # series, a nan that the background spiller's sleep raised on
+        ("KVFS_IDLE_SECONDS", "-5", "at least 0 is needed"),
+        ("KVFS_GC_GRACE", "-1", "at least 0 is needed"),
+        ("KVFS_METRICS_SESSIONS", "-1", "at least 0 is needed"),
+        ("KVFS_SPILL_INTERVAL", "nan", "a number is needed"),
+        ("KVFS_IO_THREADS", "2.5", "an integer is needed"),
     ],
 )
 def test_out_of_range_settings_are_refused_by_name(

@@ -80,6 +80,11 @@ def test_config_file_from_environment(tmp_path: Path) -> None:
         # capacity kept with the store forgotten without a word
         ("[store]\ncapacity = -1\n", "bad value -1 for store.capacity"),
         ("[archive]\nevict_ahead = -1\n", "bad value -1 for archive.evict_ahead"),
+        # a TOML float was truncated (2.5 threads were 2), and nan passed every range check
+        ("[store]\nio_threads = 2.5\n", "bad value 2.5 for store.io_threads: an integer"),
+        ("[daemon]\nmetrics_port = 9100.5\n", "bad value 9100.5 for daemon.metrics_port"),
+        ("[archive]\ngc_window = nan\n", "bad value nan for archive.gc_window: a number"),
+        ("[archive]\nretention = nan\n", "bad value nan for archive.retention: a duration"),
     ],
 )
 def test_bad_files_are_one_clear_error(tmp_path: Path, text: str, match: str) -> None:
@@ -181,8 +186,10 @@ def test_retention_takes_a_duration_and_needs_an_archive(tmp_path: Path) -> None
     assert ArchiveConfig.from_extra({"archive": {"retention": "2w"}}).retention == 14 * 86400
     with pytest.raises(ValueError, match=r"\$KVFS_RETENTION.*not a duration"):
         load_settings(env={"KVFS_RETENTION": "soon"})
-    with pytest.raises(ValueError, match="retention must be >= 0"):
-        load_settings(env={"KVFS_RETENTION": "-1"}).store_config()
+    with pytest.raises(ValueError, match=r"\$KVFS_RETENTION: bad value '-1' .*at least 0"):
+        load_settings(env={"KVFS_RETENTION": "-1"})
+    with pytest.raises(ValueError, match="retention must be >= 0"):  # (the object API's)
+        ArchiveConfig.from_extra({"archive": {"retention": -1}})
     no_archive = load_settings(env={"KVFS_RETENTION": "1d", "KVFS_ARCHIVE_URL": ""})
     with pytest.raises(ValueError, match="retention deletes sessions from the archive tier"):
         no_archive.store_config()
