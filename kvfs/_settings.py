@@ -261,7 +261,9 @@ ARCHIVE_FIELDS = {
     if o.section == "archive" and o.name != "archive_url"
 }
 _TRUE = {"1", "true", "yes", "on"}
-_FALSE = {"0", "false", "no", "off", ""}
+#: (not ""): a ``KVFS_DURABLE=`` left empty, by a unit file's unset ``${VAR}`` say, turned
+#: the fsyncs off without a word
+_FALSE = {"0", "false", "no", "off"}
 
 
 @dataclass(frozen=True)

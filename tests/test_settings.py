@@ -384,3 +384,17 @@ def test_a_capacity_beyond_the_index_is_refused_in_the_object_api(tmp_path: Path
     with pytest.raises(ValueError, match="StoreConfig.capacity: .* over the largest size"):
         kvfs.StoreConfig(data_dirs=[tmp_path / "d"], capacity=10**22)
     assert kvfs.StoreConfig(capacity=2**63 - 1).capacity == 2**63 - 1
+
+
+def test_an_empty_boolean_is_refused_not_false(tmp_path: Path) -> None:
+    """``KVFS_DURABLE=`` (empty, as an unset ``${VAR}`` in a unit file gives) was false: the
+    store stopped syncing its writes with no word; the forms docs/configuration.md lists
+    are the ones taken."""
+    with pytest.raises(ValueError, match=r"\$KVFS_DURABLE: bad value '' .*true or false"):
+        load_settings(env={"KVFS_DURABLE": ""})
+    f = tmp_path / "c.toml"
+    f.write_text('[store]\ndirect_io = ""\n')
+    with pytest.raises(ValueError, match="bad value '' for store.direct_io"):
+        load_settings(f, env={})
+    for given, value in (("OFF", False), ("No", False), ("0", False), ("on", True), ("1", True)):
+        assert load_settings(env={"KVFS_DURABLE": given})["durable"] is value
