@@ -362,7 +362,9 @@ DISK = "disk"
 def _convert_kind(opt: Option, raw: object, where: str) -> object:
     try:
         if opt.kind == "paths":
-            if isinstance(raw, str):
+            # (an empty one, KVFS_DATA_DIRS="" say, was taken and refused later without
+            # a word of where it came from)
+            if isinstance(raw, str) and raw.replace(",", "").strip():
                 return [p.strip() for p in raw.split(",") if p.strip()]
             if isinstance(raw, list) and all(isinstance(p, str) for p in raw) and raw:
                 return list(raw)

@@ -758,6 +758,7 @@ def test_a_bad_target_among_several_changes_nothing(run: Run, tmp_path: Path) ->
         ("KVFS_METRICS_SESSIONS", "-1", "at least 0 is needed"),
         ("KVFS_SPILL_INTERVAL", "nan", "a number is needed"),
         ("KVFS_IO_THREADS", "2.5", "an integer is needed"),
+        ("KVFS_DATA_DIRS", " , ", "a list of directories is needed"),
     ],
 )
 def test_out_of_range_settings_are_refused_by_name(
