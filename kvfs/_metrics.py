@@ -14,6 +14,7 @@ the number of sessions.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import socket
 import sys
@@ -59,9 +60,20 @@ class _Writer:
         lab = (
             ("{" + ",".join(f'{k}="{_esc(v)}"' for k, v in labels.items()) + "}") if labels else ""
         )
-        self.lines.append(
-            f"{name}{lab} {float(value):g}" if isinstance(value, float) else f"{name}{lab} {value}"
-        )
+        self.lines.append(f"{name}{lab} {_number(value)}")
+
+
+def _number(value: float) -> str:
+    """A sample's value as the exposition format takes it, every digit kept: ``:g`` kept six,
+    so the restore latency's ``_sum`` stood still between scrapes once past 1e5 seconds, and a
+    ``rate()`` over it read 0 and then a jump."""
+    if not isinstance(value, float):
+        return str(value)
+    if math.isnan(value):
+        return "NaN"
+    if math.isinf(value):
+        return "+Inf" if value > 0 else "-Inf"
+    return repr(value)
 
 
 def render_metrics(

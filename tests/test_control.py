@@ -475,6 +475,25 @@ def test_the_restore_latency_summary_has_its_sum_and_count(
     assert 0 < p99 <= total
 
 
+def test_a_float_sample_keeps_every_digit() -> None:
+    """Float samples were written with ``:g`` (six digits): the restore latency's ``_sum``
+    of 123456.7 s showed 123457 both before and after a restore of 0.2 s, so a ``rate()``
+    over it read no restore time at all, and then a whole second at once."""
+    st = kvfs.StoreStatistics(0, 0, 0, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
+
+    def scrape(total: float, count: int) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+        archive = {"blobs_restored": count, "restore_seconds": total, "restore_p50_s": 0.2}
+        st.extra["archive"] = archive
+        return parse_exposition(render_metrics(st, []))[0]
+
+    before = scrape(123456.7, 1000)
+    after = scrape(123456.7 + 0.2, 1001)
+    total = ("kvfs_restore_latency_seconds_sum", frozenset())
+    assert (before[total], after[total]) == (123456.7, 123456.7 + 0.2)
+    p50 = ("kvfs_restore_latency_seconds", frozenset({("quantile", "0.5")}))
+    assert after[p50] == 0.2
+
+
 def test_render_escapes_labels() -> None:
     st = kvfs.StoreStatistics(0, 0, 0, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
     s = kvfs.SessionInfo('we"ird\\', "sessions/x", 0, 0, False, {}, 1, 10, 10, 0)
