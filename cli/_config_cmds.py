@@ -50,8 +50,12 @@ def cmd_config(args: argparse.Namespace) -> int:
         # Shown all the same (masked): it is what the user has to fix. Then exit 2.
         problem: ValueError | None = e
         index = socket = "(none: the configuration is not valid)"
+        archive: str | None = index
     else:
         problem, index, socket = None, str(cfg.index_path.absolute()), str(s.socket_path())
+        # what archive_url comes to: "auto" and a relative file:// said neither whether
+        # there is an archive tier nor where (the table shows the value as given)
+        archive = str(masked("archive_url", cfg.archive_url)) or None
         if args.check:
             return _check(cfg, s.socket_path(), args.json)
     if args.json:
@@ -60,6 +64,7 @@ def cmd_config(args: argparse.Namespace) -> int:
                 "config_file": str(s.config_file) if s.config_file else None,
                 "index": index,
                 "control_socket": socket,
+                "archive": archive,
                 "options": {
                     o.key: {"value": masked(o.name, s[o.name]), "source": s.sources[o.name]}
                     for o in OPTIONS
@@ -71,6 +76,7 @@ def cmd_config(args: argparse.Namespace) -> int:
         print(f"# configuration file: {s.config_file or 'none'}")
         print(f"# index: {index}")
         print(f"# control socket: {socket}")
+        print(f"# archive: {archive or 'none'}")
         print(as_toml(s), end="")
     if problem is not None:
         print(f"kvfs config: {problem}", file=sys.stderr)

@@ -129,7 +129,9 @@ def configuration_markdown() -> str:
         "also `--capacity`, `--stripe-unit`, `--metrics-port`, `--log-level`).",
         "",
         "`kvfs config` prints the effective settings with the source of each value "
-        "(secrets masked: credentials in URLs and secret-named values). An unknown "
+        "(secrets masked: credentials in URLs and secret-named values), and the index, "
+        "control socket and archive they come to (`auto` and a relative `file://` "
+        "resolved; `none`: no archive tier). An unknown "
         "section or option, a value of the wrong kind or out of range (a negative count "
         "or number of seconds, `io_threads` or `archive_concurrency` below 1), or a "
         "configuration file that is "

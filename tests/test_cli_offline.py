@@ -541,6 +541,24 @@ def test_the_index_is_shown_by_its_absolute_path(run: Run, tmp_path: Path) -> No
     assert f"# index: {index}\n" in run("config")[1]
 
 
+def test_config_shows_the_archive_that_auto_and_a_relative_url_come_to(
+    run: Run, tmp_path: Path
+) -> None:
+    """`kvfs config` showed `archive_url = "auto"` and `"file://arch"` as given, and nothing
+    said whether the store had an archive tier (auto: only with the default data directory)
+    nor where a relative one was (taken from the current directory)."""
+    for flags, archive in (
+        ([], f"file://{tmp_path}/kvfs-archive"),
+        (["--data", "d"], None),
+        (["--data", "d", "--archive", "file://arch"], f"file://{tmp_path}/arch"),
+        (["--archive", "s3://b/p"], "s3://b/p"),
+    ):
+        rc, out, _ = run("config", *flags)
+        assert rc == 0 and f"# archive: {archive or 'none'}\n" in out, out
+        rc, out, _ = run("config", "--json", *flags)
+        assert rc == 0 and json.loads(out)["archive"] == archive
+
+
 def test_config_check_of_a_configuration_that_is_not_valid_tries_nothing(
     run: Run, tmp_path: Path
 ) -> None:
