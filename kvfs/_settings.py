@@ -445,6 +445,12 @@ def load_settings(
         except tomllib.TOMLDecodeError as e:
             raise ValueError(f"{cfg_path}: {e}") from None
         for section, table in doc.items():
+            if not isinstance(table, dict) and section in _BY_NAME:
+                # (it was "unknown section [capacity]": an option above every [section])
+                raise ValueError(
+                    f"{cfg_path}: option {section} outside its section "
+                    f"(under [{_BY_NAME[section].section}])"
+                )
             if not isinstance(table, dict) or section not in {o.section for o in OPTIONS}:
                 raise ValueError(
                     f"{cfg_path}: unknown section [{section}] (sections: store, archive, daemon)"
@@ -452,7 +458,10 @@ def load_settings(
             for name, raw in table.items():
                 opt = _BY_NAME.get(name)
                 if opt is None or opt.section != section:
-                    raise ValueError(f"{cfg_path}: unknown option {section}.{name}")
+                    # the one meant: an option of another section, or a misspelling
+                    meant = opt or _BY_NAME.get(closest(name, _BY_NAME) or "")
+                    hint = f" ({meant.key}?)" if meant else ""
+                    raise ValueError(f"{cfg_path}: unknown option {section}.{name}{hint}")
                 values[name] = _convert(opt, raw, str(cfg_path))
                 sources[name] = str(cfg_path)
     for opt in OPTIONS:

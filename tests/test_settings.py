@@ -70,7 +70,15 @@ def test_config_file_from_environment(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     "text, match",
     [
-        ("[store]\nnope = 1\n", "unknown option store.nope"),
+        ("[store]\nnope = 1\n", r"unknown option store.nope$"),
+        # an option in another section, or misspelt, was told with no word of the one meant,
+        # and one above every section as an unknown section
+        (
+            '[store]\narchive_url = ""\n',
+            r"unknown option store.archive_url \(archive.archive_url\?\)",
+        ),
+        ("[store]\ncapacty = 1\n", r"unknown option store.capacty \(store.capacity\?\)"),
+        ("capacity = 1\n", r"option capacity outside its section \(under \[store\]\)"),
         ("[stor]\ncapacity = 1\n", r"unknown section \[stor\]"),
         ('[store]\ncapacity = "lots"\n', "bad value 'lots' for store.capacity"),
         ('[store]\ndirect_io = "maybe"\n', "direct_io"),
