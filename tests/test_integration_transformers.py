@@ -931,3 +931,34 @@ def test_a_session_pressed_out_by_another_keeps_its_head(
         assert store.statistics().evictions == {"capacity": 4}
         assert kv.load("old", old).tokens == 2 * CHUNK
         assert kv.load("new", new).tokens == 4 * CHUNK
+
+
+def test_a_session_whose_sampled_pages_are_all_cut_short_is_not_blocked(tmp_path: Path) -> None:
+    """The pages of a session's one save, cut to nothing by a power loss (a plain directory,
+    ``durable=False``), read as files of another kind: every new prompt of the session
+    failed with GeometryMismatch ("not kvfs-kv/1 KV pages; use another session name") for
+    good, its save included. A file named as kvfs names KV pages that does not parse is a
+    damaged page, which says nothing of the session's model."""
+    shape = GEOMETRIES["fp32-gqa-2layers"]
+    model = model_of(shape)
+    ids = tokens(CHUNK + 3, seed=71)
+    _, cache = prefill(model, ids)
+    kw: dict[str, Any] = {"model_id": shape.model_id, "chunk_tokens": CHUNK}
+    with TransformersKV(tmp_path, model, shared_session=None, **kw) as kv:
+        kv.save("s", ids, cache)
+        pages = sorted((tmp_path / "sessions" / "s").rglob("layer-*"))
+        assert len(pages) == shape.layers
+        for page in pages:
+            os.truncate(page, 0)
+        other = tokens(CHUNK + 1, seed=72)
+        res = kv.prefill("s", other)
+        assert res.reused_tokens == 0 and res.save is not None and res.save.chunks == 1
+        assert kv.load("s", other).tokens == CHUNK
+    # A file of another kind in a session still refuses it, whatever its name.
+    (tmp_path / "sessions" / "t" / "c00000-notes").mkdir(parents=True)
+    (tmp_path / "sessions" / "t" / "c00000-notes" / "layer-000").write_text("not a KV page\n")
+    with (
+        TransformersKV(tmp_path, model, **kw) as kv,
+        pytest.raises(GeometryMismatch, match="not kvfs-kv/1 KV pages"),
+    ):
+        kv.load("t", ids)

@@ -13,6 +13,7 @@ exactly for that prefix (KV of a token depends on every token before it).
 
 from __future__ import annotations
 
+import re
 import struct
 from collections.abc import Sequence
 
@@ -20,9 +21,10 @@ import blake3
 
 from ._format import FORMAT, Geometry
 
-__all__ = ["chunk_names", "geometry_seed"]
+__all__ = ["chunk_names", "geometry_seed", "is_chunk_name"]
 
 NAME_HEX = 32  # 128 bits of the digest: collisions are not a practical concern
+_NAME_RE = re.compile(rf"c\d{{5,}}-[0-9a-f]{{{NAME_HEX}}}")
 
 
 def geometry_seed(g: Geometry) -> bytes:
@@ -54,3 +56,8 @@ def chunk_names(tokens: Sequence[int], g: Geometry, max_chunks: int | None = Non
         h = blake3.blake3(h + data).digest()
         out.append(f"c{i:05d}-{h.hex()[:NAME_HEX]}")
     return out
+
+
+def is_chunk_name(name: str) -> bool:
+    """Whether ``name`` is spelled as :func:`chunk_names` spells a chunk's name."""
+    return _NAME_RE.fullmatch(name) is not None

@@ -25,6 +25,7 @@ import errno
 import functools
 import itertools
 import os
+import re
 import struct
 import uuid
 from collections.abc import Callable, Iterable
@@ -36,6 +37,7 @@ from .._engine import Engine
 from .._errors import CorruptPage, PageNotFound
 from .._keys import SESSIONS_DIR, PageKey, session_dir
 from .._mountinfo import kvfs_mount_of
+from ._chain import is_chunk_name
 from ._format import HEADER_READ, GeometryMismatch, PageHeader, parse_header
 
 __all__ = [
@@ -97,27 +99,42 @@ def _kv_attrs(attrs: dict[str, str] | None) -> dict[str, str] | None:
     return attrs if attrs is not None and "format" in attrs else None
 
 
+_PAGE_NAME = re.compile(r"layer-\d{3,}")
+
 #: Pages a session check reads at most: a damaged one is passed over for the next.
 SAMPLE_PAGES = 8
 
 
-def _header_attrs(reads: Iterable[Callable[[], PageHeader]]) -> dict[str, str] | None:
-    """The metadata in the first kvfs-kv/1 header of ``reads`` (the first few), else {}
-    when one was some other file, else None (none could be read: no verdict). A damaged
-    page, one that vanished, or an EIO from the mount, found first, made every new prompt
-    of its session fail: a page after it tells instead."""
+def _header_attrs(reads: Iterable[tuple[str, Callable[[], PageHeader]]]) -> dict[str, str] | None:
+    """The metadata in the first kvfs-kv/1 header of ``reads`` (the first few ``(path,
+    read)``), else {} when one was some other file, else None (none could be read: no
+    verdict). A damaged page, one that vanished, or an EIO from the mount, found first,
+    made every new prompt of its session fail: a page after it tells instead. A file named
+    as kvfs names KV pages that does not parse is such a damaged page (cut short by a power
+    loss), not a file of another kind: a session whose sampled pages were all cut short
+    was refused for good, its next save included."""
     verdict: dict[str, str] | None = None
     pending = itertools.islice(reads, SAMPLE_PAGES)
     while True:
         try:
-            read = next(pending, None)  # (listing a directory may fail too)
-            if read is None:
+            item = next(pending, None)  # (listing a directory may fail too)
+            if item is None:
                 return verdict
+            path, read = item
             return dict(read().metadata)
-        except (CorruptPage, GeometryMismatch):  # damaged, or not a kvfs-kv/1 page at all
+        except CorruptPage:
+            if not _named_as_page(path):
+                verdict = {}
+        except GeometryMismatch:  # a well-formed header of another kind
             verdict = {}
         except OSError:  # PageNotFound, EIO
             continue
+
+
+def _named_as_page(path: str) -> bool:
+    """Whether ``path`` ends in ``<chunk name>/layer-NNN``, as kvfs-kv/1 pages are named."""
+    *_, chunk, layer = ["", *path.replace(os.sep, "/").split("/")]
+    return is_chunk_name(chunk) and _PAGE_NAME.fullmatch(layer) is not None
 
 
 class StorePages:
@@ -173,7 +190,7 @@ class StorePages:
             key = PageKey.from_path(path)
             return lambda: read_header(lambda o, n: self.engine.read_range(key, o, n), path)
 
-        return _header_attrs(reader(p.path) for p in pages)
+        return _header_attrs((p.path, reader(p.path)) for p in pages)
 
 
 class DirectoryPages:
@@ -263,7 +280,7 @@ class DirectoryPages:
             for page in (sorted(prefix.iterdir()) if prefix.is_dir() else ())
             if ".tmp-" not in page.name
         )
-        return _header_attrs(functools.partial(read_file_header, p) for p in pages)
+        return _header_attrs((str(p), functools.partial(read_file_header, p)) for p in pages)
 
 
 class FastPathPages(StorePages):
