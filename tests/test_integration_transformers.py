@@ -40,7 +40,7 @@ from kvfs.integrations._format import Geometry, PageLayout, check_page, parse_he
 from kvfs.integrations._hfcompat import cache_of, forward  # noqa: E402
 from kvfs.integrations._models import ModelShape, greedy_decode, random_llama  # noqa: E402
 from kvfs.integrations._tcache import build_cache, cache_tensors  # noqa: E402
-from kvfs.integrations.transformers import TransformersKV  # noqa: E402
+from kvfs.integrations.transformers import TransformersKV, geometry_of  # noqa: E402
 
 CHUNK = 64
 STEPS = 12
@@ -962,3 +962,68 @@ def test_a_session_whose_sampled_pages_are_all_cut_short_is_not_blocked(tmp_path
         pytest.raises(GeometryMismatch, match="not kvfs-kv/1 KV pages"),
     ):
         kv.load("t", ids)
+
+
+class FailsWhileOneRuns:
+    """Plain files whose write or read of ``fail`` raises ``error`` once the write or read
+    of ``slow`` has started; that one then waits for ``release`` (at most ``hold`` s) and
+    records whether the call it belongs to had returned before it finished."""
+
+    def __init__(self, root: Path, fail: str, slow: str, error: OSError, hold: float) -> None:
+        import threading
+
+        self.inner = DirectoryPages(root)
+        self.fail, self.slow, self.error, self.hold = fail, slow, error, hold
+        self.started, self.release = threading.Event(), threading.Event()
+        self.returned = False  # (set by the test once the call is back)
+        self.after_return: list[bool] = []
+        self.stat, self.sample_attrs = self.inner.stat, self.inner.sample_attrs
+
+    def _run(self, key: kvfs.PageKey, call: Callable[[], Any]) -> Any:
+        if key.path == self.fail:
+            assert self.started.wait(30)
+            raise self.error
+        if key.path == self.slow:
+            self.started.set()
+            self.release.wait(self.hold)
+            done = call()
+            self.after_return.append(self.returned)
+            return done
+        return call()
+
+    def write(self, key: kvfs.PageKey, data: memoryview, attrs: dict[str, str]) -> bool:
+        return bool(self._run(key, lambda: self.inner.write(key, data, attrs)))
+
+    def read_into(self, key: kvfs.PageKey, buf: memoryview) -> int:
+        return int(self._run(key, lambda: self.inner.read_into(key, buf)))
+
+
+@pytest.mark.parametrize("call", ["save", "load"])
+def test_a_save_or_load_that_fails_has_nothing_left_running(tmp_path: Path, call: str) -> None:
+    """A save whose first page found no room (a load whose first page could not be read:
+    the archive gone) raised at once, while the writes (reads) of other pages went on in
+    its threads: a caller that freed room after the failed save (deleted the session,
+    closed the store) had pages written behind it."""
+    shape = GEOMETRIES["fp32-gqa-2layers"]
+    model = model_of(shape)
+    ids = tokens(2 * CHUNK, seed=73)
+    _, cache = prefill(model, ids)
+    kw: dict[str, Any] = {"model_id": shape.model_id, "chunk_tokens": CHUNK}
+    names = chunk_names(ids, geometry_of(model, shape.model_id, CHUNK))
+    if call == "load":
+        with TransformersKV(tmp_path, model, shared_session=None, **kw) as kv:
+            kv.save("s", ids, cache)
+    error = OSError(28, "No space left on device") if call == "save" else ConnectionError("gone")
+    pages = FailsWhileOneRuns(
+        tmp_path,
+        fail=f"sessions/s/{names[0]}/layer-000",
+        slow=f"sessions/s/{names[1 if call == 'load' else 0]}/layer-001",
+        error=error,
+        hold=1.0,  # (only how long the fixed call waits; the old one returned at once)
+    )
+    with TransformersKV(pages, model, shared_session=None, **kw) as kv:
+        with pytest.raises(OSError, match="No space|gone"):
+            kv.save("s", ids, cache) if call == "save" else kv.load("s", ids)
+        pages.returned = True
+        pages.release.set()
+    assert pages.after_return == [False]

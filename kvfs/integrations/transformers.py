@@ -32,9 +32,9 @@ import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -68,6 +68,7 @@ __all__ = [
     "geometry_of",
 ]
 
+T = TypeVar("T")
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 SHARED_SESSION = "prefix-cache"
 
@@ -215,6 +216,9 @@ class TransformersKV:
         Raises GeometryMismatch if the cache or the session is of another geometry;
         ValueError on a batch size other than 1 or a cache longer than ``tokens``.
         Each page is atomic; a crash leaves some chunks stored, which later loads use.
+        An error writing a page (no room: CapacityExceeded, ENOSPC) is raised once the
+        writes already running are done and none is started after it: the pages written
+        stay, and nothing of the save writes after it raised.
         """
         t0 = time.perf_counter()
         g = self.geometry
@@ -271,7 +275,7 @@ class TransformersKV:
                 self._damaged.discard(key.path)
             return wrote, len(targets) - wrote, wrote * lay.size
 
-        done = list(self._pool.map(one, jobs))
+        done = _results([self._pool.submit(one, job) for job in jobs])
         return SaveResult(
             chunks=len(names),
             pages_written=sum(d[0] for d in done),
@@ -363,7 +367,8 @@ class TransformersKV:
         read ends the prefix there (``note`` says so); corrupt data is never loaded.
 
         The same reads as :meth:`load_layers`, all started at once, the cache built when
-        every page is in.
+        every page is in. Any other error of a read (ArchiveUnavailable...) is raised once
+        the reads already running are done; the others are not started.
         """
         t0 = time.perf_counter()
         reads = self._start(session, tokens, max_tokens)
@@ -372,13 +377,17 @@ class TransformersKV:
         C, plan, ntok = self.geometry.chunk_tokens, reads.plan, reads.tokens
         pages = [reads.submit(layer) for layer in range(self.geometry.layers)]
         bad_chunk, note, per_chunk = len(plan), "", [0] * len(plan)
-        for layer, (_done, futs) in enumerate(pages):
-            for c, f in enumerate(futs):
-                try:
-                    per_chunk[c] += f.result()
-                except (PageNotFound, CorruptPage) as e:
-                    if c < bad_chunk:
-                        bad_chunk, note = c, f"stopped at chunk {c} (layer {layer}): {e}"
+        try:
+            for layer, (_done, futs) in enumerate(pages):
+                for c, f in enumerate(futs):
+                    try:
+                        per_chunk[c] += f.result()
+                    except (PageNotFound, CorruptPage) as e:
+                        if c < bad_chunk:
+                            bad_chunk, note = c, f"stopped at chunk {c} (layer {layer}): {e}"
+        except BaseException:
+            _stop([f for _done, futs in pages for f in futs])
+            raise
         nbytes = sum(per_chunk[:bad_chunk])  # (the chunks kept)
         ks, vs = [k for k, _ in reads.layers], [v for _, v in reads.layers]
         if bad_chunk < len(plan):
@@ -474,6 +483,25 @@ class TransformersKV:
             sources=hit.sources,
             note="; ".join(notes),
         )
+
+
+def _stop(futs: list[Future[Any]]) -> None:
+    """Cancel the calls of ``futs`` not started and wait for the running ones."""
+    for f in futs:
+        f.cancel()
+    wait(futs)
+
+
+def _results(futs: list[Future[T]]) -> list[T]:
+    """The results of ``futs``, in order. On the first error the calls not started are
+    cancelled and the running ones waited for before it is raised: a save that raised had
+    writes still running, which a caller freeing room after it (deleting the session,
+    closing the store) found behind it."""
+    try:
+        return [f.result() for f in futs]
+    except BaseException:
+        _stop(futs)
+        raise
 
 
 def _token_list(tokens: Sequence[int] | torch.Tensor) -> list[int]:
