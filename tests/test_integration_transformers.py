@@ -1027,3 +1027,32 @@ def test_a_save_or_load_that_fails_has_nothing_left_running(tmp_path: Path, call
         pages.returned = True
         pages.release.set()
     assert pages.after_return == [False]
+
+
+def test_calls_after_close_raise_store_closed(tmp_path: Path) -> None:
+    """After close() a call raised RuntimeError("cannot schedule new futures after
+    shutdown") from the thread pool, and only where it had pages to read or write (a load
+    of a prefix not cached answered as if open); a layer-wise load begun before close()
+    raised it at the next layer it started."""
+    shape = GEOMETRIES["fp32-gqa4-4layers"]
+    model = model_of(shape)
+    ids = tokens(2 * CHUNK + 1, seed=74)
+    _, cache = prefill(model, ids)
+    kv = TransformersKV(tmp_path, model, model_id=shape.model_id, chunk_tokens=CHUNK)
+    kv.save("s", ids, cache)
+    layers = kv.load_layers("s", ids, ahead=0)
+    assert next(iter(layers))[0] == 0
+    kv.close()
+    kv.close()  # (idempotent)
+    with pytest.raises(kvfs.StoreClosed, match="closed"):
+        list(layers)
+    for call in (
+        lambda: kv.save("s", ids, cache),
+        lambda: kv.load("s", ids),
+        lambda: kv.load("new", tokens(2 * CHUNK, seed=75)),
+        lambda: kv.load_layers("s", ids),
+        lambda: kv.lookup("s", ids),
+        lambda: kv.prefill("s", ids),
+    ):
+        with pytest.raises(kvfs.StoreClosed, match="TransformersKV was closed"):
+            call()

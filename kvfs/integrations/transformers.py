@@ -31,7 +31,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -41,7 +41,7 @@ import torch
 from gds import LayerLoader
 
 from .._aligned import aligned_buffer, round_up
-from .._errors import CorruptPage, PageNotFound
+from .._errors import CorruptPage, PageNotFound, StoreClosed
 from .._keys import PageKey
 from ._chain import chunk_names
 from ._format import (
@@ -175,6 +175,7 @@ class TransformersKV:
                 f"kvfs places a loaded cache on one device: load it on one (device_map)"
             )
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="kvfs-kv")
+        self._closed = False
         self._local = threading.local()
         #: paths of pages a load found damaged: the next save that has their KV rewrites
         #: them (where the source can: ``rewrite``), so the prefix does not stay cut there
@@ -182,7 +183,32 @@ class TransformersKV:
         build_cache(model.config, [])  # raises early on caches kvfs cannot hold (sliding window)
 
     def close(self) -> None:
+        """Wait for the page reads and writes running, then refuse every call (StoreClosed),
+        a layer-wise load begun before included at the next layer it would start.
+        Idempotent."""
+        self._closed = True
         self._pool.shutdown()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StoreClosed("this TransformersKV was closed")
+
+    def _submit_each(
+        self, fn: Callable[..., T], calls: Sequence[tuple[Any, ...]]
+    ) -> list[Future[T]]:
+        """Start ``fn(*args)`` in the pool for each args of ``calls``. Raises StoreClosed
+        once :meth:`close` ran (in another thread too), after cancelling the calls it had
+        started and waiting for those running."""
+        futs: list[Future[T]] = []
+        try:
+            for args in calls:
+                futs.append(self._pool.submit(fn, *args))
+        except RuntimeError as e:  # ("cannot schedule new futures after shutdown")
+            _stop(futs)
+            if self._closed:
+                raise StoreClosed("this TransformersKV was closed") from e
+            raise
+        return futs
 
     def __enter__(self) -> TransformersKV:
         return self
@@ -220,6 +246,7 @@ class TransformersKV:
         writes already running are done and none is started after it: the pages written
         stay, and nothing of the save writes after it raised.
         """
+        self._check_open()
         t0 = time.perf_counter()
         g = self.geometry
         toks = _token_list(tokens)
@@ -275,7 +302,7 @@ class TransformersKV:
                 self._damaged.discard(key.path)
             return wrote, len(targets) - wrote, wrote * lay.size
 
-        done = _results([self._pool.submit(one, job) for job in jobs])
+        done = _results(self._submit_each(one, [(job,) for job in jobs]))
         return SaveResult(
             chunks=len(names),
             pages_written=sum(d[0] for d in done),
@@ -313,6 +340,7 @@ class TransformersKV:
     # -- load -------------------------------------------------------------------------
     def lookup(self, session: str, tokens: Sequence[int] | torch.Tensor) -> list[str]:
         """Where each cached chunk of the longest cached prefix is (session names)."""
+        self._check_open()
         return [s for s, _sizes in self._plan(session, _token_list(tokens), None)]
 
     def _plan(
@@ -345,6 +373,7 @@ class TransformersKV:
         self, session: str, tokens: Sequence[int] | torch.Tensor, max_tokens: int | None
     ) -> _Reads | None:
         """Plan the longest cached prefix and allocate its tensors (None: nothing cached)."""
+        self._check_open()
         g, C = self.geometry, self.geometry.chunk_tokens
         toks = _token_list(tokens)
         limit = len(toks) if max_tokens is None else max(0, min(max_tokens, len(toks)))
@@ -375,9 +404,11 @@ class TransformersKV:
         if reads is None:
             return LoadResult(None, 0, 0, 0, time.perf_counter() - t0)
         C, plan, ntok = self.geometry.chunk_tokens, reads.plan, reads.tokens
-        pages = [reads.submit(layer) for layer in range(self.geometry.layers)]
+        pages: list[tuple[Future[int], list[Future[int]]]] = []
         bad_chunk, note, per_chunk = len(plan), "", [0] * len(plan)
         try:
+            for layer in range(self.geometry.layers):
+                pages.append(reads.submit(layer))
             for layer, (_done, futs) in enumerate(pages):
                 for c, f in enumerate(futs):
                     try:
@@ -539,7 +570,7 @@ class _Reads:
         """Start reading every chunk of ``layer``. Returns a future that resolves once all
         of them are done (to the bytes read, or to the first failed chunk's error) and the
         per-chunk futures."""
-        futs = [self.kv._pool.submit(self._one, layer, c) for c in range(len(self.plan))]
+        futs = self.kv._submit_each(self._one, [(layer, c) for c in range(len(self.plan))])
         done: Future[int] = Future()
         left = [len(futs)]
         lock = threading.Lock()
