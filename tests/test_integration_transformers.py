@@ -1056,3 +1056,30 @@ def test_calls_after_close_raise_store_closed(tmp_path: Path) -> None:
     ):
         with pytest.raises(kvfs.StoreClosed, match="TransformersKV was closed"):
             call()
+
+
+@pytest.mark.parametrize("session", ["..", "a/b", ""])
+def test_an_invalid_session_is_refused_whatever_the_prompt(tmp_path: Path, session: str) -> None:
+    """A session name that is no valid key part was refused (InvalidKey) only when a chunk
+    of the prompt was looked up: with a prompt shorter than a chunk, a load looked for the
+    session's model in ``<root>/sessions/<session>`` (``..``: the root itself) and
+    answered, a save of a short cache returned, and a bad ``shared_session`` failed every
+    save later instead of at construction."""
+    shape = GEOMETRIES["fp32-gqa-2layers"]
+    model = model_of(shape)
+    short = tokens(CHUNK - 1, seed=76)
+    _, cache = prefill(model, short)
+    (tmp_path / "sessions" / "s").mkdir(parents=True)
+    kw: dict[str, Any] = {"model_id": shape.model_id, "chunk_tokens": CHUNK}
+    with TransformersKV(tmp_path, model, **kw) as kv:
+        for call in (
+            lambda: kv.load(session, short),
+            lambda: kv.load_layers(session, short),
+            lambda: kv.lookup(session, short),
+            lambda: kv.save(session, short, cache),
+            lambda: kv.prefill(session, short),
+        ):
+            with pytest.raises(kvfs.InvalidKey, match="session"):
+                call()
+    with pytest.raises(kvfs.InvalidKey, match="session"):
+        TransformersKV(tmp_path, model, shared_session=session, **kw)

@@ -42,7 +42,7 @@ from gds import LayerLoader
 
 from .._aligned import aligned_buffer, round_up
 from .._errors import CorruptPage, PageNotFound, StoreClosed
-from .._keys import PageKey
+from .._keys import PageKey, _check_part
 from ._chain import chunk_names
 from ._format import (
     FORMAT,
@@ -156,6 +156,8 @@ class TransformersKV:
         shared_session: str | None = SHARED_SESSION,
         threads: int = 8,
     ) -> None:
+        if shared_session is not None:  # (refused here, not at every save)
+            _check_part(shared_session, "shared_session")
         self.source: PageSource = as_source(store)
         self.model = model
         self.geometry = geometry_of(model, model_id, chunk_tokens)
@@ -189,9 +191,12 @@ class TransformersKV:
         self._closed = True
         self._pool.shutdown()
 
-    def _check_open(self) -> None:
+    def _begin(self, session: str) -> None:
+        """Refuse a call after :meth:`close` (StoreClosed) or on a session name that is no
+        valid key part (InvalidKey), whether or not a chunk of its prompt is looked up."""
         if self._closed:
             raise StoreClosed("this TransformersKV was closed")
+        _check_part(session, "session")
 
     def _submit_each(
         self, fn: Callable[..., T], calls: Sequence[tuple[Any, ...]]
@@ -240,13 +245,14 @@ class TransformersKV:
         first ``cache length`` of them). Pages that exist already are skipped.
 
         Raises GeometryMismatch if the cache or the session is of another geometry;
-        ValueError on a batch size other than 1 or a cache longer than ``tokens``.
+        ValueError on a batch size other than 1 or a cache longer than ``tokens``;
+        InvalidKey on a session name that is no valid key part (``a/b``, empty).
         Each page is atomic; a crash leaves some chunks stored, which later loads use.
         An error writing a page (no room: CapacityExceeded, ENOSPC) is raised once the
         writes already running are done and none is started after it: the pages written
         stay, and nothing of the save writes after it raised.
         """
-        self._check_open()
+        self._begin(session)
         t0 = time.perf_counter()
         g = self.geometry
         toks = _token_list(tokens)
@@ -340,7 +346,7 @@ class TransformersKV:
     # -- load -------------------------------------------------------------------------
     def lookup(self, session: str, tokens: Sequence[int] | torch.Tensor) -> list[str]:
         """Where each cached chunk of the longest cached prefix is (session names)."""
-        self._check_open()
+        self._begin(session)
         return [s for s, _sizes in self._plan(session, _token_list(tokens), None)]
 
     def _plan(
@@ -373,7 +379,7 @@ class TransformersKV:
         self, session: str, tokens: Sequence[int] | torch.Tensor, max_tokens: int | None
     ) -> _Reads | None:
         """Plan the longest cached prefix and allocate its tensors (None: nothing cached)."""
-        self._check_open()
+        self._begin(session)
         g, C = self.geometry, self.geometry.chunk_tokens
         toks = _token_list(tokens)
         limit = len(toks) if max_tokens is None else max(0, min(max_tokens, len(toks)))
@@ -391,9 +397,10 @@ class TransformersKV:
         Looks in ``session``, then in the shared session. Returns a cache the model
         continues from (``cache=None`` when nothing is cached). Raises GeometryMismatch if
         ``session`` holds KV of another model or geometry (whether or not the shared
-        session has the prefix). A page that vanished, failed its checksum, or whose
-        header is damaged or names another chunk, layer or geometry, between lookup and
-        read ends the prefix there (``note`` says so); corrupt data is never loaded.
+        session has the prefix), InvalidKey as :meth:`save` does. A page that vanished,
+        failed its checksum, or whose header is damaged or names another chunk, layer or
+        geometry, between lookup and read ends the prefix there (``note`` says so);
+        corrupt data is never loaded.
 
         The same reads as :meth:`load_layers`, all started at once, the cache built when
         every page is in. Any other error of a read (ArchiveUnavailable...) is raised once
