@@ -168,15 +168,23 @@ class ArchiveConfig:
                 kind = "dict" if f.default is None else type(f.default).__name__
                 raise ValueError(f"archive setting {f.name}: {raw[f.name]!r} is no {kind}")
         cfg = cls(**raw)
+        # (NaN passes no comparison: each bound is written so that it fails it)
+        for name in ("idle_seconds", "interval", "gc_grace", "sync_cleanup_seconds"):
+            if not getattr(cfg, name) >= 0:  # (nan: the spiller's sleep raised at its first pass)
+                raise ValueError(f"archive {name} must be >= 0 seconds")
+        if cfg.concurrency < 1:  # (0 failed the open with "max_workers must be greater than 0")
+            raise ValueError("archive concurrency must be >= 1")
+        if cfg.cpu_slots < 0:
+            raise ValueError("archive cpu_slots must be >= 0 (0: half the CPUs)")
         if cfg.upload_processes < 0:
             raise ValueError("archive upload_processes must be >= 0")
         if cfg.memory_copies < 0:
             raise ValueError("archive memory_copies must be >= 0 bytes")
         if cfg.evict_ahead < 0:
             raise ValueError("archive evict_ahead must be >= 0 bytes")
-        if cfg.retention < 0:
+        if not cfg.retention >= 0:
             raise ValueError("archive retention must be >= 0 seconds (0: keep sessions)")
-        if cfg.gc_window <= 0:
+        if not cfg.gc_window > 0:
             raise ValueError("archive gc_window must be > 0 seconds")
         if not 0 < cfg.low_watermark <= cfg.high_watermark <= 1:
             raise ValueError("archive watermarks need 0 < low_watermark <= high_watermark <= 1")

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+import kvfs
 from kvfs._settings import (
     OPTIONS,
     as_toml,
@@ -219,6 +220,32 @@ def test_the_archive_settings_in_extra_take_the_sizes_the_configuration_file_tak
         ArchiveConfig.from_extra({"archive": {"retention": "soon"}})
     with pytest.raises(ValueError, match="archive setting evict_ahead: True is no int"):
         ArchiveConfig.from_extra({"archive": {"evict_ahead": True}})
+
+
+@pytest.mark.parametrize(
+    ("setting", "value", "said"),
+    [
+        ("concurrency", 0, "concurrency must be >= 1"),
+        ("cpu_slots", -1, "cpu_slots must be >= 0"),
+        ("interval", float("nan"), "interval must be >= 0 seconds"),
+        ("idle_seconds", -5, "idle_seconds must be >= 0 seconds"),
+        ("gc_grace", float("nan"), "gc_grace must be >= 0 seconds"),
+        ("retention", float("nan"), "retention must be >= 0 seconds"),
+        ("gc_window", float("nan"), "gc_window must be > 0 seconds"),
+    ],
+)
+def test_the_object_api_bounds_the_archive_settings_as_the_file_does(
+    make_config: Callable[..., kvfs.StoreConfig], setting: str, value: float, said: str
+) -> None:
+    """The configuration file and KVFS_* refused these; given to the object API in
+    ``extra``, archive concurrency 0 failed the open with the thread pool's "max_workers
+    must be greater than 0", and a NaN interval made the spiller's first sleep raise."""
+    cfg = make_config(
+        ndev=1, archive_url="file:///nonexistent-kvfs-test", extra={"archive": {setting: value}}
+    )
+    with pytest.raises(ValueError, match=said):
+        kvfs.open_store_sync(cfg).__enter__()
+    assert not any(p.exists() for p in cfg.data_dirs)  # (refused before anything was made)
 
 
 def _as_uid(uid: int, fn: Callable[[], int]) -> int:
