@@ -16,6 +16,7 @@ import contextlib
 import difflib
 import errno
 import hashlib
+import json
 import math
 import os
 import re
@@ -584,9 +585,10 @@ def as_toml(settings: Settings) -> str:
         lines.append(f"[{section}]")
         for o in OPTIONS:
             if o.section == section:
+                # (a source is a file's path too: a line break in it ended the comment)
+                source = json.dumps(str(settings.sources[o.name]), ensure_ascii=False)[1:-1]
                 lines.append(
-                    f"{o.name} = {_toml_value(masked(o.name, settings[o.name]))}"
-                    f"  # {settings.sources[o.name]}"
+                    f"{o.name} = {_toml_value(masked(o.name, settings[o.name]))}  # {source}"
                 )
         lines.append("")
     return "\n".join(lines)
@@ -599,4 +601,6 @@ def _toml_value(v: object) -> str:
         return str(v)
     if isinstance(v, list):
         return "[" + ", ".join(_toml_value(x) for x in v) + "]"
-    return '"' + str(v).replace("\\", "\\\\").replace('"', '\\"') + '"'
+    # TOML's basic strings take JSON's escapes: a control character (a line break in a
+    # path) made the document unreadable
+    return json.dumps(str(v), ensure_ascii=False)

@@ -433,3 +433,20 @@ def test_an_empty_boolean_is_refused_not_false(tmp_path: Path) -> None:
         load_settings(f, env={})
     for given, value in (("OFF", False), ("No", False), ("0", False), ("on", True), ("1", True)):
         assert load_settings(env={"KVFS_DURABLE": given})["durable"] is value
+
+
+def test_the_settings_as_toml_read_back_whatever_their_strings_hold(tmp_path: Path) -> None:
+    """`kvfs config` printed a string setting with only backslashes and quotes escaped: a
+    path holding a line break (or any control character), or a configuration file's name
+    holding one in the comment that says where a value came from, made a document no TOML
+    reader takes."""
+    import tomllib
+
+    odd = tmp_path / 'a\nb\t"c"\\d\x01'
+    odd.mkdir()
+    conf = odd / "kvfs.toml"
+    conf.write_text('[store]\nindex_dir = "i\\nj"\n')
+    s = load_settings(conf, env={"KVFS_DATA_DIRS": f"{odd}/d0,{odd}/d1"})
+    back = tomllib.loads(as_toml(s))
+    assert back["store"]["data_dirs"] == [f"{odd}/d0", f"{odd}/d1"]
+    assert back["store"]["index_dir"] == "i\nj"
