@@ -273,41 +273,35 @@ def test_debug_logs_never_show_credentials(s3_server, tmp_path: Path) -> None:  
     assert "kvfs-test-session-token-5e1f" not in err
 
 
-async def test_a_body_cut_off_mid_stream_is_retried(s3_server, proxy) -> None:  # noqa: ANN001
+@pytest.mark.parametrize(("spoilt", "said"), [("cut", ""), ("damaged", ".*checksum")])
+async def test_a_body_spoilt_on_the_way_is_read_again(s3_server, proxy, spoilt, said) -> None:  # noqa: ANN001
     """A GET whose body the connection dropped raised urllib3's or botocore's own error,
-    which nothing retried or named."""
+    which nothing retried or named. One whose body came damaged (a faulty NIC, proxy or
+    middlebox) raised FlexibleChecksumError (boto3 checks a GET's body against the CRC32
+    the server stored with the object), which was taken for permanent. Both are read
+    again: the object comes whole."""
+
+    def spoil(times: int) -> None:
+        if spoilt == "cut":
+            proxy.cut_responses(after=100_000, times=times)
+        else:
+            proxy.corrupt_responses(at=500_000, times=times)
+
     bucket = s3_server.new_bucket()
     data = os.urandom(MiB)
-    async with (
-        await open_objectstore(f"s3://{bucket}?endpoint={s3_server.endpoint}") as direct,
-        await open_objectstore(f"s3://{bucket}?endpoint={proxy.endpoint}", deadline=3) as s,
-    ):
-        await direct.put("big", data)
-        proxy.cut_responses(after=100_000, times=2)
-        assert await s.get("big") == data
-        proxy.cut_responses(after=100_000, times=1_000_000)
-        with pytest.raises(ArchiveUnavailable, match="still failing"):
-            await s.get("big")
-
-
-async def test_a_body_damaged_on_the_way_is_read_again(s3_server, proxy) -> None:  # noqa: ANN001
-    """boto3 checks a GET's body against the checksum the server stored with the object
-    (S3 keeps the CRC32 boto3 sends with each put): a byte damaged on the way (a faulty
-    NIC, proxy or middlebox) raised FlexibleChecksumError, which was taken for permanent:
-    the read failed at once, where reading the object again returns it whole."""
-    bucket = s3_server.new_bucket()
-    data = os.urandom(MiB)
-    async with (
-        await open_objectstore(f"s3://{bucket}?endpoint={s3_server.endpoint}") as direct,
-        await open_objectstore(f"s3://{bucket}?endpoint={proxy.endpoint}", deadline=3) as s,
-    ):
-        await direct.put("big", data)
-        proxy.corrupt_responses(at=500_000, times=2)
-        assert await s.get("big") == data
-        proxy.corrupt_responses(at=500_000, times=1_000_000)
-        with pytest.raises(ArchiveUnavailable, match="still failing.*checksum"):
-            await s.get("big")
-    proxy.corrupt_responses(at=0, times=0)
+    try:
+        async with (
+            await open_objectstore(f"s3://{bucket}?endpoint={s3_server.endpoint}") as direct,
+            await open_objectstore(f"s3://{bucket}?endpoint={proxy.endpoint}", deadline=3) as s,
+        ):
+            await direct.put("big", data)
+            spoil(2)
+            assert await s.get("big") == data
+            spoil(1_000_000)
+            with pytest.raises(ArchiveUnavailable, match="still failing" + said):
+                await s.get("big")
+    finally:
+        spoil(0)
 
 
 async def test_an_http_proxy_down_is_retried_as_the_endpoint_down_is(
