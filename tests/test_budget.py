@@ -71,14 +71,18 @@ async def test_a_take_over_the_limit_goes_alone_and_is_not_starved() -> None:
     assert done == [25, 1] and budget.held == 1
 
 
-async def test_a_take_cancelled_in_line_holds_nothing_and_lets_the_next_go() -> None:
+@pytest.mark.parametrize("granted", [False, True], ids=["in line", "granted"])
+async def test_a_take_cancelled_holds_nothing_and_lets_the_next_go(granted: bool) -> None:
+    """A take of 8 in line behind 6 of 10 held, a take of 3 behind it, and the 8 is
+    cancelled: still in line, or granted by a give whose wake-up has not run yet. Either
+    way it holds nothing, and the 3 goes (its bytes never leaked)."""
     budget, done = ByteBudget(10), []
     await budget.take(6)
     async with trio.open_nursery() as n:
-        big = trio.CancelScope()
+        scope = trio.CancelScope()
 
         async def cancelled_taker() -> None:
-            with big:
+            with scope:
                 await budget.take(8)
                 done.append(8)
 
@@ -87,31 +91,11 @@ async def test_a_take_cancelled_in_line_holds_nothing_and_lets_the_next_go() -> 
         n.start_soon(_taker, budget, 3, done)
         await trio.testing.wait_all_tasks_blocked()
         assert done == []
-        big.cancel()  # (the take of 3 fits beside 6: it goes once the 8 is out of line)
-    assert done == [3] and budget.held == 9 and budget.in_line == 0
-
-
-async def test_a_take_granted_as_it_is_cancelled_gives_its_bytes_back() -> None:
-    """A give grants a take, and the take is cancelled before it wakes: what was held for
-    it goes back (and to the next in line), never leaked."""
-    budget, done = ByteBudget(10), []
-    await budget.take(10)
-    async with trio.open_nursery() as n:
-        scope = trio.CancelScope()
-
-        async def granted_then_cancelled() -> None:
-            with scope:
-                await budget.take(7)
-                done.append(7)
-
-        n.start_soon(granted_then_cancelled)
-        await trio.testing.wait_all_tasks_blocked()
-        n.start_soon(_taker, budget, 5, done)
-        await trio.testing.wait_all_tasks_blocked()
-        budget.give(10)  # grants the 7 (its wake-up not run yet) ...
-        assert budget.held == 7
+        if granted:
+            budget.give(6)  # grants the 8 (its wake-up not run yet) ...
+            assert budget.held == 8
         scope.cancel()  # ... and it is cancelled first
-    assert done == [5] and budget.held == 5
+    assert done == [3] and budget.held == (3 if granted else 9) and budget.in_line == 0
 
 
 async def test_bytes_given_back_from_another_thread_wake_the_line() -> None:
