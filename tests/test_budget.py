@@ -17,6 +17,15 @@ async def _taker(budget: ByteBudget, n: int, done: list[int]) -> None:
     done.append(n)
 
 
+async def _line_up(
+    nursery: trio.Nursery, budget: ByteBudget, sizes: tuple[int, ...], done: list[int]
+) -> None:
+    """Tasks taking ``sizes``, started in that order, each waiting before the next starts."""
+    for k in sizes:
+        nursery.start_soon(_taker, budget, k, done)
+        await trio.testing.wait_all_tasks_blocked()
+
+
 async def test_a_large_take_is_not_passed_by_smaller_ones_that_fit() -> None:
     """A take of 8 waits (6 of 10 held); a take of 3 that would fit waits behind it, and
     goes only once the 8 went. Before, each take that fitted went ahead, so a large page
@@ -24,10 +33,7 @@ async def test_a_large_take_is_not_passed_by_smaller_ones_that_fit() -> None:
     budget, done = ByteBudget(10), []
     await budget.take(6)
     async with trio.open_nursery() as n:
-        n.start_soon(_taker, budget, 8, done)
-        await trio.testing.wait_all_tasks_blocked()
-        n.start_soon(_taker, budget, 3, done)
-        await trio.testing.wait_all_tasks_blocked()
+        await _line_up(n, budget, (8, 3), done)
         assert done == [] and budget.held == 6 and budget.in_line == 2
         budget.give(6)
         await trio.testing.wait_all_tasks_blocked()
@@ -42,9 +48,7 @@ async def test_takes_in_line_go_together_once_they_fit() -> None:
     budget, done = ByteBudget(10), []
     await budget.take(10)
     async with trio.open_nursery() as n:
-        for k in (2, 3, 9, 1):
-            n.start_soon(_taker, budget, k, done)
-            await trio.testing.wait_all_tasks_blocked()
+        await _line_up(n, budget, (2, 3, 9, 1), done)
         budget.give(10)
         await trio.testing.wait_all_tasks_blocked()
         # (granted in order; woken together, in whatever order trio runs them)
@@ -59,10 +63,7 @@ async def test_a_take_over_the_limit_goes_alone_and_is_not_starved() -> None:
     budget, done = ByteBudget(10), []
     await budget.take(4)
     async with trio.open_nursery() as n:
-        n.start_soon(_taker, budget, 25, done)
-        await trio.testing.wait_all_tasks_blocked()
-        n.start_soon(_taker, budget, 1, done)
-        await trio.testing.wait_all_tasks_blocked()
+        await _line_up(n, budget, (25, 1), done)
         assert done == []
         budget.give(4)
         await trio.testing.wait_all_tasks_blocked()
@@ -88,8 +89,7 @@ async def test_a_take_cancelled_holds_nothing_and_lets_the_next_go(granted: bool
 
         n.start_soon(cancelled_taker)
         await trio.testing.wait_all_tasks_blocked()
-        n.start_soon(_taker, budget, 3, done)
-        await trio.testing.wait_all_tasks_blocked()
+        await _line_up(n, budget, (3,), done)
         assert done == []
         if granted:
             budget.give(6)  # grants the 8 (its wake-up not run yet) ...
