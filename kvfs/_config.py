@@ -63,17 +63,34 @@ def parse_size(text: str | int) -> int:
     # Decimal, not float: "0.5" was truncated to 0 bytes (for a capacity, "the cap kept with
     # the store") and "1048576.7" to 1048576, and a float rounds large sizes besides
     try:
-        value = decimal.Decimal(num) * _UNITS[unit] if unit in _UNITS and num else None
+        given = decimal.Decimal(num) if unit in _UNITS and num else None
     except decimal.InvalidOperation:
-        value = None
-    if value is None or not value.is_finite() or value < 0:
+        given = None
+    if given is None or not given.is_finite() or given < 0:
         raise ValueError(f"not a size: {text!r} (examples: 4096, 64MiB, 2GB)")
+    if given and given.adjusted() > 30:  # (past MAX_SIZE in any unit; too long to multiply)
+        raise ValueError(f"not a size: {text!r} (at most {MAX_SIZE} bytes)")
+    # Exact or refused: in the default context "1e999999999" raised decimal.Overflow (no
+    # ValueError: the CLI said "[<class 'decimal.Overflow'>]"), and the product was rounded
+    # to 28 digits, "1.000000000000000000000000000001" to 1 byte and "1e-99999999" to 0
+    with decimal.localcontext(_EXACT):
+        try:
+            value = given * _UNITS[unit]
+        except decimal.Inexact:  # (digits past any whole number of bytes)
+            raise ValueError(f"not a whole number of bytes: {text!r}") from None
     if value != value.to_integral_value():
-        raise ValueError(f"not a whole number of bytes: {text!r} ({value.normalize():f} bytes)")
+        exact = value.normalize(_EXACT)  # (not the default context's 28 digits: "(1 bytes)")
+        raise ValueError(f"not a whole number of bytes: {text!r} ({exact:f} bytes)")
     if value > MAX_SIZE:
         raise ValueError(f"not a size: {text!r} (at most {MAX_SIZE} bytes)")
     return int(value)
 
+
+#: Room for every digit of a product that may be whole (at most 31 digits before the point
+#: times a unit of 16 digits): one that must be rounded in it is no whole number of bytes
+_EXACT = decimal.Context(
+    prec=200, Emin=-999999, Emax=999999, traps=[decimal.InvalidOperation, decimal.Inexact]
+)
 
 #: the largest size a setting may give: the index keeps sizes as SQLite integers (a larger
 #: capacity was taken, then failed the open with "OverflowError: Integer value out of range")

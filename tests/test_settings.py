@@ -390,6 +390,11 @@ def test_store_config_takes_size_strings_and_names_the_field_of_a_wrong_type(
         # more than SQLite's integers hold: taken, then the open failed with an OverflowError
         ("9000000PiB", "at most 9223372036854775807 bytes"),
         ("1/2MiB", "not a size"),
+        # past what the default decimal context holds: decimal.Overflow, no ValueError (the
+        # CLI said "[<class 'decimal.Overflow'>]"), and products rounded to whole bytes
+        ("1e999999999", "at most 9223372036854775807 bytes"),
+        ("1.0000000000000000000000000000001", "not a whole number of bytes"),
+        ("1e-99999999", "not a whole number of bytes"),
     ],
 )
 def test_a_size_is_a_whole_number_of_bytes_the_index_can_hold(
