@@ -390,6 +390,11 @@ class PageWriter:
         self._reserved = 0
         self._size = 0
         self._lock = threading.Lock()
+        #: writes past their reservation, writing their bytes outside the lock: commit and
+        #: abort wait for them (an abort removed the files under such a write, which then
+        #: made its file again, left on disk outside the cap with its descriptor open)
+        self._writing = 0
+        self._idle = threading.Condition(self._lock)
         self._done = False
         # Leaves a single write covered whole are checksummed from the caller's buffer as they
         # are written, so commit need not read them back. A leaf's hash is kept only if no
@@ -457,6 +462,7 @@ class PageWriter:
                 self._busy[i] += 1
                 self._gen[i] += 1
             gens = {i: self._gen[i] for i in touched}
+            self._writing += 1
         hashes: dict[int, bytes] = {}
         try:
             self._w.write(offset, mv)
@@ -472,6 +478,9 @@ class PageWriter:
                     else:
                         self._leaf_hashes.pop(i, None)
                         self._gen[i] += 1
+                self._writing -= 1
+                if not self._writing:
+                    self._idle.notify_all()
         return len(mv)
 
     def truncate(self, size: int) -> None:
@@ -522,8 +531,9 @@ class PageWriter:
     def commit(
         self, *, attrs: dict[str, str] | None = None, replace: bool = False, pin: bool = False
     ) -> PageInfo:
-        """Make the written bytes a page. Raises PageExists (unless replace), CapacityExceeded,
-        StoreClosed (the close discards what was written; abort() is then a no-op)."""
+        """Make the written bytes a page, those of the writes still writing theirs included
+        (waited for). Raises PageExists (unless replace), CapacityExceeded, StoreClosed (the
+        close discards what was written; abort() is then a no-op)."""
         with self.engine._using():
             return self._commit(attrs, replace, pin)
 
@@ -532,6 +542,7 @@ class PageWriter:
             if self._done:
                 raise ValueError("writer is closed")
             self._done = True
+            self._idle.wait_for(lambda: not self._writing)  # (their bytes are the page's)
         eng = self.engine
         size = self._size
         try:
@@ -581,9 +592,12 @@ class PageWriter:
         return b"".join(out)
 
     def abort(self) -> None:
+        """Discard what was written, once the writes still writing their bytes are done: their
+        files go too, and their room. Idempotent; a no-op after commit."""
         with self._lock:  # (the store's close may abort it too)
             if self._done:
                 return
             self._done = True
+            self._idle.wait_for(lambda: not self._writing)  # (their files go too)
         self._w.abort()
         self.engine._unreserve(self._reserved)

@@ -10,6 +10,7 @@ import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -772,3 +773,49 @@ def test_a_streaming_write_out_of_room_counts_its_own_room_apart(
         ), ei.value
         w.abort()
         assert store.engine.reserved == 0
+
+
+def test_an_abort_waits_for_a_write_past_its_reservation_before_removing_the_files(
+    make_config: Callable[..., kvfs.StoreConfig], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A streaming write that had reserved its room (its check made under the lock) and was
+    writing its bytes when the writer was aborted: the abort removed the data files, then
+    the write made its file again, left on disk outside the cap (nothing reserved it), its
+    descriptor open. The abort waits for such a write; the files go after it."""
+    from kvfs._local import BlobWriter
+
+    cfg = make_config(ndev=2, stripe_unit=64 * KiB, capacity=1 * MiB)
+    with kvfs.open_store_sync(cfg) as store:
+        w = store.engine.begin_write("stream/late")
+        w.write(0, b"a" * 1000)
+        inside, go = threading.Event(), threading.Event()
+        write, abort = BlobWriter.write, BlobWriter.abort
+
+        def held_write(self: BlobWriter, off: int, data: memoryview) -> None:
+            if threading.current_thread().name == "late":  # (past the lock: room reserved)
+                inside.set()
+                go.wait(30)
+            write(self, off, data)
+
+        def abort_then_go(self: BlobWriter) -> None:
+            abort(self)
+            go.set()  # (before: the write goes on now, after the files were removed)
+
+        class WaitSays(threading.Condition):
+            def wait_for(self, predicate: Any, timeout: float | None = None) -> Any:
+                go.set()  # (the abort waits for the write: it may go on)
+                return super().wait_for(predicate, timeout)
+
+        monkeypatch.setattr(BlobWriter, "write", held_write)
+        monkeypatch.setattr(BlobWriter, "abort", abort_then_go)
+        w._idle = WaitSays(w._lock)  # type: ignore[attr-defined]
+        # (the second unit: the other device's file, which the first write did not make)
+        late = threading.Thread(target=w.write, args=(64 * KiB, b"b" * 1000), name="late")
+        late.start()
+        assert inside.wait(30)
+        w.abort()
+        late.join(30)
+        assert not late.is_alive()
+        data = [p for d in cfg.data_dirs for p in (Path(d) / "blobs").rglob("*")]
+        assert not [p for p in data if p.is_file()], data
+        assert store.statistics().reserved_bytes == 0
