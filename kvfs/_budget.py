@@ -51,15 +51,22 @@ class _Waiter:
 
 
 class ByteBudget:
-    """Bytes held, at most ``limit`` of them. :meth:`take` waits (in trio) for room, in
-    line: the first to wait is the first served, and a take that would fit waits too while
-    others are in line. (Each take that fitted went ahead before: a get of a 512 MiB page
-    through the control channel waited for as long as smaller gets kept the budget more
-    than half full, which a busy daemon's could be for ever.) :meth:`give` returns bytes,
-    from trio or from any thread, and grants the takes in line that now fit."""
+    """Bytes held, at most ``limit`` of them. :meth:`take` waits (in trio) for room;
+    :meth:`give` returns bytes, from trio or from any thread, and grants the takes waiting
+    that now fit.
 
-    def __init__(self, limit: int) -> None:
+    ``fair`` (the control channel's pages): takes are served in line, the first to wait
+    first, and a take that would fit waits too while others are in line. Each take that
+    fitted went ahead before: a get of a 512 MiB page waited for as long as smaller gets
+    kept the budget more than half full, which a busy daemon's could be for ever. Not fair
+    (the mount's write-behind, whose takes are one FUSE write each, 1 MiB at most): a take
+    that fits goes at once. There the bytes held drain through the disk, and a small write
+    held behind a large one could keep a file open that a stalled writer waits on (its
+    streaming write holds room the other's needs, until it is closed)."""
+
+    def __init__(self, limit: int, *, fair: bool = True) -> None:
         self.limit = limit
+        self.fair = fair
         self.held = 0
         self._lock = threading.Lock()
         self._line: deque[_Waiter] = deque()
@@ -74,11 +81,15 @@ class ByteBudget:
         return self.held == 0 or self.held + n <= self.limit
 
     def _grant(self) -> list[_Waiter]:
-        """Under the lock: hold the bytes of the takes at the head of the line that fit
-        now, in order; returns them, to be woken (outside the lock)."""
-        granted = []
-        while self._line and self._fits(self._line[0].n):
-            w = self._line.popleft()
+        """Under the lock: hold the bytes of the takes waiting that fit now, in order (fair:
+        only those at the head of the line); returns them, to be woken (outside the lock)."""
+        granted: list[_Waiter] = []
+        for w in list(self._line):
+            if not self._fits(w.n):
+                if self.fair:
+                    break
+                continue
+            self._line.remove(w)
             self.held += w.n
             w.granted = True
             granted.append(w)
@@ -92,11 +103,11 @@ class ByteBudget:
                 w.token.run_sync_soon(w.event.set)
 
     async def take(self, n: int) -> None:
-        """Hold ``n`` more bytes once they fit and every take in line before it went
-        (more than the limit alone, once nothing else is held). Cancelled while it waits,
-        it holds nothing."""
+        """Hold ``n`` more bytes once they fit (fair: and every take in line before it
+        went; more than the limit alone, once nothing else is held). Cancelled while it
+        waits, it holds nothing."""
         with self._lock:
-            if not self._line and self._fits(n):
+            if (not self._line or not self.fair) and self._fits(n):
                 self.held += n
                 return
             w = _Waiter(n)

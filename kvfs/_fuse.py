@@ -139,7 +139,7 @@ class KvfsOperations(FileOps, pyfuse3.Operations):
         #: writes accepted ahead of the disk per file being written (0: off); needs a nursery
         self.write_behind = write_behind
         #: bytes accepted ahead of the disk over all files being written, at most
-        self.write_behind_budget = ByteBudget(write_behind_budget)
+        self.write_behind_budget = ByteBudget(write_behind_budget, fair=False)  # (see its doc)
         #: the threads writing queued writes, over all files being written (one a file,
         #: hundreds of files at once took hundreds of threads, and failed writes where a
         #: cgroup caps a container's processes)

@@ -128,7 +128,7 @@ class WriteBehind:
     ) -> None:
         self._write = write
         self._depth = max(1, depth)
-        self._budget = budget or ByteBudget(1 << 62)
+        self._budget = budget or ByteBudget(1 << 62, fair=False)
         self._threads = threads or WriterThreads(1 << 30)
         self._token = trio.lowlevel.current_trio_token()
         self._cond = threading.Condition()

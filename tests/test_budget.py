@@ -42,6 +42,21 @@ async def test_a_large_take_is_not_passed_by_smaller_ones_that_fit() -> None:
     assert done == [8, 3] and budget.held == 3 and budget.in_line == 0
 
 
+async def test_an_unfair_budget_lets_a_take_that_fits_go_ahead() -> None:
+    """The mount's write-behind (fair=False): a write that fits goes at once, past a
+    larger one waiting; the larger one goes once it fits."""
+    budget, done = ByteBudget(10, fair=False), []
+    await budget.take(6)
+    async with trio.open_nursery() as n:
+        await _line_up(n, budget, (8, 3, 2), done)
+        assert done == [3] and budget.held == 9 and budget.in_line == 2
+        budget.give(3)  # (the 2 fits beside 6 now; the 8 does not)
+        await trio.testing.wait_all_tasks_blocked()
+        assert done == [3, 2] and budget.held == 8
+        budget.give(8)
+    assert done == [3, 2, 8] and budget.held == 8 and budget.in_line == 0
+
+
 async def test_takes_in_line_go_together_once_they_fit() -> None:
     """One give grants every take at the head of the line that fits, in order, and stops at
     the first that does not (the ones behind it wait, even if they would fit)."""
