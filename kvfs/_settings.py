@@ -465,8 +465,11 @@ def load_settings(
                     raise ValueError(f"{cfg_path}: unknown option {section}.{name}{hint}")
                 values[name] = _convert(opt, raw, str(cfg_path))
                 sources[name] = str(cfg_path)
+    given = {k for k, v in (flags or {}).items() if v is not None}
     for opt in OPTIONS:
-        if opt.env in env:
+        # (a variable a flag overrides is not read: an empty KVFS_DATA_DIRS, refused, made
+        # `--data d kvfs ...` and a command on a mount fail, though it was not used)
+        if opt.env in env and opt.name not in given:
             values[opt.name] = _convert(opt, env[opt.env], f"${opt.env}")
             sources[opt.name] = f"${opt.env}"
     for name, raw in (flags or {}).items():

@@ -455,3 +455,13 @@ def test_the_settings_as_toml_read_back_whatever_their_strings_hold(tmp_path: Pa
     back = tomllib.loads(as_toml(s))
     assert back["store"]["data_dirs"] == [f"{odd}/d0", f"{odd}/d1"]
     assert back["store"]["index_dir"] == "i\nj"
+
+
+def test_a_variable_a_flag_overrides_is_not_read() -> None:
+    """An empty KVFS_DATA_DIRS is refused (an unset ${VAR} in a unit file, say), but one a
+    flag overrides was refused too: `--data d` (and every command run on a mount, which
+    names the mount's directories so) failed though the variable was not used."""
+    s = load_settings(env={"KVFS_DATA_DIRS": ""}, flags={"data_dirs": "/x"})
+    assert s["data_dirs"] == ["/x"] and s.sources["data_dirs"] == "flag"
+    with pytest.raises(ValueError, match=r"\$KVFS_DATA_DIRS"):
+        load_settings(env={"KVFS_DATA_DIRS": ""})
