@@ -960,6 +960,9 @@ class ArchivingPolicy(TieringPolicy):
             raise self._missing(
                 blob.hash, f"archive object {blob_key(blob.hash)} is missing from {self.store.url}"
             ) from None
+        except CorruptPage as e:  # (the server's own checksum never matched: counted so)
+            self._count_corrupt(str(e))
+            raise
         assert isinstance(obj, bytes)
         return obj
 

@@ -27,7 +27,7 @@ import botocore.exceptions as bce
 import trio
 import urllib3.exceptions
 
-from kvfs._errors import ArchiveAccessDenied, ArchiveUnavailable
+from kvfs._errors import ArchiveAccessDenied, ArchiveUnavailable, CorruptPage
 
 from ._abc import (
     KEY_MAX,
@@ -638,6 +638,17 @@ class S3Store(ObjectStore):
 
         try:
             data = await self._call(f"get {key}", fetch, reads=True)
+        except ArchiveUnavailable as e:
+            if not isinstance(e.__cause__, bce.FlexibleChecksumError):
+                raise
+            # Read again until the deadline, it never matched: damaged where it is stored,
+            # not on the way. (As the archive down, one such object made a whole restore
+            # give up on the archive.)
+            raise CorruptPage(
+                f"archive object {key!r} in {self.url} does not match the checksum the server "
+                f"stored with it, read again until the deadline: damaged where it is stored "
+                f"({e.__cause__})"
+            ) from e
         except bce.ClientError as e:
             if _code(e) in ("NoSuchKey", "404") or _status(e) == 404 and _code(e) != "NoSuchBucket":
                 raise ObjectNotFound(f"no object {key!r} in {self.url}") from None
