@@ -885,10 +885,9 @@ class BlobWriter:
                 os.close(fd)
                 try:
                     os.unlink(self.tier.abspath(dev, self.rel))
-                except FileNotFoundError:
-                    pass
                 except OSError as e:
-                    self._raise_full(dev, e)
+                    if e.errno != errno.ENOENT:  # (gone already: what this wanted)
+                        self._raise_full(dev, e)
                 continue
             self._mapped(dev, os.ftruncate, fd, end)
         with self._lock:

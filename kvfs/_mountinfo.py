@@ -157,6 +157,6 @@ def kvfs_mount_of_fd(fd: int) -> str | None:
                 if fields[0] == mnt and b"-" in fields[6:]:
                     kind = os.fsdecode(fields[fields.index(b"-", 6) + 1])
                     return _unescape(fields[4]) if kind == KVFS_FS else None
-    except (OSError, IndexError):
-        pass
-    return None
+    except (OSError, IndexError):  # (no /proc, or a line not as Linux writes it)
+        return None
+    return None  # (its mount is gone from the table: unmounted since the open)
