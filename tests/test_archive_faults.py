@@ -3,6 +3,7 @@ The S3 endpoint the store sees is a TCP proxy (tests/_s3.py) in front of moto.""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import signal
@@ -11,6 +12,7 @@ import sys
 import textwrap
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -53,15 +55,24 @@ def proxied_config(
     )
 
 
-def multipart_archive(s3_server: Any, server: Any) -> tuple[str, str]:
-    """A new bucket, and an archive URL for it through ``server`` (tests/_s3.py's
-    OlderS3Server) that uploads objects over 5 MiB in parts of 5 MiB."""
-    bucket = s3_server.new_bucket()
-    url = (
-        f"s3://{bucket}/p?endpoint={server.endpoint}&addressing=path&deadline=30"
-        f"&multipart_threshold={5 << 20}&part_size={5 << 20}"
-    )
-    return bucket, url
+@contextlib.contextmanager
+def older_server(s3_server: Any, refuses: str) -> Iterator[tuple[Any, str, str]]:
+    """moto behind tests/_s3.py's OlderS3Server refusing ``refuses``, a new bucket, and an
+    archive URL for it through that server that uploads objects over 5 MiB in parts of
+    5 MiB: ``(server, bucket, url)``."""
+    from _s3 import OlderS3Server
+
+    with OlderS3Server(s3_server.endpoint, refuses=refuses) as server:
+        bucket = s3_server.new_bucket()
+        url = (
+            f"s3://{bucket}/p?endpoint={server.endpoint}&addressing=path&deadline=30"
+            f"&multipart_threshold={5 << 20}&part_size={5 << 20}"
+        )
+        yield server, bucket, url
+
+
+#: a store's archive settings for these tests: no background spiller, uploads in-process
+IN_PROCESS = {"archive": {"interval": 0, "upload_processes": 0}}
 
 
 def patient(cfg: kvfs.StoreConfig) -> kvfs.StoreConfig:
@@ -501,10 +512,7 @@ def test_a_server_refusing_boto3s_default_checksums_is_named_and_the_option_fixe
     stop the headers. The error now names the fix, and ``checksums=when_required`` on the
     archive URL spills and restores there, single-part and multipart, through the upload
     workers too, verified as always by kvfs's own checksums."""
-    from _s3 import OlderS3Server
-
-    with OlderS3Server(s3_server.endpoint, refuses="checksums") as server:
-        _, url = multipart_archive(s3_server, server)
+    with older_server(s3_server, "checksums") as (server, _, url):
         small, large = os.urandom(300 * KiB), os.urandom(12 << 20)  # (large: 3 parts)
         keys = [PageKey.semantic("agent", "p", i) for i in range(2)]
         extra = {"archive": {"interval": 0}}
@@ -538,13 +546,10 @@ def test_a_server_without_conditional_puts_still_takes_spills(
     not uploaded again."""
     import logging
 
-    from _s3 import OlderS3Server
-
     caplog.set_level(logging.WARNING, logger="kvfs")
-    with OlderS3Server(s3_server.endpoint, refuses="conditional") as server:
-        bucket, url = multipart_archive(s3_server, server)
+    with older_server(s3_server, "conditional") as (server, bucket, url):
         small, large = os.urandom(300 * KiB), os.urandom(12 << 20)
-        extra = {"archive": {"interval": 0, "upload_processes": 0}}
+        extra = IN_PROCESS
         with kvfs.open_store_sync(make_config(ndev=2, archive_url=url, extra=extra)) as s:
             s.put(PageKey.semantic("a", "p", 0), small)
             s.put(PageKey.semantic("a", "p", 1), large)
@@ -577,12 +582,9 @@ def test_a_multipart_completion_refused_in_a_200_fails_at_once(
     retried until its deadline whatever the error, here one that no retry changes
     (InvalidPart). Now such an error is as permanent as it would be in a 4xx: the spill
     fails at once naming it, the upload is aborted, and nothing is lost."""
-    from _s3 import OlderS3Server
-
-    with OlderS3Server(s3_server.endpoint, refuses="completion") as server:
-        bucket, url = multipart_archive(s3_server, server)
+    with older_server(s3_server, "completion") as (server, bucket, url):
         large = os.urandom(12 << 20)
-        extra = {"archive": {"interval": 0, "upload_processes": 0}}
+        extra = IN_PROCESS
         with kvfs.open_store_sync(make_config(ndev=2, archive_url=url, extra=extra)) as s:
             s.put(PageKey.semantic("a", "p", 0), large)
             with pytest.raises(kvfs.ArchiveUnavailable) as e:
@@ -604,14 +606,11 @@ def test_a_server_without_encryption_is_named_not_taken_for_one_without_conditio
     If-None-Match meets too is not the condition's, and the error names the option."""
     import logging
 
-    from _s3 import OlderS3Server
-
     caplog.set_level(logging.WARNING, logger="kvfs")
-    with OlderS3Server(s3_server.endpoint, refuses="encryption") as server:
-        _, url = multipart_archive(s3_server, server)
+    with older_server(s3_server, "encryption") as (server, _, url):
         url += "&sse=AES256"
         small, large = os.urandom(300 * KiB), os.urandom(12 << 20)
-        extra = {"archive": {"interval": 0, "upload_processes": 0}}
+        extra = IN_PROCESS
         with kvfs.open_store_sync(make_config(ndev=2, archive_url=url, extra=extra)) as s:
             for i, data in enumerate((small, large)):
                 s.put(PageKey.semantic(f"s{i}", "p", 0), data)
@@ -631,12 +630,9 @@ def test_a_multipart_completion_whose_answer_was_lost_is_not_a_failed_spill(
     (and moto) say NoSuchUpload, the upload being done: the spill failed although the
     object was stored. The store now takes the object for its own when its ETag is the one
     its parts make, and the spill goes on."""
-    from _s3 import OlderS3Server
-
-    with OlderS3Server(s3_server.endpoint, refuses="completion reply lost") as server:
-        _, url = multipart_archive(s3_server, server)
+    with older_server(s3_server, "completion reply lost") as (server, _, url):
         large = os.urandom(12 << 20)
-        extra = {"archive": {"interval": 0, "upload_processes": 0}}
+        extra = IN_PROCESS
         with kvfs.open_store_sync(make_config(ndev=2, archive_url=url, extra=extra)) as s:
             s.put(PageKey.semantic("agent", "p", 0), large)
             assert s.spill("agent") > 0
