@@ -316,11 +316,21 @@ _PAGE_COLS = "path, session, hash, size, created, atime, pinned, attrs"
 _P_COLS = ", ".join(f"p.{c.strip()}" for c in _PAGE_COLS.split(","))
 _B_COLS = ", ".join(f"b.{c.strip()}" for c in _BLOB_COLS.split(","))
 _PAGE_AND_BLOB = f"SELECT {_P_COLS}, {_B_COLS} FROM pages p LEFT JOIN blobs b ON b.hash = p.hash"
-#: blob ``b`` is held by no pinned page and no page of a pinned session
-_UNPINNED_B = (
-    "NOT EXISTS (SELECT 1 FROM pages p LEFT JOIN sessions s ON s.dir=p.session"
-    " WHERE p.hash=b.hash AND (p.pinned=1 OR s.pinned=1))"
+#: a page ``p`` that is pinned, or whose session is, and that matches ``{}``
+_PINNED_PAGE = (
+    "SELECT 1 FROM pages p LEFT JOIN sessions s ON s.dir=p.session"
+    " WHERE {} AND (p.pinned=1 OR s.pinned=1)"
 )
+#: blob ``b`` is held by no pinned page and no page of a pinned session
+_UNPINNED_B = f"NOT EXISTS ({_PINNED_PAGE.format('p.hash=b.hash')})"
+
+
+def _pinned(db: sqlite3.Connection, column: str, value: object) -> bool:
+    """Whether a page whose ``column`` (path, hash) is ``value`` is pinned by now, or its
+    session is (read in the transaction that acts on it: a pin that landed after the page
+    was chosen keeps it)."""
+    sql = _PINNED_PAGE.format(f"p.{column}=?") + " LIMIT 1"
+    return db.execute(sql, (value,)).fetchone() is not None
 
 
 def _where_pages(
@@ -1159,16 +1169,7 @@ class Index:
         kept: a pin that lands after the pages were chosen keeps its page."""
         with self.transaction() as db:
             if keep_pinned:
-                paths = [
-                    path
-                    for path in paths
-                    if db.execute(
-                        "SELECT 1 FROM pages p LEFT JOIN sessions s ON s.dir=p.session"
-                        " WHERE p.path=? AND (p.pinned=1 OR s.pinned=1)",
-                        (path,),
-                    ).fetchone()
-                    is None
-                ]
+                paths = [path for path in paths if not _pinned(db, "path", path)]
             return self._delete_pages(db, paths)
 
     def delete_blob_pages(
@@ -1183,14 +1184,8 @@ class Index:
                 r = db.execute(f"SELECT {_BLOB_COLS} FROM blobs WHERE hash=?", (h,)).fetchone()
                 if r is None or _blob(r).extents != copy:
                     return None
-            if keep_pinned:
-                pinned = db.execute(
-                    "SELECT 1 FROM pages p LEFT JOIN sessions s ON s.dir=p.session"
-                    " WHERE p.hash=? AND (p.pinned=1 OR s.pinned=1) LIMIT 1",
-                    (h,),
-                ).fetchone()
-                if pinned is not None:
-                    return None
+            if keep_pinned and _pinned(db, "hash", h):
+                return None
             paths = [r[0] for r in db.execute("SELECT path FROM pages WHERE hash=?", (h,))]
             return self._delete_pages(db, paths)
 
@@ -1285,14 +1280,7 @@ class Index:
                 return None
             if extents is not None and _blob(r).extents != extents:
                 return None
-            if (
-                keep_pinned
-                and db.execute(
-                    "SELECT 1 FROM pages p LEFT JOIN sessions s ON s.dir=p.session"
-                    " WHERE p.hash=? AND (p.pinned=1 OR s.pinned=1) LIMIT 1",
-                    (h,),
-                ).fetchone()
-            ):
+            if keep_pinned and _pinned(db, "hash", h):
                 return None
             self.dropping(_blob(r))
             db.execute("UPDATE blobs SET extents=NULL, disk_bytes=0 WHERE hash=?", (h,))
