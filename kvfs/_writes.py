@@ -417,7 +417,7 @@ class PageWriter:
             return self._write(offset, data)
 
     def _write(self, offset: int, data: bytes | memoryview) -> int:
-        if self._done:
+        if self._done:  # (first, before its arguments' errors; again under the lock, below)
             raise ValueError("writer is closed")
         if not isinstance(offset, int) or offset < 0:
             raise ValueError(f"offset must be a non-negative int, not {offset!r}")
@@ -426,9 +426,9 @@ class PageWriter:
         end = offset + len(mv)
         with self._lock:
             if self._done:
-                # (again: aborted or committed while this write waited for the lock, behind
-                # another write waiting for room; it reserved room nothing gave back, and
-                # wrote files after the abort removed them)
+                # (under the lock: a write that checked before it, and waited for it behind
+                # another write waiting for room, went on after an abort, reserved room
+                # nothing gave back and wrote files the abort had removed)
                 raise ValueError("writer is closed")
             whole = self.engine.tier.disk_bytes(max(end, self._size))
             need = whole - self._reserved
@@ -537,12 +537,20 @@ class PageWriter:
         with self.engine._using():
             return self._commit(attrs, replace, pin)
 
-    def _commit(self, attrs: dict[str, str] | None, replace: bool, pin: bool) -> PageInfo:
-        with self._lock:  # (as abort's: a write waiting for the lock then sees it closed)
+    def _close(self) -> bool:
+        """Mark the writer closed (under the lock: a write waiting for it then sees so), once
+        the writes still writing their bytes are done: their bytes are the commit's, their
+        files the abort's. False if it was closed already."""
+        with self._lock:
             if self._done:
-                raise ValueError("writer is closed")
+                return False
             self._done = True
-            self._idle.wait_for(lambda: not self._writing)  # (their bytes are the page's)
+            self._idle.wait_for(lambda: not self._writing)
+            return True
+
+    def _commit(self, attrs: dict[str, str] | None, replace: bool, pin: bool) -> PageInfo:
+        if not self._close():
+            raise ValueError("writer is closed")
         eng = self.engine
         size = self._size
         try:
@@ -594,10 +602,7 @@ class PageWriter:
     def abort(self) -> None:
         """Discard what was written, once the writes still writing their bytes are done: their
         files go too, and their room. Idempotent; a no-op after commit."""
-        with self._lock:  # (the store's close may abort it too)
-            if self._done:
-                return
-            self._done = True
-            self._idle.wait_for(lambda: not self._writing)  # (their files go too)
+        if not self._close():  # (the store's close may abort it too)
+            return
         self._w.abort()
         self.engine._unreserve(self._reserved)
