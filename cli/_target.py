@@ -467,8 +467,9 @@ def _check_devices(config: kvfs.StoreConfig, *, new: bool, create: bool) -> None
             )
         return
     known = devices_known(config)
-    if known > len(config.data_dirs):  # (the store's open refused it: exit 1, not 2)
-        raise ValueError(too_few_devices(config, known))
+    # (the store's open refused it too, but with exit 1: a usage error is 2)
+    if (why := too_few_devices(config, known)) is not None:
+        raise ValueError(why)
     extra = [str(d) for d in config.data_dirs[known:]] if known else []
     if extra:
         raise ValueError(

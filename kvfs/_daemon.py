@@ -32,7 +32,7 @@ from typing import Any
 import trio
 
 from ._config import StoreConfig
-from ._engine import devices_known, too_few_devices
+from ._engine import too_few_devices
 from ._errors import leaf_errors
 from ._fuse_nodes import process_of
 from ._mount import BadMountArgument, MountError, MountOptions, check_mountpoint, serve_mount
@@ -215,9 +215,9 @@ def main(
                 raise BadMountArgument(f"data directory {d} is not a directory")
             if d.is_dir() and not os.access(d, os.W_OK):  # (a read-only file system too)
                 raise BadMountArgument(f"data directory {d} is not writable")
-        known = devices_known(config)
-        if known > len(config.data_dirs):  # (the store's open refused it: exit 1, not 2)
-            raise BadMountArgument(too_few_devices(config, known))
+        # (the store's open refused it too, but with exit 1: a usage error is 2)
+        if (why := too_few_devices(config)) is not None:
+            raise BadMountArgument(why)
         if log_file is not None and not Path(log_file).absolute().parent.is_dir():
             raise BadMountArgument(f"--log {log_file}: {Path(log_file).parent} is not a directory")
         if log_file is not None and not foreground:

@@ -342,8 +342,12 @@ def devices_known(cfg: StoreConfig) -> int:
     return _device_count(lambda k: meta_value(rows.get(k)))
 
 
-def too_few_devices(cfg: StoreConfig, known: int) -> str:
-    """What is wrong with ``cfg`` naming fewer data directories than the store's ``known``."""
+def too_few_devices(cfg: StoreConfig, known: int | None = None) -> str | None:
+    """What is wrong with ``cfg`` if it names fewer data directories than the store has
+    (``known``; None: read from its index, :func:`devices_known`), else None."""
+    known = devices_known(cfg) if known is None else known
+    if len(cfg.data_dirs) >= known:
+        return None
     return (
         f"the store in {cfg.data_dirs[0]} has {known} data directories, but only "
         f"{len(cfg.data_dirs)} configured: the pages striped over the others would be "
@@ -447,8 +451,8 @@ class Engine:
         self.dirs = DirTable(cfg.index_path.parent / DIRS_FILE)
         store_id = self.index.get_meta("store_id")
         known = 0 if store_id is None else _devices_known(self.index)
-        if len(cfg.data_dirs) < known:
-            raise KvfsError(too_few_devices(cfg, known))
+        if (why := too_few_devices(cfg, known)) is not None:
+            raise KvfsError(why)
         for i, d in enumerate(cfg.data_dirs):
             if i < known and not (d / DEVICE_MARKER).exists():
                 raise KvfsError(
