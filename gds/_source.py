@@ -150,8 +150,9 @@ def decode_extents(
     Two forms (docs/mount.md): the explicit JSON list ``[[file, offset, length], ...]``, and
     the striping rule ``{"v": 2, "files": [...], "unit": U, "header": H, "size": S}``, in
     which chunk ``c`` is ``min(U, S - c*U)`` bytes at ``H + (c // n) * U`` of
-    ``files[c % n]`` (``n = len(files)``); runs of one file that touch are merged. Raises
-    CorruptPage for anything else (``name`` says which page in the message).
+    ``files[c % n]`` (``n = len(files)``), ``U`` a multiple of 4096; runs of one file that
+    touch are merged. Raises CorruptPage for anything else (``name`` says which page in the
+    message).
     """
     try:
         v = json.loads(raw)
@@ -166,9 +167,13 @@ def decode_extents(
             raise ValueError("files is not a list of paths")
         files = [_path(f) for f in files]
         unit, header, size = _int(v["unit"], 1), _int(v["header"], 0), _int(v["size"], 0)
+        if unit % ALIGN:  # the daemon's stripe units are (kvfs.StoreConfig checks)
+            raise ValueError(f"unit {unit} is not a multiple of {ALIGN}")
     except (ValueError, KeyError, TypeError) as e:  # JSONDecodeError is a ValueError
         raise CorruptPage(f"{name}: malformed {XATTR_EXTENTS}: {e}") from None
     n = len(files)
+    if n == 1:  # every chunk touches the one before: one run, however many chunks
+        return tuple(files), ((0, header, size),)
     ext: list[tuple[int, int, int]] = []
     for c in range(max(1, -(-size // unit))):
         f, off, length = c % n, header + (c // n) * unit, min(unit, size - c * unit)
@@ -316,7 +321,7 @@ def _mount_attrs(
     """``(size, checksum, files, extents)`` from an open page file's xattrs; None when the
     name the file was opened by no longer holds its page, or held another page while the
     attributes were read (each is read on its own: the checksum is read again last, and
-    the size must be what the extents cover)."""
+    the size must be what the extents cover and what the open file's own size is)."""
     try:
         first = os.getxattr(fd, XATTR_CHECKSUM)
         raw = os.getxattr(fd, XATTR_EXTENTS)
@@ -335,6 +340,11 @@ def _mount_attrs(
         size, checksum = int(size_raw), bytes.fromhex(first.decode())
     except ValueError as e:  # (UnicodeDecodeError too)
         raise CorruptPage(f"{name!r}: malformed kvfs attributes: {e}") from None
+    if size != os.fstat(fd).st_size:
+        # a page on the mount is as long as its size attribute says; attributes set by
+        # hand on another file can say anything, and the extents below are built one per
+        # stripe unit of the size they claim (10**12 bytes would exhaust memory)
+        return None
     files, extents = decode_extents(raw, repr(name))
     if sum(n for _, _, n in extents) != size and extents:
         return None  # the extents of one page, the size of another

@@ -449,10 +449,11 @@ def fake_xattrs(info: kvfs.PageInfo) -> dict[str, bytes]:
 
 
 def fake_mount_file(tmp_path: Any, info: kvfs.PageInfo, name: str = "page") -> str:
-    """A plain file carrying the xattrs a kvfs mount shows on a page."""
+    """A plain file carrying the xattrs a kvfs mount shows on a page, as long as the page
+    (sparse) as a page file on the mount is."""
     p = str(tmp_path / name)
-    with open(p, "wb"):
-        pass
+    with open(p, "wb") as f:
+        f.truncate(info.size)
     for attr, value in fake_xattrs(info).items():
         os.setxattr(p, attr, value)
     return p
@@ -616,7 +617,7 @@ def test_a_file_on_no_mount_is_never_read_through(
         info = store.put(key(0), rand(8 * KiB))
         p = fake_mount_file(tmp_path, info)
         with open(p, "wb") as f:
-            f.write(b"not the page: nothing checks these bytes")
+            f.write(b"not the page: nothing checks these bytes".ljust(info.size, b"."))
         for name, value in (("user.kvfs.extents", b"[]"), ("user.kvfs.size", b"4096")):
             os.setxattr(p, name, value)
             dest = aligned(8 * KiB)

@@ -109,9 +109,25 @@ def test_decode_extents_rule() -> None:
         json.dumps([["a", 0, 4096]]),  # relative: opened from the reader's cwd
         json.dumps([[7, 0, 4096]]),
         json.dumps({**v, "files": ["data/f"]}),
+        json.dumps({**v, "unit": 4097}),  # no stripe unit the daemon writes
     ):
         with pytest.raises(kvfs.CorruptPage):
             decode_extents(bad)
+
+
+def test_a_size_attribute_that_is_not_the_files_size_is_refused(tmp_path: Path) -> None:
+    """Attributes set by hand on a file on no mount, claiming a page longer than the file:
+    refused before the extents are built (one per stripe unit of the size claimed, so a
+    claim of 10**12 bytes exhausted memory), not taken as a page to read."""
+    plain = tmp_path / "plain"
+    plain.write_bytes(bytes(8 * KiB))
+    claimed = 64 * KiB
+    rule = {"v": 2, "files": [str(plain)] * 2, "unit": 4096, "header": 0, "size": claimed}
+    os.setxattr(plain, "user.kvfs.extents", json.dumps(rule).encode())
+    os.setxattr(plain, "user.kvfs.size", str(claimed).encode())
+    os.setxattr(plain, "user.kvfs.checksum", b"00" * 32)
+    with pytest.raises(kvfs.CorruptPage, match="on no kvfs mount"):
+        gds.source_from_mount(plain)
 
 
 def test_unlink_on_the_mount_during_a_read(
