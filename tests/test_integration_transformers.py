@@ -432,6 +432,26 @@ def test_a_static_cache_saves_the_tokens_it_holds(tmp_path: Path) -> None:
         assert torch.allclose(k, k0, atol=1e-5) and torch.allclose(v, v0, atol=1e-5)
 
 
+def test_an_empty_cache_saves_nothing(tmp_path: Path) -> None:
+    """A cache that holds no tokens yet (made with or without the model's config, dynamic
+    or static) stores nothing; its save raised ValueError or GeometryMismatch."""
+    from transformers import DynamicCache, StaticCache
+
+    shape = GEOMETRIES["fp32-gqa-2layers"]
+    model = model_of(shape)
+    ids = tokens(2 * CHUNK, seed=25)
+    empties = (
+        DynamicCache(config=model.config),
+        DynamicCache(),
+        StaticCache(config=model.config, max_cache_len=4 * CHUNK),
+    )
+    with TransformersKV(tmp_path, model, model_id=shape.model_id, chunk_tokens=CHUNK) as kv:
+        for empty in empties:
+            done = kv.save("a", ids, empty)
+            assert (done.chunks, done.pages_written, done.bytes_written) == (0, 0, 0)
+        assert kv.load("a", ids).tokens == 0
+
+
 def test_a_session_holding_other_files_is_named_the_same_way_by_every_source(
     make_config: Callable[..., kvfs.StoreConfig], tmp_path: Path
 ) -> None:

@@ -244,7 +244,8 @@ class TransformersKV:
         """Store the full chunks of ``cache``, which holds the KV of ``tokens`` (or of the
         first ``cache length`` of them). Pages that exist already are skipped.
 
-        Raises GeometryMismatch if the cache or the session is of another geometry;
+        An empty cache (no tokens yet) stores nothing. Raises GeometryMismatch if the
+        cache or the session is of another geometry;
         ValueError on a batch size other than 1 or a cache longer than ``tokens``;
         InvalidKey on a session name that is no valid key part (``a/b``, empty).
         Each page is atomic; a crash leaves some chunks stored, which later loads use.
@@ -256,10 +257,14 @@ class TransformersKV:
         t0 = time.perf_counter()
         g = self.geometry
         toks = _token_list(tokens)
+        seq_length = getattr(cache, "get_seq_length", None)
+        if callable(seq_length) and int(seq_length()) == 0:
+            # nothing to store; its layers hold no tensors yet (and a cache built without
+            # the model's config has no layers), which looked like another geometry
+            return SaveResult(0, 0, 0, 0, time.perf_counter() - t0)
         kvs = cache_tensors(cache)
         self._check_tensors(kvs)
         length = kvs[0][0].shape[2]
-        seq_length = getattr(cache, "get_seq_length", None)
         if callable(seq_length):  # a static cache is allocated longer than what it holds
             held = int(seq_length())
             if held > length:  # its tensors are not all of its tokens' KV
