@@ -587,6 +587,27 @@ def test_layerwise_load_yields_each_layer_once_all_its_pages_are_in(tmp_path: Pa
             assert (none.tokens, list(none)) == (0, [])
 
 
+def test_a_page_that_grew_after_the_lookup_is_a_page_that_changed(tmp_path: Path) -> None:
+    """A page file that another writer made longer between the lookup and its read no
+    longer fits the buffer sized from the lookup: that is a page that changed, as a page
+    that vanished is (PageNotFound), not a bare ValueError."""
+    shape = GEOMETRIES["fp32-gqa-2layers"]
+    model = model_of(shape)
+    ids = tokens(2 * CHUNK, seed=26)
+    _, cache = prefill(model, ids)
+    pages = DirectoryPages(tmp_path)
+    with TransformersKV(pages, model, model_id=shape.model_id, chunk_tokens=CHUNK) as kv:
+        kv.save("s", ids, cache)
+        last = chunk_names(ids, kv.geometry)[1]
+        with kv.load_layers("s", ids, ahead=0) as layers:
+            it = iter(layers)
+            assert next(it)[0] == 0
+            with open(pages.path(kvfs.PageKey.semantic("s", last, 1)), "ab") as f:
+                f.write(bytes(64 * 1024))
+            with pytest.raises(kvfs.PageNotFound, match="changed"):
+                next(it)
+
+
 def test_layerwise_load_async(tmp_path: Path) -> None:
     import trio
 

@@ -41,7 +41,7 @@ import torch
 from gds import LayerLoader
 
 from .._aligned import aligned_buffer, round_up
-from .._errors import CorruptPage, PageNotFound, StoreClosed
+from .._errors import CorruptPage, InvalidKey, PageNotFound, StoreClosed
 from .._keys import PageKey, _check_part
 from ._chain import chunk_names
 from ._format import (
@@ -619,7 +619,12 @@ class _Reads:
         buf = getattr(kv._local, "buf", None)
         if buf is None or len(buf) < self.stage:
             buf = kv._local.buf = aligned_buffer(self.stage)
-        n = kv.source.read_into(key, buf)
+        try:
+            n = kv.source.read_into(key, buf)
+        except InvalidKey:
+            raise
+        except ValueError as e:  # the buffer holds the page as the lookup sized it
+            raise PageNotFound(f"{key.path} changed after the lookup (it grew): {e}") from e
         try:
             h = parse_header(buf[:n], key.path)
             g.check_same(Geometry.from_attrs(h.metadata), key.path)
