@@ -381,14 +381,17 @@ class ArchiveIndex:
         archive knows only what manifests list). A put that shared the content into another
         page (of any session) after those manifests were written keeps it local, and so
         does a pin that landed since the caller chose its blobs (see :meth:`droppable`:
-        pins of session ``asked`` do not count)."""
+        pins of session ``asked`` do not count), and a blob no longer marked archived."""
         out: list[BlobRow] = []
         if not hashes:
             return out
         with self.index.transaction() as db:
             for h in hashes:
                 r = db.execute(f"SELECT {_BLOB_COLS} FROM blobs WHERE hash=?", (h,)).fetchone()
-                if r is None or r[4] is None:
+                # (not archived: a page deleted and put again with the same bytes since the
+                # caller chose it is a new row the archive does not hold yet, though
+                # ``named`` still names the old page under its path)
+                if r is None or r[4] is None or not r[6]:
                     continue
                 holders = db.execute("SELECT session, path FROM pages WHERE hash=?", (h,))
                 if any((path, h) not in named.get(s, ()) for s, path in holders):

@@ -513,3 +513,59 @@ def test_an_eviction_while_a_manifest_is_written_keeps_what_the_new_one_does_not
         c.restore("s")
         assert len(c.list(session="s")) == 3
         assert c.get(kp) == same
+
+
+def gate_intent_listings(s: kvfs.SyncStore) -> tuple[threading.Event, threading.Event]:
+    """Make ``s``'s first listing of collection intents (the look an eviction takes once
+    its manifests are written, before it drops anything) wait for the returned ``gate``;
+    ``reached`` is set when it is about to go."""
+    import trio
+
+    gate, reached = threading.Event(), threading.Event()
+    store = s.engine.policy.store  # type: ignore[attr-defined]
+    real = store.list_all
+
+    async def gated(prefix: str, *args: object, **kw: object) -> object:
+        if prefix.startswith("gc/") and not reached.is_set():
+            reached.set()
+            await trio.to_thread.run_sync(gate.wait)
+        return await real(prefix, *args, **kw)
+
+    store.list_all = gated
+    return gate, reached
+
+
+def test_a_page_deleted_and_put_again_while_it_is_evicted_keeps_its_copy(
+    make_config,  # noqa: ANN001
+    archive_url: str,  # noqa: F811
+) -> None:
+    """An eviction chose an archived page; before it dropped the copy the page was deleted
+    and put again with the same bytes: a new blob row, not archived, under a path the
+    session's manifest (not rewritten yet: gc_grace holds the delete's follow-up) still
+    names. The drop trusted the manifest alone and took the only copy of the new row; the
+    manifest rewritten later left the page out, and the collection of the deleted page's
+    object took the data: the page read as missing from the archive."""
+    same = kv_page(21)
+    kp, kq = PageKey.semantic("s", "p", 0), PageKey.semantic("s", "q", 0)
+    with kvfs.open_store_sync(archived_cfg(make_config, archive_url, gc_grace=3600)) as a:
+        a.put(kp, same)
+        a.put(kq, kv_page(22))
+        a.spill("s")
+        assert a.get(kp) == same  # local again, and archived
+        gate, reached = gate_intent_listings(a)
+        evicting, errors = in_thread(lambda: a.evict(kp))
+        assert reached.wait(30), "the eviction never got to its check before the drop"
+        a.delete(kp)
+        a.put(kp, same)  # a new row: the archive does not hold it as far as it knows
+        gate.set()
+        evicting.join(30)
+        assert not errors, errors
+        assert a.stat(kp).tier == "local"
+    # The delete's follow-up now: the manifest rewritten, the old object collected.
+    with kvfs.open_store_sync(archived_cfg(make_config, archive_url, gc_grace=0)) as a:
+        a.delete(kq)  # (a delete without a background task does the queued work)
+        assert a.get(kp) == same
+        a.spill("s")
+    with kvfs.open_store_sync(archived_cfg(make_config, archive_url, name="host-c")) as c:
+        c.restore("s")
+        assert c.get(kp) == same
