@@ -255,56 +255,69 @@ def upload_batch(
     concurrency: int,
 ) -> tuple[list[Uploaded], Exception | None]:
     """Worker entry point: make sure ``blobs/<h>`` exists for every job. Returns the
-    answers and, when one failed (the batch stops there), its ArchiveUnavailable or
-    CorruptPage: the objects stored before it must still be known (or nothing would ever
-    delete them)."""
+    answers and, when one failed, the first error (ArchiveUnavailable, CorruptPage, a
+    data disk's OSError...): the jobs not begun by then are not tried, those under way
+    finish, and every object stored is answered, or nothing would ever delete it."""
     from objectstore._abc import one_error_nursery
 
     from ._manifest import blob_key
 
     store = _open_store(url, options)
     out: list[Uploaded] = []
+    # (not a nursery that ends the batch at its first error: the answers of the whole batch
+    # were lost when that error was not one it returned, a disk's EIO for one, and a job
+    # cancelled once its put had landed was never answered either)
+    failed: list[Exception] = []
 
     async def one(job: BlobJob, limit: trio.CapacityLimiter, budget: ByteLimiter) -> None:
+        async with limit, budget.hold(job.size):
+            if failed:
+                return
+            try:
+                out.append(await upload_one(job))
+            except Exception as e:
+                failed.append(e)
+                if _unavailable([e]) is not None:
+                    # the archive is down: the jobs under way would each wait out the
+                    # store's deadline too (an object one of them may still store is
+                    # found by the next spill's conditional put)
+                    batch.cancel()
+
+    async def upload_one(job: BlobJob) -> Uploaded:
         key = blob_key(job.h)
         got: list[tuple[bytes, str]] = []
-        async with limit, budget.hold(job.size):
-            if job.expected and await store.exists(key):
-                # (read and compressed beside the HEAD, an eviction of restored pages read
-                # and compressed every one of them, then dropped the work)
-                out.append(Uploaded(job.h, False, 0, None))
-                return
-            if not job.probe or job.expected:  # the conditional put says whether it was there
-                obj, used = await trio.to_thread.run_sync(_read_encode, job, level, codec, url)
-                stored = await store.put(key, obj, if_absent=True, cold=True)
-                out.append(Uploaded(job.h, stored, len(obj) if stored else 0, used))
-                return
-            # Compress while the HEAD is in flight; when the object exists the work is dropped.
-            async with trio.open_nursery() as n:
-
-                async def enc() -> None:
-                    got.append(await trio.to_thread.run_sync(_read_encode, job, level, codec, url))
-
-                n.start_soon(enc)
-                if await store.exists(key):
-                    n.cancel_scope.cancel()
-                    out.append(Uploaded(job.h, False, 0, None))
-                    return
-            obj, used = got[0]
+        if job.expected and await store.exists(key):
+            # (read and compressed beside the HEAD, an eviction of restored pages read
+            # and compressed every one of them, then dropped the work)
+            return Uploaded(job.h, False, 0, None)
+        if not job.probe or job.expected:  # the conditional put says whether it was there
+            obj, used = await trio.to_thread.run_sync(_read_encode, job, level, codec, url)
             stored = await store.put(key, obj, if_absent=True, cold=True)
-            out.append(Uploaded(job.h, stored, len(obj) if stored else 0, used))
+            return Uploaded(job.h, stored, len(obj) if stored else 0, used)
+        # Compress while the HEAD is in flight; when the object exists the work is dropped.
+        async with one_error_nursery() as n:
+
+            async def enc() -> None:
+                got.append(await trio.to_thread.run_sync(_read_encode, job, level, codec, url))
+
+            n.start_soon(enc)
+            if await store.exists(key):
+                n.cancel_scope.cancel()
+                return Uploaded(job.h, False, 0, None)
+        obj, used = got[0]
+        stored = await store.put(key, obj, if_absent=True, cold=True)
+        return Uploaded(job.h, stored, len(obj) if stored else 0, used)
 
     async def run() -> None:
         limit, budget = trio.CapacityLimiter(max(1, concurrency)), ByteLimiter()
-        async with one_error_nursery() as n:
-            for job in jobs:
-                n.start_soon(one, job, limit, budget)
+        with batch:
+            async with trio.open_nursery() as n:
+                for job in jobs:
+                    n.start_soon(one, job, limit, budget)
 
-    try:
-        trio.run(run)
-    except (ArchiveUnavailable, CorruptPage) as e:
-        return out, e
-    return out, None
+    batch = trio.CancelScope()
+    trio.run(run)
+    return out, failed[0] if failed else None
 
 
 # -- restores ------------------------------------------------------------------------------

@@ -186,6 +186,57 @@ def test_what_a_failed_spill_stored_is_collected_with_its_session(
         assert s3_server.keys(bucket, "blobs/") == []
 
 
+def test_what_a_spill_failed_by_a_disk_error_stored_is_collected_with_its_session(
+    tmp_path: Path,
+    loop_disk,  # noqa: ANN001
+) -> None:
+    """One page of the session is on a disk that fails (EIO), between two on a disk that
+    works. A worker's batch answered nothing when a job's error was not one it returned
+    (the archive's, a checksum's): the object it had stored for the page before was never
+    recorded, and deleting the session left it in the archive for good."""
+    import random
+
+    from _archive_dir import objects
+
+    archive = tmp_path / "archive"
+    cfg = kvfs.StoreConfig(
+        data_dirs=(tmp_path / "d0", loop_disk.path / "data"),
+        archive_url=f"file://{archive}",
+        # one job at a time: the batch (one) takes its pages in checksum order, forwards or
+        # backwards (trio's scheduling), so a page of the working disk always goes first
+        extra={"archive": {"interval": 0, "upload_processes": 1, "concurrency": 1}},
+    )
+    with kvfs.open_store_sync(cfg) as s:
+        for i in range(16):
+            s.put(f"a/p{i}", random.Random(i).randbytes(100_000))
+        order = sorted(
+            (s.stat(k).checksum, s.stat(k).extents[0].device, k)
+            for k in (f"a/p{i}" for i in range(16))
+        )
+        devs = [d for _, d, _ in order]
+        mid = next(i for i, d in enumerate(devs) if d == 1 and 0 in devs[:i] and 0 in devs[i + 1 :])
+        keep = {
+            order[mid][2],
+            next(k for _, d, k in reversed(order[:mid]) if d == 0),
+            next(k for _, d, k in order[mid + 1 :] if d == 0),
+        }
+        for k in [k for _, _, k in order if k not in keep]:
+            s.delete(k)
+        os.sync()
+        loop_disk.shut_down()
+        with pytest.raises(OSError) as e:
+            s.spill("a")
+        assert not isinstance(e.value, kvfs.KvfsError)
+        assert len(objects(archive)) == 1  # the page read before the failing one
+        stored = next(k for k in keep if s.stat(k).checksum in objects(archive))
+        assert s.stat(stored).tier == "local+archive"  # recorded: nothing dropped
+        assert {s.stat(k).tier for k in keep - {stored}} == {"local"}
+    loop_disk.comeback()
+    with kvfs.open_store_sync(cfg) as s:
+        s.delete_session("a")  # (collected at once: no background task, no gc_grace)
+        assert objects(archive) == set()
+
+
 def test_a_session_deleted_while_it_spills_leaves_nothing_in_the_archive(
     s3_server,  # noqa: ANN001
     make_config,  # noqa: ANN001
