@@ -438,7 +438,7 @@ def fsck(
             try:
                 leaves = _read_leaves(tier, b.extents, held)
             except OSError as e:
-                out["unreadable"].append(e.filename or str(e))
+                out["unreadable"].append(e.filename)
                 cut_off.append(b)
                 continue
             if leaves is None or tree_hash(held, leaves) != b.hash:
@@ -692,13 +692,20 @@ def _devices_down(eng: Engine) -> set[int]:
 def _read_leaves(tier: LocalTier, extents: tuple, size: int) -> bytes | None:
     """The leaf digests of the ``size`` bytes ``extents`` hold; None when a file is gone or
     shorter than its extents. Raises OSError for an I/O error (a failing device: the data
-    may come back with it)."""
+    may come back with it), naming the file in its ``filename``."""
     buf = aligned_buffer(size)
-    try:
-        for p in tier.pieces(extents, 0, size):
+    for p in tier.pieces(extents, 0, size):
+        try:
             tier.read_piece(p, buf)
-    except (FileNotFoundError, CorruptedFile):
-        return None
+        except (FileNotFoundError, CorruptedFile):
+            return None
+        except OSError as e:
+            # A read's own error (a bad sector's EIO from preadv) names no file, and fsck
+            # lists the unreadable files by name: without it the file was left out of
+            # ``unreadable`` (exit 0, with its pages among the damaged ones)
+            if e.filename is None:
+                e.filename = tier.abspath(p.dev, p.file)
+            raise
     return leaves_now(buf) if size else leaf_hash(b"")
 
 

@@ -324,3 +324,28 @@ def test_a_directory_among_the_data_files_stops_neither_an_open_nor_a_repair(
         repaired = s.fsck(repair=True)["repaired"]
         assert f"removed orphan {orphan}" in repaired and not s.exists("s/page")
         assert not any(s.fsck()[k] for k in ("missing", "corrupt", "orphans"))
+
+
+def test_a_data_file_whose_read_fails_is_listed_as_unreadable(
+    make_config: Callable[..., kvfs.StoreConfig],
+) -> None:
+    """A read that fails once the file is open (a bad sector: preadv's EIO names no file)
+    was listed under ``unreadable`` by its error's text, which the check then dropped as no
+    file of the blob: fsck found no problem (exit 0) while it listed the page as damaged, and
+    its repair kept the page "see unreadable", with nothing there. A directory where the
+    data file was opens and fails its read (EISDIR) the same way."""
+    cfg = make_config(ndev=2, stripe_unit=64 * KiB)
+    with kvfs.open_store_sync(cfg) as s:
+        info = s.put("s/page", os.urandom(100 * KiB))
+        other = os.urandom(100 * KiB)
+        s.put("s/other", other)
+        cut = info.extents[0].path
+        os.unlink(cut)
+        os.mkdir(cut)
+        found = s.fsck()
+        assert found["unreadable"] == [cut]
+        assert found["damaged_pages"] == ["s/page"]
+        assert not any(found[k] for k in ("missing", "corrupt", "orphans"))
+        repaired = s.fsck(repair=True)
+        assert repaired["unreadable"] == [cut] and repaired["unrecoverable"] == ["s/page"]
+        assert s.exists("s/page") and s.get("s/other") == other
