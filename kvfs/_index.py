@@ -47,6 +47,7 @@ from ._errors import (
     CapacityExceeded,
     CorruptPage,
     IndexUnavailable,
+    KvfsError,
     PageExists,
     out_of_files,
 )
@@ -462,6 +463,7 @@ class Index:
             raise
 
     def _set_up(self, path: Path, durable: bool) -> None:
+        self._check_schema(path)
         self._db.execute("PRAGMA journal_mode=WAL")
         # FULL: a commit is on disk when put() returns. NORMAL keeps consistency, not the
         # last commits, across power loss; only for page-cache benchmarks.
@@ -476,13 +478,33 @@ class Index:
             for stmt in _SCHEMA.strip().split(";"):
                 if stmt.strip():
                     db.execute(stmt)
-            v = db.execute("SELECT v FROM meta WHERE k='schema'").fetchone()
-            if v is None:
+            if db.execute("SELECT 1 FROM meta WHERE k='schema'").fetchone() is None:
                 db.execute("INSERT INTO meta VALUES ('schema', ?)", (_pack(SCHEMA_VERSION),))
-            elif _unpack(v[0]) != SCHEMA_VERSION:
-                raise RuntimeError(
-                    f"index {path} has schema {_unpack(v[0])}, this kvfs reads {SCHEMA_VERSION}"
-                )
+
+    def _check_schema(self, path: Path) -> None:
+        """Raise KvfsError for an index of another schema version (a newer kvfs made it),
+        before anything is done to it: the statements that make this version's tables and
+        indexes ran first, and failed on a newer one's tables as SQLite's bare "no such
+        column" (or changed them), and the error was a RuntimeError, no KvfsError."""
+        has_meta = self._db.execute(
+            "SELECT 1 FROM sqlite_master WHERE type='table' AND name='meta'"
+        ).fetchone()
+        v = has_meta and self._db.execute("SELECT v FROM meta WHERE k='schema'").fetchone()
+        if not v:
+            return  # a new index (or one this version makes its schema in)
+        try:
+            found = _unpack(v[0])
+        except (ValueError, msgpack.UnpackException):
+            found = repr(v[0])
+        if found == SCHEMA_VERSION:
+            return
+        newer = isinstance(found, int) and found > SCHEMA_VERSION
+        raise KvfsError(
+            f"the index {path} has schema version {found}, and this kvfs reads version "
+            f"{SCHEMA_VERSION} only"
+            + (": a newer kvfs made it; open it with that one" if newer else "")
+            + ". Nothing was changed in it"
+        )
 
     def close(self) -> None:
         """Checkpoint the WAL into the database and close every connection. Never raises

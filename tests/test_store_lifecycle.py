@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sqlite3
 import subprocess
 import sys
 import textwrap
@@ -620,6 +621,35 @@ def test_an_unreadable_or_lost_index_is_named(tmp_path) -> None:  # noqa: ANN001
         kvfs.open_store_sync(cfg).__enter__()
     assert not index.exists()
     index.write_bytes(good)
+    reads_back(cfg, data)
+
+
+def test_an_index_of_a_newer_schema_is_refused_unchanged(tmp_path) -> None:  # noqa: ANN001
+    """An index a newer kvfs made: this one ran its own schema's statements on it first, so
+    a newer table failed them with SQLite's bare "no such column: atime", and an index
+    whose tables still fit raised a RuntimeError, no KvfsError."""
+    cfg, data = two_device_store(tmp_path)
+    index = cfg.index_path
+    good = index.read_bytes()
+    newer = [
+        "UPDATE meta SET v=X'02' WHERE k='schema'",  # (msgpack's 2)
+        "DROP INDEX blobs_evict",
+        "ALTER TABLE blobs RENAME COLUMN atime TO used",
+    ]
+    for n in (1, len(newer)):
+        db = sqlite3.connect(index)
+        with db:
+            for stmt in newer[:n]:
+                db.execute(stmt)
+        db.close()
+        made = index.read_bytes()
+        with pytest.raises(
+            kvfs.KvfsError, match=r"has schema version 2, .* reads version 1 only: a newer kvfs"
+        ):
+            kvfs.open_store_sync(cfg).__enter__()
+        assert index.read_bytes() == made
+        assert not Path(f"{index}-wal").exists() or not Path(f"{index}-wal").stat().st_size
+        index.write_bytes(good)
     reads_back(cfg, data)
 
 
