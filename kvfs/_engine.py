@@ -461,7 +461,6 @@ class Engine:
                     "there would be missing); mount it, or keep the directories in their "
                     "original order"
                 )
-            d.mkdir(parents=True, exist_ok=True)
         if store_id is None:
             store_id = uuid.uuid4().hex
             # A store's identity, which the device markers name (always durable): lost at a

@@ -211,40 +211,66 @@ class LocalTier:
 
     # -- set-up -----------------------------------------------------------------------
     def prepare(self, store_id: str) -> None:
-        """Create the device layout, or check that existing directories belong to this store."""
+        """Create the device layout, or check that existing directories belong to this
+        store. Raises KvfsError for a directory that is another store's, or this store's
+        device of another number (out of order, or named twice), having made nothing: every
+        marker is read before any directory is made (a new device listed before the one
+        refused was made, with its marker, by an open that failed)."""
+        seen: dict[str, int] = {}
         for i, root in enumerate(self.roots):
-            (root / "blobs").mkdir(parents=True, exist_ok=True)
-            marker = root / DEVICE_MARKER
+            j = seen.setdefault(os.path.realpath(root), i)
+            if j != i:
+                raise KvfsError(
+                    f"{root} is named twice among the data directories (as device {j} and "
+                    f"{i}): each device is one directory"
+                )
+        new: list[tuple[int, Path]] = []
+        for i, root in enumerate(self.roots):
             hint = f" (this store's device {i} would hold {{'store': {store_id!r}, 'index': {i}}})"
             info = read_marker(root, hint)
-            if info is not None:
-                if info.get("store") != store_id or info.get("index") != i:
-                    raise KvfsError(
-                        f"{root} is device {info.get('index')} of store {info.get('store')}, "
-                        f"but is configured as device {i} of store {store_id}: keep the "
-                        "data directories in their original order"
-                    )
-            else:
-                # The 256 fan-out directories up front: a put then only creates its file, and
-                # the directories' own entries are durable before any page depends on them.
-                for x in range(256):
-                    (root / "blobs" / f"{x:02x}").mkdir(exist_ok=True)
-                tmp = marker.with_suffix(".tmp")
-                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-                try:
-                    os.write(fd, msgpack.packb({"store": store_id, "index": i}))
-                    # Its bytes before its name: the directory's fsync below makes the
-                    # rename durable, not the file's contents (ext4 writes a new file's
-                    # data later), and a crash would leave an empty marker that every
-                    # later open refuses (it will not guess what the directory is). Durable
-                    # whatever ``durable`` says: a marker lost loses every page, not the
-                    # last few, and it is written once.
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
-                os.replace(tmp, marker)
-                fsync_dir(str(root / "blobs"))
-                fsync_dir(str(root))
+            if info is None:
+                new.append((i, root))
+            elif info.get("store") != store_id:
+                raise KvfsError(
+                    f"{root} is device {info.get('index')} of another store, "
+                    f"{info.get('store')}, not of this one ({store_id}): is it the right "
+                    "directory, in its original place among the data directories?"
+                )
+            elif info.get("index") != i:
+                raise KvfsError(
+                    f"{root} is device {info.get('index')} of store {store_id}, but is "
+                    f"configured as device {i}: keep the data directories in their original "
+                    "order"
+                )
+        for root in self.roots:
+            (root / "blobs").mkdir(parents=True, exist_ok=True)
+        for i, root in new:
+            marker = root / DEVICE_MARKER
+            if marker.exists():  # (named twice through paths realpath cannot tell: a bind mount)
+                raise KvfsError(
+                    f"{root} is named twice among the data directories (as device {i}, and "
+                    "before): each device is one directory"
+                )
+            # The 256 fan-out directories up front: a put then only creates its file, and
+            # the directories' own entries are durable before any page depends on them.
+            for x in range(256):
+                (root / "blobs" / f"{x:02x}").mkdir(exist_ok=True)
+            tmp = marker.with_suffix(".tmp")
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:
+                os.write(fd, msgpack.packb({"store": store_id, "index": i}))
+                # Its bytes before its name: the directory's fsync below makes the
+                # rename durable, not the file's contents (ext4 writes a new file's
+                # data later), and a crash would leave an empty marker that every
+                # later open refuses (it will not guess what the directory is). Durable
+                # whatever ``durable`` says: a marker lost loses every page, not the
+                # last few, and it is written once.
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, marker)
+            fsync_dir(str(root / "blobs"))
+            fsync_dir(str(root))
 
     def free_bytes(self) -> list[int]:
         """Free bytes of each device's file system; 0 for one whose disk fails (counted

@@ -597,6 +597,26 @@ def test_reordered_data_directories_are_refused(tmp_path) -> None:  # noqa: ANN0
     reads_back(cfg, data)
 
 
+def test_a_refused_device_list_makes_no_device_before_it(tmp_path) -> None:  # noqa: ANN001
+    """A new directory listed before one the open refuses (another store's device, or one
+    named twice) was made a device of the store, its marker written, before the refusal:
+    an open that failed changed the store, and the directory was taken for good."""
+    cfg, data = two_device_store(tmp_path)
+    other = tmp_path / "other"
+    with kvfs.open_store_sync(kvfs.StoreConfig(data_dirs=(other,))) as s:
+        s.put("x", b"x")
+    added, link = tmp_path / "n2", tmp_path / "link"
+    link.symlink_to(added)  # (dangling until the open makes n2)
+    for last, why in ((other, "is device 0 of another store"), (link, "named twice")):
+        wrong = kvfs.StoreConfig(data_dirs=(*cfg.data_dirs, added, last), stripe_unit=MiB)
+        with pytest.raises(kvfs.KvfsError, match=why):
+            kvfs.open_store_sync(wrong).__enter__()
+        assert not added.exists()
+    reads_back(cfg, data)
+    with kvfs.open_store_sync(kvfs.StoreConfig(data_dirs=(other,))) as s:
+        assert s.get("x") == b"x"
+
+
 def test_a_device_can_be_added(tmp_path) -> None:  # noqa: ANN001
     cfg, data = two_device_store(tmp_path)
     grown = kvfs.StoreConfig(data_dirs=(*cfg.data_dirs, tmp_path / "n2"), stripe_unit=MiB)
