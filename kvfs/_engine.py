@@ -1382,7 +1382,9 @@ class Engine:
         archive, and pages whose data is held nowhere else are deleted (they cannot be
         served), except pinned ones: kept, and listed as ``unrecoverable``. With
         ``archive``, also download and verify the archive object of everything archived
-        (see ArchivingPolicy.check_archive). Returns findings by kind
+        (see ArchivingPolicy.check_archive). ``verify_data=False`` reads no data: a file
+        missing, or shorter than its extents, is still found, a changed byte is not.
+        Returns findings by kind
         (:data:`kvfs._maint.FSCK_FINDINGS`). Opened without the archive it could not open
         (``archive_error``), the check is local and says so in ``archive_error``, and a
         repair raises ArchiveUnavailable, changing nothing: it could delete the pages of

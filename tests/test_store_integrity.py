@@ -153,6 +153,9 @@ def test_missing_and_truncated_files(make_config: Callable[..., kvfs.StoreConfig
             store.get("s/b")
         report = store.fsck()
         assert report["missing"] and report["corrupt"] == [a.checksum]
+        # the check without reading the data sees a short file too (it took one for whole)
+        quick = store.engine.fsck(verify_data=False)
+        assert quick["corrupt"] == [a.checksum] and quick["damaged_pages"] == ["s/a", "s/b"]
 
 
 def test_dedup_survives_all_deletes_but_the_last(
