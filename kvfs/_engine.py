@@ -1042,17 +1042,25 @@ class Engine:
         log_event("heal", content=row.hash.hex()[:16], source="put", bytes=row.size)
 
     def _save_damaged(self) -> None:
+        # each with its copy's files: the content alone marked any later copy of it damaged
+        # at the next open (one put again after the damaged one was deleted, or restored
+        # from the archive), and a put of those bytes then replaced that good copy
         with self._cap_lock:
-            hashes = sorted(h.hex() for h in self._damaged)
-        self.index.set_meta("damaged", hashes)
+            saved = sorted([h.hex(), [list(e) for e in ext]] for h, ext in self._damaged.items())
+        self.index.set_meta("damaged", saved)
 
     def _damaged_at_open(self) -> dict[bytes, tuple]:
-        """The damaged copies noted before this open that the index still holds."""
+        """The damaged copies noted before this open that the index still holds (the same
+        files: a copy made since is another). A content saved alone (a kvfs before the
+        files were saved) stands for its copy now."""
         out: dict[bytes, tuple] = {}
         saved = self.index.get_meta("damaged")
-        for hx in saved if isinstance(saved, (list, tuple)) else ():
+        for item in saved if isinstance(saved, (list, tuple)) else ():
+            hx, ext = (item, None) if isinstance(item, str) else (item[0], item[1])
             b = self.index.blob(bytes.fromhex(hx))
-            if b is not None and b.extents is not None:
+            if b is None or b.extents is None:
+                continue
+            if ext is None or b.extents == tuple(tuple(e) for e in ext):
                 out[b.hash] = b.extents
         return out
 

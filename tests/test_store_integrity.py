@@ -100,6 +100,27 @@ def _put_replaces_the_damaged_copy(store: kvfs.SyncStore, data: bytes) -> None:
     assert st.used_bytes == sum(d.used_bytes for d in st.devices)
 
 
+def test_a_good_copy_put_after_a_damaged_one_went_is_not_taken_for_it_after_a_restart(
+    make_config: Callable[..., kvfs.StoreConfig], caplog: pytest.LogCaptureFixture
+) -> None:
+    """The index kept which contents were found damaged, not which copy: the damaged copy
+    deleted and the bytes put again, the next open took that good copy for the damaged one,
+    and the next put of the bytes replaced it (its files written again, a heal logged)."""
+    data = os.urandom(100 * KiB)
+    cfg = make_config(ndev=2, stripe_unit=64 * KiB)
+    with kvfs.open_store_sync(cfg) as store:
+        flip(store.put("s/page", data), 5)
+        with pytest.raises(kvfs.CorruptPage):
+            store.get("s/page")
+        store.delete("s/page")
+        good = store.put("t/page", data).extents
+    with kvfs.open_store_sync(cfg) as store, caplog.at_level("INFO", logger="kvfs"):
+        store.put("u/page", data)
+        assert store.stat("t/page").extents == store.stat("u/page").extents == good
+        assert store.get("t/page") == data
+    assert not [r for r in caplog.records if "heal" in r.getMessage()]
+
+
 CRASH_IN_REPLACE = r"""
 import os, signal, sys
 import kvfs
