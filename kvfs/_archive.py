@@ -65,6 +65,7 @@ from ._uploader import (
     Uploaded,
     UploadPool,
     WorkerUnavailable,
+    _unavailable,
     decode_verified,
     scratch_buffer,
     write_restored,
@@ -450,20 +451,38 @@ class ArchivingPolicy(TieringPolicy):
         if self.uploads is None:
             total = 0
             limit = trio.CapacityLimiter(self.cfg.concurrency)
+            # (not a nursery that cancels the others at the first error: an upload whose put
+            # had landed was cancelled before it marked its blob archived, and its object
+            # was never deleted with its session. As upload_batch does: the uploads not
+            # begun are not tried, those under way finish; an unreachable archive cancels
+            # them, as each would wait out its deadline.)
+            failed: list[Exception] = []
+            scope = trio.CancelScope()
 
             async def one(h: bytes) -> None:
                 nonlocal total
                 async with limit:
-                    # (not ``total += await ...``: that reads total before the await, and
-                    # the tasks finishing meanwhile were lost from the count)
-                    n = await self.upload_blob(h, mark=mark, fresh=fresh)
+                    if failed:
+                        return
+                    try:
+                        # (not ``total += await ...``: that reads total before the await,
+                        # and the tasks finishing meanwhile were lost from the count)
+                        n = await self.upload_blob(h, mark=mark, fresh=fresh)
+                    except Exception as e:
+                        failed.append(e)
+                        if _unavailable([e]) is not None:
+                            scope.cancel()
+                        return
                     total += n
                 if done is not None:
                     done([h])
 
-            async with one_error_nursery() as n:
-                for h in hashes:
-                    n.start_soon(one, h)
+            with scope:
+                async with trio.open_nursery() as n:
+                    for h in hashes:
+                        n.start_soon(one, h)
+            if failed:
+                raise failed[0]
             return total
         uploads = self.uploads
         jobs = await trio.to_thread.run_sync(self._jobs, hashes)

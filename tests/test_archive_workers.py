@@ -237,6 +237,60 @@ def test_what_a_spill_failed_by_a_disk_error_stored_is_collected_with_its_sessio
         assert objects(archive) == set()
 
 
+def test_an_upload_in_this_process_under_way_when_another_fails_is_recorded(
+    tmp_path: Path,
+    loop_disk,  # noqa: ANN001
+) -> None:
+    """Uploads in this process (no workers), side by side: one page's read fails (its
+    disk's EIO) while another is under way. The first error cancelled the other upload:
+    before its object was stored, or once it had landed but before it was recorded, and
+    then deleting the session left the object in the archive for good. The other upload
+    finishes now, and is recorded."""
+    import random
+
+    import trio
+    from _archive_dir import objects
+
+    archive = tmp_path / "archive"
+    cfg = kvfs.StoreConfig(
+        data_dirs=(tmp_path / "d0", loop_disk.path / "data"),
+        archive_url=f"file://{archive}",
+        extra={"archive": {"interval": 0, "upload_processes": 0, "concurrency": 2}},
+    )
+    with kvfs.open_store_sync(cfg) as s:
+        for i in range(8):
+            s.put(f"a/p{i}", random.Random(i).randbytes(100_000))
+        by_dev: dict[int, str] = {}
+        for i in range(8):
+            by_dev.setdefault(s.stat(f"a/p{i}").extents[0].device, f"a/p{i}")
+        for i in range(8):
+            if f"a/p{i}" not in by_dev.values():
+                s.delete(f"a/p{i}")
+        works, fails = by_dev[0], by_dev[1]
+        store = s.engine.policy.store  # type: ignore[attr-defined]
+        real_put = store.put
+
+        async def put_then_linger(key: str, *args: object, **kw: object) -> object:
+            stored = await real_put(key, *args, **kw)
+            # (the other page's read fails meanwhile: a cancel here lost the record)
+            await trio.sleep(1)
+            return stored
+
+        store.put = put_then_linger
+        os.sync()
+        loop_disk.shut_down()
+        with pytest.raises(OSError) as e:
+            s.spill("a")
+        assert not isinstance(e.value, kvfs.KvfsError)
+        assert objects(archive) == {s.stat(works).checksum}
+        assert s.stat(works).tier == "local+archive"  # recorded: nothing dropped
+        assert s.stat(fails).tier == "local"
+    loop_disk.comeback()
+    with kvfs.open_store_sync(cfg) as s:
+        s.delete_session("a")  # (collected at once: no background task, no gc_grace)
+        assert objects(archive) == set()
+
+
 def test_a_session_deleted_while_it_spills_leaves_nothing_in_the_archive(
     s3_server,  # noqa: ANN001
     make_config,  # noqa: ANN001
