@@ -550,7 +550,8 @@ class Spiller:
         # session -> (the place of its first manifest read, its entry; None: no pages)
         entries: dict[str, tuple[int, dict[str, object] | None]] = {}
         # a session one of whose manifests cannot be read is left out, not listed from the
-        # others: its restore raises CorruptPage "unreadable" (it may name pages they lack)
+        # others: its restore raises CorruptPage "unreadable" (it may name pages they lack).
+        # By its key's group: a long name's key holds only part of the name (and a hash)
         unreadable: set[str] = set()
         # manifests naming a session other than their keys' (none kvfs writes): merged
         # with that session's at the end
@@ -565,7 +566,7 @@ class Spiller:
                     continue  # deleted since the listing
                 if m is None:  # not listed; said, so a lost session is not a mystery
                     _unreadable(keys[i], "archived session manifest", "not listed")
-                    unreadable.add(session_of_manifest_key(keys[i]))
+                    unreadable.add(_key_group(keys[i]))
                     continue
                 assert isinstance(m, dict)
                 # The manifest names its session; a long name's key holds only part of it.
@@ -596,7 +597,7 @@ class Spiller:
         return [
             e
             for d, (_, e) in sorted(entries.items(), key=lambda x: x[1][0])
-            if e is not None and d not in unreadable
+            if e is not None and session_key_part(d) not in unreadable
         ]
 
     async def import_session(self, d: str) -> int:

@@ -36,7 +36,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 import kvfs
 from kvfs import PageKey
-from tests.test_archive import archive_url, archived_cfg, kv_page  # noqa: F401 - fixture
+from tests.test_archive import archive_url, archived_cfg, fill, kv_page  # noqa: F401 - fixture
 
 HOSTS = ("A", "B")
 SESSION = {"A": "a", "B": "b"}
@@ -563,3 +563,33 @@ def test_a_retired_marker_left_beside_a_heartbeat_is_deleted(
             assert f"hosts/{me}" in await _listed(a, "hosts/")
 
     trio.run(main)
+
+
+# -- listing sessions other hosts hold -----------------------------------------------------
+
+
+def test_a_long_named_session_with_an_unreadable_manifest_is_left_out_of_the_listing(
+    make_config: Callable[..., kvfs.StoreConfig],
+    archive_url: str,  # noqa: F811
+) -> None:
+    """A session one of whose manifests cannot be read is not listed (its restore raises
+    CorruptPage: that manifest may name pages the others lack), whatever its name's length.
+    A long name's manifest key holds only part of it and a hash (session_key_part), and the
+    session an unreadable manifest belonged to was taken from its key as if it were whole:
+    it matched no session, and the session was listed from the other host's manifest."""
+    from kvfs._manifest import manifest_key
+
+    long = "agent-" + "é" * 120 + "-" + "x" * 8
+    with kvfs.open_store_sync(archived_cfg(make_config, archive_url, name="host-a")) as a:
+        fill(a, long, 1)
+        a.spill(long)
+        policy = a.engine.policy  # type: ignore[attr-defined]
+        bad = manifest_key(f"sessions/{long}", a.engine.store_id)
+        assert bad in policy.call(policy.store.list_all, "manifests/")  # (the key cut short)
+        policy.call(policy.store.put, bad, b"\xc1 not msgpack")
+    with kvfs.open_store_sync(archived_cfg(make_config, archive_url, name="host-b")) as b:
+        fill(b, long, 1, seed=2)
+        b.spill(long)
+        assert b.archived_sessions() == []
+        with pytest.raises(kvfs.CorruptPage, match="unreadable"):
+            b.restore(long)
