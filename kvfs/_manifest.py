@@ -159,8 +159,16 @@ def parse_manifest(data: bytes) -> dict:
         m = msgpack.unpackb(data, raw=False)
     except Exception as e:
         raise ValueError(f"not a manifest: {e}") from e
-    if not isinstance(m, dict) or m.get("v") != VERSION or not isinstance(m.get("pages"), list):
-        raise ValueError("not a version-1 kvfs manifest")
+    v = m.get("v") if isinstance(m, dict) else None
+    if isinstance(v, int) and not isinstance(v, bool) and v > VERSION:
+        # (said apart from damage: a host sharing the bucket runs a newer kvfs, and this one
+        # must be upgraded to read that host's sessions)
+        raise ValueError(
+            f"a version-{v} manifest, written by a newer kvfs: this one reads version "
+            f"{VERSION} (upgrade it)"
+        )
+    if not isinstance(m, dict) or v != VERSION or not isinstance(m.get("pages"), list):
+        raise ValueError(f"not a version-{VERSION} kvfs manifest")
     if "digest" in m:
         digest = m.pop("digest")
         if digest != hashlib.sha256(msgpack.packb(m, use_bin_type=True)).digest():

@@ -593,3 +593,25 @@ def test_a_long_named_session_with_an_unreadable_manifest_is_left_out_of_the_lis
         assert b.archived_sessions() == []
         with pytest.raises(kvfs.CorruptPage, match="unreadable"):
             b.restore(long)
+
+
+def test_a_manifest_from_a_newer_kvfs_is_refused_saying_so(
+    make_config: Callable[..., kvfs.StoreConfig],
+    archive_url: str,  # noqa: F811
+) -> None:
+    """A host sharing the bucket that runs a newer kvfs may write manifests of a later
+    version: this kvfs cannot read them and refuses the session, saying that the manifest is
+    newer and this kvfs must be upgraded (it said "not a version-1 kvfs manifest", as for
+    any damage)."""
+    from kvfs._manifest import manifest_key, pack_manifest
+
+    with kvfs.open_store_sync(archived_cfg(make_config, archive_url, name="host-a")) as a:
+        fill(a, "s", 1)
+        a.spill("s")
+        policy = a.engine.policy  # type: ignore[attr-defined]
+        key = manifest_key("sessions/s", a.engine.store_id)
+        m = msgpack.unpackb(policy.call(policy.store.get, key), raw=False)
+        policy.call(policy.store.put, key, pack_manifest({**m, "v": 2}))
+    b_cfg = archived_cfg(make_config, archive_url, name="host-b")
+    with kvfs.open_store_sync(b_cfg) as b, pytest.raises(kvfs.CorruptPage, match="newer kvfs"):
+        b.restore("s")
