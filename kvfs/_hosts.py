@@ -379,19 +379,34 @@ class Hosts:
         ends: dict[str, float] = {}
         margin = self._pin_margin(info)
         listed = set(await self.store.list_all(MANIFESTS))
+
+        async def back() -> bool:
+            """The host beat since its heartbeat went: it is back, and trusts what it
+            writes from now on (its manifests again, its intents): left alone."""
+            if await self.store.modified(HOSTS + host) is None:
+                return False
+            log.warning("archive host %s came back while being retired: left alone", host)
+            await self.store.delete(HOSTS + host + RETIRING)
+            return True
+
         for mkey in listed:
             if not mkey.endswith("@" + host):
                 continue
-            if await self.store.modified(HOSTS + host) is not None:
-                log.warning("archive host %s came back while being retired: left alone", host)
-                await self.store.delete(HOSTS + host + RETIRING)
-                return
             session_part = mkey[: -len(host) - 1]
             try:
                 m: dict[str, Any] = parse_manifest(await self.store.get(mkey))  # type: ignore[arg-type]
             except FileNotFoundError:
                 continue
             except ValueError:
+                m = _UNREADABLE
+            # Looked at once the manifest is read, not before: a host back beats, then
+            # writes its manifests again and trusts them, and a read after a look that found
+            # no heartbeat could return one of those, which the delete below then took.
+            # (A beat and a write between this look and that delete still race it: S3 has
+            # no conditional delete.)
+            if await back():
+                return
+            if m is _UNREADABLE:
                 kept += 1  # unreadable: what it names is unknown, so it stays
                 held.append(session_part[len(MANIFESTS) :])
                 continue
@@ -407,7 +422,10 @@ class Hosts:
                 tombstoned += 1
             deleted += 1
         # Its intents would linger in every settle's listing forever: a collection stops
-        # deleting half a window after its intent is written, long before this.
+        # deleting half a window after its intent is written, long before this. Unless it
+        # is back: then one may be a collection of its, under way, that others must see.
+        if await back():
+            return
         intents = await self.store.list_all(INTENTS + host + "-")
         for k in intents:
             await self.store.delete(k)

@@ -668,3 +668,53 @@ def test_a_host_that_beats_while_judged_silent_is_left_alone(
             assert (await a.statistics()).extra["archive"]["hosts_retired"] == 0
 
     trio.run(main)
+
+
+def test_a_host_back_while_being_retired_keeps_the_manifest_it_wrote(
+    make_config: Callable[..., kvfs.StoreConfig],
+    archive_url: str,  # noqa: F811
+) -> None:
+    """Host A retires B; B comes back while A reads B's manifest (B beats and writes that
+    manifest again, as a host finding its heartbeat gone does). A looked at B's heartbeat
+    before the read, found it missing, and deleted the manifest B had just written and
+    trusted: B's pages were named by no manifest, their objects queued for A's collection.
+    A looks again once it has read a manifest, and leaves B alone."""
+    b_setup = archived_cfg(make_config, archive_url, name="host-b")
+    b_cfg = archived_cfg(make_config, archive_url, name="host-b", interval=60, retention=1.5)
+    a_cfg = archived_cfg(make_config, archive_url, name="host-a", interval=0.05, retention=1)
+    with kvfs.open_store_sync(b_setup) as b_sync:
+        b_sync.put(PageKey.semantic("s", "p", 0), kv_page(73))
+        b_sync.spill("s")
+
+    async def main() -> None:
+        async with kvfs.open_store(b_cfg) as b:
+            b_id = b.engine.store_id  # type: ignore[attr-defined]
+            with trio.fail_after(30):
+                while not await _objects(b, "hosts/"):
+                    await trio.sleep(0.05)
+            (b_manifest,) = [k for k in await _objects(b, "manifests/") if b_id in k]
+        async with kvfs.open_store(a_cfg) as a:
+            store = a.engine.policy.store  # type: ignore[attr-defined]
+            real = store.get
+            back: list[bytes] = []
+
+            async def and_b_comes_back(key: str, *args: object, **kw: object) -> object:
+                if key == b_manifest and not back:
+                    # B, back (with a long retention now): it beats, then writes again
+                    body = await real(key)
+                    beat = {"v": 1, "retention": 3600.0, "interval": 900.0, "tombstones": []}
+                    await store.put(f"hosts/{b_id}", msgpack.packb(beat))
+                    await store.put(key, body)
+                    back.append(body)
+                return await real(key, *args, **kw)
+
+            store.get = and_b_comes_back
+            with trio.fail_after(60):
+                while not back or f"hosts/{b_id}.retiring" in await _objects(a, "hosts/"):
+                    await trio.sleep(0.05)
+            assert b_manifest in await _objects(a, "manifests/")
+            assert f"hosts/{b_id}" in await _objects(a, "hosts/")
+            assert not await _objects(a, "retired/")
+            assert (await a.statistics()).extra["archive"]["hosts_retired"] == 0
+
+    trio.run(main)
