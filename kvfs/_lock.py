@@ -37,7 +37,9 @@ class DirLock:
         except BlockingIOError:
             try:
                 owner = json.loads(os.pread(fd, 4096, 0) or b"{}")
-            except ValueError:
+            except (ValueError, OSError):  # (half written; a disk's error reading it)
+                owner = {}
+            if not isinstance(owner, dict):  # (no kvfs wrote it: named as unknown)
                 owner = {}
             os.close(fd)
             who = (

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
 import sqlite3
 import subprocess
@@ -48,6 +49,24 @@ def test_second_opener_in_another_process_is_told_the_owner(
             kvfs.Engine(cfg)
     with kvfs.open_store_sync(cfg) as store:  # released on close
         store.put("x", b"1")
+
+
+@pytest.mark.parametrize("content", [b"[]", b"7", b'"x"', b"\xff\xfe", b'{"pid": 1'])
+def test_a_lock_file_that_names_no_owner_still_says_locked(tmp_path: Path, content: bytes) -> None:
+    """The lock held by another open file whose contents are no owner kvfs writes (JSON
+    that is no object, bytes that are no JSON): StoreLocked naming an unknown owner, not
+    an AttributeError from reading it."""
+    from kvfs._lock import DirLock
+
+    path = tmp_path / "lock"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.write(fd, content)
+        with pytest.raises(kvfs.StoreLocked, match=r"in use by pid \? on \?"):
+            DirLock(path).acquire()
+    finally:
+        os.close(fd)
 
 
 # -- restart -----------------------------------------------------------------------------
