@@ -425,6 +425,14 @@ class Engine:
                 index = [Path(f"{_abs(config.index_path)}{x}") for x in ("", "-wal", "-shm")]
                 _undo_create([*index, *(p for p in made if p not in index)], self._lock)
             else:
+                # An existing store refused (another store's directory, one missing) is left
+                # as it was: the index's reserve, removed for the open, is made again, and
+                # the directory table (a store made before it existed) goes
+                keep_reserve(config.index_path.parent)
+                for p in made:
+                    if p.name.startswith(DIRS_FILE):
+                        with contextlib.suppress(OSError):
+                            p.unlink()
                 self._lock.release()
             if err is not None and err is not e:
                 raise err from e

@@ -584,14 +584,20 @@ def reads_back(cfg: kvfs.StoreConfig, data: dict[str, bytes]) -> None:
 
 def test_a_missing_device_is_refused_not_made_again(tmp_path) -> None:  # noqa: ANN001
     """An NVMe whose disk is not mounted: its directory is gone (or empty). The store does
-    not open, and creates nothing in its place."""
+    not open, and creates nothing in its place, nor changes the index's directory: its
+    reserve stays (it was removed for the open, not made again), and no directory table
+    is made for a store from before there was one."""
     cfg, data = two_device_store(tmp_path)
+    reserve, dirs = tmp_path / "n0" / "kvfs-index.reserve", tmp_path / "n0" / "kvfs-dirs.sqlite3"
+    assert reserve.exists()
+    dirs.unlink()
     (tmp_path / "n1").rename(tmp_path / "n1.unmounted")
     with pytest.raises(
         kvfs.KvfsError, match=r"n1 is device 1 of this store .* is its disk mounted"
     ):
         kvfs.open_store_sync(cfg).__enter__()
     assert not (tmp_path / "n1").exists()
+    assert reserve.exists() and not list(tmp_path.glob("n0/kvfs-dirs*"))
     (tmp_path / "n1").mkdir()  # an empty mount point: the same
     with pytest.raises(kvfs.KvfsError, match="is its disk mounted"):
         kvfs.open_store_sync(cfg).__enter__()
