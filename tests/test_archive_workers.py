@@ -186,6 +186,37 @@ def test_what_a_failed_spill_stored_is_collected_with_its_session(
         assert s3_server.keys(bucket, "blobs/") == []
 
 
+def disk_and_failing_disk(
+    tmp_path: Path,
+    loop_disk,  # noqa: ANN001
+    processes: int,
+    concurrency: int,
+) -> tuple[kvfs.StoreConfig, Path]:
+    """A store on a plain directory and ``loop_disk`` (which a test shuts down to fail with
+    EIO), archiving to a ``file://`` directory: (its config, the archive directory)."""
+    archive = tmp_path / "archive"
+    cfg = kvfs.StoreConfig(
+        data_dirs=(tmp_path / "d0", loop_disk.path / "data"),
+        archive_url=f"file://{archive}",
+        extra={
+            "archive": {
+                "interval": 0,
+                "upload_processes": processes,
+                "concurrency": concurrency,
+            }
+        },
+    )
+    return cfg, archive
+
+
+def put_pages(s: kvfs.SyncStore, n: int) -> None:
+    """Pages ``a/p0`` ... of 100,000 bytes each, the same bytes in every run."""
+    import random
+
+    for i in range(n):
+        s.put(f"a/p{i}", random.Random(i).randbytes(100_000))
+
+
 def test_what_a_spill_failed_by_a_disk_error_stored_is_collected_with_its_session(
     tmp_path: Path,
     loop_disk,  # noqa: ANN001
@@ -194,21 +225,13 @@ def test_what_a_spill_failed_by_a_disk_error_stored_is_collected_with_its_sessio
     works. A worker's batch answered nothing when a job's error was not one it returned
     (the archive's, a checksum's): the object it had stored for the page before was never
     recorded, and deleting the session left it in the archive for good."""
-    import random
-
     from _archive_dir import objects
 
-    archive = tmp_path / "archive"
-    cfg = kvfs.StoreConfig(
-        data_dirs=(tmp_path / "d0", loop_disk.path / "data"),
-        archive_url=f"file://{archive}",
-        # one job at a time: the batch (one) takes its pages in checksum order, forwards or
-        # backwards (trio's scheduling), so a page of the working disk always goes first
-        extra={"archive": {"interval": 0, "upload_processes": 1, "concurrency": 1}},
-    )
+    # one job at a time: the batch (one) takes its pages in checksum order, forwards or
+    # backwards (trio's scheduling), so a page of the working disk always goes first
+    cfg, archive = disk_and_failing_disk(tmp_path, loop_disk, processes=1, concurrency=1)
     with kvfs.open_store_sync(cfg) as s:
-        for i in range(16):
-            s.put(f"a/p{i}", random.Random(i).randbytes(100_000))
+        put_pages(s, 16)
         order = sorted(
             (s.stat(k).checksum, s.stat(k).extents[0].device, k)
             for k in (f"a/p{i}" for i in range(16))
@@ -246,20 +269,12 @@ def test_an_upload_in_this_process_under_way_when_another_fails_is_recorded(
     before its object was stored, or once it had landed but before it was recorded, and
     then deleting the session left the object in the archive for good. The other upload
     finishes now, and is recorded."""
-    import random
-
     import trio
     from _archive_dir import objects
 
-    archive = tmp_path / "archive"
-    cfg = kvfs.StoreConfig(
-        data_dirs=(tmp_path / "d0", loop_disk.path / "data"),
-        archive_url=f"file://{archive}",
-        extra={"archive": {"interval": 0, "upload_processes": 0, "concurrency": 2}},
-    )
+    cfg, archive = disk_and_failing_disk(tmp_path, loop_disk, processes=0, concurrency=2)
     with kvfs.open_store_sync(cfg) as s:
-        for i in range(8):
-            s.put(f"a/p{i}", random.Random(i).randbytes(100_000))
+        put_pages(s, 8)
         by_dev: dict[int, str] = {}
         for i in range(8):
             by_dev.setdefault(s.stat(f"a/p{i}").extents[0].device, f"a/p{i}")
