@@ -1211,8 +1211,8 @@ class ArchivingPolicy(TieringPolicy):
         spec = TierSpec(
             tuple(str(r) for r in eng.tier.roots), eng.tier.unit, eng.tier.direct, eng.tier.durable
         )
-        # h -> (blob, the writer that names its files, bytes reserved); an entry leaves when
-        # its copy is handed to _adopt, or is cleaned up by release()
+        # h -> (blob, the writer that names its files, bytes reserved); an entry leaves once
+        # _adopt has committed (or removed) its copy, or when release() cleans it up
         pending: dict[bytes, tuple[BlobRow, BlobWriter, int]] = {}
         jobs: list[RestoreJob] = []
 
@@ -1257,15 +1257,19 @@ class ArchivingPolicy(TieringPolicy):
                         eng.tier.note_error_of(err)
                     settle(r.h, err)  # the worker left no files; release() frees the room
                     continue
-                blob, w, need = pending.pop(r.h)
+                blob, w, need = pending[r.h]
                 assert r.extents is not None
                 staged.append(_Staged(r.h, blob.size, w, r.extents, r.disk, need, r.dirs))
             if not staged:
                 return
+            # Out of ``pending`` only once the commit has run: cancelled on the way into its
+            # thread, release() still removes the files and frees the room
             try:
                 got = await trio.to_thread.run_sync(self._adopt, staged, t0)
             except Exception as e:  # _adopt removed the files and freed the room
                 got = [e] * len(staged)
+            for x in staged:
+                del pending[x.h]
             for x, g in zip(staged, got, strict=True):
                 settle(x.h, g)
 
@@ -1357,12 +1361,15 @@ class ArchivingPolicy(TieringPolicy):
                     await wake.wait()
                     wake = trio.Event()
                     continue
+                # The batch stays in ``ready`` until its commit has run: cancelled on the way
+                # into the thread (to_thread checks first), it is aborted below. (Taken off
+                # before, a Ctrl-C there left its files and its room reserved for good.)
                 batch = ready[:]
-                del ready[:]
                 try:
                     got = await trio.to_thread.run_sync(self._adopt, batch, t0)
-                except Exception as e:
+                except Exception as e:  # (_adopt removed the files and gave back the room)
                     got = [e] * len(batch)
+                del ready[: len(batch)]  # (what was appended meanwhile stays)
                 for x, r in zip(batch, got, strict=True):
                     settle(x.h, r)
 

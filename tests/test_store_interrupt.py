@@ -9,11 +9,14 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import kvfs
+from kvfs import PageKey
 from kvfs._aligned import aligned_buffer
 
+KiB = 1024
 MiB = 1024 * 1024
 
 
@@ -106,4 +109,77 @@ def test_ctrl_c_while_another_thread_commits_the_put_leaves_a_readable_page(
         assert s.get("t/leader") == theirs
         assert s.get("t/ours") == ours  # (queued before the Ctrl-C: the leader published it)
         assert s.engine.reserved == 0
+        assert not any(v for v in s.fsck().values())
+
+
+def _in_a_thread(name: str) -> bool:
+    """Whether some thread is in a function called ``name``."""
+    for frame in sys._current_frames().values():
+        while frame is not None:
+            if frame.f_code.co_name == name:
+                return True
+            frame = frame.f_back
+    return False
+
+
+def test_ctrl_c_while_a_restore_commits_leaves_no_room_reserved_nor_file(
+    make_config: Callable[..., kvfs.StoreConfig],
+    tmp_path: Path,
+) -> None:
+    """The restore commits its staged copies in batches, each taken off the list of copies
+    to commit before the thread that commits it starts: a cancellation (Ctrl-C) there lost
+    the batch, its files on disk with no row and its room reserved until the store closed."""
+    n = 6
+    cfg = make_config(
+        ndev=2,
+        archive_url=f"file://{tmp_path / 'archive'}",
+        extra={"archive": {"interval": 0, "upload_processes": 0}},
+    )
+    with kvfs.open_store_sync(cfg) as s:
+        rng = np.random.default_rng(0)
+        data = {
+            PageKey.semantic("agent", "p0", i): rng.integers(0, 255, 40 * KiB, np.uint8).tobytes()
+            for i in range(n)
+        }
+        for k, v in data.items():
+            s.put(k, v)
+        assert s.spill("agent") > 0
+        index = s.engine.index
+        main = threading.main_thread().ident
+        assert main is not None
+        holding, release = threading.Event(), threading.Event()
+
+        def hold_the_index() -> None:  # the restore's first commit waits behind this
+            with index.transaction():
+                holding.set()
+                release.wait(30)
+
+        def ctrl_c_once_all_staged() -> None:
+            need = s.engine.tier.disk_bytes(40 * KiB)
+            # Every page has its room (each is being written, or is written, and goes on the
+            # list of copies to commit), and the first commit waits for the index.
+            while not (s.engine.reserved == n * need and _in_a_thread("adopt_local_many")):
+                threading.Event().wait(0.005)
+            signal.pthread_kill(main, signal.SIGINT)
+            threading.Event().wait(0.3)  # (the restore is cancelled: then its commit runs)
+            release.set()
+
+        holder = threading.Thread(target=hold_the_index)
+        holder.start()
+        assert holding.wait(30)
+        waiter = threading.Thread(target=ctrl_c_once_all_staged)
+        waiter.start()
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                s.restore("agent")
+        finally:
+            release.set()
+            for t in (waiter, holder):
+                t.join(30)
+        assert s.engine.reserved == 0
+        local = [i.extents for i in s.list(session="agent") if i.tier != "archive"]
+        files = [p for d in cfg.data_dirs for p in Path(d).glob("blobs/*/*")]
+        assert len(files) == sum(len(e) for e in local)
+        for k, v in data.items():
+            assert s.get(k) == v
         assert not any(v for v in s.fsck().values())
