@@ -193,6 +193,16 @@ def decode(
     if magic != MAGIC or cid not in _NAMES or (cid == 2 and not e):
         raise CorruptPage(f"{what} has no valid kvfs archive header")
     body = memoryview(obj)[HEADER:]
+    if cid != 0:
+        # The frame says what it holds too: a size in a damaged header is refused before a
+        # buffer of that size is asked for (one byte flipped high there failed the read
+        # with "[Errno 12] Cannot allocate memory", not as the corrupt object it is)
+        try:
+            framed = zstandard.frame_content_size(body)
+        except zstandard.ZstdError as err:
+            raise CorruptPage(f"{what} does not decompress: {err}") from err
+        if framed not in (-1, size):  # (-1: a frame that does not say; encode's all do)
+            raise CorruptPage(f"{what} holds a frame of {framed} bytes, its header says {size}")
     if cid == 0:
         # The page is the object's body: copied into a buffer of its own, a restore held a
         # large page twice before it was written.

@@ -227,6 +227,31 @@ def test_corrupted_object_is_never_served(make_config, s3_server) -> None:  # no
         assert s.statistics().corrupt_reads >= 3
 
 
+@pytest.mark.parametrize("processes", [0, 2])
+def test_an_object_whose_header_says_a_huge_size_is_corrupt(
+    make_config: Callable[..., kvfs.StoreConfig], tmp_path: Path, processes: int
+) -> None:
+    """A byte flipped high in an object's size field: decoding asked for a buffer of that
+    size first, and the read and the session's restore failed with "[Errno 12] Cannot
+    allocate memory" (an OSError, not counted as a corrupt object)."""
+    archive = tmp_path / "archive"
+    cfg = archived_cfg(make_config, f"file://{archive}", upload_processes=processes)
+    with kvfs.open_store_sync(cfg) as s:
+        ((k, v),) = fill(s, "agent", 1).items()
+        assert s.spill("agent") > 0
+        (obj,) = objects(archive)
+        flip_byte(archive / "blobs" / obj, 15, 0x40)  # the size's high byte
+        with pytest.raises(kvfs.CorruptPage, match="header says"):
+            s.get(k)
+        with pytest.raises(kvfs.CorruptPage, match="header says"):
+            s.restore("agent")
+        assert s.stat(k).tier == "archive"  # nothing was adopted
+        assert s.engine.reserved == 0
+        assert s.statistics().extra["archive"]["corrupt_objects"] == 2
+        flip_byte(archive / "blobs" / obj, 15, 0x40)  # mended: it reads again
+        assert s.get(k) == v
+
+
 def test_watermarks_spill_coldest_unpinned(make_config, archive_url: str) -> None:  # noqa: ANN001
     page = 60 * KiB  # 64 KiB on disk with its header: 20 pages fill the cap
     cfg = make_config(
