@@ -755,8 +755,11 @@ class ArchivingPolicy(TieringPolicy):
 
     def restore_blob(self, blob: BlobRow) -> BlobRow:
         """Download, verify and re-create the local copy of ``blob``; concurrent callers for
-        the same blob share one download. Raises CorruptPage (the object is missing or does
-        not match its checksum: nothing is served), ArchiveUnavailable, CapacityExceeded."""
+        the same blob share one download. A caller that leases the data (every reader) gets
+        a copy no index row names when its pages are deleted meanwhile (see
+        :meth:`_restore_unlisted`). Raises CorruptPage (the object is missing or does not
+        match its checksum: nothing is served), ArchiveUnavailable, CapacityExceeded,
+        PageNotFound (deleted, and not leased)."""
         h = blob.hash
         with self._lock:
             fut = self._inflight.get(h)
@@ -766,7 +769,14 @@ class ArchivingPolicy(TieringPolicy):
         assert fut is not None
         if not owner:
             self.count("restore_coalesced")
-            return fut.result()
+            try:
+                return fut.result()
+            except PageNotFound:
+                # Deleted during the download it waited for (a session's restore brings
+                # back what the session still holds): this caller leases the data (a file
+                # open on the mount), so it is read from a copy of its own, which
+                # _restore_one makes (unlisted).
+                return self.restore_blob(blob)
         try:
             row = self._restore_one(blob)
             fut.set_result(row)
@@ -793,6 +803,11 @@ class ArchivingPolicy(TieringPolicy):
         t0 = time.monotonic()
         obj = self.call(self._get_object, blob)
         got = self._adopt([self._stage(blob, obj)], t0)[0]
+        if isinstance(got, PageNotFound) and self.engine.is_leased(blob.hash):
+            # Deleted during the download while a reader holds the data (a file open on the
+            # mount, then unlinked): it stays readable, from a copy no row names. (It failed
+            # with "deleted during its restore", where an unlink before the read did not.)
+            return self._restore_unlisted(blob, obj)
         if isinstance(got, BaseException):
             raise got
         return got
@@ -844,17 +859,20 @@ class ArchivingPolicy(TieringPolicy):
         )
         return data
 
-    def _restore_unlisted(self, blob: BlobRow) -> BlobRow:
+    def _restore_unlisted(self, blob: BlobRow, obj: bytes | None = None) -> BlobRow:
         """A local copy of archive-only data whose pages were deleted while a reader holds
         it (a file open on the mount, then unlinked or replaced: POSIX keeps it readable).
         The copy is written like any restore but named by no index row; it counts against
         the capacity and its files go when the last lease ends. The archive object outlives
-        the deletion while the data is leased (:meth:`Spiller.flush_pending`)."""
+        the deletion while the data is leased (:meth:`Spiller.flush_pending`). ``obj``: the
+        object, when it was downloaded already."""
         eng = self.engine
         held = eng.unlisted_copy(blob.hash)
         if held is not None:
             return held
-        x = self._stage(blob, self.call(self._get_object, blob))
+        if obj is None:
+            obj = self.call(self._get_object, blob)
+        x = self._stage(blob, obj)
         row = replace(blob, extents=x.extents, disk_bytes=x.disk, refs=0)
         with eng._cap_lock:
             eng.reserved -= x.need

@@ -748,6 +748,68 @@ def test_rename_and_replace_keep_manifests_consistent(make_config, s3_server) ->
         assert s.get(a1) == kv_page(1)
 
 
+def test_a_held_page_deleted_while_a_session_restore_downloads_it_reads(
+    make_config: Callable[..., kvfs.StoreConfig], tmp_path: Path
+) -> None:
+    """A reader holding a page (a file open on the mount) waits for the download a
+    session's restore makes of it, and the page is deleted meanwhile: the restore brings
+    back what the session still holds, and told the reader "deleted during its restore",
+    where a reader alone reads the data it holds from a copy of its own. The object is a
+    FIFO, so the download waits until the test writes it, after the delete."""
+    import sys
+
+    archive = tmp_path / "archive"
+    cfg = archived_cfg(make_config, f"file://{archive}", upload_processes=0)
+    with kvfs.open_store_sync(cfg) as s:
+        ((k, v),) = fill(s, "agent", 1).items()
+        assert s.spill("agent") > 0
+        (name,) = objects(archive)
+        obj = archive / "blobs" / name
+        body = obj.read_bytes()
+        obj.unlink()
+        os.mkfifo(obj)
+        eng = s.engine
+        h = bytes.fromhex(name)
+        restored: list[int] = []
+        read_back: list[object] = []
+
+        def waiting_for_the_restore(t: threading.Thread) -> bool:
+            frame = sys._current_frames().get(t.ident or 0)
+            names = []
+            while frame is not None:
+                names.append(frame.f_code.co_name)
+                frame = frame.f_back
+            return "restore_blob" in names and "result" in names
+
+        with eng.lease(k) as (page, blob):
+            restore = threading.Thread(target=lambda: restored.append(s.restore("agent")))
+            restore.start()
+            while h not in eng.policy._inflight:  # (its download waits for the FIFO)
+                time.sleep(0.005)
+
+            def read() -> None:
+                try:
+                    read_back.append(bytes(eng.read_held(page, blob, 0, blob.size)))
+                except Exception as e:
+                    read_back.append(e)
+
+            reader = threading.Thread(target=read)
+            reader.start()
+            while not waiting_for_the_restore(reader):
+                time.sleep(0.005)
+            s.delete(k)
+            with open(obj, "wb") as w:
+                obj.unlink()
+                w.write(body)
+            obj.write_bytes(body)  # (kept while a reader holds the data)
+            restore.join(30)
+            reader.join(30)
+            assert restored == [0]  # the session holds nothing now
+            assert read_back == [v]  # the reader, its page
+        assert not s.exists(k)
+        assert s.statistics().used_bytes == 0  # the reader's copy went with its lease
+
+
 def test_session_restore_with_a_corrupt_object_restores_the_rest(make_config, s3_server) -> None:  # noqa: ANN001
     bucket = s3_server.new_bucket()
     url = f"s3://{bucket}?endpoint={s3_server.endpoint}"

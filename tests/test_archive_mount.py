@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -188,3 +189,72 @@ async def test_a_spilled_page_reads_through_the_mount_with_no_local_room(
                 assert (await store.statistics()).extra["archive"]["memory_reads"] >= 1
             finally:
                 nursery.cancel_scope.cancel()
+
+
+async def test_an_open_spilled_file_unlinked_while_its_read_downloads_it_reads(
+    make_config: Callable[..., kvfs.StoreConfig], tmp_path: Path
+) -> None:
+    """The unlink of an open file whose page only the archive holds, landing while the
+    read downloads the page: the download was adopted as the page's local copy, found no
+    row left to adopt it, and the read failed (the page was "deleted during its restore"),
+    where an unlink before the read left it readable. The object is a FIFO here, so the
+    download waits until the test writes it, after the unlink; it is read once."""
+    cfg, mp = spilling_store(make_config, tmp_path, ndev=1)
+    k, data = PageKey.semantic("agent", "p0", 0), os.urandom(1 << 20)
+    async with kvfs.open_store(cfg) as store:
+        await store.put(k, data)
+        obj = tmp_path / "archive" / "blobs" / (await store.stat(k)).checksum
+        await store.spill("agent")
+        body = obj.read_bytes()
+        obj.unlink()
+        os.mkfifo(obj)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(serve_mount, store, mp, MountOptions(auto_unmount=False))
+            try:
+                f = await trio.to_thread.run_sync(open, mp / k.path, "rb")
+                try:
+                    reading = trio.Event()
+                    got: list[bytes] = []
+
+                    async def read() -> None:
+                        reading.set()
+                        got.append(await trio.to_thread.run_sync(f.read))
+
+                    async with trio.open_nursery() as readers:
+                        readers.start_soon(read)
+                        await reading.wait()
+                        with trio.fail_after(30):  # the read waits for the object (its FIFO)
+                            while not _waiting_in("_restore_one"):
+                                await trio.sleep(0.01)
+                        await trio.to_thread.run_sync(os.unlink, mp / k.path)
+                        assert not await store.exists(k)
+
+                        def feed() -> None:
+                            with open(obj, "wb") as w:
+                                # one download: a later get finds no object (the read-ahead
+                                # asked again after the failure, and hid it)
+                                obj.unlink()
+                                w.write(body)
+
+                        await trio.to_thread.run_sync(feed)
+                    assert got == [data]
+                finally:
+                    await trio.to_thread.run_sync(f.close)
+                with trio.fail_after(10):  # closed: the unnamed copy goes
+                    while (await store.statistics()).used_bytes:
+                        await trio.sleep(0.05)
+            finally:
+                nursery.cancel_scope.cancel()
+
+
+def _waiting_in(caller: str) -> bool:
+    """Whether a thread of this process is in function ``caller`` while it waits for the
+    trio loop to run something for it (``trio.from_thread.run``)."""
+    for frame in sys._current_frames().values():
+        names = []
+        while frame is not None:
+            names.append(frame.f_code.co_name)
+            frame = frame.f_back
+        if caller in names and "from_thread_run" in names:
+            return True
+    return False
