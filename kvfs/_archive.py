@@ -755,8 +755,9 @@ class ArchivingPolicy(TieringPolicy):
 
     def restore_blob(self, blob: BlobRow) -> BlobRow:
         """Download, verify and re-create the local copy of ``blob``; concurrent callers for
-        the same blob share one download. A caller that leases the data (every reader) gets
-        a copy no index row names when its pages are deleted meanwhile (see
+        the same blob share one download (interrupted, it fails for the others with
+        ArchiveUnavailable; a later call tries again). A caller that leases the data (every
+        reader) gets a copy no index row names when its pages are deleted meanwhile (see
         :meth:`_restore_unlisted`). Raises CorruptPage (the object is missing or does not
         match its checksum: nothing is served), ArchiveUnavailable, CapacityExceeded,
         PageNotFound (deleted, and not leased)."""
@@ -781,8 +782,13 @@ class ArchivingPolicy(TieringPolicy):
             row = self._restore_one(blob)
             fut.set_result(row)
             return row
-        except BaseException as e:
+        except Exception as e:
             fut.set_exception(e)
+            raise
+        except BaseException:
+            # This caller's own interrupt (Ctrl-C, a cancellation), not the others': raised
+            # in their threads too, it was a KeyboardInterrupt where no Ctrl-C came
+            fut.set_exception(ArchiveUnavailable("the restore it waited for was interrupted"))
             raise
         finally:
             with self._lock:

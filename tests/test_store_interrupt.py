@@ -3,6 +3,7 @@ threads are over before it raises, nothing it wrote is left, and the store goes 
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import threading
@@ -183,3 +184,71 @@ def test_ctrl_c_while_a_restore_commits_leaves_no_room_reserved_nor_file(
         for k, v in data.items():
             assert s.get(k) == v
         assert not any(v for v in s.fsck().values())
+
+
+def _stack_of(t: int) -> list[str]:
+    frame = sys._current_frames().get(t)
+    names = []
+    while frame is not None:
+        names.append(frame.f_code.co_name)
+        frame = frame.f_back
+    return names
+
+
+def test_ctrl_c_in_a_read_restoring_a_page_tells_the_readers_waiting_for_it(
+    make_config: Callable[..., kvfs.StoreConfig], tmp_path: Path
+) -> None:
+    """Readers of a page only the archive holds share one download. A Ctrl-C in the read
+    that made it raised KeyboardInterrupt in the other readers' threads too (the shared
+    result was the interrupt); they get ArchiveUnavailable now, and a later read restores
+    the page. The object is a FIFO, so the download waits until the test writes it."""
+    archive = tmp_path / "archive"
+    cfg = make_config(
+        ndev=1,
+        archive_url=f"file://{archive}",
+        extra={"archive": {"interval": 0, "upload_processes": 0}},
+    )
+    k, v = PageKey.semantic("agent", "p0", 0), bytes(range(256)) * 256
+    with kvfs.open_store_sync(cfg) as s:
+        s.put(k, v)
+        assert s.spill("agent") > 0
+        obj = archive / "blobs" / s.stat(k).checksum
+        body = obj.read_bytes()
+        obj.unlink()
+        os.mkfifo(obj)
+        main = threading.main_thread().ident
+        assert main is not None
+        other: list[BaseException | bytes] = []
+
+        def read() -> None:
+            try:
+                other.append(s.get(k))
+            except BaseException as e:  # (what a thread of the caller's would see)
+                other.append(e)
+
+        reader = threading.Thread(target=read)
+
+        def ctrl_c_then_feed() -> None:
+            while "_restore_one" not in _stack_of(main):  # its download waits for the FIFO
+                threading.Event().wait(0.005)
+            reader.start()
+            while not {"restore_blob", "result"} <= set(_stack_of(reader.ident or 0)):
+                threading.Event().wait(0.005)
+            signal.pthread_kill(main, signal.SIGINT)
+            threading.Event().wait(0.3)
+            with open(obj, "wb") as w:
+                obj.unlink()
+                w.write(body)
+
+        helper = threading.Thread(target=ctrl_c_then_feed)
+        helper.start()
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                s.get(k)
+        finally:
+            helper.join(30)
+            reader.join(30)
+        assert len(other) == 1 and isinstance(other[0], kvfs.ArchiveUnavailable), other
+        assert s.stat(k).tier == "archive" and s.engine.reserved == 0
+        obj.write_bytes(body)
+        assert s.get(k) == v
