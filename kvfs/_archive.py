@@ -774,9 +774,11 @@ class ArchivingPolicy(TieringPolicy):
                 return fut.result()
             except PageNotFound:
                 # Deleted during the download it waited for (a session's restore brings
-                # back what the session still holds): this caller leases the data (a file
-                # open on the mount), so it is read from a copy of its own, which
-                # _restore_one makes (unlisted).
+                # back what the session still holds): a caller that leases the data (a file
+                # open on the mount) reads it from a copy of its own, which _restore_one
+                # makes (unlisted); any other has nothing to download again for
+                if not self.engine.is_leased(h):
+                    raise
                 return self.restore_blob(blob)
         try:
             row = self._restore_one(blob)
