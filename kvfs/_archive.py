@@ -291,6 +291,8 @@ class ArchivingPolicy(TieringPolicy):
         #: archive-only pages served from memory for want of local room (copy_in_memory)
         self._memory: collections.OrderedDict[bytes, bytes] = collections.OrderedDict()
         self._memory_bytes = 0
+        #: downloads into memory in flight, shared by the readers of the same data
+        self._memory_inflight: dict[bytes, Future[bytes]] = {}
         # File removals after a spill (an unlink costs ~2.5 ms here; several at once ~half)
         self._io = ThreadPoolExecutor(self.cfg.concurrency, thread_name_prefix="kvfs-archive-io")
         self.restore_latencies: collections.deque[float] = collections.deque(maxlen=1024)
@@ -844,6 +846,36 @@ class ArchivingPolicy(TieringPolicy):
         held = self.memory_copy(blob.hash)
         if held is not None:
             return held
+        # One download for the readers that find no room at once, as restore_blob shares
+        # one: each downloaded the page for itself (eight readers, eight GETs)
+        h = blob.hash
+        with self._lock:
+            fut = self._memory_inflight.get(h)
+            owner = fut is None
+            if fut is None:
+                fut = self._memory_inflight[h] = Future()
+        if not owner:
+            self.count("restore_coalesced")
+            data = fut.result()
+            with self._lock:
+                self.counters["memory_reads"] += 1
+            return data
+        try:
+            data = self._download_to_memory(blob, reason)
+            fut.set_result(data)
+            return data
+        except Exception as e:
+            fut.set_exception(e)
+            raise
+        except BaseException:
+            fut.set_exception(ArchiveUnavailable("the download it waited for was interrupted"))
+            raise
+        finally:
+            with self._lock:
+                del self._memory_inflight[h]
+
+    def _download_to_memory(self, blob: BlobRow, reason: str) -> bytes:
+        """The page downloaded, verified and kept in memory (see :meth:`copy_in_memory`)."""
         obj = self.call(self._get_object, blob)
         key = f"archive object {blob_key(blob.hash)}"
         try:

@@ -4,10 +4,12 @@ deletes, corruption, restart and a second host sharing the bucket. S3 is moto ov
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -1183,6 +1185,29 @@ def test_an_archive_only_page_with_no_local_room_is_served_from_memory(
         s.evict(session="hold")
         s.engine.policy._memory.clear()  # type: ignore[attr-defined]
         assert s.get(k) == want and s.stat(k).tier == "local+archive"
+
+
+def test_readers_with_no_local_room_share_one_download(
+    make_config,  # noqa: ANN001
+    s3_server,  # noqa: ANN001
+    proxy,  # noqa: ANN001
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Eight readers at once of an archive-only page that has no local room: the download
+    they share fails for want of room, and each then downloaded the page into memory for
+    itself (eight GETs). They share that download too."""
+    url = f"s3://{s3_server.new_bucket()}?endpoint={proxy.endpoint}"
+    with _no_room_for_the_archive(make_config, url) as (s, k):
+        want = kv_page(90, 1024 * KiB)
+        proxy.delay = 0.05  # (a slow endpoint: the readers all arrive while it downloads)
+        caplog.set_level(logging.INFO, logger="kvfs.events")
+        with ThreadPoolExecutor(8) as pool:
+            got = list(pool.map(lambda _: s.get(k), range(8)))
+        assert all(g == want for g in got)
+        downloads = [r for r in caplog.records if "restore-in-memory" in r.getMessage()]
+        assert len(downloads) == 1, [r.getMessage() for r in downloads]
+        st = s.statistics().extra["archive"]
+        assert st["memory_reads"] == 8 and st["memory_copies_bytes"] == len(want)
 
 
 def test_a_page_larger_than_memory_copies_still_gets_a_clear_error(
