@@ -389,6 +389,30 @@ def test_bench_refuses_a_scratch_directory_that_is_not_one(
     assert "not a directory" in capsys.readouterr().err
 
 
+def test_bench_refuses_a_read_only_scratch_directory(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A read-only --dir/--data was taken, and each run failed only when it made its scratch
+    directory there, with "Read-only file system" and exit 10 (a failing disk's code); fuse
+    said it was on tmpfs. It is a usage error, said before any work."""
+    import subprocess
+
+    if os.geteuid() != 0:
+        pytest.skip("a read-only bind mount needs root (CI runs as root)")
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    subprocess.run(["mount", "--bind", str(ro), str(ro)], check=True)
+    try:
+        subprocess.run(["mount", "-o", "remount,ro,bind", str(ro)], check=True)
+        for bench, flags in sorted(SCRATCH_FLAGS.items()):
+            assert main(["bench", bench, *flags, str(ro)]) == 2, bench
+            err = capsys.readouterr().err
+            assert f"{ro}: not writable" in err, (bench, err)
+    finally:
+        subprocess.run(["umount", str(ro)], check=True)
+    assert list(ro.iterdir()) == []
+
+
 def test_bench_refuses_a_scratch_directory_on_a_kvfs_mount(
     tmp_path: Path, make_config: Any, capsys: pytest.CaptureFixture[str]
 ) -> None:

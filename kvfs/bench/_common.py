@@ -109,8 +109,10 @@ def positive_ints(text: str, flag: str) -> list[int]:
 def scratch_base(where: str | os.PathLike[str] | None, flag: str) -> Path:
     """The directory a benchmark makes its scratch directory in: ``where``, as given with
     ``flag`` (``--dir``, ``--data``), or the temporary directory for None. It must exist and
-    be a directory: it is never created (a typo made a tree of parents, left behind), and
-    it must not be on a kvfs mount (a store cannot live on one, a mount cannot serve from
+    be a directory: it is never created (a typo made a tree of parents, left behind); it
+    must be writable (a read-only one failed only when the run made its scratch there, with
+    "Read-only file system", exit 10, as for a failing disk); and it must not be on a kvfs
+    mount (a store cannot live on one, a mount cannot serve from
     one, and the figures would be kvfs against kvfs: it failed half-way with EINVAL or
     "Directory not empty" and left its scratch on the mount). Raises ValueError, a usage
     error."""
@@ -122,6 +124,8 @@ def scratch_base(where: str | os.PathLike[str] | None, flag: str) -> Path:
         raise ValueError(f"{said}: no such directory (it is not created)")
     if not base.is_dir():
         raise ValueError(f"{said}: not a directory")
+    if not os.access(base, os.W_OK | os.X_OK):  # (EROFS for root too, on a read-only mount)
+        raise ValueError(f"{said}: not writable (a benchmark makes its scratch directory there)")
     mp = kvfs_mount_of(base)
     if mp is not None:
         raise ValueError(
