@@ -13,7 +13,7 @@
   while a spill runs (goal: p99 <= 1.5 x idle), and, as the machine's floor, while another
   process uploads the same bytes with plain boto3 at the same concurrency (what any upload
   to this endpoint costs a reader here: CPUs shared with the uploader and, for moto, the
-  server).
+  server), timed from its first upload to its last (not while its Python starts).
 
 Throughputs are the best of ``--repeat`` rounds; each ratio is the median of the rounds' own
 kvfs / boto3 (the two ran back to back in a round). Without ``--endpoint`` a moto S3 server
@@ -324,6 +324,7 @@ def run_archive_bench(
     # so a noisy neighbour shifts both, while the best throughputs may come from two rounds
     ratios: dict[str, list[float]] = {"spill": [], "restore": []}
     lat: dict[str, list[float]] = {}
+    floor: dict[str, Any] = {}
     # CPU of this (the store's) process: what a spill or restore takes from foreground work
     # in the same process; upload workers are other processes and are not counted
     cpu: dict[str, list[float]] = {"spill": [], "restore": []}
@@ -393,9 +394,10 @@ def run_archive_bench(
                 cpu["restore"].append(time.process_time() - c0)
                 if r == args.repeat - 1:
                     lat = _latency(s, pages, args.latency_reads)
-                    lat["boto3"] = _latency_beside_boto3(
+                    floor = _latency_beside_boto3(
                         s, endpoint, bucket, f"{prefix}-floor", pages, args.concurrency, scratch
                     )
+                    lat["boto3"] = floor["reads"]
             for k, v in (("put", put), ("get", get), ("spill", spill), ("restore", restore)):
                 best[k] = max(best[k], v)
             ratios["spill"].append(spill / put)
@@ -435,6 +437,7 @@ def run_archive_bench(
         "read_p50_boto3_ms": pct(lat["boto3"], 0.5),
         "read_p99_boto3_ms": pct(lat["boto3"], 0.99),
         "reads_during_boto3": len(lat["boto3"]),
+        "boto3_upload_s": floor["upload_s"],
         "p99_ratio_vs_boto3": pct(lat["spill"], 0.99) / pct(lat["boto3"], 0.99),
     }
 
@@ -520,12 +523,14 @@ def _latency(s: kvfs.SyncStore, pages: list[bytes], n: int) -> dict[str, list[fl
     return {"idle": idle, "spill": busy}
 
 
-#: The latency floor's uploader: plain boto3 only (importing kvfs, numpy and trio would be
-#: CPU in the window the floor's reads are timed in), configured as baseline_client is.
+#: The latency floor's uploader: plain boto3 only, configured as baseline_client is. It says
+#: ``start <monotonic time>`` on stdout once it is about to upload and ``done <time>`` once
+#: every object is up: the floor's reads are timed between the two, not while the
+#: interpreter starts and imports boto3.
 _UPLOADER = (
     _WITH_PARENT
     + """
-import sys
+import sys, time
 from concurrent.futures import ThreadPoolExecutor
 import boto3, botocore.config
 endpoint, bucket, prefix, path, size, conc = sys.argv[1:4] + [sys.argv[4], *map(int, sys.argv[5:7])]
@@ -534,9 +539,11 @@ client = boto3.client(
     "s3", endpoint_url=endpoint, config=botocore.config.Config(max_pool_connections=conc)
 )
 pages = [data[o : o + size] for o in range(0, len(data), size)]
+print("start", time.monotonic(), flush=True)
 with ThreadPoolExecutor(conc) as ex:
     list(ex.map(lambda ip: client.put_object(Bucket=bucket, Key=f"{prefix}/{ip[0]}", Body=ip[1]),
                 enumerate(pages)))
+print("done", time.monotonic(), flush=True)
 """
 )
 
@@ -549,26 +556,59 @@ def _latency_beside_boto3(
     pages: list[bytes],
     concurrency: int,
     scratch: Path,
-) -> list[float]:
-    """Reads while another process uploads the same bytes with plain boto3."""
+) -> dict[str, Any]:
+    """Reads while another process uploads the same bytes with plain boto3: ``reads`` (their
+    seconds), timed from when the uploader starts its uploads until they are done (its
+    interpreter's start and boto3's import, longer than the uploads of a small session,
+    are not a time of uploading), ``upload_s`` (the uploads' own seconds), and
+    ``upload_started`` and ``first_read`` (``time.monotonic``, the same clock in both
+    processes). Raises RuntimeError when the uploader fails."""
     blob = scratch / "floor.bin"
     blob.write_bytes(b"".join(pages))
     read = _reader(s)
     proc = subprocess.Popen(
         [sys.executable, "-c", _UPLOADER, endpoint, bucket, prefix, str(blob)]
         + [str(len(pages[0])), str(concurrency)],
+        stdout=subprocess.PIPE,
         start_new_session=True,  # a Ctrl-C is the benchmark's to handle: it stops this one
     )
+    assert proc.stdout is not None
+    said: dict[str, float] = {}
+    done = threading.Event()
+
+    def watch() -> None:
+        """Note the uploader's "done" line; set ``done`` then, or when it ends without."""
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            word, _, when = line.decode().partition(" ")
+            said[word] = float(when)
+            if word == "done":
+                break
+        done.set()
+
+    busy: list[float] = []
+    first_read = math.nan
     try:
-        busy = _reads_until(read, lambda: proc.poll() is not None, len(pages) * 100)
+        word, _, when = proc.stdout.readline().decode().partition(" ")
+        if word == "start":  # (else it failed before uploading: said below)
+            said["start"] = float(when)
+            threading.Thread(target=watch, daemon=True).start()
+            first_read = time.monotonic()
+            busy = _reads_until(read, done.is_set, len(pages) * 100)
     finally:
-        if proc.poll() is None:  # (only when the reads failed or were interrupted)
+        if proc.poll() is None and not done.is_set():  # (the reads failed or were interrupted)
             proc.terminate()
         proc.wait()
+        proc.stdout.close()
         blob.unlink()
-    if proc.returncode:
+    if proc.returncode or "done" not in said:
         raise RuntimeError(f"the plain boto3 uploader failed (exit {proc.returncode})")
-    return busy
+    return {
+        "reads": busy,
+        "upload_s": said["done"] - said["start"],
+        "upload_started": said["start"],
+        "first_read": first_read,
+    }
 
 
 def _check_listing(endpoint: str, bucket: str) -> None:
@@ -693,6 +733,7 @@ def _print(o: dict[str, Any]) -> None:
     print(
         f"while another process uploads the same bytes with plain boto3: p50 "
         f"{o['read_p50_boto3_ms']:.2f} ms / p99 {o['read_p99_boto3_ms']:.2f} ms "
-        f"({o['reads_during_boto3']} reads); spill p99 / this floor "
+        f"({o['reads_during_boto3']} reads, {o['boto3_upload_s']:.2f} s of uploads); "
+        "spill p99 / this floor "
         f"{o['p99_ratio_vs_boto3']:.2f}"
     )
