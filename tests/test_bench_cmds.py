@@ -3,6 +3,7 @@ not speed: the figures go to docs/benchmarks.md, never into an assertion)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pty
@@ -364,6 +365,54 @@ def test_bench_archive_ctrl_c_says_interrupted_and_stops_its_server() -> None:
     while _ppid(servers[0]) and not _zombie(servers[0]):  # (0: gone)
         assert time.monotonic() < gone_by, "the moto server outlived the benchmark"
         time.sleep(0.05)
+
+
+def test_bench_fuse_killed_leaves_no_daemon_or_mount(tmp_path: Path) -> None:
+    """A killed ``kvfs bench fuse`` (SIGKILL, or SIGTERM, which Python does not turn into a
+    clean-up) left its kvfs mount daemon and its null pyfuse3 file system serving their
+    mounts on its scratch directory, for good. Both now exit with it, and their mounts go."""
+    import signal
+    import subprocess
+    import time
+
+    args = ["bench", "fuse", "--sizes", "1", "--clients", "1", "--total", "4", "--repeat", "400"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "cli", *args, "--dir", str(tmp_path)],
+        cwd=Path(__file__).parent.parent,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+
+    def mounts() -> list[str]:
+        return [ln for ln in Path("/proc/mounts").read_text().splitlines() if str(tmp_path) in ln]
+
+    helpers: list[int] = []
+    try:
+        deadline = time.monotonic() + 60
+        while len(mounts()) < 2:  # (the kvfs mount and the null one)
+            assert proc.poll() is None and time.monotonic() < deadline, mounts()
+            time.sleep(0.05)
+        helpers = [
+            pid
+            for pid in (int(d.name) for d in Path("/proc").iterdir() if d.name.isdigit())
+            if _ppid(pid) == proc.pid
+        ]
+        assert len(helpers) == 2, [_cmdline(p) for p in helpers]
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        gone_by = time.monotonic() + 60
+        while mounts() or any(_ppid(p) and not _zombie(p) for p in helpers):
+            assert time.monotonic() < gone_by, (mounts(), helpers)
+            time.sleep(0.05)
+    finally:  # (what a failed check left: no daemon, no mount)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for pid in helpers:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        for line in mounts():
+            subprocess.run(["fusermount3", "-u", "-z", line.split()[1]], check=False)
 
 
 def _ppid(pid: int) -> int:

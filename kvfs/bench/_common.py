@@ -20,7 +20,27 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-__all__ = ["DirectUse", "add_sweep", "log", "machine", "new_parser", "progress", "scratch_base"]
+__all__ = [
+    "WITH_PARENT",
+    "DirectUse",
+    "add_sweep",
+    "log",
+    "machine",
+    "new_parser",
+    "progress",
+    "scratch_base",
+]
+
+#: The first lines of a helper process a benchmark starts (``python -c WITH_PARENT +
+#: code``): it gets SIGTERM when the benchmark dies (PR_SET_PDEATHSIG), so a killed
+#: benchmark, whose own clean-up never runs, leaves no helper behind (a server, a mount).
+WITH_PARENT = """
+import ctypes, signal
+try:
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+except (AttributeError, OSError):
+    pass
+"""
 
 
 def new_parser(

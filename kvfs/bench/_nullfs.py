@@ -84,7 +84,9 @@ def serve(mountpoint: str, writeback: bool) -> None:
         async def unlink(self, parent: int, name: bytes, ctx: Any) -> None:
             self.sizes.pop(self.names.pop(name, 0), None)
 
-    opts = {"default_permissions", "fsname=kvfs-null", "subtype=null", "noatime"}  # as kvfs
+    # as kvfs, auto_unmount too: the mount goes with this process (a killed benchmark
+    # kills it, see null_mount) instead of staying, dead, on the benchmark's scratch
+    opts = {"default_permissions", "fsname=kvfs-null", "subtype=null", "noatime", "auto_unmount"}
     pyfuse3.init(Null(), mountpoint, opts)
     try:
         trio.run(pyfuse3.main)
@@ -97,7 +99,13 @@ def null_mount(mountpoint: Path, writeback: bool = False) -> Iterator[Path]:
     """The null file system mounted on ``mountpoint`` (an empty directory) for the block.
     Raises RuntimeError if it does not mount within 30 s."""
     mode = "writeback" if writeback else "plain"
-    proc = subprocess.Popen([sys.executable, "-m", "kvfs.bench._nullfs", str(mountpoint), mode])
+    from kvfs.bench._common import WITH_PARENT
+
+    # (it exits with the benchmark: a killed one left it serving its mount)
+    run = (
+        WITH_PARENT + "import runpy\nrunpy.run_module('kvfs.bench._nullfs', run_name='__main__')\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", run, str(mountpoint), mode])
     try:
         deadline = time.monotonic() + 30
         while not os.path.ismount(mountpoint):

@@ -43,7 +43,7 @@ import numpy as np
 
 import kvfs
 from kvfs._codec import CODECS, encode, shuffle
-from kvfs.bench._common import at_least, log, machine, new_parser, progress
+from kvfs.bench._common import WITH_PARENT, at_least, log, machine, new_parser, progress
 
 __all__ = ["register", "run_archive_bench"]
 
@@ -175,18 +175,8 @@ def _moto(nice: int = 0, info: dict[str, int] | None = None) -> Any:
         proc.wait()
 
 
-#: The first lines of a helper process the benchmark starts in a session of its own (no
-#: Ctrl-C reaches it): it exits with the benchmark (PR_SET_PDEATHSIG).
-_WITH_PARENT = """
-import ctypes, signal
-try:
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-except (AttributeError, OSError):
-    pass
-"""
-
 _NICE_MOTO = (
-    _WITH_PARENT
+    WITH_PARENT
     + """
 import os, sys
 n, parent = int(sys.argv.pop(1)), int(sys.argv.pop(1))
@@ -528,7 +518,7 @@ def _latency(s: kvfs.SyncStore, pages: list[bytes], n: int) -> dict[str, list[fl
 #: every object is up: the floor's reads are timed between the two, not while the
 #: interpreter starts and imports boto3.
 _UPLOADER = (
-    _WITH_PARENT
+    WITH_PARENT
     + """
 import sys, time
 from concurrent.futures import ThreadPoolExecutor

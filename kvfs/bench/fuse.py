@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from kvfs.bench._common import (
+    WITH_PARENT,
     add_sweep,
     at_least,
     machine,
@@ -87,24 +88,37 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
 
 
+#: ``python -c`` code that runs the ``kvfs`` command (``python -m cli``) with its arguments.
+_CLI = "import runpy\nrunpy.run_module('cli', run_name='__main__', alter_sys=True)\n"
+
+
 @contextlib.contextmanager
 def _mounted(root: Path, direct_io: bool) -> Iterator[Path]:
+    """A ``kvfs mount`` daemon serving a store in ``root`` on ``root/mnt`` for the block;
+    stopped (and the mount gone) after it, however the block ends, and when the benchmark
+    is killed (it gets SIGTERM then, see WITH_PARENT: a killed benchmark left it serving
+    its mount). Raises RuntimeError if it does not mount."""
     from kvfs._daemon import READY_FD_ENV
 
     mp, data = root / "mnt", root / "data"
     mp.mkdir()
     r, w = os.pipe()
-    cmd = [sys.executable, "-m", "cli", "mount", "--foreground", "--data", str(data), str(mp)]
+    cmd = [sys.executable, "-c", WITH_PARENT + _CLI]
+    cmd += ["mount", "--foreground", "--data", str(data), str(mp)]
     if direct_io:
         cmd.insert(-1, "--direct-io")
     with open(root / "daemon.log", "wb") as log:
         proc = subprocess.Popen(
-            cmd, stdout=log, stderr=log, pass_fds=(w,), env={**os.environ, READY_FD_ENV: str(w)}
+            cmd,
+            stdout=log,
+            stderr=log,
+            pass_fds=(w,),
+            env={**os.environ, READY_FD_ENV: str(w)},
         )
     os.close(w)
-    with os.fdopen(r, "rb") as f:
-        msg = f.read().decode().strip()
     try:
+        with os.fdopen(r, "rb") as f:  # (in the try: a Ctrl-C while it mounts stops it too)
+            msg = f.read().decode().strip()
         if msg != "ok":
             raise RuntimeError(f"mount failed: {msg or (root / 'daemon.log').read_text()}")
         yield mp
