@@ -239,6 +239,8 @@ def test_bench_ttft_sharing_shows_progress(tmp_path: Path, terminal: Terminal) -
         ["archive", "--page-mib", "-2"],
         ["archive", "--page-mib", "inf"],  # a traceback (OverflowError)
         ["archive", "--page-mib", "nan"],
+        ["archive", "--level", "23"],  # refused by zstd only after the model had run
+        ["archive", "--level", "0"],  # a level no store can be set to (archive.zstd_level)
     ],
 )
 def test_bench_refuses_a_count_out_of_range_before_it_starts(
