@@ -159,8 +159,11 @@ async def serve_mount(
         async with trio.open_nursery() as nursery:
             ops.nursery = nursery
             nursery.start_soon(_run_main, nursery.cancel_scope)
-            # The first stat is answered by the loop just started: the mount is live.
-            st = await trio.to_thread.run_sync(os.stat, mp)
+            # The first stat is answered by the loop just started: the mount is live. Left
+            # behind when cancelled: the loop, cancelled too, may never answer it, and the
+            # stat ends (ENOTCONN) only once the session is closed below (waited for, it hung
+            # a daemon stopped then for ever, mounted).
+            st = await trio.to_thread.run_sync(os.stat, mp, abandon_on_cancel=True)
             if opts.read_ahead_kb > 0 and not opts.direct_io:
                 set_read_ahead(st.st_dev, opts.read_ahead_kb)
             log.info("mounted %s", mp)

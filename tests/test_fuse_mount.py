@@ -1860,10 +1860,13 @@ def test_a_detached_mount_killed_while_its_daemon_starts_leaves_no_mount(tmp_pat
 
 # A daemon (kvfs._daemon.main, as `kvfs mount --foreground` runs it) with one more service,
 # which holds the daemon while it starts (argv[3] "start") or stops (argv[3] "stop"): it
-# makes the file argv[4] then and waits for the file argv[5].
+# makes the file argv[4] then and waits for the file argv[5]. With "serve" the FUSE loop is
+# held instead, mounted but before it answers anything (a loaded machine's slow start): the
+# daemon's first stat of its mount waits for it.
 _HELD_DAEMON = """
 import faulthandler, logging, signal, sys, trio
 from pathlib import Path
+import pyfuse3
 from kvfs import StoreConfig
 from kvfs._daemon import main
 from kvfs._mount import MountOptions
@@ -1875,6 +1878,15 @@ async def hold():
         Path(holding).touch()
         while not Path(release).exists():
             await trio.sleep(0.01)
+
+if when == "serve":
+    fuse_loop = pyfuse3.main
+
+    async def held_fuse_loop(*args, **kwargs):
+        await hold()
+        await fuse_loop(*args, **kwargs)
+
+    pyfuse3.main = held_fuse_loop
 
 async def service(store, *, task_status):
     if when == "start":
@@ -1987,6 +1999,26 @@ def test_a_signal_before_the_mount_is_ready_stops_the_daemon_cleanly(tmp_path: P
         text = d.log.read_text()
         assert "kvfs mount: SIGTERM before the mount was ready: not mounted" in text, text
         assert "RuntimeError" not in text and "Traceback" not in text, text
+        assert not mounted(d.mp)
+    finally:
+        d.cleanup()
+
+
+def test_a_signal_while_the_mount_first_answers_stops_the_daemon(tmp_path: Path) -> None:
+    """SIGTERM after the mount was made, while the daemon's first stat of it waited for the
+    FUSE loop: the loop was cancelled before it answered, and the stat (in a thread nothing
+    could cancel) waited for an answer that never came, so the daemon never unmounted nor
+    exited. Now it unmounts (which ends the stat) and exits with that signal's status."""
+    d = _HeldDaemon(tmp_path, "serve")
+    try:
+        d.wait_held()
+        assert mounted(d.mp)  # (from the mount table: a stat would wait too)
+        d.signal(signal.SIGTERM)
+        d.release.touch()
+        assert d.wait() == 128 + signal.SIGTERM, d.log.read_text()
+        text = d.log.read_text()
+        assert "kvfs mount: SIGTERM before the mount was ready: not mounted" in text, text
+        assert "Traceback" not in text, text
         assert not mounted(d.mp)
     finally:
         d.cleanup()
