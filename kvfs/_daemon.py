@@ -215,6 +215,14 @@ def main(
                 raise BadMountArgument(f"data directory {d} is not a directory")
             if d.is_dir() and not os.access(d, os.W_OK):  # (a read-only file system too)
                 raise BadMountArgument(f"data directory {d} is not writable")
+        for what, at in _kept_paths(config):
+            # (mounted over, it is the mount's: the daemon's own use of it waits on the
+            # daemon, which hung for good, in D state, at the first write through the mount)
+            if os.path.commonpath([realpath(at), mountpoint]) == mountpoint:
+                raise BadMountArgument(
+                    f"{what} {at} is under the mountpoint {mountpoint}: the mount would hide it "
+                    "from the daemon, which would then wait on itself; keep it outside"
+                )
         # (the store's open refused it too, but with exit 1: a usage error is 2)
         if (why := too_few_devices(config)) is not None:
             raise BadMountArgument(why)
@@ -289,6 +297,28 @@ def main(
             if json.loads(path.read_text()).get("pid") == os.getpid():
                 path.unlink()
     return 0
+
+
+def _kept_paths(config: StoreConfig) -> Iterator[tuple[str, Path]]:
+    """What the daemon keeps on disk while it serves, each with the words for it: the data
+    directories, the index directory, a control socket given its own path and a ``file://``
+    archive. (The default socket and log are beside the index.)"""
+    from objectstore._open import parse_url
+
+    for d in config.data_dirs:
+        yield "data directory", Path(d)
+    if config.index_dir:
+        yield "index directory", Path(config.index_dir)
+    daemon = config.extra.get("daemon")
+    if isinstance(daemon, dict) and daemon.get("control_socket"):
+        yield "control socket", config_socket_path(config)
+    if config.archive_url:
+        try:
+            scheme, location, _ = parse_url(config.archive_url)
+        except ValueError:  # (the store's open says what is wrong with it)
+            return
+        if scheme == "file":
+            yield "archive directory", Path(location)
 
 
 class StarterGone(MountError):

@@ -678,6 +678,32 @@ def test_mount_arguments_it_cannot_use_exit_2(tmp_path: Path, run: Run) -> None:
     assert str(mp) not in {m for m, _ in kvfs_mounts_table()}
 
 
+def test_what_the_daemon_keeps_under_its_mountpoint_is_a_usage_error(
+    tmp_path: Path, run: Run
+) -> None:
+    """`kvfs mount --data MNT/data MNT` mounted over its own data directory: the first write
+    through the mount left the writer and the daemon waiting on each other for good (D
+    state, SIGKILL did nothing; only an abort in /sys/fs/fuse/connections ended it). A data
+    or index directory, control socket or file:// archive at or under the mountpoint is a
+    usage error now, told before anything starts."""
+    mp, d = tmp_path / "mnt", str(tmp_path / "d")
+    mp.mkdir()
+    cases = [
+        (["--data", str(mp / "data")], "data directory"),
+        (["--data", str(mp)], "data directory"),
+        (["--data", d, "--socket", str(mp / "s.sock")], "control socket"),
+        (["--data", d, "--archive", f"file://{mp}/arch"], "archive directory"),
+    ]
+    for flags, what in cases:
+        try:
+            rc, _, err = run("mount", *flags, str(mp))
+            assert rc == 2 and f"{what} " in err and "is under the mountpoint" in err, err
+        finally:
+            if str(mp) in {m for m, _ in kvfs_mounts_table()}:  # (mounted: nothing written)
+                subprocess.run(["fusermount3", "-u", "-z", str(mp)], check=True)
+    assert os.listdir(mp) == []
+
+
 def test_fewer_data_directories_than_the_store_has_exit_2(tmp_path: Path, run: Run) -> None:
     """`kvfs mount --data d0` (and `kvfs ls --data d0`) of a store striped over d0 and d1
     exited 1 once the store's open refused it; a data directory list it cannot use is a
