@@ -483,8 +483,12 @@ def _serve(rfd: int, wfd: int) -> None:
     global _PARENT
     _PARENT = os.getppid()
     # Ctrl-C reaches the whole process group: the store process decides what stops (it
-    # closes the pipe, or kills this worker); here it only printed a traceback.
+    # closes the pipe, or kills this worker); here it only printed a traceback. So does a
+    # SIGTERM to the group (systemd's stop, `kill -- -PGID`): it killed the workers under
+    # a daemon closing its store, whose last uploads then failed or ran again. A worker
+    # whose store is gone still ends: its pipe closes.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     _worker_init()
     jobs, answers = Connection(rfd, writable=False), Connection(wfd, readable=False)
     while True:

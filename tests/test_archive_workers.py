@@ -102,6 +102,34 @@ def test_worker_killed_mid_spill_is_replaced_and_nothing_is_lost(
         assert s.fsck()["orphans"] == []
 
 
+def test_a_sigterm_to_the_process_group_leaves_the_workers_to_their_store(
+    s3_server, proxy, make_config
+) -> None:  # noqa: ANN001
+    """A SIGTERM to the daemon's whole process group (systemd's stop, ``kill -- -PGID``)
+    reaches its upload workers too: it killed them mid-upload, under a daemon about to
+    close its store. They leave stopping to the store, as for Ctrl-C."""
+    bucket = s3_server.new_bucket()
+    cfg = behind_proxy(proxy, make_config, bucket, ndev=1)
+    with kvfs.open_store_sync(cfg) as s:
+        for i in range(8):
+            s.put(PageKey.semantic(f"s{i % 2}", "p", i), page(i), attrs={"dtype": "fp16"})
+        uploads = s.engine.policy.uploads  # type: ignore[attr-defined]
+        s.spill("s0")  # workers that have answered: past their start, serving
+        pids, restarts = uploads.pids(), uploads.restarts
+        proxy.down()  # the spill's uploads wait in the workers, retrying
+        t, result = start_call(s.spill, "s1")
+        wait_for(lambda: uploads.running() > 0, "an upload job in a worker")
+        for pid in pids:
+            os.kill(pid, signal.SIGTERM)
+        proxy.up()
+        t.join(timeout=120)
+        assert isinstance(result[0], int) and result[0] > 0, result
+        assert uploads.restarts == restarts  # no job's worker died
+        for pid in pids:
+            os.kill(pid, 0)  # (ProcessLookupError: it died)
+        assert len(s3_server.keys(bucket, "blobs/")) == 8
+
+
 def test_worker_dying_twice_fails_the_spill_and_drops_nothing(
     s3_server, proxy, make_config
 ) -> None:  # noqa: ANN001
