@@ -87,6 +87,7 @@ async def run_daemon(
     options: MountOptions | None = None,
     services: Sequence[Service] = (),
     *,
+    keep_absorbing: bool = False,
     task_status: trio.TaskStatus[Store] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Open the store, start each service, mount; run until a STOP_SIGNALS signal
@@ -97,13 +98,15 @@ async def run_daemon(
     mount is ready stops it (once the store is open) with nothing mounted (Stopped); once
     it is stopping, for whatever reason, more of them are absorbed (the first logged), so
     the unmount and the close always complete. SIGKILL does not wait: the mount goes
-    (``auto_unmount``) and the next open recounts, as after a crash.
+    (``auto_unmount``) and the next open recounts, as after a crash. On return the signals
+    get their previous handlers back; with ``keep_absorbing`` (a process that exits next,
+    as ``kvfs mount`` does) they stay ignored.
 
     Raises StoreLocked (another process owns the data), MountError, Stopped. Writes still
     open at exit are discarded; committed pages are durable.
     """
     stopping, mounted = _Stopping(), False
-    with stopping.handling_signals():
+    with stopping.handling_signals(keep_absorbing):
         async with open_store(config) as store, trio.open_nursery() as nursery:
             nursery.start_soon(_cancel_when, stopping.event, nursery.cancel_scope)
             for service in services:
@@ -126,11 +129,13 @@ class _Stopping:
         self._told = False
 
     @contextlib.contextmanager
-    def handling_signals(self) -> Iterator[None]:
+    def handling_signals(self, keep_absorbing: bool = False) -> Iterator[None]:
         """Take STOP_SIGNALS in here (the main thread, in trio): each is handled in the loop as
         it comes. (trio.open_signal_receiver queues them for a task, and delivers those left
         again when it closes, to the default handler: one that came while the daemon closed
-        the store would kill it as it finished.)"""
+        the store would kill it as it finished.) On the way out the previous handlers come
+        back, or with ``keep_absorbing`` the signals are ignored (one between here and the
+        caller's own exit killed a daemon that had closed its store, its state file left)."""
         token = trio.lowlevel.current_trio_token()
 
         def handler(signum: int, frame: object) -> None:
@@ -142,7 +147,7 @@ class _Stopping:
             yield
         finally:
             for s, h in previous.items():
-                signal.signal(s, h)
+                signal.signal(s, signal.SIG_IGN if keep_absorbing else h)
 
     def _on_signal(self, signum: int) -> None:
         name = signal.Signals(signum).name
@@ -261,7 +266,9 @@ def main(
     async def serve() -> None:
         nonlocal ready_fd
         async with trio.open_nursery() as n:
-            await n.start(run_daemon, config, mountpoint, options, services)
+            await n.start(
+                partial(run_daemon, keep_absorbing=True), config, mountpoint, options, services
+            )
             _write_state(path, mountpoint, config)
             if ready_fd is not None:
                 told, ready_fd = _tell(ready_fd, b"ok\n"), None

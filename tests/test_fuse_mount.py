@@ -1182,6 +1182,28 @@ async def test_run_daemon_starts_services_and_unmounts(tmp_path: Path) -> None:
         subprocess.run(["fusermount3", "-u", "-z", str(mp)], capture_output=True)
 
 
+@pytest.mark.parametrize("keep", [False, True])
+def test_the_stop_signals_after_the_daemon_returns(keep: bool) -> None:
+    """Once run_daemon returns its signals get their previous handlers back; for
+    ``kvfs mount`` (``keep_absorbing``: the process exits next) they stay ignored. A
+    SIGTERM that came between the store's close and the process's exit killed a daemon
+    that had stopped cleanly (exit -15, its state file left)."""
+    from kvfs._daemon import STOP_SIGNALS, _Stopping
+
+    async def run() -> None:
+        with _Stopping().handling_signals(keep_absorbing=keep):
+            assert all(callable(signal.getsignal(s)) for s in STOP_SIGNALS)
+
+    before = {s: signal.getsignal(s) for s in STOP_SIGNALS}
+    try:
+        trio.run(run)
+        after = {s: signal.getsignal(s) for s in STOP_SIGNALS}
+        assert after == ({s: signal.SIG_IGN for s in STOP_SIGNALS} if keep else before)
+    finally:
+        for s, h in before.items():
+            signal.signal(s, h)
+
+
 def test_corrupted_backing_byte_is_eio_never_data(mnt: Path) -> None:
     """A flipped byte in a backing file: the leaf holding it reads as EIO through the mount
     (buffered backing reads verify every 1 MiB leaf), the other leaves still read."""
