@@ -490,10 +490,10 @@ class Spiller:
                 m = await self._get_manifest(key)
                 if m is _GONE:
                     return  # deleted since the listing
-                if m is None:
+                if isinstance(m, ValueError):
                     if not unreadable:
                         unreadable = True
-                        _unreadable(key, "archive object deletion", "nothing deleted this pass")
+                        _unreadable(key, m, "archive object deletion", "nothing deleted this pass")
                         reading.cancel()  # (the answer is None: the others need not be read)
                     return
                 assert isinstance(m, dict)
@@ -509,17 +509,18 @@ class Spiller:
         self._named_cache = kept
         return named
 
-    async def _get_manifest(self, key: str) -> dict[str, Any] | None | object:
-        """The manifest under ``key``, parsed; None when unreadable, :data:`_GONE` when it
-        was deleted since it was listed. Raises ArchiveUnavailable."""
+    async def _get_manifest(self, key: str) -> dict[str, Any] | ValueError | object:
+        """The manifest under ``key``, parsed; the ValueError that says why when it is
+        unreadable, :data:`_GONE` when it was deleted since it was listed. Raises
+        ArchiveUnavailable."""
         try:
             raw = await self.store.get(key)
         except FileNotFoundError:
             return _GONE
         try:
             return parse_manifest(raw)  # type: ignore[arg-type]
-        except ValueError:
-            return None
+        except ValueError as e:
+            return e
 
     async def _each(self, items: Iterable[T], fn: Callable[[T], Awaitable[None]]) -> None:
         """``await fn(item)`` for each of ``items``, ``concurrency`` at a time: that many
@@ -564,8 +565,8 @@ class Spiller:
                 m = await self._get_manifest(keys[i])
                 if m is _GONE:
                     continue  # deleted since the listing
-                if m is None:  # not listed; said, so a lost session is not a mystery
-                    _unreadable(keys[i], "archived session manifest", "not listed")
+                if isinstance(m, ValueError):  # not listed; said, so a lost session is no mystery
+                    _unreadable(keys[i], m, "archived session manifest", "not listed")
                     unreadable.add(_key_group(keys[i]))
                     continue
                 assert isinstance(m, dict)
@@ -943,8 +944,9 @@ def _session_entry(ms: list[dict[str, Any]]) -> dict[str, object] | None:
     }
 
 
-def _unreadable(key: str, what: str, outcome: str) -> None:
-    """A warning event for a manifest that cannot be parsed, and what was done about it."""
+def _unreadable(key: str, why: ValueError, what: str, outcome: str) -> None:
+    """A warning event for a manifest that cannot be parsed (``why``: parse_manifest's
+    error, saying what is wrong with it), and what was done about it."""
     log_event(
         "error",
         level=logging.WARNING,
@@ -952,4 +954,5 @@ def _unreadable(key: str, what: str, outcome: str) -> None:
         key=key,
         error="CorruptPage",
         message=f"the manifest is unreadable; {outcome}",
+        reason=str(why),
     )
