@@ -15,7 +15,8 @@ A, collecting (``Collector.collect``):
 
 B, before dropping local copies of blobs that manifests it just wrote name
 (``Collector.settle``):
-  1. LIST ``gc/`` and read the intents it has not seen yet (they never change);
+  1. LIST ``gc/`` and read the intents it has not seen yet (they never change; a damaged
+     one is taken to name every blob, one not fetched for an outage fails the drop);
   2. wait until every unfinished intent that names one of the blobs is done; one that is
      still unfinished ``window`` seconds after B first saw it belongs to a dead host (which
      stopped deleting ``window / 2`` after writing it): B removes it and goes on;
@@ -46,6 +47,7 @@ from typing import TYPE_CHECKING
 import msgpack
 import trio
 
+from ._errors import ArchiveUnavailable
 from ._events import log_event
 
 if TYPE_CHECKING:
@@ -186,7 +188,8 @@ class Collector:
         their local copies (``fresh``: stored by this operation, which began at
         ``time.monotonic()`` == ``started``). Waits for unfinished collections naming any
         of them; returns the blobs whose objects must be checked (and re-uploaded when
-        missing) before the copies go."""
+        missing) before the copies go. Raises ArchiveUnavailable (its LIST, or the read of
+        an intent): then no copy may go."""
         want = frozenset(hashes)
         waited = False
         while True:
@@ -220,12 +223,17 @@ class Collector:
         return sorted(check)
 
     async def _read(self, key: str) -> frozenset[bytes] | None:
-        """The blobs an intent names (None: unreadable, so taken to name every blob)."""
+        """The blobs an intent names (None: unreadable, so taken to name every blob).
+        Raises ArchiveUnavailable: an intent not read is no damaged one (kept as naming
+        every blob, it was waited for, and said to be unreadable, for as long as it was
+        listed), and the settle, with nothing dropped, is tried again by its caller."""
         try:
             m = msgpack.unpackb(await self.store.get(key), raw=False)
             return frozenset(bytes(h) for h in m["hashes"])
         except FileNotFoundError:
             return frozenset()  # removed since the listing: it finished long ago
+        except ArchiveUnavailable:
+            raise
         except Exception as e:  # noqa: BLE001 - any damage: waited for like any other
             log.warning("archive collection intent %s is unreadable (%s)", key, e)
             return None

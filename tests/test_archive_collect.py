@@ -147,6 +147,51 @@ def test_an_unfinished_collection_of_a_dead_host_delays_others_once(
         assert intents == []
 
 
+def test_an_intent_not_read_for_an_outage_is_read_again_not_taken_for_damage(
+    make_config,  # noqa: ANN001
+    archive_url: str,  # noqa: F811
+    caplog,  # noqa: ANN001
+) -> None:
+    """Host A's collection is under way, naming content B does not hold. B's read of A's
+    intent fails for the endpoint (ArchiveUnavailable once the store's deadline has
+    passed): it was taken for a damaged intent, logged as "unreadable" and kept for as long
+    as it was listed as naming every blob, so B waited for it, and every eviction after
+    did too until it was gone. Now B's eviction fails as for any outage, nothing dropped,
+    and the next one reads the intent and goes on without waiting."""
+    import pytest
+    import trio
+
+    window = 3.0
+    kb = PageKey.semantic("b", "p", 0)
+    a_cfg = archived_cfg(make_config, archive_url, name="host-a", gc_window=window)
+    with kvfs.open_store_sync(a_cfg) as a:
+        policy = a.engine.policy  # type: ignore[attr-defined]
+        # A's collection, under way: its intent, not finished yet
+        policy.call(policy.spiller.collector.announce, [kvfs.checksum(kv_page(70))])
+    b_cfg = archived_cfg(make_config, archive_url, name="host-b", gc_window=window)
+    with kvfs.open_store_sync(b_cfg) as b:
+        b.put(kb, kv_page(71))
+        store = b.engine.policy.store  # type: ignore[attr-defined]
+        real, failed = store.get, []
+
+        async def once_down(key: str, **kw: object) -> object:
+            if key.startswith("gc/") and not failed:
+                failed.append(key)
+                await trio.sleep(0)
+                raise kvfs.ArchiveUnavailable(f"cannot reach the archive for {key}")
+            return await real(key, **kw)
+
+        store.get = once_down
+        with caplog.at_level("WARNING", logger="kvfs"), pytest.raises(kvfs.ArchiveUnavailable):
+            b.evict(session="b")
+        assert failed and b.stat(kb).tier == "local+archive"  # nothing dropped
+        b.evict(session="b")
+        assert b.stat(kb).tier == "archive"
+        assert b.statistics().extra["archive"]["collection_waits"] == 0
+        assert "unreadable" not in caplog.text
+        assert b.get(kb) == kv_page(71)
+
+
 def test_a_restarted_host_finishes_the_collection_its_crash_left(
     make_config,  # noqa: ANN001
     archive_url: str,  # noqa: F811
