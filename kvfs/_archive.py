@@ -26,6 +26,7 @@ import contextlib
 import itertools
 import logging
 import os
+import sqlite3
 import threading
 import time
 from collections.abc import Awaitable, Callable, Collection
@@ -52,7 +53,7 @@ from ._errors import (
 from ._events import log_event
 from ._index import SCAN_ROWS, BlobRow, PageRow
 from ._local import fsync_dir, is_disk_error
-from ._manifest import MANIFESTS, ArchiveIndex, blob_key
+from ._manifest import MANIFESTS, ArchiveIndex, blob_key, forget_imports_in
 from ._policy import TieringPolicy
 from ._spill import Spiller
 from ._uploader import (
@@ -737,6 +738,17 @@ class ArchivingPolicy(TieringPolicy):
         # the manifests were written, or that was pinned meanwhile, stays local (drop_local_many).
         rows = {r.hash: r for r in self.aindex.drop_local_many(hashes, self.spiller.named)}
         return [self.forget_local(rows[h], reason) if h in rows else 0 for h in hashes]
+
+    def queue_changes(
+        self, db: sqlite3.Connection, sessions: set[str], freed: list[BlobRow]
+    ) -> None:
+        super().queue_changes(db, sessions, freed)
+        # A session a retention pass deletes: this host's copy goes, not the other hosts'
+        # (Spiller.expiring). In the deletion's transaction: a crash after it must not
+        # leave the imports, whose tombstone would hide the session from every host.
+        d = self.spiller.expiring()
+        if d is not None and d in sessions:
+            forget_imports_in(db, d)
 
     def pages_removed(self, pages: list[PageRow]) -> None:
         if self._token is None and self.cfg.gc_grace <= 0:

@@ -266,6 +266,13 @@ def enqueue_in(db: sqlite3.Connection, kind: str, keys: list[str]) -> None:
         )
 
 
+def forget_imports_in(db: sqlite3.Connection, session: str) -> None:
+    """Forget, inside the caller's index transaction, which other hosts' manifest versions
+    of ``session`` this index imported: this host's manifest of it no longer supersedes
+    them (nor, without pages, stays as a tombstone: build_manifest)."""
+    db.execute("DELETE FROM archive_imported WHERE session=?", (session,))
+
+
 class ArchiveIndex:
     """The archive tier's SQL on the store's index (same database, its own small table)."""
 

@@ -111,6 +111,8 @@ class Spiller:
         self._next_expiry = 0.0
         #: sessions whose manifest in the single-manifest layout was looked for
         self._legacy_checked: set[str] = set()
+        #: ``.session``: the session a retention pass is deleting in this thread (expiring)
+        self._expiring = threading.local()
         self.collector = Collector(
             self.store, self.engine.store_id, policy.cfg.gc_window, policy.count
         )
@@ -900,13 +902,34 @@ class Spiller:
         for s in await _thread(eng.index.sessions):
             if s.pinned or s.atime >= cutoff or s.dir in self._active:
                 continue
-            pages = await _thread(eng.expire_session, s.dir, cutoff)
+            pages = await _thread(self._expire, s.dir, cutoff)
             if pages is None:
                 continue  # touched or pinned since the listing
             n += 1
             self.policy.count("sessions_expired")
             log_event("expire", target=s.dir, pages=pages, idle_seconds=round(now - s.atime))
         return n
+
+    def _expire(self, d: str, cutoff: float) -> int | None:
+        """Engine.expire_session, in a worker thread that :meth:`expiring` names ``d`` in
+        meanwhile (the index's transaction runs in it, and so does queue_changes)."""
+        self._expiring.session = d
+        try:
+            return self.engine.expire_session(d, cutoff)
+        finally:
+            self._expiring.session = None
+
+    def expiring(self) -> str | None:
+        """The session a retention pass is deleting in this thread, if any.
+
+        Its deletion must not speak for the other hosts that hold the session: this host's
+        retention says only that this host has not touched it, and another host may be
+        using it now. So the transaction that deletes it also forgets the other hosts'
+        manifest versions it imported (ArchivingPolicy.queue_changes): this host's manifest
+        of it is then deleted, not kept as a tombstone superseding theirs, which hid the
+        session from every host while its other host still held it. An explicit delete
+        (``kvfs rm``) keeps the tombstone: it is the user's, for every host."""
+        return getattr(self._expiring, "session", None)
 
 
 def _key_group(key: str) -> str:

@@ -375,6 +375,43 @@ def test_a_session_a_retired_host_deleted_stays_deleted(
             v.restore("u")
 
 
+def test_a_session_another_host_restored_and_let_expire_stays_listed(
+    make_config: Callable[..., kvfs.StoreConfig],
+    archive_url: str,  # noqa: F811
+) -> None:
+    """Host A spills session s and keeps it (no retention). Host B restores s (B's manifest
+    now supersedes A's) and leaves it untouched: B's retention deletes it there. B kept its
+    manifest as a tombstone that still superseded A's, so s vanished from every host's
+    listing while A held it: a fresh host (or A rebuilt from the archive) could not restore
+    it. B's retention speaks for B's copy only: s is listed from A's manifest again."""
+    from kvfs._manifest import manifest_key
+
+    k = PageKey.semantic("s", "p", 0)
+    with kvfs.open_store_sync(archived_cfg(make_config, archive_url, name="host-a")) as a:
+        a.put(k, kv_page(75))
+        a.spill("s")
+    b_cfg = archived_cfg(make_config, archive_url, name="host-b", interval=0.05, retention=1.5)
+
+    async def main() -> None:
+        async with kvfs.open_store(b_cfg) as b:
+            await b.restore("s")
+            mine = manifest_key("sessions/s", b.engine.store_id)  # type: ignore[attr-defined]
+            assert mine in await _objects(b, "manifests/")  # superseding A's
+            with trio.fail_after(60):  # expired, and its manifest rewrite done
+                while (st := (await b.statistics()).extra["archive"])[
+                    "sessions_expired"
+                ] == 0 or st["spill_queue"]:
+                    await trio.sleep(0.1)
+            assert await b.sessions() == []
+            assert mine not in await _objects(b, "manifests/")
+            assert [x["session"] for x in await b.archived_sessions()] == ["s"]
+
+    trio.run(main)
+    with kvfs.open_store_sync(archived_cfg(make_config, archive_url, name="host-c")) as c:
+        c.restore("s")
+        assert c.get(k) == kv_page(75)
+
+
 def test_a_host_that_keeps_beating_is_never_retired(
     make_config: Callable[..., kvfs.StoreConfig],
     archive_url: str,  # noqa: F811
