@@ -15,7 +15,10 @@ and every ``interval`` seconds, and looks at the others' heartbeats as often:
   holds a pinned page (a pin whose end, ``pin_until``, has passed is none: by the
   archive's clock, with a margin for the skew of its host's, see ``_pin_margin``), and the
   objects they named are queued for this host's collection, which deletes them only once
-  no manifest of any host names them (kvfs/_collect.py). Its collection intents
+  no manifest of any host names them (kvfs/_collect.py). One that holds pages goes also
+  where it supersedes another host's (as the host's own retention would have deleted it:
+  that drops its copy, not the session on the other hosts); one without pages, a session it
+  took over and deleted, stays while a manifest it supersedes is there (``_release``). Its collection intents
   (``gc/<store id>-*``, finished or not) are deleted too: only their host removes them
   otherwise, and a host silent that long stopped deleting long ago. Its heartbeat goes
   first, whatever stays, and only if it is still the one judged silent (a host that beat
@@ -469,19 +472,26 @@ class Hosts:
 
     async def _release(self, mkey: str, m: dict[str, Any], listed: set[str]) -> bool:
         """Retire manifest ``m`` (at ``mkey``) of a host retired, pinned by nothing: queue
-        what it names for this host's collection, then delete it, or replace it by a
-        tombstone where it supersedes a manifest still in ``listed`` (return True then)."""
+        what it names for this host's collection, then delete it; but a tombstone (no
+        pages) that supersedes a manifest still there (in ``listed``) stays, unpinned
+        (return True then).
+
+        A manifest with pages goes even where it supersedes another host's (a session the
+        retired host restored from that one): the retirement does what the host's own
+        retention would have done, and that drops the host's copy, not the session on
+        the others (Spiller.expiring). Kept as a tombstone, it hid the session from every
+        host while its other host still held it. A tombstone is a deletion the host made
+        of a session it took over (``kvfs rm``): deleting it would bring back what the
+        manifests it supersedes name."""
         # Queued before the manifest goes: a failure (or a kill) in between leaves the
         # manifest, retired again next time, never objects that nothing would collect.
         await self.forget([bytes(p["hash"]) for p in m["pages"]])
-        session_part = mkey.rpartition("@")[0]
-        if any(f"{session_part}@{sid}" in listed for sid in m.get("supersedes", {})):
-            # It supersedes manifests still there (the host took the session over from
-            # theirs): deleting it would bring back what they name and it deleted. Its
-            # pages go; a tombstone keeps saying what is no longer there (unpinned: a pin
-            # it had has ended, and a kvfs older than pin ends would read it for good).
-            tomb = {k: v for k, v in m.items() if k != "pin_until"}
-            await self.store.put(mkey, pack_manifest({**tomb, "pages": [], "pinned": False}))
+        if not m["pages"] and await self._hides_something(mkey, m, listed):
+            # (unpinned: a pin it had has ended, and a kvfs older than pin ends would read
+            # it for good)
+            if m.get("pinned") or "pin_until" in m:
+                tomb = {k: v for k, v in m.items() if k != "pin_until"}
+                await self.store.put(mkey, pack_manifest({**tomb, "pinned": False}))
             return True
         await self.store.delete(mkey)
         return False

@@ -412,6 +412,88 @@ def test_a_session_another_host_restored_and_let_expire_stays_listed(
         assert c.get(k) == kv_page(75)
 
 
+def test_a_session_a_retired_host_had_restored_stays_listed(
+    make_config: Callable[..., kvfs.StoreConfig],
+    archive_url: str,  # noqa: F811
+) -> None:
+    """Host W restored session u from host X (W's manifest supersedes X's) and went away
+    for good. Retiring W replaced W's manifest by a tombstone still superseding X's, and u
+    vanished from every host's listing while X held it. A retirement does what W's own
+    retention would have done: it deletes W's manifest, and u is listed from X's."""
+    x_cfg = archived_cfg(make_config, archive_url, name="host-x")  # keeps its sessions
+    w_setup = archived_cfg(make_config, archive_url, name="host-w")
+    w_cfg = archived_cfg(make_config, archive_url, name="host-w", interval=60, retention=1.5)
+    a_cfg = archived_cfg(make_config, archive_url, name="host-a", interval=0.05, retention=1)
+    k = PageKey.semantic("u", "p", 0)
+    with kvfs.open_store_sync(x_cfg) as x:
+        x.put(k, kv_page(71))
+        x.spill("u")
+    with kvfs.open_store_sync(w_setup) as w:
+        w.restore("u")
+        w_id = w.engine.store_id
+
+    async def main() -> None:
+        async with kvfs.open_store(w_cfg) as w:  # W's heartbeat, then W goes for good
+            with trio.fail_after(30):
+                while not await _objects(w, "hosts/"):
+                    await trio.sleep(0.05)
+        async with kvfs.open_store(a_cfg) as a:
+            with trio.fail_after(60):
+                while (await a.statistics()).extra["archive"]["hosts_retired"] == 0:
+                    await trio.sleep(0.1)
+            assert not [m for m in await _objects(a, "manifests/") if m.endswith("@" + w_id)]
+            assert [x["session"] for x in await a.archived_sessions()] == ["u"]
+
+    trio.run(main)
+    with kvfs.open_store_sync(archived_cfg(make_config, archive_url, name="host-v")) as v:
+        v.restore("u")
+        assert v.get(k) == kv_page(71)
+
+
+def test_a_retired_hosts_tombstone_over_a_single_layout_manifest_stays(
+    make_config: Callable[..., kvfs.StoreConfig],
+    archive_url: str,  # noqa: F811
+) -> None:
+    """As test_a_session_a_retired_host_deleted_stays_deleted, with X's manifest in the
+    layout before per-host manifests (``manifests/<session>``, one per session): the
+    retirement looked for what W's tombstone supersedes only under per-host keys, deleted
+    it, and X's old manifest brought the session W deleted back."""
+    from kvfs._manifest import legacy_manifest_key, manifest_key
+
+    x_cfg = archived_cfg(make_config, archive_url, name="host-x")  # keeps its sessions
+    w_setup = archived_cfg(make_config, archive_url, name="host-w")
+    w_cfg = archived_cfg(make_config, archive_url, name="host-w", interval=60, retention=1.5)
+    a_cfg = archived_cfg(make_config, archive_url, name="host-a", interval=0.05, retention=1)
+    with kvfs.open_store_sync(x_cfg) as x:
+        x.put(PageKey.semantic("u", "p", 0), kv_page(72))
+        x.spill("u")
+        policy = x.engine.policy  # type: ignore[attr-defined]
+        store, new = policy.store, manifest_key("sessions/u", x.engine.store_id)
+        policy.call(store.put, legacy_manifest_key("sessions/u"), policy.call(store.get, new))
+        policy.call(store.delete, new)
+    with kvfs.open_store_sync(w_setup) as w:
+        w.restore("u")
+        w.delete_session("u")
+        assert w.archived_sessions() == []
+
+    async def main() -> None:
+        async with kvfs.open_store(w_cfg) as w:  # W's heartbeat, then W goes for good
+            with trio.fail_after(30):
+                while not await _objects(w, "hosts/"):
+                    await trio.sleep(0.05)
+        async with kvfs.open_store(a_cfg) as a:
+            with trio.fail_after(60):
+                while (await a.statistics()).extra["archive"]["hosts_retired"] == 0:
+                    await trio.sleep(0.1)
+            assert await a.archived_sessions() == []
+
+    trio.run(main)
+    with kvfs.open_store_sync(archived_cfg(make_config, archive_url, name="host-v")) as v:
+        assert v.archived_sessions() == []
+        with pytest.raises(kvfs.SessionNotFound):
+            v.restore("u")
+
+
 def test_a_host_that_keeps_beating_is_never_retired(
     make_config: Callable[..., kvfs.StoreConfig],
     archive_url: str,  # noqa: F811
