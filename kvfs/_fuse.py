@@ -497,7 +497,13 @@ class KvfsOperations(FileOps, pyfuse3.Operations):
             h = next((x for x in self.handles.values() if x.node is node and x.writable), None)
             if h is None:  # its writer closed it this instant: being committed
                 raise fuse_error(errno.EBUSY)
-            await self._finish(h, dst, hold=True)
+            # Not beside a flush of it (its writer's close from another thread): both
+            # committed the one writer, one under each name; the rename answered 0 with the
+            # page left under the old name, or EIO with it under the new one.
+            async with h.close_lock:
+                if h.committed:  # that close committed it (or discarded it) meanwhile
+                    raise fuse_error(errno.EBUSY)
+                await self._finish(h, dst, hold=True)
         else:
             validate_page(dst)
             await self._thread(self.engine.rename, src, dst)

@@ -898,3 +898,79 @@ async def test_a_page_with_a_bad_mount_attribute_still_stats(ops: KvfsOperations
     a = await ops.lookup(d, b"page", CTX)
     assert (a.st_uid, a.st_size, a.st_mode & 0o7777) == (os.getuid(), 3, 0o444)
     assert (await ops.getattr(a.st_ino, CTX)).st_gid == os.getgid()
+
+
+async def _gated(ops: KvfsOperations, name: bytes) -> tuple[int, object]:
+    """A file being written whose one queued write is held in its data file until the
+    returned gate is set: a flush of it waits in its drain meanwhile."""
+    import threading
+
+    from kvfs._fuse_behind import WriteBehind
+
+    fi, _ = await ops.create(ROOT, name, 0o644, os.O_WRONLY, CTX)
+    h = ops.handles[fi.fh]
+    assert h.node.pending is not None
+    gate, write = threading.Event(), h.node.pending.writer.write
+
+    def held(off: int, buf: bytes) -> None:
+        assert gate.wait(10)
+        write(off, buf)
+
+    h.behind = WriteBehind(held, 1, ops.write_behind_budget)
+    return fi.fh, gate
+
+
+async def _answers(steps: dict[str, Awaitable[object]], gate: object) -> dict[str, int]:
+    """Run ``steps`` at once, in order, each started once the ones before are blocked, then
+    open ``gate``: what each answered (0, or its errno)."""
+    import trio
+
+    answered: dict[str, int] = {}
+
+    async def call(what: str, step: Awaitable[object]) -> None:
+        try:
+            await step
+            answered[what] = 0
+        except pyfuse3.FUSEError as e:
+            answered[what] = e.errno
+
+    with trio.fail_after(20):  # (a guard: a step never answered)
+        async with trio.open_nursery() as nursery:
+            for what, step in steps.items():
+                nursery.start_soon(call, what, step)
+                await trio.testing.wait_all_tasks_blocked()
+            gate.set()  # type: ignore[attr-defined]
+    return answered
+
+
+async def test_a_rename_beside_its_writers_close_commits_the_file_once(
+    ops: KvfsOperations,
+) -> None:
+    """A writer's thread renames the file (tmp + rename) while another thread closes it:
+    both committed the one writer, one under each name. The rename answered 0 with the
+    page left under the old name (the close EIO), or EIO with the page under the new name.
+    Now the rename waits for the close and answers EBUSY (docs/mount.md, Errors) once that
+    committed it; one that comes first commits it and the close answers 0."""
+    import trio
+
+    data = os.urandom(MiB)
+    async with trio.open_nursery() as nursery:
+        ops.nursery = nursery
+        # the close first, held in its drain, then the rename
+        fh, gate = await _gated(ops, b"tmp")
+        await ops.write(fh, 0, data)
+        rename = ops.rename(ROOT, b"tmp", ROOT, b"final", 0, CTX)
+        got = await _answers({"flush": ops.flush(fh), "rename": rename}, gate)
+        await ops.release(fh)
+        assert got == {"flush": 0, "rename": errno.EBUSY}
+        assert ops.engine.get("tmp") == data and not ops.engine.exists("final")
+        await ops.unlink(ROOT, b"tmp", CTX)
+        # the rename first, held in its drain, then the close
+        fh, gate = await _gated(ops, b"tmp")
+        await ops.write(fh, 0, data)
+        rename = ops.rename(ROOT, b"tmp", ROOT, b"final", 0, CTX)
+        got = await _answers({"rename": rename, "flush": ops.flush(fh)}, gate)
+        await ops.release(fh)
+        assert got == {"flush": 0, "rename": 0}
+        assert ops.engine.get("final") == data and not ops.engine.exists("tmp")
+        ops.nursery = None
