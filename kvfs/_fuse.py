@@ -440,6 +440,10 @@ class KvfsOperations(FileOps, pyfuse3.Operations):
     async def unlink(self, parent_inode: int, name: bytes, ctx: Any) -> None:
         parent = self._dir(parent_inode)
         path = child_of(parent, name)
+        while path in self.settling:
+            # Its writer's close is committing it: unlink the page once it is one (the
+            # unlink answered ENOENT, and the page appeared after it)
+            await self.settling[path].wait()
         node = self.pending.pop(path, None)
         if node is not None:
             assert node.pending is not None

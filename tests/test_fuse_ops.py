@@ -974,3 +974,35 @@ async def test_a_rename_beside_its_writers_close_commits_the_file_once(
         assert got == {"flush": 0, "rename": 0}
         assert ops.engine.get("final") == data and not ops.engine.exists("tmp")
         ops.nursery = None
+
+
+async def test_an_unlink_while_the_close_commits_removes_the_page(ops: KvfsOperations) -> None:
+    """`rm f` while f's writer closes it, the commit under way: the unlink answered ENOENT
+    (the file was pending no more, and not yet a page), and the page appeared after it.
+    Now it waits for the commit and removes the page."""
+    import threading
+
+    import trio
+
+    data = os.urandom(MiB)
+    async with trio.open_nursery() as nursery:
+        ops.nursery = nursery
+        fi, _ = await ops.create(ROOT, b"f", 0o644, os.O_WRONLY, CTX)
+        h = ops.handles[fi.fh]
+        assert h.node.pending is not None
+        writer = h.node.pending.writer
+        gate, commit = threading.Event(), writer.commit
+
+        def held_commit(**kw: object) -> kvfs.PageInfo:
+            assert gate.wait(10)
+            return commit(**kw)  # type: ignore[arg-type]
+
+        writer.commit = held_commit  # type: ignore[method-assign]
+        await ops.write(fi.fh, 0, data)
+        got = await _answers(
+            {"flush": ops.flush(fi.fh), "unlink": ops.unlink(ROOT, b"f", CTX)}, gate
+        )
+        await ops.release(fi.fh)
+        assert got == {"flush": 0, "unlink": 0}
+        assert not ops.engine.exists("f")
+        ops.nursery = None
