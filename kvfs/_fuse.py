@@ -488,6 +488,22 @@ class KvfsOperations(FileOps, pyfuse3.Operations):
             raise fuse_error(errno.EPERM)
         if target is node:
             return
+        # A file being written under the target name is closed after the rename, not beside
+        # it: the rename replaces it, and its close (which finds it unlinked) commits
+        # nothing. Beside it, the close committed that file over the page the rename had
+        # just put there, both answered 0, and the name kept the file the rename replaced.
+        closing = None
+        if target is not None and target.kind is Kind.PENDING:
+            closing = next(
+                (x for x in self.handles.values() if x.node is target and x.writable), None
+            )
+        async with closing.close_lock if closing is not None else contextlib.nullcontext():
+            await self._rename_file(node, target, src, dst, ctx)
+
+    async def _rename_file(
+        self, node: Node, target: Node | None, src: str, dst: str, ctx: Any
+    ) -> None:
+        """:meth:`rename`'s moves, once its names are resolved and checked."""
         if node.kind is Kind.DIR:
             await self._rename_dir(src, dst, target)
         elif target is not None and target.kind is Kind.DIR:

@@ -521,7 +521,8 @@ class FileOps:
 
     @guard
     async def release(self, fh: int) -> None:
-        h = self.handles.pop(fh, None)
+        # (listed until it is closed: a rename onto the file it commits waits for it)
+        h = self.handles.get(fh)
         if h is None:
             raise fuse_error(errno.EBADF)
         try:
@@ -535,6 +536,7 @@ class FileOps:
             if not (h.failed or h.again_failed):  # (those the close reported already)
                 raise
         finally:
+            self.handles.pop(fh, None)
             await self._close_handle(h)
 
     async def _close_handle(self, h: Handle) -> None:

@@ -1006,3 +1006,74 @@ async def test_an_unlink_while_the_close_commits_removes_the_page(ops: KvfsOpera
         assert got == {"flush": 0, "unlink": 0}
         assert not ops.engine.exists("f")
         ops.nursery = None
+
+
+async def test_a_file_being_written_replaced_by_a_rename_is_closed_after_it(
+    ops: KvfsOperations,
+) -> None:
+    """`mv page final` while another writer closes the file it was writing as final: the
+    close committed its file over the page the rename had just put there (its commit ran
+    while the rename's did), both answered 0, and final held the file the rename had
+    replaced. The close waits for the rename now and commits nothing (its file was
+    unlinked by it)."""
+    import threading
+
+    import trio
+
+    data, other = os.urandom(MiB), os.urandom(MiB)
+    async with trio.open_nursery() as nursery:
+        ops.nursery = nursery
+        await write_file(ops, ROOT, "page", data)
+        fi, _ = await ops.create(ROOT, b"final", 0o644, os.O_WRONLY, CTX)
+        await ops.write(fi.fh, 0, other)
+        await ops.fsync(fi.fh, False)
+        gate, rename = threading.Event(), ops.engine.rename
+
+        def held_rename(src: str, dst: str) -> kvfs.PageInfo:
+            assert gate.wait(10)
+            return rename(src, dst)
+
+        ops.engine.rename = held_rename  # type: ignore[method-assign]
+        mv = ops.rename(ROOT, b"page", ROOT, b"final", 0, CTX)
+        got = await _answers({"rename": mv, "flush": ops.flush(fi.fh)}, gate)
+        await ops.release(fi.fh)
+        assert got == {"rename": 0, "flush": 0}
+        assert ops.engine.get("final") == data and not ops.engine.exists("page")
+        assert ops.engine.reserved == 0  # (the file closed after the rename gave its room back)
+        ops.nursery = None
+
+
+async def test_a_file_released_beside_a_rename_onto_it_is_not_committed_over_it(
+    ops: KvfsOperations,
+) -> None:
+    """The same for a file closed before any write, which its release commits (`touch`),
+    and a rename onto it that comes as the release begins: the release no longer listed
+    the file's handle, and the rename did not wait for it."""
+    import threading
+
+    import trio
+
+    data = os.urandom(MiB)
+    async with trio.open_nursery() as nursery:
+        ops.nursery = nursery
+        for i in range(20):  # (trio picks which of the two runs first: so, twenty rounds)
+            await write_file(ops, ROOT, "page", data)
+            fi, _ = await ops.create(ROOT, b"final", 0o644, os.O_WRONLY, CTX)
+            await ops.flush(fi.fh)  # (before any write: the release commits it)
+            writer = ops.handles[fi.fh].node.pending.writer  # type: ignore[union-attr]
+            gate, commit = threading.Event(), writer.commit
+
+            def held(gate: threading.Event = gate, commit=commit, **kw: object) -> object:
+                assert gate.wait(10)
+                return commit(**kw)
+
+            writer.commit = held  # type: ignore[method-assign]
+            with trio.fail_after(20):
+                async with trio.open_nursery() as both:
+                    both.start_soon(ops.release, fi.fh)
+                    both.start_soon(ops.rename, ROOT, b"page", ROOT, b"final", 0, CTX)
+                    await trio.testing.wait_all_tasks_blocked()
+                    gate.set()  # (the release's commit, if it is under way, after the rename)
+            assert ops.engine.get("final") == data, i
+            await ops.unlink(ROOT, b"final", CTX)
+        ops.nursery = None
