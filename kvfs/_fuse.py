@@ -242,6 +242,19 @@ class KvfsOperations(FileOps, pyfuse3.Operations):
         self, inode: int, attr: Any, fields: Any, fh: Any, ctx: Any
     ) -> pyfuse3.EntryAttributes:
         node = self.table.get(inode)
+        writer = next((x for x in self.handles.values() if x.node is node and x.writable), None)
+        if node.kind is Kind.PENDING and fields.update_size and writer is not None:
+            # Not beside its writer's close (another thread's, a child's exit): the close
+            # committed the writer and the truncate then found it closed, answered EIO
+            # with an "unexpected error" logged. After that close, a truncate through the
+            # writer's descriptor makes the page's next version, as any later one does.
+            async with writer.close_lock:
+                return await self._setattr(node, attr, fields, fh)
+        return await self._setattr(node, attr, fields, fh)
+
+    async def _setattr(
+        self, node: Node, attr: Any, fields: Any, fh: Any
+    ) -> pyfuse3.EntryAttributes:
         mtime = attr.st_mtime_ns if fields.update_mtime else None
         if node.kind is Kind.PENDING:
             w = node.pending

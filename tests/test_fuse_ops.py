@@ -1077,3 +1077,30 @@ async def test_a_file_released_beside_a_rename_onto_it_is_not_committed_over_it(
             assert ops.engine.get("final") == data, i
             await ops.unlink(ROOT, b"final", CTX)
         ops.nursery = None
+
+
+async def test_an_ftruncate_beside_its_writers_close_truncates_the_page(
+    ops: KvfsOperations, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A writer's ftruncate while its close (another thread's, or a child's exit that
+    closed the descriptor it inherited) commits the file: the truncate found the writer
+    closed, answered EIO and logged an unexpected error. It waits for the close now, and
+    then truncates the page's next version, which the writer's last close commits."""
+    import trio
+
+    data = os.urandom(MiB)
+    async with trio.open_nursery() as nursery:
+        ops.nursery = nursery
+        for i in range(10):  # (which of the two threads gets on first is the OS's pick)
+            fh, gate = await _gated(ops, f"f{i}".encode())
+            await ops.write(fh, 0, data)
+            ino = ops.handles[fh].node.ino
+            attr = pyfuse3.EntryAttributes()
+            attr.st_size = 100
+            truncate = ops.setattr(ino, attr, Fields(update_size=True), fh, CTX)
+            got = await _answers({"flush": ops.flush(fh), "truncate": truncate}, gate)
+            await ops.release(fh)
+            assert got == {"flush": 0, "truncate": 0}, i
+            assert ops.engine.get(f"f{i}") == data[:100], i
+        ops.nursery = None
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
