@@ -334,6 +334,16 @@ def _pinned(db: sqlite3.Connection, column: str, value: object) -> bool:
     return db.execute(sql, (value,)).fetchone() is not None
 
 
+def _after_prefix(prefix: str) -> str | None:
+    """The least string after every string that starts with ``prefix`` in the index's
+    order (BINARY: UTF-8's bytes, which sort as the code points do); None when none is."""
+    s = prefix.rstrip("\U0010ffff")
+    if not s:
+        return None
+    nxt = ord(s[-1]) + 1
+    return s[:-1] + chr(0xE000 if nxt == 0xD800 else nxt)  # (surrogates are no text)
+
+
 def _where_pages(
     select: str, session: str | None, path_prefix: str | None, limit: int | None
 ) -> tuple[str, list[object]]:
@@ -344,9 +354,12 @@ def _where_pages(
         where.append("p.session=?")
         args.append(session)
     if path_prefix:
-        # Range scan on the primary key: everything that starts with path_prefix.
-        where.append("p.path >= ? AND p.path < ?")
-        args += [path_prefix, path_prefix + "\U0010ffff"]
+        # Range scan on the primary key: everything that starts with path_prefix. (Its end
+        # was path_prefix + U+10FFFF, before which "d/\U0010ffffx" does not sort: a page
+        # named so was left out of its directory's listing on the mount and in the API.)
+        end = _after_prefix(path_prefix)
+        where.append("p.path >= ?" if end is None else "p.path >= ? AND p.path < ?")
+        args += [path_prefix] if end is None else [path_prefix, end]
     if where:
         sql += " WHERE " + " AND ".join(where)
     sql += " ORDER BY p.path"
