@@ -1305,7 +1305,8 @@ class Engine:
         archived, page bytes to archive)`` as uploads finish. Returns bytes uploaded.
         Raises SessionNotFound, ArchiveUnavailable (then nothing local was dropped)."""
         with self._using():
-            return int(self._archive().spill(self.resolve_session(session), progress))
+            d = self.resolve_session(session)  # (a bad name is InvalidKey, archive or not)
+            return int(self._archive().spill(d, progress))
 
     def restore(self, session: str, *, progress: Callable[[int, int], None] | None = None) -> int:
         """Bring a session back: import its manifest's pages this store lacks (from any host
@@ -1314,8 +1315,8 @@ class Engine:
         Returns bytes restored. Raises SessionNotFound, ArchiveUnavailable, CorruptPage
         (after every page was tried)."""
         with self._using():
-            archive = self._archive()
             d = self.resolve_session(session)
+            archive = self._archive()
             try:
                 return int(archive.restore_session(d, progress))
             except SessionNotFound:

@@ -103,6 +103,23 @@ def session_dir(session: str) -> str:
     return "/".join(parts)
 
 
+def check_list_filter(session: str | None, prefix: str | None, path_prefix: str | None) -> None:
+    """Raise InvalidKey unless ``list`` can take these: a session name (:func:`session_dir`),
+    a prefix as :meth:`PageKey.semantic` takes one, a path prefix that is text (any start of
+    a path: ``lmcache/model@``)."""
+    if session is not None:
+        session_dir(session)
+    if prefix is not None:
+        _check_part(prefix, "prefix")
+    if path_prefix is not None:
+        if not isinstance(path_prefix, str):
+            raise InvalidKey(f"path_prefix must be a string, not {type(path_prefix).__name__}")
+        try:
+            path_prefix.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise InvalidKey(f"path prefix {path_prefix!r} is not valid UTF-8") from e
+
+
 def session_name(d: str) -> str:
     """What a user calls the session in directory ``d``: ``sessions/agent-42`` ->
     ``agent-42``; an engine directory is its own name (as ``kvfs ls`` shows both)."""

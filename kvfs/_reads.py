@@ -21,7 +21,7 @@ from ._aligned import aligned_buffer, as_bytes_view, heap_view
 from ._checksum import DIGEST, LEAF, leaf_hash, leaf_hasher
 from ._errors import CorruptPage, InvalidKey, KvfsError, PageNotFound, SessionNotFound
 from ._index import BlobRow, PageRow
-from ._keys import PageKey, session_name
+from ._keys import PageKey, check_list_filter, session_name
 from ._local import wait_all
 from ._types import Extent, PageInfo, SessionInfo
 
@@ -410,6 +410,9 @@ def list_pages(
 ) -> builtins.list[PageInfo]:
     if prefix is not None and session is None:
         raise InvalidKey("prefix needs a session")
+    # (a prefix that is no name listed nothing, and a path prefix that is not UTF-8 raised
+    # SQLite's UnicodeEncodeError)
+    check_list_filter(session, prefix, path_prefix)
     sd = eng.resolve_session(session) if session is not None else None
     pp = path_prefix
     if prefix is not None:

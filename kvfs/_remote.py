@@ -43,7 +43,7 @@ from ._control import (
 )
 from ._errors import StoreClosed
 from ._gather import BatchCalls, one_buffer_per_key, pairs
-from ._keys import PageKey, as_key
+from ._keys import PageKey, as_key, check_list_filter, session_dir
 from ._reads import too_small
 from ._types import PageInfo
 from ._writes import check_attrs
@@ -56,6 +56,13 @@ KeyLike = PageKey | str
 def _k(key: KeyLike) -> str:
     # Checked here, as in-process: a bad key gets InvalidKey, not an error from packing it.
     return as_key(key).path
+
+
+def _s(session: str) -> str:
+    # As _k: a name that is no session (not UTF-8 above all, which msgpack cannot send) gets
+    # InvalidKey here, as in-process; the daemon resolves the name itself.
+    session_dir(session)
+    return session
 
 
 def _dest(into: object | None) -> memoryview | None:
@@ -144,22 +151,23 @@ class _Api:
         prefix: str | None = None,
         path_prefix: str | None = None,
     ) -> Any:
+        check_list_filter(session, prefix, path_prefix)
         return self._call("list", session=session, prefix=prefix, path_prefix=path_prefix)
 
     def sessions(self) -> Any:
         return self._call("sessions")
 
     def session_info(self, session: str) -> Any:
-        return self._call("session_info", session)
+        return self._call("session_info", _s(session))
 
     def set_session_attrs(self, session: str, attrs: dict[str, str]) -> Any:
-        return self._call("set_session_attrs", session, check_attrs(attrs, page=False))
+        return self._call("set_session_attrs", _s(session), check_attrs(attrs, page=False))
 
     def delete(self, key: KeyLike) -> Any:
         return self._call("delete", _k(key))
 
     def delete_session(self, session: str) -> Any:
-        return self._call("delete_session", session)
+        return self._call("delete_session", _s(session))
 
     def rename(self, src: KeyLike, dst: KeyLike) -> Any:
         return self._call("rename", _k(src), _k(dst))
@@ -172,13 +180,17 @@ class _Api:
         return self._call("unpin", _k(key))
 
     def pin_session(self, session: str, *, ttl: float | None = None) -> Any:
-        return self._call("pin_session", session, **({} if ttl is None else {"ttl": ttl}))
+        return self._call("pin_session", _s(session), **({} if ttl is None else {"ttl": ttl}))
 
     def unpin_session(self, session: str) -> Any:
-        return self._call("unpin_session", session)
+        return self._call("unpin_session", _s(session))
 
     def evict(self, key: KeyLike | None = None, *, session: str | None = None) -> Any:
-        return self._call("evict", None if key is None else _k(key), session=session)
+        return self._call(
+            "evict",
+            None if key is None else _k(key),
+            session=None if session is None else _s(session),
+        )
 
     def fsck(
         self,
@@ -199,10 +211,10 @@ class _Api:
         return self._call("statistics")
 
     def spill(self, session: str) -> Any:
-        return self._call("spill", session)
+        return self._call("spill", _s(session))
 
     def restore(self, session: str) -> Any:
-        return self._call("restore", session)
+        return self._call("restore", _s(session))
 
     def archived_sessions(self) -> Any:
         return self._call("archived_sessions")
@@ -297,11 +309,13 @@ class SyncRemoteStore(_Api):
         """As ``SyncStore.evict``; with ``progress``, it is called with (page bytes archived,
         page bytes to archive) as the daemon reports them."""
         k = None if key is None else _k(key)
+        session = None if session is None else _s(session)
         if progress is None:
             return self._call("evict", k, session=session)
         return self._call("evict", k, session=session, progress=True, on_progress=progress)
 
     def _long(self, method: str, session: str, progress: Callable[[int, int], None] | None) -> Any:
+        session = _s(session)
         if progress is None:
             return self._call(method, session)
         return self._call(method, session, progress=True, on_progress=progress)
@@ -507,6 +521,7 @@ class RemoteStore(_Api, BatchCalls):
     ) -> Any:
         """As ``Store.evict``; ``progress`` gets (page bytes archived, page bytes to archive)."""
         k = None if key is None else _k(key)
+        session = None if session is None else _s(session)
         if progress is None:
             return await self._call("evict", k, session=session)
         return await self._call("evict", k, session=session, progress=True, on_progress=progress)
@@ -514,6 +529,7 @@ class RemoteStore(_Api, BatchCalls):
     async def _long(
         self, method: str, session: str, progress: Callable[[int, int], None] | None
     ) -> Any:
+        session = _s(session)
         if progress is None:
             return await self._call(method, session)
         return await self._call(method, session, progress=True, on_progress=progress)
