@@ -92,7 +92,7 @@ def session_dir(session: str) -> str:
     """
     if not isinstance(session, str):
         raise InvalidKey(f"session must be a string, not {type(session).__name__}")
-    if session == ".":
+    if session.rstrip("/") == ".":  # ("./" too, as "lmcache/" is lmcache)
         return "."
     if "/" not in session:
         _check_part(session, "session")

@@ -3,14 +3,19 @@ the ``kvfs`` command show and accept, and a bad name is InvalidKey everywhere.""
 
 from __future__ import annotations
 
+import errno
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 from _kvfs_mount import daemon_mount
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import kvfs
+from kvfs._manifest import is_session_manifest, manifest_key, session_key_part
+from objectstore import check_key
 
 LAST = "\U0010ffff"  # the last code point: a valid name's character like any other
 
@@ -110,3 +115,110 @@ def test_the_command_says_a_name_is_not_utf8(
     for verb in ("ls", "pin", "evict", "rm", "spill"):
         rc, out, err = run(verb, "--data", data, os.fsdecode(b"agent-\xff"))
         assert rc == 2 and "not valid UTF-8" in err and "too large" not in err, (verb, err)
+
+
+# -- a property over names: the API, the mount and the archive agree -------------------------
+_ODD = "%+@#? \n\t-_.~\\é€\U0010ffff"
+_part = st.one_of(
+    st.text(st.sampled_from("ab" + _ODD) | st.characters(codec="utf-8"), min_size=1, max_size=8),
+    st.sampled_from(["", ".", "..", ".kvfs.json", "sessions", "a\x00", os.fsdecode(b"\xff")]),
+    # at the limit of a name, in characters of one to four bytes
+    st.builds(
+        lambda c, extra: c * ((255 + extra) // len(c.encode())),
+        st.sampled_from(["x", "é", "€", "\U0010ffff"]),
+        st.integers(-3, 3),
+    ),
+)
+_key = st.one_of(
+    st.tuples(_part, _part, _part).map(lambda t: "sessions/" + "/".join(t)),
+    st.lists(_part, min_size=1, max_size=4).map("/".join),
+)
+
+
+def _valid(path: str) -> bool:
+    try:
+        kvfs.PageKey(path)
+    except kvfs.InvalidKey:
+        return False
+    return True
+
+
+@settings(
+    max_examples=25,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(paths=st.lists(_key, min_size=1, max_size=6, unique=True))
+def test_every_name_the_api_takes_the_mount_shows_and_the_mount_takes_no_other(
+    mounted: tuple[Path, kvfs.SyncRemoteStore], paths: list[str]
+) -> None:
+    """Each name the API takes is listed in its directory on the mount, read and unlinked
+    there; each it refuses (InvalidKey, nothing else) the mount refuses too, storing nothing."""
+    mp, st_ = mounted
+    good: dict[str, bytes] = {}
+    try:
+        for i, path in enumerate(paths):
+            try:
+                st_.put(path, f"{i}".encode())
+            except kvfs.PageExists:
+                continue  # a page above or below one put before: not a file and a directory
+            except kvfs.InvalidKey:
+                assert not _valid(path)
+                # (the kernel resolves "", "." and ".." itself, and takes no NUL)
+                if not {"", ".", ".."} & set(path.split("/")) and "\x00" not in path:
+                    _mount_refuses(mp, path)
+                continue
+            assert _valid(path)
+            good[path] = f"{i}".encode()
+        assert sorted(p.path for p in st_.list(path_prefix="")) == sorted(good)
+        for path, data in good.items():
+            on_mount = mp / path
+            assert on_mount.name in os.listdir(on_mount.parent), path
+            assert on_mount.read_bytes() == data
+            session = kvfs.PageKey(path).session_dir + "/"
+            assert path in [p.path for p in st_.list(session=session)]
+        for path in good:
+            os.unlink(mp / path)
+        assert st_.list(path_prefix="") == []
+    finally:
+        for p in st_.list(path_prefix=""):
+            st_.delete(p.path)
+
+
+def _mount_refuses(mp: Path, path: str) -> None:
+    try:
+        fd = os.open(os.fsencode(mp) + b"/" + os.fsencode(path), os.O_CREAT | os.O_WRONLY)
+    except OSError as e:
+        # EINVAL, ENAMETOOLONG: the name; ENOENT, ENOTDIR, EISDIR: a directory on its way
+        # that is not there (refused itself), or is no directory
+        ok = (errno.EINVAL, errno.ENAMETOOLONG, errno.ENOENT, errno.ENOTDIR, errno.EISDIR)
+        assert e.errno in ok, (path, e)
+    else:
+        os.close(fd)
+        pytest.fail(f"the mount made {path!r}, which the API refuses")
+
+
+@given(sessions=st.lists(_key, min_size=2, max_size=8, unique=True))
+def test_manifest_keys_are_one_per_session_and_fit_a_file_archive(sessions: list[str]) -> None:
+    """Two sessions never share a manifest key, and every key is one an S3 bucket and a
+    file:// archive (255 bytes a component) can hold."""
+    dirs = {kvfs.PageKey(p).session_dir for p in sessions if _valid(p)}
+    parts = {session_key_part(d) for d in dirs}
+    assert len(parts) == len(dirs)
+    for d in dirs:
+        key = manifest_key(d, "0123456789abcdef0123456789abcdef")
+        assert check_key(key) == key
+        assert all(len(c.encode()) <= 255 for c in key.split("/"))
+        assert is_session_manifest(key, d)
+        assert not any(is_session_manifest(key, o) for o in dirs - {d})
+
+
+def test_the_top_level_directory_is_a_session_with_its_slash_too(
+    sync_store: kvfs.SyncStore,
+) -> None:
+    """``lmcache/`` is the directory lmcache, but ``./`` was InvalidKey ("component may not
+    be '.'") where ``.`` is the top level's session."""
+    sync_store.put("top.bin", b"x")
+    assert kvfs.session_dir("./") == "."
+    assert sync_store.session_info("./").dir == "."
+    assert [p.path for p in sync_store.list(session="./")] == ["top.bin"]
