@@ -213,10 +213,11 @@ def _width(s: str) -> int:
 
 def printable(s: str) -> str:
     """A cell or a listed name on one line: control characters (a newline in a page name)
-    escaped."""
-    if s.isprintable():
+    escaped, and so backslashes too (``a\\nb`` and ``a``, newline, ``b`` are two names, which
+    printed alike)."""
+    if s.isprintable() and "\\" not in s:
         return s
-    return "".join(ch if ch.isprintable() else repr(ch)[1:-1] for ch in s)
+    return "".join(ch if ch.isprintable() and ch != "\\" else repr(ch)[1:-1] for ch in s)
 
 
 def _numeric(s: str) -> bool:

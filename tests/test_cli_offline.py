@@ -827,11 +827,13 @@ def test_tables_line_up_with_wide_characters_and_stay_one_line_per_row() -> None
     from cli._util import print_table
 
     buf = io.StringIO()
-    print_table(["SESSION", "PAGES"], [["用户-会话", 3], ["abc", 12], ["a\nb", 1]], file=buf)
+    rows = [["用户-会话", 3], ["abc", 12], ["a\nb", 1], ["a\\nb", 2]]
+    print_table(["SESSION", "PAGES"], rows, file=buf)
     lines = buf.getvalue().splitlines()
-    assert len(lines) == 5
+    assert len(lines) == 6
     assert lines[2] == "用户-会话      3" and lines[3] == "abc           12"
-    assert lines[4] == "a\\nb           1"
+    # (a backslash is escaped too: the name a, newline, b and the name a\nb printed alike)
+    assert lines[4] == "a\\nb           1" and lines[5] == "a\\\\nb          2"
 
 
 def test_a_bad_archive_url_is_told_before_anything_starts(run: Run, tmp_path: Path) -> None:
