@@ -251,19 +251,28 @@ def parse_header(buf: bytes | memoryview, where: str = "page") -> PageHeader:
             isinstance(x, str) for kv in meta.items() for x in kv
         ):
             raise TypeError("its metadata is not a table of strings")
-    except (ValueError, KeyError, TypeError, AttributeError) as e:
+    # (RecursionError: JSON nested some thousand deep, which a few KiB of header can be)
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
         raise CorruptPage(f"{where}: not a {FORMAT} page ({e})") from e
     if meta.get("format") != FORMAT:
         raise GeometryMismatch(f"{where}: not a {FORMAT} page (format={meta.get('format')!r})")
+    if head:  # any other tensor: a safetensors reader would look for its bytes past the end
+        raise CorruptPage(f"{where}: tensors {sorted(head)} besides key and value")
     start = 8 + n
     try:  # (the digest covers the tensor data only: a damaged header is caught here)
         if k["dtype"] != v["dtype"] or k["shape"] != v["shape"] or k["dtype"] not in _ST_TO_NAME:
             raise CorruptPage(f"{where}: key and value tensors disagree or have an unknown dtype")
         kb, ke = k["data_offsets"]
         vb, ve = v["data_offsets"]
-        shape = tuple(int(x) for x in k["shape"])
+        shape = tuple(k["shape"])
     except (ValueError, KeyError, TypeError) as e:
         raise CorruptPage(f"{where}: a damaged {FORMAT} header ({e!r})") from e
+    # Counts and offsets are JSON integers, as safetensors has them: a float (2.0, 1e3,
+    # Infinity), a string or a bool was read as one (or raised OverflowError), a float
+    # offset passed the checks below and failed as a slice index, and negative dimensions
+    # whose product is positive passed as a shape.
+    if not all(_is_count(x) for x in (*shape, kb, ke, vb, ve)):
+        raise CorruptPage(f"{where}: a shape or offset that is not a non-negative integer")
     if len(shape) != 3:
         raise CorruptPage(f"{where}: tensors of shape {list(shape)}; expected 3 dimensions")
     name = _ST_TO_NAME[k["dtype"]]
@@ -278,6 +287,10 @@ def parse_header(buf: bytes | memoryview, where: str = "page") -> PageHeader:
         value_offset=start + vb,
         tensor_bytes=nbytes,
     )
+
+
+def _is_count(x: object) -> bool:
+    return type(x) is int and x >= 0
 
 
 def check_page(h: PageHeader, page: memoryview, where: str = "page", *, digest: bool) -> None:

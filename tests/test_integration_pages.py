@@ -1,0 +1,77 @@
+"""The engine-neutral parts of kvfs.integrations, without an engine: the kvfs-kv/1 header
+parser against damaged and hostile headers, the chunk names' token containers, and the
+write-once promise of DirectoryPages on a plain directory and on a real kvfs mount.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from typing import Any
+
+import blake3
+import pytest
+
+import kvfs
+from kvfs.integrations import Geometry
+from kvfs.integrations._format import PageLayout, check_page, parse_header
+
+G = Geometry("m", layers=1, kv_heads=1, head_dim=4, dtype="float32", chunk_tokens=4)
+
+
+def _page(key: dict[str, Any], value: dict[str, Any] | None = None, **extra: Any) -> bytes:
+    """A page of 8 zero bytes of data whose header has these tensor entries (the digest
+    right), so that only the header is in question."""
+    data = b"\0" * 8
+    meta = {"format": "kvfs-kv/1", "digest": "blake3:" + blake3.blake3(data).hexdigest()}
+    head = {"__metadata__": meta, "key": key, "value": value or key, **extra}
+    js = json.dumps(head).encode()
+    return struct.pack("<Q", len(js)) + js + data
+
+
+def _raw(js: bytes) -> bytes:
+    return struct.pack("<Q", len(js)) + js + b"\0" * 8
+
+
+def _t(shape: list[Any], offsets: list[Any]) -> dict[str, Any]:
+    return {"dtype": "F32", "shape": shape, "data_offsets": offsets}
+
+
+HOSTILE = {
+    # read as int(x): OverflowError escaped, not CorruptPage
+    "an infinite dimension": _raw(
+        b'{"__metadata__":{"format":"kvfs-kv/1"},'
+        b'"key":{"dtype":"F32","shape":[Infinity,1,1],"data_offsets":[0,4]},'
+        b'"value":{"dtype":"F32","shape":[Infinity,1,1],"data_offsets":[4,8]}}'
+    ),
+    # equal to the right ints, so accepted; then a float slice index: TypeError
+    "float offsets": _page(_t([1, 1, 1], [0.0, 4.0]), _t([1, 1, 1], [4.0, 8.0])),
+    # (-1) * (-1) * 1 elements: a page of shape (-1, -1, 1) was accepted
+    "negative dimensions": _page(_t([-1, -1, 1], [0, 4]), _t([-1, -1, 1], [4, 8])),
+    "string and float dimensions": _page(
+        _t(["1", 1.9, True], [0, 4]), _t(["1", 1.9, True], [4, 8])
+    ),
+    # json.loads raised RecursionError
+    "JSON nested deeper than the parser goes": _raw(b"[" * 100_000 + b"]" * 100_000),
+    "metadata nested deeper than the parser goes": _raw(
+        b'{"__metadata__":' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    ),
+    # a safetensors reader looks for the other tensor's bytes past the page's end
+    "a third tensor": _page(_t([1, 1, 1], [0, 4]), _t([1, 1, 1], [4, 8]), x=_t([1], [8, 12])),
+}
+
+
+@pytest.mark.parametrize("raw", HOSTILE.values(), ids=list(HOSTILE))
+def test_a_hostile_header_is_a_corrupt_page(raw: bytes) -> None:
+    with pytest.raises(kvfs.CorruptPage):
+        h = parse_header(raw)
+        check_page(h, memoryview(raw), digest=True)
+
+
+def test_a_page_kvfs_writes_still_parses() -> None:
+    lay = PageLayout.build(G, 4, G.to_attrs())
+    buf = lay.buffer()
+    lay.seal(buf)
+    h = parse_header(buf)
+    assert h.shape == (1, 4, 4) and h.key_offset == lay.key_offset
+    check_page(h, buf, digest=True)
