@@ -7,13 +7,15 @@ from __future__ import annotations
 
 import json
 import struct
+from collections.abc import Callable
 from typing import Any
 
 import blake3
+import numpy as np
 import pytest
 
 import kvfs
-from kvfs.integrations import Geometry
+from kvfs.integrations import Geometry, chunk_names
 from kvfs.integrations._format import PageLayout, check_page, parse_header
 
 G = Geometry("m", layers=1, kv_heads=1, head_dim=4, dtype="float32", chunk_tokens=4)
@@ -75,3 +77,38 @@ def test_a_page_kvfs_writes_still_parses() -> None:
     h = parse_header(buf)
     assert h.shape == (1, 4, 4) and h.key_offset == lay.key_offset
     check_page(h, buf, digest=True)
+
+
+CONTAINERS: dict[str, Callable[[list[int]], Any]] = {
+    "tuple": tuple,
+    "range-like numpy int32": lambda t: np.asarray(t, dtype=np.int32),
+    "numpy uint16": lambda t: np.asarray(t, dtype=np.uint16),
+    "numpy int64": lambda t: np.asarray(t, dtype=np.int64),
+}
+
+
+@pytest.mark.parametrize("make", CONTAINERS.values(), ids=list(CONTAINERS))
+def test_chunk_names_are_the_same_for_any_integer_container(
+    make: Callable[[list[int]], Any],
+) -> None:
+    toks = list(range(1, 9))
+    assert chunk_names(make(toks), G) == chunk_names(toks, G)
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [[1.5, 2, 3, 4], np.array([1.5, 2.0, 3.0, 4.0]), ["1", "2", "3", "4"]],
+    ids=["float", "numpy float", "str"],
+)
+def test_a_token_that_is_no_integer_is_refused(bad: Any) -> None:
+    """1.5 was named as 1: two prefixes with one name, the KV of one loaded for the other."""
+    with pytest.raises(ValueError, match="integers"):
+        chunk_names(bad, G)
+
+
+def test_chunk_names_stay_what_they_were() -> None:
+    """The names are part of the stored data: a change orphans every stored page."""
+    assert chunk_names(list(range(8)), G) == [
+        "c00000-394e2052d95b062409850b0d044ea0cd",
+        "c00001-eab6fe7a8a906a81893d3e845b00b9c7",
+    ]

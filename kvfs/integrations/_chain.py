@@ -13,6 +13,7 @@ exactly for that prefix (KV of a token depends on every token before it).
 
 from __future__ import annotations
 
+import operator
 import re
 import struct
 from collections.abc import Sequence
@@ -37,7 +38,9 @@ def chunk_names(tokens: Sequence[int], g: Geometry, max_chunks: int | None = Non
     """Names of the full chunks of ``tokens`` (a trailing partial chunk has no name).
 
     A name is ``c<index>-<hex>``: the index makes listings readable, the hex is the chained
-    digest. Raises ValueError on a token id outside 0..2**63-1.
+    digest. ``tokens`` is any sequence of integers (a list, a numpy array or a torch tensor
+    of an integer dtype). Raises ValueError on a token id outside 0..2**63-1 or one that
+    is no integer (``1.5`` was named as ``1``: two prefixes, one name).
     """
     c = g.chunk_tokens
     n = len(tokens) // c
@@ -46,10 +49,10 @@ def chunk_names(tokens: Sequence[int], g: Geometry, max_chunks: int | None = Non
     h = geometry_seed(g)
     out = []
     for i in range(n):
-        chunk = [int(t) for t in tokens[i * c : (i + 1) * c]]
         try:
+            chunk = [operator.index(t) for t in tokens[i * c : (i + 1) * c]]
             data = struct.pack(f"<{c}q", *chunk)
-        except struct.error as e:
+        except (TypeError, struct.error) as e:
             raise ValueError(f"token ids must be integers in 0..2**63-1: {e}") from None
         if min(chunk) < 0:
             raise ValueError("token ids must be non-negative")
