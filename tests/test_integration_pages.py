@@ -6,16 +6,19 @@ write-once promise of DirectoryPages on a plain directory and on a real kvfs mou
 from __future__ import annotations
 
 import json
+import os
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import blake3
 import numpy as np
 import pytest
+from _kvfs_mount import ServedMount
 
 import kvfs
-from kvfs.integrations import Geometry, chunk_names
+from kvfs.integrations import DirectoryPages, Geometry, chunk_names
 from kvfs.integrations._format import PageLayout, check_page, parse_header
 
 G = Geometry("m", layers=1, kv_heads=1, head_dim=4, dtype="float32", chunk_tokens=4)
@@ -112,3 +115,63 @@ def test_chunk_names_stay_what_they_were() -> None:
         "c00000-394e2052d95b062409850b0d044ea0cd",
         "c00001-eab6fe7a8a906a81893d3e845b00b9c7",
     ]
+
+
+class _Meanwhile(dict[str, str]):
+    """The page's attrs, which run ``then`` when the writer reads them: after it looked for
+    the page and before it publishes its own, the moment a second writer can come in."""
+
+    def __init__(self, attrs: dict[str, str], then: Callable[[], None]) -> None:
+        super().__init__(attrs)
+        self.then: Callable[[], None] | None = then
+
+    def items(self) -> Any:
+        if self.then is not None:
+            then, self.then = self.then, None
+            then()
+        return super().items()
+
+
+def _two_writers(pages: DirectoryPages) -> None:
+    key = kvfs.PageKey.semantic("s", chunk_names(list(range(4)), G)[0], 0)
+    lay = PageLayout.build(G, 4, G.to_attrs())
+    first, second = lay.buffer(), lay.buffer()
+    first[lay.data_start :] = b"\1" * (lay.size - lay.data_start)
+    second[lay.data_start :] = b"\2" * (lay.size - lay.data_start)
+    meta1, meta2 = lay.seal(first), lay.seal(second)
+    won: list[bool] = []
+    pages.verifies = True  # (the attrs are read, so the second writer comes in)
+    wrote = pages.write(
+        key, first, _Meanwhile(meta1, lambda: won.append(pages.write(key, second, meta2)))
+    )
+    assert won == [True]
+    assert not wrote  # it was there before this writer published: write once
+    buf = memoryview(bytearray(lay.size))
+    assert pages.read_into(key, buf) == lay.size
+    assert bytes(buf) == bytes(second)  # the page the first writer to publish wrote
+    session = pages.root / "sessions" / "s" / key.parts[-2]
+    assert sorted(p.name for p in session.iterdir()) == ["layer-000"]  # no temporary left
+
+
+def test_two_writers_of_a_new_page_in_a_directory_write_it_once(tmp_path: Path) -> None:
+    """Both counted the page as written, and the second replaced the first's page."""
+    probe = tmp_path / "probe"
+    probe.touch()
+    try:  # (the writer sets the attrs as xattrs when it reads them: see _two_writers)
+        os.setxattr(probe, "user.probe", b"1")
+    except OSError as e:
+        pytest.skip(f"{tmp_path} takes no user xattrs ({e.strerror})")
+    probe.unlink()
+    _two_writers(DirectoryPages(tmp_path))
+
+
+@pytest.fixture
+def mnt(make_config: Callable[..., kvfs.StoreConfig], tmp_path: Path) -> Iterator[Path]:
+    mp = tmp_path / "mnt"
+    mp.mkdir()
+    with ServedMount(make_config(ndev=2), mp):
+        yield mp
+
+
+def test_two_writers_of_a_new_page_on_the_mount_write_it_once(mnt: Path) -> None:
+    _two_writers(DirectoryPages(mnt))

@@ -21,6 +21,7 @@ each page checked against the digest in its header instead.
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import functools
 import itertools
@@ -250,7 +251,7 @@ class DirectoryPages:
         # `kvfs ls`, a listing's attrs without reading headers)
         dest = self.path(key)
         if dest.exists() and not replace:
-            return False
+            return False  # (the common case, told without writing; _publish decides)
         dest.parent.mkdir(parents=True, exist_ok=True)
         tmp = dest.with_name(f"{dest.name}.tmp-{uuid.uuid4().hex[:12]}")
         try:
@@ -264,11 +265,13 @@ class DirectoryPages:
                     view = view[n:]
                 if self.durable:
                     os.fsync(f.fileno())
-            os.replace(tmp, dest)
+            if replace:
+                os.replace(tmp, dest)
+                return True
+            return _publish(tmp, dest)
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
-        return True
 
     def sample_attrs(self, session: str) -> dict[str, str] | None:
         sdir = self.root / SESSIONS_DIR / session
@@ -281,6 +284,49 @@ class DirectoryPages:
             if ".tmp-" not in page.name
         )
         return _header_attrs((str(p), functools.partial(read_file_header, p)) for p in pages)
+
+
+_RENAME_NOREPLACE = 1
+_libc = ctypes.CDLL(None, use_errno=True)
+_renameat2 = getattr(_libc, "renameat2", None)  # (glibc 2.28 and later)
+
+
+def _publish(tmp: Path, dest: Path) -> bool:
+    """Give the file ``tmp`` the name ``dest`` unless ``dest`` exists: True if it did; else
+    False, with ``tmp`` removed. Atomic: of two writers of one new page, one publishes it
+    and the other is told it exists. (A check then ``os.replace`` let both count the page
+    as written, the second replacing the first's.)
+
+    renameat2(RENAME_NOREPLACE) where the filesystem has it (ext4, xfs, btrfs, tmpfs, the
+    kvfs mount); else a hard link, which fails on an existing name too; else, on a
+    filesystem with neither, the check and a rename (the race stays there).
+    """
+    if _renameat2 is not None:
+        at_fdcwd = -100
+        rc = _renameat2(at_fdcwd, os.fsencode(tmp), at_fdcwd, os.fsencode(dest), _RENAME_NOREPLACE)
+        err = ctypes.get_errno() if rc else 0
+        if rc == 0:
+            return True
+        if err == errno.EEXIST:
+            tmp.unlink()
+            return False
+        if err not in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+            raise OSError(err, os.strerror(err), str(tmp), None, str(dest))
+    try:
+        os.link(tmp, dest)
+    except FileExistsError:
+        tmp.unlink()
+        return False
+    except OSError as e:
+        if e.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.ENOSYS, errno.EMLINK):
+            raise
+        if dest.exists():
+            tmp.unlink()
+            return False
+        os.replace(tmp, dest)
+        return True
+    tmp.unlink()
+    return True
 
 
 class FastPathPages(StorePages):
