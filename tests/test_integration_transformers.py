@@ -432,6 +432,23 @@ def test_a_static_cache_saves_the_tokens_it_holds(tmp_path: Path) -> None:
         assert torch.allclose(k, k0, atol=1e-5) and torch.allclose(v, v0, atol=1e-5)
 
 
+def test_token_ids_that_are_no_integers_are_refused(tmp_path: Path) -> None:
+    """Token ids 1.5 and 1 named the same prefix (``int()``): a float list or tensor saved
+    under, and loaded from, another prompt's pages."""
+    shape = GEOMETRIES["fp32-gqa-2layers"]
+    model = model_of(shape)
+    ids = tokens(CHUNK, seed=27)
+    _, cache = prefill(model, ids)
+    floats = [t + 0.5 for t in ids]
+    with TransformersKV(tmp_path, model, model_id=shape.model_id, chunk_tokens=CHUNK) as kv:
+        for bad in (floats, torch.tensor([floats])):
+            with pytest.raises(ValueError, match="must be integers"):
+                kv.save("a", bad, cache)
+            with pytest.raises(ValueError, match="must be integers"):
+                kv.load("a", bad)
+        assert kv.save("a", torch.tensor([ids]), cache).chunks == 1  # integer tensors do
+
+
 def test_an_empty_cache_saves_nothing(tmp_path: Path) -> None:
     """A cache that holds no tokens yet (made with or without the model's config, dynamic
     or static) stores nothing; its save raised ValueError or GeometryMismatch."""

@@ -29,6 +29,7 @@ layers only (a sliding-window layer does not hold the whole prefix).
 from __future__ import annotations
 
 import logging
+import operator
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
@@ -548,13 +549,18 @@ def _results(futs: list[Future[T]]) -> list[T]:
 
 
 def _token_list(tokens: Sequence[int] | torch.Tensor) -> list[int]:
+    """The token ids as ints. Raises ValueError for a batch of more than one, or ids that
+    are no integers (``int()`` took 1.5 as 1: two prompts, one cached prefix)."""
     if isinstance(tokens, torch.Tensor):
         if tokens.dim() == 2:
             if tokens.shape[0] != 1:
                 raise ValueError("batch size must be 1")
             tokens = tokens[0]
-        return [int(t) for t in tokens.tolist()]
-    return [int(t) for t in tokens]
+        tokens = tokens.tolist()
+    try:
+        return [operator.index(t) for t in tokens]
+    except TypeError as e:
+        raise ValueError(f"token ids must be integers: {e}") from None
 
 
 class _Reads:
