@@ -249,6 +249,11 @@ class KvfsOperations(FileOps, pyfuse3.Operations):
             # with an "unexpected error" logged. After that close, a truncate through the
             # writer's descriptor makes the page's next version, as any later one does.
             async with writer.close_lock:
+                if writer.committed and node.kind is Kind.PENDING:
+                    # That close discarded the file (a write of it had failed, its writer
+                    # was killed): no page, and a closed writer, whose truncate raised
+                    # ValueError (EIO, "unexpected error"). Its failure, as a write says.
+                    raise fuse_error(writer.failed or errno.ENOENT)
                 return await self._setattr(node, attr, fields, fh)
         return await self._setattr(node, attr, fields, fh)
 

@@ -1104,3 +1104,29 @@ async def test_an_ftruncate_beside_its_writers_close_truncates_the_page(
             assert ops.engine.get(f"f{i}") == data[:100], i
         ops.nursery = None
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+async def test_an_ftruncate_beside_a_close_that_discards_the_file_says_why(
+    ops: KvfsOperations, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The same ftruncate, beside a close whose commit fails (a queued write found no room,
+    64 MiB of capacity): that close discards the file, and the truncate, once it had waited
+    for it, found its writer closed and answered EIO with an unexpected error logged. It
+    answers the file's failure now, as a write through the descriptor does."""
+    import trio
+
+    async with trio.open_nursery() as nursery:
+        ops.nursery = nursery
+        for i in range(10):  # (which of the two threads gets on first is the OS's pick)
+            fh, gate = await _gated(ops, f"f{i}".encode())
+            await ops.write(fh, 65 * MiB, b"x")  # (past the capacity: ENOSPC, queued)
+            ino = ops.handles[fh].node.ino
+            attr = pyfuse3.EntryAttributes()
+            attr.st_size = 100
+            truncate = ops.setattr(ino, attr, Fields(update_size=True), fh, CTX)
+            got = await _answers({"flush": ops.flush(fh), "truncate": truncate}, gate)
+            await ops.release(fh)
+            assert got == {"flush": errno.ENOSPC, "truncate": errno.ENOSPC}, i
+            assert not ops.engine.exists(f"f{i}") and ops.engine.reserved == 0, i
+        ops.nursery = None
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
