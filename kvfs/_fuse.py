@@ -539,9 +539,16 @@ class KvfsOperations(FileOps, pyfuse3.Operations):
             # committed the one writer, one under each name; the rename answered 0 with the
             # page left under the old name, or EIO with it under the new one.
             async with h.close_lock:
-                if h.committed:  # that close committed it (or discarded it) meanwhile
-                    raise fuse_error(errno.EBUSY)
-                await self._finish(h, dst, hold=True)
+                closed = h.committed
+                if not closed:
+                    await self._finish(h, dst, hold=True)
+            if closed:
+                # That close committed it meanwhile: the page is renamed, as after a close
+                # that came first (it answered EBUSY, which a close just before the rename
+                # never gets), or it discarded it: no such file.
+                if node.kind is not Kind.PAGE:
+                    raise fuse_error(errno.ENOENT)
+                await self._thread(self.engine.rename, src, dst)
         else:
             validate_page(dst)
             await self._thread(self.engine.rename, src, dst)
