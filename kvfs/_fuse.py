@@ -242,12 +242,16 @@ class KvfsOperations(FileOps, pyfuse3.Operations):
         self, inode: int, attr: Any, fields: Any, fh: Any, ctx: Any
     ) -> pyfuse3.EntryAttributes:
         node = self.table.get(inode)
-        writer = next((x for x in self.handles.values() if x.node is node and x.writable), None)
-        if node.kind is Kind.PENDING and fields.update_size and writer is not None:
+        writer = None
+        if node.kind is Kind.PENDING:
+            writer = next((x for x in self.handles.values() if x.node is node and x.writable), None)
+        if writer is not None:
             # Not beside its writer's close (another thread's, a child's exit): the close
             # committed the writer and the truncate then found it closed, answered EIO
             # with an "unexpected error" logged. After that close, a truncate through the
-            # writer's descriptor makes the page's next version, as any later one does.
+            # writer's descriptor makes the page's next version, as any later one does. A
+            # chmod, chown or utime too: set on the file once its commit had read them,
+            # it answered 0 and the page kept what it was created with.
             async with writer.close_lock:
                 if writer.committed and node.kind is Kind.PENDING:
                     # That close discarded the file (a write of it had failed, its writer

@@ -1131,3 +1131,51 @@ async def test_an_ftruncate_beside_a_close_that_discards_the_file_says_why(
             assert not ops.engine.exists(f"f{i}") and ops.engine.reserved == 0, i
         ops.nursery = None
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+async def test_a_chmod_beside_its_writers_close_is_kept(ops: KvfsOperations) -> None:
+    """A writer's fchmod (or futimens, fchown) while its close (another thread) commits the
+    file: set on the file being written once its commit had read the mode, it answered 0
+    and the page kept the mode it was created with. It waits for the close now, as a
+    truncate does, and sets the page's mode."""
+    import threading
+
+    import trio
+
+    async with trio.open_nursery() as nursery:
+        ops.nursery = nursery
+        fi, _ = await ops.create(ROOT, b"f", 0o644, os.O_WRONLY, CTX)
+        h = ops.handles[fi.fh]
+        pending = h.node.pending
+        assert pending is not None
+        # the commit held once it has read the file's mode and owner
+        read, gate, attrs = threading.Event(), threading.Event(), pending.commit_attrs
+
+        def held_attrs() -> dict[str, str]:
+            got = attrs()
+            read.set()
+            assert gate.wait(10)
+            return got
+
+        pending.commit_attrs = held_attrs  # type: ignore[method-assign]
+        await ops.write(fi.fh, 0, b"data")
+        attr = pyfuse3.EntryAttributes()
+        attr.st_mode = 0o100600
+        closed: list[int] = []
+        with trio.fail_after(20):  # (a guard: a step never answered)
+            async with trio.open_nursery() as both:
+
+                async def flush() -> None:
+                    await ops.flush(fi.fh)
+                    closed.append(0)
+
+                both.start_soon(flush)
+                assert await trio.to_thread.run_sync(read.wait, 10)
+                both.start_soon(ops.setattr, h.node.ino, attr, Fields(update_mode=True), fi.fh, CTX)
+                await trio.testing.wait_all_tasks_blocked()
+                gate.set()
+        await ops.release(fi.fh)
+        assert closed == [0]
+        a = await ops.lookup(ROOT, b"f", CTX)
+        assert a.st_mode & 0o7777 == 0o600
+        ops.nursery = None
