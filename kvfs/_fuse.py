@@ -15,6 +15,7 @@ import functools
 import logging
 import os
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pyfuse3
@@ -674,19 +675,37 @@ class KvfsOperations(FileOps, pyfuse3.Operations):
 
     @guard
     async def setxattr(self, inode: int, name: bytes, value: bytes, ctx: Any) -> None:
-        attrs, key = self._settable(self.table.get(inode), name, ctx)
-        listed = sum(len(x) + 1 for x in XATTRS) + sum(
-            len(ATTR_XATTR.encode() + k.encode()) + 1 for k in {*attrs, key}
-        )
-        if listed > XATTR_LIST_MAX:  # listxattr could not answer: every copy would lose them
-            raise fuse_error(errno.E2BIG)
-        attrs[key] = _attr_value(value)
+        node = self.table.get(inode)
+        async with self._not_closing(node):
+            attrs, key = self._settable(node, name, ctx)
+            listed = sum(len(x) + 1 for x in XATTRS) + sum(
+                len(ATTR_XATTR.encode() + k.encode()) + 1 for k in {*attrs, key}
+            )
+            if listed > XATTR_LIST_MAX:  # listxattr could not answer: every copy would lose them
+                raise fuse_error(errno.E2BIG)
+            attrs[key] = _attr_value(value)
 
     @guard
     async def removexattr(self, inode: int, name: bytes, ctx: Any) -> None:
-        attrs, key = self._settable(self.table.get(inode), name, ctx)
-        if attrs.pop(key, None) is None:
-            raise fuse_error(pyfuse3.ENOATTR)
+        node = self.table.get(inode)
+        async with self._not_closing(node):
+            attrs, key = self._settable(node, name, ctx)
+            if attrs.pop(key, None) is None:
+                raise fuse_error(pyfuse3.ENOATTR)
+
+    @contextlib.asynccontextmanager
+    async def _not_closing(self, node: Node) -> AsyncIterator[None]:
+        """Hold the close of the file ``node`` is being written as (if it is) for the block:
+        a page attribute set while that close committed the file was set after the commit
+        had read them, answered 0 and lost. After it, the file is a page (EPERM)."""
+        h = None
+        if node.kind is Kind.PENDING:
+            h = next((x for x in self.handles.values() if x.node is node and x.writable), None)
+        if h is None:
+            yield
+            return
+        async with h.close_lock:
+            yield
 
     def _settable(self, node: Node, name: bytes, ctx: Any) -> tuple[dict[str, str], str]:
         """The attributes a ``user.kvfs.attr.<k>`` change goes to, and ``k``: those of a file

@@ -13,6 +13,7 @@ import os
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pyfuse3
 import pytest
@@ -1133,49 +1134,78 @@ async def test_an_ftruncate_beside_a_close_that_discards_the_file_says_why(
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
 
 
+async def _beside_commit(ops: KvfsOperations, name: bytes, step: Callable[[int], Any]) -> int:
+    """Write file ``name``, close it, and run ``step(inode)`` while that close commits it,
+    once the commit has read the file's mode, owner and page attributes: its answer (0, or
+    its errno). The close must answer 0."""
+    import threading
+
+    import trio
+
+    fi, _ = await ops.create(ROOT, name, 0o644, os.O_WRONLY, CTX)
+    h = ops.handles[fi.fh]
+    pending = h.node.pending
+    assert pending is not None
+    read, gate, attrs = threading.Event(), threading.Event(), pending.commit_attrs
+
+    def held_attrs() -> dict[str, str]:
+        got = attrs()
+        read.set()
+        assert gate.wait(10)
+        return got
+
+    pending.commit_attrs = held_attrs  # type: ignore[method-assign]
+    await ops.write(fi.fh, 0, b"data")
+    answers: dict[str, int] = {}
+
+    async def call(what: str, c: Awaitable[object]) -> None:
+        try:
+            await c
+            answers[what] = 0
+        except pyfuse3.FUSEError as e:
+            answers[what] = e.errno
+
+    with trio.fail_after(20):  # (a guard: a step never answered)
+        async with trio.open_nursery() as both:
+            both.start_soon(call, "close", ops.flush(fi.fh))
+            assert await trio.to_thread.run_sync(read.wait, 10)
+            both.start_soon(call, "step", step(h.node.ino))
+            await trio.testing.wait_all_tasks_blocked()
+            gate.set()
+    await ops.release(fi.fh)
+    assert answers["close"] == 0
+    return answers["step"]
+
+
 async def test_a_chmod_beside_its_writers_close_is_kept(ops: KvfsOperations) -> None:
     """A writer's fchmod (or futimens, fchown) while its close (another thread) commits the
     file: set on the file being written once its commit had read the mode, it answered 0
     and the page kept the mode it was created with. It waits for the close now, as a
     truncate does, and sets the page's mode."""
-    import threading
+    import trio
 
+    attr = pyfuse3.EntryAttributes()
+    attr.st_mode = 0o100600
+    async with trio.open_nursery() as nursery:
+        ops.nursery = nursery
+        fields = Fields(update_mode=True)
+        chmod = lambda ino: ops.setattr(ino, attr, fields, None, CTX)  # noqa: E731
+        assert await _beside_commit(ops, b"f", chmod) == 0
+        assert (await ops.lookup(ROOT, b"f", CTX)).st_mode & 0o7777 == 0o600
+        ops.nursery = None
+
+
+async def test_a_page_attribute_set_beside_its_writers_close_is_not_lost_silently(
+    ops: KvfsOperations,
+) -> None:
+    """The same for a ``user.kvfs.attr.*`` the writer sets: it answered 0 and the page was
+    committed without it. It waits for the close, and finds a committed page: EPERM, as
+    any set on a page gets."""
     import trio
 
     async with trio.open_nursery() as nursery:
         ops.nursery = nursery
-        fi, _ = await ops.create(ROOT, b"f", 0o644, os.O_WRONLY, CTX)
-        h = ops.handles[fi.fh]
-        pending = h.node.pending
-        assert pending is not None
-        # the commit held once it has read the file's mode and owner
-        read, gate, attrs = threading.Event(), threading.Event(), pending.commit_attrs
-
-        def held_attrs() -> dict[str, str]:
-            got = attrs()
-            read.set()
-            assert gate.wait(10)
-            return got
-
-        pending.commit_attrs = held_attrs  # type: ignore[method-assign]
-        await ops.write(fi.fh, 0, b"data")
-        attr = pyfuse3.EntryAttributes()
-        attr.st_mode = 0o100600
-        closed: list[int] = []
-        with trio.fail_after(20):  # (a guard: a step never answered)
-            async with trio.open_nursery() as both:
-
-                async def flush() -> None:
-                    await ops.flush(fi.fh)
-                    closed.append(0)
-
-                both.start_soon(flush)
-                assert await trio.to_thread.run_sync(read.wait, 10)
-                both.start_soon(ops.setattr, h.node.ino, attr, Fields(update_mode=True), fi.fh, CTX)
-                await trio.testing.wait_all_tasks_blocked()
-                gate.set()
-        await ops.release(fi.fh)
-        assert closed == [0]
-        a = await ops.lookup(ROOT, b"f", CTX)
-        assert a.st_mode & 0o7777 == 0o600
+        setx = lambda ino: ops.setxattr(ino, b"user.kvfs.attr.dtype", b"fp16", CTX)  # noqa: E731
+        assert await _beside_commit(ops, b"f", setx) == errno.EPERM
+        assert "dtype" not in ops.engine.stat("f").attrs
         ops.nursery = None
