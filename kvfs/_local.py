@@ -617,8 +617,8 @@ def _names_db(
     db = sqlite3.connect(where, isolation_level=None, check_same_thread=False)
     try:
         try:
-            db.execute("CREATE TABLE listed (dev INTEGER, rel TEXT)")
-            db.execute("CREATE TABLE named (dev INTEGER, rel TEXT)")
+            db.execute("CREATE TABLE listed (dev INTEGER, rel BLOB)")
+            db.execute("CREATE TABLE named (dev INTEGER, rel BLOB)")
             db.execute("BEGIN")
         except sqlite3.OperationalError as e:
             raise _NoRoom() from e
@@ -627,8 +627,12 @@ def _names_db(
             # (the chunk is read before SQLite is called: an error of the index that
             # ``named`` reads is not taken for one of this database's)
             while chunk := list(itertools.islice(it, _NAMES_AT_ONCE)):
+                # (as bytes: a file name that is not UTF-8, none of kvfs's but possible in
+                # a data directory, cannot be SQLite text, and failed every fsck and every
+                # open after a crash with UnicodeEncodeError)
+                encoded = [(d, r.encode("utf-8", "surrogateescape")) for d, r in chunk]
                 try:
-                    db.executemany(f"INSERT INTO {table} VALUES (?, ?)", chunk)
+                    db.executemany(f"INSERT INTO {table} VALUES (?, ?)", encoded)
                 except sqlite3.OperationalError as e:
                     raise _NoRoom() from e
         try:
@@ -646,10 +650,11 @@ def _names_db(
 
 def _unnamed_rows(db: sqlite3.Connection) -> Iterator[tuple[int, str]]:
     with contextlib.closing(db):
-        yield from db.execute(
+        for dev, rel in db.execute(
             "SELECT dev, rel FROM listed l WHERE NOT EXISTS"
             " (SELECT 1 FROM named n WHERE n.dev = l.dev AND n.rel = l.rel) ORDER BY l.rowid"
-        )
+        ):
+            yield dev, bytes(rel).decode("utf-8", "surrogateescape")
 
 
 def run_beside(pool: ThreadPoolExecutor, calls: list[Callable[[], object]]) -> None:

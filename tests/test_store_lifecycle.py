@@ -95,11 +95,16 @@ def test_clean_restart_does_not_scan_data_files(
             assert store.stat("s0/p0").pinned
 
 
-def test_unclean_restart_sweeps_orphans(make_config: Callable[..., kvfs.StoreConfig]) -> None:
+@pytest.mark.parametrize("name", ["abandoned", b"\xff\xfe-not-utf8"])
+def test_unclean_restart_sweeps_orphans(
+    make_config: Callable[..., kvfs.StoreConfig], name: str | bytes
+) -> None:
+    """A file no row names, left by a crash, is swept by the next open (fsck finds it
+    before). One whose name is not UTF-8 failed fsck and that open (UnicodeEncodeError)."""
     cfg = make_config(ndev=2)
     with kvfs.open_store_sync(cfg) as store:
         store.put("a/b", b"kept")
-        orphan = cfg.data_dirs[1] / "blobs" / "ab" / "abandoned"
+        orphan = cfg.data_dirs[1] / "blobs" / "ab" / os.fsdecode(name)
         orphan.parent.mkdir(parents=True, exist_ok=True)
         orphan.write_bytes(b"x" * 8192)
     with kvfs.open_store_sync(cfg) as store:  # clean: left alone, but fsck sees it
