@@ -1053,16 +1053,21 @@ class Engine:
         # each with its copy's files: the content alone marked any later copy of it damaged
         # at the next open (one put again after the damaged one was deleted, or restored
         # from the archive), and a put of those bytes then replaced that good copy
+        # (under a key of its own: "damaged" keeps the contents alone, as a kvfs from
+        # before reads them, which failed to open the index holding this list there)
         with self._cap_lock:
             saved = sorted([h.hex(), [list(e) for e in ext]] for h, ext in self._damaged.items())
-        self.index.set_meta("damaged", saved)
+        self.index.set_meta("damaged_copies", saved)
+        self.index.set_meta("damaged", [hx for hx, _ in saved])
 
     def _damaged_at_open(self) -> dict[bytes, tuple]:
         """The damaged copies noted before this open that the index still holds (the same
         files: a copy made since is another). A content saved alone (a kvfs before the
         files were saved) stands for its copy now."""
         out: dict[bytes, tuple] = {}
-        saved = self.index.get_meta("damaged")
+        saved = self.index.get_meta("damaged_copies")
+        if saved is None:
+            saved = self.index.get_meta("damaged")
         for item in saved if isinstance(saved, (list, tuple)) else ():
             hx, ext = (item, None) if isinstance(item, str) else (item[0], item[1])
             b = self.index.blob(bytes.fromhex(hx))

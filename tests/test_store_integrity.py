@@ -109,11 +109,15 @@ def test_a_good_copy_put_after_a_damaged_one_went_is_not_taken_for_it_after_a_re
     data = os.urandom(100 * KiB)
     cfg = make_config(ndev=2, stripe_unit=64 * KiB)
     with kvfs.open_store_sync(cfg) as store:
-        flip(store.put("s/page", data), 5)
+        flipped = store.put("s/page", data)
+        flip(flipped, 5)
         with pytest.raises(kvfs.CorruptPage):
             store.get("s/page")
         store.delete("s/page")
         good = store.put("t/page", data).extents
+        # (what a kvfs from before reads stays as it was: contents alone, which it took
+        # to be hex strings and failed to open the index on anything else)
+        assert list(store.engine.index.get_meta("damaged")) == [flipped.checksum]
     with kvfs.open_store_sync(cfg) as store, caplog.at_level("INFO", logger="kvfs"):
         store.put("u/page", data)
         assert store.stat("t/page").extents == store.stat("u/page").extents == good
