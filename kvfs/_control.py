@@ -119,10 +119,19 @@ class DaemonBusy(DaemonUnavailable):
 _RECORD_EXT = 1
 
 
+#: How strings that are not UTF-8 cross the channel: as the bytes they stand for. A file
+#: name is bytes (an orphan a data directory holds, which fsck names; os.fsdecode gives
+#: such a string), and an answer holding one could not be packed: the connection failed
+#: and the client was told the daemon had died. (Key names are UTF-8: both sides check.)
+_NAMES = "surrogateescape"
+
+
 def _default(obj: Any) -> Any:
     if dataclasses.is_dataclass(obj) and type(obj).__name__ in _RECORDS:
         d = {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
-        body = msgpack.packb([type(obj).__name__, d], default=_default, use_bin_type=True)
+        body = msgpack.packb(
+            [type(obj).__name__, d], default=_default, use_bin_type=True, unicode_errors=_NAMES
+        )
         return msgpack.ExtType(_RECORD_EXT, body)
     if isinstance(obj, PageKey):
         return obj.path
@@ -140,7 +149,9 @@ def _default(obj: Any) -> Any:
 def _ext(code: int, data: bytes) -> Any:
     if code != _RECORD_EXT:
         return msgpack.ExtType(code, data)
-    name, d = msgpack.unpackb(data, ext_hook=_ext, raw=False, strict_map_key=False)
+    name, d = msgpack.unpackb(
+        data, ext_hook=_ext, raw=False, strict_map_key=False, unicode_errors=_NAMES
+    )
     for k in _TUPLES & d.keys():
         d[k] = tuple(d[k])
     cls = _RECORDS[name]
@@ -154,9 +165,7 @@ def packed(obj: Any) -> bytes:
     """A message's body. Raises FrameTooLarge past MAX_FRAME (the peer would drop the
     connection, and the caller was told the daemon died)."""
     try:
-        body = msgpack.packb(obj, default=_default, use_bin_type=True)
-    except UnicodeEncodeError:
-        raise  # (a string that is not UTF-8: it was told as a message "too large")
+        body = msgpack.packb(obj, default=_default, use_bin_type=True, unicode_errors=_NAMES)
     except ValueError as e:  # msgpack: a bytes object over 4 GiB
         raise FrameTooLarge(f"a message too large for the control channel ({e})") from None
     if len(body) > MAX_FRAME:
@@ -247,7 +256,9 @@ def decode(
         else:
             spans = []
         if not spans:
-            return msgpack.unpackb(body, ext_hook=ext, raw=False, strict_map_key=False)
+            return msgpack.unpackb(
+                body, ext_hook=ext, raw=False, strict_map_key=False, unicode_errors=_NAMES
+            )
         return _unpack_around(memoryview(body), spans, ext)
     except Exception as e:  # noqa: BLE001 - msgpack's own errors, an unknown record...
         raise MalformedFrame(f"{type(e).__name__}: {e}") from None
@@ -350,7 +361,9 @@ def _unpack_around(
         parts += [b[at:head], b"\xc0"]
         at = end
     parts.append(b[at:])
-    msg = msgpack.unpackb(b"".join(parts), ext_hook=ext, raw=False, strict_map_key=False)
+    msg = msgpack.unpackb(
+        b"".join(parts), ext_hook=ext, raw=False, strict_map_key=False, unicode_errors=_NAMES
+    )
     for path, _head, start, end in spans:
         if not path:
             return b[start:end]

@@ -577,6 +577,32 @@ async def test_fsck_progress_over_the_channel(make_config: MakeConfig, tmp_path:
         n.cancel_scope.cancel()
 
 
+async def test_a_name_that_is_not_utf8_crosses_the_channel(
+    make_config: MakeConfig, tmp_path: Path
+) -> None:
+    """fsck through a daemon of a store whose data directory holds a file named in bytes
+    that are not UTF-8 (an orphan): its answer could not be packed, and the client was told
+    the daemon had died. Names cross the channel as the file system gives them."""
+    sock = tmp_path / "c.sock"
+    cfg = make_config()
+    async with kvfs.open_store(cfg) as store, trio.open_nursery() as n:
+        await n.start(control_service, store, sock)
+        await store.put("sessions/a/p/layer-000", os.urandom(3000))
+        stray = cfg.data_dirs[0] / "blobs" / "ab" / os.fsdecode(b"\xff-stray")
+        stray.write_bytes(b"x")
+
+        def check() -> dict[str, list[str]]:
+            r = SyncRemoteStore(sock)
+            try:
+                return r.fsck()
+            finally:
+                r.close()
+
+        found = await trio.to_thread.run_sync(check)
+        assert found["orphans"] == [str(stray)] and found["corrupt"] == []
+        n.cancel_scope.cancel()
+
+
 async def test_spill_and_restore_progress_over_the_channel(
     make_config: MakeConfig, tmp_path: Path
 ) -> None:
