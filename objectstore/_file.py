@@ -268,12 +268,30 @@ class FileStore(ObjectStore):
         await self._call(rm, f"delete {key}")
 
     async def list(self, prefix: str = "") -> AsyncIterator[str]:  # type: ignore[override]
+        def failed(e: OSError) -> None:
+            # A directory gone meanwhile (a delete removes those it empties), or a prefix
+            # naming an object's file, held no key. Skipping any other error (EACCES, EIO),
+            # as os.walk does by default, made the listing silently short: a collection
+            # that read no manifests where some are.
+            if not isinstance(e, (FileNotFoundError, NotADirectoryError)):
+                raise e
+
         def walk() -> list[str]:
             # Only the directory the prefix names is walked (``gc/`` does not read ``blobs/``).
             base = prefix.rpartition("/")[0]
             self._check_root()
+            if base:
+                # No key starts with ``../`` or ``/``: walking there listed files outside
+                # the archive; nor is a temporary file a key.
+                try:
+                    check_key(base)
+                except ValueError:
+                    return []
+                if base.split("/", 1)[0] == TMP:
+                    return []
             out = []
-            for dirpath, dirnames, filenames in os.walk(os.path.join(self.root, base)):
+            top = os.path.join(self.root, base)
+            for dirpath, dirnames, filenames in os.walk(top, onerror=failed):
                 rel = os.path.relpath(dirpath, self.root)
                 if rel == ".":
                     dirnames[:] = [d for d in dirnames if d != TMP]
@@ -281,6 +299,8 @@ class FileStore(ObjectStore):
                     key = name if rel == "." else f"{rel}/{name}"
                     if key.startswith(prefix):
                         out.append(key.replace(os.sep, "/"))
+            if not out:
+                self._check_root()  # (gone while walked: not an empty archive)
             return sorted(out)
 
         for k in await self._call(walk, f"list {prefix or '(all)'}"):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -154,6 +155,29 @@ async def test_list_prefix_sorted(store: ObjectStore) -> None:
     assert await store.list_all("m/") == ["m/1", "m/2", "m/sub/3"]
     assert await store.list_all() == ["b/x", "m/1", "m/2", "m/sub/3", "mz"]
     assert await store.list_all("none/") == []
+
+
+async def test_list_prefixes_that_end_mid_name_and_odd_characters(store: ObjectStore) -> None:
+    keys = ["blobs/abc", "blobs/ab/x", "blobs/a-c", "t/100% sure", "t/caf\u00e9", "t/\u65e5"]
+    for k in keys:
+        await store.put(k, k.encode())
+    assert await store.list_all("blobs/ab") == ["blobs/ab/x", "blobs/abc"]
+    assert await store.list_all("blobs/a") == ["blobs/a-c", "blobs/ab/x", "blobs/abc"]
+    assert await store.list_all("t/") == ["t/100% sure", "t/caf\u00e9", "t/\u65e5"]
+    assert await store.list_all() == sorted(keys)  # ("-" before "/", as S3's byte order)
+    for k in keys:
+        assert await store.get(k) == k.encode()
+
+
+async def test_list_of_a_prefix_no_key_can_begin_is_empty(
+    store: ObjectStore, tmp_path: Path
+) -> None:
+    """A file store walked the directory a prefix's ``..`` named: ``list_all("../")`` gave
+    the files beside the archive as keys."""
+    (tmp_path / "beside").write_bytes(b"not an object")
+    await store.put("k", b"v")
+    for prefix in ("../", "../../", "k/../", "/", "//k", "./k"):
+        assert await store.list_all(prefix) == [], prefix
 
 
 async def test_many(store: ObjectStore) -> None:
@@ -570,6 +594,55 @@ async def test_filestore_crash_leftovers_are_invisible(tmp_path: Path) -> None:
     s2 = await FileStore.open(root)
     assert not crashed.exists() and inflight.exists()
     assert await s2.get("k") == b"v"
+
+
+async def test_filestore_temporary_files_are_no_keys_under_any_prefix(tmp_path: Path) -> None:
+    root = tmp_path / "arch"
+    s = await FileStore.open(root)
+    await s.put("k", b"v")
+    (root / ".objectstore-tmp" / "deadbeef").write_bytes(b"half")  # a put a crash cut short
+    assert await s.list_all(".objectstore-tmp/") == []
+    assert await s.list_all() == ["k"]
+
+
+async def test_filestore_listing_an_unreadable_directory_is_an_error_not_empty(
+    tmp_path: Path,
+) -> None:
+    """os.walk skips a directory it cannot read: listing ``manifests/`` where that
+    directory refused access (EACCES; a failing disk's EIO alike) answered [], as if the
+    archive had no manifest, which a collection takes as nothing naming the blobs."""
+    root = tmp_path / "arch"
+    s = await FileStore.open(root)
+    await s.put("manifests/a", b"1")
+    await s.put("blobs/ab/x", b"2")
+    code = (
+        "import trio\n"
+        "from objectstore import FileStore\n"
+        "async def main():\n"
+        f"    s = await FileStore.open({str(root)!r}, sweep=False)\n"
+        "    for prefix in ('manifests/', ''):\n"
+        "        try:\n"
+        "            print(await s.list_all(prefix))\n"
+        "        except Exception as e:\n"
+        "            print(type(e).__name__, e)\n"
+        "trio.run(main)\n"
+    )
+    drop: list[str] = []
+    if os.geteuid() == 0:  # (permissions do not stop root: it lists without the capabilities)
+        if not shutil.which("setpriv"):
+            pytest.skip("setpriv (util-linux) is needed to list as root without DAC overrides")
+        drop = ["setpriv", "--bounding-set", "-dac_override,-dac_read_search"]
+    (root / "manifests").chmod(0)
+    try:
+        out = subprocess.run(
+            [*drop, sys.executable, "-c", code], capture_output=True, text=True, check=True
+        ).stdout.splitlines()
+    finally:
+        (root / "manifests").chmod(0o700)
+    assert len(out) == 2, out
+    for line in out:
+        assert line.startswith("ArchiveAccessDenied") and "access denied" in line, line
+    assert await s.list_all() == ["blobs/ab/x", "manifests/a"]
 
 
 async def test_filestore_open_leaves_only_the_directory(tmp_path: Path) -> None:
