@@ -124,7 +124,8 @@ class ObjectStore(abc.ABC):
         existing object is left alone and False is returned. ``cold``: an object written
         once and seldom read (a page's), which the store may keep in a cheaper class (S3's
         ``storage_class`` option); small objects rewritten often (manifests, heartbeats)
-        are not. Raises ArchiveUnavailable.
+        are not. Raises ArchiveUnavailable, and ValueError for a key the store cannot hold
+        (an invalid one; in a ``file://`` store, one beside a key it begins or that begins it).
         A crash or cancellation leaves the old object or the new one, never a mix (a file
         store may leave a temporary file that the next put of the key does not see)."""
 

@@ -4,6 +4,9 @@ Each object is a file at ``DIR/<key>``. A put writes a temporary file under
 ``DIR/.objectstore-tmp/``, fsyncs it, then publishes it with ``rename`` (replace) or
 ``link`` (conditional create: fails atomically if the key exists) and fsyncs the directory.
 A crash leaves at most a temporary file, which the store never lists and removes at open.
+As a key's components are directories here, a key and another beginning with it and a
+``/`` (``a`` and ``a/b``), which S3 holds both, cannot both be stored: the second put
+raises ValueError.
 """
 
 from __future__ import annotations
@@ -179,14 +182,27 @@ class FileStore(ObjectStore):
     ) -> bool:
         path = self._path(key, writing=True)
 
+        def begins_others() -> ValueError:
+            return ValueError(
+                f"object key {key!r} and a key beginning with {key + '/'!r} (or one that "
+                f"{key!r} begins) cannot both be stored in a file:// archive, where one of "
+                "them is a directory"
+            )
+
         def publish(tmp: Path) -> bool:
             if if_absent:
                 try:
                     os.link(tmp, path)
                 except FileExistsError:
+                    # (a directory there is no object: "already stored" lost the data)
+                    if not stat.S_ISREG(os.lstat(path).st_mode):
+                        raise begins_others() from None
                     return False
             else:
-                os.replace(tmp, path)
+                try:
+                    os.replace(tmp, path)
+                except IsADirectoryError:
+                    raise begins_others() from None
             return True
 
         def write() -> bool:
@@ -210,8 +226,12 @@ class FileStore(ObjectStore):
                         path.parent.mkdir(parents=True, exist_ok=True)
                         stored = publish(tmp)
                         break
+                    except NotADirectoryError:  # (an object's file above the key's directory)
+                        raise begins_others() from None
                     except (FileNotFoundError, FileExistsError):
-                        if attempt == _MKDIR_TRIES - 1 or path.parent.is_file():
+                        if path.parent.is_file():
+                            raise begins_others() from None
+                        if attempt == _MKDIR_TRIES - 1:
                             raise
                 if self.durable:
                     fsync_dir(path.parent)

@@ -104,6 +104,27 @@ async def test_a_key_that_only_begins_others_holds_no_object(store: ObjectStore)
     assert await store.list_all() == ["d/x"]
 
 
+async def test_a_key_beginning_others_and_one_they_begin(store: ObjectStore) -> None:
+    """S3 stores ``d`` and ``d/x`` both; a file store, where ``d`` is then a directory,
+    cannot. Its conditional put of ``d`` answered False ("already stored") with no object
+    there, and the others failed as an outage (ArchiveUnavailable "Is a directory")."""
+    await store.put("d/x", b"1")
+    await store.put("f", b"2")
+    cases = [("d", True), ("d", False), ("f/y", True), ("f/y/z", False)]
+    if isinstance(store, S3Store):
+        for key, if_absent in cases:
+            assert await store.put(key, key.encode(), if_absent=if_absent)
+            assert await store.get(key) == key.encode()
+        assert await store.list_all() == ["d", "d/x", "f", "f/y", "f/y/z"]
+        return
+    for key, if_absent in cases:
+        with pytest.raises(ValueError, match="cannot both be stored in a file:// archive"):
+            await store.put(key, b"x", if_absent=if_absent)
+        assert not await store.exists(key)
+    assert await store.list_all() == ["d/x", "f"]
+    assert await store.get("d/x") == b"1" and await store.get("f") == b"2"
+
+
 async def test_puts_racing_deletes_of_the_last_object_in_a_directory(store: ObjectStore) -> None:
     """A file store's delete removes the directory it leaves empty; a put into it at that
     moment found it gone (ENOENT, not retried) and failed with ArchiveUnavailable: a
