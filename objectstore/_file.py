@@ -59,7 +59,8 @@ class FileStore(ObjectStore):
         cls, root: str | Path, *, create: bool = True, sweep: bool = True, **kw: object
     ) -> FileStore:
         """Open (creating with ``create``) the directory and, with ``sweep``, remove the
-        temporary files of puts a crash cut short. Another process that writes to the same
+        temporary files of puts a crash cut short (not where the directory is read-only
+        to this process: they stay, and it opens). Another process that writes to the same
         directory at that moment loses its in-flight put, so a process that opens a store
         its parent has opened (kvfs's upload workers) passes ``sweep=False``. Raises
         ArchiveUnavailable."""
@@ -75,7 +76,14 @@ class FileStore(ObjectStore):
             # (its temporary directory is made by the first put: an open that is refused
             # later, a kvfs store finding this is not its archive, leaves nothing here)
             if sweep:
-                self._sweep(TMP_STALE_SECONDS)
+                try:
+                    self._sweep(TMP_STALE_SECONDS)
+                except OSError as e:
+                    # A read-only archive (a share mounted so) opened unless a crash had
+                    # left a temporary file there: its removal waits for a sweep by a host
+                    # that may write; reads need none.
+                    if e.errno not in (errno.EROFS, errno.EACCES, errno.EPERM):
+                        raise
 
         await self._call(prepare, "open")
         return self

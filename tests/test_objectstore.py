@@ -666,6 +666,41 @@ async def test_filestore_listing_an_unreadable_directory_is_an_error_not_empty(
     assert await s.list_all() == ["blobs/ab/x", "manifests/a"]
 
 
+async def test_a_read_only_filestore_with_crash_leftovers_opens(tmp_path: Path) -> None:
+    """Opening sweeps a crashed put's temporary file: in an archive this process may not
+    write (a share mounted read-only) the sweep's EROFS failed the open, which succeeds
+    there without such a file."""
+    root, view = tmp_path / "arch", tmp_path / "view"
+    s = await FileStore.open(root)
+    await s.put("k", b"v")
+    crashed = root / ".objectstore-tmp" / "deadbeef"
+    crashed.write_bytes(b"half")
+    os.utime(crashed, (time.time() - 3700, time.time() - 3700))
+    view.mkdir()
+    if os.geteuid() == 0:  # (permissions do not stop root: a read-only bind mount does)
+        bind = ["mount", "--bind", str(root), str(view)]
+        if subprocess.run(bind, capture_output=True).returncode:
+            pytest.skip("cannot bind-mount here")
+        try:
+            subprocess.run(["mount", "-o", "remount,ro,bind", str(view)], check=True)
+            r = await FileStore.open(view)
+            assert await r.get("k") == b"v" and await r.list_all() == ["k"]
+            with pytest.raises(ArchiveUnavailable, match="Read-only file system"):
+                await r.put("k2", b"v")
+        finally:
+            subprocess.run(["umount", str(view)], check=True)
+    else:
+        crashed.parent.chmod(0o500)
+        try:
+            r = await FileStore.open(root)
+            assert await r.get("k") == b"v" and await r.list_all() == ["k"]
+        finally:
+            crashed.parent.chmod(0o700)
+    assert crashed.exists()  # (for a host that may write: its open removes it)
+    await FileStore.open(root)
+    assert not crashed.exists()
+
+
 async def test_filestore_open_leaves_only_the_directory(tmp_path: Path) -> None:
     """Opening made ``.objectstore-tmp`` at once: a kvfs store that then refused the
     archive (a share not mounted, only its mount point there) left it behind."""
