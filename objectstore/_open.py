@@ -2,7 +2,7 @@
 
 URL forms::
 
-    file:///var/lib/kvfs-archive          a directory (created if missing)
+    file:///var/lib/kvfs-archive          a directory (created if missing; also file://localhost/...)
     s3://bucket                           AWS S3, region and credentials from the standard chain
     s3://bucket/some/prefix?endpoint=http://127.0.0.1:9000&region=us-east-1&addressing=path
 
@@ -53,7 +53,10 @@ def parse_url(url: str) -> tuple[str, str, dict[str, Any]]:
             "the options after it were dropped)"
         )
     if u.scheme == "file":
-        path = unquote(u.netloc + u.path)
+        # ``file://localhost/x`` is ``/x`` (RFC 8089), not the relative ``localhost/x``
+        # that ``file://dir/x`` names
+        host = "" if u.netloc.lower() == "localhost" else u.netloc
+        path = unquote(host + u.path)
         if not path:
             raise ValueError(f"{url!r}: file:// needs a directory")
         return "file", path, dict(parse_qsl(u.query))

@@ -16,7 +16,15 @@ import pytest
 import trio
 
 from kvfs import ArchiveAccessDenied, ArchiveUnavailable, CorruptPage
-from objectstore import Backoff, FileStore, ObjectNotFound, ObjectStore, S3Store, open_objectstore
+from objectstore import (
+    Backoff,
+    FileStore,
+    ObjectNotFound,
+    ObjectStore,
+    S3Store,
+    open_objectstore,
+    parse_url,
+)
 
 MiB = 1 << 20
 
@@ -588,6 +596,20 @@ def test_bad_urls() -> None:
     for url in ["s3://b/team#1", "s3://b/x#y?endpoint=http://h", "file:///a#b", "s3://b/t#"]:
         with pytest.raises(ValueError, match="cannot hold '#'"):
             trio.run(open_objectstore, url)
+
+
+def test_file_urls_name_the_directory() -> None:
+    """``file://localhost/var/a`` (RFC 8089's local host) made an archive in
+    ``localhost/var/a`` under the process's working directory."""
+    for url, where in [
+        ("file:///var/a", "/var/a"),
+        ("file://localhost/var/a", "/var/a"),
+        ("file://LOCALHOST/var/a", "/var/a"),
+        ("file:/var/a", "/var/a"),
+        ("file:///var/my%20archive", "/var/my archive"),
+        ("file://rel/a", "rel/a"),
+    ]:
+        assert parse_url(url)[:2] == ("file", where), url
 
 
 async def test_the_key_limit_counts_the_prefix(s3_server) -> None:  # noqa: ANN001
