@@ -6,6 +6,7 @@ and disk work goes to worker threads.
 
 from __future__ import annotations
 
+import collections
 import logging
 import threading
 import time
@@ -84,7 +85,9 @@ class Spiller:
         self.engine = policy.engine
         self.store = policy.store
         self.aindex = policy.aindex
-        self._active: set[str] = set()
+        #: sessions being spilled, each with how many spills of it run (a background pass
+        #: and `kvfs spill` at once: the first to end took it off while the other ran)
+        self._active: collections.Counter[str] = collections.Counter()
         #: per session: the index's removal count its last manifest written here reflects
         self.written: dict[str, int] = {}
         #: per session: the pages (path, content) its manifest, as this host last wrote it,
@@ -153,7 +156,7 @@ class Spiller:
         idx = self.engine.index
         if await _thread(idx.session, d) is None:
             raise SessionNotFound(f"no session {session_name(d)!r}")
-        self._active.add(d)
+        self._active[d] += 1
         started = time.monotonic()
         try:
             await self._check_named()
@@ -195,7 +198,9 @@ class Spiller:
             self.policy.count("sessions_spilled")
             return uploaded
         finally:
-            self._active.discard(d)
+            self._active[d] -= 1
+            if not self._active[d]:
+                del self._active[d]
 
     async def name_in_manifests(
         self, hashes: list[bytes], fresh: set[bytes], started: float

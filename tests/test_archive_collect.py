@@ -614,3 +614,44 @@ def test_a_page_deleted_and_put_again_while_it_is_evicted_keeps_its_copy(
     with kvfs.open_store_sync(archived_cfg(make_config, archive_url, name="host-c")) as c:
         c.restore("s")
         assert c.get(kp) == same
+
+
+def test_a_session_spilled_twice_at_once_is_in_progress_until_both_end(
+    make_config,  # noqa: ANN001
+    archive_url: str,  # noqa: F811
+) -> None:
+    """Two spills of one session at once (a background pass and `kvfs spill`): the first to
+    end took the session off the spills in progress while the other still ran, so the
+    queue length said none and a retention pass could delete it under that spill."""
+    import itertools
+
+    import trio
+
+    with kvfs.open_store_sync(archived_cfg(make_config, archive_url)) as s:
+        s.put(PageKey.semantic("s", "p", 0), kv_page(31))
+        spiller = s.engine.policy.spiller  # type: ignore[attr-defined]
+        store = s.engine.policy.store  # type: ignore[attr-defined]
+        real, manifests = store.put, itertools.count()
+        gate, held = threading.Event(), threading.Event()
+
+        async def second_manifest_waits(key: str, *args: object, **kw: object) -> object:
+            if key.startswith("manifests/") and next(manifests) == 1:
+                held.set()
+                await trio.to_thread.run_sync(gate.wait)
+            return await real(key, *args, **kw)
+
+        store.put = second_manifest_waits
+        spills = [in_thread(lambda: s.spill("s")) for _ in range(2)]
+        try:
+            assert held.wait(30), "no second manifest was written"
+            deadline = time.monotonic() + 30
+            while all(t.is_alive() for t, _ in spills):
+                assert time.monotonic() < deadline, "the first spill never ended"
+                time.sleep(0.01)
+            assert "sessions/s" in spiller._active and spiller.queue_length() >= 1
+        finally:
+            gate.set()
+            for t, errors in spills:
+                t.join(30)
+                assert not errors, errors
+        assert not spiller._active
