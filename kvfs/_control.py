@@ -166,6 +166,8 @@ def packed(obj: Any) -> bytes:
     connection, and the caller was told the daemon died)."""
     try:
         body = msgpack.packb(obj, default=_default, use_bin_type=True, unicode_errors=_NAMES)
+    except UnicodeEncodeError:
+        raise  # (a lone surrogate no bytes stand for: it was told as a message "too large")
     except ValueError as e:  # msgpack: a bytes object over 4 GiB
         raise FrameTooLarge(f"a message too large for the control channel ({e})") from None
     if len(body) > MAX_FRAME:
