@@ -1055,21 +1055,28 @@ class Engine:
         # from the archive), and a put of those bytes then replaced that good copy
         # (under a key of its own: "damaged" keeps the contents alone, as a kvfs from
         # before reads them, which failed to open the index holding this list there)
+        # ("damaged" first: an open reads each copy's files for the contents it names, and a
+        # crash between the two left it naming a content alone, or not one it had dropped)
         with self._cap_lock:
             saved = sorted([h.hex(), [list(e) for e in ext]] for h, ext in self._damaged.items())
-        self.index.set_meta("damaged_copies", saved)
         self.index.set_meta("damaged", [hx for hx, _ in saved])
+        self.index.set_meta("damaged_copies", saved)
 
     def _damaged_at_open(self) -> dict[bytes, tuple]:
         """The damaged copies noted before this open that the index still holds (the same
         files: a copy made since is another). A content saved alone (a kvfs before the
-        files were saved) stands for its copy now."""
+        files were saved) stands for its copy now.
+
+        'damaged' says which contents: a kvfs from before keeps that list alone, and notes
+        and drops contents in it, leaving 'damaged_copies' as it was (read alone, a content
+        it had found damaged was forgotten, and a put of its bytes shared the damaged copy);
+        'damaged_copies' says the files of each, where this kvfs noted them."""
         out: dict[bytes, tuple] = {}
-        saved = self.index.get_meta("damaged_copies")
-        if saved is None:
-            saved = self.index.get_meta("damaged")
+        saved = self.index.get_meta("damaged")
+        copies = self.index.get_meta("damaged_copies")
+        files = {c[0]: c[1] for c in copies} if isinstance(copies, (list, tuple)) else {}
         for item in saved if isinstance(saved, (list, tuple)) else ():
-            hx, ext = (item, None) if isinstance(item, str) else (item[0], item[1])
+            hx, ext = (item, files.get(item)) if isinstance(item, str) else (item[0], item[1])
             b = self.index.blob(bytes.fromhex(hx))
             if b is None or b.extents is None:
                 continue

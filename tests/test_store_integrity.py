@@ -125,6 +125,31 @@ def test_a_good_copy_put_after_a_damaged_one_went_is_not_taken_for_it_after_a_re
     assert not [r for r in caplog.records if "heal" in r.getMessage()]
 
 
+def test_a_content_a_kvfs_from_before_found_damaged_stays_damaged(
+    make_config: Callable[..., kvfs.StoreConfig],
+) -> None:
+    """A kvfs from before saves the damaged contents alone, under 'damaged', and leaves
+    'damaged_copies' as this one wrote it: a content it found damaged was forgotten at this
+    kvfs's next open, which read the copies only, and a put of those bytes shared the
+    damaged copy (the page it put could not be read)."""
+    a, b = os.urandom(100 * KiB), os.urandom(100 * KiB)
+    cfg = make_config(ndev=2, stripe_unit=64 * KiB)
+    with kvfs.open_store_sync(cfg) as store:
+        first = store.put("s/a", a)
+        flip(first, 5)
+        with pytest.raises(kvfs.CorruptPage):
+            store.get("s/a")  # (noted by this kvfs: its copy and its content)
+        second = store.put("s/b", b)
+        flip(second, 5)
+        # what a kvfs from before saves when it finds b damaged: the contents alone
+        store.engine.index.set_meta("damaged", [first.checksum, second.checksum])
+    with kvfs.open_store_sync(cfg) as store:
+        store.put("t/b", b)
+        assert store.get("t/b") == b
+        store.put("t/a", a)
+        assert store.get("t/a") == a
+
+
 CRASH_IN_REPLACE = r"""
 import os, signal, sys
 import kvfs
