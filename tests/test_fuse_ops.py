@@ -993,19 +993,35 @@ async def test_an_unlink_while_the_close_commits_removes_the_page(ops: KvfsOpera
         h = ops.handles[fi.fh]
         assert h.node.pending is not None
         writer = h.node.pending.writer
-        gate, commit = threading.Event(), writer.commit
+        begun, gate, commit = threading.Event(), threading.Event(), writer.commit
 
         def held_commit(**kw: object) -> kvfs.PageInfo:
+            begun.set()
             assert gate.wait(10)
             return commit(**kw)  # type: ignore[arg-type]
 
         writer.commit = held_commit  # type: ignore[method-assign]
         await ops.write(fi.fh, 0, data)
-        got = await _answers(
-            {"flush": ops.flush(fi.fh), "unlink": ops.unlink(ROOT, b"f", CTX)}, gate
-        )
+        answered: dict[str, int] = {}
+
+        async def call(what: str, step: Awaitable[object]) -> None:
+            try:
+                await step
+                answered[what] = 0
+            except pyfuse3.FUSEError as e:
+                answered[what] = e.errno
+
+        # The unlink once the commit has begun: not while the close drains its queued
+        # write (then the unlink came first, and the close committed nothing, either way)
+        with trio.fail_after(20):  # (a guard: a step never answered)
+            async with trio.open_nursery() as both:
+                both.start_soon(call, "flush", ops.flush(fi.fh))
+                assert await trio.to_thread.run_sync(begun.wait, 10)
+                both.start_soon(call, "unlink", ops.unlink(ROOT, b"f", CTX))
+                await trio.testing.wait_all_tasks_blocked()
+                gate.set()
         await ops.release(fi.fh)
-        assert got == {"flush": 0, "unlink": 0}
+        assert answered == {"flush": 0, "unlink": 0}
         assert not ops.engine.exists("f")
         ops.nursery = None
 
