@@ -520,7 +520,16 @@ class KvfsOperations(FileOps, pyfuse3.Operations):
             closing = next(
                 (x for x in self.handles.values() if x.node is target and x.writable), None
             )
-        async with closing.close_lock if closing is not None else contextlib.nullcontext():
+        async with contextlib.AsyncExitStack() as held:
+            if closing is not None:
+                await held.enter_async_context(closing.close_lock)
+            if node.kind is Kind.PAGE:
+                # Not beside the commit of a next version of the page (its writer wrote on
+                # after a flush committed it, then closed): that commit went to the name it
+                # had begun under, which came back holding the new bytes while the new
+                # name kept the old ones. After it, the rename moves what it committed.
+                for x in [x for x in self.handles.values() if x.node is node and x.writable]:
+                    await held.enter_async_context(x.again_lock)
             await self._rename_file(node, target, src, dst, ctx)
 
     async def _rename_file(

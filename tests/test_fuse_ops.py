@@ -1225,3 +1225,53 @@ async def test_a_page_attribute_set_beside_its_writers_close_is_not_lost_silentl
         assert await _beside_commit(ops, b"f", setx) == errno.EPERM
         assert "dtype" not in ops.engine.stat("f").attrs
         ops.nursery = None
+
+
+async def test_a_rename_while_the_next_version_commits_moves_that_version(
+    ops: KvfsOperations,
+) -> None:
+    """A writer's page committed (its flush), then written again (the page's next version)
+    and closed, that version's commit under way as `mv f g` runs: the commit went to the
+    name it had begun under, so f came back holding the new bytes and g kept the old ones.
+    The rename waits for that commit and moves what it committed."""
+    import threading
+
+    import trio
+
+    first, second = os.urandom(64 * KiB), os.urandom(64 * KiB)
+    async with trio.open_nursery() as nursery:
+        ops.nursery = nursery
+        fi, _ = await ops.create(ROOT, b"f", 0o644, os.O_WRONLY, CTX)
+        await ops.write(fi.fh, 0, first)
+        await ops.flush(fi.fh)  # the page, while the writer goes on
+        await ops.write(fi.fh, 0, second)  # its next version
+        h = ops.handles[fi.fh]
+        assert h.again is not None
+        writer = h.again.writer
+        begun, gate, commit = threading.Event(), threading.Event(), writer.commit
+
+        def held_commit(**kw: object) -> kvfs.PageInfo:
+            begun.set()
+            assert gate.wait(10)
+            return commit(**kw)  # type: ignore[arg-type]
+
+        writer.commit = held_commit  # type: ignore[method-assign]
+        answered: dict[str, int] = {}
+
+        async def call(what: str, step: Awaitable[object]) -> None:
+            try:
+                await step
+                answered[what] = 0
+            except pyfuse3.FUSEError as e:
+                answered[what] = e.errno
+
+        with trio.fail_after(20):  # (a guard: a step never answered)
+            async with trio.open_nursery() as both:
+                both.start_soon(call, "release", ops.release(fi.fh))
+                assert await trio.to_thread.run_sync(begun.wait, 10)
+                both.start_soon(call, "rename", ops.rename(ROOT, b"f", ROOT, b"g", 0, CTX))
+                await trio.testing.wait_all_tasks_blocked()
+                gate.set()
+        assert answered == {"release": 0, "rename": 0}
+        assert not ops.engine.exists("f") and ops.engine.get("g") == second
+        ops.nursery = None
