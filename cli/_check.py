@@ -184,14 +184,15 @@ def _daemon(socket: Path) -> Check:
 
 def _archive(cfg: kvfs.StoreConfig) -> list[Check]:
     from kvfs._archive import ArchiveConfig
-    from objectstore import open_objectstore
+    from objectstore import open_objectstore, parse_url
     from objectstore._s3 import _CONDITIONAL, S3Store
 
     url = cfg.archive_url
     options: dict[str, Any] = dict(ArchiveConfig.from_extra(cfg.extra).store_options or {})
     if url.startswith("file:"):
         options["create"] = False  # (a check makes nothing; the store makes it at its open)
-        where = Path(url.removeprefix("file://").split("?", 1)[0])
+        # (as the store reads it: %-escapes decoded, file://localhost/DIR is /DIR)
+        where = Path(parse_url(url)[1])
         if not where.exists():
             ok = os.access(_existing(where), os.W_OK | os.X_OK)
             detail = "not there yet; the store makes it" if ok else "not there, nor creatable"

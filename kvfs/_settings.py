@@ -333,7 +333,13 @@ class Settings:
 
 def _absolute_file_url(url: str) -> str:
     if url.startswith("file://") and not url.startswith("file:///"):
-        return "file://" + os.path.abspath(url[len("file://") :])
+        rest = url[len("file://") :]
+        host, slash, path = rest.partition("/")
+        if slash and host.lower() == "localhost":
+            # RFC 8089's file://localhost/DIR is file:///DIR, as the archive opens it (it was
+            # made the relative localhost/DIR under the working directory here)
+            return "file:///" + path
+        return "file://" + os.path.abspath(rest)
     return url
 
 

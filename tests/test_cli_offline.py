@@ -559,6 +559,28 @@ def test_config_shows_the_archive_that_auto_and_a_relative_url_come_to(
         assert rc == 0 and json.loads(out)["archive"] == archive
 
 
+def test_config_takes_file_localhost_and_a_quoted_path_as_the_store_does(
+    run: Run, tmp_path: Path
+) -> None:
+    """docs/archive.md: file://localhost/DIR is file:///DIR (RFC 8089). The settings took it
+    for the relative directory localhost/DIR under the working directory (kvfs config
+    showed it, a daemon opened it), and `kvfs config --check` looked for an archive's
+    directory with its %-escapes as they are, so an archive that was there was 'not there
+    yet' and nothing was tried in it."""
+    arch = tmp_path / "my arch"
+    arch.mkdir()
+    plain = f"file://{tmp_path}/my%20arch"
+    for url in (f"file://localhost{tmp_path}/my%20arch", plain):
+        rc, out, _ = run("config", "--json", "--data", "dd", "--archive", url)
+        assert rc == 0 and json.loads(out)["archive"] == plain, out
+        rc, out, _ = run("config", "--check", "--json", "--data", "dd", "--archive", url)
+        details = {c["check"].split(":")[0]: c["detail"] for c in json.loads(out)}
+        assert rc == 0 and details["archive"] == "reachable", out
+        assert details["archive round trip"] == "put, get and delete of one object"
+    assert not (tmp_path / "localhost").exists()
+    assert set(os.listdir(arch)) <= {".objectstore-tmp"}  # (the round trip's object went)
+
+
 def test_config_check_of_a_configuration_that_is_not_valid_tries_nothing(
     run: Run, tmp_path: Path
 ) -> None:
