@@ -4,7 +4,9 @@
 Life of a put (what a crash at each step leaves behind):
 
 1. the key and attributes are checked; nothing on disk yet;
-2. room is reserved under the capacity cap, evicting by policy if needed;
+2. room is reserved under the capacity cap, evicting by policy if needed (a page small
+   enough, or one the cap has no room for now, is hashed first: a duplicate of data held
+   shares it, reserving nothing, and goes to step 4);
 3. the data goes to new files in the device directories (one vectored write per file from
    the calling thread, see ``BlobWriter.write_whole``), and its leaf hashes are computed
    on the hash pool meanwhile; the files are fsynced. A crash here leaves unreferenced files, swept at the
@@ -174,6 +176,14 @@ def _hash_beside_write(eng: Engine, mv: memoryview) -> builtins.list[Future[byte
     return [eng.hash_pool.submit(leaves_now, mv[o : o + per]) for o in range(0, len(mv), per)]
 
 
+def _hashed(eng: Engine, mv: memoryview) -> bytes:
+    """The leaf digests of a put's data, hashed on the hash pool; the pool is done with
+    the caller's buffer when this returns or raises (a Ctrl-C meanwhile included)."""
+    hashing = _hash_beside_write(eng, mv)
+    wait_all(hashing)
+    return b"".join(f.result() for f in hashing)
+
+
 # -- put ----------------------------------------------------------------------------------
 class _BlobGone(Exception):
     """The data a dedup put meant to share was evicted before the commit."""
@@ -206,17 +216,18 @@ def put(
         raise PageExists(f"page {k.path!r} exists; pages are write-once")
     size = len(mv)
     leaves: bytes | None = None
-    if size <= DEDUP_FIRST_MAX:
-        # Small pages: hash first (it is cheap), so a duplicate costs no write at all.
-        leaves = leaves_now(mv)
-        h = tree_hash(size, leaves)
-        b = eng.index.blob(h)
-        if b is not None and b.local and h not in eng._damaged:
-            try:
-                return commit(eng, k, h, size, leaves, None, 0, a, pin, replace, None)
-            except _BlobGone:
-                pass  # evicted meanwhile: write the data after all
     need = eng.tier.disk_bytes(size)
+    with eng._cap_lock:
+        short = eng.used + eng.reserved + need > eng.capacity
+    if size <= DEDUP_FIRST_MAX or short:
+        # Small pages: hash first (it is cheap), so a duplicate costs no write at all. A
+        # larger one too when there is no room for it now: a duplicate needs none, and
+        # reserving it evicted the very page it duplicates (deleted, without an archive)
+        # or, that page pinned, failed with CapacityExceeded.
+        leaves = leaves_now(mv) if size <= DEDUP_FIRST_MAX else _hashed(eng, mv)
+        shared = _share(eng, k, size, leaves, a, pin, replace)
+        if shared is not None:
+            return shared
     eng._reserve(need)
     start = start_device(eng, k, size)
     moved = False
@@ -252,6 +263,27 @@ def put(
     return commit(
         eng, k, tree_hash(size, leaves), size, leaves, w, need, a, pin, replace, extents, disk
     )
+
+
+def _share(
+    eng: Engine,
+    k: PageKey,
+    size: int,
+    leaves: bytes,
+    attrs: dict[str, str],
+    pin: bool,
+    replace: bool,
+) -> PageInfo | None:
+    """Publish page ``k`` on the local copy of identical data already held, writing
+    nothing; None when there is no such copy (or it was evicted meanwhile)."""
+    h = tree_hash(size, leaves)
+    b = eng.index.blob(h)
+    if b is None or not b.local or h in eng._damaged:
+        return None
+    try:
+        return commit(eng, k, h, size, leaves, None, 0, attrs, pin, replace, None)
+    except _BlobGone:
+        return None  # evicted meanwhile: write the data after all
 
 
 @contextlib.contextmanager

@@ -147,6 +147,33 @@ def test_no_page_is_deleted_for_room_that_cannot_be_made(
         assert store.statistics().evictions.get("capacity", 0) >= 1
 
 
+def test_a_large_duplicate_needs_no_room(
+    make_config: Callable[..., kvfs.StoreConfig],
+) -> None:
+    """A page larger than the bytes hashed before the write, put again under another key
+    with no room for a second copy: it shares the copy held. It reserved room for one
+    first, so it failed when that copy's page was pinned, and evicted (without an archive:
+    deleted) that page when it was not."""
+    cfg = make_config(ndev=2, stripe_unit=64 * KiB, capacity=4 * MiB)
+    with kvfs.open_store_sync(cfg) as store:
+        pinned, loose = os.urandom(3 * MiB), os.urandom(3 * MiB)
+        store.put("a/pinned", pinned, pin=True)
+        used = store.statistics().used_bytes
+        store.put("b/pinned", pinned)
+        st = store.statistics()
+        assert (st.used_bytes, st.reserved_bytes, st.evictions) == (used, 0, {})
+        assert store.get("b/pinned") == pinned
+        store.delete("a/pinned")
+        store.delete("b/pinned")
+
+        store.put("a/loose", loose)
+        store.put("b/loose", loose)
+        assert store.exists("a/loose") and store.get("b/loose") == loose
+        st = store.statistics()
+        assert (st.used_bytes, st.reserved_bytes, st.evictions) == (used, 0, {})
+        assert store.fsck()["orphans"] == []
+
+
 def test_pinned_pages_and_sessions_are_never_evicted(
     make_config: Callable[..., kvfs.StoreConfig],
 ) -> None:
