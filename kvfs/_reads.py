@@ -10,6 +10,7 @@ state they use; the engine's public methods are the entry points and hold the le
 from __future__ import annotations
 
 import builtins
+import operator
 import os
 import threading
 import time
@@ -147,20 +148,25 @@ def too_small(room: int, path: str, size: int) -> ValueError:
     return ValueError(f"buffer of {room} bytes is smaller than page {path!r} ({size} bytes)")
 
 
-def _check_range(offset: int, size: int) -> None:
+def _check_range(offset: int, size: int) -> tuple[int, int]:
+    """``offset`` and ``size`` as Python ints (numpy's too: an int64 offset and a uint64
+    size added up to a float, which no slice takes, and uint64s wrapped around in the
+    leaf arithmetic). Raises TypeError (not an int), ValueError (negative)."""
     for what, n in (("offset", offset), ("size", size)):
         # (a "0" or a None got as far as a comparison: '<' not supported between ...)
         if isinstance(n, bool) or not hasattr(n, "__index__"):
             raise TypeError(f"a range's {what} is an int, not {n!r}")
+    offset, size = operator.index(offset), operator.index(size)
     if offset < 0 or size < 0:
         raise ValueError(
             f"a range needs offset >= 0 and size >= 0, not offset={offset}, size={size}"
         )
+    return offset, size
 
 
 def read_range(eng: Engine, k: PageKey, offset: int, size: int) -> bytes:
     """:meth:`Engine.read_range` once the store is known open and the key parsed."""
-    _check_range(offset, size)
+    offset, size = _check_range(offset, size)
     with eng.lease(k) as (page, blob):
         if offset >= blob.size or size <= 0:
             return b""
@@ -190,7 +196,7 @@ def read_held(
     eng: Engine, page: PageRow, blob: BlobRow, offset: int, size: int, *, buffered: bool
 ) -> memoryview:
     """:meth:`Engine.read_held` once the store is known open."""
-    _check_range(offset, size)
+    offset, size = _check_range(offset, size)
     if offset >= blob.size or size <= 0:
         return memoryview(b"")
     restored = not blob.local

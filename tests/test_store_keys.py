@@ -233,6 +233,23 @@ def test_a_range_of_no_ints_is_a_type_error_naming_the_argument(
     assert s.read_range("r", np.int64(2), np.uint8(3)) == b"234"  # (numpy's ints are ints)
 
 
+def test_a_range_of_numpy_ints_of_mixed_kinds_reads_as_python_ints_would(
+    sync_store: kvfs.SyncStore,
+) -> None:
+    """An int64 offset and a uint64 size added up to a float64, which no slice takes
+    (TypeError "slice indices must be integers"), and uint64s wrapped around in the leaf
+    arithmetic (a RuntimeWarning: overflow, an error under strict warnings)."""
+    import numpy as np
+
+    s = sync_store
+    s.put("r", b"0123456789")
+    assert s.read_range("r", np.int64(2), np.uint64(3)) == b"234"
+    assert s.read_range("r", np.uint64(5), np.uint64(3)) == b"567"
+    assert s.read_range("r", np.int64(8), np.int64(2**62)) == b"89"
+    with s.engine.lease("r") as (page, blob):
+        assert bytes(s.engine.read_held(page, blob, np.int64(1), np.uint64(2))) == b"12"
+
+
 def test_a_torch_tensor_is_refused_with_the_byte_view_to_pass_instead(
     sync_store: kvfs.SyncStore,
 ) -> None:
