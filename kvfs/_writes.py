@@ -62,6 +62,8 @@ __all__ = [
 
 #: how long a write waits for room that writes in flight hold (kvfs/_engine.py, _reserve)
 RESERVE_WAIT_SECONDS = 10.0
+#: a streaming writer grows by this many zero bytes a write when truncated to a larger size
+TRUNCATE_PIECE = 8 << 20
 HASH_GROUP = 2 * LEAF  # bytes hashed per pool task when a streamed page is committed
 #: Pages up to this size are hashed before they are written, so a duplicate costs no write;
 #: larger ones are hashed while they are written (a duplicate's files are then removed).
@@ -462,31 +464,7 @@ class PageWriter:
                 # another write waiting for room, went on after an abort, reserved room
                 # nothing gave back and wrote files the abort had removed)
                 raise ValueError("writer is closed")
-            whole = self.engine.tier.disk_bytes(max(end, self._size))
-            need = whole - self._reserved
-            if whole > self.engine.capacity:  # (evicting for it would buy nothing)
-                raise CapacityExceeded(
-                    f"a page of {whole} bytes on disk is larger than the capacity cap of "
-                    f"{self.engine.capacity} bytes"
-                )
-            if need > 0:
-                # Reserve ahead in stripe units so small writes do not each pay the check;
-                # the room ahead is a wish: without it, reserve just what this write needs.
-                extra = min(
-                    self.engine.tier.unit,
-                    max(0, self.engine.capacity // 64),
-                    self.engine.capacity - whole,
-                )
-                # (one wait in all: the second try is for less, not for longer)
-                deadline = time.monotonic() + RESERVE_WAIT_SECONDS
-                try:
-                    self.engine._reserve(need + extra, own=self._reserved, deadline=deadline)
-                except CapacityExceeded:
-                    if extra == 0:
-                        raise
-                    extra = 0
-                    self.engine._reserve(need, own=self._reserved, deadline=deadline)
-                self._reserved += need + extra
+            self._room_for(end)
             self._size = max(self._size, end)
             touched = range(offset // LEAF, -(-end // LEAF)) if end > offset else range(0)
             for i in touched:
@@ -515,6 +493,38 @@ class PageWriter:
                     self._idle.notify_all()
         return len(mv)
 
+    def _room_for(self, end: int) -> None:
+        """Reserve the room a page ``end`` bytes long takes on disk (caller holds _lock).
+        Raises CapacityExceeded."""
+        size = max(end, self._size)
+        # (a size past the cap is refused before disk_bytes, which counts every stripe
+        # unit: a write at offset 2**50 spent minutes there)
+        whole = size if size > self.engine.capacity else self.engine.tier.disk_bytes(size)
+        need = whole - self._reserved
+        if whole > self.engine.capacity:  # (evicting for it would buy nothing)
+            raise CapacityExceeded(
+                f"a page of {whole} bytes{' on disk' if whole != size else ''} is larger "
+                f"than the capacity cap of {self.engine.capacity} bytes"
+            )
+        if need > 0:
+            # Reserve ahead in stripe units so small writes do not each pay the check;
+            # the room ahead is a wish: without it, reserve just what this write needs.
+            extra = min(
+                self.engine.tier.unit,
+                max(0, self.engine.capacity // 64),
+                self.engine.capacity - whole,
+            )
+            # (one wait in all: the second try is for less, not for longer)
+            deadline = time.monotonic() + RESERVE_WAIT_SECONDS
+            try:
+                self.engine._reserve(need + extra, own=self._reserved, deadline=deadline)
+            except CapacityExceeded:
+                if extra == 0:
+                    raise
+                extra = 0
+                self.engine._reserve(need, own=self._reserved, deadline=deadline)
+            self._reserved += need + extra
+
     def truncate(self, size: int) -> None:
         """Make the page being written ``size`` bytes long, as ``ftruncate`` does: growing
         adds zeros (room reserved as for a write: CapacityExceeded), shrinking drops the
@@ -538,8 +548,15 @@ class PageWriter:
                     self.engine._unreserve(self._reserved - keep)
                     self._reserved = keep
                 return
-        if size > self._size:
-            self.write(self._size, bytes(size - self._size))
+            if size > self._size:
+                # The room first, for the whole size: `truncate -s 1P` allocated its zeros
+                # before the cap was checked (MemoryError, not CapacityExceeded), and the
+                # zeros go in pieces, each written with its room already held.
+                self._room_for(size)
+            start = self._size
+        zeros = bytes(min(max(0, size - start), TRUNCATE_PIECE))
+        for off in range(start, size, TRUNCATE_PIECE):
+            self.write(off, memoryview(zeros)[: min(TRUNCATE_PIECE, size - off)])
 
     def read(self, offset: int, size: int) -> bytes:
         """Read back bytes written so far (an engine may re-read its own file before close)."""

@@ -316,6 +316,30 @@ def test_a_page_writer_shrinks_and_grows_with_truncate(
         assert store.engine.reserved == 0  # the room the cut bytes held was given back
 
 
+def test_a_page_writer_truncated_past_the_cap_raises_capacity_exceeded(
+    make_config: Callable[..., kvfs.StoreConfig],
+) -> None:
+    """Growing by truncate allocated the zeros before the cap was checked: ``truncate -s
+    1P`` on the mount raised MemoryError (2**64: OverflowError), which the mount answers
+    as an unexpected EIO, not ENOSPC; and a write that far took minutes to be refused. A
+    growth within the cap goes in pieces."""
+    cap = 40 * MiB
+    with kvfs.open_store_sync(make_config(ndev=2, stripe_unit=1 * MiB, capacity=cap)) as store:
+        w = store.begin_write("eng/grown")
+        w.write(0, b"head")
+        held = store.engine.reserved
+        for size in (2**50, 2**64, cap + 1):
+            with pytest.raises(kvfs.CapacityExceeded, match="larger than the capacity"):
+                w.truncate(size)
+            assert (w.size, store.engine.reserved) == (4, held)
+        with pytest.raises(kvfs.CapacityExceeded):  # (it counted 2**30 stripe units first)
+            w.write(2**50, b"x")
+        w.truncate(17 * MiB + 3)  # (more than one piece of zeros)
+        w.commit()
+        assert store.get("eng/grown") == b"head" + bytes(17 * MiB - 1)
+        assert store.engine.reserved == 0
+
+
 # -- group commit ------------------------------------------------------------------------
 def test_concurrent_commits_one_winner_per_key(
     make_config: Callable[..., kvfs.StoreConfig],
