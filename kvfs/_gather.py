@@ -7,6 +7,7 @@ import contextlib
 import ctypes
 import functools
 import itertools
+import operator
 from collections.abc import Awaitable, Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
@@ -19,12 +20,21 @@ from ._types import PageInfo
 T = TypeVar("T")
 
 
+def calls_at_once(concurrency: object, n: int) -> int:
+    """How many of ``n`` calls a batch runs at once for ``concurrency`` (an int; 0 or less
+    is 1). Raises TypeError for anything else: None and 2.5 failed deep in the batch with
+    "'<' not supported" or trio's "initial_value must be an int"."""
+    if isinstance(concurrency, bool) or not hasattr(concurrency, "__index__"):
+        raise TypeError(f"concurrency is an int, not {concurrency!r}")
+    return max(1, min(operator.index(concurrency), n or 1))
+
+
 async def gather_first_error(calls: list[Callable[[], Awaitable[T]]], concurrency: int) -> list[T]:
     """Await ``calls``, at most ``concurrency`` (at least 1) at a time; results in input
     order. The first error cancels the calls not yet finished and is raised as it is
     (PageExists, not an ExceptionGroup holding it); what finished before stays done."""
     results: list[Any] = [None] * len(calls)
-    sem = trio.Semaphore(max(1, concurrency))  # 0 would never start a call
+    sem = trio.Semaphore(calls_at_once(concurrency, len(calls)))  # (0 would start none)
     first: list[Exception] = []
 
     async def one(i: int) -> None:

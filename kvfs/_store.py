@@ -23,7 +23,7 @@ import trio
 
 from ._config import StoreConfig
 from ._engine import Engine, PageWriter
-from ._gather import BatchCalls, one_buffer_per_key, pairs
+from ._gather import BatchCalls, calls_at_once, one_buffer_per_key, pairs
 from ._keys import PageKey
 from ._types import PageInfo, SessionInfo, StoreStatistics
 
@@ -386,7 +386,7 @@ class SyncStore:
         # deadlocks once every pool thread is a put waiting for its own writes.
         items = pairs(items)
         with ThreadPoolExecutor(
-            max(1, min(concurrency, len(items) or 1)), thread_name_prefix="kvfs-put-many"
+            calls_at_once(concurrency, len(items)), thread_name_prefix="kvfs-put-many"
         ) as ex:
             put = functools.partial(self._engine.put, attrs=attrs, pin=pin, replace=replace)
             return list(ex.map(lambda kd: put(*kd), items))
@@ -398,7 +398,7 @@ class SyncStore:
         keys = list(keys)
         bufs = one_buffer_per_key(keys, into)
         with ThreadPoolExecutor(
-            max(1, min(concurrency, len(keys) or 1)), thread_name_prefix="kvfs-get-many"
+            calls_at_once(concurrency, len(keys)), thread_name_prefix="kvfs-get-many"
         ) as ex:
             return list(
                 ex.map(lambda kb: self._engine.get(kb[0], kb[1]), zip(keys, bufs, strict=True))

@@ -283,3 +283,32 @@ def test_a_puts_flags_are_true_or_false(sync_store: kvfs.SyncStore) -> None:
     assert s.get("f/a") == b"first" and not s.stat("f/a").pinned
     s.put("f/a", b"third", replace=np.bool_(True), pin=np.bool_(False))  # (numpy's bools)
     assert s.get("f/a") == b"third" and not s.stat("f/a").pinned
+
+
+@pytest.mark.parametrize("concurrency", [None, 2.5, "4", True])
+def test_a_batchs_concurrency_is_an_int(
+    make_config,  # noqa: ANN001
+    concurrency: object,
+) -> None:
+    """put_many and get_many with a concurrency that is no int (None, 2.5): "'<' not
+    supported between ..." from the sync store, "initial_value must be an int" from trio
+    in the async one. A TypeError naming it, before anything is stored."""
+    import trio
+
+    cfg = make_config()
+    with kvfs.open_store_sync(cfg) as s:
+        for call in (
+            lambda: s.put_many([("a/x", b"1")], concurrency=concurrency),  # type: ignore[arg-type]
+            lambda: s.get_many(["a/x"], concurrency=concurrency),  # type: ignore[arg-type]
+        ):
+            with pytest.raises(TypeError, match="concurrency is an int"):
+                call()
+        assert not s.exists("a/x")
+
+    async def main() -> None:
+        async with kvfs.open_store(cfg) as a:
+            with pytest.raises(TypeError, match="concurrency is an int"):
+                await a.put_many([("a/x", b"1")], concurrency=concurrency)  # type: ignore[arg-type]
+            assert not await a.exists("a/x")
+
+    trio.run(main)
