@@ -921,9 +921,12 @@ async def _gated(ops: KvfsOperations, name: bytes) -> tuple[int, object]:
     return fi.fh, gate
 
 
-async def _answers(steps: dict[str, Awaitable[object]], gate: object) -> dict[str, int]:
-    """Run ``steps`` at once, in order, each started once the ones before are blocked, then
-    open ``gate``: what each answered (0, or its errno)."""
+async def _answers(
+    steps: dict[str, Awaitable[object]], gate: object, reached: Any = None
+) -> dict[str, int]:
+    """Run ``steps`` at once, in order, each started once the ones before are blocked (the
+    second, with ``reached``, once the first is held: see :func:`_held`), then open
+    ``gate``: what each answered (0, or its errno)."""
     import trio
 
     answered: dict[str, int] = {}
@@ -937,11 +940,32 @@ async def _answers(steps: dict[str, Awaitable[object]], gate: object) -> dict[st
 
     with trio.fail_after(20):  # (a guard: a step never answered)
         async with trio.open_nursery() as nursery:
-            for what, step in steps.items():
+            for i, (what, step) in enumerate(steps.items()):
                 nursery.start_soon(call, what, step)
-                await trio.testing.wait_all_tasks_blocked()
+                if i == 0 and reached is not None:
+                    assert await trio.to_thread.run_sync(reached.wait, 10)
+                else:
+                    await trio.testing.wait_all_tasks_blocked()
             gate.set()  # type: ignore[attr-defined]
     return answered
+
+
+def _held(obj: object, method: str, *, after: bool = False) -> tuple[Any, Any]:
+    """Replace ``obj.method`` by one that, once called, waits for the returned ``gate``;
+    ``reached`` is set as it starts waiting (with ``after``, once the real call returned,
+    whose result it then returns)."""
+    import threading
+
+    reached, gate, real = threading.Event(), threading.Event(), getattr(obj, method)
+
+    def held(*args: object, **kw: object) -> object:
+        got = real(*args, **kw) if after else None
+        reached.set()
+        assert gate.wait(10)
+        return got if after else real(*args, **kw)
+
+    setattr(obj, method, held)
+    return reached, gate
 
 
 async def test_a_rename_beside_its_writers_close_commits_the_file_once(
@@ -982,8 +1006,6 @@ async def test_an_unlink_while_the_close_commits_removes_the_page(ops: KvfsOpera
     """`rm f` while f's writer closes it, the commit under way: the unlink answered ENOENT
     (the file was pending no more, and not yet a page), and the page appeared after it.
     Now it waits for the commit and removes the page."""
-    import threading
-
     import trio
 
     data = os.urandom(MiB)
@@ -992,34 +1014,13 @@ async def test_an_unlink_while_the_close_commits_removes_the_page(ops: KvfsOpera
         fi, _ = await ops.create(ROOT, b"f", 0o644, os.O_WRONLY, CTX)
         h = ops.handles[fi.fh]
         assert h.node.pending is not None
-        writer = h.node.pending.writer
-        begun, gate, commit = threading.Event(), threading.Event(), writer.commit
-
-        def held_commit(**kw: object) -> kvfs.PageInfo:
-            begun.set()
-            assert gate.wait(10)
-            return commit(**kw)  # type: ignore[arg-type]
-
-        writer.commit = held_commit  # type: ignore[method-assign]
+        begun, gate = _held(h.node.pending.writer, "commit")
         await ops.write(fi.fh, 0, data)
-        answered: dict[str, int] = {}
-
-        async def call(what: str, step: Awaitable[object]) -> None:
-            try:
-                await step
-                answered[what] = 0
-            except pyfuse3.FUSEError as e:
-                answered[what] = e.errno
-
         # The unlink once the commit has begun: not while the close drains its queued
         # write (then the unlink came first, and the close committed nothing, either way)
-        with trio.fail_after(20):  # (a guard: a step never answered)
-            async with trio.open_nursery() as both:
-                both.start_soon(call, "flush", ops.flush(fi.fh))
-                assert await trio.to_thread.run_sync(begun.wait, 10)
-                both.start_soon(call, "unlink", ops.unlink(ROOT, b"f", CTX))
-                await trio.testing.wait_all_tasks_blocked()
-                gate.set()
+        answered = await _answers(
+            {"flush": ops.flush(fi.fh), "unlink": ops.unlink(ROOT, b"f", CTX)}, gate, begun
+        )
         await ops.release(fi.fh)
         assert answered == {"flush": 0, "unlink": 0}
         assert not ops.engine.exists("f")
@@ -1154,40 +1155,12 @@ async def _beside_commit(ops: KvfsOperations, name: bytes, step: Callable[[int],
     """Write file ``name``, close it, and run ``step(inode)`` while that close commits it,
     once the commit has read the file's mode, owner and page attributes: its answer (0, or
     its errno). The close must answer 0."""
-    import threading
-
-    import trio
-
     fi, _ = await ops.create(ROOT, name, 0o644, os.O_WRONLY, CTX)
     h = ops.handles[fi.fh]
-    pending = h.node.pending
-    assert pending is not None
-    read, gate, attrs = threading.Event(), threading.Event(), pending.commit_attrs
-
-    def held_attrs() -> dict[str, str]:
-        got = attrs()
-        read.set()
-        assert gate.wait(10)
-        return got
-
-    pending.commit_attrs = held_attrs  # type: ignore[method-assign]
+    assert h.node.pending is not None
+    read, gate = _held(h.node.pending, "commit_attrs", after=True)
     await ops.write(fi.fh, 0, b"data")
-    answers: dict[str, int] = {}
-
-    async def call(what: str, c: Awaitable[object]) -> None:
-        try:
-            await c
-            answers[what] = 0
-        except pyfuse3.FUSEError as e:
-            answers[what] = e.errno
-
-    with trio.fail_after(20):  # (a guard: a step never answered)
-        async with trio.open_nursery() as both:
-            both.start_soon(call, "close", ops.flush(fi.fh))
-            assert await trio.to_thread.run_sync(read.wait, 10)
-            both.start_soon(call, "step", step(h.node.ino))
-            await trio.testing.wait_all_tasks_blocked()
-            gate.set()
+    answers = await _answers({"close": ops.flush(fi.fh), "step": step(h.node.ino)}, gate, read)
     await ops.release(fi.fh)
     assert answers["close"] == 0
     return answers["step"]
@@ -1234,8 +1207,6 @@ async def test_a_rename_while_the_next_version_commits_moves_that_version(
     and closed, that version's commit under way as `mv f g` runs: the commit went to the
     name it had begun under, so f came back holding the new bytes and g kept the old ones.
     The rename waits for that commit and moves what it committed."""
-    import threading
-
     import trio
 
     first, second = os.urandom(64 * KiB), os.urandom(64 * KiB)
@@ -1245,33 +1216,11 @@ async def test_a_rename_while_the_next_version_commits_moves_that_version(
         await ops.write(fi.fh, 0, first)
         await ops.flush(fi.fh)  # the page, while the writer goes on
         await ops.write(fi.fh, 0, second)  # its next version
-        h = ops.handles[fi.fh]
-        assert h.again is not None
-        writer = h.again.writer
-        begun, gate, commit = threading.Event(), threading.Event(), writer.commit
-
-        def held_commit(**kw: object) -> kvfs.PageInfo:
-            begun.set()
-            assert gate.wait(10)
-            return commit(**kw)  # type: ignore[arg-type]
-
-        writer.commit = held_commit  # type: ignore[method-assign]
-        answered: dict[str, int] = {}
-
-        async def call(what: str, step: Awaitable[object]) -> None:
-            try:
-                await step
-                answered[what] = 0
-            except pyfuse3.FUSEError as e:
-                answered[what] = e.errno
-
-        with trio.fail_after(20):  # (a guard: a step never answered)
-            async with trio.open_nursery() as both:
-                both.start_soon(call, "release", ops.release(fi.fh))
-                assert await trio.to_thread.run_sync(begun.wait, 10)
-                both.start_soon(call, "rename", ops.rename(ROOT, b"f", ROOT, b"g", 0, CTX))
-                await trio.testing.wait_all_tasks_blocked()
-                gate.set()
+        again = ops.handles[fi.fh].again
+        assert again is not None
+        begun, gate = _held(again.writer, "commit")
+        rename = ops.rename(ROOT, b"f", ROOT, b"g", 0, CTX)
+        answered = await _answers({"release": ops.release(fi.fh), "rename": rename}, gate, begun)
         assert answered == {"release": 0, "rename": 0}
         assert not ops.engine.exists("f") and ops.engine.get("g") == second
         ops.nursery = None
