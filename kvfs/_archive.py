@@ -776,39 +776,46 @@ class ArchivingPolicy(TieringPolicy):
         match its checksum: nothing is served), ArchiveUnavailable, CapacityExceeded,
         PageNotFound (deleted, and not leased)."""
         h = blob.hash
+        try:
+            return self._once(self._inflight, h, lambda: self._restore_one(blob), "restore")[0]
+        except PageNotFound:
+            # Deleted during the download (a session's restore brings back what the session
+            # still holds): a caller that leases the data (a file open on the mount) reads
+            # it from a copy of its own, which _restore_one makes (unlisted); any other
+            # has nothing to download again for
+            if not self.engine.is_leased(h):
+                raise
+            return self.restore_blob(blob)
+
+    def _once(
+        self, inflight: dict[bytes, Future[T]], h: bytes, fn: Callable[[], T], what: str
+    ) -> tuple[T, bool]:
+        """``fn()`` once at a time for ``h``: the first caller runs it, those that come
+        meanwhile wait for its result or its error (``restore_coalesced``). Returns the
+        result and whether this caller ran it. Interrupted (Ctrl-C, a cancellation), it
+        fails for the others with ArchiveUnavailable: raised in their threads too, it was
+        a KeyboardInterrupt where no Ctrl-C came; a later call tries again."""
         with self._lock:
-            fut = self._inflight.get(h)
+            fut = inflight.get(h)
             owner = fut is None
-            if owner:
-                fut = self._inflight[h] = Future()
-        assert fut is not None
+            if fut is None:
+                fut = inflight[h] = Future()
         if not owner:
             self.count("restore_coalesced")
-            try:
-                return fut.result()
-            except PageNotFound:
-                # Deleted during the download it waited for (a session's restore brings
-                # back what the session still holds): a caller that leases the data (a file
-                # open on the mount) reads it from a copy of its own, which _restore_one
-                # makes (unlisted); any other has nothing to download again for
-                if not self.engine.is_leased(h):
-                    raise
-                return self.restore_blob(blob)
+            return fut.result(), False
         try:
-            row = self._restore_one(blob)
-            fut.set_result(row)
-            return row
+            got = fn()
+            fut.set_result(got)
+            return got, True
         except Exception as e:
             fut.set_exception(e)
             raise
         except BaseException:
-            # This caller's own interrupt (Ctrl-C, a cancellation), not the others': raised
-            # in their threads too, it was a KeyboardInterrupt where no Ctrl-C came
-            fut.set_exception(ArchiveUnavailable("the restore it waited for was interrupted"))
+            fut.set_exception(ArchiveUnavailable(f"the {what} it waited for was interrupted"))
             raise
         finally:
             with self._lock:
-                del self._inflight[h]
+                del inflight[h]
 
     def _restore_one(self, blob: BlobRow) -> BlobRow:
         cur = self.engine.index.blob(blob.hash)
@@ -860,31 +867,16 @@ class ArchivingPolicy(TieringPolicy):
             return held
         # One download for the readers that find no room at once, as restore_blob shares
         # one: each downloaded the page for itself (eight readers, eight GETs)
-        h = blob.hash
-        with self._lock:
-            fut = self._memory_inflight.get(h)
-            owner = fut is None
-            if fut is None:
-                fut = self._memory_inflight[h] = Future()
-        if not owner:
-            self.count("restore_coalesced")
-            data = fut.result()
+        data, ran = self._once(
+            self._memory_inflight,
+            blob.hash,
+            lambda: self._download_to_memory(blob, reason),
+            "download",
+        )
+        if not ran:  # (served from the memory copy the one that ran made)
             with self._lock:
                 self.counters["memory_reads"] += 1
-            return data
-        try:
-            data = self._download_to_memory(blob, reason)
-            fut.set_result(data)
-            return data
-        except Exception as e:
-            fut.set_exception(e)
-            raise
-        except BaseException:
-            fut.set_exception(ArchiveUnavailable("the download it waited for was interrupted"))
-            raise
-        finally:
-            with self._lock:
-                del self._memory_inflight[h]
+        return data
 
     def _download_to_memory(self, blob: BlobRow, reason: str) -> bytes:
         """The page downloaded, verified and kept in memory (see :meth:`copy_in_memory`)."""
