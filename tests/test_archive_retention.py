@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import msgpack
@@ -338,24 +338,26 @@ def test_a_manifest_a_retired_host_writes_before_its_heartbeat_stays(
     trio.run(main)
 
 
-def test_a_session_a_retired_host_deleted_stays_deleted(
-    make_config: Callable[..., kvfs.StoreConfig],
-    archive_url: str,  # noqa: F811
+def _x_w_and_a(
+    make_config: Callable[..., kvfs.StoreConfig], archive_url: str
+) -> tuple[kvfs.StoreConfig, ...]:
+    """Configurations of host X (keeps its sessions), host W (a first run's, then one that
+    beats and goes for good) and host A (retires a host silent for a second)."""
+    return (
+        archived_cfg(make_config, archive_url, name="host-x"),
+        archived_cfg(make_config, archive_url, name="host-w"),
+        archived_cfg(make_config, archive_url, name="host-w", interval=60, retention=1.5),
+        archived_cfg(make_config, archive_url, name="host-a", interval=0.05, retention=1),
+    )
+
+
+def _w_goes_and_a_retires_it(
+    w_cfg: kvfs.StoreConfig,
+    a_cfg: kvfs.StoreConfig,
+    then: Callable[[kvfs.Store], Awaitable[None]],
 ) -> None:
-    """Host W took session u over from host X (restored it) and deleted it: W's manifest,
-    without pages, supersedes X's. Retiring W deleted that manifest with the others, and X's
-    came back: u listed again, and restored on any host."""
-    x_cfg = archived_cfg(make_config, archive_url, name="host-x")  # keeps its sessions
-    w_setup = archived_cfg(make_config, archive_url, name="host-w")
-    w_cfg = archived_cfg(make_config, archive_url, name="host-w", interval=60, retention=1.5)
-    a_cfg = archived_cfg(make_config, archive_url, name="host-a", interval=0.05, retention=1)
-    with kvfs.open_store_sync(x_cfg) as x:
-        x.put(PageKey.semantic("u", "p", 0), kv_page(70))
-        x.spill("u")
-    with kvfs.open_store_sync(w_setup) as w:
-        w.restore("u")
-        w.delete_session("u")
-        assert w.archived_sessions() == []
+    """Run W until its heartbeat is in the archive, then A until it has retired W, and
+    ``await then(a)`` in A."""
 
     async def main() -> None:
         async with kvfs.open_store(w_cfg) as w:  # W's heartbeat, then W goes for good
@@ -366,9 +368,31 @@ def test_a_session_a_retired_host_deleted_stays_deleted(
             with trio.fail_after(60):
                 while (await a.statistics()).extra["archive"]["hosts_retired"] == 0:
                     await trio.sleep(0.1)
-            assert await a.archived_sessions() == []
+            await then(a)
 
     trio.run(main)
+
+
+def test_a_session_a_retired_host_deleted_stays_deleted(
+    make_config: Callable[..., kvfs.StoreConfig],
+    archive_url: str,  # noqa: F811
+) -> None:
+    """Host W took session u over from host X (restored it) and deleted it: W's manifest,
+    without pages, supersedes X's. Retiring W deleted that manifest with the others, and X's
+    came back: u listed again, and restored on any host."""
+    x_cfg, w_setup, w_cfg, a_cfg = _x_w_and_a(make_config, archive_url)
+    with kvfs.open_store_sync(x_cfg) as x:
+        x.put(PageKey.semantic("u", "p", 0), kv_page(70))
+        x.spill("u")
+    with kvfs.open_store_sync(w_setup) as w:
+        w.restore("u")
+        w.delete_session("u")
+        assert w.archived_sessions() == []
+
+    async def listed(a: kvfs.Store) -> None:
+        assert await a.archived_sessions() == []
+
+    _w_goes_and_a_retires_it(w_cfg, a_cfg, listed)
     with kvfs.open_store_sync(archived_cfg(make_config, archive_url, name="host-v")) as v:
         assert v.archived_sessions() == []
         with pytest.raises(kvfs.SessionNotFound):
@@ -420,10 +444,7 @@ def test_a_session_a_retired_host_had_restored_stays_listed(
     for good. Retiring W replaced W's manifest by a tombstone still superseding X's, and u
     vanished from every host's listing while X held it. A retirement does what W's own
     retention would have done: it deletes W's manifest, and u is listed from X's."""
-    x_cfg = archived_cfg(make_config, archive_url, name="host-x")  # keeps its sessions
-    w_setup = archived_cfg(make_config, archive_url, name="host-w")
-    w_cfg = archived_cfg(make_config, archive_url, name="host-w", interval=60, retention=1.5)
-    a_cfg = archived_cfg(make_config, archive_url, name="host-a", interval=0.05, retention=1)
+    x_cfg, w_setup, w_cfg, a_cfg = _x_w_and_a(make_config, archive_url)
     k = PageKey.semantic("u", "p", 0)
     with kvfs.open_store_sync(x_cfg) as x:
         x.put(k, kv_page(71))
@@ -432,19 +453,11 @@ def test_a_session_a_retired_host_had_restored_stays_listed(
         w.restore("u")
         w_id = w.engine.store_id
 
-    async def main() -> None:
-        async with kvfs.open_store(w_cfg) as w:  # W's heartbeat, then W goes for good
-            with trio.fail_after(30):
-                while not await _objects(w, "hosts/"):
-                    await trio.sleep(0.05)
-        async with kvfs.open_store(a_cfg) as a:
-            with trio.fail_after(60):
-                while (await a.statistics()).extra["archive"]["hosts_retired"] == 0:
-                    await trio.sleep(0.1)
-            assert not [m for m in await _objects(a, "manifests/") if m.endswith("@" + w_id)]
-            assert [x["session"] for x in await a.archived_sessions()] == ["u"]
+    async def listed(a: kvfs.Store) -> None:
+        assert not [m for m in await _objects(a, "manifests/") if m.endswith("@" + w_id)]
+        assert [x["session"] for x in await a.archived_sessions()] == ["u"]
 
-    trio.run(main)
+    _w_goes_and_a_retires_it(w_cfg, a_cfg, listed)
     with kvfs.open_store_sync(archived_cfg(make_config, archive_url, name="host-v")) as v:
         v.restore("u")
         assert v.get(k) == kv_page(71)
@@ -460,10 +473,7 @@ def test_a_retired_hosts_tombstone_over_a_single_layout_manifest_stays(
     it, and X's old manifest brought the session W deleted back."""
     from kvfs._manifest import legacy_manifest_key, manifest_key
 
-    x_cfg = archived_cfg(make_config, archive_url, name="host-x")  # keeps its sessions
-    w_setup = archived_cfg(make_config, archive_url, name="host-w")
-    w_cfg = archived_cfg(make_config, archive_url, name="host-w", interval=60, retention=1.5)
-    a_cfg = archived_cfg(make_config, archive_url, name="host-a", interval=0.05, retention=1)
+    x_cfg, w_setup, w_cfg, a_cfg = _x_w_and_a(make_config, archive_url)
     with kvfs.open_store_sync(x_cfg) as x:
         x.put(PageKey.semantic("u", "p", 0), kv_page(72))
         x.spill("u")
@@ -476,18 +486,10 @@ def test_a_retired_hosts_tombstone_over_a_single_layout_manifest_stays(
         w.delete_session("u")
         assert w.archived_sessions() == []
 
-    async def main() -> None:
-        async with kvfs.open_store(w_cfg) as w:  # W's heartbeat, then W goes for good
-            with trio.fail_after(30):
-                while not await _objects(w, "hosts/"):
-                    await trio.sleep(0.05)
-        async with kvfs.open_store(a_cfg) as a:
-            with trio.fail_after(60):
-                while (await a.statistics()).extra["archive"]["hosts_retired"] == 0:
-                    await trio.sleep(0.1)
-            assert await a.archived_sessions() == []
+    async def listed(a: kvfs.Store) -> None:
+        assert await a.archived_sessions() == []
 
-    trio.run(main)
+    _w_goes_and_a_retires_it(w_cfg, a_cfg, listed)
     with kvfs.open_store_sync(archived_cfg(make_config, archive_url, name="host-v")) as v:
         assert v.archived_sessions() == []
         with pytest.raises(kvfs.SessionNotFound):
