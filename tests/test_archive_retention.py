@@ -373,17 +373,28 @@ def _w_goes_and_a_retires_it(
     trio.run(main)
 
 
+@pytest.mark.parametrize("layout", ["per-host", "single"])
 def test_a_session_a_retired_host_deleted_stays_deleted(
     make_config: Callable[..., kvfs.StoreConfig],
     archive_url: str,  # noqa: F811
+    layout: str,
 ) -> None:
     """Host W took session u over from host X (restored it) and deleted it: W's manifest,
     without pages, supersedes X's. Retiring W deleted that manifest with the others, and X's
-    came back: u listed again, and restored on any host."""
+    came back: u listed again, and restored on any host. The same with X's manifest in the
+    layout before per-host manifests (``manifests/<session>``, one per session): the
+    retirement looked for what W's tombstone supersedes only under per-host keys."""
+    from kvfs._manifest import legacy_manifest_key, manifest_key
+
     x_cfg, w_setup, w_cfg, a_cfg = _x_w_and_a(make_config, archive_url)
     with kvfs.open_store_sync(x_cfg) as x:
         x.put(PageKey.semantic("u", "p", 0), kv_page(70))
         x.spill("u")
+        if layout == "single":
+            policy = x.engine.policy  # type: ignore[attr-defined]
+            store, new = policy.store, manifest_key("sessions/u", x.engine.store_id)
+            policy.call(store.put, legacy_manifest_key("sessions/u"), policy.call(store.get, new))
+            policy.call(store.delete, new)
     with kvfs.open_store_sync(w_setup) as w:
         w.restore("u")
         w.delete_session("u")
@@ -461,39 +472,6 @@ def test_a_session_a_retired_host_had_restored_stays_listed(
     with kvfs.open_store_sync(archived_cfg(make_config, archive_url, name="host-v")) as v:
         v.restore("u")
         assert v.get(k) == kv_page(71)
-
-
-def test_a_retired_hosts_tombstone_over_a_single_layout_manifest_stays(
-    make_config: Callable[..., kvfs.StoreConfig],
-    archive_url: str,  # noqa: F811
-) -> None:
-    """As test_a_session_a_retired_host_deleted_stays_deleted, with X's manifest in the
-    layout before per-host manifests (``manifests/<session>``, one per session): the
-    retirement looked for what W's tombstone supersedes only under per-host keys, deleted
-    it, and X's old manifest brought the session W deleted back."""
-    from kvfs._manifest import legacy_manifest_key, manifest_key
-
-    x_cfg, w_setup, w_cfg, a_cfg = _x_w_and_a(make_config, archive_url)
-    with kvfs.open_store_sync(x_cfg) as x:
-        x.put(PageKey.semantic("u", "p", 0), kv_page(72))
-        x.spill("u")
-        policy = x.engine.policy  # type: ignore[attr-defined]
-        store, new = policy.store, manifest_key("sessions/u", x.engine.store_id)
-        policy.call(store.put, legacy_manifest_key("sessions/u"), policy.call(store.get, new))
-        policy.call(store.delete, new)
-    with kvfs.open_store_sync(w_setup) as w:
-        w.restore("u")
-        w.delete_session("u")
-        assert w.archived_sessions() == []
-
-    async def listed(a: kvfs.Store) -> None:
-        assert await a.archived_sessions() == []
-
-    _w_goes_and_a_retires_it(w_cfg, a_cfg, listed)
-    with kvfs.open_store_sync(archived_cfg(make_config, archive_url, name="host-v")) as v:
-        assert v.archived_sessions() == []
-        with pytest.raises(kvfs.SessionNotFound):
-            v.restore("u")
 
 
 def test_a_host_that_keeps_beating_is_never_retired(
