@@ -1113,16 +1113,21 @@ async def test_an_ftruncate_beside_its_writers_close_truncates_the_page(
         for i in range(10):  # (which of the two threads gets on first is the OS's pick)
             fh, gate = await _gated(ops, f"f{i}".encode())
             await ops.write(fh, 0, data)
-            ino = ops.handles[fh].node.ino
-            attr = pyfuse3.EntryAttributes()
-            attr.st_size = 100
-            truncate = ops.setattr(ino, attr, Fields(update_size=True), fh, CTX)
-            got = await _answers({"flush": ops.flush(fh), "truncate": truncate}, gate)
+            got = await _truncate_beside_close(ops, fh, gate)
             await ops.release(fh)
             assert got == {"flush": 0, "truncate": 0}, i
             assert ops.engine.get(f"f{i}") == data[:100], i
         ops.nursery = None
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+async def _truncate_beside_close(ops: KvfsOperations, fh: int, gate: object) -> dict[str, int]:
+    """An ftruncate to 100 bytes through ``fh`` beside its close (held in its drain until
+    ``gate``): what each answered."""
+    attr = pyfuse3.EntryAttributes()
+    attr.st_size = 100
+    truncate = ops.setattr(ops.handles[fh].node.ino, attr, Fields(update_size=True), fh, CTX)
+    return await _answers({"flush": ops.flush(fh), "truncate": truncate}, gate)
 
 
 async def test_an_ftruncate_beside_a_close_that_discards_the_file_says_why(
@@ -1139,11 +1144,7 @@ async def test_an_ftruncate_beside_a_close_that_discards_the_file_says_why(
         for i in range(10):  # (which of the two threads gets on first is the OS's pick)
             fh, gate = await _gated(ops, f"f{i}".encode())
             await ops.write(fh, 65 * MiB, b"x")  # (past the capacity: ENOSPC, queued)
-            ino = ops.handles[fh].node.ino
-            attr = pyfuse3.EntryAttributes()
-            attr.st_size = 100
-            truncate = ops.setattr(ino, attr, Fields(update_size=True), fh, CTX)
-            got = await _answers({"flush": ops.flush(fh), "truncate": truncate}, gate)
+            got = await _truncate_beside_close(ops, fh, gate)
             await ops.release(fh)
             assert got == {"flush": errno.ENOSPC, "truncate": errno.ENOSPC}, i
             assert not ops.engine.exists(f"f{i}") and ops.engine.reserved == 0, i
